@@ -1,0 +1,16 @@
+# The README's commands. `make test` is what .ci/run calls.
+PY := .venv/bin/python
+
+.PHONY: setup demo test lint
+setup:
+	./scripts/setup
+
+demo: setup
+	.venv/bin/modelstage demo
+
+test: setup
+	./scripts/test
+
+lint: setup
+	.venv/bin/ruff check stager operator tests
+	.venv/bin/mypy -p modelstage

@@ -1,0 +1,1 @@
+"""The modelstage operator: ModelDeployment -> stager Job -> workload rollout (torch-free)."""
