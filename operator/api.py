@@ -1,0 +1,405 @@
+"""The ModelDeployment API (``modelstage.io/v1alpha1``): spec and status as pydantic models.
+
+The models are the single source of the API: the CRD in ``crds/`` is generated from them
+(``python -m modelstage.operator.crd``), and the operator parses what the API server hands it
+with them. Cross-field rules live in one table per model (``Rule``): each has a CEL expression
+that the API server enforces and a Python predicate that ``model_validator`` enforces, so a
+spec the CRD refuses is refused here too (tests pin the two against each other).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Annotated, Any, ClassVar, Final, Literal
+
+from modelstage.stager.layouts import DEFAULT_VLLM_VERSION
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    GetJsonSchemaHandler,
+    WithJsonSchema,
+    model_validator,
+)
+from pydantic.alias_generators import to_camel
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import CoreSchema
+
+GROUP = "modelstage.io"
+VERSION = "v1alpha1"
+KIND: Final = "ModelDeployment"
+PLURAL = "modeldeployments"
+SINGULAR = "modeldeployment"
+SHORT_NAMES = ("md", "mdep")
+API_VERSION: Final = "modelstage.io/v1alpha1"
+
+DEFAULT_STAGER_IMAGE = "ghcr.io/modelstage/stager:0.1.0"
+"""The stager image when ``spec.stager.image`` is unset; the operator may override it."""
+
+LoadFormat = Literal["sharded_state", "runai_streamer", "runai_streamer_sharded", "tensorizer"]
+S3_ONLY_FORMATS: tuple[LoadFormat, ...] = ("runai_streamer", "runai_streamer_sharded")
+PVC_ONLY_FORMATS: tuple[LoadFormat, ...] = ("sharded_state",)
+Dtype = Literal["auto", "bfloat16", "float16", "float32"]
+Phase = Literal["Pending", "Staging", "Staged", "RollingOut", "Ready", "Failed"]
+ConditionType = Literal["Staged", "Ready", "Degraded"]
+
+# Patterns are ECMA-262 and Python compatible (the API server evaluates them, so does pydantic).
+DNS_NAME = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
+DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+MODEL_URI = r"^(hf://[A-Za-z0-9][\w.-]*/[\w.-]+|s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/.*)?)$"
+S3_URI = r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?$"
+SAFE_PATH = r"^[A-Za-z0-9_./-]*$"
+"""Plain path characters; ``..`` segments are refused by a rule."""
+
+Quantity = Annotated[
+    int | str,
+    WithJsonSchema(
+        {
+            "x-kubernetes-int-or-string": True,
+            "anyOf": [{"type": "integer"}, {"type": "string"}],
+        }
+    ),
+]
+"""A Kubernetes resource quantity (``2``, ``500m``, ``16Gi``)."""
+
+SecretName = Annotated[str, Field(pattern=DNS_NAME, max_length=253)]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A cross-field rule: CEL for the API server, the same predicate in Python for us."""
+
+    cel: str
+    message: str
+    check: Callable[[Any], bool]
+
+
+class Model(BaseModel):
+    """Base: camelCase on the wire, unknown fields refused, ``Rule`` tables enforced."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        use_attribute_docstrings=True,
+        frozen=True,
+    )
+    rules: ClassVar[tuple[Rule, ...]] = ()
+
+    @classmethod
+    def __get_pydantic_json_schema__(
+        cls, core_schema: CoreSchema, handler: GetJsonSchemaHandler
+    ) -> JsonSchemaValue:
+        """Attach the rules' CEL to the model's schema, where the CRD generator finds it."""
+        schema = handler.resolve_ref_schema(handler(core_schema))
+        if cls.rules:
+            schema["x-kubernetes-validations"] = [
+                {"rule": rule.cel, "message": rule.message} for rule in cls.rules
+            ]
+        return schema
+
+    @model_validator(mode="after")
+    def _check_rules(self) -> Model:
+        for rule in self.rules:
+            if not rule.check(self):
+                raise ValueError(rule.message)
+        return self
+
+    def wire(self) -> dict[str, Any]:
+        """The object as the API server stores it: camelCase keys, unset fields omitted."""
+        return self.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+class S3Connection(Model):
+    """How to reach an S3-compatible store. Credentials come only from a Secret."""
+
+    endpoint: Annotated[str, Field(pattern=r"^https?://[^\s]+$")] | None = None
+    """Endpoint URL for S3-compatible servers (MinIO, SeaweedFS, Ceph); unset for AWS."""
+    region: Annotated[str, Field(min_length=1, max_length=64)] | None = None
+    """Region (``AWS_REGION``); unset lets the SDK decide."""
+    credentials_secret: SecretName | None = None
+    """Secret with keys ``AWS_ACCESS_KEY_ID`` and ``AWS_SECRET_ACCESS_KEY``; unset for
+    workload identity (IRSA and similar)."""
+    virtual_addressing: bool = False
+    """Virtual-hosted-style URLs (``bucket.host``); false = path-style (most self-hosted stores)."""
+    ca_bundle_secret: SecretName | None = None
+    """Secret with key ``ca.crt``: the CA bundle that signs the endpoint's certificate."""
+
+
+class ModelSource(Model):
+    """The checkpoint to stage."""
+
+    uri: Annotated[str, Field(pattern=MODEL_URI, max_length=1024)]
+    """``hf://org/name``, ``s3://bucket/prefix`` or ``pvc://claim/path``."""
+    revision: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    """Hugging Face revision (branch, tag or commit); the stager records the resolved commit."""
+    credentials_secret: SecretName | None = None
+    """Secret with key ``HF_TOKEN`` (hf://) or ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``
+    (s3:// with PVC storage)."""
+    s3: S3Connection | None = None
+    """Endpoint of an s3:// source when the artifact goes to a PVC (with S3 storage, the
+    storage's connection serves the source too)."""
+
+    rules: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            cel="!has(self.revision) || self.uri.startsWith('hf://')",
+            message="model.revision applies to hf:// sources only: remove it",
+            check=lambda m: m.revision is None or m.uri.startswith("hf://"),
+        ),
+        Rule(
+            cel="!has(self.s3) || self.uri.startsWith('s3://')",
+            message="model.s3 applies to s3:// sources only: remove it",
+            check=lambda m: m.s3 is None or m.uri.startswith("s3://"),
+        ),
+        Rule(
+            cel="!has(self.s3) || !has(self.s3.credentialsSecret) || !has(self.credentialsSecret)",
+            message="set the source's S3 credentials once: model.credentialsSecret or "
+            "model.s3.credentialsSecret, not both",
+            check=lambda m: (
+                m.s3 is None or m.s3.credentials_secret is None or m.credentials_secret is None
+            ),
+        ),
+    )
+
+    @property
+    def scheme(self) -> Literal["hf", "s3", "pvc"]:
+        scheme = self.uri.split("://", 1)[0]
+        assert scheme in ("hf", "s3", "pvc")
+        return scheme  # type: ignore[return-value]
+
+
+class Parallelism(Model):
+    """How vLLM splits the model; the artifact holds one set of files per rank."""
+
+    tensor: Annotated[int, Field(ge=1, le=64)] = 1
+    """Tensor-parallel size (``--tensor-parallel-size``)."""
+    pipeline: Annotated[int, Field(ge=1, le=1)] = 1
+    """Pipeline-parallel size; only 1 is supported for now."""
+
+
+class ClaimTemplate(Model):
+    """A PVC for the operator to create when it does not exist."""
+
+    storage_class_name: Annotated[str, Field(pattern=DNS_NAME, max_length=253)] | None = None
+    size: Quantity
+    """Capacity: room for the artifacts kept (``retention.keep``) of every ModelDeployment using
+    the claim."""
+    access_modes: Annotated[
+        list[Literal["ReadWriteOnce", "ReadWriteMany", "ReadOnlyMany", "ReadWriteOncePod"]],
+        Field(min_length=1, max_length=4),
+    ] = ["ReadWriteMany"]
+
+
+class PvcStorage(Model):
+    """Artifacts on a PersistentVolumeClaim: ``<claim>/<path>/<namespace>/<digest>/``."""
+
+    claim_name: Annotated[str, Field(pattern=DNS_NAME, max_length=253)] | None = None
+    """An existing claim, or the name of the one to create (default ``modelstage-<name>``)."""
+    path: Annotated[str, Field(pattern=SAFE_PATH, max_length=512)] = "/"
+    """Folder inside the claim under which artifacts live."""
+    create: ClaimTemplate | None = None
+    """Create the claim if it does not exist."""
+
+    rules: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            cel="has(self.claimName) || has(self.create)",
+            message="storage.pvc needs claimName (an existing claim) or create (a new one)",
+            check=lambda p: p.claim_name is not None or p.create is not None,
+        ),
+        Rule(
+            cel="!self.path.matches('(^|/)[.][.](/|$)')",
+            message="storage.pvc.path must not contain '..'",
+            check=lambda p: ".." not in p.path.split("/"),
+        ),
+    )
+
+
+class S3Storage(S3Connection):
+    """Artifacts under an S3 prefix: ``s3://bucket/prefix/<namespace>/<digest>/``."""
+
+    uri: Annotated[str, Field(pattern=S3_URI, max_length=1024)]
+
+
+class Storage(Model):
+    """Where artifacts go: exactly one of ``pvc`` and ``s3``."""
+
+    pvc: PvcStorage | None = None
+    s3: S3Storage | None = None
+
+    rules: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            cel="has(self.pvc) != has(self.s3)",
+            message="set exactly one of storage.pvc and storage.s3",
+            check=lambda s: (s.pvc is None) != (s.s3 is None),
+        ),
+    )
+
+
+class Toleration(Model):
+    key: Annotated[str, Field(max_length=317)] | None = None
+    operator: Literal["Exists", "Equal"] | None = None
+    value: Annotated[str, Field(max_length=63)] | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = None
+
+
+class Resources(Model):
+    """Container resources (requests and limits by resource name)."""
+
+    requests: dict[str, Quantity] | None = None
+    limits: dict[str, Quantity] | None = None
+
+
+class Stager(Model):
+    """How the staging Job runs."""
+
+    image: Annotated[str, Field(min_length=1, max_length=512)] | None = None
+    """Stager image; the operator's default when unset."""
+    resources: Resources | None = None
+    parallelism: Annotated[int, Field(ge=1, le=64)] = 1
+    """Pods of an Indexed Job, each writing a group of tensors (per-rank safetensors formats)."""
+    node_selector: dict[str, str] | None = None
+    tolerations: Annotated[list[Toleration], Field(max_length=32)] | None = None
+    service_account_name: Annotated[str, Field(pattern=DNS_NAME, max_length=253)] | None = None
+    """Service account of the stager pods (workload identity for S3)."""
+    backoff_limit: Annotated[int, Field(ge=0, le=20)] = 2
+    active_deadline_seconds: Annotated[int, Field(ge=60, le=7 * 24 * 3600)] = 6 * 3600
+    """Give up staging after this long (a 70B checkpoint at 1 GB/s takes about 3 minutes)."""
+
+
+class TargetRef(Model):
+    """The vLLM workload whose pod template the operator patches."""
+
+    kind: Literal["Deployment", "StatefulSet"] = "Deployment"
+    name: Annotated[str, Field(pattern=DNS_NAME, max_length=253)]
+
+
+class Serving(Model):
+    """How the staged artifact reaches vLLM."""
+
+    target_ref: TargetRef
+    container_name: Annotated[str, Field(pattern=DNS_LABEL, max_length=63)] | None = None
+    """The vLLM container; may be unset when the pod has one container."""
+    vllm_version: Annotated[str, Field(pattern=r"^[0-9]+\.[0-9]+(\.[0-9]+)?$")] = (
+        DEFAULT_VLLM_VERSION
+    )
+    """The vLLM version the workload runs: it selects the per-rank layout to produce."""
+    plugin: bool = True
+    """Inject the modelstage loader plugin (checks, metrics); false = stock vLLM loaders."""
+
+
+class Retention(Model):
+    keep: Annotated[int, Field(ge=1, le=10)] = 2
+    """Artifacts kept per ModelDeployment (the current one and ones to roll back to)."""
+
+
+class ModelDeploymentSpec(Model):
+    """What to stage and which vLLM workload to roll onto it."""
+
+    model: ModelSource
+    parallelism: Parallelism = Parallelism()
+    dtype: Dtype = "auto"
+    """Weights dtype of the artifact; ``auto`` keeps the checkpoint's."""
+    load_format: LoadFormat = "sharded_state"
+    storage: Storage
+    stager: Stager = Stager()
+    serving: Serving
+    retention: Retention = Retention()
+
+    rules: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            cel="!(self.loadFormat in ['runai_streamer', 'runai_streamer_sharded']) "
+            "|| has(self.storage.s3)",
+            message="loadFormat runai_streamer and runai_streamer_sharded stream from S3: "
+            "set storage.s3, or use sharded_state or tensorizer with storage.pvc",
+            check=lambda s: s.load_format not in S3_ONLY_FORMATS or s.storage.s3 is not None,
+        ),
+        Rule(
+            cel="self.loadFormat != 'sharded_state' || has(self.storage.pvc)",
+            message="loadFormat sharded_state reads local files: set storage.pvc, or use "
+            "runai_streamer_sharded with storage.s3",
+            check=lambda s: s.load_format not in PVC_ONLY_FORMATS or s.storage.pvc is not None,
+        ),
+        Rule(
+            cel="!has(self.model.s3) || !has(self.storage.s3)",
+            message="the stager takes one S3 connection: with storage.s3 it also reads the "
+            "s3:// source, so remove model.s3",
+            check=lambda s: s.model.s3 is None or s.storage.s3 is None,
+        ),
+        Rule(
+            cel="!(self.model.uri.startsWith('s3://') && has(self.storage.s3) "
+            "&& has(self.model.credentialsSecret))",
+            message="the stager takes one set of S3 credentials: with storage.s3, "
+            "storage.s3.credentialsSecret also reads the s3:// source, so remove "
+            "model.credentialsSecret",
+            check=lambda s: (
+                not (
+                    s.model.uri.startswith("s3://")
+                    and s.storage.s3 is not None
+                    and s.model.credentials_secret is not None
+                )
+            ),
+        ),
+    )
+
+
+class ArtifactStatus(Model):
+    """A staged artifact, as the stager reported it."""
+
+    model_config = ConfigDict(extra="ignore")
+    digest: str
+    uri: str
+    """``pvc://claim/path/namespace/digest`` or ``s3://bucket/prefix/namespace/digest``."""
+    format: LoadFormat
+    tensor_parallel_size: int
+    source: str | None = None
+    """Source identity the stager resolved (commit sha, ETags or file hashes)."""
+    bytes: int | None = None
+    files: int | None = None
+    staged_at: datetime | None = None
+    stage_seconds: float | None = None
+
+
+class Condition(Model):
+    """A Kubernetes-style condition; lastTransitionTime changes only when status changes."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: ConditionType
+    status: Literal["True", "False", "Unknown"]
+    reason: Annotated[str, Field(pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$")]
+    message: Annotated[str, Field(max_length=32768)] = ""
+    last_transition_time: datetime
+    observed_generation: int | None = None
+
+
+class ModelDeploymentStatus(Model):
+    """What the operator last observed and did. Unknown fields are kept (kopf's own state)."""
+
+    model_config = ConfigDict(extra="ignore")
+    phase: Phase = "Pending"
+    observed_generation: int | None = None
+    desired_digest: str | None = None
+    """The digest the current spec asks for."""
+    artifact: ArtifactStatus | None = None
+    """The artifact the workload is rolled (or rolling) onto."""
+    previous_artifact: ArtifactStatus | None = None
+    """The artifact served before the current rollout: the rollback target."""
+    failed_digest: str | None = None
+    """A digest whose rollout failed and was rolled back; not retried until the spec changes."""
+    conditions: list[Condition] = Field(default_factory=list)
+
+    def condition(self, type_: ConditionType) -> Condition | None:
+        return next((c for c in self.conditions if c.type == type_), None)
+
+
+class ModelDeployment(Model):
+    """The whole object, for examples and tests (the operator gets spec and status apart)."""
+
+    model_config = ConfigDict(extra="ignore")
+    api_version: Literal["modelstage.io/v1alpha1"] = API_VERSION
+    kind: Literal["ModelDeployment"] = KIND
+    metadata: dict[str, Any]
+    spec: ModelDeploymentSpec
+    status: ModelDeploymentStatus | None = None

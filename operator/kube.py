@@ -1,0 +1,126 @@
+"""Kubernetes building blocks shared by the stager Job and the serving pod patch.
+
+Plain dicts in the API server's JSON shape: the planners return manifests, the kopf shell sends
+them as they are. Names of everything the operator owns inside someone else's pod template
+start with ``modelstage-``, which is how a later plan finds (and replaces) its own items.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .api import API_VERSION, KIND, S3Connection
+
+OWNED_PREFIX = "modelstage-"
+DIGEST_ANNOTATION = "modelstage.io/artifact-digest"
+MANAGED_ENV_ANNOTATION = "modelstage.io/managed-env"
+"""Env var names the operator set in the vLLM container, so that a later plan can drop them."""
+LABEL_DIGEST = "modelstage.io/digest"
+LABEL_OWNER = "modelstage.io/model-deployment"
+
+PLUGIN_DIR = "/opt/modelstage/plugins"
+CA_DIR = "/etc/modelstage/s3-ca"
+CA_KEY = "ca.crt"
+SOURCE_MOUNT = "/mnt/modelstage/source"
+SCRATCH_DIR = "/tmp"
+
+VOLUME_ARTIFACTS = "modelstage-artifacts"
+VOLUME_PLUGINS = "modelstage-plugins"
+VOLUME_CA = "modelstage-s3-ca"
+VOLUME_SOURCE = "modelstage-source"
+VOLUME_SCRATCH = "modelstage-scratch"
+
+NONROOT_UID = 65532
+"""The stager image's user (distroless ``nonroot``)."""
+
+Manifest = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The ModelDeployment that owns a child object."""
+
+    name: str
+    namespace: str
+    uid: str
+
+    def reference(self) -> Manifest:
+        return {
+            "apiVersion": API_VERSION,
+            "kind": KIND,
+            "name": self.name,
+            "uid": self.uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+
+
+def labels(component: str, owner_name: str, digest: str | None = None) -> dict[str, str]:
+    out = {
+        "app.kubernetes.io/name": "modelstage",
+        "app.kubernetes.io/component": component,
+        "app.kubernetes.io/managed-by": "modelstage-operator",
+        LABEL_OWNER: owner_name,
+    }
+    if digest is not None:
+        out[LABEL_DIGEST] = digest
+    return out
+
+
+def pod_security_context() -> Manifest:
+    """Pod-level settings of the ``restricted`` Pod Security Standard."""
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": NONROOT_UID,
+        "runAsGroup": NONROOT_UID,
+        "fsGroup": NONROOT_UID,
+        "fsGroupChangePolicy": "OnRootMismatch",
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def container_security_context() -> Manifest:
+    """Container-level settings of the ``restricted`` standard (also for our initContainer in
+    a workload whose pod-level context we do not own)."""
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": NONROOT_UID,
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def secret_env(name: str, secret: str, key: str) -> Manifest:
+    return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
+
+
+def s3_credentials_env(secret: str | None) -> list[Manifest]:
+    """AWS credentials by reference; nothing for workload identity."""
+    if secret is None:
+        return []
+    return [
+        secret_env("AWS_ACCESS_KEY_ID", secret, "AWS_ACCESS_KEY_ID"),
+        secret_env("AWS_SECRET_ACCESS_KEY", secret, "AWS_SECRET_ACCESS_KEY"),
+    ]
+
+
+def ca_volume(connection: S3Connection | None) -> list[Manifest]:
+    if connection is None or connection.ca_bundle_secret is None:
+        return []
+    secret = {"secretName": connection.ca_bundle_secret, "items": [{"key": CA_KEY, "path": CA_KEY}]}
+    return [{"name": VOLUME_CA, "secret": secret}]
+
+
+def ca_mount(connection: S3Connection | None) -> list[Manifest]:
+    if connection is None or connection.ca_bundle_secret is None:
+        return []
+    return [{"name": VOLUME_CA, "mountPath": CA_DIR, "readOnly": True}]
+
+
+def ca_file(connection: S3Connection | None) -> str | None:
+    if connection is None or connection.ca_bundle_secret is None:
+        return None
+    return f"{CA_DIR}/{CA_KEY}"

@@ -1,0 +1,337 @@
+"""``spec + observed -> next action + status``: the ModelDeployment state machine.
+
+Phases: Pending -> Staging -> Staged -> RollingOut -> Ready, and Failed from any of them.
+The decision is a pure function of the desired artifact, the last status and what the kopf
+shell observed (the Job of the desired digest, the target workload's rollout, the validation
+findings); the shell executes the one action and writes the status. Conditions ``Staged``,
+``Ready`` and ``Degraded`` carry the human-readable reasons.
+
+Rollback: when pods on a new artifact fail, the workload goes back to ``previousArtifact``
+and the failed digest is remembered, so the same spec is not rolled out again (a spec change
+that alters the digest clears it).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from enum import Enum
+from typing import Any, Literal
+
+from .api import ArtifactStatus, Condition, ModelDeploymentStatus, Phase
+from .artifact import Artifact
+from .conditions import condition, merge_conditions
+from .kube import DIGEST_ANNOTATION, Manifest
+from .validation import Finding, findings_condition
+
+
+class Action(Enum):
+    WAIT = "wait"
+    CREATE_JOB = "create-job"
+    ROLL_OUT = "roll-out"
+    ROLL_BACK = "roll-back"
+
+
+JobState = Literal["Running", "Succeeded", "Failed"]
+
+
+@dataclass(frozen=True)
+class JobObservation:
+    """The stager Job of the desired digest."""
+
+    state: JobState
+    message: str = ""
+    """The stager's termination message: the JSON summary, or the failure reason."""
+    finished_at: datetime | None = None
+
+
+@dataclass(frozen=True)
+class WorkloadObservation:
+    """The target Deployment or StatefulSet, reduced to what the rollout decision needs."""
+
+    digest: str | None
+    generation: int = 1
+    observed_generation: int = 1
+    replicas: int = 1
+    updated: int = 1
+    available: int = 1
+    failing: tuple[str, ...] = ()
+    """Why pods of the current template fail (crash loops, image pulls, init errors)."""
+    stalled: bool = False
+    """The workload controller gave up (Deployment ``ProgressDeadlineExceeded``)."""
+
+    @property
+    def complete(self) -> bool:
+        return (
+            self.observed_generation >= self.generation
+            and self.updated >= self.replicas
+            and self.available >= self.replicas
+        )
+
+
+@dataclass(frozen=True)
+class Observed:
+    generation: int
+    now: datetime
+    job: JobObservation | None = None
+    workload: WorkloadObservation | None = None
+    findings: Sequence[Finding] = field(default_factory=tuple)
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    status: ModelDeploymentStatus
+    artifact: ArtifactStatus | None = None
+    """The artifact to roll out or back to (for those actions)."""
+    details: str = ""
+
+
+def observe_job(job: Manifest, termination_message: str = "") -> JobObservation:
+    """Reads a Job's conditions; the shell passes the termination message of its last pod."""
+    status = job.get("status") or {}
+    for cond in status.get("conditions") or []:
+        if cond.get("status") != "True":
+            continue
+        if cond.get("type") in ("Complete", "SuccessCriteriaMet"):
+            return JobObservation(
+                "Succeeded", termination_message, _time(status.get("completionTime"))
+            )
+        if cond.get("type") in ("Failed", "FailureTarget"):
+            message = termination_message or cond.get("message") or cond.get("reason") or ""
+            return JobObservation("Failed", message)
+    return JobObservation("Running", termination_message)
+
+
+def observe_workload(workload: Manifest, failing: Sequence[str] = ()) -> WorkloadObservation:
+    """Reads a Deployment's or StatefulSet's rollout progress from its status."""
+    spec = workload.get("spec") or {}
+    status = workload.get("status") or {}
+    annotations = ((spec.get("template") or {}).get("metadata") or {}).get("annotations") or {}
+    stalled = any(
+        c.get("type") == "Progressing" and c.get("reason") == "ProgressDeadlineExceeded"
+        for c in status.get("conditions") or []
+    )
+    return WorkloadObservation(
+        digest=annotations.get(DIGEST_ANNOTATION),
+        generation=int((workload.get("metadata") or {}).get("generation", 1)),
+        observed_generation=int(status.get("observedGeneration", 0)),
+        replicas=int(spec.get("replicas", 1)),
+        updated=int(status.get("updatedReplicas", 0)),
+        available=int(status.get("availableReplicas", status.get("readyReplicas", 0))),
+        failing=tuple(failing),
+        stalled=stalled,
+    )
+
+
+def parse_summary(message: str) -> Mapping[str, Any] | None:
+    """The stager's one-line JSON summary (its last line), or None."""
+    lines = [line for line in message.strip().splitlines() if line.strip()]
+    if not lines:
+        return None
+    try:
+        summary = json.loads(lines[-1])
+    except json.JSONDecodeError:
+        return None
+    return summary if isinstance(summary, dict) and "digest" in summary else None
+
+
+def _time(value: Any) -> datetime | None:
+    if not isinstance(value, str):
+        return None
+    return datetime.fromisoformat(value.replace("Z", "+00:00")).astimezone(timezone.utc)
+
+
+def _artifact_status(
+    artifact: Artifact, summary: Mapping[str, Any], at: datetime
+) -> ArtifactStatus:
+    return ArtifactStatus(
+        digest=artifact.digest,
+        uri=artifact.location.uri,
+        format=artifact.load_format,
+        tensor_parallel_size=artifact.tensor_parallel,
+        source=str(summary["source"]) if summary.get("source") is not None else None,
+        bytes=int(summary["bytes"]) if summary.get("bytes") is not None else None,
+        files=int(summary["files"]) if summary.get("files") is not None else None,
+        staged_at=at,
+        stage_seconds=float(summary["seconds"]) if summary.get("seconds") is not None else None,
+    )
+
+
+def _ready(observed: Observed) -> tuple[Literal["True", "False"], str, str]:
+    """Whether the workload serves some artifact healthily, whatever the spec asks for."""
+    w = observed.workload
+    if w is None:
+        return "False", "TargetNotFound", "the target workload does not exist"
+    if w.digest is None:
+        return "False", "NotRolledOut", "the workload does not serve a modelstage artifact yet"
+    if w.failing or w.stalled or not w.complete:
+        return "False", "RollingOut", f"{w.updated}/{w.replicas} updated, {w.available} available"
+    return "True", "Serving", f"serving artifact {w.digest}: {w.available}/{w.replicas} available"
+
+
+@dataclass
+class _Draft:
+    """The status under construction inside ``decide``."""
+
+    phase: Phase
+    staged: tuple[Literal["True", "False", "Unknown"], str, str]
+    degraded: tuple[str, str] | None = None
+    """(reason, message) of a failure to report beside the validation findings."""
+    updates: dict[str, Any] = field(default_factory=dict)
+
+
+def decide(desired: Artifact | None, status: ModelDeploymentStatus, observed: Observed) -> Decision:
+    """The next action and the status to write. ``desired`` is None when the spec cannot be
+    turned into an artifact (the findings then say why)."""
+    findings = list(observed.findings)
+    blocks_staging = [f for f in findings if f.blocks == "staging"]
+    blocks_rollout = [f for f in findings if f.blocks == "rollout"]
+    w = observed.workload
+    action, target, details = Action.WAIT, None, ""
+    current = status.artifact
+
+    if desired is None or blocks_staging:
+        first = blocks_staging[0] if blocks_staging else None
+        draft = _Draft(
+            "Failed",
+            ("False", first.reason if first else "InvalidSpec", first.message if first else ""),
+        )
+    elif status.failed_digest == desired.digest:
+        draft = _Draft(
+            "Failed",
+            ("True", "Staged", f"artifact {desired.digest} is staged"),
+            (
+                "RolledBack",
+                f"pods on artifact {desired.digest} failed and the workload was rolled "
+                f"back to {current.digest if current else 'its previous artifact'}; "
+                "change the spec to try again",
+            ),
+        )
+        if current is not None and w is not None and w.digest != current.digest:
+            # The rollback was decided but not applied (the shell stopped in between): redo it.
+            action, target = Action.ROLL_BACK, current
+            details = f"rolling back to {current.digest}"
+    elif current is not None and current.digest == desired.digest:
+        draft = _Draft("RollingOut", ("True", "Staged", f"artifact {desired.digest} is staged"))
+        if w is None or blocks_rollout:
+            draft.phase = "Staged"
+        elif w.digest != desired.digest:
+            action, target = Action.ROLL_OUT, current
+            details = f"the workload is not on artifact {desired.digest}: patching it"
+        elif w.failing or w.stalled:
+            reason = "; ".join(w.failing) or "the rollout exceeded its progress deadline"
+            if status.previous_artifact is not None:
+                action, target = Action.ROLL_BACK, status.previous_artifact
+                draft.phase = "Failed"
+                draft.degraded = (
+                    "RolledBack",
+                    f"pods on artifact {desired.digest} failed ({reason}); rolled back to "
+                    f"artifact {status.previous_artifact.digest}; change the spec to try again",
+                )
+                draft.updates = {
+                    "artifact": status.previous_artifact,
+                    "previous_artifact": None,
+                    "failed_digest": desired.digest,
+                }
+                details = f"rolling back to {status.previous_artifact.digest}: {reason}"
+            else:
+                draft.phase = "Failed"
+                draft.degraded = (
+                    "RolloutFailed",
+                    f"pods on artifact {desired.digest} fail ({reason}) and there is no "
+                    "previous artifact to roll back to: fix the workload or the spec",
+                )
+        elif w.complete:
+            draft.phase = "Ready"
+    else:
+        job = observed.job
+        if job is None:
+            action = Action.CREATE_JOB
+            draft = _Draft("Staging", ("False", "JobCreated", f"staging artifact {desired.digest}"))
+            details = f"creating the stager Job for {desired.digest}"
+        elif job.state == "Running":
+            draft = _Draft("Staging", ("False", "Staging", f"staging artifact {desired.digest}"))
+        elif job.state == "Failed":
+            message = (
+                job.message.strip().splitlines()[-1]
+                if job.message.strip()
+                else "the stager Job failed"
+            )
+            draft = _Draft(
+                "Failed",
+                ("False", "StagingFailed", message),
+                ("StagingFailed", f"staging artifact {desired.digest} failed: {message}"),
+            )
+        else:
+            summary = parse_summary(job.message) or {"digest": desired.digest}
+            if summary.get("digest") != desired.digest:
+                draft = _Draft(
+                    "Failed",
+                    (
+                        "False",
+                        "ArtifactMismatch",
+                        f"the stager reported digest {summary.get('digest')}, "
+                        f"expected {desired.digest}",
+                    ),
+                    (
+                        "ArtifactMismatch",
+                        "the stager image does not compute the operator's "
+                        "digest: use matching operator and stager versions",
+                    ),
+                )
+            else:
+                staged = _artifact_status(desired, summary, job.finished_at or observed.now)
+                draft = _Draft("Staged", ("True", "Staged", _staged_message(staged)))
+                if w is not None and not blocks_rollout:
+                    action, target = Action.ROLL_OUT, staged
+                    draft.phase = "RollingOut"
+                    draft.updates = {
+                        "artifact": staged,
+                        "previous_artifact": current or status.previous_artifact,
+                    }
+                    details = f"artifact {desired.digest} staged: rolling the workload onto it"
+
+    now, gen = observed.now, observed.generation
+    updates: list[Condition] = [
+        condition(
+            "Staged", draft.staged[0], draft.staged[1], draft.staged[2], now=now, generation=gen
+        ),
+        condition("Ready", *_ready(observed), now=now, generation=gen),
+    ]
+    if draft.degraded is not None:
+        reason, message = draft.degraded
+        extra = "; ".join(f.message for f in findings)
+        updates.append(
+            condition(
+                "Degraded",
+                "True",
+                reason,
+                f"{message}; {extra}" if extra else message,
+                now=now,
+                generation=gen,
+            )
+        )
+    else:
+        updates.append(findings_condition(findings, now=now, generation=gen))
+    new_status = status.model_copy(
+        update={
+            "phase": draft.phase,
+            "observed_generation": gen,
+            "desired_digest": desired.digest if desired else None,
+            "conditions": merge_conditions(status.conditions, updates),
+            "failed_digest": status.failed_digest
+            if desired is not None and status.failed_digest == desired.digest
+            else None,
+            **draft.updates,
+        }
+    )
+    return Decision(action=action, status=new_status, artifact=target, details=details)
+
+
+def _staged_message(artifact: ArtifactStatus) -> str:
+    size = f", {artifact.bytes / 1e9:.2f} GB" if artifact.bytes is not None else ""
+    took = f" in {artifact.stage_seconds:.0f} s" if artifact.stage_seconds is not None else ""
+    return f"artifact {artifact.digest} staged{size}{took}"

@@ -1,0 +1,164 @@
+"""Checks beyond the CRD schema, returned as findings (and a condition), never raised.
+
+The schema and its CEL rules refuse what is wrong in the spec alone. What needs the cluster's
+objects (the target workload, its container and GPUs, the artifact PVC's access modes) or
+the project's tables (known vLLM layouts) is checked here; each finding says what blocks
+(staging, or only the rollout, so that staging ahead of a workload still works) and what a
+person should change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Literal
+
+from modelstage.stager.errors import SpecError
+from modelstage.stager.layouts import layout_for
+
+from .api import Condition, ModelDeploymentSpec
+from .artifact import claim_name
+from .conditions import condition
+from .kube import Manifest
+from .rollout_plan import ACCELERATORS, select_container
+from .vllm_args import VllmSettings, rewrite
+
+Blocks = Literal["staging", "rollout", "nothing"]
+MULTI_NODE_SAFE = frozenset({"ReadWriteMany", "ReadOnlyMany"})
+HOST_LABEL = "kubernetes.io/hostname"
+
+
+@dataclass(frozen=True)
+class Finding:
+    reason: str
+    """CamelCase, for the condition's reason."""
+    message: str
+    blocks: Blocks
+
+
+def validate_spec(spec: ModelDeploymentSpec) -> list[Finding]:
+    """What the spec alone cannot do, beyond what the schema refuses."""
+    try:
+        layout_for(spec.serving.vllm_version)
+    except SpecError as error:
+        return [Finding("UnsupportedVllmVersion", f"spec.serving.vllmVersion: {error}", "staging")]
+    return []
+
+
+def _gpus(container: Manifest) -> tuple[str, int] | None:
+    resources = container.get("resources") or {}
+    for kind in ("limits", "requests"):
+        amounts = resources.get(kind) or {}
+        for name in ACCELERATORS:
+            if name in amounts:
+                try:
+                    return name, int(str(amounts[name]))
+                except ValueError:
+                    return None
+    return None
+
+
+def _one_node(pod_spec: Manifest) -> bool:
+    return bool(pod_spec.get("nodeName")) or HOST_LABEL in (pod_spec.get("nodeSelector") or {})
+
+
+def _access_modes(spec: ModelDeploymentSpec, claim: Manifest | None) -> list[str] | None:
+    pvc = spec.storage.pvc
+    if pvc is None:
+        return None
+    if claim is not None:
+        modes = (claim.get("status") or {}).get("accessModes") or (claim.get("spec") or {}).get(
+            "accessModes"
+        )
+        return list(modes or [])
+    return list(pvc.create.access_modes) if pvc.create else None
+
+
+def validate_workload(
+    spec: ModelDeploymentSpec,
+    workload: Manifest | None,
+    *,
+    namespace: str,
+    deployment_name: str,
+    claim: Manifest | None = None,
+) -> list[Finding]:
+    """Whether the target workload can be rolled onto the artifact; ``claim`` is the observed
+    artifact PVC (None when absent or not yet created)."""
+    ref = spec.serving.target_ref
+    target = f"{ref.kind} {ref.name}"
+    if workload is None:
+        return [
+            Finding(
+                "TargetNotFound",
+                f"{target} not found in namespace {namespace}: create it or fix "
+                "spec.serving.targetRef (staging goes on; the rollout waits for it)",
+                "rollout",
+            )
+        ]
+    pod_spec: Manifest = (workload.get("spec") or {}).get("template", {}).get("spec") or {}
+    try:
+        container = select_container(spec, pod_spec)
+    except SpecError as error:
+        return [Finding("ContainerNotFound", f"{target}: {error}", "rollout")]
+    findings: list[Finding] = []
+    name = container.get("name")
+    probe = VllmSettings(model="m", load_format="f", tensor_parallel_size=1)
+    try:
+        rewrite(container.get("command"), container.get("args"), probe)
+    except SpecError as error:
+        findings.append(
+            Finding("VllmCommandNotRecognized", f"{target}, container {name}: {error}", "rollout")
+        )
+    tp = spec.parallelism.tensor
+    gpus = _gpus(container)
+    if gpus is not None and gpus[1] < tp:
+        resource, count = gpus
+        findings.append(
+            Finding(
+                "InsufficientGPUs",
+                f"spec.parallelism.tensor is {tp} but container {name} of {target} requests "
+                f"{count} {resource}: set its resources.limits[{resource!r}] to {tp}, or lower "
+                "the tensor-parallel size",
+                "rollout",
+            )
+        )
+    modes = _access_modes(spec, claim)
+    replicas = int((workload.get("spec") or {}).get("replicas", 1))
+    if modes is not None and not MULTI_NODE_SAFE.intersection(modes):
+        claim_ = claim_name(spec, deployment_name)
+        if "ReadWriteOncePod" in modes:
+            findings.append(
+                Finding(
+                    "AccessModeTooNarrow",
+                    f"PVC {claim_} is ReadWriteOncePod: the stager and every vLLM pod of "
+                    f"{target} must mount it; use ReadWriteMany or ReadOnlyMany, or storage.s3",
+                    "rollout",
+                )
+            )
+        elif replicas > 1 and not _one_node(pod_spec):
+            findings.append(
+                Finding(
+                    "ReadWriteOnceMultiNode",
+                    f"PVC {claim_} is ReadWriteOnce but {target} has {replicas} replicas that "
+                    "can land on different nodes, where they cannot mount it: use a "
+                    "ReadWriteMany or ReadOnlyMany claim, storage.s3, or pin the pods to one node",
+                    "nothing",
+                )
+            )
+    return findings
+
+
+def findings_condition(
+    findings: list[Finding], *, now: datetime, generation: int | None = None
+) -> Condition:
+    """The ``Degraded`` condition the findings amount to (False with ``AsExpected`` if none)."""
+    if not findings:
+        return condition("Degraded", "False", "AsExpected", "", now=now, generation=generation)
+    return condition(
+        "Degraded",
+        "True",
+        findings[0].reason,
+        "; ".join(f.message for f in findings),
+        now=now,
+        generation=generation,
+    )

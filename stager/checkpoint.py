@@ -1,0 +1,137 @@
+"""A Hugging Face checkpoint as the stager sees it: config, tensor index, files to carry over.
+
+Only safetensors weights are read: pickle files (``*.bin``, ``*.pt``) can run arbitrary code
+when loaded, so a source with nothing else is refused with a hint on how to convert it.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import CheckpointError
+from .model_config import ModelConfig
+from .safetensors_format import TensorInfo, read_header
+from .shard_plan import SourceTensor
+from .sources import Source
+from .sources.base import safe_name
+
+CONFIG = "config.json"
+INDEX = "model.safetensors.index.json"
+CARRIED_OVER = (
+    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+    "tokenizer.model", "special_tokens_map.json", "added_tokens.json", "vocab.json",
+    "vocab.txt", "merges.txt", "chat_template.json", "chat_template.jinja",
+    "preprocessor_config.json",
+)  # fmt: skip
+"""Files vLLM reads beside the weights (config, tokenizer, generation defaults)."""
+PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
+MAX_JSON_BYTES = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    source: Source
+    config: Mapping[str, Any]
+    model: ModelConfig
+    weight_files: tuple[str, ...]
+    tensors: Mapping[str, TensorInfo]
+    carried_over: tuple[str, ...]
+
+    @property
+    def source_tensors(self) -> dict[str, SourceTensor]:
+        return {n: SourceTensor(t.dtype, t.shape) for n, t in self.tensors.items()}
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    def identity(self) -> dict[str, Any]:
+        return self.source.identity([*self.weight_files, *self.carried_over])
+
+
+def read_json(source: Source, name: str) -> Any:
+    size = source.size(name)
+    if size > MAX_JSON_BYTES:
+        raise CheckpointError(f"{name}: {size} bytes is too large for a JSON file here")
+    try:
+        return json.loads(source.read_bytes(name))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{name}: invalid JSON: {e}") from None
+
+
+def open_checkpoint(source: Source) -> Checkpoint:
+    """Read config, index and every safetensors header; no tensor data is read yet."""
+    files = source.list_files()
+    if CONFIG not in files:
+        raise CheckpointError(f"{source.uri}: no config.json; not a Hugging Face checkpoint")
+    config = read_json(source, CONFIG)
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{CONFIG}: not a JSON object")
+    model = ModelConfig.from_dict(config)
+    weight_files = _weight_files(source, files)
+    tensors: dict[str, TensorInfo] = {}
+    for name in weight_files:
+        header = read_header(
+            name, source.size(name), lambda off, n, f=name: _read(source, f, off, n)
+        )
+        for tensor in header.tensors.values():
+            if tensor.name in tensors:
+                raise CheckpointError(
+                    f"tensor {tensor.name!r} appears in both {tensors[tensor.name].file} and {name}"
+                )
+            tensors[tensor.name] = tensor
+    if INDEX in files:
+        _check_index(source, tensors)
+    carried = tuple(f for f in CARRIED_OVER if f in files)
+    return Checkpoint(source, config, model, tuple(weight_files), tensors, carried)
+
+
+def _read(source: Source, name: str, offset: int, length: int) -> bytes:
+    buf = bytearray(length)
+    source.read_range(name, offset, memoryview(buf))
+    return bytes(buf)
+
+
+def _weight_files(source: Source, files: list[str]) -> list[str]:
+    if INDEX in files:
+        index = read_json(source, INDEX)
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(v, str) for v in weight_map.values()
+        ):
+            raise CheckpointError(f"{INDEX}: 'weight_map' must map tensor names to file names")
+        named = sorted({safe_name(v, INDEX) for v in weight_map.values()})
+        absent = [f for f in named if f not in files]
+        if absent:
+            raise CheckpointError(
+                f"{INDEX} names {len(absent)} file(s) that are not in the checkpoint: "
+                + ", ".join(absent[:5])
+            )
+        return named
+    safetensors = [f for f in files if f.endswith(".safetensors")]
+    if safetensors:
+        return safetensors
+    pickles = [f for f in files if any(fnmatch.fnmatch(f, p) for p in PICKLE_PATTERNS)]
+    if pickles:
+        raise CheckpointError(
+            f"{source.uri} holds only pickle weights ({', '.join(pickles[:3])}); modelstage reads "
+            "safetensors only, since unpickling can run arbitrary code. Convert first, e.g. "
+            "`safetensors.torch.save_file(torch.load(f, weights_only=True), 'model.safetensors')`"
+        )
+    raise CheckpointError(f"{source.uri}: no *.safetensors weights found")
+
+
+def _check_index(source: Source, tensors: Mapping[str, TensorInfo]) -> None:
+    index = read_json(source, INDEX)
+    for name, file in index["weight_map"].items():
+        found = tensors.get(name)
+        if found is None:
+            raise CheckpointError(f"{INDEX} maps tensor {name!r} to {file}, which lacks it")
+        if found.file != file:
+            raise CheckpointError(
+                f"{INDEX} maps tensor {name!r} to {file}, but it is in {found.file}"
+            )

@@ -1,0 +1,143 @@
+"""The ``modelstage`` command: stage, verify, demo.
+
+Contract with Kubernetes: on failure the last line printed is one human-readable reason (the
+pod's termination message under ``FallbackToLogsOnError``); on success it is a one-line JSON
+summary, also written to the termination-log file when one exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from .errors import ModelstageError
+from .layouts import DEFAULT_VLLM_VERSION
+
+TERMINATION_LOG = "/dev/termination-log"
+
+
+def _stage(args: argparse.Namespace) -> dict[str, Any]:
+    from .stage import FORMATS, StageRequest, stage
+
+    assert args.format in FORMATS
+    return stage(
+        StageRequest(
+            source=args.source,
+            out=args.out,
+            tp=args.tp,
+            pp=args.pp,
+            dtype=args.dtype,
+            format=args.format,
+            vllm_version=args.vllm_version,
+            digest=args.digest,
+            revision=args.revision,
+            source_uri=args.source_uri,
+        )
+    )
+
+
+def _verify(args: argparse.Namespace) -> dict[str, Any]:
+    from .manifest import verify_directory
+
+    manifest = verify_directory(
+        Path(args.artifact), digest=args.digest, tp=args.tp, hash_content=not args.sizes_only
+    )
+    return {
+        "verified": str(args.artifact),
+        "digest": manifest.digest,
+        "format": manifest.format,
+        "tensorParallelSize": manifest.tensorParallelSize,
+        "files": len(manifest.files),
+        "bytes": manifest.bytes,
+    }
+
+
+def _demo(args: argparse.Namespace) -> dict[str, Any]:
+    """The README's embedded default: generate, stage at TP=2, verify, summarise."""
+    from .manifest import verify_directory
+    from .progress import human_bytes
+    from .stage import StageRequest, stage
+    from .synthetic import llama_demo, write_checkpoint
+
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="modelstage-demo-"))
+    source = write_checkpoint(llama_demo(), work / "checkpoint")
+    print(f"demo: generated a Llama-shaped checkpoint in {source}", file=sys.stderr)
+    out = work / "artifact"
+    summary = stage(StageRequest(source=str(source), out=str(out), tp=args.tp))
+    verify_directory(out)
+    rate = summary["bytes"] / max(summary["seconds"], 1e-9)
+    print(
+        f"demo: staged {human_bytes(summary['bytes'])} into {summary['files']} files at TP="
+        f"{args.tp} in {summary['seconds']:.2f} s ({human_bytes(rate)}/s); verified {out}",
+        file=sys.stderr,
+    )
+    return {**summary, "verified": True}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="modelstage", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    st = sub.add_parser("stage", help="pre-shard a checkpoint per tensor-parallel rank")
+    st.add_argument("source", help="local checkpoint directory (Hugging Face layout)")
+    st.add_argument("--tp", type=int, required=True, help="tensor parallel size")
+    st.add_argument("--pp", type=int, default=1, help="pipeline parallel size (1 only, for now)")
+    st.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    st.add_argument("--format", default="sharded_state", choices=["sharded_state"])
+    st.add_argument("--vllm-version", default=DEFAULT_VLLM_VERSION, help="layout to produce")
+    st.add_argument("--out", required=True, help="the artifact directory to create")
+    st.add_argument("--digest", help="expected artifact digest (the operator passes it)")
+    st.add_argument("--revision", help="source revision (recorded; hub sources resolve it)")
+    st.add_argument("--source-uri", help="logical source URI when SOURCE is a mount point")
+    st.set_defaults(run=_stage)
+
+    ve = sub.add_parser("verify", help="re-check an artifact against its manifest")
+    ve.add_argument("artifact", help="artifact directory")
+    ve.add_argument("--digest", help="fail unless the artifact has this digest")
+    ve.add_argument("--tp", type=int, help="fail unless the artifact has this TP size")
+    ve.add_argument("--sizes-only", action="store_true", help="skip content hashing")
+    ve.set_defaults(run=_verify)
+
+    de = sub.add_parser("demo", help="generate a small checkpoint, stage it at TP=2, verify it")
+    de.add_argument("--tp", type=int, default=2)
+    de.add_argument("--workdir", help="where to put the checkpoint and artifact (default: temp)")
+    de.set_defaults(run=_demo)
+    return parser
+
+
+def _write_termination_log(line: str) -> None:
+    path = os.environ.get("MODELSTAGE_TERMINATION_LOG", TERMINATION_LOG)
+    if os.path.exists(path) and os.access(path, os.W_OK):
+        with open(path, "w") as f:
+            f.write(line + "\n")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    run: Callable[[argparse.Namespace], dict[str, Any]] = args.run
+    try:
+        result = run(args)
+    except ModelstageError as e:
+        line = " ".join(str(e).split())  # one line, whatever the message held
+        sys.stdout.flush()
+        print(f"error: {line}", file=sys.stderr)
+        _write_termination_log(f"error: {line}")
+        return 1
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    line = json.dumps(result, sort_keys=True, separators=(",", ":"))
+    sys.stderr.flush()
+    print(line)
+    _write_termination_log(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

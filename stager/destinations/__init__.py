@@ -1,0 +1,1 @@
+"""Where an artifact is written: one strategy per file behind ``Destination``."""

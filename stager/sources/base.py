@@ -1,0 +1,67 @@
+"""The small interface every checkpoint source implements, and the URI -> source registry."""
+
+from __future__ import annotations
+
+import abc
+import posixpath
+from typing import Any
+
+from ..errors import CheckpointError
+
+
+class Source(abc.ABC):
+    """A read-only tree of files addressed by relative POSIX names.
+
+    The stager reads headers first, then exactly the byte ranges the shard plan needs, so
+    sources only offer ranged reads; a remote source can serve them with ranged GETs.
+    """
+
+    uri: str
+
+    @abc.abstractmethod
+    def list_files(self) -> list[str]:
+        """Relative names of the files at the top level of the checkpoint, sorted."""
+
+    @abc.abstractmethod
+    def size(self, name: str) -> int: ...
+
+    @abc.abstractmethod
+    def read_range(self, name: str, offset: int, out: memoryview) -> None:
+        """Fill ``out`` with the bytes at ``offset``; a short read is a CheckpointError."""
+
+    def read_bytes(self, name: str) -> bytes:
+        buf = bytearray(self.size(name))
+        self.read_range(name, 0, memoryview(buf))
+        return bytes(buf)
+
+    @abc.abstractmethod
+    def identity(self, files: list[str]) -> dict[str, Any]:
+        """What pins the source's content (commit sha, ETags, or size + header hash)."""
+
+    def close(self) -> None:
+        """Release open handles."""
+
+
+def safe_name(name: str, where: str) -> str:
+    """Refuse names that could escape the checkpoint root (from indexes, listings, URIs)."""
+    norm = posixpath.normpath(name)
+    if (
+        not name
+        or name.startswith("/")
+        or "\\" in name
+        or norm != name
+        or norm == ".."
+        or norm.startswith("../")
+    ):
+        raise CheckpointError(f"{where}: refusing unsafe file name {name!r}")
+    return name
+
+
+def open_source(uri: str, **options: Any) -> Source:
+    """The source for a URI: a local path (or ``file://``); remote schemes register below."""
+    from .local import LocalSource
+
+    if "://" not in uri or uri.startswith("file://"):
+        return LocalSource(uri.removeprefix("file://"))
+    scheme = uri.split("://", 1)[0]
+    raise CheckpointError(f"source scheme {scheme}:// is not supported by this stager")

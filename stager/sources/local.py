@@ -1,0 +1,83 @@
+"""A checkpoint in a local directory (also a mounted PVC)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+from pathlib import Path
+from typing import Any
+
+from ..errors import CheckpointError
+from .base import Source, safe_name
+
+
+class LocalSource(Source):
+    def __init__(self, path: str) -> None:
+        self.root = Path(path).absolute()
+        if not self.root.is_dir():
+            raise CheckpointError(f"{path}: not a directory (a Hugging Face checkpoint folder)")
+        self.uri = str(self.root)
+        self._fds: dict[str, int] = {}
+
+    def _path(self, name: str) -> Path:
+        path = self.root / safe_name(name, str(self.root))
+        resolved = path.resolve()
+        if not resolved.is_relative_to(self.root.resolve()):
+            raise CheckpointError(f"{path}: symlink escapes the checkpoint folder; refusing it")
+        return path
+
+    def list_files(self) -> list[str]:
+        return sorted(p.name for p in self.root.iterdir() if p.is_file())
+
+    def size(self, name: str) -> int:
+        try:
+            return self._path(name).stat().st_size
+        except FileNotFoundError:
+            raise CheckpointError(f"{self.root / name}: file not found") from None
+
+    def _fd(self, name: str) -> int:
+        fd = self._fds.get(name)
+        if fd is None:
+            try:
+                fd = os.open(self._path(name), os.O_RDONLY)
+            except OSError as e:
+                raise CheckpointError(f"{self.root / name}: cannot open: {e.strerror}") from None
+            self._fds[name] = fd
+        return fd
+
+    def read_range(self, name: str, offset: int, out: memoryview) -> None:
+        fd, done = self._fd(name), 0
+        while done < len(out):
+            n = os.preadv(fd, [out[done:]], offset + done)
+            if n == 0:
+                raise CheckpointError(
+                    f"{self.root / name}: file ended at byte {offset + done}; it is truncated"
+                )
+            done += n
+
+    def identity(self, files: list[str]) -> dict[str, Any]:
+        return {
+            "kind": "local",
+            "path": str(self.root),
+            "files": [self._file_identity(name) for name in files],
+        }
+
+    def _file_identity(self, name: str) -> dict[str, Any]:
+        size = self.size(name)
+        entry: dict[str, Any] = {"name": name, "size": size}
+        if name.endswith(".safetensors") and size >= 8:
+            prefix = bytearray(8)
+            self.read_range(name, 0, memoryview(prefix))
+            (header_len,) = struct.unpack("<Q", prefix)
+            header = bytearray(min(header_len, size - 8))
+            self.read_range(name, 8, memoryview(header))
+            entry["headerSha256"] = hashlib.sha256(header).hexdigest()
+        else:
+            entry["sha256"] = hashlib.sha256(self.read_bytes(name)).hexdigest()
+        return entry
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()

