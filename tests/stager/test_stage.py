@@ -1,0 +1,200 @@
+"""The stager end to end on generated checkpoints, checked against the documented layout."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors import safe_open
+from safetensors.numpy import load_file
+
+from modelstage.stager import layouts
+from modelstage.stager.errors import ArtifactError, SpecError
+from modelstage.stager.manifest import MANIFEST, TIMING_FIELDS, verify_directory
+from modelstage.stager.stage import StageRequest, stage
+from modelstage.stager.synthetic import SyntheticModel, write_checkpoint
+
+from support.layout_reference import expected_rank, load_checkpoint_tensors, load_config
+
+CASES = [
+    # (label, model spec, tp values)
+    ("llama", SyntheticModel(num_shards=3, split_fused=True), (1, 2, 4, 8)),
+    ("llama-tied", SyntheticModel(tie_word_embeddings=True, vocab_size=1000), (1, 2)),
+    ("llama-1kv", SyntheticModel(num_kv_heads=1, vocab_size=1024), (2, 4)),
+    ("mistral", SyntheticModel(architecture="MistralForCausalLM", num_kv_heads=4), (2, 8)),
+    ("qwen2", SyntheticModel(architecture="Qwen2ForCausalLM", vocab_size=777), (1, 2, 4)),
+    ("qwen3", SyntheticModel(architecture="Qwen3ForCausalLM", head_dim=64, num_heads=4,
+                             num_kv_heads=2, vocab_size=999, num_shards=2), (1, 2, 4)),
+]  # fmt: skip
+
+
+def rank_tensors(artifact: Path, rank: int) -> dict[str, np.ndarray]:
+    tensors: dict[str, np.ndarray] = {}
+    for f in sorted(artifact.glob(f"model-rank-{rank}-part-*.safetensors")):
+        part = load_file(f)
+        assert not set(part) & set(tensors), "a key appears in two part files"
+        tensors.update(part)
+    return tensors
+
+
+@pytest.mark.parametrize(("label", "spec", "tps"), CASES, ids=[c[0] for c in CASES])
+def test_rank_files_hold_exactly_vllms_per_rank_tensors(
+    label: str, spec: SyntheticModel, tps: tuple[int, ...], tmp_path: Path
+) -> None:
+    src = write_checkpoint(spec, tmp_path / "src")
+    hf, config = load_checkpoint_tensors(src), load_config(src)
+    for tp in tps:
+        out = tmp_path / f"tp{tp}"
+        stage(StageRequest(source=str(src), out=str(out), tp=tp))
+        verify_directory(out)
+        for r in range(tp):
+            got, want = rank_tensors(out, r), expected_rank(hf, config, tp, r)
+            assert sorted(got) == sorted(want), f"tp={tp} rank={r}: key sets differ"
+            for name in want:
+                assert got[name].dtype == want[name].dtype, name
+                np.testing.assert_array_equal(got[name], want[name], err_msg=f"{tp}/{r}/{name}")
+        assert (out / "config.json").read_bytes() == (src / "config.json").read_bytes()
+        assert (out / "tokenizer.json").exists() and (out / "generation_config.json").exists()
+
+
+def test_manifest_records_what_loaders_and_operators_check(llama_ckpt: Path, tmp_path: Path) -> None:
+    out = tmp_path / "a"
+    summary = stage(StageRequest(source=str(llama_ckpt), out=str(out), tp=2))
+    m = json.loads((out / MANIFEST).read_text())
+    assert m["format"] == "sharded_state" and m["tensorParallelSize"] == 2
+    assert m["pipelineParallelSize"] == 1 and m["dtype"] == "auto"
+    assert m["vllmVersion"] == "0.32" and m["layoutVersion"] == "vllm-0.32/1"
+    assert m["digest"] == summary["digest"]
+    files = {f["name"] for f in m["source"]["files"]}
+    assert "model.safetensors.index.json" not in files  # identity: weights and carried files
+    assert {"config.json", "model-00001-of-00003.safetensors"} <= files
+    listed = set(m["files"])
+    assert listed == {p.name for p in out.iterdir()} - {MANIFEST}
+    for name, entry in m["files"].items():
+        assert (out / name).stat().st_size == entry["size"]
+
+
+def test_rerun_on_complete_artifact_does_nothing(llama_ckpt: Path, tmp_path: Path) -> None:
+    out = tmp_path / "a"
+    stage(StageRequest(source=str(llama_ckpt), out=str(out), tp=2))
+    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    again = stage(StageRequest(source=str(llama_ckpt), out=str(out), tp=2))
+    assert again["alreadyStaged"] is True
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
+
+
+def test_output_of_another_digest_is_refused_not_overwritten(
+    llama_ckpt: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "a"
+    stage(StageRequest(source=str(llama_ckpt), out=str(out), tp=2))
+    with pytest.raises(ArtifactError, match="digest"):
+        stage(StageRequest(source=str(llama_ckpt), out=str(out), tp=1))
+    verify_directory(out, tp=2)
+
+
+def test_incomplete_output_directory_is_refused(llama_ckpt: Path, tmp_path: Path) -> None:
+    out = tmp_path / "a"
+    out.mkdir()
+    (out / "model-rank-0-part-0.safetensors").write_bytes(b"partial")
+    with pytest.raises(ArtifactError, match="incomplete or foreign"):
+        stage(StageRequest(source=str(llama_ckpt), out=str(out), tp=1))
+    assert (out / "model-rank-0-part-0.safetensors").read_bytes() == b"partial"
+
+
+def test_leftovers_of_a_killed_run_are_removed(llama_ckpt: Path, tmp_path: Path) -> None:
+    stale = tmp_path / "a.tmp-deadbeef"
+    stale.mkdir()
+    (stale / "model-rank-0-part-0.safetensors").write_bytes(b"x")
+    stage(StageRequest(source=str(llama_ckpt), out=str(tmp_path / "a"), tp=1))
+    assert not stale.exists()
+    assert not list(tmp_path.glob("a.tmp-*"))
+
+
+def test_failed_stage_publishes_nothing(tmp_path: Path) -> None:
+    src = write_checkpoint(SyntheticModel(), tmp_path / "src")
+    with pytest.raises(SpecError, match="does not divide"):
+        stage(StageRequest(source=str(src), out=str(tmp_path / "a"), tp=3))
+    assert not (tmp_path / "a").exists() and not list(tmp_path.glob("a.tmp-*"))
+
+
+def test_large_ranks_split_into_parts_that_together_hold_every_tensor(
+    llama_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    small = dataclasses.replace(layouts.LAYOUTS["0.32"], max_part_bytes=300_000)
+    monkeypatch.setitem(layouts.LAYOUTS, "0.32", small)
+    out = tmp_path / "a"
+    stage(StageRequest(source=str(llama_ckpt), out=str(out), tp=2))
+    parts = sorted(p.name for p in out.glob("model-rank-0-part-*.safetensors"))
+    assert len(parts) > 2
+    hf, config = load_checkpoint_tensors(llama_ckpt), load_config(llama_ckpt)
+    got = rank_tensors(out, 0)
+    want = expected_rank(hf, config, 2, 0)
+    assert sorted(got) == sorted(want)
+
+
+def test_dtype_cast_matches_torch_rounding(tmp_path: Path) -> None:
+    import torch
+
+    src = write_checkpoint(SyntheticModel(num_layers=1), tmp_path / "src")
+    out = tmp_path / "bf16"
+    stage(StageRequest(source=str(src), out=str(out), tp=2, dtype="bfloat16"))
+    hf = load_checkpoint_tensors(src)
+    with safe_open(out / "model-rank-1-part-0.safetensors", framework="pt") as f:
+        down = f.get_tensor("model.layers.0.mlp.down_proj.weight")
+        scale = f.get_tensor("model.layers.0.self_attn.attn._k_scale")
+    want = torch.from_numpy(np.array_split(hf["model.layers.0.mlp.down_proj.weight"], 2, 1)[1].copy())
+    assert down.dtype == torch.bfloat16
+    assert torch.equal(down, want.to(torch.bfloat16))
+    assert scale.dtype == torch.float32 and scale.item() == 1.0
+
+
+def test_verify_reports_a_corrupted_file(llama_ckpt: Path, tmp_path: Path) -> None:
+    out = tmp_path / "a"
+    stage(StageRequest(source=str(llama_ckpt), out=str(out), tp=2))
+    victim = out / "model-rank-1-part-0.safetensors"
+    data = bytearray(victim.read_bytes())
+    data[-5] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    with pytest.raises(ArtifactError, match="sha256"):
+        verify_directory(out)
+    verify_directory(out, hash_content=False)  # sizes alone cannot see it
+    victim.write_bytes(bytes(data[:-1]))
+    with pytest.raises(ArtifactError, match="bytes, the manifest says"):
+        verify_directory(out, hash_content=False)
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONSAFEPATH": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "modelstage.stager.cli", *args],
+        capture_output=True, text=True, env=env, cwd="/", check=False,
+    )  # fmt: skip
+
+
+def test_cli_success_ends_with_one_line_json_summary(llama_ckpt: Path, tmp_path: Path) -> None:
+    done = run_cli("stage", str(llama_ckpt), "--tp", "2", "--out", str(tmp_path / "a"))
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["tensorParallelSize"] == 2 and summary["bytes"] > 0
+    assert summary["sourceIdentity"].startswith("sha256:")
+    assert len(done.stdout.strip().splitlines()[-1]) < 4096  # fits a termination message
+    verify = run_cli("verify", str(tmp_path / "a"), "--tp", "2", "--digest", summary["digest"])
+    assert verify.returncode == 0, verify.stderr
+    wrong = run_cli("verify", str(tmp_path / "a"), "--tp", "4")
+    assert wrong.returncode == 1 and "tensor parallel size 2" in wrong.stderr.splitlines()[-1]
+
+
+def test_cli_failure_ends_with_one_line_reason(tmp_path: Path) -> None:
+    src = write_checkpoint(SyntheticModel(), tmp_path / "src")
+    done = run_cli("stage", str(src), "--tp", "3", "--out", str(tmp_path / "a"))
+    assert done.returncode == 1
+    last = (done.stdout + done.stderr).strip().splitlines()[-1]
+    assert last.startswith("error: ") and "does not divide the 8 attention heads" in last
+    assert "Traceback" not in done.stderr

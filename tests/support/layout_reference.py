@@ -1,0 +1,86 @@
+"""An independent, deliberately naive statement of vLLM 0.32's per-rank layout (DESIGN.md 4).
+
+Written from the documented facts, not from the planner, so the stager's output can be
+checked against it byte for byte without vLLM. The vLLM oracle tier checks both against vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+from safetensors.numpy import load_file
+
+Arr = npt.NDArray[np.generic]
+SCALES = ("_k_scale", "_v_scale", "_q_scale", "_prob_scale")
+
+
+def _heads(t: Arr, heads: int, hd: int, tp: int, r: int) -> Arr:
+    if heads >= tp:
+        per = heads // tp
+        return t[r * per * hd : (r + 1) * per * hd]
+    h = r // (tp // heads)
+    return t[h * hd : (h + 1) * hd]
+
+
+def _vocab(t: Arr, tp: int, r: int) -> Arr:
+    padded = -(-t.shape[0] // 64) * 64
+    full = np.zeros((padded, *t.shape[1:]), dtype=t.dtype)
+    full[: t.shape[0]] = t
+    per = padded // tp
+    return full[r * per : (r + 1) * per]
+
+
+def _split(t: Arr, tp: int, r: int, dim: int) -> Arr:
+    return np.array_split(t, tp, axis=dim)[r]
+
+
+def expected_rank(hf: dict[str, Arr], config: dict[str, object], tp: int, r: int) -> dict[str, Arr]:
+    heads = int(config["num_attention_heads"])  # type: ignore[call-overload]
+    kv = int(config["num_key_value_heads"])  # type: ignore[call-overload]
+    hd = int(config.get("head_dim") or int(config["hidden_size"]) // heads)  # type: ignore[call-overload]
+    layers = int(config["num_hidden_layers"])  # type: ignore[call-overload]
+    out: dict[str, Arr] = {}
+    embed = _vocab(hf["model.embed_tokens.weight"], tp, r)
+    if config.get("tie_word_embeddings"):
+        out["lm_head.weight"] = embed
+    else:
+        out["model.embed_tokens.weight"] = embed
+        out["lm_head.weight"] = _vocab(hf["lm_head.weight"], tp, r)
+    out["model.norm.weight"] = hf["model.norm.weight"]
+    for i in range(layers):
+        a, m, p = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp", f"model.layers.{i}"
+        for kind in ("weight", "bias"):
+            if f"{a}.q_proj.{kind}" in hf:
+                out[f"{a}.qkv_proj.{kind}"] = np.concatenate([
+                    _heads(hf[f"{a}.q_proj.{kind}"], heads, hd, tp, r),
+                    _heads(hf[f"{a}.k_proj.{kind}"], kv, hd, tp, r),
+                    _heads(hf[f"{a}.v_proj.{kind}"], kv, hd, tp, r),
+                ])  # fmt: skip
+        out[f"{a}.o_proj.weight"] = _split(hf[f"{a}.o_proj.weight"], tp, r, 1)
+        out[f"{m}.gate_up_proj.weight"] = np.concatenate([
+            _split(hf[f"{m}.gate_proj.weight"], tp, r, 0),
+            _split(hf[f"{m}.up_proj.weight"], tp, r, 0),
+        ])  # fmt: skip
+        out[f"{m}.down_proj.weight"] = _split(hf[f"{m}.down_proj.weight"], tp, r, 1)
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            out[f"{p}.{norm}.weight"] = hf[f"{p}.{norm}.weight"]
+        for norm in ("q_norm", "k_norm"):
+            if f"{a}.{norm}.weight" in hf:
+                out[f"{a}.{norm}.weight"] = hf[f"{a}.{norm}.weight"]
+        for scale in SCALES:
+            out[f"{a}.attn.{scale}"] = np.array(1.0, dtype=np.float32)
+    return out
+
+
+def load_checkpoint_tensors(path: Path) -> dict[str, Arr]:
+    tensors: dict[str, Arr] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    return tensors
+
+
+def load_config(path: Path) -> dict[str, object]:
+    return json.loads((path / "config.json").read_text())  # type: ignore[no-any-return]
