@@ -48,7 +48,7 @@ ConditionType = Literal["Staged", "Ready", "Degraded"]
 # Patterns are ECMA-262 and Python compatible (the API server evaluates them, so does pydantic).
 DNS_NAME = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
-MODEL_URI = r"^(hf://[A-Za-z0-9][\w.-]*/[\w.-]+|s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/.*)?)$"
+MODEL_URI = r"^(hf://[A-Za-z0-9][\w.-]*/[\w.-]+/?|s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/.*)?)$"
 S3_URI = r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?$"
 SAFE_PATH = r"^[A-Za-z0-9_./-]*$"
 """Plain path characters; ``..`` segments are refused by a rule."""
@@ -77,7 +77,8 @@ class Rule:
 
 
 class Model(BaseModel):
-    """Base: camelCase on the wire, unknown fields refused, ``Rule`` tables enforced."""
+    """Base: camelCase on the wire, unknown fields refused, no coercion (``"4"`` is not a TP:
+    the API server would refuse it too), ``Rule`` tables enforced."""
 
     model_config = ConfigDict(
         alias_generator=to_camel,
@@ -85,6 +86,7 @@ class Model(BaseModel):
         extra="forbid",
         use_attribute_docstrings=True,
         frozen=True,
+        strict=True,
     )
     rules: ClassVar[tuple[Rule, ...]] = ()
 
@@ -348,7 +350,7 @@ class ModelDeploymentSpec(Model):
 class ArtifactStatus(Model):
     """A staged artifact, as the stager reported it."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=False)
     digest: str
     uri: str
     """``pvc://claim/path/namespace/digest`` or ``s3://bucket/prefix/namespace/digest``."""
@@ -365,7 +367,7 @@ class ArtifactStatus(Model):
 class Condition(Model):
     """A Kubernetes-style condition; lastTransitionTime changes only when status changes."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=False)
     type: ConditionType
     status: Literal["True", "False", "Unknown"]
     reason: Annotated[str, Field(pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$")]
@@ -377,7 +379,7 @@ class Condition(Model):
 class ModelDeploymentStatus(Model):
     """What the operator last observed and did. Unknown fields are kept (kopf's own state)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=False)
     phase: Phase = "Pending"
     observed_generation: int | None = None
     desired_digest: str | None = None
@@ -395,9 +397,10 @@ class ModelDeploymentStatus(Model):
 
 
 class ModelDeployment(Model):
-    """The whole object, for examples and tests (the operator gets spec and status apart)."""
+    """A checkpoint staged per tensor-parallel rank ahead of time, and the vLLM workload that
+    the operator rolls onto it."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=False)
     api_version: Literal["modelstage.io/v1alpha1"] = API_VERSION
     kind: Literal["ModelDeployment"] = KIND
     metadata: dict[str, Any]

@@ -60,7 +60,9 @@ def _attention(bias: When) -> tuple[Rule, ...]:
     """q, k and v (weights, then optional biases) fused into ``qkv_proj``, slot by slot."""
     rows = {"q": "q", "k": "kv", "v": "kv"}
     weights = [
-        Rule(f"{ATTN}.{x}_proj.weight", f"{ATTN}.qkv_proj.weight", Split.QKV, (rows[x], "hidden"), x)
+        Rule(
+            f"{ATTN}.{x}_proj.weight", f"{ATTN}.qkv_proj.weight", Split.QKV, (rows[x], "hidden"), x
+        )
         for x in "qkv"
     ]
     biases = [

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,9 +75,7 @@ def open_checkpoint(source: Source) -> Checkpoint:
     weight_files = _weight_files(source, files)
     tensors: dict[str, TensorInfo] = {}
     for name in weight_files:
-        header = read_header(
-            name, source.size(name), lambda off, n, f=name: _read(source, f, off, n)
-        )
+        header = read_header(name, source.size(name), _reader(source, name))
         for tensor in header.tensors.values():
             if tensor.name in tensors:
                 raise CheckpointError(
@@ -90,10 +88,13 @@ def open_checkpoint(source: Source) -> Checkpoint:
     return Checkpoint(source, config, model, tuple(weight_files), tensors, carried)
 
 
-def _read(source: Source, name: str, offset: int, length: int) -> bytes:
-    buf = bytearray(length)
-    source.read_range(name, offset, memoryview(buf))
-    return bytes(buf)
+def _reader(source: Source, name: str) -> Callable[[int, int], bytes]:
+    def read(offset: int, length: int) -> bytes:
+        buf = bytearray(length)
+        source.read_range(name, offset, memoryview(buf))
+        return bytes(buf)
+
+    return read
 
 
 def _weight_files(source: Source, files: list[str]) -> list[str]:

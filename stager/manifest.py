@@ -5,6 +5,7 @@ Torch-free: the operator, the initContainer and the loader plugin all read it.
 
 from __future__ import annotations
 
+import builtins
 import hashlib
 import json
 import os
@@ -49,7 +50,7 @@ class Manifest(BaseModel):
         return json.dumps(self.model_dump(), indent=2, sort_keys=True) + "\n"
 
     @staticmethod
-    def from_json(raw: bytes | str, where: str) -> Manifest:
+    def from_json(raw: builtins.bytes | str, where: str) -> Manifest:
         try:
             return Manifest.model_validate_json(raw)
         except ValidationError as e:

@@ -8,6 +8,7 @@ and hashes in order. Memory is bounded by the buffer pool, not by the checkpoint
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -101,7 +102,9 @@ class _RankStreams:
         self.executors = [ThreadPoolExecutor(1, f"rank{r}") for r in range(len(sinks))]
         self.pending: list[Future[None]] = []
 
-    def append(self, rank: int, data: memoryview, on_done: Callable[[], None] | None = None) -> None:
+    def append(
+        self, rank: int, data: memoryview, on_done: Callable[[], None] | None = None
+    ) -> None:
         future = self.executors[rank].submit(self.sinks[rank].write, data)
         if on_done is not None:
             future.add_done_callback(lambda _f: on_done())
@@ -263,10 +266,8 @@ def _stream_part(
     finally:
         cancel.set()
         while reader.is_alive():  # unblock a reader waiting on a full queue
-            try:
+            with contextlib.suppress(queue.Empty):
                 filled.get(timeout=0.1)
-            except queue.Empty:
-                pass
         reader.join()
 
 
@@ -298,7 +299,7 @@ def _scatter(item: _Chunk, buf: bytearray, streams: _RankStreams, pool: _BufferP
         if sel.cols is not None:
             grid = np.frombuffer(view, dtype=np.uint8).reshape(b - a, item.row_bytes)
             cut = grid[:, sel.cols[0] * item.col_bytes : sel.cols[1] * item.col_bytes]
-            view = memoryview(np.ascontiguousarray(cut)).cast("B")
+            view = np.ascontiguousarray(cut).data.cast("B")
         if item.src_dtype != item.target.dtype:
             view = cast_bytes(view, item.src_dtype, item.target.dtype)
         views.append((r, view))
@@ -330,4 +331,4 @@ def cast_bytes(data: memoryview, src: str, dst: str) -> memoryview:
     if len(data) == 0:
         return data
     tensor = torch.frombuffer(bytearray(data), dtype=dtypes[src]).to(dtypes[dst])
-    return memoryview(tensor.view(torch.uint8).numpy()).cast("B")
+    return tensor.view(torch.uint8).numpy().data.cast("B")

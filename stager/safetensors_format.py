@@ -9,6 +9,7 @@ data, offsets relative to the end of the header.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -132,9 +133,7 @@ def _tensor_info(file: str, name: str, entry: object, data_start: int, data_len:
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
     if dtype not in DTYPE_SIZES:
         raise CheckpointError(f"{where}: unknown dtype {dtype!r}")
-    if not isinstance(shape, list) or not all(
-        type(d) is int and 0 <= d < 2**62 for d in shape
-    ):
+    if not isinstance(shape, list) or not all(type(d) is int and 0 <= d < 2**62 for d in shape):
         raise CheckpointError(f"{where}: shape must be a list of non-negative integers")
     if (
         not isinstance(offsets, list)
@@ -159,7 +158,7 @@ def _tensor_info(file: str, name: str, entry: object, data_start: int, data_len:
 
 def _check_no_overlap(file: str, tensors: Iterable[TensorInfo]) -> None:
     spans = sorted((t.begin, t.end, t.name) for t in tensors if t.end > t.begin)
-    for (b0, e0, n0), (b1, _e1, n1) in zip(spans, spans[1:], strict=False):
+    for (_b0, e0, n0), (b1, _e1, n1) in itertools.pairwise(spans):
         if b1 < e0:
             raise CheckpointError(f"{file}: tensors {n0!r} and {n1!r} overlap")
 

@@ -227,7 +227,9 @@ def _slots(
         return [data, zeros] if padded != n else [data]
     if split is Split.QKV:
         heads = config.num_heads if rule.slot == "q" else config.num_kv_heads
-        return [Slot(source, tuple(Slice(_head_rows(heads, tp, r, config.head_dim)) for r in range(tp)))]
+        return [
+            Slot(source, tuple(Slice(_head_rows(heads, tp, r, config.head_dim)) for r in range(tp)))
+        ]
     raise AssertionError(split)
 
 

@@ -38,7 +38,7 @@ class Source(abc.ABC):
     def identity(self, files: list[str]) -> dict[str, Any]:
         """What pins the source's content (commit sha, ETags, or size + header hash)."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook, most sources hold nothing
         """Release open handles."""
 
 

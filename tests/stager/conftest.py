@@ -4,7 +4,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-
 from modelstage.stager.synthetic import SyntheticModel, write_checkpoint
 
 

@@ -11,15 +11,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from safetensors import safe_open
-from safetensors.numpy import load_file
-
 from modelstage.stager import layouts
 from modelstage.stager.errors import ArtifactError, SpecError
-from modelstage.stager.manifest import MANIFEST, TIMING_FIELDS, verify_directory
+from modelstage.stager.manifest import MANIFEST, verify_directory
 from modelstage.stager.stage import StageRequest, stage
 from modelstage.stager.synthetic import SyntheticModel, write_checkpoint
-
+from safetensors import safe_open
+from safetensors.numpy import load_file
 from support.layout_reference import expected_rank, load_checkpoint_tensors, load_config
 
 CASES = [
@@ -63,7 +61,9 @@ def test_rank_files_hold_exactly_vllms_per_rank_tensors(
         assert (out / "tokenizer.json").exists() and (out / "generation_config.json").exists()
 
 
-def test_manifest_records_what_loaders_and_operators_check(llama_ckpt: Path, tmp_path: Path) -> None:
+def test_manifest_records_what_loaders_and_operators_check(
+    llama_ckpt: Path, tmp_path: Path
+) -> None:
     out = tmp_path / "a"
     summary = stage(StageRequest(source=str(llama_ckpt), out=str(out), tp=2))
     m = json.loads((out / MANIFEST).read_text())
@@ -149,7 +149,9 @@ def test_dtype_cast_matches_torch_rounding(tmp_path: Path) -> None:
     with safe_open(out / "model-rank-1-part-0.safetensors", framework="pt") as f:
         down = f.get_tensor("model.layers.0.mlp.down_proj.weight")
         scale = f.get_tensor("model.layers.0.self_attn.attn._k_scale")
-    want = torch.from_numpy(np.array_split(hf["model.layers.0.mlp.down_proj.weight"], 2, 1)[1].copy())
+    want = torch.from_numpy(
+        np.array_split(hf["model.layers.0.mlp.down_proj.weight"], 2, 1)[1].copy()
+    )
     assert down.dtype == torch.bfloat16
     assert torch.equal(down, want.to(torch.bfloat16))
     assert scale.dtype == torch.float32 and scale.item() == 1.0

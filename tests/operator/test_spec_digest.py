@@ -1,0 +1,144 @@
+"""``spec -> digest`` and ``spec -> location``: what changes the bytes changes the digest,
+nothing else does, and the artifact lands where the contract says."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from modelstage.operator.api import ArtifactStatus, ModelDeploymentSpec
+from modelstage.operator.artifact import (
+    ARTIFACT_MOUNT,
+    artifact_for,
+    artifact_from_status,
+    locate,
+    location_from_uri,
+    spec_digest,
+)
+from modelstage.stager.digest import artifact_digest
+from modelstage.stager.errors import SpecError
+from modelstage.stager.layouts import layout_for
+
+SpecDict = Callable[..., dict[str, Any]]
+SpecFactory = Callable[..., ModelDeploymentSpec]
+
+
+def shuffled(value: Any, rng: random.Random) -> Any:
+    """The same document with every mapping's keys in a random order."""
+    if isinstance(value, dict):
+        items = list(value.items())
+        rng.shuffle(items)
+        return {k: shuffled(v, rng) for k, v in items}
+    return value
+
+
+def test_digest_is_the_stagers_function_of_the_byte_relevant_fields(make_spec: SpecFactory) -> None:
+    spec = make_spec(model={"revision": "main"}, dtype="bfloat16")
+    assert spec_digest(spec) == artifact_digest(
+        uri="hf://meta-llama/Meta-Llama-3-8B-Instruct",
+        revision="main",
+        tensor_parallel=2,
+        pipeline_parallel=1,
+        dtype="bfloat16",
+        load_format="sharded_state",
+        layout_version=layout_for("0.32").layout_version,
+    )
+
+
+@given(seed=st.integers(min_value=0, max_value=2**32))
+def test_digest_does_not_depend_on_field_order(seed: int) -> None:
+    raw = {
+        "model": {"uri": "hf://org/name", "revision": "v1", "credentialsSecret": "tok"},
+        "parallelism": {"tensor": 4, "pipeline": 1},
+        "dtype": "float16",
+        "loadFormat": "tensorizer",
+        "storage": {"pvc": {"claimName": "models", "path": "/a"}},
+        "serving": {"targetRef": {"name": "vllm", "kind": "Deployment"}, "vllmVersion": "0.32"},
+        "stager": {"parallelism": 2, "backoffLimit": 1},
+    }
+    reordered = shuffled(raw, random.Random(seed))
+    assert list(reordered) != list(raw) or seed % 7 != 0 or True  # order is random, not asserted
+    assert spec_digest(ModelDeploymentSpec.model_validate(reordered)) == spec_digest(
+        ModelDeploymentSpec.model_validate(raw)
+    )
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"model": {"uri": "hf://meta-llama/Meta-Llama-3-8B"}},
+        {"model": {"revision": "refs/pr/1"}},
+        {"parallelism": {"tensor": 4}},
+        {"dtype": "float16"},
+        {"loadFormat": "tensorizer"},
+    ],
+    ids=lambda v: next(iter(v)),
+)
+def test_every_byte_relevant_change_changes_the_digest(make_spec: SpecFactory, change: dict[str, Any]) -> None:
+    assert spec_digest(make_spec(**change)) != spec_digest(make_spec())
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"model": {"credentialsSecret": "other-token"}},
+        {"storage": {"pvc": {"claimName": "elsewhere", "path": "/x"}}},
+        {"stager": {"parallelism": 8, "image": "registry.local/stager:dev"}},
+        {"serving": {"targetRef": {"name": "other"}, "containerName": "main", "plugin": False}},
+        {"serving": {"vllmVersion": "0.32.4"}},
+        {"retention": {"keep": 5}},
+        {"model": {"uri": "hf://meta-llama/Meta-Llama-3-8B-Instruct/"}},
+    ],
+    ids=lambda v: str(v)[:40],
+)
+def test_changes_that_keep_the_bytes_keep_the_digest(make_spec: SpecFactory, change: dict[str, Any]) -> None:
+    assert spec_digest(make_spec(**change)) == spec_digest(make_spec())
+
+
+def test_unknown_vllm_version_is_a_spec_error_naming_the_supported_ones(make_spec: SpecFactory) -> None:
+    with pytest.raises(SpecError, match="supported: 0.32"):
+        spec_digest(make_spec(serving={"vllmVersion": "0.1"}))
+
+
+@pytest.mark.parametrize(
+    ("path", "expected"),
+    [("/", "/llm/{d}"), ("/artifacts", "/artifacts/llm/{d}"), ("models/v1/", "/models/v1/llm/{d}")],
+)
+def test_pvc_location_is_mount_path_namespace_digest(
+    make_spec: SpecFactory, path: str, expected: str
+) -> None:
+    spec = make_spec(storage={"pvc": {"path": path}})
+    location = locate(spec, namespace="llm", deployment_name="md", digest="abc123")
+    inner = expected.format(d="abc123")
+    assert location.path == f"{ARTIFACT_MOUNT}{inner}"
+    assert location.uri == f"pvc://models{inner}"
+    assert location.claim_name == "models"
+    assert location.manifest == f"{ARTIFACT_MOUNT}{inner}/modelstage.json"
+
+
+def test_s3_location_is_prefix_namespace_digest(make_spec: SpecFactory) -> None:
+    spec = make_spec(loadFormat="tensorizer", storage={"pvc": None, "s3": {"uri": "s3://bucket/pre/"}})
+    location = locate(spec, namespace="llm", deployment_name="md", digest="abc123")
+    assert location.uri == location.path == "s3://bucket/pre/llm/abc123"
+    assert location.claim_name is None and not location.on_pvc
+
+
+def test_a_claim_to_create_is_named_after_the_model_deployment(make_spec: SpecFactory) -> None:
+    spec = make_spec(storage={"pvc": {"claimName": None, "create": {"size": "10Gi"}}})
+    assert locate(spec, namespace="n", deployment_name="llama", digest="d").claim_name == "modelstage-llama"
+
+
+@pytest.mark.parametrize("storage", [{"pvc": {"path": "/a/b"}}, {"pvc": None, "s3": {"uri": "s3://bkt/p"}}])
+def test_status_uri_leads_back_to_the_same_location(make_spec: SpecFactory, storage: dict[str, Any]) -> None:
+    spec = make_spec(loadFormat="tensorizer", storage=storage)
+    artifact = artifact_for(spec, namespace="llm", deployment_name="md")
+    assert location_from_uri(artifact.location.uri, artifact.digest) == artifact.location
+    status = ArtifactStatus(
+        digest=artifact.digest, uri=artifact.location.uri, format="tensorizer", tensor_parallel_size=2
+    )
+    assert artifact_from_status(status) == artifact
