@@ -23,6 +23,8 @@ API_SERVER_MODULES = frozenset(
     {"vllm.entrypoints.openai.api_server", "vllm.entrypoints.api_server"}
 )
 SHELLS = frozenset({"sh", "bash", "dash", "ash", "zsh"})
+SCRIPT_MARKERS = ("vllm serve", "vllm.entrypoints")
+"""Text that shows a token is a whole command line (a shell script), not one argument."""
 ALIASES = {"-tp": "--tensor-parallel-size"}
 MODEL = "--model"
 LOAD_FORMAT = "--load-format"
@@ -47,6 +49,9 @@ class VllmSettings:
     """Keys the operator sets in ``--model-loader-extra-config``."""
     kept_extra_keys: frozenset[str] = frozenset()
     """Keys of the user's extra config that the chosen loader accepts and that are kept."""
+    own_models: tuple[str, ...] = ()
+    """Prefixes of model values that are earlier artifacts, not names clients know: moving
+    from one of those adds no ``--served-model-name``."""
 
 
 @dataclass(frozen=True)
@@ -74,20 +79,20 @@ def _vllm_start(argv: list[str], has_command: bool) -> tuple[int, bool, bool]:
     """Index of vLLM's first argument; whether a positional model may stand there; whether the
     invocation is an explicit ``vllm serve`` (where a missing model is added as positional)."""
     for i, token in enumerate(argv):
-        if any(c.isspace() for c in token) and (
-            "vllm serve" in token or "vllm.entrypoints" in token
-        ):
+        nxt = argv[i + 1] if i + 1 < len(argv) else None
+        shell = posixpath.basename(token) in SHELLS and nxt == "-c"
+        script = any(c.isspace() for c in token) and any(m in token for m in SCRIPT_MARKERS)
+        if shell or script:
             raise SpecError(
                 "the vLLM container starts vLLM through a shell script; modelstage rewrites only "
                 "argument lists: put `vllm serve MODEL ...` in command/args as separate items"
             )
+    for i, token in enumerate(argv):
         nxt = argv[i + 1] if i + 1 < len(argv) else None
         if posixpath.basename(token) == "vllm" and nxt == "serve":
             return i + 2, True, True
         if token == "-m" and nxt in API_SERVER_MODULES:
             return i + 2, False, False
-        if posixpath.basename(token) in SHELLS and nxt == "-c":
-            break
     if not has_command:
         # Args only: the image's entrypoint is `vllm serve` (positional model allowed) or the
         # API server module (--model only); --model works with both.
@@ -186,6 +191,7 @@ def rewrite(
         SERVED_NAME not in by_name
         and original_model is not None
         and original_model != settings.model
+        and not original_model.startswith(settings.own_models)
     ):
         additions += [SERVED_NAME, original_model]
 

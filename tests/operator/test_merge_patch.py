@@ -4,27 +4,31 @@ from __future__ import annotations
 
 from typing import Any
 
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from modelstage.operator.patch import apply_merge_patch, merge_diff
 
-scalars = st.one_of(st.booleans(), st.integers(), st.text(max_size=5))
+# The CI machine is small and shared: no per-example deadline, generation may be slow.
+RELAXED = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
+scalars = st.one_of(st.booleans(), st.integers(), st.text(max_size=3))
 documents = st.recursive(
     scalars,
     lambda inner: st.one_of(
         st.lists(inner, max_size=3), st.dictionaries(st.sampled_from("abcde"), inner, max_size=4)
     ),
-    max_leaves=20,
+    max_leaves=10,
 )
 objects = st.dictionaries(st.sampled_from("abcde"), documents, max_size=5)
 
 
+@RELAXED
 @given(old=objects, new=objects)
 def test_applying_the_diff_yields_the_new_document(old: dict[str, Any], new: dict[str, Any]) -> None:
     assert apply_merge_patch(old, merge_diff(old, new)) == new
 
 
+@RELAXED
 @given(old=objects, new=objects)
 def test_applying_a_diff_twice_changes_nothing_more(old: dict[str, Any], new: dict[str, Any]) -> None:
     patch = merge_diff(old, new)

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from modelstage.operator.api import ArtifactStatus, ModelDeploymentSpec
@@ -50,6 +50,7 @@ def test_digest_is_the_stagers_function_of_the_byte_relevant_fields(make_spec: S
     )
 
 
+@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(min_value=0, max_value=2**32))
 def test_digest_does_not_depend_on_field_order(seed: int) -> None:
     raw = {
@@ -62,7 +63,6 @@ def test_digest_does_not_depend_on_field_order(seed: int) -> None:
         "stager": {"parallelism": 2, "backoffLimit": 1},
     }
     reordered = shuffled(raw, random.Random(seed))
-    assert list(reordered) != list(raw) or seed % 7 != 0 or True  # order is random, not asserted
     assert spec_digest(ModelDeploymentSpec.model_validate(reordered)) == spec_digest(
         ModelDeploymentSpec.model_validate(raw)
     )

@@ -1,0 +1,269 @@
+"""Rewriting vLLM command lines: a corpus of real-world invocations, and properties (the
+operator's flags are set, every other token stays where it was, rewriting is idempotent)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from modelstage.operator.vllm_args import VllmSettings, rewrite
+from modelstage.stager.errors import SpecError
+
+ART = "/mnt/modelstage/artifacts/llm/0123456789abcdef0123"
+SETTINGS = VllmSettings(model=ART, load_format="modelstage_sharded_state", tensor_parallel_size=4)
+TENSORIZER = VllmSettings(
+    model=ART,
+    load_format="tensorizer",
+    tensor_parallel_size=2,
+    extra_config={"tensorizer_uri": f"{ART}/model-rank-%03d.tensors"},
+    kept_extra_keys=frozenset({"num_readers", "verify_hash"}),
+)
+RUNAI = VllmSettings(
+    model="s3://models/llm/0123",
+    load_format="runai_streamer",
+    tensor_parallel_size=2,
+    kept_extra_keys=frozenset({"distributed", "concurrency", "memory_limit"}),
+)
+
+
+@dataclass(frozen=True)
+class Case:
+    """A container's command/args as found in the wild, and what the rewrite must give."""
+
+    name: str
+    command: list[str] | None
+    args: list[str] | None
+    want_command: list[str] | None
+    want_args: list[str] | None
+    settings: VllmSettings = SETTINGS
+
+
+CORPUS = [
+    Case(
+        "vllm-openai image, args only, --model flag (the upstream Kubernetes docs)",
+        None,
+        ["--model", "meta-llama/Meta-Llama-3-8B-Instruct", "--tensor-parallel-size", "2",
+         "--max-model-len", "8192", "--gpu-memory-utilization", "0.9"],
+        None,
+        ["--model", ART, "--tensor-parallel-size", "4", "--max-model-len", "8192",
+         "--gpu-memory-utilization", "0.9", "--load-format", "modelstage_sharded_state",
+         "--served-model-name", "meta-llama/Meta-Llama-3-8B-Instruct"],
+    ),
+    Case(
+        "vllm serve in command, positional model and --flag=value in args",
+        ["vllm", "serve"],
+        ["meta-llama/Llama-3.1-70B-Instruct", "--tensor-parallel-size=8", "--enable-prefix-caching",
+         "--max-num-seqs", "256", "--disable-log-requests"],
+        ["vllm", "serve"],
+        [ART, "--tensor-parallel-size=4", "--enable-prefix-caching", "--max-num-seqs", "256",
+         "--disable-log-requests", "--load-format", "modelstage_sharded_state",
+         "--served-model-name", "meta-llama/Llama-3.1-70B-Instruct"],
+    ),
+    Case(
+        "python -m api_server with every flag in command (KServe-style)",
+        ["python3", "-m", "vllm.entrypoints.openai.api_server", "--model=/mnt/models",
+         "--served-model-name=llama", "--port=8080", "--load-format=safetensors"],
+        None,
+        ["python3", "-m", "vllm.entrypoints.openai.api_server", f"--model={ART}",
+         "--served-model-name=llama", "--port=8080", "--load-format=modelstage_sharded_state",
+         "--tensor-parallel-size", "4"],
+        None,
+    ),
+    Case(
+        "everything in command, -tp alias, an existing --load-format (production-stack style)",
+        ["vllm", "serve", "Qwen/Qwen2.5-7B-Instruct", "--host", "0.0.0.0", "--port", "8000",
+         "-tp", "2", "--max-num-seqs", "32", "--load-format", "safetensors", "--trust-remote-code"],
+        None,
+        ["vllm", "serve", ART, "--host", "0.0.0.0", "--port", "8000", "-tp", "4",
+         "--max-num-seqs", "32", "--load-format", "modelstage_sharded_state", "--trust-remote-code",
+         "--served-model-name", "Qwen/Qwen2.5-7B-Instruct"],
+        None,
+    ),
+    Case(
+        "absolute vllm path, underscore spelling, a stale extra config with a foreign pattern",
+        ["/usr/local/bin/vllm", "serve", "/models/deepseek"],
+        ["--tensor_parallel_size", "2", "--model-loader-extra-config", '{"pattern": "x-{rank}"}',
+         "--enforce-eager"],
+        ["/usr/local/bin/vllm", "serve", ART],
+        ["--tensor_parallel_size", "4", "--enforce-eager", "--load-format",
+         "modelstage_sharded_state", "--served-model-name", "/models/deepseek"],
+    ),
+    Case(
+        "vllm serve with --model flag instead of a positional, served name already set",
+        ["vllm", "serve", "--model", "mistralai/Mistral-7B-Instruct-v0.3", "--served-model-name",
+         "mistral", "mistral-7b", "--port", "8000"],
+        None,
+        ["vllm", "serve", "--model", ART, "--served-model-name", "mistral", "mistral-7b",
+         "--port", "8000", "--load-format", "modelstage_sharded_state",
+         "--tensor-parallel-size", "4"],
+        None,
+    ),
+    Case(
+        "vllm serve with no model at all gets it as the positional",
+        ["vllm", "serve"],
+        ["--config", "/etc/vllm/config.yaml"],
+        ["vllm", "serve"],
+        [ART, "--config", "/etc/vllm/config.yaml", "--load-format", "modelstage_sharded_state",
+         "--tensor-parallel-size", "4"],
+    ),
+    Case(
+        "LoRA, chat template and JSON-valued flags are left alone",
+        ["vllm", "serve", "meta-llama/Llama-2-7b-hf"],
+        ["--enable-lora", "--lora-modules", "sql=/loras/sql", "chat=/loras/chat",
+         "--chat-template", "/templates/llama.jinja", "--override-generation-config",
+         '{"temperature": 0.2}', "--tensor-parallel-size", "4"],
+        ["vllm", "serve", ART],
+        ["--enable-lora", "--lora-modules", "sql=/loras/sql", "chat=/loras/chat",
+         "--chat-template", "/templates/llama.jinja", "--override-generation-config",
+         '{"temperature": 0.2}', "--tensor-parallel-size", "4", "--load-format",
+         "modelstage_sharded_state", "--served-model-name", "meta-llama/Llama-2-7b-hf"],
+    ),
+    Case(
+        "tensorizer: extra config keeps the loader's tuning keys and drops credentials",
+        None,
+        ["--model", "EleutherAI/pythia-1.4b", "--model-loader-extra-config",
+         '{"num_readers": 4, "s3_secret_access_key": "leaked", "tensorizer_uri": "s3://old"}'],
+        None,
+        ["--model", ART, "--model-loader-extra-config",
+         json.dumps({"num_readers": 4, "tensorizer_uri": f"{ART}/model-rank-%03d.tensors"},
+                    sort_keys=True, separators=(",", ":")),
+         "--load-format", "tensorizer", "--tensor-parallel-size", "2",
+         "--served-model-name", "EleutherAI/pythia-1.4b"],
+        TENSORIZER,
+    ),
+    Case(
+        "runai streamer: concurrency kept, the rest of the extra config dropped",
+        ["vllm", "serve", "s3://models/llm/0123"],
+        ["--model-loader-extra-config={\"concurrency\": 16, \"pattern\": \"p\"}", "-tp=2",
+         "--served-model-name", "qwen"],
+        ["vllm", "serve", "s3://models/llm/0123"],
+        ['--model-loader-extra-config={"concurrency":16}', "-tp=2", "--served-model-name", "qwen",
+         "--load-format", "runai_streamer"],
+        RUNAI,
+    ),
+    Case(
+        "env wrapper before vllm serve",
+        ["/usr/bin/env", "VLLM_LOGGING_LEVEL=DEBUG", "vllm", "serve", "facebook/opt-125m"],
+        None,
+        ["/usr/bin/env", "VLLM_LOGGING_LEVEL=DEBUG", "vllm", "serve", ART, "--load-format",
+         "modelstage_sharded_state", "--tensor-parallel-size", "4", "--served-model-name",
+         "facebook/opt-125m"],
+        None,
+    ),
+]
+
+
+@pytest.mark.parametrize("case", CORPUS, ids=lambda c: c.name)
+def test_corpus_rewrites_as_expected(case: Case) -> None:
+    assert rewrite(case.command, case.args, case.settings) == (case.want_command, case.want_args)
+
+
+@pytest.mark.parametrize("case", CORPUS, ids=lambda c: c.name)
+def test_corpus_rewrite_is_idempotent(case: Case) -> None:
+    once = rewrite(case.command, case.args, case.settings)
+    assert rewrite(*once, case.settings) == once
+
+
+@pytest.mark.parametrize("case", CORPUS, ids=lambda c: c.name)
+def test_moving_to_another_artifact_keeps_the_served_model_name(case: Case) -> None:
+    first = rewrite(case.command, case.args, case.settings)
+    other = VllmSettings(
+        model="/mnt/other", load_format="sharded_state", tensor_parallel_size=1, own_models=(ART,)
+    )
+    tokens = [t for part in rewrite(*first, other) for t in part or []]
+    first_tokens = [t for part in first for t in part or []]
+    served = [t for t in first_tokens if t.startswith("--served-model-name")]
+    assert [t for t in tokens if t.startswith("--served-model-name")] == served
+    assert tokens.count("--served-model-name") <= 1
+
+
+@pytest.mark.parametrize(
+    ("command", "args"),
+    [
+        (["/bin/sh", "-c"], ["vllm serve meta-llama/Llama-3-8B --tensor-parallel-size 2"]),
+        (["bash", "-c", "exec python3 -m vllm.entrypoints.openai.api_server --model x"], None),
+    ],
+)
+def test_shell_scripts_are_refused_with_a_way_out(command: list[str], args: list[str] | None) -> None:
+    with pytest.raises(SpecError, match="shell script"):
+        rewrite(command, args, SETTINGS)
+
+
+def test_a_container_that_does_not_run_vllm_is_refused() -> None:
+    with pytest.raises(SpecError, match="no vLLM invocation"):
+        rewrite(["nginx", "-g", "daemon off;"], None, SETTINGS)
+
+
+def test_no_command_and_no_args_means_a_vllm_image_gets_flags() -> None:
+    assert rewrite(None, None, SETTINGS) == (
+        None,
+        ["--model", ART, "--load-format", "modelstage_sharded_state", "--tensor-parallel-size", "4"],
+    )
+
+
+def test_moving_from_an_earlier_artifact_adds_no_served_model_name() -> None:
+    new = VllmSettings(model="/mnt/new", load_format="f", tensor_parallel_size=1, own_models=(ART,))
+    command, _ = rewrite(["vllm", "serve", ART], None, new)
+    assert command == ["vllm", "serve", "/mnt/new", "--load-format", "f", "--tensor-parallel-size", "1"]
+
+
+def test_an_extra_config_that_ends_up_empty_is_removed() -> None:
+    command = ["vllm", "serve", "m", "--model-loader-extra-config", '{"pattern": "p"}', "--port", "1"]
+    new_command, _ = rewrite(command, None, SETTINGS)
+    assert new_command is not None
+    assert "--model-loader-extra-config" not in new_command
+    assert new_command[new_command.index("--port") + 1] == "1"
+
+
+# Property: arbitrary unrelated flags around the owned ones survive, in order, and a second
+# rewrite changes nothing.
+OTHER_FLAGS = ["--port", "--host", "--max-model-len", "--enforce-eager", "--trust-remote-code",
+               "--gpu-memory-utilization", "--disable-log-stats", "--seed", "--swap-space"]
+values = st.text(alphabet="abcdefghij0123456789./:", min_size=1, max_size=8)
+other = st.tuples(st.sampled_from(OTHER_FLAGS), st.one_of(st.none(), values), st.booleans())
+owned = st.tuples(
+    st.sampled_from(["--model", "--load-format", "--tensor-parallel-size", "-tp", "--tensor_parallel_size"]),
+    values,
+    st.booleans(),
+)
+
+
+def render(flags: list[tuple[str, str | None, bool]]) -> list[str]:
+    out: list[str] = []
+    for name, value, inline in flags:
+        if value is None:
+            out.append(name)
+        elif inline:
+            out.append(f"{name}={value}")
+        else:
+            out += [name, value]
+    return out
+
+
+@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    flags=st.lists(st.one_of(other, owned), max_size=10),
+    entry=st.sampled_from([None, ["vllm", "serve"], ["python", "-m", "vllm.entrypoints.openai.api_server"]]),
+    split=st.integers(min_value=0, max_value=10),
+)
+def test_rewrite_keeps_other_tokens_in_order_and_is_idempotent(
+    flags: list[tuple[str, str | None, bool]], entry: list[str] | None, split: int
+) -> None:
+    argv = render(flags)
+    command = None if entry is None else entry + argv[:split]
+    args = argv if entry is None else argv[split:]
+    once = rewrite(command, args, SETTINGS)
+    assert rewrite(*once, SETTINGS) == once
+    before = [t for t in render([f for f in flags if f[0] in OTHER_FLAGS])]
+    after = [t for part in once for t in part or []]
+    kept = [t for t in after if t in before]
+    # Unrelated tokens keep their relative order (values may repeat, so compare subsequences).
+    it = iter(after)
+    assert all(tok in it for tok in before), (before, after)
+    assert len(kept) >= len(before)
+    joined = " ".join(after)
+    assert f"{ART}" in joined and "modelstage_sharded_state" in joined
