@@ -15,4 +15,4 @@ test: setup
 
 lint: setup
 	.venv/bin/ruff check stager operator tests
-	.venv/bin/mypy -p modelstage
+	.venv/bin/mypy -p modelstage.stager -p modelstage.operator

@@ -112,7 +112,9 @@ def select_container(spec: ModelDeploymentSpec, pod_spec: Manifest) -> Manifest:
     )
 
 
-def vllm_settings(artifact: Artifact, plugin: bool) -> VllmSettings:
+def vllm_settings(
+    artifact: Artifact, plugin: bool, own_models: tuple[str, ...] = ()
+) -> VllmSettings:
     loader = LOADERS[artifact.load_format]
     extra: dict[str, Any] = {}
     if artifact.load_format == "tensorizer":
@@ -123,6 +125,7 @@ def vllm_settings(artifact: Artifact, plugin: bool) -> VllmSettings:
         tensor_parallel_size=artifact.tensor_parallel,
         extra_config=extra,
         kept_extra_keys=loader.kept_extra_keys,
+        own_models=(f"{ARTIFACT_MOUNT}/", *own_models),
     )
 
 
@@ -260,9 +263,14 @@ def plan_rollout(
     connection = spec.storage.s3 if on_s3 else None
     details: list[str] = []
 
-    command, args = rewrite(
-        container.get("command"), container.get("args"), vllm_settings(artifact, plugin)
-    )
+    # The artifact the container is on now (if any) is ours, not a model name clients use.
+    previous = [
+        e.get("value", "")
+        for e in container.get("env") or []
+        if e.get("name") == "MODELSTAGE_ARTIFACT"
+    ]
+    settings = vllm_settings(artifact, plugin, tuple(p for p in previous if p))
+    command, args = rewrite(container.get("command"), container.get("args"), settings)
     for key, value in (("command", command), ("args", args)):
         if value is not None:
             container[key] = value
@@ -319,7 +327,7 @@ def plan_rollout(
         details.append(
             f"{workload.get('kind', 'workload')} {workload.get('metadata', {}).get('name')}: "
             f"artifact {old_digest or 'none'} -> {artifact.digest} "
-            f"({vllm_settings(artifact, plugin).load_format}, TP {artifact.tensor_parallel})"
+            f"({settings.load_format}, TP {artifact.tensor_parallel})"
         )
     return RolloutPlan(
         merge_patch=patch,

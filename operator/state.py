@@ -197,7 +197,11 @@ def decide(desired: Artifact | None, status: ModelDeploymentStatus, observed: Ob
         first = blocks_staging[0] if blocks_staging else None
         draft = _Draft(
             "Failed",
-            ("False", first.reason if first else "InvalidSpec", first.message if first else ""),
+            (
+                "False",
+                first.reason if first else "InvalidSpec",
+                first.message if first else "the spec does not name a stageable artifact",
+            ),
         )
     elif status.failed_digest == desired.digest:
         draft = _Draft(

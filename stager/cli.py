@@ -38,16 +38,53 @@ def _stage(args: argparse.Namespace) -> dict[str, Any]:
             digest=args.digest,
             revision=args.revision,
             source_uri=args.source_uri,
+            s3=_s3_options(args),
         )
+    )
+
+
+def _s3_options(args: argparse.Namespace) -> Any:
+    from .s3_client import S3Options
+
+    return S3Options(
+        endpoint_url=args.s3_endpoint,
+        region=args.s3_region,
+        path_style=args.s3_path_style,
+        ca_bundle=args.s3_ca_bundle,
+        credentials_file=args.s3_credentials_file,
+    )
+
+
+def _add_s3_options(parser: argparse.ArgumentParser) -> None:
+    """Flags for s3:// locations; credentials come from AWS_* variables or a mounted file."""
+    group = parser.add_argument_group("S3 (for s3:// locations)")
+    group.add_argument("--s3-endpoint", help="endpoint URL (default: AWS_ENDPOINT_URL or AWS)")
+    group.add_argument("--s3-region", help="region (default: AWS_REGION, else us-east-1)")
+    group.add_argument(
+        "--s3-path-style", action="store_true",
+        help="path-style addressing (most S3-compatible servers) instead of virtual-hosted",
+    )  # fmt: skip
+    group.add_argument("--s3-ca-bundle", help="PEM file of CAs to trust for the endpoint")
+    group.add_argument(
+        "--s3-credentials-file",
+        help="a mounted Secret: a directory with aws_access_key_id and aws_secret_access_key "
+        "files, or an INI file like ~/.aws/credentials ([default]); default: AWS_* variables",
     )
 
 
 def _verify(args: argparse.Namespace) -> dict[str, Any]:
     from .manifest import verify_directory
 
-    manifest = verify_directory(
-        Path(args.artifact), digest=args.digest, tp=args.tp, hash_content=not args.sizes_only
-    )
+    if args.artifact.startswith("s3://"):
+        from .destinations.s3 import S3Destination
+
+        manifest = S3Destination(args.artifact, _s3_options(args)).verify(
+            digest=args.digest, tp=args.tp, hash_content=not args.sizes_only
+        )
+    else:
+        manifest = verify_directory(
+            Path(args.artifact), digest=args.digest, tp=args.tp, hash_content=not args.sizes_only
+        )
     return {
         "verified": str(args.artifact),
         "digest": manifest.digest,
@@ -89,19 +126,25 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--tp", type=int, required=True, help="tensor parallel size")
     st.add_argument("--pp", type=int, default=1, help="pipeline parallel size (1 only, for now)")
     st.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
-    st.add_argument("--format", default="sharded_state", choices=["sharded_state"])
+    st.add_argument(
+        "--format", default="sharded_state",
+        choices=["sharded_state", "runai_streamer_sharded", "runai_streamer"],
+        help="the vLLM load format; sharded_state needs a local --out",
+    )  # fmt: skip
     st.add_argument("--vllm-version", default=DEFAULT_VLLM_VERSION, help="layout to produce")
-    st.add_argument("--out", required=True, help="the artifact directory to create")
+    st.add_argument("--out", required=True, help="the artifact directory or s3://BUCKET/PREFIX/")
     st.add_argument("--digest", help="expected artifact digest (the operator passes it)")
     st.add_argument("--revision", help="source revision (recorded; hub sources resolve it)")
     st.add_argument("--source-uri", help="logical source URI when SOURCE is a mount point")
+    _add_s3_options(st)
     st.set_defaults(run=_stage)
 
     ve = sub.add_parser("verify", help="re-check an artifact against its manifest")
-    ve.add_argument("artifact", help="artifact directory")
+    ve.add_argument("artifact", help="artifact directory or s3://BUCKET/PREFIX/")
     ve.add_argument("--digest", help="fail unless the artifact has this digest")
     ve.add_argument("--tp", type=int, help="fail unless the artifact has this TP size")
     ve.add_argument("--sizes-only", action="store_true", help="skip content hashing")
+    _add_s3_options(ve)
     ve.set_defaults(run=_verify)
 
     de = sub.add_parser("demo", help="generate a small checkpoint, stage it at TP=2, verify it")

@@ -107,7 +107,7 @@ def verify_directory(
     if manifest is None:
         raise ArtifactError(f"{directory}: no {MANIFEST}; the artifact is incomplete")
     manifest.check_expected(str(directory), digest=digest, tp=tp)
-    _check_ranks_present(directory, manifest)
+    check_ranks_present(directory, manifest)
     for name, entry in sorted(manifest.files.items()):
         path = directory / name
         try:
@@ -126,7 +126,8 @@ def verify_directory(
     return manifest
 
 
-def _check_ranks_present(directory: Path, manifest: Manifest) -> None:
+def check_ranks_present(directory: Path | str, manifest: Manifest) -> None:
+    """Refuse a per-rank artifact whose manifest lacks some rank's files."""
     if manifest.format not in ("sharded_state", "runai_streamer_sharded", "tensorizer"):
         return
     for rank in range(manifest.tensorParallelSize):

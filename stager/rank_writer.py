@@ -44,6 +44,8 @@ class Sink(Protocol):
 
 OpenSink = Callable[[str, int], Sink]
 """(file name, exact final size) -> Sink."""
+Completed = Callable[[str, int], tuple[int, str] | None]
+"""(file name, exact final size) -> (size, sha256) of a file already complete, else None."""
 
 
 def plan_parts(plan: ShardPlan, max_part_bytes: int) -> list[list[TargetTensor]]:
@@ -71,15 +73,31 @@ def write_rank_files(
     layout: Layout,
     open_sink: OpenSink,
     progress: Progress,
+    completed: Completed | None = None,
 ) -> dict[str, tuple[int, str]]:
-    """Write every rank's part files; returns {file name: (size, sha256)}."""
+    """Write every rank's part files; returns {file name: (size, sha256)}.
+
+    ``completed`` names files an earlier run already wrote (a resumed S3 upload): a part
+    whose files are all complete is not read at all; in a partly complete part the complete
+    ranks' bytes are dropped instead of written again.
+    """
     parts = plan_parts(plan, layout.max_part_bytes)
     names = rank_file_names(layout, plan.tp, len(parts))
     results: dict[str, tuple[int, str]] = {}
     for p, part in enumerate(parts):
         header, _ = encode_header([(t.name, t.dtype, t.shape) for t in part], PART_METADATA)
         size = len(header) + sum(t.nbytes for t in part)
-        sinks = [open_sink(names[r][p], size) for r in range(plan.tp)]
+        done = [completed(names[r][p], size) if completed else None for r in range(plan.tp)]
+        reused = [d for d in done if d is not None]
+        if len(reused) == plan.tp:
+            results.update(zip((names[r][p] for r in range(plan.tp)), reused))
+            for _ in part:
+                progress.tensor_done()
+            continue
+        sinks: list[Sink] = [
+            open_sink(names[r][p], size) if (d := done[r]) is None else _DoneSink(d)
+            for r in range(plan.tp)
+        ]  # fmt: skip
         try:
             with _RankStreams(sinks) as streams:
                 for r in range(plan.tp):
@@ -92,6 +110,22 @@ def write_rank_files(
                 sink.abort()
             raise
     return results
+
+
+class _DoneSink:
+    """Stands in for a file that is already complete: drops its bytes, returns its entry."""
+
+    def __init__(self, entry: tuple[int, str]) -> None:
+        self.entry = entry
+
+    def write(self, data: memoryview) -> None:
+        pass
+
+    def close(self) -> tuple[int, str]:
+        return self.entry
+
+    def abort(self) -> None:
+        pass
 
 
 class _RankStreams:

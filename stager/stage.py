@@ -15,15 +15,26 @@ from .destinations.base import Destination
 from .destinations.local import LocalDestination
 from .digest import artifact_digest
 from .errors import SpecError
+from .hf_layout import copy_weight_files, small_files
 from .layouts import layout_for
 from .manifest import FileEntry, Manifest
 from .progress import Progress
 from .rank_writer import write_rank_files
+from .s3_client import S3Options
 from .shard_plan import plan_shards
 from .sources import open_source
 
-FORMATS = ("sharded_state",)
-"""Formats this stager can write; S3 and tensorizer formats register here as they land."""
+FORMATS = ("sharded_state", "runai_streamer_sharded", "runai_streamer")
+"""Formats this stager can write; tensorizer registers here when it lands.
+
+The format names the vLLM loader, the ``--out`` URI the destination: ``s3://`` is an S3
+prefix, anything else a local directory (a mounted PVC). ``runai_streamer_sharded`` writes
+the same per-rank files as ``sharded_state``; ``runai_streamer`` copies the Hugging Face
+layout and lets vLLM split per rank at load. Both Run:ai formats load from S3 and from a
+local directory. ``sharded_state`` to S3 is refused: vLLM's ShardedStateLoader reads local
+directories only, and the same bytes on S3 are ``runai_streamer_sharded``.
+"""
+PER_RANK_FORMATS = ("sharded_state", "runai_streamer_sharded")
 
 
 @dataclass(frozen=True)
@@ -40,6 +51,8 @@ class StageRequest:
     revision: str | None = None
     source_uri: str | None = None
     """The logical URI (e.g. ``pvc://claim/path``) when ``source`` is where it is mounted."""
+    s3: S3Options | None = None
+    """How to reach an ``s3://`` destination (endpoint, region, addressing, CA, credentials)."""
 
 
 def modelstage_version() -> str:
@@ -70,6 +83,31 @@ def open_source_uri(source: str) -> str:
     return "file://" + str(Path(source.removeprefix("file://")).absolute())
 
 
+def open_destination(req: StageRequest) -> Destination:
+    """The destination strategy for ``--out``: an S3 prefix or a local directory."""
+    if req.out.startswith("s3://"):
+        if req.format == "sharded_state":
+            raise SpecError(
+                "format sharded_state is read from local directories only; stage to S3 with "
+                "--format runai_streamer_sharded (the same per-rank files) or runai_streamer"
+            )
+        from .destinations.s3 import S3Destination
+
+        return S3Destination(req.out, req.s3)
+    if "://" in req.out and not req.out.startswith("file://"):
+        raise SpecError(f"--out {req.out!r}: only s3:// URIs and local paths are supported")
+    return LocalDestination(req.out.removeprefix("file://"))
+
+
+def run_key(digest: str, identity: dict[str, Any]) -> str:
+    """What pins the bytes a run writes: a rerun with the same key may reuse finished files."""
+    canonical = json.dumps(
+        {"digest": digest, "source": identity, "stager": modelstage_version()},
+        sort_keys=True, separators=(",", ":"),
+    )  # fmt: skip
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
 def stage(req: StageRequest, *, progress_stream: TextIO | None = None) -> dict[str, Any]:
     """Stage one artifact; returns the one-line summary. Idempotent for a complete artifact."""
     started = time.monotonic()
@@ -77,9 +115,14 @@ def stage(req: StageRequest, *, progress_stream: TextIO | None = None) -> dict[s
         raise SpecError(f"format {req.format!r} is not supported; supported: {', '.join(FORMATS)}")
     if req.pp != 1:
         raise SpecError("pipeline parallel size > 1 is not supported yet; use --pp 1")
+    if req.format == "runai_streamer" and req.dtype != "auto":
+        raise SpecError(
+            "runai_streamer copies the checkpoint as it is; use --dtype auto (vLLM casts at "
+            "load time with its own --dtype) or a per-rank format"
+        )
     layout = layout_for(req.vllm_version)
     digest = request_digest(req)
-    dest: Destination = LocalDestination(req.out)
+    dest = open_destination(req)
     existing = dest.existing()
     if existing is not None:
         if existing.digest != digest:
@@ -89,17 +132,27 @@ def stage(req: StageRequest, *, progress_stream: TextIO | None = None) -> dict[s
     source = open_source(req.source)
     try:
         checkpoint = open_checkpoint(source)
+        # Also for runai_streamer: a TP that cannot split this model fails here, not in vLLM.
         plan = plan_shards(checkpoint.model, checkpoint.source_tensors, req.tp, layout, req.dtype)
-        dest.begin()
+        identity = checkpoint.identity()
+        dest.begin(run_key(digest, identity))
         try:
-            progress = Progress(
-                checkpoint.weight_bytes,
-                len(plan.targets),
-                label=f"staging {req.format} tp={req.tp}",
-                stream=progress_stream,
-            )
-            files = write_rank_files(plan, checkpoint, layout, dest.open_sink, progress)
-            for name in checkpoint.carried_over:
+            label = f"staging {req.format} tp={req.tp} to {dest.uri}"
+            if req.format in PER_RANK_FORMATS:
+                progress = Progress(checkpoint.weight_bytes, len(plan.targets), label=label,
+                                    stream=progress_stream)  # fmt: skip
+                files = write_rank_files(
+                    plan, checkpoint, layout, dest.open_sink, progress, dest.completed
+                )
+                carried = checkpoint.carried_over
+            else:
+                progress = Progress(
+                    sum(source.size(f) for f in checkpoint.weight_files),
+                    len(checkpoint.weight_files), label=label, stream=progress_stream,
+                )  # fmt: skip
+                files = copy_weight_files(checkpoint, dest.open_sink, progress, dest.completed)
+                carried = small_files(checkpoint)
+            for name in carried:
                 files[name] = dest.write_small(name, source.read_bytes(name))
             progress.finish()
             manifest = Manifest(
@@ -109,7 +162,7 @@ def stage(req: StageRequest, *, progress_stream: TextIO | None = None) -> dict[s
                 dtype=req.dtype,
                 digest=digest,
                 source={"uri": req.source_uri or open_source_uri(req.source),
-                        "revision": req.revision, **checkpoint.identity()},
+                        "revision": req.revision, **identity},
                 vllmVersion=layout.vllm_version,
                 layoutVersion=layout.layout_version,
                 files={n: FileEntry(size=s, sha256=h) for n, (s, h) in sorted(files.items())},

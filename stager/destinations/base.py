@@ -22,8 +22,17 @@ class Destination(abc.ABC):
         """
 
     @abc.abstractmethod
-    def begin(self) -> None:
-        """Prepare a private work area and clean up leftovers of killed runs."""
+    def begin(self, run_key: str = "") -> None:
+        """Prepare a private work area and clean up leftovers of killed runs.
+
+        ``run_key`` pins the bytes this run writes (digest, source identity, stager
+        version); a destination that can resume reuses objects written under the same key.
+        """
+
+    def completed(self, name: str, size: int) -> tuple[int, str] | None:
+        """(size, sha256) of ``name`` when an earlier run with this run key already wrote
+        it completely, so it need not be written again; None means write it."""
+        return None
 
     @abc.abstractmethod
     def open_sink(self, name: str, size: int) -> Sink: ...

@@ -86,7 +86,8 @@ class LocalDestination(Destination):
             )
         return manifest
 
-    def begin(self) -> None:
+    def begin(self, run_key: str = "") -> None:
+        """A local run never resumes: ``rename`` publishes all at once, leftovers are removed."""
         parent = self.out.parent
         try:
             parent.mkdir(parents=True, exist_ok=True)

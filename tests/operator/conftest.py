@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 import yaml
-
 from modelstage.operator.api import ModelDeploymentSpec
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -7,11 +7,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import kubernetes_validate
 import pytest
 import yaml
-from pydantic import ValidationError
-
 from modelstage.operator.api import ModelDeployment, ModelDeploymentSpec, ModelDeploymentStatus
+from pydantic import ValidationError
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 SpecDict = Callable[..., dict[str, Any]]
@@ -29,7 +29,13 @@ RULE_VIOLATIONS: list[tuple[dict[str, Any], str]] = [
     ({"model": {"uri": "s3://bucket/ckpt", "revision": "main"}}, "revision applies to hf://"),
     ({"model": {"s3": {"endpoint": "http://s3:9000"}}}, "model.s3 applies to s3:// sources"),
     (
-        {"model": {"uri": "s3://bkt/c", "credentialsSecret": "a", "s3": {"credentialsSecret": "b"}}},
+        {
+            "model": {
+                "uri": "s3://bkt/c",
+                "credentialsSecret": "a",
+                "s3": {"credentialsSecret": "b"},
+            }
+        },
         "not both",
     ),
     ({"storage": {"pvc": {"claimName": None}}}, "needs claimName"),
@@ -53,9 +59,16 @@ RULE_VIOLATIONS: list[tuple[dict[str, Any], str]] = [
 ]
 
 
-@pytest.mark.parametrize("path", sorted(EXAMPLES.glob("modeldeployment-*.yaml")), ids=lambda p: p.stem)
+@pytest.mark.parametrize(
+    "path", sorted(EXAMPLES.glob("modeldeployment-*.yaml")), ids=lambda p: p.stem
+)
 def test_every_example_parses(path: Path) -> None:
     ModelDeployment.model_validate(yaml.safe_load(path.read_text()))
+
+
+def test_example_vllm_deployment_is_a_valid_deployment() -> None:
+    workload = yaml.safe_load((EXAMPLES / "vllm-deployment.yaml").read_text())
+    kubernetes_validate.validate(workload, kubernetes_validate.latest_version(), strict=True)
 
 
 def test_examples_cover_every_load_format() -> None:

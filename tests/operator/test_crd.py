@@ -13,10 +13,9 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from pydantic import ValidationError
-
 from modelstage.operator import crd
 from modelstage.operator.api import ModelDeploymentSpec
+from pydantic import ValidationError
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD_FILE = ROOT / "crds" / "modelstage.io_modeldeployments.yaml"
@@ -77,13 +76,20 @@ def cel_failures(schema: dict[str, Any], obj: Any) -> list[str]:
 
 def test_committed_crd_is_what_the_models_generate() -> None:
     assert CRD_FILE.read_text() == crd.render(), (
-        "crds/ is stale: run `python -m modelstage.operator.crd > " + str(CRD_FILE.relative_to(ROOT)) + "`"
+        "crds/ is stale: run `python -P -m modelstage.operator.crd > "
+        + str(CRD_FILE.relative_to(ROOT))
+        + "`"
     )
 
 
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
 def test_crd_document_passes_kubernetes_validate(document: dict[str, Any], version: str) -> None:
     kubernetes_validate.validate(document, version, strict=True)
+
+
+def test_crd_yaml_has_no_anchors_or_aliases() -> None:
+    text = CRD_FILE.read_text()
+    assert "&id" not in text and "*id" not in text
 
 
 def test_schema_is_structural(schema: dict[str, Any]) -> None:
@@ -94,17 +100,23 @@ def test_schema_is_structural(schema: dict[str, Any]) -> None:
             assert node.get("anyOf") == [{"type": "integer"}, {"type": "string"}], path
             continue
         assert "anyOf" not in node and "oneOf" not in node, path
-        assert node.get("type") in {"object", "array", "string", "integer", "number", "boolean"}, path
+        assert node.get("type") in {"object", "array", "string", "integer", "number", "boolean"}, (
+            path
+        )
         assert not ("properties" in node and "additionalProperties" in node), path
 
 
 def test_every_default_is_valid_for_its_field(schema: dict[str, Any]) -> None:
-    for path, node in nodes(schema):
+    for _, node in nodes(schema):
         if "default" in node:
-            jsonschema.Draft7Validator(node).validate(apply_defaults(node, copy.deepcopy(node["default"])))
+            jsonschema.Draft7Validator(node).validate(
+                apply_defaults(node, copy.deepcopy(node["default"]))
+            )
 
 
-def test_status_subresource_printer_columns_and_short_names(document: dict[str, Any], schema: dict[str, Any]) -> None:
+def test_status_subresource_printer_columns_and_short_names(
+    document: dict[str, Any], schema: dict[str, Any]
+) -> None:
     version = document["spec"]["versions"][0]
     assert version["subresources"] == {"status": {}}
     assert document["spec"]["scope"] == "Namespaced"
@@ -161,7 +173,11 @@ SCHEMA_REJECTS: list[dict[str, Any]] = [
 def test_schema_rejects_bad_specs_and_so_do_the_models(
     schema: dict[str, Any], spec_dict: SpecDict, overrides: dict[str, Any]
 ) -> None:
-    obj = {"apiVersion": "modelstage.io/v1alpha1", "kind": "ModelDeployment", "metadata": {"name": "x"}}
+    obj = {
+        "apiVersion": "modelstage.io/v1alpha1",
+        "kind": "ModelDeployment",
+        "metadata": {"name": "x"},
+    }
     obj["spec"] = spec_dict(**overrides)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.Draft7Validator(schema).validate(apply_defaults(schema, obj))
@@ -226,9 +242,13 @@ def test_cross_field_cases_exercise_every_rule(schema: dict[str, Any], spec_dict
     broken = {
         message
         for overrides in CROSS_FIELD_CASES
-        for message in cel_failures(spec_schema, apply_defaults(spec_schema, spec_dict(**overrides)))
+        for message in cel_failures(
+            spec_schema, apply_defaults(spec_schema, spec_dict(**overrides))
+        )
     }
     every_rule = {
-        rule["message"] for _, node in nodes(spec_schema) for rule in node.get("x-kubernetes-validations", [])
+        rule["message"]
+        for _, node in nodes(spec_schema)
+        for rule in node.get("x-kubernetes-validations", [])
     }
     assert broken == every_rule

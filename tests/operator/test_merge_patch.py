@@ -6,7 +6,6 @@ from typing import Any
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from modelstage.operator.patch import apply_merge_patch, merge_diff
 
 # The CI machine is small and shared: no per-example deadline, generation may be slow.
@@ -24,13 +23,17 @@ objects = st.dictionaries(st.sampled_from("abcde"), documents, max_size=5)
 
 @RELAXED
 @given(old=objects, new=objects)
-def test_applying_the_diff_yields_the_new_document(old: dict[str, Any], new: dict[str, Any]) -> None:
+def test_applying_the_diff_yields_the_new_document(
+    old: dict[str, Any], new: dict[str, Any]
+) -> None:
     assert apply_merge_patch(old, merge_diff(old, new)) == new
 
 
 @RELAXED
 @given(old=objects, new=objects)
-def test_applying_a_diff_twice_changes_nothing_more(old: dict[str, Any], new: dict[str, Any]) -> None:
+def test_applying_a_diff_twice_changes_nothing_more(
+    old: dict[str, Any], new: dict[str, Any]
+) -> None:
     patch = merge_diff(old, new)
     once = apply_merge_patch(old, patch)
     assert apply_merge_patch(once, patch) == once

@@ -10,7 +10,6 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from modelstage.operator.api import ArtifactStatus, ModelDeploymentSpec
 from modelstage.operator.artifact import (
     ARTIFACT_MOUNT,
@@ -79,7 +78,9 @@ def test_digest_does_not_depend_on_field_order(seed: int) -> None:
     ],
     ids=lambda v: next(iter(v)),
 )
-def test_every_byte_relevant_change_changes_the_digest(make_spec: SpecFactory, change: dict[str, Any]) -> None:
+def test_every_byte_relevant_change_changes_the_digest(
+    make_spec: SpecFactory, change: dict[str, Any]
+) -> None:
     assert spec_digest(make_spec(**change)) != spec_digest(make_spec())
 
 
@@ -96,12 +97,16 @@ def test_every_byte_relevant_change_changes_the_digest(make_spec: SpecFactory, c
     ],
     ids=lambda v: str(v)[:40],
 )
-def test_changes_that_keep_the_bytes_keep_the_digest(make_spec: SpecFactory, change: dict[str, Any]) -> None:
+def test_changes_that_keep_the_bytes_keep_the_digest(
+    make_spec: SpecFactory, change: dict[str, Any]
+) -> None:
     assert spec_digest(make_spec(**change)) == spec_digest(make_spec())
 
 
-def test_unknown_vllm_version_is_a_spec_error_naming_the_supported_ones(make_spec: SpecFactory) -> None:
-    with pytest.raises(SpecError, match="supported: 0.32"):
+def test_unknown_vllm_version_is_a_spec_error_naming_the_supported_ones(
+    make_spec: SpecFactory,
+) -> None:
+    with pytest.raises(SpecError, match=r"supported: 0\.32"):
         spec_digest(make_spec(serving={"vllmVersion": "0.1"}))
 
 
@@ -122,7 +127,9 @@ def test_pvc_location_is_mount_path_namespace_digest(
 
 
 def test_s3_location_is_prefix_namespace_digest(make_spec: SpecFactory) -> None:
-    spec = make_spec(loadFormat="tensorizer", storage={"pvc": None, "s3": {"uri": "s3://bucket/pre/"}})
+    spec = make_spec(
+        loadFormat="tensorizer", storage={"pvc": None, "s3": {"uri": "s3://bucket/pre/"}}
+    )
     location = locate(spec, namespace="llm", deployment_name="md", digest="abc123")
     assert location.uri == location.path == "s3://bucket/pre/llm/abc123"
     assert location.claim_name is None and not location.on_pvc
@@ -130,15 +137,25 @@ def test_s3_location_is_prefix_namespace_digest(make_spec: SpecFactory) -> None:
 
 def test_a_claim_to_create_is_named_after_the_model_deployment(make_spec: SpecFactory) -> None:
     spec = make_spec(storage={"pvc": {"claimName": None, "create": {"size": "10Gi"}}})
-    assert locate(spec, namespace="n", deployment_name="llama", digest="d").claim_name == "modelstage-llama"
+    assert (
+        locate(spec, namespace="n", deployment_name="llama", digest="d").claim_name
+        == "modelstage-llama"
+    )
 
 
-@pytest.mark.parametrize("storage", [{"pvc": {"path": "/a/b"}}, {"pvc": None, "s3": {"uri": "s3://bkt/p"}}])
-def test_status_uri_leads_back_to_the_same_location(make_spec: SpecFactory, storage: dict[str, Any]) -> None:
+@pytest.mark.parametrize(
+    "storage", [{"pvc": {"path": "/a/b"}}, {"pvc": None, "s3": {"uri": "s3://bkt/p"}}]
+)
+def test_status_uri_leads_back_to_the_same_location(
+    make_spec: SpecFactory, storage: dict[str, Any]
+) -> None:
     spec = make_spec(loadFormat="tensorizer", storage=storage)
     artifact = artifact_for(spec, namespace="llm", deployment_name="md")
     assert location_from_uri(artifact.location.uri, artifact.digest) == artifact.location
     status = ArtifactStatus(
-        digest=artifact.digest, uri=artifact.location.uri, format="tensorizer", tensor_parallel_size=2
+        digest=artifact.digest,
+        uri=artifact.location.uri,
+        format="tensorizer",
+        tensor_parallel_size=2,
     )
     assert artifact_from_status(status) == artifact

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from modelstage.operator.vllm_args import VllmSettings, rewrite
 from modelstage.stager.errors import SpecError
 
@@ -46,60 +45,171 @@ CORPUS = [
     Case(
         "vllm-openai image, args only, --model flag (the upstream Kubernetes docs)",
         None,
-        ["--model", "meta-llama/Meta-Llama-3-8B-Instruct", "--tensor-parallel-size", "2",
-         "--max-model-len", "8192", "--gpu-memory-utilization", "0.9"],
+        [
+            "--model",
+            "meta-llama/Meta-Llama-3-8B-Instruct",
+            "--tensor-parallel-size",
+            "2",
+            "--max-model-len",
+            "8192",
+            "--gpu-memory-utilization",
+            "0.9",
+        ],
         None,
-        ["--model", ART, "--tensor-parallel-size", "4", "--max-model-len", "8192",
-         "--gpu-memory-utilization", "0.9", "--load-format", "modelstage_sharded_state",
-         "--served-model-name", "meta-llama/Meta-Llama-3-8B-Instruct"],
+        [
+            "--model",
+            ART,
+            "--tensor-parallel-size",
+            "4",
+            "--max-model-len",
+            "8192",
+            "--gpu-memory-utilization",
+            "0.9",
+            "--load-format",
+            "modelstage_sharded_state",
+            "--served-model-name",
+            "meta-llama/Meta-Llama-3-8B-Instruct",
+        ],
     ),
     Case(
         "vllm serve in command, positional model and --flag=value in args",
         ["vllm", "serve"],
-        ["meta-llama/Llama-3.1-70B-Instruct", "--tensor-parallel-size=8", "--enable-prefix-caching",
-         "--max-num-seqs", "256", "--disable-log-requests"],
+        [
+            "meta-llama/Llama-3.1-70B-Instruct",
+            "--tensor-parallel-size=8",
+            "--enable-prefix-caching",
+            "--max-num-seqs",
+            "256",
+            "--disable-log-requests",
+        ],
         ["vllm", "serve"],
-        [ART, "--tensor-parallel-size=4", "--enable-prefix-caching", "--max-num-seqs", "256",
-         "--disable-log-requests", "--load-format", "modelstage_sharded_state",
-         "--served-model-name", "meta-llama/Llama-3.1-70B-Instruct"],
+        [
+            ART,
+            "--tensor-parallel-size=4",
+            "--enable-prefix-caching",
+            "--max-num-seqs",
+            "256",
+            "--disable-log-requests",
+            "--load-format",
+            "modelstage_sharded_state",
+            "--served-model-name",
+            "meta-llama/Llama-3.1-70B-Instruct",
+        ],
     ),
     Case(
         "python -m api_server with every flag in command (KServe-style)",
-        ["python3", "-m", "vllm.entrypoints.openai.api_server", "--model=/mnt/models",
-         "--served-model-name=llama", "--port=8080", "--load-format=safetensors"],
+        [
+            "python3",
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model=/mnt/models",
+            "--served-model-name=llama",
+            "--port=8080",
+            "--load-format=safetensors",
+        ],
         None,
-        ["python3", "-m", "vllm.entrypoints.openai.api_server", f"--model={ART}",
-         "--served-model-name=llama", "--port=8080", "--load-format=modelstage_sharded_state",
-         "--tensor-parallel-size", "4"],
+        [
+            "python3",
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            f"--model={ART}",
+            "--served-model-name=llama",
+            "--port=8080",
+            "--load-format=modelstage_sharded_state",
+            "--tensor-parallel-size",
+            "4",
+        ],
         None,
     ),
     Case(
         "everything in command, -tp alias, an existing --load-format (production-stack style)",
-        ["vllm", "serve", "Qwen/Qwen2.5-7B-Instruct", "--host", "0.0.0.0", "--port", "8000",
-         "-tp", "2", "--max-num-seqs", "32", "--load-format", "safetensors", "--trust-remote-code"],
+        [
+            "vllm",
+            "serve",
+            "Qwen/Qwen2.5-7B-Instruct",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            "8000",
+            "-tp",
+            "2",
+            "--max-num-seqs",
+            "32",
+            "--load-format",
+            "safetensors",
+            "--trust-remote-code",
+        ],
         None,
-        ["vllm", "serve", ART, "--host", "0.0.0.0", "--port", "8000", "-tp", "4",
-         "--max-num-seqs", "32", "--load-format", "modelstage_sharded_state", "--trust-remote-code",
-         "--served-model-name", "Qwen/Qwen2.5-7B-Instruct"],
+        [
+            "vllm",
+            "serve",
+            ART,
+            "--host",
+            "0.0.0.0",
+            "--port",
+            "8000",
+            "-tp",
+            "4",
+            "--max-num-seqs",
+            "32",
+            "--load-format",
+            "modelstage_sharded_state",
+            "--trust-remote-code",
+            "--served-model-name",
+            "Qwen/Qwen2.5-7B-Instruct",
+        ],
         None,
     ),
     Case(
         "absolute vllm path, underscore spelling, a stale extra config with a foreign pattern",
         ["/usr/local/bin/vllm", "serve", "/models/deepseek"],
-        ["--tensor_parallel_size", "2", "--model-loader-extra-config", '{"pattern": "x-{rank}"}',
-         "--enforce-eager"],
+        [
+            "--tensor_parallel_size",
+            "2",
+            "--model-loader-extra-config",
+            '{"pattern": "x-{rank}"}',
+            "--enforce-eager",
+        ],
         ["/usr/local/bin/vllm", "serve", ART],
-        ["--tensor_parallel_size", "4", "--enforce-eager", "--load-format",
-         "modelstage_sharded_state", "--served-model-name", "/models/deepseek"],
+        [
+            "--tensor_parallel_size",
+            "4",
+            "--enforce-eager",
+            "--load-format",
+            "modelstage_sharded_state",
+            "--served-model-name",
+            "/models/deepseek",
+        ],
     ),
     Case(
         "vllm serve with --model flag instead of a positional, served name already set",
-        ["vllm", "serve", "--model", "mistralai/Mistral-7B-Instruct-v0.3", "--served-model-name",
-         "mistral", "mistral-7b", "--port", "8000"],
+        [
+            "vllm",
+            "serve",
+            "--model",
+            "mistralai/Mistral-7B-Instruct-v0.3",
+            "--served-model-name",
+            "mistral",
+            "mistral-7b",
+            "--port",
+            "8000",
+        ],
         None,
-        ["vllm", "serve", "--model", ART, "--served-model-name", "mistral", "mistral-7b",
-         "--port", "8000", "--load-format", "modelstage_sharded_state",
-         "--tensor-parallel-size", "4"],
+        [
+            "vllm",
+            "serve",
+            "--model",
+            ART,
+            "--served-model-name",
+            "mistral",
+            "mistral-7b",
+            "--port",
+            "8000",
+            "--load-format",
+            "modelstage_sharded_state",
+            "--tensor-parallel-size",
+            "4",
+        ],
         None,
     ),
     Case(
@@ -107,51 +217,114 @@ CORPUS = [
         ["vllm", "serve"],
         ["--config", "/etc/vllm/config.yaml"],
         ["vllm", "serve"],
-        [ART, "--config", "/etc/vllm/config.yaml", "--load-format", "modelstage_sharded_state",
-         "--tensor-parallel-size", "4"],
+        [
+            ART,
+            "--config",
+            "/etc/vllm/config.yaml",
+            "--load-format",
+            "modelstage_sharded_state",
+            "--tensor-parallel-size",
+            "4",
+        ],
     ),
     Case(
         "LoRA, chat template and JSON-valued flags are left alone",
         ["vllm", "serve", "meta-llama/Llama-2-7b-hf"],
-        ["--enable-lora", "--lora-modules", "sql=/loras/sql", "chat=/loras/chat",
-         "--chat-template", "/templates/llama.jinja", "--override-generation-config",
-         '{"temperature": 0.2}', "--tensor-parallel-size", "4"],
+        [
+            "--enable-lora",
+            "--lora-modules",
+            "sql=/loras/sql",
+            "chat=/loras/chat",
+            "--chat-template",
+            "/templates/llama.jinja",
+            "--override-generation-config",
+            '{"temperature": 0.2}',
+            "--tensor-parallel-size",
+            "4",
+        ],
         ["vllm", "serve", ART],
-        ["--enable-lora", "--lora-modules", "sql=/loras/sql", "chat=/loras/chat",
-         "--chat-template", "/templates/llama.jinja", "--override-generation-config",
-         '{"temperature": 0.2}', "--tensor-parallel-size", "4", "--load-format",
-         "modelstage_sharded_state", "--served-model-name", "meta-llama/Llama-2-7b-hf"],
+        [
+            "--enable-lora",
+            "--lora-modules",
+            "sql=/loras/sql",
+            "chat=/loras/chat",
+            "--chat-template",
+            "/templates/llama.jinja",
+            "--override-generation-config",
+            '{"temperature": 0.2}',
+            "--tensor-parallel-size",
+            "4",
+            "--load-format",
+            "modelstage_sharded_state",
+            "--served-model-name",
+            "meta-llama/Llama-2-7b-hf",
+        ],
     ),
     Case(
         "tensorizer: extra config keeps the loader's tuning keys and drops credentials",
         None,
-        ["--model", "EleutherAI/pythia-1.4b", "--model-loader-extra-config",
-         '{"num_readers": 4, "s3_secret_access_key": "leaked", "tensorizer_uri": "s3://old"}'],
+        [
+            "--model",
+            "EleutherAI/pythia-1.4b",
+            "--model-loader-extra-config",
+            '{"num_readers": 4, "s3_secret_access_key": "leaked", "tensorizer_uri": "s3://old"}',
+        ],
         None,
-        ["--model", ART, "--model-loader-extra-config",
-         json.dumps({"num_readers": 4, "tensorizer_uri": f"{ART}/model-rank-%03d.tensors"},
-                    sort_keys=True, separators=(",", ":")),
-         "--load-format", "tensorizer", "--tensor-parallel-size", "2",
-         "--served-model-name", "EleutherAI/pythia-1.4b"],
+        [
+            "--model",
+            ART,
+            "--model-loader-extra-config",
+            json.dumps(
+                {"num_readers": 4, "tensorizer_uri": f"{ART}/model-rank-%03d.tensors"},
+                sort_keys=True,
+                separators=(",", ":"),
+            ),
+            "--load-format",
+            "tensorizer",
+            "--tensor-parallel-size",
+            "2",
+            "--served-model-name",
+            "EleutherAI/pythia-1.4b",
+        ],
         TENSORIZER,
     ),
     Case(
         "runai streamer: concurrency kept, the rest of the extra config dropped",
         ["vllm", "serve", "s3://models/llm/0123"],
-        ["--model-loader-extra-config={\"concurrency\": 16, \"pattern\": \"p\"}", "-tp=2",
-         "--served-model-name", "qwen"],
+        [
+            '--model-loader-extra-config={"concurrency": 16, "pattern": "p"}',
+            "-tp=2",
+            "--served-model-name",
+            "qwen",
+        ],
         ["vllm", "serve", "s3://models/llm/0123"],
-        ['--model-loader-extra-config={"concurrency":16}', "-tp=2", "--served-model-name", "qwen",
-         "--load-format", "runai_streamer"],
+        [
+            '--model-loader-extra-config={"concurrency":16}',
+            "-tp=2",
+            "--served-model-name",
+            "qwen",
+            "--load-format",
+            "runai_streamer",
+        ],
         RUNAI,
     ),
     Case(
         "env wrapper before vllm serve",
         ["/usr/bin/env", "VLLM_LOGGING_LEVEL=DEBUG", "vllm", "serve", "facebook/opt-125m"],
         None,
-        ["/usr/bin/env", "VLLM_LOGGING_LEVEL=DEBUG", "vllm", "serve", ART, "--load-format",
-         "modelstage_sharded_state", "--tensor-parallel-size", "4", "--served-model-name",
-         "facebook/opt-125m"],
+        [
+            "/usr/bin/env",
+            "VLLM_LOGGING_LEVEL=DEBUG",
+            "vllm",
+            "serve",
+            ART,
+            "--load-format",
+            "modelstage_sharded_state",
+            "--tensor-parallel-size",
+            "4",
+            "--served-model-name",
+            "facebook/opt-125m",
+        ],
         None,
     ),
 ]
@@ -188,7 +361,9 @@ def test_moving_to_another_artifact_keeps_the_served_model_name(case: Case) -> N
         (["bash", "-c", "exec python3 -m vllm.entrypoints.openai.api_server --model x"], None),
     ],
 )
-def test_shell_scripts_are_refused_with_a_way_out(command: list[str], args: list[str] | None) -> None:
+def test_shell_scripts_are_refused_with_a_way_out(
+    command: list[str], args: list[str] | None
+) -> None:
     with pytest.raises(SpecError, match="shell script"):
         rewrite(command, args, SETTINGS)
 
@@ -201,18 +376,41 @@ def test_a_container_that_does_not_run_vllm_is_refused() -> None:
 def test_no_command_and_no_args_means_a_vllm_image_gets_flags() -> None:
     assert rewrite(None, None, SETTINGS) == (
         None,
-        ["--model", ART, "--load-format", "modelstage_sharded_state", "--tensor-parallel-size", "4"],
+        [
+            "--model",
+            ART,
+            "--load-format",
+            "modelstage_sharded_state",
+            "--tensor-parallel-size",
+            "4",
+        ],
     )
 
 
 def test_moving_from_an_earlier_artifact_adds_no_served_model_name() -> None:
     new = VllmSettings(model="/mnt/new", load_format="f", tensor_parallel_size=1, own_models=(ART,))
     command, _ = rewrite(["vllm", "serve", ART], None, new)
-    assert command == ["vllm", "serve", "/mnt/new", "--load-format", "f", "--tensor-parallel-size", "1"]
+    assert command == [
+        "vllm",
+        "serve",
+        "/mnt/new",
+        "--load-format",
+        "f",
+        "--tensor-parallel-size",
+        "1",
+    ]
 
 
 def test_an_extra_config_that_ends_up_empty_is_removed() -> None:
-    command = ["vllm", "serve", "m", "--model-loader-extra-config", '{"pattern": "p"}', "--port", "1"]
+    command = [
+        "vllm",
+        "serve",
+        "m",
+        "--model-loader-extra-config",
+        '{"pattern": "p"}',
+        "--port",
+        "1",
+    ]
     new_command, _ = rewrite(command, None, SETTINGS)
     assert new_command is not None
     assert "--model-loader-extra-config" not in new_command
@@ -221,12 +419,23 @@ def test_an_extra_config_that_ends_up_empty_is_removed() -> None:
 
 # Property: arbitrary unrelated flags around the owned ones survive, in order, and a second
 # rewrite changes nothing.
-OTHER_FLAGS = ["--port", "--host", "--max-model-len", "--enforce-eager", "--trust-remote-code",
-               "--gpu-memory-utilization", "--disable-log-stats", "--seed", "--swap-space"]
+OTHER_FLAGS = [
+    "--port",
+    "--host",
+    "--max-model-len",
+    "--enforce-eager",
+    "--trust-remote-code",
+    "--gpu-memory-utilization",
+    "--disable-log-stats",
+    "--seed",
+    "--swap-space",
+]
 values = st.text(alphabet="abcdefghij0123456789./:", min_size=1, max_size=8)
 other = st.tuples(st.sampled_from(OTHER_FLAGS), st.one_of(st.none(), values), st.booleans())
 owned = st.tuples(
-    st.sampled_from(["--model", "--load-format", "--tensor-parallel-size", "-tp", "--tensor_parallel_size"]),
+    st.sampled_from(
+        ["--model", "--load-format", "--tensor-parallel-size", "-tp", "--tensor_parallel_size"]
+    ),
     values,
     st.booleans(),
 )
@@ -247,7 +456,9 @@ def render(flags: list[tuple[str, str | None, bool]]) -> list[str]:
 @settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     flags=st.lists(st.one_of(other, owned), max_size=10),
-    entry=st.sampled_from([None, ["vllm", "serve"], ["python", "-m", "vllm.entrypoints.openai.api_server"]]),
+    entry=st.sampled_from(
+        [None, ["vllm", "serve"], ["python", "-m", "vllm.entrypoints.openai.api_server"]]
+    ),
     split=st.integers(min_value=0, max_value=10),
 )
 def test_rewrite_keeps_other_tokens_in_order_and_is_idempotent(

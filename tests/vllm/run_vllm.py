@@ -36,8 +36,10 @@ def _logprob_dict(entry: dict[int, Any] | None) -> dict[str, float] | None:
 
 def run(model: str, tp: int, load_format: str, prompts: list[list[int]]) -> dict[str, Any]:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    # Engine core in this process: one interpreter (and one vLLM import) fewer per run.
+    # Engine core in this process, rank workers forked from it (no CUDA here to make fork
+    # unsafe): each saves a fresh interpreter importing vLLM, about 10 s per process.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "fork")
     if tp > 1:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", omp_binding(tp))
     started = time.monotonic()

@@ -1,0 +1,205 @@
+"""The small base every modelstage load format shares: verify first, time every phase, publish.
+
+Each format wraps one of vLLM's stock loaders (composition, not a copy of its logic): the
+stock loader keeps its own extra-config validation and its download/glob behaviour, and a
+subclass only says which stock loader, how to verify, and how to move the weights. The base
+adds what the stock loaders lack: the artifact refusal before the model is allocated on the
+device (``load_model`` runs ``verify`` before ``create_model``), the phase timings and their
+publication (``metrics.py``).
+"""
+
+from __future__ import annotations
+
+import time
+from abc import abstractmethod
+from copy import copy
+from dataclasses import dataclass
+from pathlib import Path
+from collections.abc import Callable, Generator, Iterable
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+from vllm.config import ModelConfig, VllmConfig
+from vllm.config.load import LoadConfig
+from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+from .checks import VerifiedArtifact, refuse
+from .metrics import LoadRecord, publish, serve
+from .settings import PluginSettings
+
+
+@dataclass
+class Transfer:
+    """What moving the weights measured; ``weights_seconds`` is set by the base."""
+
+    bytes: int = 0
+    files: int = 0
+    read_seconds: float = 0.0
+    copy_seconds: float = 0.0
+    read_wait_seconds: float = 0.0
+
+
+class ModelstageLoader(BaseModelLoader):
+    load_format: ClassVar[str]
+    """The name registered with vLLM (``--load-format``)."""
+    stock_format: ClassVar[str]
+    """The stock format whose loader this one wraps."""
+    stock_class: ClassVar[type[BaseModelLoader]]
+    per_rank: ClassVar[bool]
+    """Whether the files hold per-rank state dicts (vLLM then keeps tied embeddings tied)."""
+
+    def __init__(self, load_config: LoadConfig) -> None:
+        super().__init__(load_config)
+        stock_config = copy(load_config)
+        # The stock loaders branch on their own format name (e.g. ShardedStateLoader picks
+        # the Run:ai iterator for "runai_streamer_sharded"): hand them the stock name.
+        stock_config.load_format = self.stock_format
+        self.stock = self.stock_class(stock_config)
+        self.settings = PluginSettings.from_env()
+        self._record: LoadRecord | None = None
+        self._verified: VerifiedArtifact | None = None
+        self._weights_done: float | None = None
+
+    @abstractmethod
+    def verify(self, location: str, running_tp: int, vllm_version: str) -> VerifiedArtifact:
+        """Refuse (``ArtifactError``) anything but the expected artifact; no device work."""
+
+    @abstractmethod
+    def transfer(
+        self, model: nn.Module, model_config: ModelConfig, verified: VerifiedArtifact
+    ) -> Transfer:
+        """Move the weights into ``model``; the stock semantics for keys and shapes hold."""
+
+    def download_model(self, model_config: ModelConfig) -> None:
+        self.stock.download_model(model_config)
+
+    def load_model(
+        self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = ""
+    ) -> nn.Module:
+        started = time.perf_counter()
+        record = self._begin(model_config)
+        if self.per_rank:
+            keep_tied_embeddings(model_config)
+        model: nn.Module = super().load_model(vllm_config, model_config, prefix)
+        ended = time.perf_counter()
+        record.seconds["post_process"] = ended - (self._weights_done or ended)
+        record.seconds["total"] = ended - started
+        self._publish(record)
+        return model
+
+    def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
+        standalone = self._record is None  # vLLM may reload weights without load_model
+        started = time.perf_counter()
+        record = self._begin(model_config) if standalone else self._record
+        assert record is not None and self._verified is not None
+        t0 = time.perf_counter()
+        moved = self.transfer(model, model_config, self._verified)
+        self._weights_done = t1 = time.perf_counter()
+        record.bytes, record.files = moved.bytes, moved.files
+        record.seconds["read"] = moved.read_seconds
+        record.seconds["host_to_device"] = moved.copy_seconds
+        record.read_wait_seconds = moved.read_wait_seconds
+        record.weights_seconds = t1 - t0
+        if standalone:
+            record.seconds["total"] = t1 - started
+            self._publish(record)
+
+    def _begin(self, model_config: ModelConfig) -> LoadRecord:
+        rank, tp = tensor_parallel_rank_and_size()
+        location = weights_location(model_config)
+        record = LoadRecord(
+            rank=rank,
+            tensor_parallel_size=tp,
+            load_format=self.load_format,
+            artifact=self.settings.artifact or location,
+        )
+        if self.settings.metrics_port is not None:  # up before the load: a hang is visible
+            serve(self.settings.metrics_port + rank, self.settings.metrics_addr)
+        t0 = time.perf_counter()
+        verified = self.verify(location, tp, vllm_version())
+        record.seconds["verify"] = time.perf_counter() - t0
+        manifest = verified.manifest
+        record.digest, record.artifact_format = manifest.digest, manifest.format
+        record.layout_version = manifest.layoutVersion
+        self._record, self._verified, self._weights_done = record, verified, None
+        return record
+
+    def _publish(self, record: LoadRecord) -> None:
+        self._record = self._verified = None
+        publish(record, port=self.settings.metrics_port, addr=self.settings.metrics_addr)
+
+    def verify_local_location(self, location: str) -> Path:
+        """Per-rank and layout formats read local directories; object storage is refused
+        with the reason (vLLM 0.32 refuses object-store URIs for non-stock format names
+        before any loader runs, so this is a second line)."""
+        if "://" in location:
+            raise refuse(
+                location,
+                f"--load-format {self.load_format} reads local artifacts only; for object "
+                f"storage use the stock --load-format {self.stock_format} (serving.plugin: "
+                "false)",
+            )
+        return Path(location)
+
+
+def weights_location(model_config: ModelConfig) -> str:
+    """Where vLLM reads weights from: ``model_weights`` (set for object storage) or ``model``."""
+    return str(getattr(model_config, "model_weights", "") or model_config.model)
+
+
+def tensor_parallel_rank_and_size() -> tuple[int, int]:
+    from vllm.distributed import (
+        get_tensor_model_parallel_rank,
+        get_tensor_model_parallel_world_size,
+    )
+
+    return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+
+
+def vllm_version() -> str:
+    import vllm
+
+    version: str = vllm.__version__
+    return version
+
+
+def keep_tied_embeddings(model_config: Any) -> None:
+    """Undo vLLM's untying of word embeddings for per-rank artifacts.
+
+    vLLM 0.32 unties ``tie_word_embeddings`` when the checkpoint holds an ``lm_head`` of its
+    own, except for the format names ``sharded_state`` and ``runai_streamer_sharded``: a
+    per-rank state dict stores tied embeddings under ``lm_head`` only. Our names are not in
+    that list, so vLLM unties and the model then wants an ``embed_tokens`` the artifact never
+    has. Restoring the config before the model is created gives the stock formats' behaviour.
+    """
+    if not getattr(model_config, "word_embeddings_untied_by_checkpoint", False):
+        return
+    model_config.hf_config.tie_word_embeddings = True
+    model_config.hf_config.get_text_config().tie_word_embeddings = True
+    model_config.word_embeddings_untied_by_checkpoint = False
+
+
+def timed_weights(
+    weights: Iterable[tuple[str, torch.Tensor]], moved: Transfer
+) -> Generator[tuple[str, torch.Tensor], None, None]:
+    """Wrap a stock weights iterator: time spent inside it is ``read`` (the stock iterators
+    read and materialise each tensor there), the rest of the stock loop is the copy."""
+    iterator = iter(weights)
+    while True:
+        t0 = time.perf_counter()
+        try:
+            name, tensor = next(iterator)
+        except StopIteration:
+            return
+        moved.read_seconds += time.perf_counter() - t0
+        moved.bytes += tensor.numel() * tensor.element_size()
+        yield name, tensor
+
+
+def run_timed(transfer: Callable[[], None], moved: Transfer) -> Transfer:
+    """Run a stock ``load_weights`` whose iterator feeds ``moved``; the copy is the rest."""
+    t0 = time.perf_counter()
+    transfer()
+    moved.copy_seconds = max(time.perf_counter() - t0 - moved.read_seconds, 0.0)
+    return moved

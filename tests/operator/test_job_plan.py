@@ -1,0 +1,247 @@
+"""``spec + digest -> stager Job``: deterministic, the stager CLI contract, Secrets by reference,
+restricted security, PVC or S3 wiring, and a manifest Kubernetes' own schema accepts."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import kubernetes_validate
+import pytest
+from modelstage.operator.api import ModelDeploymentSpec
+from modelstage.operator.artifact import ARTIFACT_MOUNT, spec_digest
+from modelstage.operator.job_plan import plan_stage_job, stage_job_name
+from modelstage.operator.kube import Owner
+
+SpecFactory = Callable[..., ModelDeploymentSpec]
+OWNER = Owner(name="llama", namespace="llm", uid="5f1c0000-0000-4000-8000-000000000001")
+S3_STORAGE = {
+    "pvc": None,
+    "s3": {
+        "uri": "s3://models/modelstage",
+        "endpoint": "https://minio.storage:9000",
+        "region": "eu-west-1",
+        "credentialsSecret": "s3-creds",
+        "caBundleSecret": "minio-ca",
+    },
+}
+
+
+def plan(spec: ModelDeploymentSpec, owner: Owner = OWNER) -> dict[str, Any]:
+    return plan_stage_job(spec, owner=owner, digest=spec_digest(spec))
+
+
+def container(job: dict[str, Any]) -> dict[str, Any]:
+    containers = job["spec"]["template"]["spec"]["containers"]
+    assert len(containers) == 1
+    result: dict[str, Any] = containers[0]
+    return result
+
+
+def env(job: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {e["name"]: e for e in container(job)["env"]}
+
+
+def test_job_is_named_from_the_digest_and_fits_a_label(make_spec: SpecFactory) -> None:
+    spec = make_spec()
+    job = plan(spec)
+    assert job["metadata"]["name"] == stage_job_name(spec_digest(spec))
+    assert len(job["metadata"]["name"]) <= 63
+    other_owner = Owner(name="llama-copy", namespace="llm", uid="another")
+    assert plan(spec, other_owner)["metadata"]["name"] == job["metadata"]["name"]
+
+
+def test_planning_twice_gives_the_same_manifest(make_spec: SpecFactory) -> None:
+    assert plan(make_spec()) == plan(make_spec())
+
+
+def test_hf_source_to_pvc_runs_the_stager_cli_as_contracted(make_spec: SpecFactory) -> None:
+    spec = make_spec(model={"revision": "main"}, dtype="bfloat16")
+    digest = spec_digest(spec)
+    assert container(plan(spec))["command"] == [
+        "modelstage", "stage", "hf://meta-llama/Meta-Llama-3-8B-Instruct",
+        "--tp", "2", "--pp", "1", "--dtype", "bfloat16", "--format", "sharded_state",
+        "--vllm-version", "0.32", "--digest", digest,
+        "--out", f"{ARTIFACT_MOUNT}/artifacts/llm/{digest}",
+        "--revision", "main",
+    ]  # fmt: skip
+
+
+def test_revision_is_passed_only_when_set(make_spec: SpecFactory) -> None:
+    assert "--revision" not in container(plan(make_spec()))["command"]
+
+
+def test_hf_token_comes_from_the_secret_by_reference(make_spec: SpecFactory) -> None:
+    token = env(plan(make_spec()))["HF_TOKEN"]
+    assert token == {
+        "name": "HF_TOKEN",
+        "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "HF_TOKEN"}},
+    }
+
+
+def test_no_credential_is_ever_a_literal_value(make_spec: SpecFactory) -> None:
+    spec = make_spec(loadFormat="tensorizer", storage=S3_STORAGE)
+    for name, entry in env(plan(spec)).items():
+        if any(word in name for word in ("TOKEN", "KEY", "SECRET")):
+            assert "value" not in entry and "secretKeyRef" in entry["valueFrom"], name
+
+
+def test_artifact_pvc_is_mounted_read_write_at_the_artifact_mount(make_spec: SpecFactory) -> None:
+    job = plan(make_spec())
+    volumes = {v["name"]: v for v in job["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["modelstage-artifacts"]["persistentVolumeClaim"] == {"claimName": "models"}
+    mounts = {m["name"]: m for m in container(job)["volumeMounts"]}
+    assert mounts["modelstage-artifacts"] == {
+        "name": "modelstage-artifacts",
+        "mountPath": ARTIFACT_MOUNT,
+    }
+
+
+def test_pvc_source_is_mounted_read_only_and_named_by_source_uri(make_spec: SpecFactory) -> None:
+    spec = make_spec(
+        model={"uri": "pvc://checkpoints/meta-llama/Llama-3-8B", "credentialsSecret": None}
+    )
+    job = plan(spec)
+    command = container(job)["command"]
+    assert command[2] == "/mnt/modelstage/source/meta-llama/Llama-3-8B"
+    assert command[command.index("--source-uri") + 1] == "pvc://checkpoints/meta-llama/Llama-3-8B"
+    volumes = {v["name"]: v for v in job["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["modelstage-source"]["persistentVolumeClaim"] == {
+        "claimName": "checkpoints",
+        "readOnly": True,
+    }
+    mounts = {m["name"]: m for m in container(job)["volumeMounts"]}
+    assert mounts["modelstage-source"]["readOnly"] is True
+
+
+def test_s3_storage_passes_connection_flags_ca_and_credentials(make_spec: SpecFactory) -> None:
+    spec = make_spec(loadFormat="tensorizer", storage=S3_STORAGE)
+    job = plan(spec)
+    command = container(job)["command"]
+    digest = spec_digest(spec)
+    assert command[command.index("--out") + 1] == f"s3://models/modelstage/llm/{digest}"
+    assert command[-7:] == [
+        "--s3-endpoint", "https://minio.storage:9000", "--s3-region", "eu-west-1",
+        "--s3-path-style", "--s3-ca-bundle", "/etc/modelstage/s3-ca/ca.crt",
+    ]  # fmt: skip
+    assert env(job)["AWS_ACCESS_KEY_ID"]["valueFrom"]["secretKeyRef"] == {
+        "name": "s3-creds",
+        "key": "AWS_ACCESS_KEY_ID",
+    }
+    assert "HF_TOKEN" in env(job)
+    volumes = {v["name"]: v for v in job["spec"]["template"]["spec"]["volumes"]}
+    assert "modelstage-artifacts" not in volumes
+    assert volumes["modelstage-s3-ca"]["secret"]["secretName"] == "minio-ca"
+
+
+def test_virtual_addressing_drops_the_path_style_flag(make_spec: SpecFactory) -> None:
+    storage = {"pvc": None, "s3": {"uri": "s3://models/p", "virtualAddressing": True}}
+    command = container(plan(make_spec(loadFormat="tensorizer", storage=storage)))["command"]
+    assert "--s3-path-style" not in command and "--s3-endpoint" not in command
+
+
+def test_s3_source_to_pvc_uses_the_sources_connection(make_spec: SpecFactory) -> None:
+    spec = make_spec(
+        model={
+            "uri": "s3://ckpts/qwen",
+            "credentialsSecret": "src-creds",
+            "s3": {"endpoint": "http://s3.local"},
+        }
+    )
+    job = plan(spec)
+    command = container(job)["command"]
+    assert command[2] == "s3://ckpts/qwen"
+    assert command[command.index("--s3-endpoint") + 1] == "http://s3.local"
+    assert env(job)["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "src-creds"
+    assert "HF_TOKEN" not in env(job)
+
+
+def test_pod_is_restricted_and_reports_through_its_termination_message(
+    make_spec: SpecFactory,
+) -> None:
+    job = plan(make_spec())
+    pod = job["spec"]["template"]["spec"]
+    assert pod["restartPolicy"] == "Never"
+    assert pod["automountServiceAccountToken"] is False
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    security = container(job)["securityContext"]
+    assert security["allowPrivilegeEscalation"] is False
+    assert security["capabilities"] == {"drop": ["ALL"]}
+    assert security["readOnlyRootFilesystem"] is True
+    assert container(job)["terminationMessagePolicy"] == "FallbackToLogsOnError"
+    assert {"name": "modelstage-scratch", "emptyDir": {}} in pod["volumes"]
+
+
+def test_owner_reference_and_labels_tie_the_job_to_its_model_deployment(
+    make_spec: SpecFactory,
+) -> None:
+    spec = make_spec()
+    job = plan(spec)
+    assert job["metadata"]["ownerReferences"] == [
+        {
+            "apiVersion": "modelstage.io/v1alpha1",
+            "kind": "ModelDeployment",
+            "name": "llama",
+            "uid": OWNER.uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+    ]
+    assert job["metadata"]["namespace"] == "llm"
+    assert job["metadata"]["labels"]["modelstage.io/digest"] == spec_digest(spec)
+    assert job["spec"]["template"]["metadata"]["labels"] == job["metadata"]["labels"]
+
+
+def test_stager_options_reach_the_job(make_spec: SpecFactory) -> None:
+    spec = make_spec(
+        stager={
+            "image": "registry.local/stager:dev",
+            "resources": {"requests": {"cpu": 4, "memory": "8Gi"}},
+            "nodeSelector": {"pool": "staging"},
+            "tolerations": [{"key": "staging", "operator": "Exists", "effect": "NoSchedule"}],
+            "serviceAccountName": "stager",
+            "backoffLimit": 0,
+            "activeDeadlineSeconds": 900,
+        }
+    )
+    job = plan(spec)
+    pod = job["spec"]["template"]["spec"]
+    assert container(job)["image"] == "registry.local/stager:dev"
+    assert container(job)["resources"] == {"requests": {"cpu": 4, "memory": "8Gi"}}
+    assert pod["nodeSelector"] == {"pool": "staging"}
+    assert pod["tolerations"] == [{"key": "staging", "operator": "Exists", "effect": "NoSchedule"}]
+    assert pod["serviceAccountName"] == "stager"
+    assert (job["spec"]["backoffLimit"], job["spec"]["activeDeadlineSeconds"]) == (0, 900)
+
+
+def test_parallel_staging_is_an_indexed_job_for_per_rank_safetensors(
+    make_spec: SpecFactory,
+) -> None:
+    job = plan(make_spec(stager={"parallelism": 4}))
+    assert job["spec"]["completionMode"] == "Indexed"
+    assert job["spec"]["completions"] == job["spec"]["parallelism"] == 4
+    assert env(job)["MODELSTAGE_WORKERS"]["value"] == "4"
+
+
+def test_tensorizer_has_one_writer_per_rank_file_so_no_scale_out(make_spec: SpecFactory) -> None:
+    job = plan(make_spec(loadFormat="tensorizer", stager={"parallelism": 4}))
+    assert "completionMode" not in job["spec"]
+    assert "MODELSTAGE_WORKERS" not in env(job)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"loadFormat": "tensorizer", "storage": S3_STORAGE},
+        {"model": {"uri": "pvc://ckpt/x", "credentialsSecret": None}, "stager": {"parallelism": 2}},
+    ],
+    ids=["hf-pvc", "hf-s3", "pvc-pvc-indexed"],
+)
+def test_job_manifest_passes_kubernetes_schema(
+    make_spec: SpecFactory, overrides: dict[str, Any]
+) -> None:
+    kubernetes_validate.validate(
+        plan(make_spec(**overrides)), kubernetes_validate.latest_version(), strict=True
+    )

@@ -1,0 +1,185 @@
+"""Checks beyond the schema: findings with actionable messages, never exceptions."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import datetime, timezone
+from typing import Any
+
+import pytest
+from modelstage.operator.api import ModelDeploymentSpec
+from modelstage.operator.validation import (
+    Finding,
+    findings_condition,
+    validate_spec,
+    validate_workload,
+)
+
+SpecFactory = Callable[..., ModelDeploymentSpec]
+NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
+
+
+def check(
+    spec: ModelDeploymentSpec, workload: dict[str, Any] | None, claim: dict[str, Any] | None = None
+) -> list[Finding]:
+    return validate_workload(spec, workload, namespace="llm", deployment_name="llama", claim=claim)
+
+
+def reasons(findings: list[Finding]) -> list[str]:
+    return [f.reason for f in findings]
+
+
+def claim(*modes: str) -> dict[str, Any]:
+    return {
+        "metadata": {"name": "models"},
+        "spec": {"accessModes": list(modes)},
+        "status": {"accessModes": list(modes)},
+    }
+
+
+def test_the_example_workload_is_fine(make_spec: SpecFactory, deployment: dict[str, Any]) -> None:
+    assert check(make_spec(parallelism={"tensor": 4}), deployment, claim("ReadWriteMany")) == []
+
+
+def test_unknown_vllm_version_blocks_staging(make_spec: SpecFactory) -> None:
+    (finding,) = validate_spec(make_spec(serving={"vllmVersion": "0.9"}))
+    assert finding.reason == "UnsupportedVllmVersion"
+    assert finding.blocks == "staging"
+    assert "supported: 0.32" in finding.message
+
+
+def test_known_vllm_patch_release_is_fine(make_spec: SpecFactory) -> None:
+    assert validate_spec(make_spec(serving={"vllmVersion": "0.32.9"})) == []
+
+
+def test_missing_workload_blocks_only_the_rollout(make_spec: SpecFactory) -> None:
+    (finding,) = check(make_spec(), None)
+    assert finding.reason == "TargetNotFound" and finding.blocks == "rollout"
+    assert "Deployment vllm-llama not found in namespace llm" in finding.message
+    assert "spec.serving.targetRef" in finding.message
+
+
+def test_missing_container_names_the_ones_that_exist(
+    make_spec: SpecFactory, deployment: dict[str, Any]
+) -> None:
+    (finding,) = check(make_spec(serving={"containerName": "server"}), deployment)
+    assert finding.reason == "ContainerNotFound"
+    assert (
+        "vllm, metrics-proxy" in finding.message and "spec.serving.containerName" in finding.message
+    )
+
+
+def test_several_containers_without_a_name_ask_for_one(
+    make_spec: SpecFactory, deployment: dict[str, Any]
+) -> None:
+    (finding,) = check(make_spec(serving={"containerName": None}), deployment)
+    assert (
+        finding.reason == "ContainerNotFound"
+        and "set spec.serving.containerName" in finding.message
+    )
+
+
+def test_tp_above_the_gpus_the_container_requests(
+    make_spec: SpecFactory, deployment: dict[str, Any]
+) -> None:
+    (finding,) = check(make_spec(parallelism={"tensor": 8}), deployment, claim("ReadWriteMany"))
+    assert finding.reason == "InsufficientGPUs" and finding.blocks == "rollout"
+    assert "tensor is 8" in finding.message and "requests 4 nvidia.com/gpu" in finding.message
+    assert "'nvidia.com/gpu'] to 8" in finding.message
+
+
+def test_gpu_requests_count_when_limits_are_absent(
+    make_spec: SpecFactory, deployment: dict[str, Any]
+) -> None:
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    container["resources"] = {"requests": {"amd.com/gpu": "2"}}
+    assert reasons(check(make_spec(parallelism={"tensor": 4}), deployment)) == ["InsufficientGPUs"]
+
+
+def test_a_cpu_only_workload_is_not_judged_by_gpus(
+    make_spec: SpecFactory, deployment: dict[str, Any]
+) -> None:
+    deployment["spec"]["template"]["spec"]["containers"][0]["resources"] = {"limits": {"cpu": "8"}}
+    assert check(make_spec(parallelism={"tensor": 4}), deployment) == []
+
+
+def test_shell_wrapped_vllm_is_reported(make_spec: SpecFactory, deployment: dict[str, Any]) -> None:
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    container["command"], container["args"] = ["/bin/sh", "-c"], ["vllm serve m --port 8000"]
+    assert reasons(check(make_spec(parallelism={"tensor": 4}), deployment)) == [
+        "VllmCommandNotRecognized"
+    ]
+
+
+def test_read_write_once_with_replicas_on_several_nodes_warns(
+    make_spec: SpecFactory, deployment: dict[str, Any]
+) -> None:
+    (finding,) = check(make_spec(parallelism={"tensor": 4}), deployment, claim("ReadWriteOnce"))
+    assert finding.reason == "ReadWriteOnceMultiNode" and finding.blocks == "nothing"
+    assert "PVC models is ReadWriteOnce" in finding.message and "2 replicas" in finding.message
+    assert "ReadWriteMany" in finding.message
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda d: d["spec"].update(replicas=1),
+        lambda d: d["spec"]["template"]["spec"].update(
+            nodeSelector={"kubernetes.io/hostname": "gpu-1"}
+        ),
+    ],
+    ids=["one-replica", "pinned-to-a-node"],
+)
+def test_read_write_once_is_fine_on_one_node(
+    make_spec: SpecFactory, deployment: dict[str, Any], change: Callable[[dict[str, Any]], None]
+) -> None:
+    change(deployment)
+    assert check(make_spec(parallelism={"tensor": 4}), deployment, claim("ReadWriteOnce")) == []
+
+
+def test_claim_to_create_is_judged_by_its_template(
+    make_spec: SpecFactory, deployment: dict[str, Any]
+) -> None:
+    spec = make_spec(
+        parallelism={"tensor": 4},
+        storage={
+            "pvc": {
+                "claimName": None,
+                "create": {"size": "100Gi", "accessModes": ["ReadWriteOnce"]},
+            }
+        },
+    )
+    (finding,) = check(spec, deployment)
+    assert "PVC modelstage-llama is ReadWriteOnce" in finding.message
+
+
+def test_read_write_once_pod_blocks_the_rollout(
+    make_spec: SpecFactory, deployment: dict[str, Any]
+) -> None:
+    (finding,) = check(make_spec(parallelism={"tensor": 4}), deployment, claim("ReadWriteOncePod"))
+    assert finding.reason == "AccessModeTooNarrow" and finding.blocks == "rollout"
+
+
+def test_s3_storage_has_no_access_mode_concerns(
+    make_spec: SpecFactory, deployment: dict[str, Any]
+) -> None:
+    spec = make_spec(
+        parallelism={"tensor": 4},
+        loadFormat="tensorizer",
+        storage={"pvc": None, "s3": {"uri": "s3://bkt/p"}},
+    )
+    assert check(spec, deployment) == []
+
+
+def test_findings_become_one_degraded_condition(make_spec: SpecFactory) -> None:
+    findings = check(make_spec(), None) + validate_spec(make_spec(serving={"vllmVersion": "0.1"}))
+    cond = findings_condition(findings, now=NOW, generation=3)
+    assert (cond.type, cond.status, cond.reason, cond.observed_generation) == (
+        "Degraded",
+        "True",
+        "TargetNotFound",
+        3,
+    )
+    assert all(f.message in cond.message for f in findings)
+    ok = findings_condition([], now=NOW)
+    assert (ok.status, ok.reason) == ("False", "AsExpected")

@@ -1,0 +1,44 @@
+"""A real S3 server (SeaweedFS on 127.0.0.1) for the session, one fresh bucket per test.
+
+The credentials are long and distinctive so that a test can grep every output for them.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from modelstage.stager.synthetic import SyntheticModel, write_checkpoint
+from support.s3_server import S3Server, s3_server
+
+ACCESS_KEY = "MSTESTAKID7Q4ZX9PLUMBLINE"
+SECRET_KEY = "ms-test-secret/Zebra+Quokka+Halibut+0451"
+_buckets = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    with s3_server(
+        tmp_path_factory.mktemp("s3"), access_key=ACCESS_KEY, secret_key=SECRET_KEY
+    ) as server:
+        yield server
+
+
+@pytest.fixture
+def bucket(s3: S3Server) -> str:
+    name = f"models-{next(_buckets)}"
+    s3.create_bucket(name)
+    return name
+
+
+@pytest.fixture(scope="session")
+def multipart_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Llama checkpoint whose rank files exceed one 5 MiB part even at TP=2 (~29 MB of
+    float32 weights in three source files, q/k/v and gate/up spread across them)."""
+    spec = SyntheticModel(
+        hidden_size=512, intermediate_size=1536, num_layers=2, vocab_size=4000, num_shards=3,
+        split_fused=True,
+    )  # fmt: skip
+    return write_checkpoint(spec, tmp_path_factory.mktemp("mp") / "ckpt")

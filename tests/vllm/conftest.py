@@ -1,0 +1,63 @@
+"""Session fixtures of the vLLM oracle tier: generated checkpoints and staged artifacts are
+made once per session and shared by every test that needs them; vLLM starts are timed and
+listed at the end of the run (each start costs 20-60 s on a 2-core machine)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from modelstage.stager.synthetic import SyntheticModel, write_checkpoint
+
+# The tests import the oracle helpers as a top-level module: this folder cannot be imported
+# as a package from `tests/` on sys.path, its name would shadow the real `vllm`.
+sys.path.insert(0, str(Path(__file__).parent))
+from vllm_oracle import stage  # noqa: E402
+
+TIMINGS: list[tuple[str, float, bool]] = []
+"""(what, seconds, from cache) of every oracle vLLM run this session."""
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, SyntheticModel], Path]:
+    """``checkpoint(name, spec)``: the generated checkpoint, written once per session."""
+    made: dict[str, Path] = {}
+
+    def get(name: str, spec: SyntheticModel) -> Path:
+        if name not in made:
+            made[name] = write_checkpoint(spec, tmp_path_factory.mktemp(f"ckpt-{name}"))
+        return made[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def staged(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """``staged(name, src, tp, *cli_args)``: the sharded_state artifact, staged once."""
+    made: dict[tuple[str, int], Path] = {}
+
+    def get(name: str, src: Path, tp: int, *cli_args: str) -> Path:
+        if (name, tp) not in made:
+            out = tmp_path_factory.mktemp(f"staged-{name}-tp{tp}") / "artifact"
+            stage(src, out, tp, *cli_args)
+            made[(name, tp)] = out
+        return made[(name, tp)]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def timings() -> Iterator[list[tuple[str, float, bool]]]:
+    yield TIMINGS
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if not TIMINGS:
+        return
+    terminalreporter.section("vLLM oracle runs")
+    for what, seconds, cached in TIMINGS:
+        terminalreporter.write_line(f"{what:<60} {'cached' if cached else f'{seconds:6.1f} s'}")
+    fresh = sum(s for _, s, c in TIMINGS if not c)
+    terminalreporter.write_line(f"{'total of vLLM starts':<60} {fresh:6.1f} s")
