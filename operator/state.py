@@ -126,6 +126,82 @@ def observe_workload(workload: Manifest, failing: Sequence[str] = ()) -> Workloa
     )
 
 
+STAGER_CONTAINER = "stager"
+WAITING_FAILURES = frozenset(
+    {
+        "CrashLoopBackOff",
+        "ImagePullBackOff",
+        "ErrImagePull",
+        "InvalidImageName",
+        "CreateContainerConfigError",
+        "CreateContainerError",
+        "RunContainerError",
+    }
+)
+"""Waiting reasons of a container that will not start without a change to the pod."""
+
+
+def _terminations(pod: Manifest, container: str) -> list[Manifest]:
+    status = pod.get("status") or {}
+    out: list[Manifest] = []
+    for cs in status.get("containerStatuses") or []:
+        if cs.get("name") != container:
+            continue
+        for key in ("state", "lastState"):
+            terminated = (cs.get(key) or {}).get("terminated")
+            if terminated:
+                out.append(terminated)
+    return out
+
+
+def termination_message(
+    pods: Sequence[Manifest], *, success: bool, container: str = STAGER_CONTAINER
+) -> str:
+    """The stager's termination message from its Job's pods: on success the latest summary
+    (a message that parses as one, else the latest of exit code 0), on failure the latest
+    message of a non-zero exit."""
+    found = [
+        t
+        for pod in pods
+        for t in _terminations(pod, container)
+        if (t.get("exitCode", 0) == 0) == success
+    ]
+    found.sort(key=lambda t: str(t.get("finishedAt") or ""))
+    messages = [str(t.get("message") or "") for t in found]
+    if success:
+        summaries = [m for m in messages if parse_summary(m) is not None]
+        messages = summaries or messages
+    return messages[-1] if messages else ""
+
+
+def pod_failures(pods: Sequence[Manifest], digest: str | None) -> tuple[str, ...]:
+    """Why pods of artifact ``digest`` (their template's digest annotation) fail: containers or
+    initContainers stuck in a crash loop or image pull, or pods that failed outright. Each
+    reason names the pod, the container and, when there is one, its last termination message."""
+    reasons: set[str] = set()
+    for pod in pods:
+        meta = pod.get("metadata") or {}
+        if digest is None or (meta.get("annotations") or {}).get(DIGEST_ANNOTATION) != digest:
+            continue
+        if meta.get("deletionTimestamp"):
+            continue
+        name = meta.get("name", "?")
+        status = pod.get("status") or {}
+        for cs in [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]:
+            waiting = (cs.get("state") or {}).get("waiting") or {}
+            reason = waiting.get("reason")
+            if reason not in WAITING_FAILURES:
+                continue
+            last = ((cs.get("lastState") or {}).get("terminated") or {}).get("message") or ""
+            last = last.strip().splitlines()[-1][:200] if last.strip() else ""
+            detail = f": {last}" if last else ""
+            reasons.add(f"pod {name}, container {cs.get('name', '?')}: {reason}{detail}")
+        if status.get("phase") == "Failed":
+            why = status.get("reason") or status.get("message") or "failed"
+            reasons.add(f"pod {name}: {why}")
+    return tuple(sorted(reasons))
+
+
 def parse_summary(message: str) -> Mapping[str, Any] | None:
     """The stager's one-line JSON summary (its last line), or None."""
     lines = [line for line in message.strip().splitlines() if line.strip()]

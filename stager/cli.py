@@ -38,6 +38,8 @@ def _stage(args: argparse.Namespace) -> dict[str, Any]:
             digest=args.digest,
             revision=args.revision,
             source_uri=args.source_uri,
+            hf_token_file=args.hf_token_file,
+            cache_dir=args.cache_dir,
             s3=_s3_options(args),
         )
     )
@@ -117,12 +119,49 @@ def _demo(args: argparse.Namespace) -> dict[str, Any]:
     return {**summary, "verified": True}
 
 
+# --- prepare (issue 9: the serving pod's initContainer) --------------------------------------
+def _prepare(args: argparse.Namespace) -> dict[str, Any]:
+    """Check the artifact, then copy the loader plugin where vLLM finds it (prepare.py)."""
+    from .prepare import prepare
+
+    return prepare(
+        args.artifact,
+        digest=args.digest,
+        tp=args.tp,
+        plugin_dir=Path(args.plugin_dir),
+        hash_content=args.hash,
+        s3=_s3_options(args) if args.artifact.startswith("s3://") else None,
+    )
+
+
+def _add_prepare_parser(sub: Any) -> None:
+    pr = sub.add_parser(
+        "prepare", help="initContainer: verify the artifact and install the vLLM loader plugin"
+    )
+    pr.add_argument("--artifact", required=True, help="artifact directory or s3://BUCKET/PREFIX/")
+    pr.add_argument("--digest", required=True, help="the digest the workload expects")
+    pr.add_argument("--tp", type=int, required=True, help="the workload's tensor parallel size")
+    pr.add_argument("--plugin-dir", required=True, help="where to copy the plugin (PYTHONPATH)")
+    pr.add_argument(
+        "--hash", action="store_true", help="also sha256 every local file (reads every byte)"
+    )
+    _add_s3_options(pr)
+    pr.set_defaults(run=_prepare)
+
+
+# --- end prepare -----------------------------------------------------------------------------
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="modelstage", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
     st = sub.add_parser("stage", help="pre-shard a checkpoint per tensor-parallel rank")
-    st.add_argument("source", help="local checkpoint directory (Hugging Face layout)")
+    st.add_argument(
+        "source",
+        help="checkpoint in Hugging Face layout: a local directory, s3://BUCKET/PREFIX or "
+        "hf://ORG/NAME",
+    )
     st.add_argument("--tp", type=int, required=True, help="tensor parallel size")
     st.add_argument("--pp", type=int, default=1, help="pipeline parallel size (1 only, for now)")
     st.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
@@ -136,6 +175,13 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--digest", help="expected artifact digest (the operator passes it)")
     st.add_argument("--revision", help="source revision (recorded; hub sources resolve it)")
     st.add_argument("--source-uri", help="logical source URI when SOURCE is a mount point")
+    st.add_argument(
+        "--hf-token-file",
+        help="hf:// sources: a mounted Secret file holding the Hub token (default: HF_TOKEN)",
+    )
+    st.add_argument(
+        "--cache-dir", help="hf:// sources: the hub cache to download into (default: HF_HUB_CACHE)"
+    )
     _add_s3_options(st)
     st.set_defaults(run=_stage)
 
@@ -151,6 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
     de.add_argument("--tp", type=int, default=2)
     de.add_argument("--workdir", help="where to put the checkpoint and artifact (default: temp)")
     de.set_defaults(run=_demo)
+
+    _add_prepare_parser(sub)  # issue 9
     return parser
 
 

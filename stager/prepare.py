@@ -23,10 +23,10 @@ import tempfile
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as dist_version
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import ArtifactError, DestinationError
-from .manifest import verify_directory
+from .manifest import MANIFEST, Manifest, verify_directory
 from .plugin import ENTRY_POINT, ENTRY_POINT_GROUP, ENTRY_POINT_NAME
 
 PACKAGE_ROOT = Path(__file__).resolve().parent
@@ -43,19 +43,30 @@ PLUGIN_MODULES = (
 PLUGIN_PACKAGE = "plugin"
 DIST_NAME = "modelstage"
 
+if TYPE_CHECKING:
+    from .s3_client import S3Options
+
 
 def prepare(
-    artifact: str, *, digest: str, tp: int, plugin_dir: Path, hash_content: bool = False
+    artifact: str,
+    *,
+    digest: str,
+    tp: int,
+    plugin_dir: Path,
+    hash_content: bool = False,
+    s3: S3Options | None = None,
 ) -> dict[str, Any]:
     """Verify, then install the plugin; returns the one-line summary."""
-    summary = verify_artifact(artifact, digest=digest, tp=tp, hash_content=hash_content)
+    summary = verify_artifact(artifact, digest=digest, tp=tp, hash_content=hash_content, s3=s3)
     installed = install_plugin(plugin_dir)
     return {**summary, "pluginDir": str(plugin_dir), "plugin": installed}
 
 
-def verify_artifact(artifact: str, *, digest: str, tp: int, hash_content: bool) -> dict[str, Any]:
+def verify_artifact(
+    artifact: str, *, digest: str, tp: int, hash_content: bool, s3: S3Options | None = None
+) -> dict[str, Any]:
     if artifact.startswith("s3://"):
-        return _verify_s3(artifact, digest=digest, tp=tp)
+        return _verify_s3(artifact, digest=digest, tp=tp, s3=s3)
     if "://" in artifact and not artifact.startswith("file://"):
         scheme = artifact.split("://", 1)[0]
         raise ArtifactError(
@@ -64,27 +75,33 @@ def verify_artifact(artifact: str, *, digest: str, tp: int, hash_content: bool) 
         )
     directory = Path(artifact.removeprefix("file://"))
     manifest = verify_directory(directory, digest=digest, tp=tp, hash_content=hash_content)
+    return _summary(str(directory), manifest, hashed=hash_content)
+
+
+def _verify_s3(artifact: str, *, digest: str, tp: int, s3: S3Options | None) -> dict[str, Any]:
+    """S3 artifacts: the manifest object only. vLLM is given ``--model s3://...`` and fetches
+    the files itself; listing or hashing every object here would delay every pod start."""
+    from .destinations.s3 import S3Destination
+
+    dest = S3Destination(artifact, s3)
+    manifest = dest.existing()
+    if manifest is None:
+        raise ArtifactError(f"{dest.uri}: no {MANIFEST}; the artifact is incomplete")
+    manifest.check_expected(dest.uri, digest=digest, tp=tp)
+    return _summary(dest.uri, manifest, hashed=False)
+
+
+def _summary(where: str, manifest: Manifest, *, hashed: bool) -> dict[str, Any]:
     return {
-        "verified": str(directory),
+        "verified": where,
         "digest": manifest.digest,
         "format": manifest.format,
         "tensorParallelSize": manifest.tensorParallelSize,
         "layoutVersion": manifest.layoutVersion,
         "files": len(manifest.files),
         "bytes": manifest.bytes,
-        "hashed": hash_content,
+        "hashed": hashed,
     }
-
-
-def _verify_s3(artifact: str, *, digest: str, tp: int) -> dict[str, Any]:
-    """S3 artifacts: only the manifest object is to be checked (vLLM fetches the files).
-
-    Not available yet: the S3 destination (``destinations/s3.py``) is another issue's work;
-    until it lands, refuse with a reason instead of starting vLLM unchecked."""
-    raise ArtifactError(
-        f"{artifact}: prepare cannot check s3:// artifacts yet (no S3 support in this "
-        f"stager); expected digest {digest}, TP {tp} were not verified; use a PVC artifact"
-    )
 
 
 def install_plugin(plugin_dir: Path) -> dict[str, Any]:
@@ -99,8 +116,10 @@ def install_plugin(plugin_dir: Path) -> dict[str, Any]:
         work = Path(tempfile.mkdtemp(prefix=".modelstage-", dir=plugin_dir))
         try:
             files = _write_tree(work, version)
-            for stale in [plugin_dir / "modelstage", *plugin_dir.glob(f"{DIST_NAME}-*.dist-info")]:
-                shutil.rmtree(stale)
+            stale = [plugin_dir / "modelstage", *plugin_dir.glob(f"{DIST_NAME}-*.dist-info")]
+            for path in stale:
+                if path.exists():
+                    shutil.rmtree(path)
             for entry in work.iterdir():
                 entry.rename(plugin_dir / entry.name)
         finally:
@@ -133,7 +152,8 @@ def _write_tree(root: Path, version: str) -> int:
         (dist / name).write_text(text)
         copied.append(dist / name)
     record = dist / "RECORD"
-    lines = [f"{p.relative_to(root).as_posix()},{_record_hash(p)},{p.stat().st_size}" for p in copied]
+    lines = [f"{p.relative_to(root).as_posix()},{_record_hash(p)},{p.stat().st_size}"
+             for p in copied]  # fmt: skip
     record.write_text("\n".join([*lines, f"{record.relative_to(root).as_posix()},,"]) + "\n")
     return len(copied) + 1
 

@@ -90,7 +90,7 @@ def write_rank_files(
         done = [completed(names[r][p], size) if completed else None for r in range(plan.tp)]
         reused = [d for d in done if d is not None]
         if len(reused) == plan.tp:
-            results.update(zip((names[r][p] for r in range(plan.tp)), reused))
+            results.update(zip((names[r][p] for r in range(plan.tp)), reused, strict=True))
             for _ in part:
                 progress.tensor_done()
             continue

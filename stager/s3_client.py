@@ -86,6 +86,10 @@ class S3Options:
     credentials_file: str | None = None
     max_attempts: int = 8
     """botocore's attempts per request (standard mode: backoff with jitter on 5xx/throttling)."""
+    part_bytes: int = 16 * 1024 * 1024
+    """Multipart part size; memory is about (open objects + concurrency) x part_bytes."""
+    concurrency: int = 8
+    """Parts uploaded at once, over all objects being written."""
 
 
 def load_credentials(path: str) -> Credentials:

@@ -52,7 +52,12 @@ class StageRequest:
     source_uri: str | None = None
     """The logical URI (e.g. ``pvc://claim/path``) when ``source`` is where it is mounted."""
     s3: S3Options | None = None
-    """How to reach an ``s3://`` destination (endpoint, region, addressing, CA, credentials)."""
+    """How to reach ``s3://`` sources and destinations (endpoint, region, addressing, CA,
+    credentials)."""
+    hf_token_file: str | None = None
+    """A mounted Secret holding a Hub token for ``hf://`` sources (default: ``HF_TOKEN``)."""
+    cache_dir: str | None = None
+    """The hub cache ``hf://`` sources download into (default: ``HF_HUB_CACHE``)."""
 
 
 def modelstage_version() -> str:
@@ -129,7 +134,8 @@ def stage(req: StageRequest, *, progress_stream: TextIO | None = None) -> dict[s
             existing.check_expected(dest.uri, digest=digest)
         return _summary(existing, dest.uri, time.monotonic() - started, already=True)
 
-    source = open_source(req.source)
+    source = open_source(req.source, revision=req.revision, s3=req.s3,
+                         hf_token_file=req.hf_token_file, cache_dir=req.cache_dir)  # fmt: skip
     try:
         checkpoint = open_checkpoint(source)
         # Also for runai_streamer: a TP that cannot split this model fails here, not in vLLM.
@@ -168,7 +174,7 @@ def stage(req: StageRequest, *, progress_stream: TextIO | None = None) -> dict[s
                 files={n: FileEntry(size=s, sha256=h) for n, (s, h) in sorted(files.items())},
                 bytes=sum(s for s, _ in files.values()),
                 modelstageVersion=modelstage_version(),
-                createdAt=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                createdAt=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                 stageSeconds=round(time.monotonic() - started, 3),
             )  # fmt: skip
             dest.commit(manifest)

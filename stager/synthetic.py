@@ -86,8 +86,14 @@ class SyntheticModel:
         if self.dtype not in _SAFETENSORS_DTYPES:
             raise ValueError(f"dtype {self.dtype!r} unsupported; one of {tuple(_ITEMSIZE)}")
         for name in (
-            "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
-            "vocab_size", "num_shards", "max_position_embeddings",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "vocab_size",
+            "num_shards",
+            "max_position_embeddings",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
@@ -97,8 +103,10 @@ class SyntheticModel:
             raise ValueError(f"vocab_size must be > {len(_SPECIAL_TOKENS)}")
         if self.head_dim is None and self.hidden_size % self.num_heads:
             raise ValueError("hidden_size must be a multiple of num_heads (or set head_dim)")
-        if self.head_dim is not None and self.architecture == "Qwen2ForCausalLM" and (
-            self.head_dim * self.num_heads != self.hidden_size
+        if (
+            self.head_dim is not None
+            and self.architecture == "Qwen2ForCausalLM"
+            and (self.head_dim * self.num_heads != self.hidden_size)
         ):
             raise ValueError("Qwen2 derives head_dim = hidden_size / num_heads")
         if self.split_fused and self.num_shards < 2:
@@ -112,7 +120,9 @@ class SyntheticModel:
         """(HF name, shape) of every weight, in model order."""
         h, hd, i = self.hidden_size, self.head_size, self.intermediate_size
         q_rows, kv_rows = self.num_heads * hd, self.num_kv_heads * hd
-        out: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (self.vocab_size, h))]
+        out: list[tuple[str, tuple[int, ...]]] = [
+            ("model.embed_tokens.weight", (self.vocab_size, h))
+        ]
         for layer in range(self.num_layers):
             p = f"model.layers.{layer}."
             out += [
@@ -170,16 +180,23 @@ class SyntheticModel:
             "vocab_size": self.vocab_size,
         }
         if self.architecture == "LlamaForCausalLM":
-            cfg.update(attention_bias=False, mlp_bias=False, pretraining_tp=1,
-                       head_dim=self.head_size)
+            cfg.update(
+                attention_bias=False, mlp_bias=False, pretraining_tp=1, head_dim=self.head_size
+            )
         elif self.architecture == "MistralForCausalLM":
             cfg.update(sliding_window=None, head_dim=self.head_size)
         elif self.architecture == "Qwen2ForCausalLM":
-            cfg.update(sliding_window=None, use_sliding_window=False,
-                       max_window_layers=self.num_layers)
+            cfg.update(
+                sliding_window=None, use_sliding_window=False, max_window_layers=self.num_layers
+            )
         else:  # Qwen3
-            cfg.update(sliding_window=None, use_sliding_window=False, attention_bias=False,
-                       max_window_layers=self.num_layers, head_dim=self.head_size)
+            cfg.update(
+                sliding_window=None,
+                use_sliding_window=False,
+                attention_bias=False,
+                max_window_layers=self.num_layers,
+                head_dim=self.head_size,
+            )
         cfg.update(dict(self.config_extra))
         return dict(sorted(cfg.items()))
 
@@ -206,8 +223,12 @@ def write_checkpoint(spec: SyntheticModel, out_dir: Path | str) -> Path:
     _write_json(out / "config.json", spec.config())
     _write_json(
         out / "generation_config.json",
-        {"_from_model_config": True, "bos_token_id": 1, "eos_token_id": 2,
-         "transformers_version": _TRANSFORMERS_VERSION},
+        {
+            "_from_model_config": True,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "transformers_version": _TRANSFORMERS_VERSION,
+        },
     )
     _write_tokenizer(spec, out)
 
@@ -246,14 +267,18 @@ def _assign_shards(
         assignment[name] = min(n - 1, seen * n // max(total, 1))
         seen += math.prod(shape)
     if spec.split_fused:
-        moves = {"self_attn.k_proj.": 1, "self_attn.v_proj.": 2, "mlp.up_proj.": 1}
+        # (moved part, the part it follows, how many files further on)
+        moves = (
+            ("self_attn.k_proj.", "self_attn.q_proj.", 1),
+            ("self_attn.v_proj.", "self_attn.q_proj.", 2),
+            ("mlp.up_proj.", "mlp.gate_proj.", 1),
+        )
         for name in assignment:
             if not name.startswith("model.layers."):
                 continue
             layer_prefix = ".".join(name.split(".")[:3]) + "."
-            for part, step in moves.items():
+            for part, anchor_part, step in moves:
                 if part in name:
-                    anchor_part = "mlp.gate_proj." if part.startswith("mlp") else "self_attn.q_proj."
                     anchor = assignment[layer_prefix + anchor_part + "weight"]
                     assignment[name] = (anchor + step) % n
     return assignment
@@ -319,7 +344,7 @@ def _write_tokenizer(spec: SyntheticModel, out: Path) -> None:
     vocab = {tok: i for i, tok in enumerate(_SPECIAL_TOKENS)}
     vocab.update({f"w{i}": i for i in range(len(_SPECIAL_TOKENS), spec.vocab_size)})
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()  # type: ignore[assignment]
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer.add_special_tokens(list(_SPECIAL_TOKENS))
     tokenizer.save(str(out / "tokenizer.json"))
     _write_json(

@@ -40,11 +40,12 @@ import contextlib
 import hashlib
 import io
 import re
+import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from ..errors import ArtifactError, DestinationError
+from ..errors import ArtifactError, DestinationError, SpecError
 from ..manifest import MANIFEST, Manifest, check_ranks_present
 from ..s3_client import S3Client, S3Location, S3Options, with_retries
 from .base import Destination
@@ -216,17 +217,16 @@ class S3Destination(Destination):
         self,
         uri: str,
         options: S3Options | None = None,
-        *,
-        part_bytes: int = 16 * MiB,
-        concurrency: int = 8,
     ) -> None:
+        options = options or S3Options()
+        part_bytes, concurrency = options.part_bytes, options.concurrency
         if part_bytes < MIN_PART_BYTES:
-            raise ValueError(f"part size must be at least {MIN_PART_BYTES} bytes")
+            raise SpecError(f"S3 part size must be at least {MIN_PART_BYTES} bytes (5 MiB)")
         self.location = S3Location.parse(uri)
         if not self.location.prefix:
             raise ArtifactError(f"{uri}: an artifact needs a prefix (s3://BUCKET/PREFIX/)")
         self.uri = self.location.uri
-        self.s3 = S3Client(options or S3Options(), concurrency=concurrency)
+        self.s3 = S3Client(options, concurrency=concurrency)
         self.part_bytes, self.concurrency = part_bytes, concurrency
         self.run_key = ""
         self.inflight = threading.BoundedSemaphore(concurrency)
@@ -427,6 +427,9 @@ class S3Destination(Destination):
             ContentType="application/json", Metadata={SHA256_KEY: sha256, RUN_KEY: self.run_key},
         ), self.location.key(MANIFEST))  # fmt: skip
         self._shutdown()
+        if self.reused:
+            print(f"s3: reused {len(self.reused)} complete object(s) of an earlier run",
+                  file=sys.stderr)  # fmt: skip
 
     def abort(self) -> None:
         """Stop writing. Complete objects stay: invisible without the manifest, a rerun of

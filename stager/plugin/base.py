@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import time
 from abc import abstractmethod
+from collections.abc import Callable, Generator, Iterable
 from copy import copy
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Callable, Generator, Iterable
 from typing import Any, ClassVar
 
 import torch

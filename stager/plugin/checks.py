@@ -142,12 +142,11 @@ def verify_local(
         vllm_version=vllm_version,
     )
     pattern = rank_glob or "*.safetensors"
-    names = sorted((n for n in manifest.files if fnmatch.fnmatchcase(n, pattern)), key=_part_key(pattern))
+    listed = (n for n in manifest.files if fnmatch.fnmatchcase(n, pattern))
+    names = sorted(listed, key=_part_key(pattern))
     if not names:
         raise refuse(where, f"the manifest lists no file matching {pattern!r}")
-    unlisted = sorted(
-        p.name for p in directory.glob(pattern) if p.name not in manifest.files
-    )
+    unlisted = sorted(p.name for p in directory.glob(pattern) if p.name not in manifest.files)
     if unlisted:
         raise refuse(
             where,

@@ -21,9 +21,9 @@ import collections
 import os
 import threading
 import time
-from contextlib import nullcontext
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -117,13 +117,15 @@ class PipelinedReader:
         self.chunk_bytes = chunk_bytes
         self.depth = depth
         self.cuda = device.type == "cuda"
-        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.stream = torch.cuda.Stream(device) if self.cuda else None  # type: ignore[no-untyped-call]
         self.buffers = [
             torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=self.cuda)
             for _ in range(depth + SPARE_BUFFERS)
         ]
 
-    def read(self, files: Sequence[tuple[Path, SafetensorsHeader]], target_for: TargetFor) -> ReadStats:
+    def read(
+        self, files: Sequence[tuple[Path, SafetensorsHeader]], target_for: TargetFor
+    ) -> ReadStats:
         stats = ReadStats(files=len(files))
         fds = [os.open(path, os.O_RDONLY) for path, _ in files]
         try:
@@ -141,8 +143,8 @@ class PipelinedReader:
         return stats
 
     def _pipeline(self, work: Iterator[_Chunk], target_for: TargetFor, stats: ReadStats) -> None:
-        free: collections.deque[tuple[torch.Tensor, torch.cuda.Event | None]] = (
-            collections.deque((b, None) for b in self.buffers)
+        free: collections.deque[tuple[torch.Tensor, torch.cuda.Event | None]] = collections.deque(
+            (b, None) for b in self.buffers
         )
         pending: collections.deque[tuple[_Chunk, torch.Tensor, Future[None]]] = collections.deque()
         open_targets: dict[str, Target] = {}
@@ -194,7 +196,8 @@ class PipelinedReader:
         """Copy one chunk into every tensor it covers; returns the event that frees ``buf``."""
         start = end = None
         if self.stream is not None:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             start.record(self.stream)
         with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
             for info in chunk.tensors:
@@ -216,7 +219,7 @@ class PipelinedReader:
 def _read_chunk(chunk: _Chunk, buf: torch.Tensor, stats: ReadStats) -> None:
     start = time.perf_counter()
     length = chunk.end - chunk.begin
-    view = memoryview(buf.numpy())[:length]
+    view = buf.numpy().data[:length]
     done = 0
     while done < length:
         n = os.preadv(chunk.fd, [view[done:]], chunk.begin + done)

@@ -61,7 +61,8 @@ class PluginSettings:
             metrics_addr=env.get(ENV_METRICS_ADDR) or "0.0.0.0",
             verify_hash=_flag(env, ENV_VERIFY_HASH),
             chunk_bytes=(_int(env, ENV_READ_CHUNK_MIB, minimum=1) or DEFAULT_CHUNK_MIB)
-            * 1024 * 1024,
+            * 1024
+            * 1024,
             depth=_int(env, ENV_READ_DEPTH, minimum=1, maximum=64) or DEFAULT_DEPTH,
         )
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import importlib
 import posixpath
 from typing import Any
 
@@ -57,11 +58,37 @@ def safe_name(name: str, where: str) -> str:
     return name
 
 
+SCHEMES: dict[str, str] = {
+    "hf": ".hf:HfSource",
+    "s3": ".s3:S3Source",
+}
+"""URI scheme -> ``module:class`` in this package; each class has ``from_uri(uri, **options)``.
+Imported lazily, so that a local stage never imports boto3 or huggingface_hub."""
+
+
 def open_source(uri: str, **options: Any) -> Source:
-    """The source for a URI: a local path (or ``file://``); remote schemes register below."""
+    """The source for a URI: a local path (or ``file://``), or a scheme from ``SCHEMES``.
+
+    ``options`` are the request's source settings (``revision``, ``s3``, ``hf_token_file``,
+    ``cache_dir``); each source takes the ones it understands and ignores the rest.
+    """
     from .local import LocalSource
 
     if "://" not in uri or uri.startswith("file://"):
         return LocalSource(uri.removeprefix("file://"))
     scheme = uri.split("://", 1)[0]
-    raise CheckpointError(f"source scheme {scheme}:// is not supported by this stager")
+    if scheme == "pvc":
+        raise CheckpointError(
+            f"{uri}: pvc:// sources are read where the claim is mounted; pass the mount path as "
+            "SOURCE and the pvc:// URI as --source-uri (the operator does this)"
+        )
+    target = SCHEMES.get(scheme)
+    if target is None:
+        raise CheckpointError(
+            f"source scheme {scheme}:// is not supported by this stager; supported: a local "
+            f"path, file://, {', '.join(s + '://' for s in SCHEMES)}"
+        )
+    module, _, name = target.partition(":")
+    cls = getattr(importlib.import_module(module, __package__), name)
+    source: Source = cls.from_uri(uri, **options)
+    return source

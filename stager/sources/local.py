@@ -13,17 +13,28 @@ from .base import Source, safe_name
 
 
 class LocalSource(Source):
-    def __init__(self, path: str) -> None:
+    """Files in one folder; identity = path + size + header hash per file (DESIGN section 3).
+
+    Symlinks may point anywhere inside ``allowed_root`` (default: the folder itself). Only the
+    Hugging Face cache widens it, to the repository's cache folder: its snapshot files are
+    symlinks into ``../../blobs``. A plain folder never follows a link out of itself, so a
+    checkpoint cannot make the stager read (and publish) other files of the pod.
+    """
+
+    def __init__(self, path: str, *, allowed_root: Path | None = None) -> None:
         self.root = Path(path).absolute()
         if not self.root.is_dir():
             raise CheckpointError(f"{path}: not a directory (a Hugging Face checkpoint folder)")
         self.uri = str(self.root)
+        self._allowed = (allowed_root or self.root).resolve()
+        if not self.root.resolve().is_relative_to(self._allowed):
+            raise CheckpointError(f"{self.root}: outside {self._allowed}; refusing it")
         self._fds: dict[str, int] = {}
 
     def _path(self, name: str) -> Path:
         path = self.root / safe_name(name, str(self.root))
         resolved = path.resolve()
-        if not resolved.is_relative_to(self.root.resolve()):
+        if not resolved.is_relative_to(self._allowed):
             raise CheckpointError(f"{path}: symlink escapes the checkpoint folder; refusing it")
         return path
 

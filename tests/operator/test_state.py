@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta, timezone, UTC
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,7 @@ from modelstage.operator.state import (
 from modelstage.operator.validation import Finding
 
 SpecFactory = Callable[..., ModelDeploymentSpec]
-T0 = datetime(2026, 3, 1, 12, 0, tzinfo=timezone.utc)
+T0 = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
 CRD_FILE = Path(__file__).resolve().parents[2] / "crds" / "modelstage.io_modeldeployments.yaml"
 STATUS_SCHEMA = yaml.safe_load(CRD_FILE.read_text())["spec"]["versions"][0]["schema"][
     "openAPIV3Schema"

@@ -42,3 +42,17 @@ def multipart_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
         split_fused=True,
     )  # fmt: skip
     return write_checkpoint(spec, tmp_path_factory.mktemp("mp") / "ckpt")
+
+
+@pytest.fixture
+def make_small_ckpt(tmp_path: Path) -> Path:
+    """A fresh tiny Llama checkpoint (one file, well under one part) that a test may edit."""
+    return write_checkpoint(SyntheticModel(), tmp_path / "small")
+
+
+@pytest.fixture(scope="session")
+def big_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """~200 MB of float32 weights: long enough an upload to kill the stager in the middle."""
+    spec = SyntheticModel(hidden_size=1024, intermediate_size=4096, num_layers=3,
+                          vocab_size=8000, num_shards=2)  # fmt: skip
+    return write_checkpoint(spec, tmp_path_factory.mktemp("big") / "ckpt")

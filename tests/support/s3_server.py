@@ -39,9 +39,12 @@ class S3Server:
     region: str
     process: subprocess.Popen[bytes]
     log: Path
+    credentials_file: Path
+    """The credentials in ``~/.aws/credentials`` form, as a mounted Secret would hold them."""
 
     def options(self, **kw: Any) -> S3Options:
-        """Options for the stager with explicit endpoint and path-style addressing."""
+        """Options for the stager: endpoint, path-style addressing, the credentials file."""
+        kw.setdefault("credentials_file", str(self.credentials_file))
         return S3Options(endpoint_url=self.endpoint, region=self.region, path_style=True, **kw)
 
     def env(self) -> dict[str, str]:
@@ -113,6 +116,11 @@ def s3_server(
         "actions": ["Admin", "Read", "List", "Tagging", "Write"],
     }]}))  # fmt: skip
     config.chmod(0o600)
+    credentials = workdir / "credentials"
+    credentials.write_text(
+        f"[default]\naws_access_key_id = {access_key}\naws_secret_access_key = {secret_key}\n"
+    )
+    credentials.chmod(0o600)
     ports = dict(zip(PORTS, free_ports(len(PORTS)), strict=True))
     args = [
         weed_binary(), "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
@@ -126,7 +134,8 @@ def s3_server(
             args, stdout=out, stderr=subprocess.STDOUT, cwd=workdir, start_new_session=True
         )
     server = S3Server(
-        f"http://127.0.0.1:{ports['s3.port']}", access_key, secret_key, region, process, log
+        f"http://127.0.0.1:{ports['s3.port']}", access_key, secret_key, region, process, log,
+        credentials,
     )
     try:
         _wait_ready(server)

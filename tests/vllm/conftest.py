@@ -14,7 +14,7 @@ from modelstage.stager.synthetic import SyntheticModel, write_checkpoint
 # The tests import the oracle helpers as a top-level module: this folder cannot be imported
 # as a package from `tests/` on sys.path, its name would shadow the real `vllm`.
 sys.path.insert(0, str(Path(__file__).parent))
-from vllm_oracle import stage  # noqa: E402
+from vllm_oracle import stage
 
 TIMINGS: list[tuple[str, float, bool]] = []
 """(what, seconds, from cache) of every oracle vLLM run this session."""

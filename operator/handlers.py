@@ -1,0 +1,235 @@
+"""The kopf handlers: thin triggers of ``Reconciler.reconcile``, nothing more.
+
+Every handler, whatever woke it, reconciles the ModelDeployment(s) concerned from what it
+reads back from the cluster (level-triggered), so a missed or repeated event costs one extra
+reconciliation and never a wrong action:
+
+- ModelDeployment created, spec updated, operator resumed → reconcile it; kopf retries with
+  ``kopf.TemporaryError(delay=...)`` (write conflicts; a failed staging, with a growing
+  backoff: no retry storm, the Job is never re-created for the same digest) and stops on
+  ``kopf.PermanentError`` (a spec that can never work, with its reason in the status too);
+- a stager Job or its pods changed → reconcile the ModelDeployments whose spec asks for
+  that digest;
+- a target Deployment/StatefulSet changed, or a pod of it fails → reconcile the
+  ModelDeployments that target it;
+- a timer, as a safety net for anything missed (``MODELSTAGE_OPERATOR_RESYNC_INTERVAL``).
+
+Run with ``python -m modelstage.operator`` (or ``kopf run -m modelstage.operator.handlers``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, NamedTuple
+
+import kopf
+
+from . import metrics
+from .api import GROUP, PLURAL, VERSION, ModelDeploymentSpec
+from .artifact import spec_digest
+from .kube import DIGEST_ANNOTATION, LABEL_DIGEST, Manifest
+from .kube_client import Conflict, KubeClient
+from .reconcile import Outcome, Reconciler
+from .settings import OperatorConfig, configure
+from .state import observe_job, pod_failures
+
+MD = (GROUP, VERSION, PLURAL)
+MANAGED = {"app.kubernetes.io/managed-by": "modelstage-operator"}
+STAGER = {**MANAGED, "app.kubernetes.io/component": "stager"}
+CONFIG = OperatorConfig.from_env()
+"""Read at import: the timer's interval is fixed when the handlers are registered."""
+
+Logger = logging.Logger | logging.LoggerAdapter[Any]
+
+
+class Ref(NamedTuple):
+    """What routes child events to a ModelDeployment (kept in a kopf index)."""
+
+    name: str
+    digest: str | None
+    """The digest its spec asks for."""
+    artifact: str | None
+    """The digest its status says the workload is on."""
+    target: tuple[str, str] | None
+    """(kind, name) of the target workload."""
+
+
+def _post_event(obj: Manifest, type_: str, reason: str, message: str) -> None:
+    kopf.event(obj, type=type_, reason=reason, message=message[:1024])
+
+
+@kopf.on.startup()
+def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: Logger, **_: Any) -> None:
+    """All operator settings in one place (STYLE.md), then the metrics endpoint and the
+    client the handlers share."""
+    config = OperatorConfig.from_env()
+    configure(settings, config)
+    metrics.serve(config.metrics_port, config.metrics_host)
+    kube = KubeClient.from_environment(timeout=config.request_timeout)
+    memo.config = config
+    memo.reconciler = Reconciler(kube, stager_image=config.stager_image, post_event=_post_event)
+    logger.info(
+        "modelstage operator started",
+        extra={"metrics_port": config.metrics_port, "stager_image": config.stager_image},
+    )
+
+
+@kopf.index(*MD)
+def modeldeployment_refs(
+    namespace: str, name: str, spec: kopf.Spec, status: kopf.Status, **_: Any
+) -> dict[str, Ref]:
+    digest: str | None
+    target: tuple[str, str] | None
+    try:
+        parsed = ModelDeploymentSpec.model_validate(dict(spec))
+        digest, target = spec_digest(parsed), (parsed.serving.target_ref.kind, parsed.serving.target_ref.name)
+    except Exception:  # an invalid spec routes nothing; its own handlers report it
+        digest, target = None, None
+    artifact = (status.get("artifact") or {}).get("digest")
+    return {namespace: Ref(name, digest, artifact, target)}
+
+
+def _reconcile(memo: kopf.Memo, namespace: str, name: str, logger: Logger) -> Outcome | None:
+    reconciler: Reconciler = memo.reconciler
+    return reconciler.reconcile(namespace, name, logger)
+
+
+@kopf.on.resume(*MD)
+@kopf.on.create(*MD)
+@kopf.on.update(*MD, field="spec")
+def modeldeployment_changed(
+    namespace: str, name: str, memo: kopf.Memo, retry: int, logger: Logger, **_: Any
+) -> None:
+    config: OperatorConfig = memo.config
+    try:
+        outcome = _reconcile(memo, namespace, name, logger)
+    except Conflict as error:
+        raise kopf.TemporaryError(f"the object kept changing: {error}", delay=config.conflict_delay) from error
+    if outcome is None:
+        return
+    if outcome.invalid is not None:
+        raise kopf.PermanentError(outcome.invalid)
+    if outcome.staging_failed:
+        staged = outcome.decision.status.condition("Staged")
+        reason = staged.message if staged else "staging failed"
+        raise kopf.TemporaryError(
+            f"{reason} (re-checking; delete the stager Job or change the spec to stage again)",
+            delay=config.backoff(retry),
+        )
+
+
+@kopf.timer(*MD, interval=CONFIG.resync_interval, initial_delay=CONFIG.resync_interval, idle=None)
+def modeldeployment_resync(
+    namespace: str, name: str, memo: kopf.Memo, logger: Logger, **_: Any
+) -> None:
+    try:
+        _reconcile(memo, namespace, name, logger)
+    except Conflict as error:
+        logger.info("resync deferred: %s", error)
+
+
+@kopf.on.event(*MD)
+def modeldeployment_phase(
+    type: str | None, namespace: str, name: str, status: kopf.Status, **_: Any
+) -> None:
+    if type == "DELETED":
+        metrics.DEPLOYMENTS.forget(namespace, name)
+    else:
+        metrics.DEPLOYMENTS.set(namespace, name, str(status.get("phase") or "Pending"))
+
+
+def _reconcile_matching(
+    memo: kopf.Memo,
+    refs: kopf.Index[str, Ref],
+    namespace: str,
+    logger: Logger,
+    match: Any,
+) -> None:
+    """Reconciles each ModelDeployment of ``namespace`` for which ``match(ref)`` holds; a write
+    conflict is left to the next event or the timer (event handlers are not retried)."""
+    for ref in list(refs.get(namespace, [])):
+        if not match(ref):
+            continue
+        try:
+            _reconcile(memo, namespace, ref.name, logger)
+        except Conflict as error:
+            logger.info("reconcile of %s deferred: %s", ref.name, error)
+
+
+@kopf.on.event("batch", "v1", "jobs", labels=STAGER)
+def stage_job_event(
+    type: str | None,
+    body: kopf.Body,
+    namespace: str,
+    name: str,
+    labels: kopf.Labels,
+    memo: kopf.Memo,
+    modeldeployment_refs: kopf.Index[str, Ref],
+    logger: Logger,
+    **_: Any,
+) -> None:
+    if type == "DELETED":
+        metrics.JOBS.forget(namespace, name)
+    else:
+        metrics.JOBS.set(namespace, name, observe_job(dict(body)).state)
+    digest = labels.get(LABEL_DIGEST)
+    _reconcile_matching(memo, modeldeployment_refs, namespace, logger, lambda r: r.digest == digest)
+
+
+@kopf.on.event("v1", "pods", labels=STAGER)
+def stager_pod_event(
+    type: str | None,
+    namespace: str,
+    labels: kopf.Labels,
+    status: kopf.Status,
+    memo: kopf.Memo,
+    modeldeployment_refs: kopf.Index[str, Ref],
+    logger: Logger,
+    **_: Any,
+) -> None:
+    """A stager pod's termination message can land after its Job's condition."""
+    if type == "DELETED" or status.get("phase") not in ("Succeeded", "Failed"):
+        return
+    digest = labels.get(LABEL_DIGEST)
+    _reconcile_matching(memo, modeldeployment_refs, namespace, logger, lambda r: r.digest == digest)
+
+
+def _targets(kind: str) -> Any:
+    def handler(
+        namespace: str,
+        name: str,
+        memo: kopf.Memo,
+        modeldeployment_refs: kopf.Index[str, Ref],
+        logger: Logger,
+        **_: Any,
+    ) -> None:
+        _reconcile_matching(
+            memo, modeldeployment_refs, namespace, logger, lambda r: r.target == (kind, name)
+        )
+
+    handler.__name__ = f"{kind.lower()}_event"
+    return handler
+
+
+deployment_event = kopf.on.event("apps", "v1", "deployments")(_targets("Deployment"))
+statefulset_event = kopf.on.event("apps", "v1", "statefulsets")(_targets("StatefulSet"))
+
+
+@kopf.on.event("v1", "pods", annotations={DIGEST_ANNOTATION: kopf.PRESENT})
+def serving_pod_event(
+    type: str | None,
+    body: kopf.Body,
+    namespace: str,
+    annotations: kopf.Annotations,
+    memo: kopf.Memo,
+    modeldeployment_refs: kopf.Index[str, Ref],
+    logger: Logger,
+    **_: Any,
+) -> None:
+    """Only failing pods matter here: progress shows in the workload's own status."""
+    digest = annotations.get(DIGEST_ANNOTATION)
+    if type == "DELETED" or not pod_failures([dict(body)], digest):
+        return
+    _reconcile_matching(
+        memo, modeldeployment_refs, namespace, logger, lambda r: digest in (r.artifact, r.digest)
+    )

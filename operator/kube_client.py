@@ -1,0 +1,120 @@
+"""A thin, synchronous Kubernetes client for the handlers: paths in, JSON dicts out.
+
+kopf runs synchronous handlers in worker threads; they talk to the API server through the
+``kubernetes`` package's configuration loading (kubeconfig, in-cluster service account, token
+refresh) and its HTTP layer, but with explicit content types: only JSON merge patches are sent
+(DESIGN.md section 2: never strategic merge). Idempotence lives here too: "already exists" on
+create and "not found" on read are answers, not errors.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote, urlencode
+
+from kubernetes import client as k8s
+from kubernetes import config as k8s_config
+from kubernetes.client.exceptions import ApiException
+
+from .kube import Manifest
+
+MERGE_PATCH = "application/merge-patch+json"
+
+
+class Conflict(Exception):
+    """The object changed since it was read (HTTP 409 on a resourceVersion precondition)."""
+
+
+def resource_path(
+    api_version: str,
+    plural: str,
+    namespace: str | None = None,
+    name: str | None = None,
+    subresource: str | None = None,
+) -> str:
+    """``/api/v1/namespaces/ns/pods/name/status`` and the like."""
+    base = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+    parts = [base]
+    if namespace is not None:
+        parts.append(f"namespaces/{quote(namespace, safe='')}")
+    parts.append(plural)
+    if name is not None:
+        parts.append(quote(name, safe=""))
+    if subresource is not None:
+        parts.append(subresource)
+    return "/".join(parts)
+
+
+@dataclass
+class KubeClient:
+    api: k8s.ApiClient
+    timeout: float = 10.0
+
+    @classmethod
+    def from_environment(cls, timeout: float = 10.0) -> KubeClient:
+        """In-cluster credentials when running in a pod, else the kubeconfig (``KUBECONFIG``)."""
+        configuration = k8s.Configuration()
+        try:
+            k8s_config.load_incluster_config(client_configuration=configuration)
+        except k8s_config.ConfigException:
+            k8s_config.load_kube_config(client_configuration=configuration)
+        return cls(k8s.ApiClient(configuration), timeout)
+
+    def _call(
+        self,
+        method: str,
+        path: str,
+        *,
+        query: Mapping[str, str] | None = None,
+        body: Any = None,
+        content_type: str = "application/json",
+    ) -> Manifest:
+        if query:
+            path = f"{path}?{urlencode(dict(query))}"
+        headers = {"Accept": "application/json", "Content-Type": content_type}
+        _, url, headers, body, _ = self.api.param_serialize(
+            method, path, header_params=headers, body=body, auth_settings=["BearerToken"]
+        )
+        response = self.api.call_api(
+            method, url, header_params=headers, body=body, _request_timeout=self.timeout
+        )
+        response.read()
+        data: Manifest = json.loads(response.data or b"{}")
+        return data
+
+    def get(self, path: str) -> Manifest | None:
+        """The object, or None when it does not exist."""
+        try:
+            return self._call("GET", path)
+        except ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+
+    def list(self, path: str, label_selector: Mapping[str, str] | None = None) -> list[Manifest]:
+        query = {}
+        if label_selector:
+            query["labelSelector"] = ",".join(f"{k}={v}" for k, v in sorted(label_selector.items()))
+        items: list[Manifest] = self._call("GET", path, query=query).get("items") or []
+        return items
+
+    def create(self, path: str, body: Manifest) -> Manifest | None:
+        """The created object, or None when one of that name already exists."""
+        try:
+            return self._call("POST", path, body=body)
+        except ApiException as error:
+            if error.status == 409:
+                return None
+            raise
+
+    def merge_patch(self, path: str, patch: Manifest) -> Manifest:
+        """Sends a JSON merge patch; ``Conflict`` when its resourceVersion precondition is stale."""
+        try:
+            return self._call("PATCH", path, body=patch, content_type=MERGE_PATCH)
+        except ApiException as error:
+            if error.status == 409:
+                raise Conflict(f"{path}: {error.reason}") from error
+            raise

@@ -1,0 +1,323 @@
+"""One reconciliation of one ModelDeployment: read the cluster, ask ``decide``, execute.
+
+Plan, then execute (STYLE.md): everything this module decides comes from the planners
+(``decide``, ``plan_stage_job``, ``plan_claim``, ``plan_rollout``); it only reads the objects they
+need and sends what they return. Nothing is kept in memory between calls, so a restarted
+operator continues from what the cluster says.
+
+Order of writes, chosen for restart safety:
+
+1. the status (with a ``resourceVersion`` precondition: a stale read is re-done, never written);
+2. then the action: create the Job (by its deterministic name: "already exists" is success),
+   or send the workload's merge patch (with the workload's ``resourceVersion`` precondition).
+
+Status first matters for a rollback: the status records ``failedDigest`` and the previous
+artifact as current before the workload is patched back, so an operator killed between the two
+writes redoes the rollback (``decide`` sees the workload off the current artifact) instead of
+rolling forward onto the failing artifact again. For a roll-out or a Job it is equally safe:
+the planners' plans are no-ops once applied (an empty merge patch is not sent, a Job of that
+name is not created twice).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+from modelstage.stager.errors import SpecError
+from pydantic import ValidationError
+
+from . import metrics
+from .api import API_VERSION, PLURAL, ModelDeploymentSpec, ModelDeploymentStatus, TargetRef
+from .artifact import Artifact, artifact_for, artifact_from_status
+from .claim_plan import plan_claim
+from .job_plan import stage_job_name, plan_stage_job
+from .kube import LABEL_DIGEST, Manifest, Owner
+from .kube_client import Conflict, KubeClient, resource_path
+from .patch import merge_diff
+from .rollout_plan import plan_rollout
+from .state import (
+    Action,
+    Decision,
+    JobObservation,
+    Observed,
+    WorkloadObservation,
+    decide,
+    observe_job,
+    observe_workload,
+    pod_failures,
+    termination_message,
+)
+from .validation import Finding, validate_spec, validate_workload
+
+STAGER_SELECTOR = {"app.kubernetes.io/component": "stager"}
+WORKLOAD_PLURALS = {"Deployment": "deployments", "StatefulSet": "statefulsets"}
+CONFLICT_ATTEMPTS = 3
+EventFn = Callable[[Manifest, str, str, str], None]
+"""``(object, type, reason, message)``: posts a Kubernetes Event about ``object``."""
+
+
+def md_path(namespace: str, name: str | None = None, subresource: str | None = None) -> str:
+    return resource_path(API_VERSION, PLURAL, namespace, name, subresource)
+
+
+def workload_path(namespace: str, ref: TargetRef) -> str:
+    return resource_path("apps/v1", WORKLOAD_PLURALS[ref.kind], namespace, ref.name)
+
+
+def status_wire(status: ModelDeploymentStatus) -> Manifest:
+    return status.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+@dataclass
+class Outcome:
+    """What one reconciliation did; the kopf handlers turn it into their result."""
+
+    decision: Decision
+    invalid: str | None = None
+    """Why the spec can never work (for ``kopf.PermanentError``)."""
+    status_written: bool = False
+    job_created: bool = False
+    workload_patched: bool = False
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def staging_failed(self) -> bool:
+        staged = self.decision.status.condition("Staged")
+        return staged is not None and staged.reason in ("StagingFailed", "ArtifactMismatch")
+
+
+def _now() -> datetime:
+    """Whole seconds: the status round-trips through the API server unchanged."""
+    return datetime.now(timezone.utc).replace(microsecond=0)
+
+
+class Reconciler:
+    """Reconciles ModelDeployments; one at a time per object (a lock per name), any number
+    of objects in parallel (kopf's worker threads)."""
+
+    def __init__(
+        self, kube: KubeClient, *, stager_image: str, post_event: EventFn
+    ) -> None:
+        self.kube = kube
+        self.stager_image = stager_image
+        self.post_event = post_event
+        self._locks: dict[tuple[str, str], threading.Lock] = {}
+        self._locks_guard = threading.Lock()
+
+    def _lock(self, namespace: str, name: str) -> threading.Lock:
+        with self._locks_guard:
+            return self._locks.setdefault((namespace, name), threading.Lock())
+
+    def reconcile(self, namespace: str, name: str, logger: logging.Logger | logging.LoggerAdapter[Any]) -> Outcome | None:
+        """Reads, decides, writes; re-reads and re-decides when a write meets a newer object.
+        None when the ModelDeployment is gone. ``Conflict`` when it kept changing."""
+        with self._lock(namespace, name):
+            for attempt in range(CONFLICT_ATTEMPTS):
+                try:
+                    outcome = self._once(namespace, name, logger)
+                except Conflict as error:
+                    if attempt + 1 == CONFLICT_ATTEMPTS:
+                        metrics.RECONCILES.labels("conflict").inc()
+                        raise
+                    logger.debug("write conflict, re-reading: %s", error)
+                    continue
+                if outcome is not None:
+                    metrics.RECONCILES.labels(_result(outcome)).inc()
+                return outcome
+        raise AssertionError("unreachable")
+
+    def _once(self, namespace: str, name: str, logger: logging.Logger | logging.LoggerAdapter[Any]) -> Outcome | None:
+        body = self.kube.get(md_path(namespace, name))
+        if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
+            return None
+        meta = body["metadata"]
+        owner = Owner(name=name, namespace=namespace, uid=meta["uid"])
+        status = ModelDeploymentStatus.model_validate(body.get("status") or {})
+        findings: list[Finding] = []
+        invalid: str | None = None
+        spec: ModelDeploymentSpec | None = None
+        desired: Artifact | None = None
+        try:
+            spec = ModelDeploymentSpec.model_validate(body.get("spec") or {})
+        except ValidationError as error:
+            invalid = f"spec is invalid: {_first_error(error)}"
+            findings.append(Finding("InvalidSpec", invalid, "staging"))
+
+        workload: Manifest | None = None
+        job: JobObservation | None = None
+        observed_workload: WorkloadObservation | None = None
+        if spec is not None:
+            findings += validate_spec(spec)
+            if not any(f.blocks == "staging" for f in findings):
+                try:
+                    desired = artifact_for(spec, namespace=namespace, deployment_name=name)
+                except SpecError as error:
+                    findings.append(Finding("InvalidSpec", str(error), "staging"))
+            blocking = [f for f in findings if f.blocks == "staging"]
+            if blocking:
+                invalid = blocking[0].message
+            workload = self.kube.get(workload_path(namespace, spec.serving.target_ref))
+            claim = None
+            if spec.storage.pvc is not None and desired is not None and desired.location.claim_name:
+                claim = self.kube.get(
+                    resource_path("v1", "persistentvolumeclaims", namespace, desired.location.claim_name)
+                )
+            findings += validate_workload(
+                spec, workload, namespace=namespace, deployment_name=name, claim=claim
+            )
+            if desired is not None:
+                job = self._observe_job(namespace, desired.digest)
+            if workload is not None:
+                observed_workload = self._observe_workload(namespace, workload)
+
+        observed = Observed(
+            generation=int(meta.get("generation", 1)),
+            now=_now(),
+            job=job,
+            workload=observed_workload,
+            findings=tuple(findings),
+        )
+        decision = decide(desired, status, observed)
+        outcome = Outcome(decision, invalid=invalid)
+
+        # 1. The status, first (see the module docstring).
+        old, new = status_wire(status), status_wire(decision.status)
+        if old != new:
+            patch = {
+                "metadata": {"resourceVersion": meta["resourceVersion"]},
+                "status": merge_diff(old, new),
+            }
+            self.kube.merge_patch(md_path(namespace, name, "status"), patch)
+            outcome.status_written = True
+            self._post_transitions(body, status, decision)
+        if decision.details:
+            logger.info(
+                decision.details,
+                extra={"action": decision.action.value, "phase": decision.status.phase},
+            )
+
+        # 2. The action.
+        if decision.action is Action.CREATE_JOB and spec is not None and desired is not None:
+            outcome.job_created = self._create_job(spec, owner, desired, body, logger)
+        elif decision.action in (Action.ROLL_OUT, Action.ROLL_BACK):
+            assert spec is not None and workload is not None and decision.artifact is not None
+            plan = plan_rollout(
+                spec,
+                artifact_from_status(decision.artifact),
+                workload,
+                default_image=self.stager_image,
+            )
+            if plan.changed:
+                patch = dict(plan.merge_patch)
+                patch["metadata"] = {
+                    **(patch.get("metadata") or {}),
+                    "resourceVersion": plan.resource_version,
+                }
+                self.kube.merge_patch(workload_path(namespace, spec.serving.target_ref), patch)
+                outcome.workload_patched = True
+                metrics.WORKLOAD_PATCHES.labels(decision.action.value).inc()
+                rolled_back = decision.action is Action.ROLL_BACK
+                for detail in plan.details:
+                    logger.info(detail, extra={"action": decision.action.value})
+                    self.post_event(
+                        body,
+                        "Warning" if rolled_back else "Normal",
+                        "RolledBack" if rolled_back else "RolledOut",
+                        detail,
+                    )
+        return outcome
+
+    def _observe_job(self, namespace: str, digest: str) -> JobObservation | None:
+        job = self.kube.get(resource_path("batch/v1", "jobs", namespace, stage_job_name(digest)))
+        if job is None:
+            return None
+        state = observe_job(job).state
+        if state == "Running":
+            return observe_job(job)
+        pods = self.kube.list(
+            resource_path("v1", "pods", namespace),
+            label_selector={**STAGER_SELECTOR, LABEL_DIGEST: digest},
+        )
+        return observe_job(job, termination_message(pods, success=state == "Succeeded"))
+
+    def _observe_workload(self, namespace: str, workload: Manifest) -> WorkloadObservation:
+        digest = observe_workload(workload).digest
+        failing: tuple[str, ...] = ()
+        if digest is not None:
+            selector = ((workload.get("spec") or {}).get("selector") or {}).get("matchLabels")
+            pods = self.kube.list(resource_path("v1", "pods", namespace), label_selector=selector)
+            failing = pod_failures(pods, digest)
+        return observe_workload(workload, failing)
+
+    def _create_job(
+        self,
+        spec: ModelDeploymentSpec,
+        owner: Owner,
+        desired: Artifact,
+        body: Manifest,
+        logger: logging.Logger | logging.LoggerAdapter[Any],
+    ) -> bool:
+        claim = plan_claim(spec, owner=owner)
+        if claim is not None:
+            path = resource_path("v1", "persistentvolumeclaims", owner.namespace)
+            if self.kube.create(path, claim) is not None:
+                logger.info("created PersistentVolumeClaim %s", claim["metadata"]["name"])
+        job = plan_stage_job(spec, owner=owner, digest=desired.digest, default_image=self.stager_image)
+        created = self.kube.create(resource_path("batch/v1", "jobs", owner.namespace), job)
+        name = job["metadata"]["name"]
+        if created is None:
+            logger.info("stager Job %s already exists: following it", name)
+            return False
+        metrics.JOBS_CREATED.inc()
+        message = f"created stager Job {name} for artifact {desired.digest}"
+        logger.info(message, extra={"job": name, "digest": desired.digest})
+        self.post_event(body, "Normal", "JobCreated", message)
+        return True
+
+    def _post_transitions(
+        self, body: Manifest, old: ModelDeploymentStatus, decision: Decision
+    ) -> None:
+        """An Event per phase change and per condition whose status or reason changed."""
+        new = decision.status
+        for cond in new.conditions:
+            before = old.condition(cond.type)
+            if before is not None and (before.status, before.reason) == (cond.status, cond.reason):
+                continue
+            if before is None and cond.status != "True" and cond.type == "Degraded":
+                continue  # "not degraded" on creation is no news
+            warning = (cond.type == "Degraded" and cond.status == "True") or cond.reason in (
+                "StagingFailed",
+                "ArtifactMismatch",
+            )
+            self.post_event(
+                body,
+                "Warning" if warning else "Normal",
+                cond.reason,
+                f"{cond.type}={cond.status}: {cond.message}" if cond.message else f"{cond.type}={cond.status}",
+            )
+        if old.phase != new.phase or old.observed_generation is None:
+            self.post_event(
+                body,
+                "Warning" if new.phase == "Failed" else "Normal",
+                f"Phase{new.phase}",
+                f"phase {old.phase} -> {new.phase}",
+            )
+
+
+def _result(outcome: Outcome) -> str:
+    if outcome.invalid is not None or outcome.staging_failed:
+        return "failed"
+    if outcome.decision.action is Action.WAIT and not outcome.status_written:
+        return "waiting"
+    return "ok"
+
+
+def _first_error(error: ValidationError) -> str:
+    first = error.errors()[0]
+    where = ".".join(str(p) for p in first.get("loc", ()))
+    return f"{where}: {first.get('msg', '')}" if where else str(first.get("msg", ""))

@@ -1,0 +1,101 @@
+"""The operator's configuration: environment variables in, kopf settings out.
+
+Everything tunable is read once, here, from ``MODELSTAGE_OPERATOR_*`` variables (the chart and
+the tests set them); ``configure`` applies it to kopf's settings in the one startup handler.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import kopf
+
+from .api import DEFAULT_STAGER_IMAGE, GROUP
+
+PREFIX = "MODELSTAGE_OPERATOR_"
+FINALIZER = f"{GROUP}/finalizer"
+PEERING_NAME = "modelstage"
+"""kopf's peering object: a second operator instance pauses instead of fighting."""
+REPORTING_COMPONENT = "modelstage-operator"
+
+
+def _float(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(PREFIX + name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"{PREFIX}{name}={raw!r} is not a number") from None
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    metrics_port: int = 8080
+    """Prometheus metrics on ``0.0.0.0:<port>``; 0 turns them off."""
+    metrics_host: str = "0.0.0.0"
+    stager_image: str = DEFAULT_STAGER_IMAGE
+    """The stager image when a spec does not name one (also the serving initContainer's)."""
+    watch_server_timeout: float = 300.0
+    """Seconds the API server keeps a watch open before the operator re-lists."""
+    watch_client_timeout: float = 330.0
+    connect_timeout: float = 10.0
+    request_timeout: float = 30.0
+    """Timeout of the handlers' own API requests."""
+    resync_interval: float = 60.0
+    """A timer re-reads every ModelDeployment this often: a safety net for missed events."""
+    failed_backoff: float = 30.0
+    """First retry delay after a failed staging Job; doubles per retry up to the maximum."""
+    failed_backoff_max: float = 600.0
+    conflict_delay: float = 1.0
+    """Retry delay after a write hit a stale resourceVersion (HTTP 409)."""
+    posting_level: int = logging.INFO
+    """Least severity of kopf's own messages posted as Kubernetes Events."""
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> OperatorConfig:
+        env = os.environ if env is None else env
+        level_name = env.get(PREFIX + "POSTING_LEVEL", "INFO").upper()
+        level = logging.getLevelName(level_name)
+        if not isinstance(level, int):
+            raise ValueError(f"{PREFIX}POSTING_LEVEL={level_name!r} is not a log level")
+        return cls(
+            metrics_port=int(_float(env, "METRICS_PORT", cls.metrics_port)),
+            metrics_host=env.get(PREFIX + "METRICS_HOST", cls.metrics_host),
+            stager_image=env.get(PREFIX + "STAGER_IMAGE", cls.stager_image),
+            watch_server_timeout=_float(env, "WATCH_SERVER_TIMEOUT", cls.watch_server_timeout),
+            watch_client_timeout=_float(env, "WATCH_CLIENT_TIMEOUT", cls.watch_client_timeout),
+            connect_timeout=_float(env, "CONNECT_TIMEOUT", cls.connect_timeout),
+            request_timeout=_float(env, "REQUEST_TIMEOUT", cls.request_timeout),
+            resync_interval=_float(env, "RESYNC_INTERVAL", cls.resync_interval),
+            failed_backoff=_float(env, "FAILED_BACKOFF", cls.failed_backoff),
+            failed_backoff_max=_float(env, "FAILED_BACKOFF_MAX", cls.failed_backoff_max),
+            conflict_delay=_float(env, "CONFLICT_DELAY", cls.conflict_delay),
+            posting_level=level,
+        )
+
+    def backoff(self, retry: int) -> float:
+        """Delay before retry number ``retry`` (0-based) of a failed staging."""
+        return float(min(self.failed_backoff * 2 ** min(retry, 30), self.failed_backoff_max))
+
+
+def configure(settings: kopf.OperatorSettings, config: OperatorConfig) -> None:
+    """kopf's settings for this operator; called once from the startup handler."""
+    settings.posting.level = config.posting_level
+    settings.posting.reporting_component = REPORTING_COMPONENT
+    settings.posting.reporting_instance = os.environ.get("HOSTNAME", "local")
+    settings.watching.server_timeout = config.watch_server_timeout
+    settings.watching.client_timeout = config.watch_client_timeout
+    settings.watching.connect_timeout = config.connect_timeout
+    settings.networking.request_timeout = config.request_timeout
+    settings.peering.name = PEERING_NAME
+    settings.peering.mandatory = False
+    settings.persistence.finalizer = FINALIZER
+    # kopf's bookkeeping in annotations named after us, not in our status schema.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=GROUP, key="last-handled-configuration"
+    )

@@ -1,0 +1,283 @@
+"""A checkpoint on the Hugging Face Hub (``hf://org/name`` + revision), fetched into the hub cache.
+
+The revision (branch, tag or commit; default ``main``) is resolved to a commit sha once, and
+every file is then fetched at that commit, so a branch that moves while staging cannot mix
+two commits; the sha is the source identity the manifest and the status record. Only the
+files the stager reads are fetched: the weight files named by the index (or the top-level
+``*.safetensors``), the index, and ``checkpoint.CARRIED_OVER`` (config, tokenizer,
+generation config) -- never pickles, ``original/`` copies or READMEs.
+
+Files land in the standard hub cache (``--cache-dir``, else ``HF_HUB_CACHE``), which makes
+them reusable by vLLM and ``huggingface-cli`` and lets a rerun skip finished files. Resuming
+is what ``huggingface_hub`` offers: a connection dropped mid-file is resumed with a Range
+request within the run, and files completed by an earlier (killed) run are not fetched again;
+a partial file of a killed run is discarded by the library and fetched from the start.
+
+With ``HF_HUB_OFFLINE=1`` nothing is requested: the revision resolves through the cache's
+``refs/`` and the snapshot folder is read as it is (a pre-filled cache on a volume).
+
+The token comes from ``--hf-token-file`` (a mounted Secret) or ``HF_TOKEN``; it is sent only
+in the Authorization header and is removed from every message this module produces.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from ..checkpoint import CARRIED_OVER, INDEX, MAX_JSON_BYTES
+from ..errors import CheckpointError
+from .base import safe_name
+from .local import LocalSource
+
+SCHEME = "hf://"
+_REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
+_COMMIT = re.compile(r"^[0-9a-f]{40}$")
+DEFAULT_REVISION = "main"
+DOWNLOAD_WORKERS = 4
+
+
+def parse_hf_uri(uri: str) -> str:
+    """``hf://org/name`` -> ``org/name``; anything else (a token, a revision) is refused."""
+    repo_id = uri.removeprefix(SCHEME).strip("/")
+    if not uri.startswith(SCHEME) or not _REPO_ID.fullmatch(repo_id) or ".." in repo_id:
+        # user:token@ would put the token into the log: name the URI only up to the host part
+        shown = uri if "@" not in uri else SCHEME + "***@" + uri.rsplit("@", 1)[1]
+        raise CheckpointError(
+            f"{shown!r}: expected hf://ORG/NAME (the revision goes in --revision; a token never "
+            "goes into the URI: use HF_TOKEN or --hf-token-file)"
+        )
+    return repo_id
+
+
+def read_token(token_file: str | None) -> str | None:
+    """The token from a mounted Secret file, else ``HF_TOKEN``; never echoed in messages."""
+    if token_file:
+        try:
+            token = Path(token_file).read_text().strip()
+        except OSError as e:
+            raise CheckpointError(
+                f"{token_file}: cannot read the token file: {e.strerror}"
+            ) from None
+        if not token:
+            raise CheckpointError(f"{token_file}: the token file is empty")
+        return token
+    return os.environ.get("HF_TOKEN") or None
+
+
+def hub_offline() -> bool:
+    """``HF_HUB_OFFLINE`` as set now (huggingface_hub reads it once, at import)."""
+    from huggingface_hub import constants
+
+    value = os.environ.get("HF_HUB_OFFLINE", "").strip().upper()
+    return constants.is_offline_mode() or value in {"1", "ON", "YES", "TRUE"}
+
+
+class HfSource(LocalSource):
+    """The commit's snapshot folder in the hub cache, read as a local folder."""
+
+    def __init__(
+        self,
+        uri: str,
+        *,
+        revision: str | None = None,
+        token_file: str | None = None,
+        cache_dir: str | None = None,
+        endpoint: str | None = None,
+    ) -> None:
+        from huggingface_hub import constants
+        from huggingface_hub.file_download import repo_folder_name
+
+        self.repo_id = parse_hf_uri(uri)
+        self.revision = revision or DEFAULT_REVISION
+        self._token = read_token(token_file)
+        self.cache_dir = Path(cache_dir or constants.HF_HUB_CACHE).absolute()
+        endpoint = endpoint or os.environ.get("HF_ENDPOINT") or constants.ENDPOINT
+        self.endpoint = endpoint.rstrip("/")
+        self.storage = self.cache_dir / repo_folder_name(repo_id=self.repo_id, repo_type="model")
+        try:
+            if hub_offline():
+                self.commit = self._from_cache()
+            else:
+                self.commit = self._download()
+        except CheckpointError as e:
+            raise CheckpointError(self._redact(str(e))) from None
+        except Exception as e:
+            raise CheckpointError(self._redact(self._describe(e))) from None
+        super().__init__(str(self.storage / "snapshots" / self.commit), allowed_root=self.storage)
+        self.uri = f"{SCHEME}{self.repo_id}"
+
+    @classmethod
+    def from_uri(
+        cls,
+        uri: str,
+        *,
+        revision: str | None = None,
+        hf_token_file: str | None = None,
+        cache_dir: str | None = None,
+        **_: Any,
+    ) -> HfSource:
+        return cls(uri, revision=revision, token_file=hf_token_file, cache_dir=cache_dir)
+
+    # --- resolving and fetching -------------------------------------------------------------
+    def _from_cache(self) -> str:
+        """Offline: the commit from ``refs/<revision>`` (or the revision itself, a sha)."""
+        commit = self.revision
+        if not _COMMIT.fullmatch(commit):
+            ref = self.storage / "refs" / self.revision
+            commit = ref.read_text().strip() if ref.is_file() else ""
+        if not _COMMIT.fullmatch(commit) or not (self.storage / "snapshots" / commit).is_dir():
+            raise CheckpointError(
+                f"{SCHEME}{self.repo_id}: HF_HUB_OFFLINE is set and the hub cache "
+                f"{self.cache_dir} holds no snapshot for revision {self.revision!r}; fill the "
+                "cache first (e.g. `hf download`) or unset HF_HUB_OFFLINE"
+            )
+        return commit
+
+    def _download(self) -> str:
+        from huggingface_hub import HfApi, constants, hf_hub_download
+        from huggingface_hub.utils.tqdm import disable_progress_bars
+
+        disable_progress_bars()  # carriage-return bars garble pod logs; we log per repo below
+        # Telemetry makes huggingface_hub fetch a registry from the endpoint (and cache it
+        # under HF_HOME) to describe the caller in its User-Agent: a request the stager does
+        # not need, from pods whose egress may allow only the Hub's file endpoints.
+        constants.HF_HUB_DISABLE_TELEMETRY = True
+        api = HfApi(endpoint=self.endpoint, token=self._token, library_name="modelstage")
+        info = api.model_info(self.repo_id, revision=self.revision)
+        commit = str(info.sha or "")
+        if not _COMMIT.fullmatch(commit):
+            raise CheckpointError(
+                f"{SCHEME}{self.repo_id}: the Hub answered without a commit sha for revision "
+                f"{self.revision!r}; is HF_ENDPOINT a Hugging Face Hub?"
+            )
+        files = sorted(s.rfilename for s in info.siblings or [])
+
+        def fetch(name: str) -> str:
+            return str(hf_hub_download(
+                self.repo_id, name, revision=commit, cache_dir=self.cache_dir,
+                endpoint=self.endpoint, token=self._token, library_name="modelstage",
+            ))  # fmt: skip
+
+        needed = self._needed(files, fetch)
+        print(
+            f"hf: fetching {len(needed)} files of {self.repo_id} at {commit} "
+            f"(revision {self.revision}) into {self.cache_dir}",
+            file=sys.stderr,
+        )
+        with ThreadPoolExecutor(DOWNLOAD_WORKERS, thread_name_prefix="hf-get") as pool:
+            list(pool.map(fetch, needed))
+        self._write_ref(commit)
+        return commit
+
+    def _needed(self, files: list[str], fetch: Any) -> list[str]:
+        """The files the stager reads, from the repo's listing (and its index, fetched first)."""
+        import json
+
+        top = [f for f in files if "/" not in f]
+        if INDEX in top:
+            path = Path(fetch(INDEX))
+            if path.stat().st_size > MAX_JSON_BYTES:
+                raise CheckpointError(f"{INDEX}: too large for a JSON file here")
+            try:
+                weight_map = json.loads(path.read_bytes()).get("weight_map")
+            except (ValueError, AttributeError):
+                raise CheckpointError(f"{INDEX}: invalid JSON or no 'weight_map' object") from None
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{INDEX}: 'weight_map' must map tensor names to file names")
+            weights = sorted({safe_name(str(v), INDEX) for v in weight_map.values()})
+            absent = [w for w in weights if w not in files]
+            if absent:
+                raise CheckpointError(
+                    f"{SCHEME}{self.repo_id}: {INDEX} names files the repo does not hold: "
+                    + ", ".join(absent[:5])
+                )
+            weights.append(INDEX)
+        else:
+            weights = [f for f in top if f.endswith(".safetensors")]
+        if not weights:
+            others = [f for f in top if f.endswith((".bin", ".pt", ".pth", ".ckpt"))]
+            raise CheckpointError(
+                f"{SCHEME}{self.repo_id}@{self.revision}: no safetensors weights"
+                + (f" (only {', '.join(others[:3])}); modelstage reads safetensors only, since "
+                   "unpickling can run arbitrary code" if others else "")
+            )  # fmt: skip
+        return sorted({*weights, *(f for f in CARRIED_OVER if f in top)})
+
+    def _write_ref(self, commit: str) -> None:
+        """Record ``refs/<revision>`` as the library does, so an offline rerun by branch name
+        finds this snapshot; best effort (a read-only cache still works for this run)."""
+        if self.revision == commit:
+            return
+        ref = self.storage / "refs" / self.revision
+        try:
+            ref.parent.mkdir(parents=True, exist_ok=True)
+            tmp = ref.with_name(f".{ref.name}.{os.getpid()}.tmp")
+            tmp.write_text(commit)
+            os.replace(tmp, ref)
+        except OSError:
+            pass
+
+    # --- errors ------------------------------------------------------------------------------
+    def _describe(self, e: BaseException) -> str:
+        """One line a person can act on, for what huggingface_hub and httpx raise."""
+        from huggingface_hub.errors import (
+            GatedRepoError,
+            HfHubHTTPError,
+            RemoteEntryNotFoundError,
+            RepositoryNotFoundError,
+            RevisionNotFoundError,
+        )
+
+        repo = f"{SCHEME}{self.repo_id}"
+        token = "HF_TOKEN or --hf-token-file"
+        if isinstance(e, GatedRepoError):
+            return (
+                f"{repo} is gated: {'the token (' + token + ') has' if self._token else 'no token'}"
+                " no access; accept the model's terms on the Hub with the token's account, and "
+                f"pass a token with read access ({token})"
+            )
+        if isinstance(e, RepositoryNotFoundError):
+            return (
+                f"{repo}: repository not found, or private and "
+                + (f"the token ({token}) cannot read it" if self._token
+                   else f"no token given ({token})")
+            )  # fmt: skip
+        if isinstance(e, RevisionNotFoundError):
+            return f"{repo}: revision {self.revision!r} not found (a branch, tag or commit sha)"
+        if isinstance(e, RemoteEntryNotFoundError):
+            return f"{repo}@{self.revision}: a listed file is missing on the Hub: {_first_line(e)}"
+        if isinstance(e, HfHubHTTPError):
+            status = e.response.status_code if e.response is not None else "?"
+            hint = f"; check the token's permissions ({token})" if status in (401, 403) else ""
+            return f"{repo}: the Hub refused the request (HTTP {status}){hint}"
+        if type(e).__module__.startswith(("httpx", "httpcore")):
+            return (
+                f"{repo}: cannot reach the Hub at {self.endpoint} ({type(e).__name__}); check "
+                "HF_ENDPOINT and the network, or stage from a pre-filled cache with "
+                "HF_HUB_OFFLINE=1"
+            )
+        if isinstance(e, OSError):
+            return f"{repo}: writing the hub cache {self.cache_dir} failed: {_first_line(e)}"
+        return f"{repo}: {type(e).__name__}: {_first_line(e)}"
+
+    def _redact(self, text: str) -> str:
+        return text.replace(self._token, "***") if self._token else text
+
+    # --- identity ----------------------------------------------------------------------------
+    def identity(self, files: list[str]) -> dict[str, Any]:
+        """The commit pins every byte of the repo; names and sizes make the manifest readable."""
+        return {
+            "kind": "hf",
+            "repo": self.repo_id,
+            "commit": self.commit,
+            "files": [{"name": n, "size": self.size(n)} for n in files],
+        }
+
+
+def _first_line(e: BaseException) -> str:
+    return next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)

@@ -1,0 +1,143 @@
+"""The operator Deployment the chart renders, against what the operator code expects.
+
+The rendered arguments go through the operator's own argument parser
+(``modelstage.operator.__main__.parse_args``) and the rendered environment through its own
+settings reader (``OperatorConfig.from_env``), so a renamed flag or variable fails here, not in
+a cluster. Peering, monitors and labels are checked against the constants the operator uses.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import urlparse
+
+import pytest
+from modelstage.operator import settings as operator_settings
+from modelstage.operator.__main__ import parse_args
+from modelstage.operator.kube import labels as child_labels
+from modelstage.operator.settings import OperatorConfig
+from support.charts import RELEASE_NAMESPACE, of_kind, one, render
+
+
+def _container(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    pod = one(docs, "Deployment")["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    return dict(container)
+
+
+def _pod(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    pod: dict[str, Any] = one(docs, "Deployment")["spec"]["template"]["spec"]
+    return pod
+
+
+def test_one_replica_with_the_recreate_strategy(rendered: list[dict[str, Any]]) -> None:
+    spec = one(rendered, "Deployment")["spec"]
+    assert spec["replicas"] == 1
+    assert spec["strategy"] == {"type": "Recreate"}
+
+
+def test_pod_security_is_restricted(rendered: list[dict[str, Any]]) -> None:
+    pod = _pod(rendered)
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] != 0
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    security = _container(rendered)["securityContext"]
+    assert security["runAsNonRoot"] is True
+    assert security["allowPrivilegeEscalation"] is False
+    assert security["readOnlyRootFilesystem"] is True
+    assert security["capabilities"] == {"drop": ["ALL"]}
+    assert security["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert "privileged" not in security
+    assert not pod.get("hostNetwork") and not pod.get("hostPID")
+    mounts = {m["mountPath"] for m in _container(rendered)["volumeMounts"]}
+    assert "/tmp" in mounts, "a read-only root filesystem needs a writable /tmp"
+
+
+def test_probes_hit_kopfs_liveness_endpoint(rendered: list[dict[str, Any]]) -> None:
+    container = _container(rendered)
+    args = parse_args(container["args"])
+    liveness = urlparse(args.liveness)
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert liveness.port == ports["health"]
+    for probe in ("livenessProbe", "readinessProbe"):
+        get = container[probe]["httpGet"]
+        assert (get["path"], get["port"]) == (liveness.path, "health")
+    assert container["resources"]["requests"] and container["resources"]["limits"]["memory"]
+
+
+def test_arguments_parse_with_the_operators_parser(scenario: str) -> None:
+    docs = render(scenario)
+    args = parse_args(_container(docs)["args"])
+    namespaced = scenario.startswith("namespaced")
+    if scenario == "namespaced":
+        assert args.namespaces == ["team-a", "team-b"]
+    elif namespaced:
+        assert args.namespaces == [RELEASE_NAMESPACE]
+    else:
+        assert args.all_namespaces and not args.namespaces
+    assert args.standalone == ("no-peering" in scenario)
+    assert args.log_format == "json"
+
+
+def test_environment_is_what_the_operator_reads(rendered: list[dict[str, Any]]) -> None:
+    container = _container(rendered)
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    ours = {k for k in env if k.startswith("MODELSTAGE_")}
+    assert ours and all(k.startswith(operator_settings.PREFIX) for k in ours)
+    config = OperatorConfig.from_env({k: v for k, v in env.items() if v is not None})
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert config.metrics_port == ports["metrics"]
+    assert config.stager_image == "ghcr.io/modelstage/stager:0.1.0"
+
+
+def test_peering_object_matches_the_operators_peering(scenario: str) -> None:
+    docs = render(scenario)
+    peerings = of_kind(docs, "ClusterKopfPeering") + of_kind(docs, "KopfPeering")
+    if "no-peering" in scenario:
+        assert not peerings
+        return
+    assert {p["metadata"]["name"] for p in peerings} == {operator_settings.PEERING_NAME}
+    args = parse_args(_container(docs)["args"])
+    if args.all_namespaces:
+        assert [p["kind"] for p in peerings] == ["ClusterKopfPeering"]
+    else:
+        # kopf uses a KopfPeering in each namespace it serves.
+        assert all(p["kind"] == "KopfPeering" for p in peerings)
+        assert sorted(p["metadata"]["namespace"] for p in peerings) == sorted(args.namespaces)
+
+
+def test_metrics_service_and_service_monitor_reach_the_metrics_port() -> None:
+    docs = render("monitoring")
+    service = one(docs, "Service")
+    pod_labels = one(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    (port,) = service["spec"]["ports"]
+    assert port["targetPort"] == "metrics"
+    monitor = one(docs, "ServiceMonitor")
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert [e["port"] for e in monitor["spec"]["endpoints"]] == [port["name"]]
+
+
+def test_stager_pod_monitor_selects_the_labels_the_operator_puts_on_stager_pods() -> None:
+    docs = render("monitoring")
+    (monitor,) = [m for m in of_kind(docs, "PodMonitor") if m["metadata"]["name"].endswith("-stager")]
+    wanted = child_labels("stager", "llama", "0123abcd")
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= wanted.items()
+    assert set(monitor["spec"]["podTargetLabels"]) <= set(wanted)
+    assert monitor["spec"]["namespaceSelector"] == {"any": True}
+
+
+def test_vllm_loader_pod_monitor_scrapes_one_port_per_rank() -> None:
+    docs = render("monitoring")
+    (monitor,) = [m for m in of_kind(docs, "PodMonitor") if m["metadata"]["name"].endswith("-vllm-loader")]
+    ports = [e["port"] for e in monitor["spec"]["podMetricsEndpoints"]]
+    assert ports == ["ms-load-0", "ms-load-1", "ms-load-2", "ms-load-3"]
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["serving"]}
+
+
+@pytest.mark.parametrize("scenario_name", ["namespaced", "namespaced-release-namespace"])
+def test_namespaced_mode_needs_nothing_cluster_scoped(scenario_name: str) -> None:
+    docs = render(scenario_name)
+    cluster_scoped = {"ClusterRole", "ClusterRoleBinding", "ClusterKopfPeering"}
+    assert not [d["kind"] for d in docs if d["kind"] in cluster_scoped]
+    assert of_kind(docs, "Role") and of_kind(docs, "RoleBinding")

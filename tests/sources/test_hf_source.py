@@ -1,0 +1,266 @@
+"""The Hugging Face Hub source, without the Hub: the download path against a loopback server
+that speaks the Hub's endpoints (tests/support/hub_server.py), the offline path against a
+hand-made cache in the Hub's layout with ``HF_HUB_OFFLINE=1``.
+
+Proven here: revision -> commit resolution recorded as the identity, only the needed files
+fetched, a dropped transfer resumed with a Range request, finished files not fetched again,
+the token sent in the Authorization header and absent from every output, one clear line for
+gated, missing and unknown-revision repositories, the offline cache read by branch name.
+Only the real Hub proves: Xet-backed transfers (hf_xet), cross-host CDN redirects (the
+client then drops the Authorization header), rate limiting, and the Hub's exact current
+headers and status codes for gated and private repositories.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from modelstage.stager.errors import CheckpointError
+from modelstage.stager.manifest import MANIFEST
+from modelstage.stager.stage import StageRequest, stage
+from modelstage.stager.synthetic import SyntheticModel, write_checkpoint
+from support.hub_server import FakeHub, HubRepo
+
+from .conftest import HF_TOKEN
+
+MiB = 1024 * 1024
+COMMIT = hashlib.sha1(b"modelstage test commit").hexdigest()
+NEEDED = {
+    "config.json", "generation_config.json", "model.safetensors.index.json",
+    "model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors",
+    "model-00003-of-00003.safetensors", "special_tokens_map.json", "tokenizer.json",
+    "tokenizer_config.json",
+}  # fmt: skip
+EXTRAS = {
+    "README.md": b"# a model card\n",
+    ".gitattributes": b"*.safetensors filter=lfs\n",
+    "pytorch_model.bin": b"pickle bytes the stager must never fetch",
+    "original/consolidated.safetensors": b"a second copy of the weights, not needed",
+}
+
+
+@pytest.fixture(autouse=True)
+def hub_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No token, no offline mode, no endpoint unless a test sets them."""
+    for name in ("HF_TOKEN", "HF_HUB_OFFLINE", "HF_ENDPOINT", "HF_HUB_CACHE", "HF_HOME"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def serve(hub: FakeHub, ckpt: Path, repo_id: str = "acme/llama", *, gated: bool = False) -> None:
+    files = {p.name: p.read_bytes() for p in ckpt.iterdir()} | EXTRAS
+    hub.repos[repo_id] = HubRepo(files, COMMIT, {"main": COMMIT, "v1.0": COMMIT}, gated=gated)
+
+
+def artifact_files(out: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(out.iterdir()) if p.name != MANIFEST}
+
+
+@pytest.fixture(scope="module")
+def local_artifact(split_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same checkpoint staged from local disk at TP=2: what every hub stage must equal."""
+    out = tmp_path_factory.mktemp("hf-local") / "art"
+    stage(StageRequest(source=str(split_ckpt), out=str(out), tp=2))
+    return out
+
+
+def hub_request(out: Path, cache: Path, **kw: object) -> StageRequest:
+    kw.setdefault("revision", "main")
+    return StageRequest(source="hf://acme/llama", out=str(out), tp=2, cache_dir=str(cache),
+                        **kw)  # type: ignore[arg-type]  # fmt: skip
+
+
+def test_a_branch_is_resolved_to_its_commit_and_only_the_needed_files_are_fetched(
+    hub: FakeHub, split_ckpt: Path, local_artifact: Path, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    serve(hub, split_ckpt)
+    monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
+    summary = stage(hub_request(tmp_path / "out", tmp_path / "cache"))
+
+    assert artifact_files(tmp_path / "out") == artifact_files(local_artifact)
+    manifest = json.loads((tmp_path / "out" / MANIFEST).read_text())
+    source = manifest["source"]
+    assert source["uri"] == "hf://acme/llama" and source["revision"] == "main"
+    assert source["kind"] == "hf" and source["commit"] == COMMIT
+    assert summary["sourceIdentity"] == f"commit:{COMMIT}"
+    fetched = [name for name, _ in hub.content_gets()]
+    assert sorted(fetched) == sorted(NEEDED), "each needed file exactly once, nothing else"
+    resolved = [s.path for s in hub.seen if s.path.startswith("/api/")]
+    assert resolved == ["/api/models/acme/llama/revision/main"]
+    assert all(f"/resolve/{COMMIT}/" in s.path for s in hub.seen if "/resolve/" in s.path)
+    ref = tmp_path / "cache" / "models--acme--llama" / "refs" / "main"
+    assert ref.read_text() == COMMIT  # an offline rerun by branch name finds this snapshot
+
+
+def test_a_rerun_reads_finished_files_from_the_cache_without_fetching_them(
+    hub: FakeHub, split_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    serve(hub, split_ckpt)
+    monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
+    stage(hub_request(tmp_path / "a", tmp_path / "cache"))
+    hub.seen.clear()
+    stage(hub_request(tmp_path / "b", tmp_path / "cache", revision="v1.0"))
+    assert hub.content_gets() == []
+    assert [s.path for s in hub.seen] == ["/api/models/acme/llama/revision/v1.0"]
+    assert artifact_files(tmp_path / "a") == artifact_files(tmp_path / "b")
+
+
+def test_a_transfer_cut_off_midway_resumes_with_a_range_request(
+    hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """huggingface_hub writes what it received in whole 10 MiB chunks and, after a dropped
+    connection, asks for the rest from there; a 20 MB file cut at 12 MiB proves it."""
+    spec = SyntheticModel(hidden_size=512, intermediate_size=1536, num_layers=2,
+                          vocab_size=4000, num_shards=2)  # fmt: skip
+    ckpt = write_checkpoint(spec, tmp_path / "ckpt")
+    stage(StageRequest(source=str(ckpt), out=str(tmp_path / "local"), tp=2))
+    serve(hub, ckpt)
+    monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
+    name = "model-00002-of-00002.safetensors"
+    hub.drop_after[name] = 12 * MiB
+    stage(hub_request(tmp_path / "out", tmp_path / "cache"))
+    assert [r for n, r in hub.content_gets() if n == name] == [None, f"bytes={10 * MiB}-"]
+    assert artifact_files(tmp_path / "out") == artifact_files(tmp_path / "local")
+
+
+def test_a_token_from_the_environment_opens_a_gated_repository(
+    hub: FakeHub, split_ckpt: Path, local_artifact: Path, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    serve(hub, split_ckpt, gated=True)
+    monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
+    monkeypatch.setenv("HF_TOKEN", HF_TOKEN)
+    stage(hub_request(tmp_path / "out", tmp_path / "cache"))
+    assert artifact_files(tmp_path / "out") == artifact_files(local_artifact)
+    assert {s.authorization for s in hub.seen} == {f"Bearer {HF_TOKEN}"}
+
+
+@pytest.mark.parametrize("token", [None, "hf_NotTheRightToken0Puffin"], ids=["none", "wrong"])
+def test_a_gated_repository_without_access_is_one_line_that_names_the_fix(
+    hub: FakeHub, split_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    token: str | None,
+) -> None:  # fmt: skip
+    serve(hub, split_ckpt, gated=True)
+    monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
+    if token:
+        monkeypatch.setenv("HF_TOKEN", token)
+    with pytest.raises(CheckpointError) as err:
+        stage(hub_request(tmp_path / "out", tmp_path / "cache"))
+    message = str(err.value)
+    assert message.startswith("hf://acme/llama is gated") and "accept the model's terms" in message
+    assert "\n" not in message and (token is None or token not in message)
+    assert hub.content_gets() == [] and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("source", "revision", "expected"),
+    [
+        ("hf://acme/absent", "main", "hf://acme/absent: repository not found, or private"),
+        ("hf://acme/llama", "no-such-branch", "revision 'no-such-branch' not found"),
+    ],
+    ids=["missing-repo", "missing-revision"],
+)
+def test_a_missing_repository_or_revision_is_one_clear_line(
+    hub: FakeHub, split_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    source: str, revision: str, expected: str,
+) -> None:  # fmt: skip
+    serve(hub, split_ckpt)
+    monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
+    request = StageRequest(source=source, out=str(tmp_path / "out"), tp=2, revision=revision,
+                           cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    with pytest.raises(CheckpointError, match=expected) as err:
+        stage(request)
+    assert "\n" not in str(err.value)
+
+
+def test_cli_sends_the_token_file_only_in_the_authorization_header(
+    hub: FakeHub, split_ckpt: Path, tmp_path: Path
+) -> None:
+    serve(hub, split_ckpt, gated=True)
+    token_file = tmp_path / "token"
+    token_file.write_text(HF_TOKEN + "\n")
+    wrong_file = tmp_path / "wrong"
+    wrong_file.write_text("hf_WrongTokenForTheCli7Heron\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    env.update(PYTHONSAFEPATH="1", HF_ENDPOINT=hub.endpoint)
+
+    def run(out: str, token: Path) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [str(Path(sys.executable).with_name("modelstage")), "stage", "hf://acme/llama",
+             "--revision", "main", "--tp", "2", "--out", str(tmp_path / out),
+             "--cache-dir", str(tmp_path / f"cache-{out}"), "--hf-token-file", str(token)],
+            env=env, cwd="/", capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+
+    ok = run("ok", token_file)
+    assert ok.returncode == 0, ok.stderr
+    summary = json.loads(ok.stdout.strip().splitlines()[-1])
+    assert summary["sourceIdentity"] == f"commit:{COMMIT}"
+    assert {s.authorization for s in hub.seen} == {f"Bearer {HF_TOKEN}"}
+
+    denied = run("denied", wrong_file)
+    assert denied.returncode == 1
+    assert denied.stderr.strip().splitlines()[-1].startswith("error: hf://acme/llama is gated")
+    for result in (ok, denied):
+        for text in (result.stdout, result.stderr):
+            assert HF_TOKEN not in text and "hf_WrongTokenForTheCli7Heron" not in text
+    assert HF_TOKEN not in (tmp_path / "ok" / MANIFEST).read_text()
+
+
+# --- offline: a pre-filled cache in the Hub's layout ------------------------------------------
+def fill_cache(cache: Path, ckpt: Path, *, refs: dict[str, str]) -> Path:
+    """The layout huggingface_hub writes: blobs by hash, snapshot links, refs by name."""
+    storage = cache / "models--acme--llama"
+    snapshot = storage / "snapshots" / COMMIT
+    (storage / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for path in ckpt.iterdir():
+        data = path.read_bytes()
+        blob = hashlib.sha256(data).hexdigest()
+        (storage / "blobs" / blob).write_bytes(data)
+        (snapshot / path.name).symlink_to(f"../../blobs/{blob}")
+    for name, commit in refs.items():
+        (storage / "refs").mkdir(exist_ok=True)
+        (storage / "refs" / name).write_text(commit)
+    return snapshot
+
+
+def test_offline_mode_stages_a_prefilled_cache_by_branch_name_without_any_request(
+    hub: FakeHub, split_ckpt: Path, local_artifact: Path, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    fill_cache(tmp_path / "cache", split_ckpt, refs={"main": COMMIT})
+    monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)  # reachable, and must not be used
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    summary = stage(hub_request(tmp_path / "out", tmp_path / "cache"))
+    assert hub.seen == []
+    assert artifact_files(tmp_path / "out") == artifact_files(local_artifact)
+    assert summary["sourceIdentity"] == f"commit:{COMMIT}"
+
+
+def test_offline_mode_without_the_revision_in_the_cache_says_how_to_fill_it(
+    split_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fill_cache(tmp_path / "cache", split_ckpt, refs={"main": COMMIT})
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(CheckpointError, match=r"HF_HUB_OFFLINE is set .* revision 'v2'"):
+        stage(hub_request(tmp_path / "out", tmp_path / "cache", revision="v2"))
+
+
+def test_a_snapshot_link_that_leaves_the_repository_cache_is_refused(
+    split_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    snapshot = fill_cache(tmp_path / "cache", split_ckpt, refs={"main": COMMIT})
+    outside = tmp_path / "elsewhere.json"
+    outside.write_text((split_ckpt / "tokenizer.json").read_text())
+    (snapshot / "tokenizer.json").unlink()
+    (snapshot / "tokenizer.json").symlink_to(outside)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(CheckpointError, match=r"tokenizer\.json: symlink escapes"):
+        stage(hub_request(tmp_path / "out", tmp_path / "cache"))

@@ -1,0 +1,358 @@
+"""A Kubernetes API for live operator tests, in one of two tiers, behind one async client.
+
+- **real**: when ``KUBEBUILDER_ASSETS`` names a folder holding ``kube-apiserver`` and ``etcd``
+  (envtest's convention), ``ControlPlane`` starts them on 127.0.0.1 (and
+  ``kube-controller-manager`` from the same folder when present, with only the garbage
+  collector and namespace controllers: the tests play the Job and Deployment controllers by
+  patching statuses, so those controllers must not run) and applies the CRDs. The API server
+  serves HTTPS only: the kubeconfig carries a static bearer token (``--token-auth-file``,
+  group ``system:masters``) and skips TLS verification of the throw-away serving certificate.
+- **kmock**: otherwise ``tests.support.kube_fake.FakeKubeAPI`` in the test's event loop, over
+  plain HTTP on 127.0.0.1 with no authentication.
+
+``KubeHTTP`` is the tests' own client (aiohttp, never blocking the loop that may be serving the
+fake API).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import aiohttp
+import yaml
+
+TEST_AGENT = "modelstage-tests"
+T = TypeVar("T")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def write_kubeconfig(path: Path, server: str, token: str | None = None) -> Path:
+    user: dict[str, Any] = {"token": token} if token else {}
+    cluster: dict[str, Any] = {"server": server}
+    if server.startswith("https://"):
+        cluster["insecure-skip-tls-verify"] = True
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "test", "cluster": cluster}],
+        "users": [{"name": "test", "user": user}],
+        "contexts": [{"name": "test", "context": {"cluster": "test", "user": "test"}}],
+        "current-context": "test",
+    }
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+class ApiStatusError(Exception):
+    def __init__(self, status: int, body: Any) -> None:
+        super().__init__(f"HTTP {status}: {body}")
+        self.status = status
+        self.body = body
+
+
+@dataclass
+class KubeHTTP:
+    """Minimal async Kubernetes client for the tests: paths in, dicts out."""
+
+    server: str
+    token: str | None = None
+    session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> KubeHTTP:
+        headers = {"User-Agent": TEST_AGENT}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        self.session = aiohttp.ClientSession(
+            base_url=self.server,
+            headers=headers,
+            connector=aiohttp.TCPConnector(ssl=False),
+            timeout=aiohttp.ClientTimeout(total=15),
+        )
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.session is not None
+        await self.session.close()
+
+    async def request(
+        self, method: str, path: str, body: Any = None, content_type: str = "application/json", **params: str
+    ) -> Any:
+        assert self.session is not None
+        async with self.session.request(
+            method,
+            path,
+            json=body,
+            params=params or None,
+            headers={"Content-Type": content_type} if body is not None else None,
+        ) as response:
+            data = await response.json(content_type=None)
+            if response.status >= 300:
+                raise ApiStatusError(response.status, data)
+            return data
+
+    async def get(self, path: str) -> dict[str, Any] | None:
+        try:
+            result: dict[str, Any] = await self.request("GET", path)
+        except ApiStatusError as error:
+            if error.status == 404:
+                return None
+            raise
+        return result
+
+    async def list(self, path: str, **params: str) -> list[dict[str, Any]]:
+        items: list[dict[str, Any]] = (await self.request("GET", path, **params)).get("items") or []
+        return items
+
+    async def create(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        result: dict[str, Any] = await self.request("POST", path, body)
+        return result
+
+    async def patch(self, path: str, patch: dict[str, Any]) -> dict[str, Any]:
+        """JSON merge patch."""
+        result: dict[str, Any] = await self.request(
+            "PATCH", path, patch, content_type="application/merge-patch+json"
+        )
+        return result
+
+    async def delete(self, path: str) -> None:
+        await self.request("DELETE", path)
+
+
+async def eventually(
+    probe: Callable[[], Awaitable[T]],
+    *,
+    timeout: float = 20.0,
+    interval: float = 0.1,
+    what: str = "condition",
+) -> T:
+    """Polls ``probe`` until it returns something truthy; its last value in the failure."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    last: Any = None
+    while True:
+        last = await probe()
+        if last:
+            return last
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}; last: {last!r}")
+        await asyncio.sleep(interval)
+
+
+# -- the real tier --------------------------------------------------------------------------------
+
+
+def assets_folder() -> Path | None:
+    """``KUBEBUILDER_ASSETS`` when it holds kube-apiserver and etcd, else None."""
+    folder = os.environ.get("KUBEBUILDER_ASSETS")
+    if not folder:
+        return None
+    path = Path(folder)
+    if all(os.access(path / b, os.X_OK) for b in ("kube-apiserver", "etcd")):
+        return path
+    return None
+
+
+def _service_account_keys(folder: Path) -> tuple[Path, Path]:
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    private = folder / "sa.key"
+    public = folder / "sa.pub"
+    private.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.TraditionalOpenSSL,
+            serialization.NoEncryption(),
+        )
+    )
+    public.write_bytes(
+        key.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+    )
+    return private, public
+
+
+@dataclass
+class ControlPlane:
+    """etcd + kube-apiserver (+ kube-controller-manager) from ``KUBEBUILDER_ASSETS``."""
+
+    assets: Path
+    workdir: Path
+    processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    server: str = ""
+    token: str = field(default_factory=lambda: secrets.token_hex(16))
+    kubeconfig: Path | None = None
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+        log = open(self.workdir / f"{name}.log", "wb")  # noqa: SIM115 (lives with the process)
+        process = subprocess.Popen(
+            [str(self.assets / name), *args], stdout=log, stderr=subprocess.STDOUT, cwd=self.workdir
+        )
+        self.processes.append(process)
+        return process
+
+    def start(self, timeout: float = 60.0) -> None:
+        etcd_port, peer_port, api_port = free_port(), free_port(), free_port()
+        self._spawn(
+            "etcd",
+            [
+                f"--data-dir={self.workdir / 'etcd'}",
+                f"--listen-client-urls=http://127.0.0.1:{etcd_port}",
+                f"--advertise-client-urls=http://127.0.0.1:{etcd_port}",
+                f"--listen-peer-urls=http://127.0.0.1:{peer_port}",
+                f"--initial-advertise-peer-urls=http://127.0.0.1:{peer_port}",
+                f"--initial-cluster=default=http://127.0.0.1:{peer_port}",
+                "--unsafe-no-fsync=true",
+            ],
+        )
+        (self.workdir / "tokens.csv").write_text(f'{self.token},admin,admin,"system:masters"\n')
+        private, public = _service_account_keys(self.workdir)
+        self._spawn(
+            "kube-apiserver",
+            [
+                f"--etcd-servers=http://127.0.0.1:{etcd_port}",
+                f"--cert-dir={self.workdir / 'certs'}",
+                f"--secure-port={api_port}",
+                "--bind-address=127.0.0.1",
+                "--advertise-address=127.0.0.1",
+                "--service-cluster-ip-range=10.0.0.0/24",
+                f"--token-auth-file={self.workdir / 'tokens.csv'}",
+                "--authorization-mode=AlwaysAllow",
+                "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+                f"--service-account-key-file={public}",
+                f"--service-account-signing-key-file={private}",
+                "--disable-admission-plugins=ServiceAccount",
+                "--allow-privileged=true",
+            ],
+        )
+        self.server = f"https://127.0.0.1:{api_port}"
+        self.kubeconfig = write_kubeconfig(self.workdir / "kubeconfig", self.server, self.token)
+        self._wait_ready(timeout)
+        if os.access(self.assets / "kube-controller-manager", os.X_OK):
+            self._spawn(
+                "kube-controller-manager",
+                [
+                    f"--kubeconfig={self.kubeconfig}",
+                    f"--authentication-kubeconfig={self.kubeconfig}",
+                    f"--authorization-kubeconfig={self.kubeconfig}",
+                    "--controllers=garbagecollector,namespace",
+                    "--leader-elect=false",
+                    "--bind-address=127.0.0.1",
+                    f"--secure-port={free_port()}",
+                    "--use-service-account-credentials=false",
+                ],
+            )
+
+    @property
+    def has_garbage_collector(self) -> bool:
+        return any(Path(p.args[0]).name == "kube-controller-manager" for p in self.processes)  # type: ignore[index]
+
+    def _wait_ready(self, timeout: float) -> None:
+        import ssl
+        import urllib.request
+
+        context = ssl.create_default_context()
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+        deadline = time.monotonic() + timeout
+        while True:
+            request = urllib.request.Request(
+                f"{self.server}/readyz", headers={"Authorization": f"Bearer {self.token}"}
+            )
+            with contextlib.suppress(OSError):
+                with urllib.request.urlopen(request, context=context, timeout=2) as response:
+                    if response.status == 200:
+                        return
+            for process in self.processes:
+                if process.poll() is not None:
+                    raise RuntimeError(f"{process.args[0]} exited; see {self.workdir}/*.log")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"kube-apiserver not ready in {timeout} s; see {self.workdir}")
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        for process in reversed(self.processes):
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for process in reversed(self.processes):
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        shutil.rmtree(self.workdir / "etcd", ignore_errors=True)
+
+
+async def apply_crd(client: KubeHTTP, crd: dict[str, Any], timeout: float = 30.0) -> None:
+    """Creates the CRD on a real API server and waits until it is served."""
+    name = crd["metadata"]["name"]
+    path = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
+    if await client.get(f"{path}/{name}") is None:
+        await client.create(path, crd)
+
+    async def established() -> bool:
+        current = await client.get(f"{path}/{name}") or {}
+        conditions = (current.get("status") or {}).get("conditions") or []
+        return any(c.get("type") == "Established" and c.get("status") == "True" for c in conditions)
+
+    await eventually(established, timeout=timeout, what=f"CRD {name} established")
+    group, version = crd["spec"]["group"], crd["spec"]["versions"][0]["name"]
+
+    async def discovered() -> bool:
+        return await client.get(f"/apis/{group}/{version}") is not None
+
+    await eventually(discovered, timeout=timeout, what=f"{group}/{version} discovery")
+
+
+@dataclass
+class Cluster:
+    """What a test gets: the tier, the client, the kubeconfig, and the fake (kmock tier)."""
+
+    tier: str
+    client: KubeHTTP
+    kubeconfig: Path
+    fake: Any = None
+    """``FakeKubeAPI`` on the kmock tier (request counts), None on the real tier."""
+    garbage_collection: bool = False
+
+
+@contextlib.asynccontextmanager
+async def kmock_cluster(crds: list[dict[str, Any]], folder: Path) -> AsyncIterator[Cluster]:
+    import kmock
+
+    from support.kube_fake import new_fake
+
+    async with new_fake(crds) as fake, kmock.Server(fake) as server:
+        url = f"http://127.0.0.1:{server.port}"
+        kubeconfig = write_kubeconfig(folder / "kubeconfig", url)
+        async with KubeHTTP(url) as client:
+            yield Cluster("kmock", client, kubeconfig, fake=fake)
+
+
+@contextlib.contextmanager
+def control_plane(assets: Path, workdir: Path) -> Iterator[ControlPlane]:
+    plane = ControlPlane(assets, workdir)
+    try:
+        plane.start()
+        yield plane
+    finally:
+        plane.stop()
