@@ -211,8 +211,12 @@ def _targets(kind: str) -> Any:
     return handler
 
 
-deployment_event = kopf.on.event("apps", "v1", "deployments")(_targets("Deployment"))
-statefulset_event = kopf.on.event("apps", "v1", "statefulsets")(_targets("StatefulSet"))
+deployment_event = kopf.on.event("apps", "v1", "deployments", id="deployment_event")(
+    _targets("Deployment")
+)
+statefulset_event = kopf.on.event("apps", "v1", "statefulsets", id="statefulset_event")(
+    _targets("StatefulSet")
+)
 
 
 @kopf.on.event("v1", "pods", annotations={DIGEST_ANNOTATION: kopf.PRESENT})

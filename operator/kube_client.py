@@ -48,6 +48,15 @@ def resource_path(
     return "/".join(parts)
 
 
+def _message(data: bytes | None) -> str:
+    """The ``message`` of a Kubernetes ``Status`` body, if there is one."""
+    try:
+        status = json.loads(data or b"")
+    except ValueError:
+        return ""
+    return str(status.get("message") or "") if isinstance(status, dict) else ""
+
+
 @dataclass
 class KubeClient:
     api: k8s.ApiClient
@@ -82,6 +91,8 @@ class KubeClient:
             method, url, header_params=headers, body=body, _request_timeout=self.timeout
         )
         response.read()
+        if not 200 <= response.status < 300:
+            raise ApiException(status=response.status, reason=_message(response.data) or response.reason)
         data: Manifest = json.loads(response.data or b"{}")
         return data
 

@@ -54,8 +54,9 @@ class S3Location:
         bucket, _, prefix = uri.removeprefix("s3://").partition("/")
         if not bucket or "@" in bucket or ":" in bucket:
             # user:secret@bucket would put a credential into every log line and status
+            shown = "s3://***@" + bucket.rpartition("@")[2] if "@" in bucket else "s3://" + bucket
             raise SpecError(
-                f"{uri!r}: expected s3://BUCKET/PREFIX; credentials never go into the URI "
+                f"{shown}: expected s3://BUCKET/PREFIX; credentials never go into the URI "
                 "(use AWS_* variables or --s3-credentials-file)"
             )
         return S3Location(bucket, prefix.strip("/"))

@@ -23,8 +23,10 @@ in the Authorization header and is removed from every message this module produc
 from __future__ import annotations
 
 import os
+import posixpath
 import re
 import sys
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -52,6 +54,14 @@ def parse_hf_uri(uri: str) -> str:
             "goes into the URI: use HF_TOKEN or --hf-token-file)"
         )
     return repo_id
+
+
+def check_revision(revision: str) -> str:
+    """Branch, tag or sha; it names a file under the cache's ``refs/``, so it must stay there
+    (``refs/pr/1`` is a valid revision, ``../x`` is not)."""
+    if posixpath.normpath(revision) != revision or revision.startswith(("/", "..")):
+        raise CheckpointError(f"--revision {revision!r}: not a branch, tag or commit sha")
+    return revision
 
 
 def read_token(token_file: str | None) -> str | None:
@@ -93,7 +103,7 @@ class HfSource(LocalSource):
         from huggingface_hub.file_download import repo_folder_name
 
         self.repo_id = parse_hf_uri(uri)
-        self.revision = revision or DEFAULT_REVISION
+        self.revision = check_revision(revision or DEFAULT_REVISION)
         self._token = read_token(token_file)
         self.cache_dir = Path(cache_dir or constants.HF_HUB_CACHE).absolute()
         endpoint = endpoint or os.environ.get("HF_ENDPOINT") or constants.ENDPOINT
@@ -174,7 +184,7 @@ class HfSource(LocalSource):
         self._write_ref(commit)
         return commit
 
-    def _needed(self, files: list[str], fetch: Any) -> list[str]:
+    def _needed(self, files: list[str], fetch: Callable[[str], str]) -> list[str]:
         """The files the stager reads, from the repo's listing (and its index, fetched first)."""
         import json
 

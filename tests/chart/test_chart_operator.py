@@ -114,13 +114,17 @@ def test_metrics_service_and_service_monitor_reach_the_metrics_port() -> None:
     (port,) = service["spec"]["ports"]
     assert port["targetPort"] == "metrics"
     monitor = one(docs, "ServiceMonitor")
-    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert (
+        monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    )
     assert [e["port"] for e in monitor["spec"]["endpoints"]] == [port["name"]]
 
 
 def test_stager_pod_monitor_selects_the_labels_the_operator_puts_on_stager_pods() -> None:
     docs = render("monitoring")
-    (monitor,) = [m for m in of_kind(docs, "PodMonitor") if m["metadata"]["name"].endswith("-stager")]
+    (monitor,) = [
+        m for m in of_kind(docs, "PodMonitor") if m["metadata"]["name"].endswith("-stager")
+    ]
     wanted = child_labels("stager", "llama", "0123abcd")
     assert monitor["spec"]["selector"]["matchLabels"].items() <= wanted.items()
     assert set(monitor["spec"]["podTargetLabels"]) <= set(wanted)
@@ -129,7 +133,9 @@ def test_stager_pod_monitor_selects_the_labels_the_operator_puts_on_stager_pods(
 
 def test_vllm_loader_pod_monitor_scrapes_one_port_per_rank() -> None:
     docs = render("monitoring")
-    (monitor,) = [m for m in of_kind(docs, "PodMonitor") if m["metadata"]["name"].endswith("-vllm-loader")]
+    (monitor,) = [
+        m for m in of_kind(docs, "PodMonitor") if m["metadata"]["name"].endswith("-vllm-loader")
+    ]
     ports = [e["port"] for e in monitor["spec"]["podMetricsEndpoints"]]
     assert ports == ["ms-load-0", "ms-load-1", "ms-load-2", "ms-load-3"]
     assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["serving"]}

@@ -77,7 +77,9 @@ def _call_name(node: ast.Call) -> str:
     return ast.unparse(node.func)
 
 
-def _paths(node: ast.expr, scope: dict[str, ast.expr], module: dict[str, Any]) -> Iterator[tuple[str, str]]:
+def _paths(
+    node: ast.expr, scope: dict[str, ast.expr], module: dict[str, Any]
+) -> Iterator[tuple[str, str]]:
     """(group, resource) of a path expression."""
     if isinstance(node, ast.Name) and node.id in scope:
         yield from _paths(scope[node.id], scope, module)
@@ -143,7 +145,9 @@ def operator_uses() -> set[Triple]:
                         else:
                             args.append(_value(arg, scope))
                     group, plural = _kopf_resource(args)
-                    verbs = {"list", "watch"} | ({"patch"} if parts[-1] in CHANGE_HANDLERS else set())
+                    verbs = {"list", "watch"} | (
+                        {"patch"} if parts[-1] in CHANGE_HANDLERS else set()
+                    )
                     uses |= {(group, plural, v) for v in verbs}
                 elif name.startswith(("self.kube.", "kube.")) and parts[-1] in CLIENT_VERBS:
                     for group, resource in _paths(node.args[0], scope, module):
@@ -183,14 +187,19 @@ def test_rbac_has_no_wildcard_and_is_exactly_what_the_operator_uses(scenario: st
     namespaced = scenario.startswith("namespaced")
     expected = operator_uses() | framework(namespaced, "no-peering" not in scenario)
     missing, extra = expected - triples, triples - expected
-    assert not missing, f"{scenario}: the operator uses, the chart does not grant: {sorted(missing)}"
+    assert not missing, (
+        f"{scenario}: the operator uses, the chart does not grant: {sorted(missing)}"
+    )
     assert not extra, f"{scenario}: the chart grants, nothing uses: {sorted(extra)}"
 
 
 def test_roles_bind_only_the_operators_service_account(scenario: str) -> None:
     docs = render(scenario)
     (account,) = of_kind(docs, "ServiceAccount")
-    roles = {(r["kind"], r["metadata"]["name"]) for r in of_kind(docs, "ClusterRole") + of_kind(docs, "Role")}
+    roles = {
+        (r["kind"], r["metadata"]["name"])
+        for r in of_kind(docs, "ClusterRole") + of_kind(docs, "Role")
+    }
     bindings = of_kind(docs, "ClusterRoleBinding") + of_kind(docs, "RoleBinding")
     assert bindings
     for binding in bindings:
@@ -219,5 +228,3 @@ def test_rbac_rules_are_commented_in_the_template() -> None:
 def test_no_permission_on_secrets_anywhere(scenario: str) -> None:
     triples, _ = granted(render(scenario))
     assert not [t for t in triples if t[1] in ("secrets", "pods/exec", "pods/log")]
-
-

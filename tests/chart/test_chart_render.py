@@ -203,7 +203,9 @@ def test_chart_crds_are_the_repository_crds() -> None:
     chart = sorted(p.name for p in (CHART / "crds").iterdir())
     assert chart == repo, "the chart's crds/ must hold exactly the files of crds/"
     stale = [n for n in repo if not filecmp.cmp(ROOT / "crds" / n, CHART / "crds" / n, False)]
-    assert not stale, f"charts/modelstage/crds is stale: run `cp crds/*.yaml {CHART.relative_to(ROOT)}/crds/` ({stale})"
+    assert not stale, (
+        f"charts/modelstage/crds is stale: run `cp crds/*.yaml {CHART.relative_to(ROOT)}/crds/` ({stale})"
+    )
 
 
 def test_crds_validate_strictly() -> None:
@@ -274,16 +276,14 @@ def test_notes_tell_the_next_step_and_the_crd_upgrade() -> None:
 
 def test_dashboard_is_valid_json_and_only_queries_exported_metrics() -> None:
     (configmap,) = [
-        d for d in render("default") if d["kind"] == "ConfigMap" and "dashboard" in d["metadata"]["name"]
+        d
+        for d in render("default")
+        if d["kind"] == "ConfigMap" and "dashboard" in d["metadata"]["name"]
     ]
     assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
     dashboard = json.loads(configmap["data"]["modelstage.json"])
     assert dashboard == json.loads((CHART / "dashboards" / "modelstage.json").read_text())
-    exprs = [
-        target["expr"]
-        for panel in dashboard["panels"]
-        for target in panel.get("targets", [])
-    ]
+    exprs = [target["expr"] for panel in dashboard["panels"] for target in panel.get("targets", [])]
     queried = {m for e in exprs for m in re.findall(r"\bmodelstage_[a-z_]+", e)}
     exported = _exported_metrics()
     assert queried <= exported, f"not exported by any module: {sorted(queried - exported)}"
@@ -302,4 +302,3 @@ def _exported_metrics() -> set[str]:
         for kind, name in re.findall(METRIC_DEFINITION, source):
             names.add(f"{name}_total" if kind == "Counter" else name)
     return names
-

@@ -44,7 +44,9 @@ def _ignored(path: str, patterns: list[str]) -> bool:
     for pattern in patterns:
         for i in range(1, len(parts) + 1):
             prefix = "/".join(parts[:i])
-            if fnmatch.fnmatch(prefix, pattern) or fnmatch.fnmatch(prefix, pattern.removeprefix("**/")):
+            if fnmatch.fnmatch(prefix, pattern) or fnmatch.fnmatch(
+                prefix, pattern.removeprefix("**/")
+            ):
                 return True
     return False
 

@@ -70,4 +70,5 @@ async def operator(cluster: Cluster, namespace: str, tmp_path: Path) -> AsyncIte
     try:
         yield process
     finally:
-        await process.stop()
+        # SIGKILL: graceful shutdown is not under test and kopf's takes seconds.
+        await process.stop(graceful=False)

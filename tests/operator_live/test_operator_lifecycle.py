@@ -125,3 +125,249 @@ async def test_applying_a_model_deployment_creates_one_owned_stager_job_named_by
     assert job["spec"]["template"]["spec"]["containers"][0]["image"] == "registry.test/modelstage/stager:test"
     # The workload is untouched until the artifact is complete.
     assert template_digest(await cluster.client.get(deploy_path(namespace))) is None
+
+
+async def test_succeeded_job_rolls_the_workload_onto_the_artifact_and_reports_its_source(
+    cluster: Cluster, namespace: str, operator: OperatorProcess
+) -> None:
+    await apply(cluster, namespace, SPEC)
+    digest = digest_of(SPEC)
+    await wait_job(cluster, namespace, digest)
+    await finish_stage_job(
+        cluster.client, namespace, digest, message=summary(digest, source="sha:feedface"), succeeded=True
+    )
+    status = await wait_phase(cluster, namespace, "RollingOut")
+    artifact = status["artifact"]
+    assert (artifact["digest"], artifact["source"], artifact["bytes"]) == (digest, "sha:feedface", 123456)
+    assert artifact["uri"] == f"pvc://models/artifacts/{namespace}/{digest}"
+    assert condition(status, "Staged")["status"] == "True"
+    workload = await cluster.client.get(deploy_path(namespace))
+    assert template_digest(workload) == digest
+    assert workload is not None
+    [vllm] = workload["spec"]["template"]["spec"]["containers"]
+    assert f"/mnt/modelstage/artifacts/artifacts/{namespace}/{digest}" in vllm["args"]
+    assert [c["name"] for c in workload["spec"]["template"]["spec"]["initContainers"]] == ["modelstage-prepare"]
+
+    await complete_rollout(cluster.client, namespace)
+    status = await wait_phase(cluster, namespace, "Ready")
+    assert condition(status, "Ready")["status"] == "True"
+    reasons = {e["reason"] for e in await events_for(cluster, namespace)}
+    assert {"JobCreated", "RolledOut", "PhaseStaging", "PhaseRollingOut", "PhaseReady"} <= reasons
+
+
+async def test_failed_job_reports_the_termination_reason_and_backs_off_without_new_jobs(
+    cluster: Cluster, namespace: str, operator: OperatorProcess
+) -> None:
+    await apply(cluster, namespace, SPEC)
+    digest = digest_of(SPEC)
+    await wait_job(cluster, namespace, digest)
+    reason = "CheckpointError: model.safetensors.index.json names shard 3 but it is missing"
+    await finish_stage_job(
+        cluster.client, namespace, digest, message=f"loading\n{reason}\n", succeeded=False
+    )
+    status = await wait_phase(cluster, namespace, "Failed")
+    staged = condition(status, "Staged")
+    assert (staged["status"], staged["reason"], staged["message"]) == ("False", "StagingFailed", reason)
+    assert condition(status, "Degraded")["reason"] == "StagingFailed"
+    events = await eventually(
+        lambda: events_for(cluster, namespace), what="events"
+    )
+    assert any(e["type"] == "Warning" and e["reason"] == "StagingFailed" for e in events)
+    # Backoff (2 s, 4 s, 8 s in tests): a few re-checks over 6 s, never a new Job.
+    await asyncio.sleep(6)
+    jobs = await cluster.client.list(job_path(namespace))
+    assert [j["metadata"]["name"] for j in jobs] == [stage_job_name(digest)]
+    assert template_digest(await cluster.client.get(deploy_path(namespace))) is None
+    if cluster.fake is not None:
+        assert operator_writes(cluster, "POST", job_path(namespace)) == 1
+        md_reads = cluster.fake.writes("GET", md_path(namespace, MD), agent=OPERATOR_AGENT)
+        assert md_reads <= 8, f"{md_reads} reconciliations in ~6 s: a retry storm"
+
+
+async def test_spec_change_stages_a_new_job_while_the_workload_keeps_the_old_artifact(
+    cluster: Cluster, namespace: str, operator: OperatorProcess
+) -> None:
+    await apply(cluster, namespace, SPEC)
+    old = await staged_and_rolled(cluster, namespace, SPEC)
+    new_spec = merged(SPEC, {"dtype": "bfloat16"})
+    new = digest_of(new_spec)
+    assert new != old
+    await cluster.client.patch(md_path(namespace, MD), {"spec": {"dtype": "bfloat16"}})
+    await wait_job(cluster, namespace, new)
+    status = await wait_phase(cluster, namespace, "Staging")
+    assert status["desiredDigest"] == new
+    assert status["artifact"]["digest"] == old
+    await asyncio.sleep(1)
+    assert template_digest(await cluster.client.get(deploy_path(namespace))) == old
+
+    await finish_stage_job(cluster.client, namespace, new, message=summary(new), succeeded=True)
+
+    async def rolled() -> bool:
+        return template_digest(await cluster.client.get(deploy_path(namespace))) == new
+
+    await eventually(rolled, what="the workload on the new artifact")
+    status = await wait_phase(cluster, namespace, "RollingOut")
+    assert (status["artifact"]["digest"], status["previousArtifact"]["digest"]) == (new, old)
+
+
+async def test_crash_looping_pods_roll_the_workload_back_to_the_previous_artifact(
+    cluster: Cluster, namespace: str, operator: OperatorProcess
+) -> None:
+    await apply(cluster, namespace, SPEC)
+    old = await staged_and_rolled(cluster, namespace, SPEC)
+    await cluster.client.patch(md_path(namespace, MD), {"spec": {"dtype": "float16"}})
+    new = digest_of(merged(SPEC, {"dtype": "float16"}))
+    await wait_job(cluster, namespace, new)
+    await finish_stage_job(cluster.client, namespace, new, message=summary(new), succeeded=True)
+    await wait_phase(cluster, namespace, "RollingOut")
+    assert template_digest(await cluster.client.get(deploy_path(namespace))) == new
+
+    await crash_looping_pod(cluster.client, namespace, new)
+
+    status = await wait_phase(cluster, namespace, "Failed")
+    degraded = condition(status, "Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "RolledBack")
+    assert "CrashLoopBackOff" in degraded["message"] and "CUDA out of memory" in degraded["message"]
+    assert (status["artifact"]["digest"], status["failedDigest"]) == (old, new)
+    assert template_digest(await cluster.client.get(deploy_path(namespace))) == old
+    events = await events_for(cluster, namespace)
+    assert any(e["type"] == "Warning" and e["reason"] == "RolledBack" for e in events)
+    # The failed digest is not rolled out again.
+    await asyncio.sleep(1)
+    assert template_digest(await cluster.client.get(deploy_path(namespace))) == old
+
+
+async def test_operator_killed_mid_stage_resumes_without_a_second_job_or_patch(
+    cluster: Cluster, namespace: str, operator: OperatorProcess
+) -> None:
+    await apply(cluster, namespace, SPEC)
+    digest = digest_of(SPEC)
+    job = await wait_job(cluster, namespace, digest)
+    await wait_phase(cluster, namespace, "Staging")
+    await operator.kill()
+    # The stager finishes while the operator is down.
+    await finish_stage_job(cluster.client, namespace, digest, message=summary(digest), succeeded=True)
+    await operator.start()
+
+    await wait_phase(cluster, namespace, "RollingOut")
+    assert template_digest(await cluster.client.get(deploy_path(namespace))) == digest
+    await complete_rollout(cluster.client, namespace)
+    await wait_phase(cluster, namespace, "Ready")
+    jobs = await cluster.client.list(job_path(namespace))
+    assert [j["metadata"]["uid"] for j in jobs] == [job["metadata"]["uid"]]
+    workload = await cluster.client.get(deploy_path(namespace))
+    assert workload is not None and workload["metadata"]["generation"] == 2  # one template change
+    if cluster.fake is not None:
+        assert operator_writes(cluster, "POST", job_path(namespace)) == 1
+        assert operator_writes(cluster, "PATCH", deploy_path(namespace)) == 1
+
+
+async def test_operator_killed_mid_rollout_resumes_without_patching_the_workload_again(
+    cluster: Cluster, namespace: str, operator: OperatorProcess
+) -> None:
+    await apply(cluster, namespace, SPEC)
+    digest = digest_of(SPEC)
+    await wait_job(cluster, namespace, digest)
+    await finish_stage_job(cluster.client, namespace, digest, message=summary(digest), succeeded=True)
+    await wait_phase(cluster, namespace, "RollingOut")
+    before = await cluster.client.get(deploy_path(namespace))
+    assert before is not None
+    await operator.kill()
+    await operator.start()
+    # The restarted operator reconciles on resume; the rollout then completes.
+    await eventually(
+        lambda: asyncio.sleep(0, result=any("resum" in str(r.get("message", "")).lower()
+                                             or r.get("action") for r in operator.log_records()[-50:])),
+        what="the resumed reconciliation",
+    )
+    await complete_rollout(cluster.client, namespace)
+    await wait_phase(cluster, namespace, "Ready")
+    after = await cluster.client.get(deploy_path(namespace))
+    assert after is not None
+    assert after["metadata"]["generation"] == before["metadata"]["generation"]
+    assert after["spec"]["template"] == before["spec"]["template"]
+    if cluster.fake is not None:
+        assert operator_writes(cluster, "PATCH", deploy_path(namespace)) == 1
+        assert operator_writes(cluster, "POST", job_path(namespace)) == 1
+
+
+async def test_digest_preserving_edit_stages_nothing(
+    cluster: Cluster, namespace: str, operator: OperatorProcess
+) -> None:
+    await apply(cluster, namespace, SPEC)
+    digest = await staged_and_rolled(cluster, namespace, SPEC)
+    md = await cluster.client.patch(
+        md_path(namespace, MD),
+        {"spec": {"retention": {"keep": 3}, "stager": {"resources": {"limits": {"memory": "4Gi"}}}}},
+    )
+    assert digest_of(md["spec"]) == digest
+
+    async def observed() -> dict[str, Any] | None:
+        status = await status_of(cluster, namespace)
+        return status if status.get("observedGeneration") == md["metadata"]["generation"] else None
+
+    status = await eventually(observed, what="the edit observed")
+    assert status["phase"] == "Ready" and status["artifact"]["digest"] == digest
+    jobs = await cluster.client.list(job_path(namespace))
+    assert [j["metadata"]["name"] for j in jobs] == [stage_job_name(digest)]
+    assert template_digest(await cluster.client.get(deploy_path(namespace))) == digest
+    if cluster.fake is not None:
+        assert operator_writes(cluster, "PATCH", deploy_path(namespace)) == 1
+
+
+async def test_spec_that_can_never_work_fails_permanently_with_an_actionable_reason(
+    cluster: Cluster, namespace: str, operator: OperatorProcess
+) -> None:
+    spec = merged(SPEC, {"serving": {"vllmVersion": "0.1"}})
+    await apply(cluster, namespace, spec)
+    status = await wait_phase(cluster, namespace, "Failed")
+    staged = condition(status, "Staged")
+    assert staged["reason"] == "UnsupportedVllmVersion"
+    assert "vllmVersion" in staged["message"]
+    await asyncio.sleep(1)
+    assert await cluster.client.list(job_path(namespace)) == []
+    assert any(
+        "PermanentError" in str(r.get("exc_info", "")) or "permanently" in str(r.get("message", ""))
+        for r in operator.log_records()
+    )
+
+
+async def test_metrics_count_reconciles_jobs_by_state_and_deployments_by_phase(
+    cluster: Cluster, namespace: str, operator: OperatorProcess
+) -> None:
+    await apply(cluster, namespace, SPEC)
+    digest = digest_of(SPEC)
+    await wait_job(cluster, namespace, digest)
+    await finish_stage_job(cluster.client, namespace, digest, message=summary(digest), succeeded=True)
+    await wait_phase(cluster, namespace, "RollingOut")
+
+    async def scraped() -> str | None:
+        text = await operator.scrape()
+        wanted = (
+            'modelstage_operator_stage_jobs{state="Succeeded"} 1.0',
+            'modelstage_operator_model_deployments{phase="RollingOut"} 1.0',
+            "modelstage_operator_stage_jobs_created_total 1.0",
+            'modelstage_operator_workload_patches_total{action="roll-out"} 1.0',
+        )
+        return text if all(w in text for w in wanted) else None
+
+    text = await eventually(scraped, what="the metrics")
+    ok = [line for line in text.splitlines() if line.startswith('modelstage_operator_reconciles_total{result="ok"}')]
+    assert ok and float(ok[0].split()[-1]) >= 2
+
+
+async def test_deleting_the_model_deployment_garbage_collects_its_job(
+    cluster: Cluster, namespace: str, operator: OperatorProcess
+) -> None:
+    """Real tier only: kmock has no garbage collector."""
+    if not cluster.garbage_collection:
+        pytest.skip("needs the real tier with kube-controller-manager (garbage collection)")
+    await apply(cluster, namespace, SPEC)
+    digest = digest_of(SPEC)
+    await wait_job(cluster, namespace, digest)
+    await cluster.client.delete(md_path(namespace, MD))
+
+    async def collected() -> bool:
+        return await cluster.client.get(job_path(namespace, stage_job_name(digest))) is None
+
+    await eventually(collected, timeout=30, what="the Job garbage-collected")

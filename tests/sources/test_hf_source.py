@@ -179,6 +179,16 @@ def test_a_missing_repository_or_revision_is_one_clear_line(
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("revision", ["../../../escape", "/abs", "main/../../x"])
+def test_a_revision_that_would_leave_the_cache_folder_is_refused_before_any_request(
+    hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, revision: str
+) -> None:
+    monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
+    with pytest.raises(CheckpointError, match="not a branch, tag or commit sha"):
+        stage(hub_request(tmp_path / "out", tmp_path / "cache", revision=revision))
+    assert hub.seen == []
+
+
 def test_cli_sends_the_token_file_only_in_the_authorization_header(
     hub: FakeHub, split_ckpt: Path, tmp_path: Path
 ) -> None:

@@ -23,9 +23,10 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "modelstage"
-TOOLS_BIN = Path(
-    os.environ.get("MODELSTAGE_TOOLS", Path.home() / ".cache" / "modelstage" / "tools")
-) / "bin"
+TOOLS_BIN = (
+    Path(os.environ.get("MODELSTAGE_TOOLS", Path.home() / ".cache" / "modelstage" / "tools"))
+    / "bin"
+)
 VENV_BIN = Path(sys.executable).parent
 RELEASE = "ms"
 RELEASE_NAMESPACE = "modelstage-system"
@@ -68,7 +69,9 @@ def tool(name: str) -> str:
     return found
 
 
-def run(args: Sequence[str], *, check: bool = True, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+def run(
+    args: Sequence[str], *, check: bool = True, **kwargs: Any
+) -> subprocess.CompletedProcess[str]:
     """Runs a tool outside the checkout; on failure the message carries its output."""
     env = {**os.environ, "PYTHONSAFEPATH": "1", "HELM_CACHE_HOME": "/tmp/modelstage-helm-cache"}
     result = subprocess.run(
@@ -102,4 +105,3 @@ def one(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
     found = of_kind(docs, kind)
     assert len(found) == 1, f"expected one {kind}, rendered {len(found)}"
     return found[0]
-

@@ -344,8 +344,11 @@ async def kmock_cluster(crds: list[dict[str, Any]], folder: Path) -> AsyncIterat
     async with new_fake(crds) as fake, kmock.Server(fake) as server:
         url = f"http://127.0.0.1:{server.port}"
         kubeconfig = write_kubeconfig(folder / "kubeconfig", url)
-        async with KubeHTTP(url) as client:
-            yield Cluster("kmock", client, kubeconfig, fake=fake)
+        try:
+            async with KubeHTTP(url) as client:
+                yield Cluster("kmock", client, kubeconfig, fake=fake)
+        finally:
+            await fake.end_watches()
 
 
 @contextlib.contextmanager

@@ -74,12 +74,8 @@ BUILTIN_RESOURCES = (
 )
 
 
-class ApiError(kmock.KubernetesError):
-    pass
-
-
 def _error(status: int, reason: str, message: str) -> kmock.KubernetesError:
-    return kmock.KubernetesError(status=status, reason=reason, message=message, details={})
+    return kmock.KubernetesError(status=status, reason=reason, message=message, details={"causes": []})
 
 
 def apply_merge_patch(target: Any, patch: Any) -> Any:
@@ -144,6 +140,7 @@ class FakeKubeAPI(kmock.KubernetesEmulator):
     _rv: int = attrs.field(default=0, init=False)
     _log: list[tuple[int, kmock.resource, dict[str, Any]]] = attrs.field(factory=list, init=False)
     _changed: asyncio.Condition = attrs.field(factory=asyncio.Condition, init=False)
+    _closing: bool = attrs.field(default=False, init=False)
 
     def register(self, spec: ResourceSpec, *, namespaced: bool = True, schema: Any = None) -> None:
         res = kmock.resource(spec.api_version if "/" in spec.api_version else f"v1/{spec.plural}")
@@ -435,12 +432,12 @@ class FakeKubeAPI(kmock.KubernetesEmulator):
         for event in backlog:
             if wanted(event):
                 yield event
-        while True:
+        while not self._closing:
             remaining = deadline - asyncio.get_running_loop().time()
             if remaining <= 0:
                 return
             async with self._changed:
-                if len(self._log) == seen:
+                if len(self._log) == seen and not self._closing:
                     try:
                         await asyncio.wait_for(self._changed.wait(), timeout=remaining)
                     except asyncio.TimeoutError:
@@ -450,6 +447,12 @@ class FakeKubeAPI(kmock.KubernetesEmulator):
             for _, r, event in fresh:
                 if r == res and wanted(event):
                     yield event
+
+    async def end_watches(self) -> None:
+        """Ends every open watch stream (so that the server stops at once)."""
+        self._closing = True
+        async with self._changed:
+            self._changed.notify_all()
 
     # -- assertions ------------------------------------------------------------------------------
 

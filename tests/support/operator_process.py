@@ -129,10 +129,10 @@ class OperatorProcess:
         self.process.send_signal(signal.SIGKILL)
         await self._reap(10.0)
 
-    async def stop(self) -> None:
+    async def stop(self, graceful: bool = True) -> None:
         if self.process is None or self.process.poll() is not None:
             return
-        self.process.send_signal(signal.SIGTERM)
+        self.process.send_signal(signal.SIGTERM if graceful else signal.SIGKILL)
         try:
             await self._reap(8.0)
         except TimeoutError:

@@ -1,0 +1,183 @@
+"""The loader's verify phase without vLLM: each refusal names the problem and what to do."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from modelstage.stager.errors import ArtifactError, SpecError
+from modelstage.stager.manifest import MANIFEST
+from modelstage.stager.plugin import LOAD_FORMATS
+from modelstage.stager.plugin.checks import LOAD_FORMATS as CHECKED_FORMATS
+from modelstage.stager.plugin.checks import VerifiedArtifact, _part_key, verify_local
+from modelstage.stager.plugin.settings import PluginSettings
+from support.serving import Artifact
+
+RANK0 = "model-rank-0-part-*.safetensors"
+
+
+def verify(
+    directory: Path,
+    *,
+    tp: int = 2,
+    settings: PluginSettings | None = None,
+    load_format: str = "modelstage_sharded_state",
+    vllm_version: str = "0.32.0",
+    rank_glob: str | None = RANK0,
+) -> VerifiedArtifact:
+    return verify_local(
+        directory,
+        load_format=load_format,
+        settings=settings or PluginSettings(),
+        running_tp=tp,
+        vllm_version=vllm_version,
+        rank_glob=rank_glob,
+    )
+
+
+def edit_manifest(directory: Path, **changes: object) -> None:
+    path = directory / MANIFEST
+    doc = json.loads(path.read_text())
+    doc.update(changes)
+    path.write_text(json.dumps(doc))
+
+
+@pytest.fixture
+def artifact(llama_tp2: Artifact, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(llama_tp2.path, tmp_path / "a"))
+
+
+def test_matching_artifact_yields_this_ranks_files_with_headers(llama_tp2: Artifact) -> None:
+    verified = verify(llama_tp2.path, settings=PluginSettings(digest=llama_tp2.digest, tp=2))
+    assert [f.path.name for f in verified.files] == ["model-rank-0-part-0.safetensors"]
+    assert "model.layers.0.self_attn.qkv_proj.weight" in verified.tensor_names
+    assert verified.bytes == (llama_tp2.path / "model-rank-0-part-0.safetensors").stat().st_size
+
+
+def test_digest_mismatch_names_both_digests(llama_tp2: Artifact) -> None:
+    with pytest.raises(ArtifactError) as e:
+        verify(llama_tp2.path, settings=PluginSettings(digest="feedface"))
+    assert str(e.value) == (
+        f"modelstage: refusing to load {llama_tp2.path}: artifact digest is {llama_tp2.digest}, "
+        "expected feedface; the artifact belongs to another spec; re-stage or point at the "
+        "right artifact"
+    )
+
+
+def test_running_tp_other_than_the_staged_one_is_refused(llama_tp2: Artifact) -> None:
+    with pytest.raises(
+        ArtifactError,
+        match=r"staged for tensor parallel size 2, but the workload runs 4; stage it for 4",
+    ):
+        verify(llama_tp2.path, tp=4)
+
+
+def test_tp_from_the_environment_must_match_vllms(llama_tp2: Artifact) -> None:
+    with pytest.raises(ArtifactError, match=r"MODELSTAGE_TP, but vLLM runs 2"):
+        verify(llama_tp2.path, tp=2, settings=PluginSettings(tp=4))
+
+
+def test_layout_of_another_vllm_version_is_refused_with_the_version_to_stage_for(
+    artifact: Path,
+) -> None:
+    edit_manifest(artifact, layoutVersion="vllm-0.31/1", vllmVersion="0.31")
+    with pytest.raises(ArtifactError, match=r"re-stage with --vllm-version 0\.32$"):
+        verify(artifact)
+
+
+def test_unknown_vllm_version_is_refused(llama_tp2: Artifact) -> None:
+    with pytest.raises(ArtifactError, match=r"vLLM version '0.99.1' has no known sharded layout"):
+        verify(llama_tp2.path, vllm_version="0.99.1")
+
+
+def test_format_the_load_format_cannot_read_is_refused(llama_tp2: Artifact) -> None:
+    with pytest.raises(
+        ArtifactError, match=r"cannot be loaded with --load-format modelstage_runai_streamer"
+    ):
+        verify(llama_tp2.path, load_format="modelstage_runai_streamer", rank_glob=None)
+
+
+def test_format_other_than_modelstage_format_is_refused(llama_tp2: Artifact) -> None:
+    settings = PluginSettings(format="runai_streamer_sharded")
+    with pytest.raises(ArtifactError, match=r"MODELSTAGE_FORMAT says 'runai_streamer_sharded'"):
+        verify(llama_tp2.path, settings=settings)
+
+
+def test_missing_manifest_means_incomplete(artifact: Path) -> None:
+    (artifact / MANIFEST).unlink()
+    with pytest.raises(ArtifactError, match=r"no modelstage.json: the artifact is incomplete"):
+        verify(artifact)
+
+
+def test_rank_file_not_in_the_manifest_is_refused_because_vllm_would_load_it(
+    artifact: Path,
+) -> None:
+    shutil.copy(
+        artifact / "model-rank-0-part-0.safetensors", artifact / "model-rank-0-part-1.safetensors"
+    )
+    with pytest.raises(
+        ArtifactError, match=r"model-rank-0-part-1.safetensors match .* not in the manifest"
+    ):
+        verify(artifact)
+
+
+def test_size_mismatch_and_bad_header_are_refused(artifact: Path) -> None:
+    rank_file = artifact / "model-rank-0-part-0.safetensors"
+    with open(rank_file, "r+b") as f:
+        f.write(b"\xff" * 8)  # header length 2**64-1
+    with pytest.raises(ArtifactError, match=r"exceeds the .*-byte limit; re-stage"):
+        verify(artifact)
+    with open(rank_file, "ab") as f:
+        f.write(b"x")
+    with pytest.raises(ArtifactError, match=r"bytes, the manifest says"):
+        verify(artifact)
+
+
+def test_hashing_is_opt_in(artifact: Path) -> None:
+    rank_file = artifact / "model-rank-1-part-0.safetensors"
+    with open(rank_file, "r+b") as f:
+        f.seek(-1, 2)
+        f.write(b"\x01")
+    verify(artifact, tp=2, rank_glob="model-rank-1-part-*.safetensors")
+    with pytest.raises(ArtifactError, match=r"sha256 differs"):
+        verify(artifact, rank_glob="model-rank-1-part-*.safetensors",
+               settings=PluginSettings(verify_hash=True))  # fmt: skip
+
+
+def test_a_tensor_in_two_part_files_is_refused(artifact: Path) -> None:
+    names = [f"model-rank-0-part-{p}.safetensors" for p in (10, 2, 1)]
+    src = artifact / "model-rank-0-part-0.safetensors"
+    doc = json.loads((artifact / MANIFEST).read_text())
+    for name in names:
+        shutil.copy(src, artifact / name)
+        doc["files"][name] = doc["files"][src.name]
+    (artifact / MANIFEST).write_text(json.dumps(doc))
+    with pytest.raises(
+        ArtifactError, match=r"is in both model-rank-0-part-0.safetensors and model-rank-0-part-1"
+    ):
+        verify(artifact)
+
+
+def test_parts_load_in_part_number_order_not_name_order() -> None:
+    names = [f"model-rank-0-part-{p}.safetensors" for p in (10, 2, 1, 0)]
+    ordered = sorted(names, key=_part_key(RANK0))
+    assert ordered == [f"model-rank-0-part-{p}.safetensors" for p in (0, 1, 2, 10)]
+
+
+def test_plugin_and_checks_agree_on_the_load_formats() -> None:
+    assert set(LOAD_FORMATS) == set(CHECKED_FORMATS)
+
+
+def test_settings_parse_strictly() -> None:
+    s = PluginSettings.from_env({"MODELSTAGE_TP": "2", "MODELSTAGE_METRICS_PORT": "9400",
+                                 "MODELSTAGE_VERIFY_HASH": "true", "MODELSTAGE_READ_DEPTH": "8"})  # fmt: skip
+    assert (s.tp, s.metrics_port, s.verify_hash, s.depth) == (2, 9400, True, 8)
+    assert PluginSettings.from_env({}) == PluginSettings()
+    with pytest.raises(SpecError, match=r"MODELSTAGE_TP='two' is not an integer"):
+        PluginSettings.from_env({"MODELSTAGE_TP": "two"})
+    with pytest.raises(SpecError, match=r"MODELSTAGE_METRICS_PORT=70000 must be in \[1, 65535\]"):
+        PluginSettings.from_env({"MODELSTAGE_METRICS_PORT": "70000"})
+    with pytest.raises(SpecError, match=r"MODELSTAGE_VERIFY_HASH='maybe' must be 1 or 0"):
+        PluginSettings.from_env({"MODELSTAGE_VERIFY_HASH": "maybe"})

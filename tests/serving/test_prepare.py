@@ -1,0 +1,183 @@
+"""``modelstage prepare``, the serving pod's initContainer, as the pod runs it (a subprocess).
+
+Contract: on success the last stdout line is one JSON object and the plugin directory holds a
+package that ``importlib.metadata`` finds as a ``vllm.general_plugins`` entry point; on any
+failure the last line is ``error: <reason>``, the exit code 1, and nothing is installed.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import json
+import shutil
+import sys
+from pathlib import Path
+
+from modelstage.stager.manifest import MANIFEST
+from modelstage.stager.prepare import PLUGIN_MODULES, install_plugin
+from support.serving import Artifact, last_line, prepare_cli
+
+ALLOWED_IMPORTS = {"vllm", "torch", "prometheus_client", "pydantic"}
+"""What a stock vLLM image provides; the copied plugin may import nothing else."""
+
+
+def run_prepare(
+    artifact: Path | str, digest: str, tp: int, plugin_dir: Path, *extra: str
+) -> tuple[int, str]:
+    proc = prepare_cli("--artifact", str(artifact), "--digest", digest, "--tp", str(tp),
+                       "--plugin-dir", str(plugin_dir), *extra, cwd=plugin_dir.parent)  # fmt: skip
+    return proc.returncode, last_line(proc)
+
+
+def copy_of(artifact: Artifact, tmp: Path) -> Path:
+    return Path(shutil.copytree(artifact.path, tmp / "artifact"))
+
+
+def test_complete_artifact_is_verified_and_the_plugin_installed_with_its_entry_point(
+    tied_tp1: Artifact, tmp_path: Path
+) -> None:
+    plugin_dir = tmp_path / "plugins"
+    code, line = run_prepare(tied_tp1.path, tied_tp1.digest, 1, plugin_dir)
+    assert code == 0, line
+    summary = json.loads(line)
+    assert summary["digest"] == tied_tp1.digest and summary["tensorParallelSize"] == 1
+    assert summary["format"] == "sharded_state" and summary["hashed"] is False
+    assert summary["pluginDir"] == str(plugin_dir)
+
+    dists = list(importlib.metadata.distributions(path=[str(plugin_dir)]))
+    assert [d.metadata["Name"] for d in dists] == ["modelstage"]
+    eps = [e for e in dists[0].entry_points if e.group == "vllm.general_plugins"]
+    assert [(e.name, e.value) for e in eps] == [("modelstage", "modelstage.stager.plugin:register")]
+    for line_ in (dists[0].read_text("RECORD") or "").splitlines():
+        name = line_.split(",")[0]
+        assert (plugin_dir / name).is_file(), name
+
+
+def test_prepare_twice_replaces_the_plugin_instead_of_failing(
+    tied_tp1: Artifact, tmp_path: Path
+) -> None:
+    plugin_dir = tmp_path / "plugins"
+    assert run_prepare(tied_tp1.path, tied_tp1.digest, 1, plugin_dir)[0] == 0
+    (plugin_dir / "modelstage" / "stager" / "stale.py").write_text("raise SystemExit\n")
+    code, line = run_prepare(tied_tp1.path, tied_tp1.digest, 1, plugin_dir)
+    assert code == 0, line
+    assert not (plugin_dir / "modelstage" / "stager" / "stale.py").exists()
+    assert sorted(p.name for p in plugin_dir.iterdir()) == [
+        "modelstage",
+        "modelstage-0.1.0.dist-info",
+    ]
+
+
+def test_incomplete_artifact_without_manifest_is_refused_and_nothing_installed(
+    tied_tp1: Artifact, tmp_path: Path
+) -> None:
+    artifact = copy_of(tied_tp1, tmp_path)
+    (artifact / MANIFEST).unlink()
+    plugin_dir = tmp_path / "plugins"
+    code, line = run_prepare(artifact, tied_tp1.digest, 1, plugin_dir)
+    assert code == 1
+    assert line == f"error: {artifact}: no {MANIFEST}; the artifact is incomplete"
+    assert not plugin_dir.exists()
+
+
+def test_artifact_with_a_truncated_rank_file_is_refused(tied_tp1: Artifact, tmp_path: Path) -> None:
+    artifact = copy_of(tied_tp1, tmp_path)
+    rank_file = artifact / "model-rank-0-part-0.safetensors"
+    size = rank_file.stat().st_size
+    with open(rank_file, "r+b") as f:
+        f.truncate(size - 4)
+    code, line = run_prepare(artifact, tied_tp1.digest, 1, tmp_path / "plugins")
+    assert code == 1
+    assert line == f"error: {rank_file}: {size - 4} bytes, the manifest says {size}"
+
+
+def test_foreign_artifact_of_another_spec_is_refused_by_digest(
+    tied_tp1: Artifact, tmp_path: Path
+) -> None:
+    expected = "f" * len(tied_tp1.digest)
+    code, line = run_prepare(tied_tp1.path, expected, 1, tmp_path / "plugins")
+    assert code == 1
+    assert line == (
+        f"error: {tied_tp1.path}: artifact digest is {tied_tp1.digest}, expected {expected}; "
+        "the artifact belongs to another spec; re-stage or point at the right artifact"
+    )
+    assert not (tmp_path / "plugins").exists()
+
+
+def test_artifact_staged_for_another_tp_is_refused(llama_tp2: Artifact, tmp_path: Path) -> None:
+    code, line = run_prepare(llama_tp2.path, llama_tp2.digest, 4, tmp_path / "plugins")
+    assert code == 1
+    assert line == (
+        f"error: {llama_tp2.path}: artifact was staged for tensor parallel size 2, but the "
+        "workload runs 4; stage it for 4"
+    )
+
+
+def test_a_directory_that_is_not_an_artifact_is_refused(tmp_path: Path) -> None:
+    foreign = tmp_path / "checkpoint"
+    foreign.mkdir()
+    (foreign / "config.json").write_text("{}")
+    code, line = run_prepare(foreign, "abc", 1, tmp_path / "plugins")
+    assert (code, line) == (1, f"error: {foreign}: no {MANIFEST}; the artifact is incomplete")
+
+
+def test_content_hashing_is_opt_in_and_catches_same_size_corruption(
+    tied_tp1: Artifact, tmp_path: Path
+) -> None:
+    artifact = copy_of(tied_tp1, tmp_path)
+    rank_file = artifact / "model-rank-0-part-0.safetensors"
+    with open(rank_file, "r+b") as f:
+        f.seek(-1, 2)
+        last = f.read(1)
+        f.seek(-1, 2)
+        f.write(bytes([last[0] ^ 0xFF]))
+    assert run_prepare(artifact, tied_tp1.digest, 1, tmp_path / "p1")[0] == 0
+    code, line = run_prepare(artifact, tied_tp1.digest, 1, tmp_path / "p2", "--hash")
+    assert (code, line) == (
+        1, f"error: {rank_file}: sha256 differs from the manifest; the file is corrupt"
+    )  # fmt: skip
+
+
+def test_other_uri_schemes_are_refused_with_what_prepare_reads(tmp_path: Path) -> None:
+    code, line = run_prepare("gs://bucket/x", "abc", 1, tmp_path / "plugins")
+    assert code == 1 and line.startswith("error: gs://bucket/x: prepare reads local paths")
+    assert line.endswith("not gs://")
+
+
+def test_copied_plugin_imports_only_copied_modules_and_what_vllm_images_have(
+    tmp_path: Path,
+) -> None:
+    """The plugin must work where only the copied files exist: every relative import resolves
+    to a copied module, every absolute one is the standard library or a vLLM dependency."""
+    install_plugin(tmp_path)
+    package = tmp_path / "modelstage" / "stager"
+    copied = {p.relative_to(package).with_suffix("").as_posix() for p in package.rglob("*.py")}
+    assert {m.removesuffix(".py") for m in PLUGIN_MODULES if m.endswith(".py")} <= copied
+    for path in package.rglob("*.py"):
+        here = path.parent.relative_to(package).as_posix()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = Path(here)
+                for _ in range(node.level - 1):
+                    base = base.parent
+                target = (base / (node.module or "").replace(".", "/")).as_posix().lstrip("./")
+                names = (
+                    [target]
+                    if node.module
+                    else [f"{target}/{a.name}".lstrip("/") for a in node.names]
+                )
+                for name in names:
+                    assert name in copied or f"{name}/__init__" in copied, (path.name, name)
+            elif isinstance(node, ast.ImportFrom | ast.Import):
+                modules = (
+                    [node.module]
+                    if isinstance(node, ast.ImportFrom)
+                    else [a.name for a in node.names]
+                )
+                for module in modules:
+                    top = (module or "").split(".")[0]
+                    assert top in sys.stdlib_module_names or top in ALLOWED_IMPORTS, (
+                        path.name,
+                        module,
+                    )

@@ -1,0 +1,88 @@
+"""The pipelined reader on CPU: every byte lands in its tensor, through a few reused buffers."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from modelstage.stager.errors import ArtifactError
+from modelstage.stager.plugin.reader import (
+    SPARE_BUFFERS,
+    TORCH_DTYPES,
+    PipelinedReader,
+    Target,
+    chunks,
+    flat_bytes,
+    staging_for,
+)
+from modelstage.stager.safetensors_format import SafetensorsHeader, TensorInfo, read_local_header
+from safetensors.torch import load_file
+from support.serving import Artifact
+
+CPU = torch.device("cpu")
+
+
+def rank_files(artifact: Artifact, rank: int) -> list[tuple[Path, SafetensorsHeader]]:
+    paths = sorted(artifact.path.glob(f"model-rank-{rank}-part-*.safetensors"))
+    return [(p, read_local_header(p)) for p in paths]
+
+
+def empty_like(info: TensorInfo, dtype: torch.dtype | None = None) -> torch.Tensor:
+    return torch.full(info.shape, float("nan"), dtype=dtype or TORCH_DTYPES[info.dtype])
+
+
+@pytest.mark.parametrize(("chunk_bytes", "depth"), [(4099, 3), (1 << 20, 1), (1 << 26, 4)])
+def test_every_tensor_equals_safetensors_own_load(
+    llama_tp2: Artifact, chunk_bytes: int, depth: int
+) -> None:
+    files = rank_files(llama_tp2, 1)
+    dest = {n: empty_like(t) for _, h in files for n, t in h.tensors.items()}
+    reader = PipelinedReader(chunk_bytes=chunk_bytes, depth=depth, device=CPU)
+    stats = reader.read(files, lambda info: Target(flat_bytes(dest[info.name])))
+    want = load_file(files[0][0])
+    assert sorted(dest) == sorted(want)
+    for name, tensor in want.items():
+        assert torch.equal(dest[name], tensor), name
+    assert stats.bytes == sum(t.nbytes for _, h in files for t in h.tensors.values())
+    assert stats.read_seconds > 0 and stats.copy_seconds > 0
+    assert len(reader.buffers) == depth + SPARE_BUFFERS  # memory bounded by the pool
+    assert all(b.numel() == chunk_bytes for b in reader.buffers)
+
+
+def test_parameters_of_another_dtype_are_filled_through_staging_with_copy_semantics(
+    llama_tp2: Artifact,
+) -> None:
+    files = rank_files(llama_tp2, 0)
+    dest = {n: empty_like(t, torch.float64) for _, h in files for n, t in h.tensors.items()}
+    reader = PipelinedReader(chunk_bytes=8191, depth=2, device=CPU)
+    reader.read(files, lambda info: staging_for(info, dest[info.name]))
+    for name, tensor in load_file(files[0][0]).items():
+        assert torch.equal(dest[name], tensor.to(torch.float64)), name
+
+
+def test_chunks_cover_each_tensor_exactly_once_and_respect_the_size(llama_tp2: Artifact) -> None:
+    files = rank_files(llama_tp2, 0)
+    covered: dict[str, int] = {}
+    for chunk in chunks(files, 1000, [0] * len(files)):
+        assert 0 < chunk.end - chunk.begin <= 1000
+        for t in chunk.tensors:
+            covered[t.name] = (
+                covered.get(t.name, 0) + min(t.end, chunk.end) - max(t.begin, chunk.begin)
+            )
+    header = files[0][1]
+    assert covered == {n: t.nbytes for n, t in header.tensors.items() if t.nbytes}
+
+
+def test_a_file_truncated_after_verification_fails_with_the_file_named(
+    llama_tp2: Artifact, tmp_path: Path
+) -> None:
+    path = Path(shutil.copy(llama_tp2.path / "model-rank-0-part-0.safetensors", tmp_path))
+    header = read_local_header(path)
+    with open(path, "r+b") as f:
+        f.truncate(header.file_size - 100)
+    dest = {n: empty_like(t) for n, t in header.tensors.items()}
+    reader = PipelinedReader(chunk_bytes=1 << 16, depth=2, device=CPU)
+    with pytest.raises(ArtifactError, match="the file changed after it was verified"):
+        reader.read([(path, header)], lambda info: Target(flat_bytes(dest[info.name])))

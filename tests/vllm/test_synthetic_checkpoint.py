@@ -1,0 +1,157 @@
+"""The generated checkpoints look exactly like hub checkpoints to transformers and safetensors.
+
+Not marked ``vllm`` (no vLLM start, a few seconds): they guard the inputs of the oracle tier
+and of the stager tests, so a generator bug cannot pass as a stager bug or hide one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from modelstage.stager.synthetic import (
+    ARCHITECTURES,
+    SyntheticModel,
+    _encode,
+    llama_demo,
+    write_checkpoint,
+)
+from safetensors import safe_open
+
+
+def _load(ckpt: Path) -> dict[str, tuple[str, list[int], str]]:
+    """name -> (file, shape, dtype) over every safetensors file of the checkpoint."""
+    found: dict[str, tuple[str, list[int], str]] = {}
+    for path in sorted(ckpt.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
+                tensor = f.get_slice(key)
+                assert key not in found, f"{key} in two files"
+                found[key] = (path.name, list(tensor.get_shape()), tensor.get_dtype())
+    return found
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_config_json_is_accepted_by_transformers(architecture: str, tmp_path: Path) -> None:
+    from transformers import AutoConfig
+
+    spec = SyntheticModel(
+        architecture=architecture,  # type: ignore[arg-type]
+        head_dim=64 if architecture == "Qwen3ForCausalLM" else None,
+        tie_word_embeddings=True,
+        dtype="bfloat16",
+    )
+    config = AutoConfig.from_pretrained(write_checkpoint(spec, tmp_path))
+    assert config.architectures == [architecture]
+    assert config.num_key_value_heads == spec.num_kv_heads
+    assert config.vocab_size == spec.vocab_size
+    assert config.tie_word_embeddings is True
+    if architecture == "Qwen3ForCausalLM":
+        assert config.head_dim == 64
+
+
+def test_weights_carry_exactly_the_hugging_face_names_and_shapes(tmp_path: Path) -> None:
+    qwen2 = _load(write_checkpoint(SyntheticModel(architecture="Qwen2ForCausalLM"), tmp_path / "q2"))
+    assert qwen2["model.layers.1.self_attn.k_proj.bias"][1] == [2 * 32]
+    assert qwen2["lm_head.weight"][1] == [1000, 256]
+    assert not any("norm" in k and "self_attn" in k for k in qwen2)
+
+    qwen3 = _load(
+        write_checkpoint(
+            SyntheticModel(architecture="Qwen3ForCausalLM", head_dim=64, tie_word_embeddings=True),
+            tmp_path / "q3",
+        )
+    )
+    assert qwen3["model.layers.0.self_attn.q_proj.weight"][1] == [8 * 64, 256]
+    assert qwen3["model.layers.0.self_attn.o_proj.weight"][1] == [256, 8 * 64]
+    assert qwen3["model.layers.0.self_attn.k_norm.weight"][1] == [64]
+    assert "lm_head.weight" not in qwen3
+    assert not any(k.endswith(".bias") for k in qwen3)
+    assert set(qwen3) == {name for name, _ in SyntheticModel(
+        architecture="Qwen3ForCausalLM", head_dim=64, tie_word_embeddings=True).tensors()}  # fmt: skip
+
+
+def test_split_fused_puts_q_k_v_and_gate_up_in_different_files(tmp_path: Path) -> None:
+    ckpt = write_checkpoint(SyntheticModel(num_shards=3, split_fused=True), tmp_path)
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
+    tensors = _load(ckpt)
+    assert index["weight_map"] == {name: where[0] for name, where in tensors.items()}
+    total = sum(int(np.prod(shape)) * 4 for _, shape, _ in tensors.values())
+    assert index["metadata"]["total_size"] == total
+    for layer in range(2):
+        files = {index["weight_map"][f"model.layers.{layer}.self_attn.{p}_proj.weight"]
+                 for p in "qkv"}  # fmt: skip
+        assert len(files) == 3
+        gate, up = (index["weight_map"][f"model.layers.{layer}.mlp.{p}_proj.weight"]
+                    for p in ("gate", "up"))  # fmt: skip
+        assert gate != up
+
+
+def test_one_shard_is_a_single_model_safetensors_without_index(tmp_path: Path) -> None:
+    ckpt = write_checkpoint(SyntheticModel(num_shards=1), tmp_path)
+    assert sorted(p.name for p in ckpt.glob("*.safetensors")) == ["model.safetensors"]
+    assert not (ckpt / "model.safetensors.index.json").exists()
+
+
+def test_same_spec_writes_identical_bytes_and_the_seed_changes_them(tmp_path: Path) -> None:
+    def digest(ckpt: Path) -> str:
+        h = hashlib.sha256()
+        for path in sorted(ckpt.iterdir()):
+            h.update(path.name.encode() + path.read_bytes())
+        return h.hexdigest()
+
+    spec = SyntheticModel(num_shards=2, dtype="bfloat16")
+    first = digest(write_checkpoint(spec, tmp_path / "a"))
+    assert digest(write_checkpoint(spec, tmp_path / "b")) == first
+    assert digest(write_checkpoint(SyntheticModel(num_shards=2, dtype="bfloat16", seed=1),
+                                   tmp_path / "c")) != first  # fmt: skip
+
+
+def test_weights_are_scaled_for_informative_logits(tmp_path: Path) -> None:
+    from safetensors.numpy import load_file
+
+    weights = load_file(str(write_checkpoint(SyntheticModel(), tmp_path) / "model.safetensors"))
+    q = weights["model.layers.0.self_attn.q_proj.weight"]
+    assert abs(float(q.std()) - 1 / 16) < 0.005  # 1/sqrt(hidden 256)
+    norm = weights["model.norm.weight"]
+    assert abs(float(norm.mean()) - 1.0) < 0.05 and float(norm.std()) > 0
+
+
+def test_bfloat16_rounds_like_torch() -> None:
+    import torch
+
+    values = np.random.default_rng(0).standard_normal(100_000, dtype=np.float32)
+    values[:4] = [0.0, -0.0, 1e-40, 3.0e38]  # zero, negative zero, subnormal, near max
+    ours = np.frombuffer(_encode(values, "bfloat16"), dtype="<u2")
+    theirs = torch.from_numpy(values).to(torch.bfloat16).view(torch.int16).numpy().view("<u2")
+    assert np.array_equal(ours, theirs)
+
+
+def test_tokenizer_has_exactly_the_model_vocab(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer
+
+    ckpt = write_checkpoint(SyntheticModel(vocab_size=777), tmp_path)
+    tokenizer = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
+    assert tokenizer.get_vocab_size() == 777
+    assert tokenizer.encode("w5 w776 nope").ids == [5, 776, 0]
+    assert json.loads((ckpt / "generation_config.json").read_text())["eos_token_id"] == 2
+
+
+def test_demo_model_is_the_llama_shape_of_the_design() -> None:
+    demo = llama_demo()
+    assert (demo.architecture, demo.hidden_size, demo.intermediate_size, demo.num_layers) == (
+        "LlamaForCausalLM", 256, 512, 2)  # fmt: skip
+    assert (demo.num_heads, demo.num_kv_heads, demo.vocab_size, demo.dtype) == (
+        8, 2, 1000, "float32")  # fmt: skip
+
+
+def test_impossible_specs_are_refused() -> None:
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        SyntheticModel(num_heads=8, num_kv_heads=3)
+    with pytest.raises(ValueError, match="split_fused"):
+        SyntheticModel(split_fused=True)
+    with pytest.raises(ValueError, match="architecture"):
+        SyntheticModel(architecture="GPT2LMHeadModel")  # type: ignore[arg-type]
