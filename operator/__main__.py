@@ -8,7 +8,6 @@ variables (``settings.OperatorConfig``). Logs are JSON lines by default (``--log
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Sequence
 
 import kopf
@@ -44,4 +43,4 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -20,7 +20,8 @@ Run with ``python -m modelstage.operator`` (or ``kopf run -m modelstage.operator
 from __future__ import annotations
 
 import logging
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple, cast
 
 import kopf
 
@@ -55,11 +56,11 @@ class Ref(NamedTuple):
 
 
 def _post_event(obj: Manifest, type_: str, reason: str, message: str) -> None:
-    kopf.event(obj, type=type_, reason=reason, message=message[:1024])
+    kopf.event(cast(kopf.Body, obj), type=type_, reason=reason, message=message[:1024])
 
 
 @kopf.on.startup()
-def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: Logger, **_: Any) -> None:
+def startup(settings: kopf.OperatorSettings, memo: Any, logger: Logger, **_: Any) -> None:
     """All operator settings in one place (STYLE.md), then the metrics endpoint and the
     client the handlers share."""
     config = OperatorConfig.from_env()
@@ -76,20 +77,23 @@ def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: Logger, **
 
 @kopf.index(*MD)
 def modeldeployment_refs(
-    namespace: str, name: str, spec: kopf.Spec, status: kopf.Status, **_: Any
-) -> dict[str, Ref]:
+    namespace: str | None, name: str, spec: kopf.Spec, status: kopf.Status, **_: Any
+) -> dict[str | None, Ref]:
     digest: str | None
     target: tuple[str, str] | None
     try:
         parsed = ModelDeploymentSpec.model_validate(dict(spec))
-        digest, target = spec_digest(parsed), (parsed.serving.target_ref.kind, parsed.serving.target_ref.name)
+        digest, target = (
+            spec_digest(parsed),
+            (parsed.serving.target_ref.kind, parsed.serving.target_ref.name),
+        )
     except Exception:  # an invalid spec routes nothing; its own handlers report it
         digest, target = None, None
     artifact = (status.get("artifact") or {}).get("digest")
     return {namespace: Ref(name, digest, artifact, target)}
 
 
-def _reconcile(memo: kopf.Memo, namespace: str, name: str, logger: Logger) -> Outcome | None:
+def _reconcile(memo: Any, namespace: str, name: str, logger: Logger) -> Outcome | None:
     reconciler: Reconciler = memo.reconciler
     return reconciler.reconcile(namespace, name, logger)
 
@@ -98,13 +102,16 @@ def _reconcile(memo: kopf.Memo, namespace: str, name: str, logger: Logger) -> Ou
 @kopf.on.create(*MD)
 @kopf.on.update(*MD, field="spec")
 def modeldeployment_changed(
-    namespace: str, name: str, memo: kopf.Memo, retry: int, logger: Logger, **_: Any
+    namespace: str | None, name: str, memo: Any, retry: int, logger: Logger, **_: Any
 ) -> None:
+    assert namespace is not None  # a namespaced resource
     config: OperatorConfig = memo.config
     try:
         outcome = _reconcile(memo, namespace, name, logger)
     except Conflict as error:
-        raise kopf.TemporaryError(f"the object kept changing: {error}", delay=config.conflict_delay) from error
+        raise kopf.TemporaryError(
+            f"the object kept changing: {error}", delay=config.conflict_delay
+        ) from error
     if outcome is None:
         return
     if outcome.invalid is not None:
@@ -120,8 +127,9 @@ def modeldeployment_changed(
 
 @kopf.timer(*MD, interval=CONFIG.resync_interval, initial_delay=CONFIG.resync_interval, idle=None)
 def modeldeployment_resync(
-    namespace: str, name: str, memo: kopf.Memo, logger: Logger, **_: Any
+    namespace: str | None, name: str, memo: Any, logger: Logger, **_: Any
 ) -> None:
+    assert namespace is not None
     try:
         _reconcile(memo, namespace, name, logger)
     except Conflict as error:
@@ -130,8 +138,9 @@ def modeldeployment_resync(
 
 @kopf.on.event(*MD)
 def modeldeployment_phase(
-    type: str | None, namespace: str, name: str, status: kopf.Status, **_: Any
+    type: str, namespace: str | None, name: str, status: kopf.Status, **_: Any
 ) -> None:
+    assert namespace is not None
     if type == "DELETED":
         metrics.DEPLOYMENTS.forget(namespace, name)
     else:
@@ -139,14 +148,16 @@ def modeldeployment_phase(
 
 
 def _reconcile_matching(
-    memo: kopf.Memo,
-    refs: kopf.Index[str, Ref],
-    namespace: str,
+    memo: Any,
+    kwargs: dict[str, Any],
+    namespace: str | None,
     logger: Logger,
-    match: Any,
+    match: Callable[[Ref], bool],
 ) -> None:
     """Reconciles each ModelDeployment of ``namespace`` for which ``match(ref)`` holds; a write
     conflict is left to the next event or the timer (event handlers are not retried)."""
+    refs: kopf.Index[str | None, Ref] = kwargs["modeldeployment_refs"]
+    assert namespace is not None
     for ref in list(refs.get(namespace, [])):
         if not match(ref):
             continue
@@ -158,54 +169,44 @@ def _reconcile_matching(
 
 @kopf.on.event("batch", "v1", "jobs", labels=STAGER)
 def stage_job_event(
-    type: str | None,
+    type: str,
     body: kopf.Body,
-    namespace: str,
+    namespace: str | None,
     name: str,
     labels: kopf.Labels,
-    memo: kopf.Memo,
-    modeldeployment_refs: kopf.Index[str, Ref],
+    memo: Any,
     logger: Logger,
-    **_: Any,
+    **kwargs: Any,
 ) -> None:
+    assert namespace is not None
     if type == "DELETED":
         metrics.JOBS.forget(namespace, name)
     else:
         metrics.JOBS.set(namespace, name, observe_job(dict(body)).state)
     digest = labels.get(LABEL_DIGEST)
-    _reconcile_matching(memo, modeldeployment_refs, namespace, logger, lambda r: r.digest == digest)
+    _reconcile_matching(memo, kwargs, namespace, logger, lambda r: r.digest == digest)
 
 
 @kopf.on.event("v1", "pods", labels=STAGER)
 def stager_pod_event(
-    type: str | None,
-    namespace: str,
+    type: str,
+    namespace: str | None,
     labels: kopf.Labels,
     status: kopf.Status,
-    memo: kopf.Memo,
-    modeldeployment_refs: kopf.Index[str, Ref],
+    memo: Any,
     logger: Logger,
-    **_: Any,
+    **kwargs: Any,
 ) -> None:
     """A stager pod's termination message can land after its Job's condition."""
     if type == "DELETED" or status.get("phase") not in ("Succeeded", "Failed"):
         return
     digest = labels.get(LABEL_DIGEST)
-    _reconcile_matching(memo, modeldeployment_refs, namespace, logger, lambda r: r.digest == digest)
+    _reconcile_matching(memo, kwargs, namespace, logger, lambda r: r.digest == digest)
 
 
 def _targets(kind: str) -> Any:
-    def handler(
-        namespace: str,
-        name: str,
-        memo: kopf.Memo,
-        modeldeployment_refs: kopf.Index[str, Ref],
-        logger: Logger,
-        **_: Any,
-    ) -> None:
-        _reconcile_matching(
-            memo, modeldeployment_refs, namespace, logger, lambda r: r.target == (kind, name)
-        )
+    def handler(namespace: str | None, name: str, memo: Any, logger: Logger, **kwargs: Any) -> None:
+        _reconcile_matching(memo, kwargs, namespace, logger, lambda r: r.target == (kind, name))
 
     handler.__name__ = f"{kind.lower()}_event"
     return handler
@@ -221,19 +222,16 @@ statefulset_event = kopf.on.event("apps", "v1", "statefulsets", id="statefulset_
 
 @kopf.on.event("v1", "pods", annotations={DIGEST_ANNOTATION: kopf.PRESENT})
 def serving_pod_event(
-    type: str | None,
+    type: str,
     body: kopf.Body,
-    namespace: str,
+    namespace: str | None,
     annotations: kopf.Annotations,
-    memo: kopf.Memo,
-    modeldeployment_refs: kopf.Index[str, Ref],
+    memo: Any,
     logger: Logger,
-    **_: Any,
+    **kwargs: Any,
 ) -> None:
     """Only failing pods matter here: progress shows in the workload's own status."""
     digest = annotations.get(DIGEST_ANNOTATION)
     if type == "DELETED" or not pod_failures([dict(body)], digest):
         return
-    _reconcile_matching(
-        memo, modeldeployment_refs, namespace, logger, lambda r: digest in (r.artifact, r.digest)
-    )
+    _reconcile_matching(memo, kwargs, namespace, logger, lambda r: digest in (r.artifact, r.digest))

@@ -67,9 +67,9 @@ class KubeClient:
         """In-cluster credentials when running in a pod, else the kubeconfig (``KUBECONFIG``)."""
         configuration = k8s.Configuration()
         try:
-            k8s_config.load_incluster_config(client_configuration=configuration)
+            k8s_config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
         except k8s_config.ConfigException:
-            k8s_config.load_kube_config(client_configuration=configuration)
+            k8s_config.load_kube_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
         return cls(k8s.ApiClient(configuration), timeout)
 
     def _call(
@@ -90,9 +90,11 @@ class KubeClient:
         response = self.api.call_api(
             method, url, header_params=headers, body=body, _request_timeout=self.timeout
         )
-        response.read()
+        response.read()  # type: ignore[no-untyped-call]
         if not 200 <= response.status < 300:
-            raise ApiException(status=response.status, reason=_message(response.data) or response.reason)
+            raise ApiException(
+                status=response.status, reason=_message(response.data) or response.reason
+            )
         data: Manifest = json.loads(response.data or b"{}")
         return data
 

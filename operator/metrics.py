@@ -69,9 +69,7 @@ class _StateGauge(Collector):
         yield family
 
 
-JOBS = _StateGauge(
-    "modelstage_operator_stage_jobs", "Stager Jobs by state.", "state", JOB_STATES
-)
+JOBS = _StateGauge("modelstage_operator_stage_jobs", "Stager Jobs by state.", "state", JOB_STATES)
 DEPLOYMENTS = _StateGauge(
     "modelstage_operator_model_deployments", "ModelDeployments by phase.", "phase", PHASES
 )

@@ -25,7 +25,7 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from modelstage.stager.errors import SpecError
@@ -35,7 +35,7 @@ from . import metrics
 from .api import API_VERSION, PLURAL, ModelDeploymentSpec, ModelDeploymentStatus, TargetRef
 from .artifact import Artifact, artifact_for, artifact_from_status
 from .claim_plan import plan_claim
-from .job_plan import stage_job_name, plan_stage_job
+from .job_plan import plan_stage_job, stage_job_name
 from .kube import LABEL_DIGEST, Manifest, Owner
 from .kube_client import Conflict, KubeClient, resource_path
 from .patch import merge_diff
@@ -93,16 +93,14 @@ class Outcome:
 
 def _now() -> datetime:
     """Whole seconds: the status round-trips through the API server unchanged."""
-    return datetime.now(timezone.utc).replace(microsecond=0)
+    return datetime.now(UTC).replace(microsecond=0)
 
 
 class Reconciler:
     """Reconciles ModelDeployments; one at a time per object (a lock per name), any number
     of objects in parallel (kopf's worker threads)."""
 
-    def __init__(
-        self, kube: KubeClient, *, stager_image: str, post_event: EventFn
-    ) -> None:
+    def __init__(self, kube: KubeClient, *, stager_image: str, post_event: EventFn) -> None:
         self.kube = kube
         self.stager_image = stager_image
         self.post_event = post_event
@@ -113,7 +111,9 @@ class Reconciler:
         with self._locks_guard:
             return self._locks.setdefault((namespace, name), threading.Lock())
 
-    def reconcile(self, namespace: str, name: str, logger: logging.Logger | logging.LoggerAdapter[Any]) -> Outcome | None:
+    def reconcile(
+        self, namespace: str, name: str, logger: logging.Logger | logging.LoggerAdapter[Any]
+    ) -> Outcome | None:
         """Reads, decides, writes; re-reads and re-decides when a write meets a newer object.
         None when the ModelDeployment is gone. ``Conflict`` when it kept changing."""
         with self._lock(namespace, name):
@@ -131,7 +131,9 @@ class Reconciler:
                 return outcome
         raise AssertionError("unreachable")
 
-    def _once(self, namespace: str, name: str, logger: logging.Logger | logging.LoggerAdapter[Any]) -> Outcome | None:
+    def _once(
+        self, namespace: str, name: str, logger: logging.Logger | logging.LoggerAdapter[Any]
+    ) -> Outcome | None:
         body = self.kube.get(md_path(namespace, name))
         if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
             return None
@@ -165,7 +167,9 @@ class Reconciler:
             claim = None
             if spec.storage.pvc is not None and desired is not None and desired.location.claim_name:
                 claim = self.kube.get(
-                    resource_path("v1", "persistentvolumeclaims", namespace, desired.location.claim_name)
+                    resource_path(
+                        "v1", "persistentvolumeclaims", namespace, desired.location.claim_name
+                    )
                 )
             findings += validate_workload(
                 spec, workload, namespace=namespace, deployment_name=name, claim=claim
@@ -267,7 +271,9 @@ class Reconciler:
             path = resource_path("v1", "persistentvolumeclaims", owner.namespace)
             if self.kube.create(path, claim) is not None:
                 logger.info("created PersistentVolumeClaim %s", claim["metadata"]["name"])
-        job = plan_stage_job(spec, owner=owner, digest=desired.digest, default_image=self.stager_image)
+        job = plan_stage_job(
+            spec, owner=owner, digest=desired.digest, default_image=self.stager_image
+        )
         created = self.kube.create(resource_path("batch/v1", "jobs", owner.namespace), job)
         name = job["metadata"]["name"]
         if created is None:
@@ -298,7 +304,9 @@ class Reconciler:
                 body,
                 "Warning" if warning else "Normal",
                 cond.reason,
-                f"{cond.type}={cond.status}: {cond.message}" if cond.message else f"{cond.type}={cond.status}",
+                f"{cond.type}={cond.status}: {cond.message}"
+                if cond.message
+                else f"{cond.type}={cond.status}",
             )
         if old.phase != new.phase or old.observed_generation is None:
             self.post_event(

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from enum import Enum
 from typing import Any, Literal
 
@@ -187,7 +187,10 @@ def pod_failures(pods: Sequence[Manifest], digest: str | None) -> tuple[str, ...
             continue
         name = meta.get("name", "?")
         status = pod.get("status") or {}
-        for cs in [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]:
+        for cs in [
+            *(status.get("initContainerStatuses") or []),
+            *(status.get("containerStatuses") or []),
+        ]:
             waiting = (cs.get("state") or {}).get("waiting") or {}
             reason = waiting.get("reason")
             if reason not in WAITING_FAILURES:
@@ -217,7 +220,7 @@ def parse_summary(message: str) -> Mapping[str, Any] | None:
 def _time(value: Any) -> datetime | None:
     if not isinstance(value, str):
         return None
-    return datetime.fromisoformat(value.replace("Z", "+00:00")).astimezone(timezone.utc)
+    return datetime.fromisoformat(value.replace("Z", "+00:00")).astimezone(UTC)
 
 
 def _artifact_status(

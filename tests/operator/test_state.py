@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from datetime import datetime, timedelta, timezone, UTC
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +13,7 @@ import pytest
 import yaml
 from modelstage.operator.api import ArtifactStatus, ModelDeploymentSpec, ModelDeploymentStatus
 from modelstage.operator.artifact import Artifact, artifact_for
+from modelstage.operator.kube import DIGEST_ANNOTATION
 from modelstage.operator.state import (
     Action,
     Decision,
@@ -23,6 +24,8 @@ from modelstage.operator.state import (
     observe_job,
     observe_workload,
     parse_summary,
+    pod_failures,
+    termination_message,
 )
 from modelstage.operator.validation import Finding
 
@@ -382,3 +385,48 @@ def test_parse_summary_takes_the_json_last_line(
     message: str, expected: dict[str, Any] | None
 ) -> None:
     assert parse_summary(message) == expected
+
+
+def _pod(
+    name: str, digest: str | None, statuses: list[dict[str, Any]], phase: str = "Running"
+) -> dict[str, Any]:
+    annotations = {DIGEST_ANNOTATION: digest} if digest else {}
+    return {
+        "metadata": {"name": name, "annotations": annotations},
+        "status": {"phase": phase, "containerStatuses": statuses},
+    }
+
+
+def test_pod_failures_names_crash_looping_containers_of_the_digest_only() -> None:
+    crash = {
+        "name": "vllm",
+        "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+        "lastState": {
+            "terminated": {"exitCode": 1, "message": "boot\nRuntimeError: out of memory"}
+        },
+    }
+    running = {"name": "vllm", "state": {"running": {}}}
+    pods = [_pod("new", "d2", [crash]), _pod("old", "d1", [crash]), _pod("ok", "d2", [running])]
+    assert pod_failures(pods, "d2") == (
+        "pod new, container vllm: CrashLoopBackOff: RuntimeError: out of memory",
+    )
+    assert pod_failures(pods, None) == ()
+
+
+def test_termination_message_prefers_the_summary_on_success_and_the_error_on_failure() -> None:
+    def term(code: int, message: str, at: str) -> dict[str, Any]:
+        return {
+            "name": "stager",
+            "state": {"terminated": {"exitCode": code, "message": message, "finishedAt": at}},
+        }
+
+    summary = '{"digest": "d1", "source": "sha:1"}'
+    pods = [
+        _pod("a", None, [term(1, "first failure", "2030-01-01T00:00:01Z")]),
+        _pod("b", None, [term(1, "last failure", "2030-01-01T00:00:03Z")]),
+        _pod("c", None, [term(0, summary, "2030-01-01T00:00:02Z")]),
+        _pod("d", None, [term(0, "done", "2030-01-01T00:00:04Z")]),
+    ]
+    assert termination_message(pods, success=True) == summary
+    assert termination_message(pods, success=False) == "last failure"
+    assert termination_message([], success=False) == ""

@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 import pytest_asyncio
 import yaml
-
 from support.kube_cluster import (
     Cluster,
     ControlPlane,
@@ -24,7 +23,9 @@ from support.kube_cluster import (
 from support.operator_process import OperatorProcess
 
 ROOT = Path(__file__).resolve().parents[2]
-CRD: dict[str, Any] = yaml.safe_load((ROOT / "crds" / "modelstage.io_modeldeployments.yaml").read_text())
+CRD: dict[str, Any] = yaml.safe_load(
+    (ROOT / "crds" / "modelstage.io_modeldeployments.yaml").read_text()
+)
 
 
 @pytest.fixture(scope="session")
@@ -38,7 +39,9 @@ def real_control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Con
 
 
 @pytest_asyncio.fixture
-async def cluster(real_control_plane: ControlPlane | None, tmp_path: Path) -> AsyncIterator[Cluster]:
+async def cluster(
+    real_control_plane: ControlPlane | None, tmp_path: Path
+) -> AsyncIterator[Cluster]:
     if real_control_plane is None:
         async with kmock_cluster([CRD], tmp_path) as fake_cluster:
             yield fake_cluster
@@ -64,7 +67,9 @@ async def namespace(cluster: Cluster) -> str:
 
 
 @pytest_asyncio.fixture
-async def operator(cluster: Cluster, namespace: str, tmp_path: Path) -> AsyncIterator[OperatorProcess]:
+async def operator(
+    cluster: Cluster, namespace: str, tmp_path: Path
+) -> AsyncIterator[OperatorProcess]:
     process = OperatorProcess(cluster.kubeconfig, namespace, tmp_path)
     await process.start()
     try:

@@ -19,13 +19,12 @@ check the objects' uid and generation instead.
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import pytest
-
 from modelstage.operator.job_plan import stage_job_name
-from modelstage.operator.kube import DIGEST_ANNOTATION
-from support.kube_cluster import TEST_AGENT, Cluster, eventually
+from support.kube_cluster import Cluster, eventually
 from support.modelstage_objects import (
     SPEC,
     complete_rollout,
@@ -55,7 +54,9 @@ async def status_of(cluster: Cluster, ns: str, name: str = MD) -> dict[str, Any]
     return status
 
 
-async def wait_phase(cluster: Cluster, ns: str, phase: str, timeout: float = 20.0) -> dict[str, Any]:
+async def wait_phase(
+    cluster: Cluster, ns: str, phase: str, timeout: float = 20.0
+) -> dict[str, Any]:
     async def probe() -> dict[str, Any] | None:
         status = await status_of(cluster, ns)
         return status if status.get("phase") == phase else None
@@ -85,12 +86,34 @@ async def wait_job(cluster: Cluster, ns: str, digest: str) -> dict[str, Any]:
     return await eventually(probe, what=f"Job of {digest}")
 
 
+async def wait_rolled(cluster: Cluster, ns: str, digest: str) -> dict[str, Any]:
+    """The workload's template on ``digest`` (the status is written before the patch)."""
+
+    async def probe() -> dict[str, Any] | None:
+        workload = await cluster.client.get(deploy_path(ns))
+        return workload if template_digest(workload) == digest else None
+
+    return await eventually(probe, what=f"the workload on {digest}")
+
+
+async def wait_event(
+    cluster: Cluster, ns: str, reason: str, type_: str = "Normal"
+) -> dict[str, Any]:
+    """kopf posts Events asynchronously, after the status write."""
+
+    async def probe() -> dict[str, Any] | None:
+        events = await events_for(cluster, ns)
+        return next((e for e in events if (e["reason"], e["type"]) == (reason, type_)), None)
+
+    return await eventually(probe, what=f"a {type_} Event {reason}")
+
+
 async def staged_and_rolled(cluster: Cluster, ns: str, spec: dict[str, Any]) -> str:
     """Applies ``spec``, completes its Job and the rollout: the workload is Ready on it."""
     digest = digest_of(spec)
     await wait_job(cluster, ns, digest)
     await finish_stage_job(cluster.client, ns, digest, message=summary(digest), succeeded=True)
-    await wait_phase(cluster, ns, "RollingOut")
+    await wait_rolled(cluster, ns, digest)
     await complete_rollout(cluster.client, ns)
     await wait_phase(cluster, ns, "Ready")
     return digest
@@ -115,14 +138,20 @@ async def test_applying_a_model_deployment_creates_one_owned_stager_job_named_by
     assert job["metadata"]["name"] == f"modelstage-stage-{digest}"
     [owner] = job["metadata"]["ownerReferences"]
     assert (owner["kind"], owner["name"], owner["uid"], owner["controller"]) == (
-        "ModelDeployment", MD, md["metadata"]["uid"], True
+        "ModelDeployment",
+        MD,
+        md["metadata"]["uid"],
+        True,
     )
     status = await wait_phase(cluster, namespace, "Staging")
     assert status["desiredDigest"] == digest
     assert status["observedGeneration"] == md["metadata"]["generation"]
     assert condition(status, "Staged")["status"] == "False"
     assert "--digest" in job["spec"]["template"]["spec"]["containers"][0]["command"]
-    assert job["spec"]["template"]["spec"]["containers"][0]["image"] == "registry.test/modelstage/stager:test"
+    assert (
+        job["spec"]["template"]["spec"]["containers"][0]["image"]
+        == "registry.test/modelstage/stager:test"
+    )
     # The workload is untouched until the artifact is complete.
     assert template_digest(await cluster.client.get(deploy_path(namespace))) is None
 
@@ -134,25 +163,33 @@ async def test_succeeded_job_rolls_the_workload_onto_the_artifact_and_reports_it
     digest = digest_of(SPEC)
     await wait_job(cluster, namespace, digest)
     await finish_stage_job(
-        cluster.client, namespace, digest, message=summary(digest, source="sha:feedface"), succeeded=True
+        cluster.client,
+        namespace,
+        digest,
+        message=summary(digest, source="sha:feedface"),
+        succeeded=True,
     )
     status = await wait_phase(cluster, namespace, "RollingOut")
     artifact = status["artifact"]
-    assert (artifact["digest"], artifact["source"], artifact["bytes"]) == (digest, "sha:feedface", 123456)
+    assert (artifact["digest"], artifact["source"], artifact["bytes"]) == (
+        digest,
+        "sha:feedface",
+        123456,
+    )
     assert artifact["uri"] == f"pvc://models/artifacts/{namespace}/{digest}"
     assert condition(status, "Staged")["status"] == "True"
-    workload = await cluster.client.get(deploy_path(namespace))
-    assert template_digest(workload) == digest
-    assert workload is not None
+    workload = await wait_rolled(cluster, namespace, digest)
     [vllm] = workload["spec"]["template"]["spec"]["containers"]
     assert f"/mnt/modelstage/artifacts/artifacts/{namespace}/{digest}" in vllm["args"]
-    assert [c["name"] for c in workload["spec"]["template"]["spec"]["initContainers"]] == ["modelstage-prepare"]
+    assert [c["name"] for c in workload["spec"]["template"]["spec"]["initContainers"]] == [
+        "modelstage-prepare"
+    ]
 
     await complete_rollout(cluster.client, namespace)
     status = await wait_phase(cluster, namespace, "Ready")
     assert condition(status, "Ready")["status"] == "True"
-    reasons = {e["reason"] for e in await events_for(cluster, namespace)}
-    assert {"JobCreated", "RolledOut", "PhaseStaging", "PhaseRollingOut", "PhaseReady"} <= reasons
+    for reason in ("JobCreated", "RolledOut", "PhaseStaging", "PhaseRollingOut", "PhaseReady"):
+        await wait_event(cluster, namespace, reason)
 
 
 async def test_failed_job_reports_the_termination_reason_and_backs_off_without_new_jobs(
@@ -167,12 +204,13 @@ async def test_failed_job_reports_the_termination_reason_and_backs_off_without_n
     )
     status = await wait_phase(cluster, namespace, "Failed")
     staged = condition(status, "Staged")
-    assert (staged["status"], staged["reason"], staged["message"]) == ("False", "StagingFailed", reason)
-    assert condition(status, "Degraded")["reason"] == "StagingFailed"
-    events = await eventually(
-        lambda: events_for(cluster, namespace), what="events"
+    assert (staged["status"], staged["reason"], staged["message"]) == (
+        "False",
+        "StagingFailed",
+        reason,
     )
-    assert any(e["type"] == "Warning" and e["reason"] == "StagingFailed" for e in events)
+    assert condition(status, "Degraded")["reason"] == "StagingFailed"
+    await wait_event(cluster, namespace, "StagingFailed", "Warning")
     # Backoff (2 s, 4 s, 8 s in tests): a few re-checks over 6 s, never a new Job.
     await asyncio.sleep(6)
     jobs = await cluster.client.list(job_path(namespace))
@@ -219,8 +257,7 @@ async def test_crash_looping_pods_roll_the_workload_back_to_the_previous_artifac
     new = digest_of(merged(SPEC, {"dtype": "float16"}))
     await wait_job(cluster, namespace, new)
     await finish_stage_job(cluster.client, namespace, new, message=summary(new), succeeded=True)
-    await wait_phase(cluster, namespace, "RollingOut")
-    assert template_digest(await cluster.client.get(deploy_path(namespace))) == new
+    await wait_rolled(cluster, namespace, new)
 
     await crash_looping_pod(cluster.client, namespace, new)
 
@@ -229,9 +266,8 @@ async def test_crash_looping_pods_roll_the_workload_back_to_the_previous_artifac
     assert (degraded["status"], degraded["reason"]) == ("True", "RolledBack")
     assert "CrashLoopBackOff" in degraded["message"] and "CUDA out of memory" in degraded["message"]
     assert (status["artifact"]["digest"], status["failedDigest"]) == (old, new)
-    assert template_digest(await cluster.client.get(deploy_path(namespace))) == old
-    events = await events_for(cluster, namespace)
-    assert any(e["type"] == "Warning" and e["reason"] == "RolledBack" for e in events)
+    await wait_rolled(cluster, namespace, old)
+    await wait_event(cluster, namespace, "RolledBack", "Warning")
     # The failed digest is not rolled out again.
     await asyncio.sleep(1)
     assert template_digest(await cluster.client.get(deploy_path(namespace))) == old
@@ -246,11 +282,12 @@ async def test_operator_killed_mid_stage_resumes_without_a_second_job_or_patch(
     await wait_phase(cluster, namespace, "Staging")
     await operator.kill()
     # The stager finishes while the operator is down.
-    await finish_stage_job(cluster.client, namespace, digest, message=summary(digest), succeeded=True)
+    await finish_stage_job(
+        cluster.client, namespace, digest, message=summary(digest), succeeded=True
+    )
     await operator.start()
 
-    await wait_phase(cluster, namespace, "RollingOut")
-    assert template_digest(await cluster.client.get(deploy_path(namespace))) == digest
+    await wait_rolled(cluster, namespace, digest)
     await complete_rollout(cluster.client, namespace)
     await wait_phase(cluster, namespace, "Ready")
     jobs = await cluster.client.list(job_path(namespace))
@@ -268,17 +305,16 @@ async def test_operator_killed_mid_rollout_resumes_without_patching_the_workload
     await apply(cluster, namespace, SPEC)
     digest = digest_of(SPEC)
     await wait_job(cluster, namespace, digest)
-    await finish_stage_job(cluster.client, namespace, digest, message=summary(digest), succeeded=True)
-    await wait_phase(cluster, namespace, "RollingOut")
-    before = await cluster.client.get(deploy_path(namespace))
-    assert before is not None
+    await finish_stage_job(
+        cluster.client, namespace, digest, message=summary(digest), succeeded=True
+    )
+    before = await wait_rolled(cluster, namespace, digest)
     await operator.kill()
     await operator.start()
-    # The restarted operator reconciles on resume; the rollout then completes.
+    # The restarted operator reconciles on resume (kopf's on.resume), then the rollout completes.
     await eventually(
-        lambda: asyncio.sleep(0, result=any("resum" in str(r.get("message", "")).lower()
-                                             or r.get("action") for r in operator.log_records()[-50:])),
-        what="the resumed reconciliation",
+        lambda: asyncio.sleep(0, result=operator.handled("modeldeployment_changed")),
+        what="the reconciliation on resume",
     )
     await complete_rollout(cluster.client, namespace)
     await wait_phase(cluster, namespace, "Ready")
@@ -298,7 +334,12 @@ async def test_digest_preserving_edit_stages_nothing(
     digest = await staged_and_rolled(cluster, namespace, SPEC)
     md = await cluster.client.patch(
         md_path(namespace, MD),
-        {"spec": {"retention": {"keep": 3}, "stager": {"resources": {"limits": {"memory": "4Gi"}}}}},
+        {
+            "spec": {
+                "retention": {"keep": 3},
+                "stager": {"resources": {"limits": {"memory": "4Gi"}}},
+            }
+        },
     )
     assert digest_of(md["spec"]) == digest
 
@@ -338,8 +379,10 @@ async def test_metrics_count_reconciles_jobs_by_state_and_deployments_by_phase(
     await apply(cluster, namespace, SPEC)
     digest = digest_of(SPEC)
     await wait_job(cluster, namespace, digest)
-    await finish_stage_job(cluster.client, namespace, digest, message=summary(digest), succeeded=True)
-    await wait_phase(cluster, namespace, "RollingOut")
+    await finish_stage_job(
+        cluster.client, namespace, digest, message=summary(digest), succeeded=True
+    )
+    await wait_rolled(cluster, namespace, digest)
 
     async def scraped() -> str | None:
         text = await operator.scrape()
@@ -352,22 +395,31 @@ async def test_metrics_count_reconciles_jobs_by_state_and_deployments_by_phase(
         return text if all(w in text for w in wanted) else None
 
     text = await eventually(scraped, what="the metrics")
-    ok = [line for line in text.splitlines() if line.startswith('modelstage_operator_reconciles_total{result="ok"}')]
+    ok = [
+        line
+        for line in text.splitlines()
+        if line.startswith('modelstage_operator_reconciles_total{result="ok"}')
+    ]
     assert ok and float(ok[0].split()[-1]) >= 2
 
 
 async def test_deleting_the_model_deployment_garbage_collects_its_job(
-    cluster: Cluster, namespace: str, operator: OperatorProcess
+    cluster: Cluster, namespace: str, tmp_path: Path
 ) -> None:
     """Real tier only: kmock has no garbage collector."""
     if not cluster.garbage_collection:
         pytest.skip("needs the real tier with kube-controller-manager (garbage collection)")
-    await apply(cluster, namespace, SPEC)
-    digest = digest_of(SPEC)
-    await wait_job(cluster, namespace, digest)
-    await cluster.client.delete(md_path(namespace, MD))
+    operator = OperatorProcess(cluster.kubeconfig, namespace, tmp_path)
+    await operator.start()
+    try:
+        await apply(cluster, namespace, SPEC)
+        digest = digest_of(SPEC)
+        await wait_job(cluster, namespace, digest)
+        await cluster.client.delete(md_path(namespace, MD))
 
-    async def collected() -> bool:
-        return await cluster.client.get(job_path(namespace, stage_job_name(digest))) is None
+        async def collected() -> bool:
+            return await cluster.client.get(job_path(namespace, stage_job_name(digest))) is None
 
-    await eventually(collected, timeout=30, what="the Job garbage-collected")
+        await eventually(collected, timeout=30, what="the Job garbage-collected")
+    finally:
+        await operator.stop(graceful=False)

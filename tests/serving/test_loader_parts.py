@@ -63,9 +63,9 @@ def test_larger_tensor_or_other_rank_is_refused() -> None:
 
 
 def test_key_mismatch_is_refused_naming_the_keys() -> None:
-    with pytest.raises(ArtifactError, match="the model has no parameter extra.weight"):
+    with pytest.raises(ArtifactError, match=r"the model has no parameter extra\.weight"):
         check_keys("a", {"a.weight", "extra.weight"}, {"a.weight"})
-    with pytest.raises(ArtifactError, match="the artifact lacks b.weight"):
+    with pytest.raises(ArtifactError, match=r"the artifact lacks b\.weight"):
         check_keys("a", {"a.weight"}, {"a.weight", "b.weight"})
     check_keys("a", {"a.weight"}, {"a.weight"})
 

@@ -33,13 +33,19 @@ def empty_like(info: TensorInfo, dtype: torch.dtype | None = None) -> torch.Tens
     return torch.full(info.shape, float("nan"), dtype=dtype or TORCH_DTYPES[info.dtype])
 
 
-@pytest.mark.parametrize(("chunk_bytes", "depth"), [(4099, 3), (1 << 20, 1), (1 << 26, 4)])
+MODES = [(4099, 3, False), (1 << 20, 1, False), (1 << 26, 4, False), (4099, 3, True),
+         (1 << 20, 1, True)]  # fmt: skip
+"""(chunk bytes, depth, direct): buffered is the CUDA path (run here without streams), direct
+the host path; odd chunk sizes make tensors straddle chunks."""
+
+
+@pytest.mark.parametrize(("chunk_bytes", "depth", "direct"), MODES)
 def test_every_tensor_equals_safetensors_own_load(
-    llama_tp2: Artifact, chunk_bytes: int, depth: int
+    llama_tp2: Artifact, chunk_bytes: int, depth: int, direct: bool
 ) -> None:
     files = rank_files(llama_tp2, 1)
     dest = {n: empty_like(t) for _, h in files for n, t in h.tensors.items()}
-    reader = PipelinedReader(chunk_bytes=chunk_bytes, depth=depth, device=CPU)
+    reader = PipelinedReader(chunk_bytes=chunk_bytes, depth=depth, device=CPU, direct=direct)
     stats = reader.read(files, lambda info: Target(flat_bytes(dest[info.name])))
     want = load_file(files[0][0])
     assert sorted(dest) == sorted(want)
@@ -47,16 +53,18 @@ def test_every_tensor_equals_safetensors_own_load(
         assert torch.equal(dest[name], tensor), name
     assert stats.bytes == sum(t.nbytes for _, h in files for t in h.tensors.values())
     assert stats.read_seconds > 0 and stats.copy_seconds > 0
-    assert len(reader.buffers) == depth + SPARE_BUFFERS  # memory bounded by the pool
+    # memory bounded by the pool (buffered) or no buffer at all (direct)
+    assert len(reader.buffers) == (0 if direct else depth + SPARE_BUFFERS)
     assert all(b.numel() == chunk_bytes for b in reader.buffers)
 
 
+@pytest.mark.parametrize("direct", [False, True])
 def test_parameters_of_another_dtype_are_filled_through_staging_with_copy_semantics(
-    llama_tp2: Artifact,
+    llama_tp2: Artifact, direct: bool
 ) -> None:
     files = rank_files(llama_tp2, 0)
     dest = {n: empty_like(t, torch.float64) for _, h in files for n, t in h.tensors.items()}
-    reader = PipelinedReader(chunk_bytes=8191, depth=2, device=CPU)
+    reader = PipelinedReader(chunk_bytes=8191, depth=2, device=CPU, direct=direct)
     reader.read(files, lambda info: staging_for(info, dest[info.name]))
     for name, tensor in load_file(files[0][0]).items():
         assert torch.equal(dest[name], tensor.to(torch.float64)), name
@@ -75,14 +83,15 @@ def test_chunks_cover_each_tensor_exactly_once_and_respect_the_size(llama_tp2: A
     assert covered == {n: t.nbytes for n, t in header.tensors.items() if t.nbytes}
 
 
+@pytest.mark.parametrize("direct", [False, True])
 def test_a_file_truncated_after_verification_fails_with_the_file_named(
-    llama_tp2: Artifact, tmp_path: Path
+    llama_tp2: Artifact, tmp_path: Path, direct: bool
 ) -> None:
     path = Path(shutil.copy(llama_tp2.path / "model-rank-0-part-0.safetensors", tmp_path))
     header = read_local_header(path)
     with open(path, "r+b") as f:
         f.truncate(header.file_size - 100)
     dest = {n: empty_like(t) for n, t in header.tensors.items()}
-    reader = PipelinedReader(chunk_bytes=1 << 16, depth=2, device=CPU)
+    reader = PipelinedReader(chunk_bytes=1 << 16, depth=2, device=CPU, direct=direct)
     with pytest.raises(ArtifactError, match="the file changed after it was verified"):
         reader.read([(path, header)], lambda info: Target(flat_bytes(dest[info.name])))

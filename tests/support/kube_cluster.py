@@ -93,7 +93,12 @@ class KubeHTTP:
         await self.session.close()
 
     async def request(
-        self, method: str, path: str, body: Any = None, content_type: str = "application/json", **params: str
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        content_type: str = "application/json",
+        **params: str,
     ) -> Any:
         assert self.session is not None
         async with self.session.request(
@@ -278,10 +283,12 @@ class ControlPlane:
             request = urllib.request.Request(
                 f"{self.server}/readyz", headers={"Authorization": f"Bearer {self.token}"}
             )
-            with contextlib.suppress(OSError):
-                with urllib.request.urlopen(request, context=context, timeout=2) as response:
-                    if response.status == 200:
-                        return
+            with (
+                contextlib.suppress(OSError),
+                urllib.request.urlopen(request, context=context, timeout=2) as response,
+            ):
+                if response.status == 200:
+                    return
             for process in self.processes:
                 if process.poll() is not None:
                     raise RuntimeError(f"{process.args[0]} exited; see {self.workdir}/*.log")

@@ -75,7 +75,9 @@ BUILTIN_RESOURCES = (
 
 
 def _error(status: int, reason: str, message: str) -> kmock.KubernetesError:
-    return kmock.KubernetesError(status=status, reason=reason, message=message, details={"causes": []})
+    return kmock.KubernetesError(
+        status=status, reason=reason, message=message, details={"causes": []}
+    )
 
 
 def apply_merge_patch(target: Any, patch: Any) -> Any:
@@ -124,7 +126,7 @@ def selects(selector: list[tuple[str, str, str | None]], labels: Mapping[str, st
 
 
 def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _essence(obj: Mapping[str, Any]) -> dict[str, Any]:
@@ -186,12 +188,18 @@ class FakeKubeAPI(kmock.KubernetesEmulator):
         query = dict(raw_request.query)
         method = raw_request.method.upper()
         action = (
-            kmock.action.WATCH if method == "GET" and query.get("watch") in ("true", "1")
-            else kmock.action.FETCH if method == "GET" and name
-            else kmock.action.LIST if method == "GET"
-            else kmock.action.CREATE if method == "POST" and not name
-            else kmock.action.UPDATE if method == "PATCH" and name
-            else kmock.action.DELETE if method == "DELETE" and name
+            kmock.action.WATCH
+            if method == "GET" and query.get("watch") in ("true", "1")
+            else kmock.action.FETCH
+            if method == "GET" and name
+            else kmock.action.LIST
+            if method == "GET"
+            else kmock.action.CREATE
+            if method == "POST" and not name
+            else kmock.action.UPDATE
+            if method == "PATCH" and name
+            else kmock.action.DELETE
+            if method == "DELETE" and name
             else None
         )
         request = rendering.Request(
@@ -254,7 +262,12 @@ class FakeKubeAPI(kmock.KubernetesEmulator):
         try:
             jsonschema.validate(
                 {k: v for k, v in obj.items() if k != "metadata"},
-                {**schema, "properties": {k: v for k, v in schema["properties"].items() if k != "metadata"}},
+                {
+                    **schema,
+                    "properties": {
+                        k: v for k, v in schema["properties"].items() if k != "metadata"
+                    },
+                },
             )
         except jsonschema.ValidationError as error:
             path = ".".join(str(p) for p in error.absolute_path)
@@ -269,7 +282,9 @@ class FakeKubeAPI(kmock.KubernetesEmulator):
         async with self._lock:
             if not meta.get("name"):
                 if not meta.get("generateName"):
-                    raise _error(422, "Invalid", "metadata.name or metadata.generateName is required")
+                    raise _error(
+                        422, "Invalid", "metadata.name or metadata.generateName is required"
+                    )
                 meta["name"] = f"{meta['generateName']}{uuid.uuid4().hex[:5]}"
             key = self._key(request, meta["name"])
             if self._current(key) is not None:
@@ -314,7 +329,9 @@ class FakeKubeAPI(kmock.KubernetesEmulator):
                 except (jsonpatch.JsonPatchException, jsonpatch.JsonPointerException) as error:
                     raise _error(422, "Invalid", f"JSON patch: {error}") from None
             else:
-                raise _error(415, "UnsupportedMediaType", f"patch type {content_type!r} is not supported")
+                raise _error(
+                    415, "UnsupportedMediaType", f"patch type {content_type!r} is not supported"
+                )
             if precondition is not None and str(precondition) != old["metadata"]["resourceVersion"]:
                 raise _error(
                     409,
@@ -323,9 +340,11 @@ class FakeKubeAPI(kmock.KubernetesEmulator):
                     "has been modified; please apply your changes to the latest version and try again",
                 )
             if request.subresource == "status":
-                new = {**old, "status": new.get("status")} if "status" in new else {
-                    k: v for k, v in old.items() if k != "status"
-                }
+                new = (
+                    {**old, "status": new.get("status")}
+                    if "status" in new
+                    else {k: v for k, v in old.items() if k != "status"}
+                )
             elif request.subresource is not None:
                 raise _error(404, "NotFound", f"subresource {request.subresource} is not emulated")
             elif spec.status:
@@ -333,7 +352,14 @@ class FakeKubeAPI(kmock.KubernetesEmulator):
                 if "status" in old:
                     new["status"] = old["status"]
             # Immutable metadata.
-            for field in ("uid", "creationTimestamp", "name", "namespace", "generation", "resourceVersion"):
+            for field in (
+                "uid",
+                "creationTimestamp",
+                "name",
+                "namespace",
+                "generation",
+                "resourceVersion",
+            ):
                 if field in old["metadata"]:
                     new.setdefault("metadata", {})[field] = old["metadata"][field]
             if new == old:
@@ -440,7 +466,7 @@ class FakeKubeAPI(kmock.KubernetesEmulator):
                 if len(self._log) == seen and not self._closing:
                     try:
                         await asyncio.wait_for(self._changed.wait(), timeout=remaining)
-                    except asyncio.TimeoutError:
+                    except TimeoutError:
                         return
             fresh = self._log[seen:]
             seen += len(fresh)
@@ -463,7 +489,9 @@ class FakeKubeAPI(kmock.KubernetesEmulator):
         for request in self._requests:
             if str(request.method.value).upper() != method.upper() or request.url.path != path:
                 continue
-            if agent is not None and not str(request.headers.get("User-Agent", "")).startswith(agent):
+            if agent is not None and not str(request.headers.get("User-Agent", "")).startswith(
+                agent
+            ):
                 continue
             count += 1
         return count

@@ -93,19 +93,30 @@ def vllm_deployment(name: str = WORKLOAD, replicas: int = 1) -> dict[str, Any]:
 
 def summary(digest: str, source: str = "sha:0123abcd", nbytes: int = 123456) -> str:
     """The stager's one-line JSON summary, as its termination message holds it."""
-    return json.dumps({"digest": digest, "source": source, "bytes": nbytes, "files": 4, "seconds": 3.5})
+    return json.dumps(
+        {"digest": digest, "source": source, "bytes": nbytes, "files": 4, "seconds": 3.5}
+    )
 
 
 async def finish_stage_job(
-    client: KubeHTTP, ns: str, digest: str, *, message: str, succeeded: bool, pod_name: str | None = None
+    client: KubeHTTP,
+    ns: str,
+    digest: str,
+    *,
+    message: str,
+    succeeded: bool,
+    pod_name: str | None = None,
 ) -> None:
     """What the Job controller and the kubelet report when the stager pod ends: a terminated
     pod with the termination message, then the Job's conditions."""
     name = stage_job_name(digest)
     job = await client.get(job_path(ns, name))
     assert job is not None, f"Job {name} does not exist"
-    labels = {**job["spec"]["template"]["metadata"]["labels"], "job-name": name,
-              "batch.kubernetes.io/job-name": name}
+    labels = {
+        **job["spec"]["template"]["metadata"]["labels"],
+        "job-name": name,
+        "batch.kubernetes.io/job-name": name,
+    }
     pod_name = pod_name or f"{name[:50]}-x{'ok' if succeeded else 'ko'}"
     pod = {
         "apiVersion": "v1",
@@ -113,38 +124,94 @@ async def finish_stage_job(
         "metadata": {
             "name": pod_name,
             "labels": labels,
-            "ownerReferences": [{"apiVersion": "batch/v1", "kind": "Job", "name": name,
-                                 "uid": job["metadata"]["uid"], "controller": True}],
+            "ownerReferences": [
+                {
+                    "apiVersion": "batch/v1",
+                    "kind": "Job",
+                    "name": name,
+                    "uid": job["metadata"]["uid"],
+                    "controller": True,
+                }
+            ],
         },
-        "spec": {"restartPolicy": "Never",
-                 "containers": [{"name": "stager", "image": "registry.test/modelstage/stager:test"}]},
+        "spec": {
+            "restartPolicy": "Never",
+            "containers": [{"name": "stager", "image": "registry.test/modelstage/stager:test"}],
+        },
     }
     await client.create(pod_path(ns), pod)
     now = "2030-01-01T00:00:10Z"
-    terminated = {"exitCode": 0 if succeeded else 1, "reason": "Completed" if succeeded else "Error",
-                  "message": message, "startedAt": "2030-01-01T00:00:01Z", "finishedAt": now}
-    await client.patch(pod_path(ns, pod_name, "status"), {"status": {
-        "phase": "Succeeded" if succeeded else "Failed",
-        "containerStatuses": [{"name": "stager", "ready": False, "restartCount": 0, "image": "x",
-                               "imageID": "", "state": {"terminated": terminated}}],
-    }})
+    terminated = {
+        "exitCode": 0 if succeeded else 1,
+        "reason": "Completed" if succeeded else "Error",
+        "message": message,
+        "startedAt": "2030-01-01T00:00:01Z",
+        "finishedAt": now,
+    }
+    await client.patch(
+        pod_path(ns, pod_name, "status"),
+        {
+            "status": {
+                "phase": "Succeeded" if succeeded else "Failed",
+                "containerStatuses": [
+                    {
+                        "name": "stager",
+                        "ready": False,
+                        "restartCount": 0,
+                        "image": "x",
+                        "imageID": "",
+                        "state": {"terminated": terminated},
+                    }
+                ],
+            }
+        },
+    )
     start = "2030-01-01T00:00:00Z"
     if succeeded:
-        status = {"startTime": start, "completionTime": now, "succeeded": 1, "active": 0,
-                  "conditions": [
-                      {"type": "SuccessCriteriaMet", "status": "True", "lastTransitionTime": now,
-                       "lastProbeTime": now},
-                      {"type": "Complete", "status": "True", "lastTransitionTime": now,
-                       "lastProbeTime": now}]}
+        status = {
+            "startTime": start,
+            "completionTime": now,
+            "succeeded": 1,
+            "active": 0,
+            "conditions": [
+                {
+                    "type": "SuccessCriteriaMet",
+                    "status": "True",
+                    "lastTransitionTime": now,
+                    "lastProbeTime": now,
+                },
+                {
+                    "type": "Complete",
+                    "status": "True",
+                    "lastTransitionTime": now,
+                    "lastProbeTime": now,
+                },
+            ],
+        }
     else:
-        status = {"startTime": start, "failed": 1, "active": 0,
-                  "conditions": [
-                      {"type": "FailureTarget", "status": "True", "reason": "BackoffLimitExceeded",
-                       "message": "Job has reached the specified backoff limit",
-                       "lastTransitionTime": now, "lastProbeTime": now},
-                      {"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded",
-                       "message": "Job has reached the specified backoff limit",
-                       "lastTransitionTime": now, "lastProbeTime": now}]}
+        status = {
+            "startTime": start,
+            "failed": 1,
+            "active": 0,
+            "conditions": [
+                {
+                    "type": "FailureTarget",
+                    "status": "True",
+                    "reason": "BackoffLimitExceeded",
+                    "message": "Job has reached the specified backoff limit",
+                    "lastTransitionTime": now,
+                    "lastProbeTime": now,
+                },
+                {
+                    "type": "Failed",
+                    "status": "True",
+                    "reason": "BackoffLimitExceeded",
+                    "message": "Job has reached the specified backoff limit",
+                    "lastTransitionTime": now,
+                    "lastProbeTime": now,
+                },
+            ],
+        }
     await client.patch(job_path(ns, name, "status"), {"status": status})
 
 
@@ -153,35 +220,67 @@ async def complete_rollout(client: KubeHTTP, ns: str, name: str = WORKLOAD) -> N
     deployment = await client.get(deploy_path(ns, name))
     assert deployment is not None
     replicas = deployment["spec"].get("replicas", 1)
-    await client.patch(deploy_path(ns, name, "status"), {"status": {
-        "observedGeneration": deployment["metadata"]["generation"],
-        "replicas": replicas, "updatedReplicas": replicas, "readyReplicas": replicas,
-        "availableReplicas": replicas,
-    }})
+    await client.patch(
+        deploy_path(ns, name, "status"),
+        {
+            "status": {
+                "observedGeneration": deployment["metadata"]["generation"],
+                "replicas": replicas,
+                "updatedReplicas": replicas,
+                "readyReplicas": replicas,
+                "availableReplicas": replicas,
+            }
+        },
+    )
 
 
-async def crash_looping_pod(client: KubeHTTP, ns: str, digest: str, name: str = "vllm-new-1") -> None:
+async def crash_looping_pod(
+    client: KubeHTTP, ns: str, digest: str, name: str = "vllm-new-1"
+) -> None:
     """A pod of the workload's new template whose container restarts and fails again."""
     pod = {
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": {"name": name, "labels": {"app": WORKLOAD},
-                     "annotations": {DIGEST_ANNOTATION: digest}},
+        "metadata": {
+            "name": name,
+            "labels": {"app": WORKLOAD},
+            "annotations": {DIGEST_ANNOTATION: digest},
+        },
         "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.32.0"}]},
     }
     await client.create(pod_path(ns), pod)
-    await client.patch(pod_path(ns, name, "status"), {"status": {
-        "phase": "Running",
-        "containerStatuses": [{
-            "name": "vllm", "ready": False, "restartCount": 4, "image": "x", "imageID": "",
-            "state": {"waiting": {"reason": "CrashLoopBackOff",
-                                  "message": "back-off 40s restarting failed container"}},
-            "lastState": {"terminated": {"exitCode": 1, "reason": "Error",
-                                         "message": "RuntimeError: CUDA out of memory",
-                                         "startedAt": "2030-01-01T00:00:00Z",
-                                         "finishedAt": "2030-01-01T00:00:05Z"}},
-        }],
-    }})
+    await client.patch(
+        pod_path(ns, name, "status"),
+        {
+            "status": {
+                "phase": "Running",
+                "containerStatuses": [
+                    {
+                        "name": "vllm",
+                        "ready": False,
+                        "restartCount": 4,
+                        "image": "x",
+                        "imageID": "",
+                        "state": {
+                            "waiting": {
+                                "reason": "CrashLoopBackOff",
+                                "message": "back-off 40s restarting failed container",
+                            }
+                        },
+                        "lastState": {
+                            "terminated": {
+                                "exitCode": 1,
+                                "reason": "Error",
+                                "message": "RuntimeError: CUDA out of memory",
+                                "startedAt": "2030-01-01T00:00:00Z",
+                                "finishedAt": "2030-01-01T00:00:05Z",
+                            }
+                        },
+                    }
+                ],
+            }
+        },
+    )
 
 
 def template_digest(deployment: dict[str, Any] | None) -> str | None:

@@ -67,6 +67,11 @@ class OperatorProcess:
                     records.append(record)
         return records
 
+    def handled(self, handler: str) -> bool:
+        """Whether the current process has run ``handler`` successfully (kopf's log line)."""
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return f"Handler '{handler}' succeeded." in text
+
     async def start(self, timeout: float = 30.0) -> None:
         assert self.process is None or self.process.poll() is not None
         self.starts += 1
@@ -107,21 +112,25 @@ class OperatorProcess:
         async with aiohttp.ClientSession() as session:
             while True:
                 if self.process is not None and self.process.poll() is not None:
-                    raise RuntimeError(f"the operator exited ({self.process.returncode}):\n{self.logs()[-4000:]}")
+                    raise RuntimeError(
+                        f"the operator exited ({self.process.returncode}):\n{self.logs()[-4000:]}"
+                    )
                 with contextlib.suppress(aiohttp.ClientError):
                     async with session.get(f"http://127.0.0.1:{self.metrics_port}/metrics") as r:
                         if r.status == 200:
                             break
                 if asyncio.get_running_loop().time() > deadline:
-                    raise RuntimeError(f"the operator did not start in {timeout} s:\n{self.logs()[-4000:]}")
+                    raise RuntimeError(
+                        f"the operator did not start in {timeout} s:\n{self.logs()[-4000:]}"
+                    )
                 await asyncio.sleep(0.1)
         # The first list+watch of every resource follows the startup handler within moments.
         await asyncio.sleep(0.5)
 
     async def scrape(self) -> str:
-        async with aiohttp.ClientSession() as session:
-            async with session.get(f"http://127.0.0.1:{self.metrics_port}/metrics") as response:
-                return await response.text()
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        async with aiohttp.ClientSession() as session, session.get(url) as response:
+            return await response.text()
 
     async def kill(self) -> None:
         """SIGKILL: no cleanup, no final writes."""

@@ -96,7 +96,7 @@ def free_ports(count: int) -> int:
     for _ in range(50):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
+            base: int = s.getsockname()[1]
         if base + count > 65535:
             continue
         try:

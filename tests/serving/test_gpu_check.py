@@ -1,0 +1,35 @@
+"""Smoke test of ``e2e/gpu_check.py`` in its reduced CPU mode, with a tiny artifact.
+
+The script runs on a GPU machine where nothing is installed, so it is started here with
+``-S`` and an empty ``PYTHONPATH`` entry for modelstage: it must find the project source by
+itself. Its figures are not checked (this machine's two cores are shared); its result is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "e2e" / "gpu_check.py"
+
+
+def test_gpu_check_runs_without_an_installed_modelstage_and_agrees_with_stock(
+    pod_site: Path, tmp_path: Path
+) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MODELSTAGE_", "PYTHON"))}
+    env |= {"PYTHONPATH": str(pod_site), "PYTHONSAFEPATH": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-S", str(SCRIPT), "--size-gib", "0.07", "--chunk-mib", "4",
+         "--dir", str(tmp_path)],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["plugin_equals_stock"] is True
+    assert set(summary["gb_per_s"]) == {"ceiling", "raw_read", "stock", "plugin"}
+    assert all(rate > 0 for rate in summary["gb_per_s"].values())
+    assert summary["bytes"] >= 2 * 4096 * 4096 * 2
+    assert list(tmp_path.iterdir()) == []  # the artifact is removed
