@@ -24,7 +24,7 @@ def _header(path: Path) -> tuple[int, dict[str, object], bytes]:
 
 
 def _rewrite_header(path: Path, edit: Callable[[dict[str, object]], None]) -> None:
-    n, header, body = _header(path)
+    _n, header, body = _header(path)
     edit(header)
     raw = json.dumps(header).encode()
     raw += b" " * (-len(raw) % 8)
