@@ -16,33 +16,41 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .errors import ModelstageError
+from .errors import ModelstageError, SpecError
 from .layouts import DEFAULT_VLLM_VERSION
 
 TERMINATION_LOG = "/dev/termination-log"
 
 
 def _stage(args: argparse.Namespace) -> dict[str, Any]:
+    from .scale_out import Group, finalize, stage_group
     from .stage import FORMATS, StageRequest, stage
 
     assert args.format in FORMATS
-    return stage(
-        StageRequest(
-            source=args.source,
-            out=args.out,
-            tp=args.tp,
-            pp=args.pp,
-            dtype=args.dtype,
-            format=args.format,
-            vllm_version=args.vllm_version,
-            digest=args.digest,
-            revision=args.revision,
-            source_uri=args.source_uri,
-            hf_token_file=args.hf_token_file,
-            cache_dir=args.cache_dir,
-            s3=_s3_options(args),
-        )
+    group = Group.parse(args.group) if args.group else Group.from_env(os.environ)
+    if args.command == "finalize" and args.group:
+        raise SpecError("finalize checks and publishes every group's parts; drop --group")
+    request = StageRequest(
+        source=args.source,
+        out=args.out,
+        tp=args.tp,
+        pp=args.pp,
+        dtype=args.dtype,
+        format=args.format,
+        vllm_version=args.vllm_version,
+        digest=args.digest,
+        revision=args.revision,
+        source_uri=args.source_uri,
+        hf_token_file=args.hf_token_file,
+        cache_dir=args.cache_dir,
+        s3=_s3_options(args),
+        max_part_bytes=args.max_part_bytes,
     )
+    if args.command == "finalize":
+        return finalize(request)
+    if group is not None:
+        return stage_group(request, group)
+    return stage(request)
 
 
 def _s3_options(args: argparse.Namespace) -> Any:
@@ -156,7 +164,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="modelstage", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    st = sub.add_parser("stage", help="pre-shard a checkpoint per tensor-parallel rank")
+    st = sub.add_parser(
+        "stage", aliases=["finalize"],
+        help="pre-shard a checkpoint per tensor-parallel rank; as `finalize` (same arguments): "
+        "check the parts that `stage --group` workers wrote and publish the artifact",
+    )  # fmt: skip
     st.add_argument(
         "source",
         help="checkpoint in Hugging Face layout: a local directory, s3://BUCKET/PREFIX or "
@@ -167,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     st.add_argument(
         "--format", default="sharded_state",
-        choices=["sharded_state", "runai_streamer_sharded", "runai_streamer"],
+        choices=["sharded_state", "runai_streamer_sharded", "runai_streamer", "tensorizer"],
         help="the vLLM load format; sharded_state needs a local --out",
     )  # fmt: skip
     st.add_argument("--vllm-version", default=DEFAULT_VLLM_VERSION, help="layout to produce")
@@ -182,6 +194,17 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument(
         "--cache-dir", help="hf:// sources: the hub cache to download into (default: HF_HUB_CACHE)"
     )
+    st.add_argument(
+        "--group", metavar="I/N",
+        help="scale-out worker I of N: write every rank's files of this worker's parts, no "
+        "manifest (then run `finalize`); default: JOB_COMPLETION_INDEX/MODELSTAGE_WORKERS "
+        "when MODELSTAGE_WORKERS is set",
+    )  # fmt: skip
+    st.add_argument(
+        "--max-part-bytes", type=int,
+        help="largest part file per rank (default: the layout's, 5 GiB); workers and finalize "
+        "of one artifact must agree",
+    )  # fmt: skip
     _add_s3_options(st)
     st.set_defaults(run=_stage)
 
@@ -199,7 +222,36 @@ def build_parser() -> argparse.ArgumentParser:
     de.set_defaults(run=_demo)
 
     _add_prepare_parser(sub)  # issue 9
+    _add_bench_parser(sub)
     return parser
+
+
+def _bench(args: argparse.Namespace) -> dict[str, Any]:
+    from .bench import run_bench
+
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="modelstage-bench-"))
+    return run_bench(
+        size_gib=args.size_gib,
+        tps=args.tp,
+        repeats=args.repeats,
+        workdir=workdir,
+        rss_gib=args.rss_gib,
+        cold=not args.warm,
+        out=Path(args.out),
+    )
+
+
+def _add_bench_parser(sub: Any) -> None:
+    be = sub.add_parser("bench", help="measure staging and loading against cp / raw reads")
+    be.add_argument("--size-gib", type=float, default=4.0, help="synthetic checkpoint size")
+    be.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4, 8])
+    be.add_argument("--repeats", type=int, default=3, help="repetitions; medians are reported")
+    be.add_argument("--rss-gib", type=float, nargs="*", default=[2.0, 8.0],
+                    help="checkpoint sizes for the peak-RSS comparison (none to skip)")
+    be.add_argument("--warm", action="store_true", help="keep the page cache for load reads")
+    be.add_argument("--workdir", help="scratch space on the disk to measure (default: temp)")
+    be.add_argument("--out", default="bench-results", help="where bench.json/bench.png go")
+    be.set_defaults(run=_bench)
 
 
 def _write_termination_log(line: str) -> None:

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import json
 import os
 import shutil
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..errors import ArtifactError, DestinationError
-from ..manifest import MANIFEST, Manifest, read_manifest
+from ..manifest import MANIFEST, Manifest, read_manifest, sha256_file
 from .base import Destination
 
 
@@ -25,6 +27,11 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+PARALLEL_HASH_BYTES = 1 << 20
+_HASHER = ThreadPoolExecutor(4, "sha256")
+"""Shared by every sink: one rank's hash and write of a chunk overlap; ranks share cores."""
 
 
 class LocalFileSink:
@@ -45,12 +52,20 @@ class LocalFileSink:
         self.hash = hashlib.sha256()
 
     def write(self, data: memoryview) -> None:
-        self.hash.update(data)
+        # sha256 runs at roughly the speed of the write itself: hash on a second core while
+        # this thread copies the same bytes into the page cache (both release the GIL).
+        hashed = None
+        if len(data) >= PARALLEL_HASH_BYTES:
+            hashed = _HASHER.submit(self.hash.update, data)
+        else:
+            self.hash.update(data)
         view = data
         while len(view):
             n = os.write(self.fd, view)
             view = view[n:]
         self.written += len(data)
+        if hashed is not None:
+            hashed.result()
 
     def close(self) -> tuple[int, str]:
         if self.written != self.expected:
@@ -66,12 +81,59 @@ class LocalFileSink:
             self.fd = -1
 
 
+SIDECAR_SUFFIX = ".part.json"
+"""Beside each part a scale-out worker finished: its size, sha256 and run key."""
+PARTIAL_INFIX = ".partial-"
+
+
+class AtomicFileSink(LocalFileSink):
+    """A file that appears under its name only once complete: written to a temporary name,
+    fsynced, then renamed (with a sidecar recording size and sha256 first, when asked).
+
+    Scale-out workers share one work directory, and one may be killed at any byte: a file
+    under its final name is therefore always whole, and its sidecar says so.
+    """
+
+    def __init__(self, path: Path, size: int, sidecar: dict[str, str] | None) -> None:
+        self.final, self.sidecar = path, sidecar
+        temporary = path.with_name(f"{path.name}{PARTIAL_INFIX}{uuid.uuid4().hex[:8]}")
+        super().__init__(temporary, size)
+
+    def close(self) -> tuple[int, str]:
+        size, sha256 = super().close()
+        if self.sidecar is not None:
+            record = {"size": size, "sha256": sha256, **self.sidecar}
+            _write_durably(sidecar_path(self.final), json.dumps(record).encode())
+        os.rename(self.path, self.final)
+        fsync_dir(self.final.parent)
+        return size, sha256
+
+    def abort(self) -> None:
+        super().abort()
+        self.path.unlink(missing_ok=True)
+
+
+def sidecar_path(path: Path) -> Path:
+    return path.with_name(path.name + SIDECAR_SUFFIX)
+
+
+def _write_durably(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f"{path.name}{PARTIAL_INFIX}{uuid.uuid4().hex[:8]}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(tmp, path)
+
+
 class LocalDestination(Destination):
     def __init__(self, out: str) -> None:
         self.out = Path(out).absolute()
         self.uri = str(self.out)
         self.work: Path | None = None
         self._lock_fd = -1
+        self.run_key = ""
+        self.shared = self.finalizing = False
 
     def existing(self) -> Manifest | None:
         if not self.out.exists():
@@ -105,12 +167,95 @@ class LocalDestination(Destination):
         self.work = parent / f"{self.out.name}.tmp-{uuid.uuid4().hex[:12]}"
         self.work.mkdir()
 
+    # -- scale-out: workers share one deterministic work directory (scale_out.py) --------
+
+    def shared_work(self, run_key: str) -> Path:
+        """``<out>.tmp-shared-<key>``: every worker and the finalize step of one run compute
+        the same name; another run key (stager version, source, part size) gets another."""
+        return self.out.parent / f"{self.out.name}.tmp-shared-{run_key[:16]}"
+
+    def begin_shared(self, run_key: str, *, finalize: bool = False) -> None:
+        """Join the run's shared work directory: workers under a shared lock (any number at
+        once, never beside a one-pod stager, which locks exclusively), the finalize step
+        under the exclusive lock, and only when some worker has written something."""
+        parent = self.out.parent
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+            self._lock_fd = os.open(parent / f".{self.out.name}.lock", os.O_RDWR | os.O_CREAT)
+        except OSError as e:
+            raise DestinationError(f"{parent}: cannot write: {e.strerror}") from None
+        try:
+            mode = fcntl.LOCK_EX if finalize else fcntl.LOCK_SH
+            fcntl.flock(self._lock_fd, mode | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._unlock()
+            raise DestinationError(
+                f"{self.out}: another stager is writing this artifact right now"
+                + (" (a worker is still running?)" if finalize else "")
+            ) from None
+        self.run_key, self.shared = run_key, True
+        self.work = self.shared_work(run_key)
+        if finalize:
+            if not self.work.is_dir():
+                self._unlock()
+                raise ArtifactError(
+                    f"{self.work}: no worker has written this artifact; run the "
+                    "`modelstage stage --group i/n` workers first"
+                )
+            self.finalizing = True
+        else:
+            self.work.mkdir(exist_ok=True)
+
+    def completed(self, name: str, size: int) -> tuple[int, str] | None:
+        """A part a worker of this run finished: renamed into place with its sidecar."""
+        if self.work is None or not self.shared:
+            return None
+        path = self.work / name
+        try:
+            record = json.loads(sidecar_path(path).read_bytes())
+            on_disk = os.stat(path).st_size
+        except (FileNotFoundError, ValueError):
+            return None
+        if record.get("runKey") != self.run_key or record.get("size") != size or on_disk != size:
+            return None
+        return size, str(record.get("sha256"))
+
+    def check_part(self, name: str, size: int) -> tuple[int, str]:
+        """Finalize: the part must be complete, and its bytes must hash to its sidecar's."""
+        found = self.completed(name, size)
+        assert self.work is not None
+        path = self.work / name
+        if found is None:
+            state = "has the wrong size" if path.exists() else "is missing"
+            raise ArtifactError(
+                f"{path} {state} (expected {size} bytes from this run); rerun the worker "
+                "that owns it (`modelstage stage --group i/n`), then finalize again"
+            )
+        if sha256_file(path) != found[1]:
+            raise ArtifactError(
+                f"{path}: sha256 differs from what its worker wrote; the part is corrupt: "
+                "delete it and rerun its worker, then finalize again"
+            )
+        return found
+
     def open_sink(self, name: str, size: int) -> LocalFileSink:
         assert self.work is not None
+        if self.shared:
+            sidecar = None if self.finalizing else {"runKey": self.run_key}
+            return AtomicFileSink(self.work / name, size, sidecar)
         return LocalFileSink(self.work / name, size)
+
+    def release(self) -> None:
+        """A worker is done: leave the shared work directory to the others and finalize."""
+        self.work = None
+        self._unlock()
 
     def commit(self, manifest: Manifest) -> None:
         assert self.work is not None
+        if self.shared:  # drop sidecars and leftovers: the directory holds what it lists
+            for path in self.work.iterdir():
+                if path.name not in manifest.files:
+                    path.unlink()
         self.write_small(MANIFEST, manifest.to_json().encode())
         fsync_dir(self.work)
         if self.out.exists():
@@ -118,9 +263,15 @@ class LocalDestination(Destination):
         os.rename(self.work, self.out)
         fsync_dir(self.out.parent)
         self.work = None
+        if self.shared:  # leftovers of other runs; no worker of theirs can hold the lock now
+            for stale in self.out.parent.glob(f"{self.out.name}.tmp-*"):
+                shutil.rmtree(stale, ignore_errors=True)
         self._unlock()
 
     def abort(self) -> None:
+        if self.shared:  # parts already renamed into place stay for a rerun to reuse
+            self.release()
+            return
         if self.work is not None:
             shutil.rmtree(self.work, ignore_errors=True)
             self.work = None

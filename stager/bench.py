@@ -1,0 +1,242 @@
+"""``modelstage bench``: ratios measured in one run on the same files, never absolute targets.
+
+Staging is compared with ``cp`` + ``sync`` of the same source files to the same disk (the
+stager fsyncs and hashes, so the baseline syncs too); peak RSS comes from the kernel's
+accounting of the child process (``wait4``), at two checkpoint sizes to show it is flat.
+Loading is compared with a raw sequential read of the same rank files and with vLLM's stock
+sharded-state read path (``safe_open`` + ``get_tensor`` + ``copy_`` into preallocated tensors).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .progress import human_bytes
+from .synthetic import SyntheticModel, write_checkpoint
+
+GIB = 1024**3
+
+
+def llama70b_scaled(size_bytes: int, *, shards: int = 4) -> SyntheticModel:
+    """Llama-3-70B's shapes halved in width (head_dim 128, GQA 8:1), bf16, layers to fit."""
+    hidden, inter, heads, kv, vocab = 4096, 14336, 32, 8, 32064
+    per_layer = 2 * (2 * hidden * hidden + 2 * hidden * kv * 128 + 3 * hidden * inter)
+    edges = 2 * 2 * vocab * hidden
+    layers = max(1, round((size_bytes - edges) / per_layer))
+    return SyntheticModel(
+        hidden_size=hidden, intermediate_size=inter, num_layers=layers, num_heads=heads,
+        num_kv_heads=kv, vocab_size=vocab, dtype="bfloat16", num_shards=shards,
+    )  # fmt: skip
+
+
+@dataclass
+class Measurement:
+    name: str
+    seconds: list[float] = field(default_factory=list)
+    nbytes: int = 0
+    peak_rss: int = 0
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.seconds)
+
+    @property
+    def throughput(self) -> float:
+        return self.nbytes / self.median if self.seconds else 0.0
+
+
+def drop_page_cache() -> bool:
+    """Drop the page cache where permitted (root on a host that allows it)."""
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def run_child(argv: list[str], env: dict[str, str] | None = None) -> tuple[float, int]:
+    """Wall seconds and peak RSS (bytes) of a child process, from the kernel's accounting."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    _, status, usage = os.wait4(proc.pid, 0)
+    seconds = time.perf_counter() - start
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+    if proc.returncode:
+        raise RuntimeError(f"{argv[0]} failed: {err.strip().splitlines()[-1:]}")
+    return seconds, usage.ru_maxrss * 1024
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
+
+
+def stager_argv(source: Path, out: Path, tp: int) -> list[str]:
+    return [sys.executable, "-P", "-m", "modelstage.stager.cli", "stage", str(source),
+            "--tp", str(tp), "--out", str(out)]  # fmt: skip
+
+
+def bench_staging(source: Path, work: Path, tps: list[int], repeats: int) -> list[Measurement]:
+    size = dir_bytes(source)
+    cp = Measurement("cp + sync", nbytes=size)
+    results = [cp]
+    staged = {tp: Measurement(f"stage tp={tp}", nbytes=size) for tp in tps}
+    results += staged.values()
+    for _ in range(repeats):  # interleaved, so drift of the machine hits every row alike
+        target = work / "cp"
+        secs, _ = run_child(["sh", "-c", f"cp -r '{source}' '{target}' && sync"])
+        cp.seconds.append(secs)
+        shutil.rmtree(target)
+        for tp, m in staged.items():
+            out = work / f"tp{tp}"
+            secs, rss = run_child(stager_argv(source, out, tp))
+            m.seconds.append(secs)
+            m.peak_rss = max(m.peak_rss, rss)
+            shutil.rmtree(out)
+    return results
+
+
+def bench_rss(sizes: list[int], work: Path, tp: int) -> list[Measurement]:
+    rows = []
+    for size in sizes:
+        src = write_checkpoint(llama70b_scaled(size), work / f"rss-{size}")
+        m = Measurement(f"peak RSS, {human_bytes(dir_bytes(src))} source", nbytes=dir_bytes(src))
+        secs, m.peak_rss = run_child(stager_argv(src, work / f"rss-{size}-out", tp))
+        m.seconds.append(secs)
+        rows.append(m)
+        shutil.rmtree(src)
+        shutil.rmtree(work / f"rss-{size}-out")
+    return rows
+
+
+def bench_loading(artifact: Path, rank: int, repeats: int, cold: bool) -> list[Measurement]:
+    """Rank files into CPU tensors: raw read vs stock path vs the plugin's reader."""
+    files = sorted(artifact.glob(f"model-rank-{rank}-part-*.safetensors"))
+    size = sum(f.stat().st_size for f in files)
+    readers: dict[str, Callable[[list[Path]], None]] = {
+        "raw sequential read": _raw_read,
+        "vLLM stock path": _stock_read,
+    }
+    plugin = _plugin_read()
+    if plugin is not None:
+        readers["modelstage reader"] = plugin
+    rows = {name: Measurement(f"load rank {rank}: {name}", nbytes=size) for name in readers}
+    for _ in range(repeats):
+        for name, read in readers.items():
+            if cold:
+                drop_page_cache()
+            start = time.perf_counter()
+            read(files)
+            rows[name].seconds.append(time.perf_counter() - start)
+    return list(rows.values())
+
+
+def _raw_read(files: list[Path]) -> None:
+    buf = bytearray(16 * 1024 * 1024)
+    view = memoryview(buf)
+    for f in files:
+        with open(f, "rb", buffering=0) as fh:
+            while fh.readinto(view):
+                pass
+
+
+def _stock_read(files: list[Path]) -> None:
+    import torch
+    from safetensors import safe_open
+
+    for f in files:
+        with safe_open(f, framework="pt") as st:
+            for key in st.keys():  # noqa: SIM118 - safe_open has no __iter__
+                tensor = st.get_tensor(key)
+                param = torch.empty(tensor.shape, dtype=tensor.dtype)
+                param.copy_(tensor)
+
+
+def _plugin_read() -> Callable[[list[Path]], None] | None:
+    """The loader plugin's pipelined reader, when the serving side is installed."""
+    try:
+        from .plugin.reader import read_files_for_bench
+    except ImportError:
+        return None
+    return read_files_for_bench  # type: ignore[no-any-return]
+
+
+def table(rows: list[Measurement], baseline: Measurement) -> str:
+    lines = [f"{'measurement':44} {'median s':>9} {'GB/s':>7} {'x base':>7} {'peak RSS':>10}"]
+    for m in rows:
+        ratio = m.throughput / baseline.throughput if baseline.throughput else 0.0
+        rss = human_bytes(m.peak_rss) if m.peak_rss else "-"
+        lines.append(
+            f"{m.name:44} {m.median:9.3f} {m.throughput / 1e9:7.3f} {ratio:7.2f} {rss:>10}"
+        )
+    return "\n".join(lines)
+
+
+def chart(sections: dict[str, list[Measurement]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(sections), 1, figsize=(8, 2.2 * len(sections) + 0.5))
+    axes_list = axes if len(sections) > 1 else [axes]
+    for ax, (title, rows) in zip(axes_list, sections.items(), strict=True):
+        ax.barh([m.name for m in rows], [m.throughput / 1e9 for m in rows], color="#4878a8")
+        ax.set_title(title)
+        ax.set_xlabel("GB/s (median)")
+        ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def run_bench(
+    *,
+    size_gib: float,
+    tps: list[int],
+    repeats: int,
+    workdir: Path,
+    rss_gib: list[float],
+    cold: bool,
+    out: Path,
+) -> dict[str, Any]:
+    workdir.mkdir(parents=True, exist_ok=True)
+    log = sys.stderr
+    src = write_checkpoint(llama70b_scaled(int(size_gib * GIB)), workdir / "source")
+    print(f"bench: source {human_bytes(dir_bytes(src))} in {src}", file=log)
+    staging = bench_staging(src, workdir, tps, repeats)
+    print(table(staging, staging[0]), file=log)
+    artifact = workdir / "artifact"
+    run_child(stager_argv(src, artifact, max(tps)))
+    cache = "dropped before each read" if cold and drop_page_cache() else "warm"
+    loading = bench_loading(artifact, 0, repeats, cold and cache != "warm")
+    print(table(loading, loading[0]), file=log)
+    rss = bench_rss([int(g * GIB) for g in rss_gib], workdir, max(tps)) if rss_gib else []
+    if rss:
+        print(table(rss, rss[0]), file=log)
+    sections = {"staging vs cp + sync": staging, f"loading ({cache} page cache)": loading}
+    if rss:
+        sections["peak RSS"] = rss
+    out.mkdir(parents=True, exist_ok=True)
+    result = {
+        "source_bytes": dir_bytes(src),
+        "page_cache": cache,
+        "repeats": repeats,
+        "sections": {k: [asdict(m) | {"median": m.median, "throughput": m.throughput}
+                         for m in v] for k, v in sections.items()},
+    }  # fmt: skip
+    (out / "bench.json").write_text(json.dumps(result, indent=2) + "\n")
+    chart(sections, out / "bench.png")
+    shutil.rmtree(workdir / "artifact")
+    return {"json": str(out / "bench.json"), "png": str(out / "bench.png"),
+            "page_cache": cache}  # fmt: skip
