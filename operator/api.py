@@ -293,8 +293,16 @@ class Serving(Model):
 
 
 class Retention(Model):
+    """Which artifacts outlive their use. Artifacts are shared per namespace (content-
+    addressed), so one is deleted only when no ModelDeployment of the namespace keeps or
+    wants it."""
+
     keep: Annotated[int, Field(ge=1, le=10)] = 2
-    """Artifacts kept per ModelDeployment (the current one and ones to roll back to)."""
+    """Artifacts kept per ModelDeployment (the current one and ones to roll back to); older
+    ones are deleted by a clean-up Job."""
+    on_delete: Literal["Delete", "Retain"] = "Delete"
+    """When the ModelDeployment is deleted: ``Delete`` its artifacts (those no other
+    ModelDeployment keeps), or ``Retain`` them all on the storage."""
 
 
 class ModelDeploymentSpec(Model):
@@ -390,6 +398,9 @@ class ModelDeploymentStatus(Model):
     """The artifact served before the current rollout: the rollback target."""
     failed_digest: str | None = None
     """A digest whose rollout failed and was rolled back; not retried until the spec changes."""
+    artifacts: list[ArtifactStatus] = Field(default_factory=list)
+    """Artifacts this ModelDeployment staged or used, most recently used first: what
+    ``retention.keep`` counts and the clean-up deletes from."""
     conditions: list[Condition] = Field(default_factory=list)
 
     def condition(self, type_: ConditionType) -> Condition | None:

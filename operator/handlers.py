@@ -37,6 +37,7 @@ from .state import observe_job, pod_failures
 MD = (GROUP, VERSION, PLURAL)
 MANAGED = {"app.kubernetes.io/managed-by": "modelstage-operator"}
 STAGER = {**MANAGED, "app.kubernetes.io/component": "stager"}
+CLEANUP = {**MANAGED, "app.kubernetes.io/component": "cleanup"}
 CONFIG = OperatorConfig.from_env()
 """Read at import: the timer's interval is fixed when the handlers are registered."""
 
@@ -185,6 +186,28 @@ def stage_job_event(
         metrics.JOBS.set(namespace, name, observe_job(dict(body)).state)
     digest = labels.get(LABEL_DIGEST)
     _reconcile_matching(memo, kwargs, namespace, logger, lambda r: r.digest == digest)
+
+
+@kopf.on.event("batch", "v1", "jobs", labels=CLEANUP)
+def cleanup_job_event(
+    namespace: str | None, labels: kopf.Labels, memo: Any, logger: Logger, **kwargs: Any
+) -> None:
+    """A staging of the same location waits for its clean-up Job; this wakes it."""
+    digest = labels.get(LABEL_DIGEST)
+    _reconcile_matching(memo, kwargs, namespace, logger, lambda r: r.digest == digest)
+
+
+@kopf.on.delete(*MD)
+def modeldeployment_deleted(
+    namespace: str | None, name: str, body: kopf.Body, memo: Any, logger: Logger, **_: Any
+) -> None:
+    """The finalizer: clean up the artifacts only this ModelDeployment referenced (per
+    ``retention.onDelete``); the clean-up Jobs run on after the object is gone."""
+    assert namespace is not None
+    reconciler: Reconciler = memo.reconciler
+    plan = reconciler.release(namespace, name, dict(body), logger)
+    if plan is not None and plan.details:
+        logger.info(plan.details)
 
 
 @kopf.on.event("v1", "pods", labels=STAGER)

@@ -9,11 +9,14 @@ state machine reads the summary or the failure reason.
 
 from __future__ import annotations
 
+import hashlib
 import posixpath
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from .api import DEFAULT_STAGER_IMAGE, ModelDeploymentSpec, S3Connection
-from .artifact import ARTIFACT_MOUNT, ArtifactLocation, locate
+from .api import DEFAULT_STAGER_IMAGE, ArtifactStatus, ModelDeploymentSpec, S3Connection
+from .artifact import ARTIFACT_MOUNT, ArtifactLocation, locate, location_from_uri
 from .kube import (
     SCRATCH_DIR,
     SOURCE_MOUNT,
@@ -31,6 +34,7 @@ from .kube import (
     s3_credentials_env,
     secret_env,
 )
+from .state import JobState
 
 SCALE_OUT_FORMATS = frozenset({"sharded_state", "runai_streamer_sharded"})
 """Formats whose rank files an Indexed Job can write in parallel (tensor groups per pod)."""
@@ -40,6 +44,56 @@ HF_TOKEN_KEY = "HF_TOKEN"
 def stage_job_name(digest: str) -> str:
     """Deterministic: one Job per artifact and namespace."""
     return f"modelstage-stage-{digest}"
+
+
+def finalize_job_name(digest: str) -> str:
+    """The scale-out finalize Job of an artifact; as deterministic as the stage Job's."""
+    return f"modelstage-finalize-{digest}"
+
+
+def scale_out_workers(spec: ModelDeploymentSpec) -> int:
+    """Pods of the stage Job: ``stager.parallelism`` for the per-rank formats, else 1."""
+    return spec.stager.parallelism if spec.load_format in SCALE_OUT_FORMATS else 1
+
+
+@dataclass(frozen=True)
+class StagingStep:
+    """Which of an artifact's staging Jobs to create next, and which one to follow."""
+
+    create: str | None
+    """A Job to create (the next one in order that does not exist yet)."""
+    follow: str | None
+    """The Job whose state is staging's state (running, failed, or the last one done)."""
+
+
+def staging_step(names: Sequence[str], states: Mapping[str, JobState]) -> StagingStep:
+    """Walk the Jobs in order (stage, then finalize when scaled out): create the first one
+    missing once every earlier one succeeded; otherwise follow the first one not succeeded,
+    or the last one. Pure: ``states`` holds the Jobs that exist."""
+    for i, name in enumerate(names):
+        state = states.get(name)
+        if state is None:
+            return StagingStep(create=name, follow=None)
+        if state != "Succeeded" or i == len(names) - 1:
+            return StagingStep(create=None, follow=name)
+    raise ValueError("no staging Jobs")
+
+
+def staging_jobs(
+    spec: ModelDeploymentSpec,
+    *,
+    owner: Owner,
+    digest: str,
+    default_image: str = DEFAULT_STAGER_IMAGE,
+) -> list[Manifest]:
+    """The Jobs that stage ``digest``, in order: the stage Job, and when it is an Indexed Job
+    (``stager.parallelism`` > 1) the small finalize Job that checks and publishes its parts."""
+    jobs = [plan_stage_job(spec, owner=owner, digest=digest, default_image=default_image)]
+    if scale_out_workers(spec) > 1:
+        jobs.append(
+            plan_finalize_job(spec, owner=owner, digest=digest, default_image=default_image)
+        )
+    return jobs
 
 
 def _source(spec: ModelDeploymentSpec) -> tuple[list[str], list[Manifest], list[Manifest]]:
@@ -102,12 +156,16 @@ def _destination(location: ArtifactLocation) -> tuple[list[Manifest], list[Manif
     return [volume], [{"name": VOLUME_ARTIFACTS, "mountPath": ARTIFACT_MOUNT}]
 
 
-def stager_command(spec: ModelDeploymentSpec, location: ArtifactLocation) -> list[str]:
-    """``modelstage stage SOURCE --tp N ... --out DEST`` exactly as the stager CLI takes it."""
+def stager_command(
+    spec: ModelDeploymentSpec, location: ArtifactLocation, subcommand: str = "stage"
+) -> list[str]:
+    """``modelstage stage SOURCE --tp N ... --out DEST`` exactly as the stager CLI takes it
+    (``finalize`` takes the same arguments). An Indexed Job's pods find their group in
+    ``JOB_COMPLETION_INDEX`` and ``MODELSTAGE_WORKERS`` (the stager's ``--group`` default)."""
     source, _, _ = _source(spec)
     command = [
         "modelstage",
-        "stage",
+        subcommand,
         source[0],
         "--tp",
         str(spec.parallelism.tensor),
@@ -138,12 +196,30 @@ def plan_stage_job(
     default_image: str = DEFAULT_STAGER_IMAGE,
 ) -> Manifest:
     """The Job that stages ``digest`` for ``spec``; pure, deterministic."""
+    return _plan_job(spec, owner, digest, default_image, finalize=False)
+
+
+def plan_finalize_job(
+    spec: ModelDeploymentSpec,
+    *,
+    owner: Owner,
+    digest: str,
+    default_image: str = DEFAULT_STAGER_IMAGE,
+) -> Manifest:
+    """One pod, the stage Job's volumes and arguments, ``modelstage finalize``: it reads the
+    source's config and headers (not its weights), checks every part and publishes."""
+    return _plan_job(spec, owner, digest, default_image, finalize=True)
+
+
+def _plan_job(
+    spec: ModelDeploymentSpec, owner: Owner, digest: str, default_image: str, *, finalize: bool
+) -> Manifest:
     location = locate(spec, namespace=owner.namespace, deployment_name=owner.name, digest=digest)
     _, source_volumes, source_mounts = _source(spec)
     dest_volumes, dest_mounts = _destination(location)
     connection = s3_connection(spec)
     stager = spec.stager
-    workers = stager.parallelism if spec.load_format in SCALE_OUT_FORMATS else 1
+    workers = 1 if finalize else scale_out_workers(spec)
     job_labels = labels("stager", owner.name, digest)
 
     env: list[Manifest] = [
@@ -159,7 +235,7 @@ def plan_stage_job(
         "name": "stager",
         "image": stager.image or default_image,
         "imagePullPolicy": "IfNotPresent",
-        "command": stager_command(spec, location),
+        "command": stager_command(spec, location, "finalize" if finalize else "stage"),
         "env": env,
         "volumeMounts": [
             {"name": VOLUME_SCRATCH, "mountPath": SCRATCH_DIR},
@@ -201,7 +277,7 @@ def plan_stage_job(
         "apiVersion": "batch/v1",
         "kind": "Job",
         "metadata": {
-            "name": stage_job_name(digest),
+            "name": finalize_job_name(digest) if finalize else stage_job_name(digest),
             "namespace": owner.namespace,
             "labels": job_labels,
             "annotations": {
@@ -211,4 +287,78 @@ def plan_stage_job(
             "ownerReferences": [owner.reference()],
         },
         "spec": job_spec,
+    }
+
+
+CLEANUP_TTL_SECONDS = 600
+"""A finished clean-up Job goes away by itself: it has no owner (its ModelDeployment may be
+gone) and a later delete of the same location needs the name again."""
+
+
+def cleanup_job_name(digest: str, uri: str) -> str:
+    """Deterministic per location (digest + a hash of the URI: one digest may sit on two
+    storages)."""
+    where = hashlib.sha256(uri.encode()).hexdigest()[:8]
+    return f"modelstage-delete-{digest}-{where}"
+
+
+def plan_cleanup_job(
+    artifact: ArtifactStatus,
+    *,
+    namespace: str,
+    owner_name: str,
+    connection: S3Connection | None,
+    image: str,
+) -> Manifest | None:
+    """A one-pod Job running ``modelstage delete`` on one artifact: it mounts the artifact's
+    claim (read from its ``pvc://`` URI), or reaches its S3 prefix with ``connection`` (the
+    spec's storage.s3: credentials by Secret reference). None when an S3 artifact's
+    connection is unknown (the spec moved to other storage): it is left, not guessed at."""
+    location = location_from_uri(artifact.uri, artifact.digest)
+    if not location.on_pvc and connection is None:
+        return None
+    volumes, mounts = _destination(location)
+    s3 = None if location.on_pvc else connection
+    job_labels = labels("cleanup", owner_name, artifact.digest)
+    command = ["modelstage", "delete", "--artifact", location.path, "--digest", artifact.digest]
+    container: Manifest = {
+        "name": "cleanup",
+        "image": image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": command + _s3_flags(s3),
+        "env": [
+            {"name": "HOME", "value": SCRATCH_DIR},
+            *(s3_credentials_env(s3.credentials_secret) if s3 else []),
+        ],
+        "volumeMounts": [
+            {"name": VOLUME_SCRATCH, "mountPath": SCRATCH_DIR},
+            *mounts,
+            *ca_mount(s3),
+        ],
+        "securityContext": container_security_context(),
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {
+            "name": cleanup_job_name(artifact.digest, artifact.uri),
+            "namespace": namespace,
+            "labels": job_labels,
+            "annotations": {"modelstage.io/artifact-uri": artifact.uri},
+        },
+        "spec": {
+            "backoffLimit": 3,
+            "ttlSecondsAfterFinished": CLEANUP_TTL_SECONDS,
+            "template": {
+                "metadata": {"labels": job_labels},
+                "spec": {
+                    "restartPolicy": "Never",
+                    "automountServiceAccountToken": False,
+                    "securityContext": pod_security_context(),
+                    "containers": [container],
+                    "volumes": [{"name": VOLUME_SCRATCH, "emptyDir": {}}, *volumes, *ca_volume(s3)],
+                },
+            },
+        },
     }

@@ -123,6 +123,17 @@ class KubeClient:
                 return None
             raise
 
+    def delete(self, path: str) -> bool:
+        """Deletes with background propagation (a Job's pods go too); False when it was
+        already gone."""
+        try:
+            self._call("DELETE", path, query={"propagationPolicy": "Background"})
+        except ApiException as error:
+            if error.status == 404:
+                return False
+            raise
+        return True
+
     def merge_patch(self, path: str, patch: Manifest) -> Manifest:
         """Sends a JSON merge patch; ``Conflict`` when its resourceVersion precondition is stale."""
         try:

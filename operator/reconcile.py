@@ -1,7 +1,7 @@
 """One reconciliation of one ModelDeployment: read the cluster, ask ``decide``, execute.
 
 Plan, then execute (STYLE.md): everything this module decides comes from the planners
-(``decide``, ``plan_stage_job``, ``plan_claim``, ``plan_rollout``); it only reads the objects they
+(``decide``, ``staging_jobs``, ``plan_claim``, ``plan_rollout``); it only reads the objects they
 need and sends what they return. Nothing is kept in memory between calls, so a restarted
 operator continues from what the cluster says.
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -35,10 +35,18 @@ from . import metrics
 from .api import API_VERSION, PLURAL, ModelDeploymentSpec, ModelDeploymentStatus, TargetRef
 from .artifact import Artifact, artifact_for, artifact_from_status
 from .claim_plan import plan_claim
-from .job_plan import plan_stage_job, stage_job_name
+from .job_plan import (
+    cleanup_job_name,
+    finalize_job_name,
+    plan_cleanup_job,
+    stage_job_name,
+    staging_jobs,
+    staging_step,
+)
 from .kube import LABEL_DIGEST, Manifest, Owner
 from .kube_client import Conflict, KubeClient, resource_path
 from .patch import merge_diff
+from .retention import Holder, RetentionPlan, plan_release, plan_retention, remember
 from .rollout_plan import plan_rollout
 from .state import (
     Action,
@@ -55,6 +63,8 @@ from .state import (
 from .validation import Finding, validate_spec, validate_workload
 
 STAGER_SELECTOR = {"app.kubernetes.io/component": "stager"}
+JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
+"""Set by the Job controller on its pods: tells the stage Job's pods from finalize's."""
 WORKLOAD_PLURALS = {"Deployment": "deployments", "StatefulSet": "statefulsets"}
 CONFLICT_ATTEMPTS = 3
 EventFn = Callable[[Manifest, str, str, str], None]
@@ -152,6 +162,7 @@ class Reconciler:
 
         workload: Manifest | None = None
         job: JobObservation | None = None
+        next_job: Manifest | None = None
         observed_workload: WorkloadObservation | None = None
         if spec is not None:
             findings += validate_spec(spec)
@@ -175,7 +186,10 @@ class Reconciler:
                 spec, workload, namespace=namespace, deployment_name=name, claim=claim
             )
             if desired is not None:
-                job = self._observe_job(namespace, desired.digest)
+                jobs = staging_jobs(
+                    spec, owner=owner, digest=desired.digest, default_image=self.stager_image
+                )
+                job, next_job = self._observe_jobs(namespace, desired.digest, jobs)
             if workload is not None:
                 observed_workload = self._observe_workload(namespace, workload)
 
@@ -187,6 +201,8 @@ class Reconciler:
             findings=tuple(findings),
         )
         decision = decide(desired, status, observed)
+        if spec is not None:
+            decision = self._retain(spec, namespace, name, desired, decision, body, logger)
         outcome = Outcome(decision, invalid=invalid)
 
         # 1. The status, first (see the module docstring).
@@ -207,7 +223,8 @@ class Reconciler:
 
         # 2. The action.
         if decision.action is Action.CREATE_JOB and spec is not None and desired is not None:
-            outcome.job_created = self._create_job(spec, owner, desired, body, logger)
+            assert next_job is not None
+            outcome.job_created = self._create_job(spec, owner, desired, next_job, body, logger)
         elif decision.action in (Action.ROLL_OUT, Action.ROLL_BACK):
             assert spec is not None and workload is not None and decision.artifact is not None
             plan = plan_rollout(
@@ -236,18 +253,148 @@ class Reconciler:
                     )
         return outcome
 
-    def _observe_job(self, namespace: str, digest: str) -> JobObservation | None:
-        job = self.kube.get(resource_path("batch/v1", "jobs", namespace, stage_job_name(digest)))
-        if job is None:
-            return None
+    def _holders(self, namespace: str, exclude: str) -> list[Holder]:
+        """Every other ModelDeployment of the namespace, as retention counts references."""
+        holders = []
+        for body in self.kube.list(md_path(namespace)):
+            if body["metadata"]["name"] == exclude:
+                continue
+            status = ModelDeploymentStatus.model_validate(body.get("status") or {})
+            try:
+                spec = ModelDeploymentSpec.model_validate(body.get("spec") or {})
+                wants = artifact_for(
+                    spec, namespace=namespace, deployment_name=body["metadata"]["name"]
+                ).location.uri
+                holders.append(Holder(status, spec.retention.keep, wants))
+            except (ValidationError, SpecError):  # unknown intent: it keeps all it has
+                holders.append(Holder(status, len(status.artifacts)))
+        return holders
+
+    def _retain(
+        self,
+        spec: ModelDeploymentSpec,
+        namespace: str,
+        name: str,
+        desired: Artifact | None,
+        decision: Decision,
+        body: Manifest,
+        logger: logging.Logger | logging.LoggerAdapter[Any],
+    ) -> Decision:
+        """Retention, before the status write: the clean-up Jobs first (by deterministic
+        names, so a rerun after a conflict or a crash finds them), then the trimmed history
+        goes out with the status."""
+        status = remember(decision.status)
+        wants = desired.location.uri if desired is not None else None
+        own = Holder(status, spec.retention.keep, wants)
+        if not status.artifacts[spec.retention.keep :]:
+            return replace(decision, status=status)
+        holders = self._holders(namespace, exclude=name)
+        plan = plan_retention(own, holders)
+        self._clean_up(spec, namespace, name, plan, [own, *holders], body, logger)
+        return replace(decision, status=status.model_copy(update={"artifacts": list(plan.history)}))
+
+    def release(
+        self,
+        namespace: str,
+        name: str,
+        body: Manifest,
+        logger: logging.Logger | logging.LoggerAdapter[Any],
+    ) -> RetentionPlan | None:
+        """The ModelDeployment is being deleted (its finalizer): clean up every artifact it
+        referenced that no other ModelDeployment references, unless ``onDelete: Retain``.
+        None when nothing is to be done."""
+        with self._lock(namespace, name):
+            status = ModelDeploymentStatus.model_validate(body.get("status") or {})
+            try:
+                spec = ModelDeploymentSpec.model_validate(body.get("spec") or {})
+            except ValidationError:
+                logger.info("invalid spec: artifacts of %s are retained", name)
+                return None
+            if spec.retention.on_delete == "Retain":
+                logger.info("retention.onDelete is Retain: artifacts stay on the storage")
+                return None
+            holders = self._holders(namespace, exclude=name)
+            plan = plan_release(Holder(status, 0), holders)
+            self._clean_up(spec, namespace, name, plan, holders, body, logger)
+            return plan
+
+    def _clean_up(
+        self,
+        spec: ModelDeploymentSpec,
+        namespace: str,
+        name: str,
+        plan: RetentionPlan,
+        holders: list[Holder],
+        body: Manifest,
+        logger: logging.Logger | logging.LoggerAdapter[Any],
+    ) -> None:
+        """A clean-up Job per artifact to delete; then the artifact's staging Jobs go, unless
+        some ModelDeployment still wants that digest (their names carry only the digest),
+        so that asking for it again stages it again instead of finding an old success."""
+        wanted = {h.wants.rstrip("/").rsplit("/", 1)[-1] for h in holders if h.wants}
+        for artifact in plan.delete:
+            connection = spec.storage.s3 if artifact.uri.startswith("s3://") else None
+            job = plan_cleanup_job(
+                artifact,
+                namespace=namespace,
+                owner_name=name,
+                connection=connection,
+                image=spec.stager.image or self.stager_image,
+            )
+            if job is None:
+                message = (
+                    f"artifact {artifact.digest} ({artifact.uri}) is let go, but the spec no "
+                    "longer names its S3 connection: delete it by hand"
+                )
+                logger.warning(message)
+                self.post_event(body, "Warning", "ArtifactLeft", message)
+                continue
+            if self.kube.create(resource_path("batch/v1", "jobs", namespace), job) is not None:
+                message = (
+                    f"deleting artifact {artifact.digest} ({artifact.uri}): Job "
+                    + (job["metadata"]["name"])
+                )
+                logger.info(message, extra={"digest": artifact.digest})
+                self.post_event(body, "Normal", "ArtifactDeleted", message)
+            if artifact.digest not in wanted:
+                for job_name in (
+                    stage_job_name(artifact.digest),
+                    finalize_job_name(artifact.digest),
+                ):
+                    self.kube.delete(resource_path("batch/v1", "jobs", namespace, job_name))
+        for artifact in plan.released:
+            logger.info("artifact %s let go; another ModelDeployment keeps it", artifact.digest)
+
+    def _observe_jobs(
+        self, namespace: str, digest: str, planned: list[Manifest]
+    ) -> tuple[JobObservation | None, Manifest | None]:
+        """(the observation of the Job staging follows, the Job to create next); see
+        ``staging_step``: the stage Job, then for a scaled-out artifact its finalize Job."""
+        found: dict[str, Manifest] = {}
+        for manifest in planned:
+            name = manifest["metadata"]["name"]
+            job = self.kube.get(resource_path("batch/v1", "jobs", namespace, name))
+            if job is None:
+                break
+            found[name] = job
+        step = staging_step(
+            [j["metadata"]["name"] for j in planned],
+            {name: observe_job(job).state for name, job in found.items()},
+        )
+        if step.create is not None:
+            return None, next(j for j in planned if j["metadata"]["name"] == step.create)
+        assert step.follow is not None
+        job = found[step.follow]
         state = observe_job(job).state
         if state == "Running":
-            return observe_job(job)
+            return observe_job(job), None
         pods = self.kube.list(
             resource_path("v1", "pods", namespace),
             label_selector={**STAGER_SELECTOR, LABEL_DIGEST: digest},
         )
-        return observe_job(job, termination_message(pods, success=state == "Succeeded"))
+        own = [p for p in pods if (p["metadata"].get("labels") or {}).get(JOB_NAME_LABEL)
+               in (None, step.follow)]  # fmt: skip
+        return observe_job(job, termination_message(own, success=state == "Succeeded")), None
 
     def _observe_workload(self, namespace: str, workload: Manifest) -> WorkloadObservation:
         digest = observe_workload(workload).digest
@@ -263,17 +410,30 @@ class Reconciler:
         spec: ModelDeploymentSpec,
         owner: Owner,
         desired: Artifact,
+        job: Manifest,
         body: Manifest,
         logger: logging.Logger | logging.LoggerAdapter[Any],
     ) -> bool:
+        if job["metadata"]["name"] == stage_job_name(desired.digest):
+            cleanup_path = resource_path(
+                "batch/v1",
+                "jobs",
+                owner.namespace,
+                cleanup_job_name(desired.digest, desired.location.uri),
+            )
+            cleanup = self.kube.get(cleanup_path)
+            if cleanup is not None and observe_job(cleanup).state == "Running":
+                # Staging now would race the delete of the same location; the clean-up
+                # Job's events reconcile this ModelDeployment again when it ends.
+                logger.info("waiting for clean-up Job %s first", cleanup["metadata"]["name"])
+                return False
+            if cleanup is not None:
+                self.kube.delete(cleanup_path)
         claim = plan_claim(spec, owner=owner)
         if claim is not None:
             path = resource_path("v1", "persistentvolumeclaims", owner.namespace)
             if self.kube.create(path, claim) is not None:
                 logger.info("created PersistentVolumeClaim %s", claim["metadata"]["name"])
-        job = plan_stage_job(
-            spec, owner=owner, digest=desired.digest, default_image=self.stager_image
-        )
         created = self.kube.create(resource_path("batch/v1", "jobs", owner.namespace), job)
         name = job["metadata"]["name"]
         if created is None:

@@ -149,7 +149,12 @@ def _s3_serving_env(artifact: Artifact, connection: S3Connection | None) -> list
         env.append({"name": "AWS_CA_BUNDLE", "value": ca})
     env += s3_credentials_env(conn.credentials_secret)
     if artifact.load_format == "tensorizer":
-        # vLLM's tensorizer reads S3 settings from its own variables (vllm/envs.py).
+        # vLLM's tensorizer reads S3 settings from its own variables (vllm/envs.py). vLLM 0.32
+        # does not hand those to tensorizer's open_stream, though: tensorizer then takes the
+        # endpoint from AWS_ENDPOINT_URL and boto3 the credentials from AWS_* (both above),
+        # and it downloads with the curl binary, which trusts a CA only via CURL_CA_BUNDLE.
+        if ca:
+            env.append({"name": "CURL_CA_BUNDLE", "value": ca})
         if conn.endpoint:
             env.append({"name": "S3_ENDPOINT_URL", "value": conn.endpoint})
         if conn.credentials_secret:

@@ -160,6 +160,23 @@ def _add_prepare_parser(sub: Any) -> None:
 # --- end prepare -----------------------------------------------------------------------------
 
 
+# --- delete (issue 5: the operator's clean-up Job) -------------------------------------------
+def _delete(args: argparse.Namespace) -> dict[str, Any]:
+    """Remove one artifact, manifest first (delete.py)."""
+    from .delete import delete_artifact
+
+    s3 = _s3_options(args) if args.artifact.startswith("s3://") else None
+    return delete_artifact(args.artifact, digest=args.digest, s3=s3)
+
+
+def _add_delete_parser(sub: Any) -> None:
+    de = sub.add_parser("delete", help="delete one artifact (manifest first); idempotent")
+    de.add_argument("--artifact", required=True, help="artifact directory or s3://BUCKET/PREFIX/")
+    de.add_argument("--digest", help="refuse unless the location is this artifact")
+    _add_s3_options(de)
+    de.set_defaults(run=_delete)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="modelstage", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -222,6 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     de.set_defaults(run=_demo)
 
     _add_prepare_parser(sub)  # issue 9
+    _add_delete_parser(sub)  # issue 5
     _add_bench_parser(sub)
     return parser
 

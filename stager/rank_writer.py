@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Container, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
@@ -22,7 +22,7 @@ from .checkpoint import Checkpoint
 from .layouts import Layout
 from .progress import Progress
 from .safetensors_format import encode_header
-from .shard_plan import ShardPlan, Slot, TargetTensor
+from .shard_plan import NON_LAYER_GROUP, ShardPlan, Slot, TargetTensor
 
 CHUNK_BYTES = 32 * 1024 * 1024
 POOL_BUFFERS = 4
@@ -49,16 +49,29 @@ Completed = Callable[[str, int], tuple[int, str] | None]
 
 
 def plan_parts(plan: ShardPlan, max_part_bytes: int) -> list[list[TargetTensor]]:
-    """Split a rank's tensors into part files of at most ``max_part_bytes`` (one if larger)."""
-    parts: list[list[TargetTensor]] = [[]]
+    """Split a rank's tensors into part files of at most ``max_part_bytes`` (one if larger).
+
+    Parts are cut only between whole *groups* (``TargetTensor.group``: one decoder layer, or
+    embeddings + final norm + head together), packed in group order, non-layer group first;
+    inside a part the tensors keep the plan's order (so a one-part rank is the plan itself).
+    The layout is a function of the plan and ``max_part_bytes`` alone, never of how many
+    workers write it: that is what makes an n-way staged artifact byte-identical to a 1-way
+    one, and a fused tensor is one target, so it never spans two files.
+    """
+    units: dict[int, list[int]] = {}
+    for i, target in enumerate(plan.targets):
+        units.setdefault(target.group, []).append(i)
+    order = sorted(units, key=lambda g: g != NON_LAYER_GROUP)  # stable: layers keep their order
+    parts: list[list[int]] = [[]]
     size = 0
-    for target in plan.targets:
-        if parts[-1] and size + target.nbytes > max_part_bytes:
+    for group in order:
+        nbytes = sum(plan.targets[i].nbytes for i in units[group])
+        if parts[-1] and size + nbytes > max_part_bytes:
             parts.append([])
             size = 0
-        parts[-1].append(target)
-        size += target.nbytes
-    return parts
+        parts[-1].extend(units[group])
+        size += nbytes
+    return [[plan.targets[i] for i in sorted(part)] for part in parts]
 
 
 def rank_file_names(layout: Layout, tp: int, parts: int) -> list[list[str]]:
@@ -74,17 +87,21 @@ def write_rank_files(
     open_sink: OpenSink,
     progress: Progress,
     completed: Completed | None = None,
+    only: Container[int] | None = None,
 ) -> dict[str, tuple[int, str]]:
     """Write every rank's part files; returns {file name: (size, sha256)}.
 
     ``completed`` names files an earlier run already wrote (a resumed S3 upload): a part
     whose files are all complete is not read at all; in a partly complete part the complete
-    ranks' bytes are dropped instead of written again.
+    ranks' bytes are dropped instead of written again. ``only`` restricts the run to those
+    part indices (a scale-out worker's share, see ``scale_out.py``).
     """
     parts = plan_parts(plan, layout.max_part_bytes)
     names = rank_file_names(layout, plan.tp, len(parts))
     results: dict[str, tuple[int, str]] = {}
     for p, part in enumerate(parts):
+        if only is not None and p not in only:
+            continue
         header, _ = encode_header([(t.name, t.dtype, t.shape) for t in part], PART_METADATA)
         size = len(header) + sum(t.nbytes for t in part)
         done = [completed(names[r][p], size) if completed else None for r in range(plan.tp)]

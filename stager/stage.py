@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import hashlib
 import json
@@ -16,7 +17,7 @@ from .destinations.local import LocalDestination
 from .digest import artifact_digest
 from .errors import SpecError
 from .hf_layout import copy_weight_files, small_files
-from .layouts import layout_for
+from .layouts import Layout, layout_for
 from .manifest import FileEntry, Manifest
 from .progress import Progress
 from .rank_writer import write_rank_files
@@ -24,8 +25,8 @@ from .s3_client import S3Options
 from .shard_plan import plan_shards
 from .sources import open_source
 
-FORMATS = ("sharded_state", "runai_streamer_sharded", "runai_streamer")
-"""Formats this stager can write; tensorizer registers here when it lands.
+FORMATS = ("sharded_state", "runai_streamer_sharded", "runai_streamer", "tensorizer")
+"""Formats this stager can write; ``tensorizer`` (one file per rank) is tensorizer_writer.py.
 
 The format names the vLLM loader, the ``--out`` URI the destination: ``s3://`` is an S3
 prefix, anything else a local directory (a mounted PVC). ``runai_streamer_sharded`` writes
@@ -58,6 +59,9 @@ class StageRequest:
     """A mounted Secret holding a Hub token for ``hf://`` sources (default: ``HF_TOKEN``)."""
     cache_dir: str | None = None
     """The hub cache ``hf://`` sources download into (default: ``HF_HUB_CACHE``)."""
+    max_part_bytes: int | None = None
+    """Largest part file per rank (default: the layout's). It shapes the bytes: every
+    worker and the finalize step of one artifact must use the same value."""
 
 
 def modelstage_version() -> str:
@@ -65,6 +69,16 @@ def modelstage_version() -> str:
         return version("modelstage")
     except PackageNotFoundError:
         return "0+unknown"
+
+
+def request_layout(req: StageRequest) -> Layout:
+    """The layout to write, with the request's part size when it sets one."""
+    layout = layout_for(req.vllm_version)
+    if req.max_part_bytes is None:
+        return layout
+    if req.max_part_bytes < 1:
+        raise SpecError(f"--max-part-bytes must be positive, not {req.max_part_bytes}")
+    return dataclasses.replace(layout, max_part_bytes=req.max_part_bytes)
 
 
 def request_digest(req: StageRequest) -> str:
@@ -125,7 +139,7 @@ def stage(req: StageRequest, *, progress_stream: TextIO | None = None) -> dict[s
             "runai_streamer copies the checkpoint as it is; use --dtype auto (vLLM casts at "
             "load time with its own --dtype) or a per-rank format"
         )
-    layout = layout_for(req.vllm_version)
+    layout = request_layout(req)
     digest = request_digest(req)
     dest = open_destination(req)
     existing = dest.existing()
@@ -150,6 +164,16 @@ def stage(req: StageRequest, *, progress_stream: TextIO | None = None) -> dict[s
                 files = write_rank_files(
                     plan, checkpoint, layout, dest.open_sink, progress, dest.completed
                 )
+                carried = checkpoint.carried_over
+            elif req.format == "tensorizer":
+                from .tensorizer_writer import spool_dir_for, write_tensorizer_files
+
+                progress = Progress(checkpoint.weight_bytes, len(plan.targets), label=label,
+                                    stream=progress_stream)  # fmt: skip
+                files = write_tensorizer_files(
+                    plan, checkpoint, dest.open_sink, progress, dest.completed,
+                    tied=checkpoint.model.tie_word_embeddings, spool_dir=spool_dir_for(req.out),
+                )  # fmt: skip
                 carried = checkpoint.carried_over
             else:
                 progress = Progress(

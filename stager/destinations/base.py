@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 
+from ..errors import SpecError
 from ..manifest import Manifest
 from ..rank_writer import Sink
 
@@ -33,6 +34,22 @@ class Destination(abc.ABC):
         """(size, sha256) of ``name`` when an earlier run with this run key already wrote
         it completely, so it need not be written again; None means write it."""
         return None
+
+    # -- scale-out (scale_out.py): several workers write parts, one finalize step commits ---
+
+    def begin_shared(self, run_key: str, *, finalize: bool = False) -> None:
+        """Join the work area that every worker of ``run_key`` shares (or, with ``finalize``,
+        take it over once they are done). Parts a worker finishes stay there, complete, for
+        a rerun to reuse and for the finalize step to check."""
+        raise SpecError(f"{self.uri}: this destination cannot be staged by several workers")
+
+    def check_part(self, name: str, size: int) -> tuple[int, str]:
+        """Finalize: (size, sha256) of a part a worker finished; ArtifactError otherwise."""
+        raise SpecError(f"{self.uri}: this destination cannot be staged by several workers")
+
+    @abc.abstractmethod
+    def release(self) -> None:
+        """A worker is done: leave the shared work area to the others and to finalize."""
 
     @abc.abstractmethod
     def open_sink(self, name: str, size: int) -> Sink: ...

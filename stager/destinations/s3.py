@@ -370,6 +370,31 @@ class S3Destination(Destination):
             self.call(lambda u=upload: client.abort_multipart_upload(
                 Bucket=bucket, Key=u["Key"], UploadId=u["UploadId"]), upload["Key"])  # fmt: skip
 
+    def begin_shared(self, run_key: str, *, finalize: bool = False) -> None:
+        """Workers write their objects under the prefix itself, like one stager does; unlike
+        ``begin`` a worker must not abort multipart uploads, which may be another worker's.
+        The finalize step runs when every worker is done, so it aborts leftovers."""
+        if finalize:
+            self.begin(run_key)
+            return
+        self.run_key = run_key
+        self._present = self._list()
+
+    def check_part(self, name: str, size: int) -> tuple[int, str]:
+        """A part is complete when its object has this run's key, the size and a sha256
+        (S3 shows an object only once whole; the sha256 was computed from its bytes)."""
+        found = self.completed(name, size)
+        if found is None:
+            state = "has the wrong size or run" if name in self._present else "is missing"
+            raise ArtifactError(
+                f"{self.uri_of(name)} {state} (expected {size} bytes from this run); rerun "
+                "the worker that owns it (`modelstage stage --group i/n`), then finalize again"
+            )
+        return found
+
+    def release(self) -> None:
+        self._shutdown()
+
     def completed(self, name: str, size: int) -> tuple[int, str] | None:
         """(size, sha256) of an object an earlier run of this run key finished, else None."""
         if self._present.get(name) != size:

@@ -81,7 +81,11 @@ class ModelstageLoader(BaseModelLoader):
         record = self._begin(model_config)
         if self.per_rank:
             keep_tied_embeddings(model_config)
-        model: nn.Module = super().load_model(vllm_config, model_config, prefix)
+        try:
+            model: nn.Module = super().load_model(vllm_config, model_config, prefix)
+        except BaseException:
+            self._record = self._verified = None  # a later load_weights starts afresh
+            raise
         ended = time.perf_counter()
         record.seconds["post_process"] = ended - (self._weights_done or ended)
         record.seconds["total"] = ended - started

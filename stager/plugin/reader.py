@@ -322,3 +322,20 @@ def staging_for(info: TensorInfo, dest: torch.Tensor) -> Target:
         dest.copy_(staging.view(TORCH_DTYPES[info.dtype]).reshape(info.shape))
 
     return Target(staging, finish)
+
+
+def read_files_for_bench(files: Sequence[Path]) -> None:
+    """``modelstage bench``'s plugin row: the rank files into fresh host tensors, through the
+    reader with its default settings; what the stock row does with ``safe_open``."""
+    from ..safetensors_format import read_local_header
+    from .settings import DEFAULT_CHUNK_MIB, DEFAULT_DEPTH
+
+    headers = [(Path(f), read_local_header(Path(f))) for f in files]
+    reader = PipelinedReader(
+        chunk_bytes=DEFAULT_CHUNK_MIB * 1024 * 1024, depth=DEFAULT_DEPTH, device=torch.device("cpu")
+    )
+
+    def fresh(info: TensorInfo) -> Target:
+        return Target(flat_bytes(torch.empty(info.shape, dtype=TORCH_DTYPES[info.dtype])))
+
+    reader.read(headers, fresh)

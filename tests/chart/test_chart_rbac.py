@@ -30,7 +30,13 @@ Triple = tuple[str, str, str]
 """(API group, resource[/subresource], verb)."""
 
 OPERATOR = ROOT / "operator"
-CLIENT_VERBS = {"get": "get", "list": "list", "create": "create", "merge_patch": "patch"}
+CLIENT_VERBS = {
+    "get": "get",
+    "list": "list",
+    "create": "create",
+    "merge_patch": "patch",
+    "delete": "delete",
+}
 WATCH_DECORATORS = {"event", "index", "create", "update", "resume", "delete", "field", "timer", "daemon"}  # fmt: skip
 CHANGE_HANDLERS = {"create", "update", "resume", "delete", "field", "timer", "daemon"}
 """kopf stores progress and the diff base in annotations of the object: it patches it."""

@@ -97,7 +97,7 @@ def test_minimal_spec_gets_the_documented_defaults() -> None:
         "vllmVersion": "0.32",
         "plugin": True,
     }
-    assert wire["retention"] == {"keep": 2}
+    assert wire["retention"] == {"keep": 2, "onDelete": "Delete"}
     assert wire["stager"]["backoffLimit"] == 2
 
 

@@ -10,7 +10,14 @@ import kubernetes_validate
 import pytest
 from modelstage.operator.api import ModelDeploymentSpec
 from modelstage.operator.artifact import ARTIFACT_MOUNT, spec_digest
-from modelstage.operator.job_plan import plan_stage_job, stage_job_name
+from modelstage.operator.job_plan import (
+    StagingStep,
+    finalize_job_name,
+    plan_stage_job,
+    stage_job_name,
+    staging_jobs,
+    staging_step,
+)
 from modelstage.operator.kube import Owner
 
 SpecFactory = Callable[..., ModelDeploymentSpec]
@@ -245,3 +252,72 @@ def test_job_manifest_passes_kubernetes_schema(
     kubernetes_validate.validate(
         plan(make_spec(**overrides)), kubernetes_validate.latest_version(), strict=True
     )
+
+
+# -- scale-out: the Indexed Job, then the finalize Job ------------------------------------------
+
+
+def jobs(spec: ModelDeploymentSpec) -> list[dict[str, Any]]:
+    return staging_jobs(spec, owner=OWNER, digest=spec_digest(spec))
+
+
+def test_one_pod_staging_is_one_job(make_spec: SpecFactory) -> None:
+    assert [j["metadata"]["name"] for j in jobs(make_spec())] == [
+        stage_job_name(spec_digest(make_spec()))
+    ]
+
+
+def test_scaled_out_staging_is_the_indexed_job_then_a_finalize_job_with_its_arguments(
+    make_spec: SpecFactory,
+) -> None:
+    spec = make_spec(stager={"parallelism": 4})
+    digest = spec_digest(spec)
+    stage_job, final = jobs(spec)
+    assert final["metadata"]["name"] == finalize_job_name(digest) == f"modelstage-finalize-{digest}"
+    assert len(final["metadata"]["name"]) <= 63
+    assert "completionMode" not in final["spec"] and "MODELSTAGE_WORKERS" not in env(final)
+    stage_cmd, final_cmd = container(stage_job)["command"], container(final)["command"]
+    assert stage_cmd[:2] == ["modelstage", "stage"] and final_cmd[:2] == ["modelstage", "finalize"]
+    assert stage_cmd[2:] == final_cmd[2:], "workers and finalize must plan the same parts"
+    assert final["spec"]["template"]["spec"]["volumes"] == (
+        stage_job["spec"]["template"]["spec"]["volumes"]
+    )
+    assert final["metadata"]["labels"] == stage_job["metadata"]["labels"]
+
+
+@pytest.mark.parametrize("index", [0, 3])
+def test_the_stager_cli_reads_the_indexed_jobs_command_and_environment(
+    make_spec: SpecFactory, index: int
+) -> None:
+    """The contract both sides keep: the pod's command parses, and Kubernetes'
+    JOB_COMPLETION_INDEX with the operator's MODELSTAGE_WORKERS name the worker's group."""
+    from modelstage.stager.cli import build_parser
+    from modelstage.stager.scale_out import Group
+
+    spec = make_spec(stager={"parallelism": 4})
+    stage_job, final = jobs(spec)
+    pod_env = {k: v["value"] for k, v in env(stage_job).items() if "value" in v}
+    assert Group.from_env({**pod_env, "JOB_COMPLETION_INDEX": str(index)}) == Group(index, 4)
+    for job in (stage_job, final):
+        args = build_parser().parse_args(container(job)["command"][1:])
+        assert (args.tp, args.digest, args.group) == (2, spec_digest(spec), None)
+    assert build_parser().parse_args(container(final)["command"][1:]).command == "finalize"
+
+
+def test_formats_with_one_writer_never_get_a_finalize_job(make_spec: SpecFactory) -> None:
+    assert len(jobs(make_spec(loadFormat="tensorizer", stager={"parallelism": 4}))) == 1
+
+
+def test_staging_step_creates_the_next_job_only_after_the_previous_one_succeeded() -> None:
+    names = ["stage", "finalize"]
+    assert staging_step(names, {}) == StagingStep(create="stage", follow=None)
+    assert staging_step(names, {"stage": "Running"}) == StagingStep(None, "stage")
+    assert staging_step(names, {"stage": "Failed"}) == StagingStep(None, "stage")
+    assert staging_step(names, {"stage": "Succeeded"}) == StagingStep("finalize", None)
+    assert staging_step(names, {"stage": "Succeeded", "finalize": "Running"}) == StagingStep(
+        None, "finalize"
+    )
+    assert staging_step(names, {"stage": "Succeeded", "finalize": "Succeeded"}) == StagingStep(
+        None, "finalize"
+    )
+    assert staging_step(["stage"], {"stage": "Succeeded"}) == StagingStep(None, "stage")

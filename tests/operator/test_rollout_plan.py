@@ -266,6 +266,9 @@ def test_tensorizer_gets_the_per_rank_uri_and_its_own_s3_variables(
     assert got["S3_ACCESS_KEY_ID"] == {
         "secretKeyRef": {"name": "s3-creds", "key": "AWS_ACCESS_KEY_ID"}
     }
+    # what tensorizer itself uses: AWS_ENDPOINT_URL, boto3's AWS_*, curl's CA bundle
+    assert got["AWS_ENDPOINT_URL"] == "http://seaweed.storage:8333"
+    assert got["CURL_CA_BUNDLE"] == got["AWS_CA_BUNDLE"]
 
 
 def test_moving_from_s3_to_a_pvc_drops_the_s3_env_but_not_the_users(
@@ -275,7 +278,8 @@ def test_moving_from_s3_to_a_pvc_drops_the_s3_env_but_not_the_users(
     on_s3 = roll(make_spec(loadFormat="tensorizer", storage=S3), deployment)
     on_pvc = roll(make_spec(loadFormat="tensorizer"), on_s3)
     names = set(env(vllm(on_pvc)))
-    assert not names & {"AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "S3_ENDPOINT_URL", "AWS_CA_BUNDLE"}
+    assert not names & {"AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "S3_ENDPOINT_URL", "AWS_CA_BUNDLE",
+                        "CURL_CA_BUNDLE"}
     assert {"HF_TOKEN", "VLLM_LOGGING_LEVEL", "MODELSTAGE_DIGEST"} <= names
     assert all(v["name"] != "modelstage-s3-ca" for v in pod(on_pvc)["volumes"])
 

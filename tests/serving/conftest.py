@@ -3,18 +3,48 @@
 from __future__ import annotations
 
 import sysconfig
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from modelstage.stager.synthetic import SyntheticModel
-from support.serving import Artifact, stage_artifact
+from support.serving import Artifact, stage_artifact, stock_run
+
+TIED = SyntheticModel(tie_word_embeddings=True, num_shards=2, split_fused=True)
 
 
 @pytest.fixture(scope="session")
-def tied_tp1(tmp_path_factory: pytest.TempPathFactory) -> Artifact:
+def tied_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("tied")
+
+
+@pytest.fixture(scope="session")
+def tied_tp1(tied_root: Path) -> Artifact:
     """Tied embeddings: the artifact holds ``lm_head`` only (vLLM's sharded layout)."""
-    spec = SyntheticModel(tie_word_embeddings=True, num_shards=2, split_fused=True)
-    return stage_artifact(tmp_path_factory.mktemp("tied"), spec, 1)
+    return stage_artifact(tied_root, TIED, 1)
+
+
+@pytest.fixture(scope="session")
+def tied_runai(tied_root: Path) -> dict[str, Artifact]:
+    """The same checkpoint as ``tied_tp1`` in the Run:ai formats, by plugin load format."""
+    return {
+        f"modelstage_{fmt}": stage_artifact(tied_root, TIED, 1, fmt)
+        for fmt in ("runai_streamer_sharded", "runai_streamer")
+    }
+
+
+@pytest.fixture(scope="session")
+def stock_results(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Artifact], Any]:
+    """vLLM's stock ``sharded_state`` result per artifact, computed once per session."""
+    cache: dict[Path, Any] = {}
+
+    def get(artifact: Artifact) -> Any:
+        if artifact.path not in cache:
+            cache[artifact.path] = stock_run(artifact, tmp_path_factory.mktemp("stock"))
+        return cache[artifact.path]
+
+    return get
 
 
 @pytest.fixture(scope="session")

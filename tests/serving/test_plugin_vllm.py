@@ -8,7 +8,9 @@ float32, not just the greedy tokens. About three minutes on two cores.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from modelstage.stager.safetensors_format import read_local_header
@@ -19,7 +21,6 @@ from support.serving import (
     last_line,
     pod_run,
     prepare_cli,
-    stock_run,
 )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -53,11 +54,15 @@ def data_bytes(artifact: Artifact, rank: int) -> int:
 
 @pytest.mark.parametrize("artifact_name", ["tied_tp1", "llama_tp2"])
 def test_pod_with_prepared_plugin_loads_like_stock_sharded_state_and_serves_metrics(
-    artifact_name: str, request: pytest.FixtureRequest, pod_site: Path, tmp_path: Path
+    artifact_name: str,
+    request: pytest.FixtureRequest,
+    stock_results: Callable[[Artifact], Any],
+    pod_site: Path,
+    tmp_path: Path,
 ) -> None:
     artifact: Artifact = request.getfixturevalue(artifact_name)
     plugin_dir = prepared(artifact, tmp_path)
-    reference = stock_run(artifact, tmp_path)
+    reference = stock_results(artifact)
     port = free_ports(artifact.tp)
     settings = {"digest": artifact.digest, "tp": str(artifact.tp), "format": "sharded_state",
                 "artifact": f"pvc://models/{artifact.digest}"}  # fmt: skip
@@ -93,6 +98,33 @@ def test_pod_with_prepared_plugin_loads_like_stock_sharded_state_and_serves_metr
     log = proc.stdout + proc.stderr  # vLLM's handler writes to stdout
     assert f'"digest":"{artifact.digest}"' in log, "no structured load log line"
     assert "Initializing model took" in log  # the marker the refusal tests rely on
+
+
+@pytest.mark.parametrize(
+    "load_format", ["modelstage_runai_streamer_sharded", "modelstage_runai_streamer"]
+)
+def test_runai_formats_load_local_artifacts_like_stock_and_time_their_phases(
+    load_format: str,
+    tied_tp1: Artifact,
+    tied_runai: dict[str, Artifact],
+    stock_results: Callable[[Artifact], Any],
+    pod_site: Path,
+    tmp_path: Path,
+) -> None:
+    """Same checkpoint, other artifact format: the log-probabilities of stock sharded_state
+    on ``tied_tp1`` are the oracle (DESIGN.md 5: every format loads exactly)."""
+    artifact = tied_runai[load_format]
+    plugin_dir = prepared(artifact, tmp_path)
+    settings = {"digest": artifact.digest, "format": artifact.format}
+    proc, pod = pod_run(artifact, plugin_dir, pod_site, tmp_path, settings=settings,
+                        load_format=load_format, metrics_port=free_ports(1))  # fmt: skip
+    assert proc.returncode == 0 and pod is not None, proc.stderr[-4000:]
+    assert pod["result"]["results"] == stock_results(tied_tp1)["results"]
+    values = samples(pod["metrics"]["0"])
+    labels = (("load_format", load_format), ("rank", "0"))
+    for phase in PHASES:
+        key = ("modelstage_load_phase_seconds", tuple(sorted((*labels, ("phase", phase)))))
+        assert values[key] > 0, phase
 
 
 def test_tp_mismatch_is_refused_before_loading(

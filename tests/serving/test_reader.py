@@ -95,3 +95,12 @@ def test_a_file_truncated_after_verification_fails_with_the_file_named(
     reader = PipelinedReader(chunk_bytes=1 << 16, depth=2, device=CPU, direct=direct)
     with pytest.raises(ArtifactError, match="the file changed after it was verified"):
         reader.read([(path, header)], lambda info: Target(flat_bytes(dest[info.name])))
+
+
+def test_bench_entry_point_reads_rank_files_and_refuses_missing_ones(llama_tp2: Artifact) -> None:
+    from modelstage.stager.errors import CheckpointError
+    from modelstage.stager.plugin.reader import read_files_for_bench
+
+    read_files_for_bench([p for p, _ in rank_files(llama_tp2, 0)])
+    with pytest.raises(CheckpointError, match="cannot read"):
+        read_files_for_bench([llama_tp2.path / "model-rank-9-part-0.safetensors"])

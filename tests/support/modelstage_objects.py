@@ -106,10 +106,12 @@ async def finish_stage_job(
     message: str,
     succeeded: bool,
     pod_name: str | None = None,
+    job_name: str | None = None,
 ) -> None:
     """What the Job controller and the kubelet report when the stager pod ends: a terminated
-    pod with the termination message, then the Job's conditions."""
-    name = stage_job_name(digest)
+    pod with the termination message, then the Job's conditions. ``job_name``: another of the
+    artifact's Jobs than the stage Job (the scale-out finalize Job)."""
+    name = job_name or stage_job_name(digest)
     job = await client.get(job_path(ns, name))
     assert job is not None, f"Job {name} does not exist"
     labels = {

@@ -35,6 +35,7 @@ class Artifact:
     path: Path
     digest: str
     tp: int
+    format: str = "sharded_state"
 
 
 @contextmanager
@@ -64,10 +65,16 @@ def base_env() -> dict[str, str]:
     return env
 
 
-def stage_artifact(root: Path, spec: SyntheticModel, tp: int) -> Artifact:
-    src = write_checkpoint(spec, root / "ckpt")
-    summary = stage(StageRequest(source=str(src), out=str(root / f"tp{tp}"), tp=tp))
-    return Artifact(root / f"tp{tp}", summary["digest"], tp)
+def stage_artifact(
+    root: Path, spec: SyntheticModel, tp: int, format: str = "sharded_state"
+) -> Artifact:
+    """Stage ``spec`` (generated once per ``root``) as ``format`` at ``tp``."""
+    src = root / "ckpt"
+    if not src.exists():
+        write_checkpoint(spec, src)
+    out = root / f"{format}-tp{tp}"
+    summary = stage(StageRequest(source=str(src), out=str(out), tp=tp, format=format))
+    return Artifact(out, summary["digest"], tp, format)
 
 
 def pod_env(plugin_dir: Path, site: Path, modelstage: Mapping[str, str]) -> dict[str, str]:
@@ -125,6 +132,7 @@ def stock_run(artifact: Artifact, tmp: Path) -> dict[str, Any]:
 def pod_run(
     artifact: Artifact, plugin_dir: Path, site: Path, tmp: Path, *, tp: int | None = None,
     metrics_port: int | None = None, settings: Mapping[str, str],
+    load_format: str = "modelstage_sharded_state",
 ) -> tuple[subprocess.CompletedProcess[str], dict[str, Any] | None]:  # fmt: skip
     """The plugin's format in a pod-like interpreter; returns the process and its JSON.
     ``settings`` become ``MODELSTAGE_<KEY>`` variables."""
@@ -133,7 +141,7 @@ def pod_run(
     out.unlink(missing_ok=True)
     cmd = [sys.executable, "-S", str(POD_RUNNER), "--runner", str(RUN_VLLM),
            "--model", str(artifact.path), "--tp", str(tp or artifact.tp),
-           "--load-format", "modelstage_sharded_state", "--prompts", json.dumps(PROMPTS),
+           "--load-format", load_format, "--prompts", json.dumps(PROMPTS),
            "--out", str(out)]  # fmt: skip
     if metrics_port is not None:
         cmd += ["--metrics-port", str(metrics_port)]

