@@ -143,6 +143,10 @@ class ModelSource(Model):
     s3: S3Connection | None = None
     """Endpoint of an s3:// source when the artifact goes to a PVC (with S3 storage, the
     storage's connection serves the source too)."""
+    size_hint: Quantity | None = None
+    """The checkpoint's size (its weight files, e.g. ``140Gi``). The operator never reads
+    the source; with this hint it sizes a claim it creates (``storage.pvc.create`` without
+    ``size``) and refuses, before any Job starts, a claim too small for the artifacts."""
 
     rules: ClassVar[tuple[Rule, ...]] = (
         Rule(
@@ -185,9 +189,9 @@ class ClaimTemplate(Model):
     """A PVC for the operator to create when it does not exist."""
 
     storage_class_name: Annotated[str, Field(pattern=DNS_NAME, max_length=253)] | None = None
-    size: Quantity
+    size: Quantity | None = None
     """Capacity: room for the artifacts kept (``retention.keep``) of every ModelDeployment using
-    the claim."""
+    the claim. Default: computed from ``model.sizeHint`` (see ``claim_plan.required_bytes``)."""
     access_modes: Annotated[
         list[Literal["ReadWriteOnce", "ReadWriteMany", "ReadOnlyMany", "ReadWriteOncePod"]],
         Field(min_length=1, max_length=4),
@@ -327,6 +331,17 @@ class ModelDeploymentSpec(Model):
             check=lambda s: s.load_format not in S3_ONLY_FORMATS or s.storage.s3 is not None,
         ),
         Rule(
+            cel="!has(self.storage.pvc) || !has(self.storage.pvc.create) "
+            "|| has(self.storage.pvc.create.size) || has(self.model.sizeHint)",
+            message="storage.pvc.create needs a size, or model.sizeHint to compute it from",
+            check=lambda s: (
+                s.storage.pvc is None
+                or s.storage.pvc.create is None
+                or s.storage.pvc.create.size is not None
+                or s.model.size_hint is not None
+            ),
+        ),
+        Rule(
             cel="self.loadFormat != 'sharded_state' || has(self.storage.pvc)",
             message="loadFormat sharded_state reads local files: set storage.pvc, or use "
             "runai_streamer_sharded with storage.s3",
@@ -398,6 +413,9 @@ class ModelDeploymentStatus(Model):
     """The artifact served before the current rollout: the rollback target."""
     failed_digest: str | None = None
     """A digest whose rollout failed and was rolled back; not retried until the spec changes."""
+    queue_position: int | None = None
+    """While staging waits for one of the operator's stager slots: the place in the queue
+    (1 = next); see the ``Staged`` condition (reason ``Queued``)."""
     artifacts: list[ArtifactStatus] = Field(default_factory=list)
     """Artifacts this ModelDeployment staged or used, most recently used first: what
     ``retention.keep`` counts and the clean-up deletes from."""

@@ -28,15 +28,18 @@ import kopf
 from . import metrics
 from .api import GROUP, PLURAL, VERSION, ModelDeploymentSpec
 from .artifact import spec_digest
+from .job_plan import stage_job_name
 from .kube import DIGEST_ANNOTATION, LABEL_DIGEST, Manifest
 from .kube_client import Conflict, KubeClient
 from .reconcile import Outcome, Reconciler
 from .settings import OperatorConfig, configure
+from .slots import StagerSlots
 from .state import observe_job, pod_failures
 
 MD = (GROUP, VERSION, PLURAL)
 MANAGED = {"app.kubernetes.io/managed-by": "modelstage-operator"}
 STAGER = {**MANAGED, "app.kubernetes.io/component": "stager"}
+STAGE_JOB_PREFIX = stage_job_name("")
 CLEANUP = {**MANAGED, "app.kubernetes.io/component": "cleanup"}
 CONFIG = OperatorConfig.from_env()
 """Read at import: the timer's interval is fixed when the handlers are registered."""
@@ -69,7 +72,12 @@ def startup(settings: kopf.OperatorSettings, memo: Any, logger: Logger, **_: Any
     metrics.serve(config.metrics_port, config.metrics_host)
     kube = KubeClient.from_environment(timeout=config.request_timeout)
     memo.config = config
-    memo.reconciler = Reconciler(kube, stager_image=config.stager_image, post_event=_post_event)
+    memo.reconciler = Reconciler(
+        kube,
+        stager_image=config.stager_image,
+        post_event=_post_event,
+        slots=StagerSlots(config.max_stager_jobs),
+    )
     logger.info(
         "modelstage operator started",
         extra={"metrics_port": config.metrics_port, "stager_image": config.stager_image},
@@ -139,11 +147,14 @@ def modeldeployment_resync(
 
 @kopf.on.event(*MD)
 def modeldeployment_phase(
-    type: str, namespace: str | None, name: str, status: kopf.Status, **_: Any
+    type: str, namespace: str | None, name: str, status: kopf.Status, memo: Any, **_: Any
 ) -> None:
     assert namespace is not None
     if type == "DELETED":
         metrics.DEPLOYMENTS.forget(namespace, name)
+        reconciler: Reconciler | None = getattr(memo, "reconciler", None)
+        if reconciler is not None:
+            reconciler.slots.forget((namespace, name))
     else:
         metrics.DEPLOYMENTS.set(namespace, name, str(status.get("phase") or "Pending"))
 
@@ -180,12 +191,26 @@ def stage_job_event(
     **kwargs: Any,
 ) -> None:
     assert namespace is not None
+    state = observe_job(dict(body)).state
     if type == "DELETED":
         metrics.JOBS.forget(namespace, name)
     else:
-        metrics.JOBS.set(namespace, name, observe_job(dict(body)).state)
+        metrics.JOBS.set(namespace, name, state)
     digest = labels.get(LABEL_DIGEST)
     _reconcile_matching(memo, kwargs, namespace, logger, lambda r: r.digest == digest)
+    if not name.startswith(STAGE_JOB_PREFIX):
+        return
+    slots = cast(Reconciler, memo.reconciler).slots
+    if type != "DELETED" and state == "Running":
+        slots.running((namespace, name))
+    elif slots.finished((namespace, name)):
+        # A slot is free: the queued ModelDeployments try again, in queue order (each
+        # also learns its new position).
+        for waiting_ns, waiting in slots.waiting():
+            try:
+                _reconcile(memo, waiting_ns, waiting, logger)
+            except Conflict as error:
+                logger.info("reconcile of %s deferred: %s", waiting, error)
 
 
 @kopf.on.event("batch", "v1", "jobs", labels=CLEANUP)

@@ -34,7 +34,7 @@ from pydantic import ValidationError
 from . import metrics
 from .api import API_VERSION, PLURAL, ModelDeploymentSpec, ModelDeploymentStatus, TargetRef
 from .artifact import Artifact, artifact_for, artifact_from_status
-from .claim_plan import plan_claim
+from .claim_plan import check_claim_size, plan_claim
 from .job_plan import (
     cleanup_job_name,
     finalize_job_name,
@@ -48,6 +48,7 @@ from .kube_client import Conflict, KubeClient, resource_path
 from .patch import merge_diff
 from .retention import Holder, RetentionPlan, plan_release, plan_retention, remember
 from .rollout_plan import plan_rollout
+from .slots import StagerSlots
 from .state import (
     Action,
     Decision,
@@ -58,6 +59,7 @@ from .state import (
     observe_job,
     observe_workload,
     pod_failures,
+    queued,
     termination_message,
 )
 from .validation import Finding, validate_spec, validate_workload
@@ -110,10 +112,18 @@ class Reconciler:
     """Reconciles ModelDeployments; one at a time per object (a lock per name), any number
     of objects in parallel (kopf's worker threads)."""
 
-    def __init__(self, kube: KubeClient, *, stager_image: str, post_event: EventFn) -> None:
+    def __init__(
+        self,
+        kube: KubeClient,
+        *,
+        stager_image: str,
+        post_event: EventFn,
+        slots: StagerSlots | None = None,
+    ) -> None:
         self.kube = kube
         self.stager_image = stager_image
         self.post_event = post_event
+        self.slots = slots or StagerSlots(0)
         self._locks: dict[tuple[str, str], threading.Lock] = {}
         self._locks_guard = threading.Lock()
 
@@ -185,6 +195,10 @@ class Reconciler:
             findings += validate_workload(
                 spec, workload, namespace=namespace, deployment_name=name, claim=claim
             )
+            too_small = check_claim_size(spec, claim)
+            if too_small is not None:  # before any Job starts (claim_plan.py: what is knowable)
+                findings.append(too_small)
+                invalid = invalid or too_small.message
             if desired is not None:
                 jobs = staging_jobs(
                     spec, owner=owner, digest=desired.digest, default_image=self.stager_image
@@ -203,10 +217,20 @@ class Reconciler:
         decision = decide(desired, status, observed)
         if spec is not None:
             decision = self._retain(spec, namespace, name, desired, decision, body, logger)
+        if decision.action is Action.CREATE_JOB and desired is not None and next_job is not None:
+            job_name = next_job["metadata"]["name"]
+            if job_name == stage_job_name(desired.digest):
+                position = self.slots.acquire((namespace, job_name), (namespace, name))
+                if position:
+                    decision = queued(decision, position, self.slots.limit, observed)
         outcome = Outcome(decision, invalid=invalid)
 
         # 1. The status, first (see the module docstring).
-        old, new = status_wire(status), status_wire(decision.status)
+        # Diff against what the server holds: a default (phase Pending) not yet written
+        # there must be written, not taken as already present.
+        raw = body.get("status") or {}
+        old = {k: v for k, v in status_wire(status).items() if k in raw}
+        new = status_wire(decision.status)
         if old != new:
             patch = {
                 "metadata": {"resourceVersion": meta["resourceVersion"]},
@@ -426,6 +450,7 @@ class Reconciler:
                 # Staging now would race the delete of the same location; the clean-up
                 # Job's events reconcile this ModelDeployment again when it ends.
                 logger.info("waiting for clean-up Job %s first", cleanup["metadata"]["name"])
+                self.slots.finished((owner.namespace, job["metadata"]["name"]))
                 return False
             if cleanup is not None:
                 self.kube.delete(cleanup_path)
@@ -434,8 +459,12 @@ class Reconciler:
             path = resource_path("v1", "persistentvolumeclaims", owner.namespace)
             if self.kube.create(path, claim) is not None:
                 logger.info("created PersistentVolumeClaim %s", claim["metadata"]["name"])
-        created = self.kube.create(resource_path("batch/v1", "jobs", owner.namespace), job)
         name = job["metadata"]["name"]
+        try:
+            created = self.kube.create(resource_path("batch/v1", "jobs", owner.namespace), job)
+        except BaseException:
+            self.slots.finished((owner.namespace, name))  # the reservation, if any
+            raise
         if created is None:
             logger.info("stager Job %s already exists: following it", name)
             return False

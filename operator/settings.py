@@ -52,6 +52,9 @@ class OperatorConfig:
     failed_backoff_max: float = 600.0
     conflict_delay: float = 1.0
     """Retry delay after a write hit a stale resourceVersion (HTTP 409)."""
+    max_stager_jobs: int = 4
+    """Stage Jobs at once across everything this operator serves; more wait in a queue
+    (``slots.py``); 0: no limit."""
     posting_level: int = logging.INFO
     """Least severity of kopf's own messages posted as Kubernetes Events."""
 
@@ -74,6 +77,7 @@ class OperatorConfig:
             failed_backoff=_float(env, "FAILED_BACKOFF", cls.failed_backoff),
             failed_backoff_max=_float(env, "FAILED_BACKOFF_MAX", cls.failed_backoff_max),
             conflict_delay=_float(env, "CONFLICT_DELAY", cls.conflict_delay),
+            max_stager_jobs=int(_float(env, "MAX_STAGER_JOBS", cls.max_stager_jobs)),
             posting_level=level,
         )
 

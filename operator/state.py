@@ -408,10 +408,32 @@ def decide(desired: Artifact | None, status: ModelDeploymentStatus, observed: Ob
             "failed_digest": status.failed_digest
             if desired is not None and status.failed_digest == desired.digest
             else None,
+            "queue_position": None,
             **draft.updates,
         }
     )
     return Decision(action=action, status=new_status, artifact=target, details=details)
+
+
+def queued(decision: Decision, position: int, limit: int, observed: Observed) -> Decision:
+    """The stage Job must wait for a slot (``slots.StagerSlots``): no action, phase
+    ``Pending``, ``Staged=False/Queued`` with the place in the queue."""
+    digest = decision.status.desired_digest
+    message = (
+        f"artifact {digest} waits for a stager slot: position {position} in the queue "
+        f"(at most {limit} stager Job{'s' if limit != 1 else ''} at once)"
+    )
+    update = condition(
+        "Staged", "False", "Queued", message, now=observed.now, generation=observed.generation
+    )
+    status = decision.status.model_copy(
+        update={
+            "phase": "Pending",
+            "queue_position": position,
+            "conditions": merge_conditions(decision.status.conditions, [update]),
+        }
+    )
+    return Decision(Action.WAIT, status, details=message if position == 1 else "")
 
 
 def _staged_message(artifact: ArtifactStatus) -> str:

@@ -169,7 +169,7 @@ def _plugin_read() -> Callable[[list[Path]], None] | None:
         from .plugin.reader import read_files_for_bench
     except ImportError:
         return None
-    return read_files_for_bench  # type: ignore[no-any-return]
+    return read_files_for_bench
 
 
 def table(rows: list[Measurement], baseline: Measurement) -> str:

@@ -203,6 +203,8 @@ CROSS_FIELD_CASES: list[dict[str, Any]] = [
     {"model": {"uri": "s3://bkt/c", "credentialsSecret": "a", "s3": {"credentialsSecret": "b"}}},
     {"storage": {"pvc": {"claimName": None}}},
     {"storage": {"pvc": {"claimName": None, "create": {"size": "100Gi"}}}},
+    {"storage": {"pvc": {"claimName": None, "create": {}}}},
+    {"storage": {"pvc": {"claimName": None, "create": {}}}, "model": {"sizeHint": "70Gi"}},
     {"storage": {"pvc": {"path": "models/../etc"}}},
     {"storage": {"pvc": {"path": "models/..hidden/x"}}},
     {

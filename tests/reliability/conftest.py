@@ -1,0 +1,48 @@
+"""Fixtures of the reliability tier: one checkpoint large enough to kill a stager inside it,
+a real S3 server (SeaweedFS on 127.0.0.1) with distinctive credentials to grep for, and a
+fresh bucket per test."""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from modelstage.stager.synthetic import SyntheticModel, write_checkpoint
+from support.s3_server import S3Server, s3_server
+
+ACCESS_KEY = "MSRELAKIDQ7W2ZUPLANKTON"
+SECRET_KEY = "ms-rel-secret/Walrus+Ibex+Marmot+7311"
+_buckets = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def crash_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """~65 MB of float32 weights in three files, q/k/v and gate/up spread across them: a
+    stage takes a few hundred milliseconds, long enough to stop it at 20+ distinct points."""
+    spec = SyntheticModel(hidden_size=512, intermediate_size=1536, num_layers=4,
+                          vocab_size=4000, num_shards=3, split_fused=True)  # fmt: skip
+    return write_checkpoint(spec, tmp_path_factory.mktemp("crash") / "ckpt")
+
+
+@pytest.fixture(scope="session")
+def small_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default tiny Llama checkpoint, shared read-only."""
+    return write_checkpoint(SyntheticModel(), tmp_path_factory.mktemp("small") / "ckpt")
+
+
+@pytest.fixture(scope="session")
+def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    with s3_server(
+        tmp_path_factory.mktemp("s3"), access_key=ACCESS_KEY, secret_key=SECRET_KEY
+    ) as server:
+        yield server
+
+
+@pytest.fixture
+def bucket(s3: S3Server) -> str:
+    name = f"rel-{os.getpid()}-{next(_buckets)}"
+    s3.create_bucket(name)
+    return name
