@@ -119,9 +119,13 @@ def vllm_settings(
     extra: dict[str, Any] = {}
     if artifact.load_format == "tensorizer":
         extra["tensorizer_uri"] = f"{artifact.location.path}/{TENSORIZER_RANK_FILE}"
+    # vLLM 0.32 refuses `--model s3://...` with any load format but its own Run:ai names, before
+    # a plugin loader could run: S3 artifacts always get the stock names (the initContainer
+    # still checks their manifest when the plugin is on).
+    use_plugin_name = plugin and artifact.location.on_pvc
     return VllmSettings(
         model=artifact.location.path,
-        load_format=loader.plugin if plugin else loader.stock,
+        load_format=loader.plugin if use_plugin_name else loader.stock,
         tensor_parallel_size=artifact.tensor_parallel,
         extra_config=extra,
         kept_extra_keys=loader.kept_extra_keys,

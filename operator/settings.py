@@ -52,6 +52,9 @@ class OperatorConfig:
     failed_backoff_max: float = 600.0
     conflict_delay: float = 1.0
     """Retry delay after a write hit a stale resourceVersion (HTTP 409)."""
+    peering_lifetime: float = 60.0
+    """Seconds an instance's peering record stays valid without a keep-alive: how long a
+    paused instance waits before it takes over from one that died without saying so."""
     max_stager_jobs: int = 4
     """Stage Jobs at once across everything this operator serves; more wait in a queue
     (``slots.py``); 0: no limit."""
@@ -78,6 +81,7 @@ class OperatorConfig:
             failed_backoff_max=_float(env, "FAILED_BACKOFF_MAX", cls.failed_backoff_max),
             conflict_delay=_float(env, "CONFLICT_DELAY", cls.conflict_delay),
             max_stager_jobs=int(_float(env, "MAX_STAGER_JOBS", cls.max_stager_jobs)),
+            peering_lifetime=_float(env, "PEERING_LIFETIME", cls.peering_lifetime),
             posting_level=level,
         )
 
@@ -97,6 +101,7 @@ def configure(settings: kopf.OperatorSettings, config: OperatorConfig) -> None:
     settings.networking.request_timeout = config.request_timeout
     settings.peering.name = PEERING_NAME
     settings.peering.mandatory = False
+    settings.peering.lifetime = max(1, int(config.peering_lifetime))
     settings.persistence.finalizer = FINALIZER
     # kopf's bookkeeping in annotations named after us, not in our status schema.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)

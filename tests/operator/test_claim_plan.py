@@ -114,5 +114,5 @@ def test_an_existing_claim_that_cannot_hold_one_artifact_is_refused(
 
 
 def test_a_claim_to_create_needs_a_size_or_a_hint(make_spec: SpecFactory) -> None:
-    with pytest.raises(ValueError, match="needs a size, or model.sizeHint"):
+    with pytest.raises(ValueError, match=r"needs a size, or model\.sizeHint"):
         make_spec(storage={"pvc": {"claimName": None, "create": {}}})

@@ -244,10 +244,20 @@ def test_virtual_addressing_leaves_the_streamer_default(
     storage = {"pvc": None, "s3": {"uri": "s3://models/p", "virtualAddressing": True}}
     container = vllm(roll(make_spec(loadFormat="runai_streamer", storage=storage), deployment))
     assert "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING" not in env(container)
-    assert (
-        container["args"][container["args"].index("--load-format") + 1]
-        == "modelstage_runai_streamer"
-    )
+
+
+@pytest.mark.parametrize("load_format", ["runai_streamer", "runai_streamer_sharded"])
+def test_s3_artifacts_get_stock_load_format_names_even_with_the_plugin(
+    make_spec: SpecFactory, deployment: dict[str, Any], load_format: str
+) -> None:
+    """vLLM refuses ``--model s3://`` unless the load format is one of its Run:ai names."""
+    storage = {"pvc": None, "s3": {"uri": "s3://models/p"}}
+    spec = make_spec(loadFormat=load_format, storage=storage)
+    assert spec.serving.plugin
+    container = vllm(roll(spec, deployment))
+    assert container["args"][container["args"].index("--load-format") + 1] == load_format
+    init = pod(roll(spec, deployment))["initContainers"]
+    assert any(c["name"] == "modelstage-prepare" for c in init)
 
 
 def test_tensorizer_gets_the_per_rank_uri_and_its_own_s3_variables(

@@ -26,6 +26,10 @@ ROOT = Path(__file__).resolve().parents[2]
 CRD: dict[str, Any] = yaml.safe_load(
     (ROOT / "crds" / "modelstage.io_modeldeployments.yaml").read_text()
 )
+PEERING_CRDS: list[dict[str, Any]] = [
+    d for d in yaml.safe_load_all((ROOT / "crds" / "kopf.dev_peerings.yaml").read_text()) if d
+]
+"""kopf's peering resources, as the chart installs them (the peering test needs them)."""
 
 
 @pytest.fixture(scope="session")
@@ -43,12 +47,13 @@ async def cluster(
     real_control_plane: ControlPlane | None, tmp_path: Path
 ) -> AsyncIterator[Cluster]:
     if real_control_plane is None:
-        async with kmock_cluster([CRD], tmp_path) as fake_cluster:
+        async with kmock_cluster([CRD, *PEERING_CRDS], tmp_path) as fake_cluster:
             yield fake_cluster
         return
     assert real_control_plane.kubeconfig is not None
     async with KubeHTTP(real_control_plane.server, real_control_plane.token) as client:
-        await apply_crd(client, CRD)
+        for crd in (CRD, *PEERING_CRDS):
+            await apply_crd(client, crd)
         yield Cluster(
             "real",
             client,

@@ -73,8 +73,10 @@ async def test_stagings_beyond_the_limit_wait_queued_in_order(
     for name in ("a", "b", "c"):
         await cluster.client.create(deploy_path(ns, None), vllm_deployment(f"vllm-{name}"))
         await cluster.client.create(md_path(ns), model_deployment(name, SPECS[name]))
-        if name == "a":
+        if name == "a":  # one at a time: the queue is in order of arrival at the operator
             await wait_job(cluster, ns, "a")
+        elif name == "b":
+            await wait_queued(cluster, ns, "b", 1)
     queued = await wait_queued(cluster, ns, "b", 1)
     assert queued["phase"] == "Pending"
     staged = next(c for c in queued["conditions"] if c["type"] == "Staged")

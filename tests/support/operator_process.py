@@ -44,6 +44,9 @@ class OperatorProcess:
     workdir: Path
     extra_env: dict[str, str] = field(default_factory=dict)
     metrics_port: int = field(default_factory=free_port)
+    priority: int | None = None
+    """With a priority, kopf's peering instead of ``--standalone`` (the namespace's
+    KopfPeering must exist)."""
     process: subprocess.Popen[bytes] | None = None
     starts: int = 0
 
@@ -92,7 +95,11 @@ class OperatorProcess:
                     "-P",
                     "-m",
                     "modelstage.operator",
-                    "--standalone",
+                    *(
+                        ["--standalone"]
+                        if self.priority is None
+                        else ["--priority", str(self.priority)]
+                    ),
                     "--namespace",
                     self.namespace,
                     "--log-format",
