@@ -279,8 +279,9 @@ def test_scaled_out_staging_is_the_indexed_job_then_a_finalize_job_with_its_argu
     stage_cmd, final_cmd = container(stage_job)["command"], container(final)["command"]
     assert stage_cmd[:2] == ["modelstage", "stage"] and final_cmd[:2] == ["modelstage", "finalize"]
     assert stage_cmd[2:] == final_cmd[2:], "workers and finalize must plan the same parts"
-    assert final["spec"]["template"]["spec"]["volumes"] == (
-        stage_job["spec"]["template"]["spec"]["volumes"]
+    assert (
+        final["spec"]["template"]["spec"]["volumes"]
+        == (stage_job["spec"]["template"]["spec"]["volumes"])
     )
     assert final["metadata"]["labels"] == stage_job["metadata"]["labels"]
 

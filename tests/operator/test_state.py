@@ -25,6 +25,7 @@ from modelstage.operator.state import (
     observe_workload,
     parse_summary,
     pod_failures,
+    queued,
     termination_message,
 )
 from modelstage.operator.validation import Finding
@@ -430,3 +431,15 @@ def test_termination_message_prefers_the_summary_on_success_and_the_error_on_fai
     assert termination_message(pods, success=True) == summary
     assert termination_message(pods, success=False) == "last failure"
     assert termination_message([], success=False) == ""
+
+
+def test_a_staging_without_a_slot_waits_queued_with_its_position(desired: Artifact) -> None:
+    observed = Observed(generation=2, now=T0, workload=on(None))
+    d = queued(run(desired, workload=on(None), generation=2), 3, 4, observed)
+    assert (d.action, d.status.phase, d.status.queue_position) == (Action.WAIT, "Pending", 3)
+    assert cond(d, "Staged") == ("False", "Queued")
+    staged = d.status.condition("Staged")
+    assert staged is not None and "position 3" in staged.message and "at most 4" in staged.message
+    jsonschema.Draft7Validator(STATUS_SCHEMA).validate(d.status.wire())
+    admitted = run(desired, d.status, workload=on(None), generation=2)
+    assert admitted.action is Action.CREATE_JOB and admitted.status.queue_position is None

@@ -272,4 +272,3 @@ def test_part_sizes_equal_the_files_written(llama_ckpt: Path, tmp_path: Path) ->
     on_disk = [(tmp_path / "a" / f"model-rank-0-part-{p}.safetensors").stat().st_size
                for p in range(len(parts))]  # fmt: skip
     assert part_sizes(parts) == on_disk and len(parts) > 1
-

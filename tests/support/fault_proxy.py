@@ -4,8 +4,8 @@ It parses each request's head and ``Content-Length`` body (HTTP/1.1 clients such
 never pipeline, so request boundaries are enough) and pumps responses back unchanged. Faults,
 switchable while clients are connected:
 
-- ``throttle(n)``: the next ``n`` requests get ``503 SlowDown`` (S3's throttling answer)
-  without reaching the server;
+- ``throttle(n, every=k)``: of the next requests, every ``k``-th (``n`` of them in all) gets
+  ``503 SlowDown`` (S3's throttling answer) without reaching the server;
 - ``delay_s``: every response chunk is held back this long (a slow server);
 - ``down()`` / ``up()``: every connection is cut and new ones are refused (the server
   stopped), then accepted again on the same port (the server restarted);
@@ -47,7 +47,8 @@ class FaultProxy:
         self.bytes_up = self.bytes_down = 0
         self.requests = self.throttled = 0
         self.delay_s = 0.0
-        self._throttle_next = 0
+        self._throttle_next = self._seen = 0
+        self._throttle_every = 1
         self._cut_budget: int | None = None
         self.up()
 
@@ -75,9 +76,9 @@ class FaultProxy:
             listener.close()
         self._cut_all()
 
-    def throttle(self, requests: int) -> None:
+    def throttle(self, requests: int, *, every: int = 1) -> None:
         with self._lock:
-            self._throttle_next = requests
+            self._throttle_next, self._throttle_every, self._seen = requests, every, 0
 
     def cut_after_bytes(self, nbytes: int | None) -> None:
         with self._lock:
@@ -91,8 +92,10 @@ class FaultProxy:
         with self._lock:
             conns, self._conns = list(self._conns), set()
         for conn in conns:
+            # shutdown, not just close: close() does not wake a thread blocked in recv() on
+            # the socket, and the peer would wait for its read timeout instead of a reset
             with contextlib.suppress(OSError):
-                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+                conn.shutdown(socket.SHUT_RDWR)
             with contextlib.suppress(OSError):
                 conn.close()
 
@@ -138,7 +141,8 @@ class FaultProxy:
                 length = _content_length(head)
                 with self._lock:
                     self.requests += 1
-                    throttled = self._throttle_next > 0
+                    self._seen += 1
+                    throttled = self._throttle_next > 0 and self._seen % self._throttle_every == 0
                     if throttled:
                         self._throttle_next -= 1
                         self.throttled += 1
