@@ -121,7 +121,8 @@ def _weight_files(source: Source, files: list[str]) -> list[str]:
         raise CheckpointError(
             f"{source.uri} holds only pickle weights ({', '.join(pickles[:3])}); modelstage reads "
             "safetensors only, since unpickling can run arbitrary code. Convert first, e.g. "
-            "`safetensors.torch.save_file(torch.load(f, weights_only=True), 'model.safetensors')`"
+            "`safetensors.torch.save_file(torch.load(f, weights_only=True), 'model.safetensors')`,"
+            " or pass --allow-pickle to have the stager do that"
         )
     raise CheckpointError(f"{source.uri}: no *.safetensors weights found")
 

@@ -45,6 +45,7 @@ def _stage(args: argparse.Namespace) -> dict[str, Any]:
         cache_dir=args.cache_dir,
         s3=_s3_options(args),
         max_part_bytes=args.max_part_bytes,
+        allow_pickle=args.allow_pickle,
     )
     if args.command == "finalize":
         return finalize(request)
@@ -221,6 +222,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-part-bytes", type=int,
         help="largest part file per rank (default: the layout's, 5 GiB); workers and finalize "
         "of one artifact must agree",
+    )  # fmt: skip
+    st.add_argument(
+        "--allow-pickle", action="store_true",
+        help="accept pickle-only weights (*.bin, *.pt): loaded with torch.load(weights_only="
+        "True), converted to safetensors, then staged as usual; unpickling untrusted files "
+        "is a risk, so this is off by default",
     )  # fmt: skip
     _add_s3_options(st)
     st.set_defaults(run=_stage)

@@ -215,14 +215,24 @@ class S3Client:
 
 
 def is_retryable(e: BaseException) -> bool:
-    """Throttling, 5xx and dropped connections are transient; everything else is not."""
-    from botocore.exceptions import ClientError, ConnectionError, HTTPClientError
+    """Throttling, 5xx and dropped connections are transient; everything else is not.
+
+    A connection that drops in the middle of a response body surfaces as botocore's
+    ``IncompleteReadError`` (a ``BotoCoreError``, not an ``HTTPClientError``): it is a
+    dropped connection too (tests/reliability/test_s3_faults.py cuts downloads mid-body).
+    """
+    from botocore.exceptions import (
+        ClientError,
+        ConnectionError,
+        HTTPClientError,
+        IncompleteReadError,
+    )
 
     if isinstance(e, ClientError):
         code = str(e.response.get("Error", {}).get("Code", ""))
         status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
         return code in RETRYABLE_CODES or int(status) >= 500
-    return isinstance(e, ConnectionError | HTTPClientError)
+    return isinstance(e, ConnectionError | HTTPClientError | IncompleteReadError)
 
 
 def with_retries(

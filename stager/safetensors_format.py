@@ -131,7 +131,7 @@ def _tensor_info(file: str, name: str, entry: object, data_start: int, data_len:
     if not isinstance(entry, dict):
         raise CheckpointError(f"{where}: entry is not an object")
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if dtype not in DTYPE_SIZES:
+    if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:  # a list is not even hashable
         raise CheckpointError(f"{where}: unknown dtype {dtype!r}")
     if not isinstance(shape, list) or not all(type(d) is int and 0 <= d < 2**62 for d in shape):
         raise CheckpointError(f"{where}: shape must be a list of non-negative integers")

@@ -23,7 +23,7 @@ from .progress import Progress
 from .rank_writer import write_rank_files
 from .s3_client import S3Options
 from .shard_plan import plan_shards
-from .sources import open_source
+from .sources import Source, open_source
 
 FORMATS = ("sharded_state", "runai_streamer_sharded", "runai_streamer", "tensorizer")
 """Formats this stager can write; ``tensorizer`` (one file per rank) is tensorizer_writer.py.
@@ -62,6 +62,9 @@ class StageRequest:
     max_part_bytes: int | None = None
     """Largest part file per rank (default: the layout's). It shapes the bytes: every
     worker and the finalize step of one artifact must use the same value."""
+    allow_pickle: bool = False
+    """Accept a checkpoint with only pickle weights, loaded with ``torch.load(weights_only=
+    True)`` and converted to safetensors first (pickle_source.py); refused by default."""
 
 
 def modelstage_version() -> str:
@@ -150,6 +153,8 @@ def stage(req: StageRequest, *, progress_stream: TextIO | None = None) -> dict[s
 
     source = open_source(req.source, revision=req.revision, s3=req.s3,
                          hf_token_file=req.hf_token_file, cache_dir=req.cache_dir)  # fmt: skip
+    if req.allow_pickle:
+        source = _with_pickles_converted(source, req.out)
     try:
         checkpoint = open_checkpoint(source)
         # Also for runai_streamer: a TP that cannot split this model fails here, not in vLLM.
@@ -208,6 +213,21 @@ def stage(req: StageRequest, *, progress_stream: TextIO | None = None) -> dict[s
     finally:
         source.close()
     return _summary(manifest, dest.uri, time.monotonic() - started, already=False)
+
+
+def _with_pickles_converted(source: Source, out: str) -> Source:
+    """``--allow-pickle``: a source without safetensors but with pickle weights is read
+    through their safetensors conversion; any other source is returned as it is."""
+    from .pickle_source import ConvertedPickleSource, pickle_weights, spool_dir_for
+
+    files = source.list_files()
+    if any(f.endswith(".safetensors") for f in files) or not pickle_weights(files):
+        return source
+    try:
+        return ConvertedPickleSource(source, spool_dir_for(out))
+    except BaseException:
+        source.close()
+        raise
 
 
 def source_identity_digest(identity: dict[str, Any]) -> str:

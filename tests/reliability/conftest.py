@@ -46,3 +46,15 @@ def bucket(s3: S3Server) -> str:
     name = f"rel-{os.getpid()}-{next(_buckets)}"
     s3.create_bucket(name)
     return name
+
+
+# The live operator tier's fixtures (an API server: the real control plane when
+# KUBEBUILDER_ASSETS is set, else the extended kmock; a namespace; the operator process).
+from operator_live.conftest import (  # noqa: E402
+    cluster,
+    namespace,
+    operator,
+    real_control_plane,
+)
+
+__all__ = ["cluster", "namespace", "operator", "real_control_plane"]

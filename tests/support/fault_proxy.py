@@ -9,6 +9,8 @@ switchable while clients are connected:
 - ``delay_s``: every response chunk is held back this long (a slow server);
 - ``down()`` / ``up()``: every connection is cut and new ones are refused (the server
   stopped), then accepted again on the same port (the server restarted);
+- ``down_on_request(text)``: go down when a request whose head holds ``text`` arrives,
+  before it reaches the server (a crash at a chosen step, e.g. the first ``config.json``);
 - ``cut_after_bytes(n)``: connections are cut once ``n`` more bytes went through, in either
   direction (a crash in the middle of an upload or a download).
 
@@ -50,6 +52,7 @@ class FaultProxy:
         self._throttle_next = self._seen = 0
         self._throttle_every = 1
         self._cut_budget: int | None = None
+        self._down_on: bytes | None = None
         self.up()
 
     @property
@@ -80,6 +83,9 @@ class FaultProxy:
         with self._lock:
             self._throttle_next, self._throttle_every, self._seen = requests, every, 0
 
+    def down_on_request(self, text: str | None) -> None:
+        self._down_on = text.encode() if text is not None else None
+
     def cut_after_bytes(self, nbytes: int | None) -> None:
         with self._lock:
             self._cut_budget = nbytes
@@ -91,13 +97,7 @@ class FaultProxy:
     def _cut_all(self) -> None:
         with self._lock:
             conns, self._conns = list(self._conns), set()
-        for conn in conns:
-            # shutdown, not just close: close() does not wake a thread blocked in recv() on
-            # the socket, and the peer would wait for its read timeout instead of a reset
-            with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)
-            with contextlib.suppress(OSError):
-                conn.close()
+        _close(*conns)
 
     def _track(self, sock: socket.socket) -> None:
         with self._lock:
@@ -121,6 +121,9 @@ class FaultProxy:
                 client, _ = listener.accept()
             except OSError:
                 return
+            if self._listener is not listener:  # accepted while going down
+                _close(client)
+                return
             self._track(client)
             threading.Thread(target=self._serve, args=(client,), daemon=True).start()
 
@@ -138,6 +141,10 @@ class FaultProxy:
                         return
                     buf += chunk
                 head, _, buf = buf.partition(b"\r\n\r\n")
+                if self._down_on is not None and self._down_on in head:
+                    self._down_on = None
+                    self.down()
+                    return
                 length = _content_length(head)
                 with self._lock:
                     self.requests += 1
@@ -170,10 +177,7 @@ class FaultProxy:
         except OSError:
             return
         finally:
-            for sock in (client, server):
-                if sock is not None:
-                    with contextlib.suppress(OSError):
-                        sock.close()
+            _close(client, server)
 
     def _pump_down(self, server: socket.socket, client: socket.socket) -> None:
         try:
@@ -185,9 +189,20 @@ class FaultProxy:
         except OSError:
             pass
         finally:
-            for sock in (client, server):
-                with contextlib.suppress(OSError):
-                    sock.close()
+            _close(client, server)
+
+
+def _close(*socks: socket.socket | None) -> None:
+    """Shut down, then close: close() alone does not wake a thread blocked in recv() on the
+    socket, and the peer would wait for its read timeout instead of seeing the connection end.
+    """
+    for sock in socks:
+        if sock is None:
+            continue
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(OSError):
+            sock.close()
 
 
 def _content_length(head: bytes) -> int:

@@ -1,0 +1,104 @@
+"""``--allow-pickle``: a checkpoint with only pickle weights, converted to safetensors first.
+
+Unpickling can run arbitrary code, so pickles are refused unless the user opts in, and even
+then they are loaded with ``torch.load(weights_only=True)``, which unpickles tensors and
+plain containers only (anything else is refused with a ``CheckpointError``). Each pickle
+file becomes one safetensors file in a private spool directory; the stager then reads those
+through the same header parser, shard plan and streaming writer as any safetensors
+checkpoint, so the artifact's bytes equal those staged from the same tensors as safetensors.
+The source identity stays the pickle files' (their content hashes).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from .errors import CheckpointError
+from .sources.base import Source
+from .sources.local import LocalSource
+
+PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
+PICKLE_INDEX = "pytorch_model.bin.index.json"
+
+
+def pickle_weights(files: list[str]) -> list[str]:
+    return [f for f in files if any(fnmatch.fnmatch(f, p) for p in PICKLE_PATTERNS)]
+
+
+def spool_dir_for(out: str) -> Path:
+    """A private directory in TMPDIR (an emptyDir in a pod: gone with the pod after a crash).
+
+    Not beside a local ``--out``: the conversion runs before the destination's ``begin``,
+    which removes every ``<out>.tmp-*`` as a leftover of a killed run. ``out`` is accepted
+    for a later choice of place and unused."""
+    del out
+    return Path(tempfile.mkdtemp(prefix="modelstage-pickle-"))
+
+
+class ConvertedPickleSource(Source):
+    """``inner`` with each pickle weight file replaced by a converted ``<name>.safetensors``."""
+
+    def __init__(self, inner: Source, spool: Path) -> None:
+        self.inner, self.spool, self.uri = inner, spool, inner.uri
+        files = inner.list_files()
+        self.pickles = pickle_weights(files)
+        self.converted = {f"{Path(p).stem}.safetensors": p for p in self.pickles}
+        try:
+            for name, pickled in self.converted.items():
+                _convert(inner, pickled, spool / name)
+        except BaseException:
+            shutil.rmtree(spool, ignore_errors=True)
+            raise
+        self.local = LocalSource(str(spool))
+        hidden = {*self.pickles, PICKLE_INDEX}
+        self.files = sorted({*(f for f in files if f not in hidden), *self.converted})
+
+    def list_files(self) -> list[str]:
+        return list(self.files)
+
+    def size(self, name: str) -> int:
+        return self.local.size(name) if name in self.converted else self.inner.size(name)
+
+    def read_range(self, name: str, offset: int, out: memoryview) -> None:
+        if name in self.converted:
+            self.local.read_range(name, offset, out)
+        else:
+            self.inner.read_range(name, offset, out)
+
+    def identity(self, files: list[str]) -> dict[str, Any]:
+        originals = [self.converted.get(f, f) for f in files]
+        return {**self.inner.identity(originals), "convertedFromPickle": True}
+
+    def close(self) -> None:
+        self.local.close()
+        self.inner.close()
+        shutil.rmtree(self.spool, ignore_errors=True)
+
+
+def _convert(source: Source, name: str, target: Path) -> None:
+    import io
+
+    import torch
+    from safetensors.torch import save_file
+
+    try:
+        state = torch.load(io.BytesIO(source.read_bytes(name)), map_location="cpu",
+                           weights_only=True)  # fmt: skip
+    except Exception as e:  # weights_only refuses any non-tensor object: say which file
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(
+            f"{source.uri}: {name}: not a plain state dict of tensors ({first[:200]}); "
+            "torch.load(weights_only=True) refused it"
+        ) from None
+    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
+        state = state["state_dict"]
+    if not isinstance(state, dict) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
+    ):
+        raise CheckpointError(f"{source.uri}: {name}: expected a dict of tensor names to tensors")
+    # save_file refuses tensors sharing storage (tied weights): give each its own bytes
+    save_file({k: v.contiguous().clone() for k, v in state.items()}, str(target))
