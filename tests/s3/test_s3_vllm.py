@@ -12,7 +12,6 @@ machine serialize instead of starving each other.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import subprocess
@@ -27,13 +26,13 @@ import pytest
 from modelstage.stager.stage import StageRequest, stage
 from modelstage.stager.synthetic import SyntheticModel, write_checkpoint
 from support.s3_server import S3Server
+from support.vllm_lock import vllm_lock as machine_vllm_lock
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "vllm"))
 from vllm_oracle import RUNNER, differences, loader_warnings, reference
 
 pytestmark = pytest.mark.vllm
 
-LOCK = "/tmp/modelstage-vllm.lock"
 SPEC = SyntheticModel(tie_word_embeddings=True, vocab_size=1000, num_shards=3, split_fused=True)
 PROMPTS = [
     [1, 5, 100, 255, 256, 511, 512, 513, 999, 42, 7, 300, 2, 64],
@@ -57,12 +56,9 @@ def vllm_bucket(s3: S3Server) -> str:
 
 @pytest.fixture
 def vllm_lock() -> Iterator[None]:
-    with open(LOCK, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    """Held for the whole test: its reference run and its S3 run (the lock is re-entrant)."""
+    with machine_vllm_lock():
+        yield
 
 
 def run_vllm_s3(model: str, tp: int, load_format: str, env: dict[str, str]) -> dict[str, Any]:

@@ -7,14 +7,12 @@ would each time out.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,10 +20,11 @@ from typing import Any
 from modelstage.stager.stage import StageRequest, stage
 from modelstage.stager.synthetic import SyntheticModel, write_checkpoint
 
+from support.vllm_lock import vllm_lock
+
 TESTS = Path(__file__).resolve().parents[1]
 RUN_VLLM = TESTS / "vllm" / "run_vllm.py"
 POD_RUNNER = TESTS / "serving" / "pod_runner.py"
-VLLM_LOCK = "/tmp/modelstage-vllm.lock"
 VLLM_TIMEOUT = 300
 PROMPTS = [[1, 7, 42, 99, 311, 512, 900], [2, 64, 128, 5]]
 
@@ -36,16 +35,6 @@ class Artifact:
     digest: str
     tp: int
     format: str = "sharded_state"
-
-
-@contextmanager
-def vllm_lock() -> Iterator[None]:
-    with open(VLLM_LOCK, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def run_locked(

@@ -11,7 +11,6 @@ vLLM concurrently on this 2-core machine).
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import importlib.metadata
 import json
@@ -19,14 +18,13 @@ import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from support.vllm_lock import vllm_lock
+
 PROBE = Path(__file__).with_name("probe_vllm_model.py")
-VLLM_LOCK = Path("/tmp/modelstage-vllm.lock")
 PROBE_TIMEOUT_S = 900
 
 
@@ -72,17 +70,6 @@ def vllm_version() -> str:
 def cache_root() -> Path:
     root = os.environ.get("MODELSTAGE_CACHE") or str(Path.home() / ".cache" / "modelstage")
     return Path(root) / "vllm-model"
-
-
-@contextmanager
-def vllm_lock() -> Iterator[None]:
-    """One vLLM at a time on this machine, whichever suite starts it."""
-    with open(VLLM_LOCK, "a+") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def describe_vllm_model(checkpoint: Path, tp: int, artifact: Path | None = None) -> VllmModel:
@@ -138,8 +125,12 @@ def _parse(raw: dict[str, Any]) -> VllmModel:
     ranks = tuple(
         tuple(
             VllmTensor(
-                t["name"], t["type"] == "buffer", tuple(t["shape"]), t["dtype"],
-                t["persistent"], t["meta"],
+                t["name"],
+                t["type"] == "buffer",
+                tuple(t["shape"]),
+                t["dtype"],
+                t["persistent"],
+                t["meta"],
             )
             for t in rank["tensors"]
         )

@@ -9,7 +9,6 @@ everything that could change them, so CI runs on one machine skip them.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import importlib.metadata
 import json
@@ -19,14 +18,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from support.vllm_lock import vllm_lock
+
 RUNNER = Path(__file__).with_name("run_vllm.py")
-VLLM_LOCK = "/tmp/modelstage-vllm.lock"
 """Machine-wide lock (shared with tests/support/serving.py): one vLLM at a time on 2 cores."""
 VLLM_TIMEOUT_S = 600
 STAGE_TIMEOUT_S = 300
@@ -69,18 +67,6 @@ def tree_digest(directory: Path) -> str:
             while block := f.read(1 << 20):
                 h.update(block)
     return h.hexdigest()
-
-
-@contextmanager
-def vllm_lock() -> Iterator[float]:
-    """Hold the machine-wide vLLM lock; yields the seconds spent waiting for it."""
-    started = time.monotonic()
-    with open(VLLM_LOCK, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield time.monotonic() - started
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _remove_shared_memory(log: str) -> None:
