@@ -413,6 +413,9 @@ class ModelDeploymentStatus(Model):
     """The artifact served before the current rollout: the rollback target."""
     failed_digest: str | None = None
     """A digest whose rollout failed and was rolled back; not retried until the spec changes."""
+    workload_generation: int | None = Field(default=None, ge=1)
+    """The workload's generation when it was last seen on ``artifact``. Off the artifact at a
+    later generation means someone else changed it: reported, never patched back."""
     queue_position: int | None = None
     """While staging waits for one of the operator's stager slots: the place in the queue
     (1 = next); see the ``Staged`` condition (reason ``Queued``)."""

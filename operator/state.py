@@ -251,6 +251,12 @@ def _ready(observed: Observed) -> tuple[Literal["True", "False"], str, str]:
     return "True", "Serving", f"serving artifact {w.digest}: {w.available}/{w.replicas} available"
 
 
+def _changed_by_someone_else(w: WorkloadObservation, status: ModelDeploymentStatus) -> bool:
+    """Seen on the artifact before, off it at a later generation: not ours to undo. (A patch
+    that never landed, e.g. an operator killed mid-rollout, leaves the generation as it was.)"""
+    return status.workload_generation is not None and w.generation > status.workload_generation
+
+
 @dataclass
 class _Draft:
     """The status under construction inside ``decide``."""
@@ -299,8 +305,19 @@ def decide(desired: Artifact | None, status: ModelDeploymentStatus, observed: Ob
             details = f"rolling back to {current.digest}"
     elif current is not None and current.digest == desired.digest:
         draft = _Draft("RollingOut", ("True", "Staged", f"artifact {desired.digest} is staged"))
+        if w is not None and w.digest == desired.digest:
+            draft.updates["workload_generation"] = w.generation
         if w is None or blocks_rollout:
             draft.phase = "Staged"
+        elif w.digest != desired.digest and _changed_by_someone_else(w, status):
+            draft.phase = "Staged"
+            draft.degraded = (
+                "WorkloadChanged",
+                f"the workload was changed by someone else (generation {w.generation}) and no "
+                f"longer runs artifact {desired.digest}; modelstage does not patch it back: keep "
+                "the modelstage fields in its manifest, or change the ModelDeployment spec to "
+                "roll out again",
+            )
         elif w.digest != desired.digest:
             action, target = Action.ROLL_OUT, current
             details = f"the workload is not on artifact {desired.digest}: patching it"
@@ -318,6 +335,7 @@ def decide(desired: Artifact | None, status: ModelDeploymentStatus, observed: Ob
                     "artifact": status.previous_artifact,
                     "previous_artifact": None,
                     "failed_digest": desired.digest,
+                    "workload_generation": None,
                 }
                 details = f"rolling back to {status.previous_artifact.digest}: {reason}"
             else:
@@ -374,6 +392,7 @@ def decide(desired: Artifact | None, status: ModelDeploymentStatus, observed: Ob
                     draft.updates = {
                         "artifact": staged,
                         "previous_artifact": current or status.previous_artifact,
+                        "workload_generation": None,
                     }
                     details = f"artifact {desired.digest} staged: rolling the workload onto it"
 

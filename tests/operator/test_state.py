@@ -217,13 +217,43 @@ def test_workload_controller_not_caught_up_is_still_rolling_out(desired: Artifac
     assert d.status.phase == "RollingOut"
 
 
-def test_workload_reverted_by_someone_is_patched_again(desired: Artifact) -> None:
+def test_workload_never_seen_on_the_artifact_is_patched(desired: Artifact) -> None:
+    """E.g. the operator was killed between writing the status and sending the patch."""
     d = run(desired, rolled_out(desired), workload=on(OLD.digest))
     assert (
         d.action is Action.ROLL_OUT
         and d.artifact is not None
         and d.artifact.digest == desired.digest
     )
+
+
+def test_the_generation_a_workload_runs_the_artifact_at_is_recorded(desired: Artifact) -> None:
+    d = run(desired, rolled_out(desired), workload=on(desired.digest, generation=7,
+                                                      observed_generation=7))  # fmt: skip
+    assert d.status.workload_generation == 7
+
+
+def test_workload_changed_by_someone_else_is_reported_not_patched_back(desired: Artifact) -> None:
+    status = rolled_out(desired).model_copy(update={"workload_generation": 4})
+    d = run(desired, status, workload=on(None, generation=5))
+    assert d.action is Action.WAIT and d.status.phase == "Staged"
+    assert cond(d, "Degraded") == ("True", "WorkloadChanged")
+    same_generation = run(desired, status, workload=on(None, generation=4))
+    assert same_generation.action is Action.ROLL_OUT  # our own patch never landed
+
+
+def test_a_new_artifact_forgets_the_old_workload_generation(make_spec: SpecFactory) -> None:
+    """Rolling a new artifact is not fought as someone else's change."""
+    new = artifact_for(
+        make_spec(parallelism={"tensor": 4}), namespace="llm", deployment_name="llama"
+    )
+    old = ArtifactStatus(digest=OLD.digest, uri="pvc://x", format="sharded_state",
+                         tensor_parallel_size=2)  # fmt: skip
+    status = ModelDeploymentStatus(phase="Ready", artifact=old, workload_generation=4)
+    assert status.workload_generation == 4
+    job = JobObservation("Succeeded", summary(new.digest))
+    d = run(new, status, job=job, workload=on(OLD.digest, generation=6))
+    assert d.action is Action.ROLL_OUT and d.status.workload_generation is None
 
 
 @pytest.mark.parametrize(

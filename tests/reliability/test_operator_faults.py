@@ -239,11 +239,6 @@ async def test_a_workload_edited_by_someone_else_keeps_their_edit(
         assert operator_writes(cluster, "PATCH", deploy_path(namespace)) == 1
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "known gap, see docs/reliability.md 'What remains': state.decide re-patches a workload "
-    "that is off the desired artifact whoever moved it, and reports only NotRolledOut; "
-    "telling 'not patched yet' (a kill mid-rollout) from 'reverted by someone else' needs "
-    "the workload generation the operator patched to in the status"))  # fmt: skip
 @pytest.mark.timeout(120)
 async def test_a_workload_whose_artifact_fields_are_reverted_is_reported_not_repatched(
     cluster: Cluster, namespace: str, operator: OperatorProcess
