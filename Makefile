@@ -3,7 +3,7 @@ PY := .venv/bin/python
 # The checkout has a folder named `operator`; keep the working directory off sys.path.
 export PYTHONSAFEPATH := 1
 
-.PHONY: setup demo test lint
+.PHONY: setup demo test test-slow lint
 setup:
 	./scripts/setup
 
@@ -12,6 +12,10 @@ demo: setup
 
 test: setup
 	./scripts/test
+
+# The long fault-injection trials (operator kills x10, S3 kill points x20); .ci/run runs them too.
+test-slow: setup
+	MODELSTAGE_TEST_MARKERS=slow ./scripts/test
 
 lint: setup
 	.venv/bin/ruff check stager operator tests
