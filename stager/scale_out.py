@@ -28,7 +28,6 @@ the manifest (DESIGN.md sections 1 and 3). Why it is cut this way:
 
 from __future__ import annotations
 
-import datetime
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -40,7 +39,6 @@ from .checkpoint import Checkpoint, open_checkpoint
 from .destinations.base import Destination
 from .errors import SpecError
 from .layouts import Layout
-from .manifest import FileEntry, Manifest
 from .progress import Progress
 from .rank_writer import PART_METADATA, plan_parts, rank_file_names, write_rank_files
 from .safetensors_format import encode_header
@@ -50,9 +48,8 @@ from .stage import (
     PER_RANK_FORMATS,
     StageRequest,
     _summary,
-    modelstage_version,
+    build_manifest,
     open_destination,
-    open_source_uri,
     request_digest,
     request_layout,
     run_key,
@@ -215,22 +212,7 @@ def finalize(req: StageRequest) -> dict[str, Any]:
             files = _check_parts(dest, run)
             for name in run.checkpoint.carried_over:
                 files[name] = dest.write_small(name, source.read_bytes(name))
-            manifest = Manifest(
-                format=req.format,
-                tensorParallelSize=req.tp,
-                pipelineParallelSize=req.pp,
-                dtype=req.dtype,
-                digest=digest,
-                source={"uri": req.source_uri or open_source_uri(req.source),
-                        "revision": req.revision, **run.identity},
-                vllmVersion=run.layout.vllm_version,
-                layoutVersion=run.layout.layout_version,
-                files={n: FileEntry(size=s, sha256=h) for n, (s, h) in sorted(files.items())},
-                bytes=sum(s for s, _ in files.values()),
-                modelstageVersion=modelstage_version(),
-                createdAt=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                stageSeconds=round(time.monotonic() - started, 3),
-            )  # fmt: skip
+            manifest = build_manifest(req, digest, run.layout, run.identity, files, started)
             dest.commit(manifest)
         except BaseException:
             dest.abort()

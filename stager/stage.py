@@ -190,22 +190,7 @@ def stage(req: StageRequest, *, progress_stream: TextIO | None = None) -> dict[s
             for name in carried:
                 files[name] = dest.write_small(name, source.read_bytes(name))
             progress.finish()
-            manifest = Manifest(
-                format=req.format,
-                tensorParallelSize=req.tp,
-                pipelineParallelSize=req.pp,
-                dtype=req.dtype,
-                digest=digest,
-                source={"uri": req.source_uri or open_source_uri(req.source),
-                        "revision": req.revision, **identity},
-                vllmVersion=layout.vllm_version,
-                layoutVersion=layout.layout_version,
-                files={n: FileEntry(size=s, sha256=h) for n, (s, h) in sorted(files.items())},
-                bytes=sum(s for s, _ in files.values()),
-                modelstageVersion=modelstage_version(),
-                createdAt=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                stageSeconds=round(time.monotonic() - started, 3),
-            )  # fmt: skip
+            manifest = build_manifest(req, digest, layout, identity, files, started)
             dest.commit(manifest)
         except BaseException:
             dest.abort()
@@ -228,6 +213,36 @@ def _with_pickles_converted(source: Source, out: str) -> Source:
     except BaseException:
         source.close()
         raise
+
+
+def build_manifest(
+    req: StageRequest,
+    digest: str,
+    layout: Layout,
+    identity: dict[str, Any],
+    files: dict[str, tuple[int, str]],
+    started: float,
+) -> Manifest:
+    """The manifest of a finished artifact: what it is, where it came from, every file."""
+    return Manifest(
+        format=req.format,
+        tensorParallelSize=req.tp,
+        pipelineParallelSize=req.pp,
+        dtype=req.dtype,
+        digest=digest,
+        source={
+            "uri": req.source_uri or open_source_uri(req.source),
+            "revision": req.revision,
+            **identity,
+        },
+        vllmVersion=layout.vllm_version,
+        layoutVersion=layout.layout_version,
+        files={n: FileEntry(size=s, sha256=h) for n, (s, h) in sorted(files.items())},
+        bytes=sum(s for s, _ in files.values()),
+        modelstageVersion=modelstage_version(),
+        createdAt=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        stageSeconds=round(time.monotonic() - started, 3),
+    )
 
 
 def source_identity_digest(identity: dict[str, Any]) -> str:

@@ -16,7 +16,8 @@ from vllm.config import ModelConfig
 from vllm.model_executor.model_loader.sharded_state_loader import ShardedStateLoader
 
 from .base import ModelstageLoader, Transfer, run_timed, timed_weights
-from .checks import VerifiedArtifact, verify_local
+from .checks import VerifiedArtifact
+from .sharded_state import verify_rank_files
 
 
 class _TimedShardedState(ShardedStateLoader):
@@ -34,15 +35,7 @@ class ModelstageRunaiStreamerShardedLoader(ModelstageLoader):
     per_rank: ClassVar[bool] = True
 
     def verify(self, location: str, running_tp: int, vllm_version: str) -> VerifiedArtifact:
-        assert isinstance(self.stock, _TimedShardedState)
-        return verify_local(
-            self.verify_local_location(location),
-            load_format=self.load_format,
-            settings=self.settings,
-            running_tp=running_tp,
-            vllm_version=vllm_version,
-            rank_glob=ShardedStateLoader._render_default_pattern(self.stock.pattern, part="*"),
-        )
+        return verify_rank_files(self, location, running_tp, vllm_version)
 
     def transfer(
         self, model: nn.Module, model_config: ModelConfig, verified: VerifiedArtifact

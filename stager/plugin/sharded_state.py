@@ -24,6 +24,21 @@ from .reader import TORCH_DTYPES, PipelinedReader, Target, flat_bytes, staging_f
 LOG = logging.getLogger("vllm.modelstage")
 
 
+def verify_rank_files(
+    loader: ModelstageLoader, location: str, running_tp: int, vllm_version: str
+) -> VerifiedArtifact:
+    """Checks of a local per-rank artifact whose stock loader is a ``ShardedStateLoader``."""
+    assert isinstance(loader.stock, ShardedStateLoader)
+    return verify_local(
+        loader.verify_local_location(location),
+        load_format=loader.load_format,
+        settings=loader.settings,
+        running_tp=running_tp,
+        vllm_version=vllm_version,
+        rank_glob=ShardedStateLoader._render_default_pattern(loader.stock.pattern, part="*"),
+    )
+
+
 class ModelstageShardedStateLoader(ModelstageLoader):
     load_format: ClassVar[str] = "modelstage_sharded_state"
     stock_format: ClassVar[str] = "sharded_state"
@@ -31,15 +46,7 @@ class ModelstageShardedStateLoader(ModelstageLoader):
     per_rank: ClassVar[bool] = True
 
     def verify(self, location: str, running_tp: int, vllm_version: str) -> VerifiedArtifact:
-        assert isinstance(self.stock, ShardedStateLoader)
-        return verify_local(
-            self.verify_local_location(location),
-            load_format=self.load_format,
-            settings=self.settings,
-            running_tp=running_tp,
-            vllm_version=vllm_version,
-            rank_glob=ShardedStateLoader._render_default_pattern(self.stock.pattern, part="*"),
-        )
+        return verify_rank_files(self, location, running_tp, vllm_version)
 
     def transfer(
         self, model: nn.Module, model_config: ModelConfig, verified: VerifiedArtifact

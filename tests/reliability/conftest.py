@@ -4,18 +4,10 @@ fresh bucket per test."""
 
 from __future__ import annotations
 
-import itertools
-import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from modelstage.stager.synthetic import SyntheticModel, write_checkpoint
-from support.s3_server import S3Server, s3_server
-
-ACCESS_KEY = "MSRELAKIDQ7W2ZUPLANKTON"
-SECRET_KEY = "ms-rel-secret/Walrus+Ibex+Marmot+7311"
-_buckets = itertools.count()
 
 
 @pytest.fixture(scope="session")
@@ -31,21 +23,6 @@ def crash_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def small_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The default tiny Llama checkpoint, shared read-only."""
     return write_checkpoint(SyntheticModel(), tmp_path_factory.mktemp("small") / "ckpt")
-
-
-@pytest.fixture(scope="session")
-def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
-    with s3_server(
-        tmp_path_factory.mktemp("s3"), access_key=ACCESS_KEY, secret_key=SECRET_KEY
-    ) as server:
-        yield server
-
-
-@pytest.fixture
-def bucket(s3: S3Server) -> str:
-    name = f"rel-{os.getpid()}-{next(_buckets)}"
-    s3.create_bucket(name)
-    return name
 
 
 # The live operator tier's fixtures (an API server: the real control plane when

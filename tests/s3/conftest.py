@@ -5,32 +5,10 @@ The credentials are long and distinctive so that a test can grep every output fo
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from modelstage.stager.synthetic import SyntheticModel, write_checkpoint
-from support.s3_server import S3Server, s3_server
-
-ACCESS_KEY = "MSTESTAKID7Q4ZX9PLUMBLINE"
-SECRET_KEY = "ms-test-secret/Zebra+Quokka+Halibut+0451"
-_buckets = itertools.count()
-
-
-@pytest.fixture(scope="session")
-def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
-    with s3_server(
-        tmp_path_factory.mktemp("s3"), access_key=ACCESS_KEY, secret_key=SECRET_KEY
-    ) as server:
-        yield server
-
-
-@pytest.fixture
-def bucket(s3: S3Server) -> str:
-    name = f"models-{next(_buckets)}"
-    s3.create_bucket(name)
-    return name
 
 
 @pytest.fixture(scope="session")

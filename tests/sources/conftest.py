@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from modelstage.stager.synthetic import SyntheticModel, write_checkpoint
 from support.hub_server import FakeHub, fake_hub
-from support.s3_server import S3Server, s3_server
 
-ACCESS_KEY = "MSSRCAKID3V8QK2WANDERLUST"
-SECRET_KEY = "ms-src-secret/Okapi+Narwhal+Tapir+7731"
 HF_TOKEN = "hf_MsTestToken9Kestrel4Lantern2Fjord"
 """Long and distinctive, so that a test can grep every output for them."""
-_buckets = itertools.count()
 
 
 @pytest.fixture(scope="session")
@@ -24,21 +19,6 @@ def split_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     files (objects), so one fused rank tensor is assembled from several sources."""
     spec = SyntheticModel(num_shards=3, split_fused=True)
     return write_checkpoint(spec, tmp_path_factory.mktemp("split") / "ckpt")
-
-
-@pytest.fixture(scope="session")
-def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
-    with s3_server(
-        tmp_path_factory.mktemp("s3src"), access_key=ACCESS_KEY, secret_key=SECRET_KEY
-    ) as server:
-        yield server
-
-
-@pytest.fixture
-def bucket(s3: S3Server) -> str:
-    name = f"sources-{next(_buckets)}"
-    s3.create_bucket(name)
-    return name
 
 
 @pytest.fixture

@@ -18,9 +18,7 @@ from modelstage.stager.manifest import MANIFEST
 from modelstage.stager.sources import open_source
 from modelstage.stager.sources.s3 import S3Source
 from modelstage.stager.stage import StageRequest, stage
-from support.s3_server import S3Server
-
-from .conftest import ACCESS_KEY, SECRET_KEY
+from support.s3_server import ACCESS_KEY, SECRET_KEY, S3Server
 
 KiB = 1024
 

@@ -24,6 +24,10 @@ from typing import Any
 
 from modelstage.stager.s3_client import S3Options
 
+ACCESS_KEY = "MSTESTAKID7Q4ZX9PLUMBLINE"
+SECRET_KEY = "ms-test-secret/Zebra+Quokka+Halibut+0451"
+"""The session server's credentials: long and distinctive, so tests can grep for them."""
+
 READY_TIMEOUT_S = 90.0
 PORTS = (
     "s3.port", "s3.port.grpc", "master.port", "master.port.grpc", "volume.port",
@@ -134,7 +138,12 @@ def s3_server(
             args, stdout=out, stderr=subprocess.STDOUT, cwd=workdir, start_new_session=True
         )
     server = S3Server(
-        f"http://127.0.0.1:{ports['s3.port']}", access_key, secret_key, region, process, log,
+        f"http://127.0.0.1:{ports['s3.port']}",
+        access_key,
+        secret_key,
+        region,
+        process,
+        log,
         credentials,
     )
     try:

@@ -8,22 +8,16 @@ as top-level modules from this folder.
 
 from __future__ import annotations
 
-import itertools
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from modelstage.stager.stage import StageRequest, stage
 from modelstage.stager.synthetic import SyntheticModel, write_checkpoint
-from support.s3_server import S3Server, s3_server
 
 sys.path.insert(0, str(Path(__file__).parent))
 from vllm_model import VllmModel, describe_vllm_model
-
-ACCESS_KEY = "MSTZAKIDQ8VX3KESTREL"
-SECRET_KEY = "ms-tz-secret/Otter+Puffin+Marmot+7731"
-_buckets = itertools.count()
 
 MODELS = {
     "llama": SyntheticModel(num_shards=3, split_fused=True),
@@ -75,18 +69,3 @@ def vllm_model(
     return lambda name, tp: describe_vllm_model(
         checkpoint(name), tp, staged(name, "tensorizer", tp)
     )
-
-
-@pytest.fixture(scope="session")
-def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
-    with s3_server(
-        tmp_path_factory.mktemp("s3"), access_key=ACCESS_KEY, secret_key=SECRET_KEY
-    ) as server:
-        yield server
-
-
-@pytest.fixture
-def bucket(s3: S3Server) -> str:
-    name = f"tensors-{next(_buckets)}"
-    s3.create_bucket(name)
-    return name
