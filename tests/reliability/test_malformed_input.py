@@ -209,9 +209,11 @@ def test_an_oversized_config_is_refused_before_it_is_read(small_ckpt: Path, tmp_
 
 
 # --- fuzzing --------------------------------------------------------------------------------
-FUZZ = settings(max_examples=400, deadline=2000, derandomize=True,
+FUZZ = settings(max_examples=400, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])  # fmt: skip
-"""Bounded time: a fixed number of examples (derandomized, so a run is reproducible)."""
+"""Bounded work: a fixed number of examples (derandomized, so a run is reproducible). No
+per-example deadline (a busy CI machine must not fail a test); a hang is caught by the
+``timeout`` mark on each fuzz test, far above its normal few seconds."""
 
 json_scalars = st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=8)
 json_values = st.recursive(
@@ -238,12 +240,14 @@ def accept_or_refuse_cleanly(call: Callable[[], object]) -> None:
         assert str(e).strip(), "an error without a message"
 
 
+@pytest.mark.timeout(300)
 @FUZZ
 @given(raw=st.binary(max_size=512), file_size=st.integers(0, 2**64))
 def test_fuzzed_header_bytes_parse_or_fail_cleanly(raw: bytes, file_size: int) -> None:
     accept_or_refuse_cleanly(lambda: parse_header("f.safetensors", raw, file_size))
 
 
+@pytest.mark.timeout(300)
 @FUZZ
 @given(doc=headers, slack=st.integers(0, 4096))
 def test_fuzzed_header_documents_parse_or_fail_cleanly_and_stay_in_bounds(
@@ -260,6 +264,7 @@ def test_fuzzed_header_documents_parse_or_fail_cleanly_and_stay_in_bounds(
         assert t.nbytes == math.prod(t.shape) * t.itemsize
 
 
+@pytest.mark.timeout(300)
 @FUZZ
 @given(prefix=st.binary(min_size=0, max_size=16), body=st.binary(max_size=256),
        claimed=st.integers(0, 2**64 - 1))  # fmt: skip
@@ -283,6 +288,7 @@ LLAMA = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate
 config_values = st.integers(-2, 2**40) | st.sampled_from([1, 2, 4, 8, 64, 100, 128]) | json_values
 
 
+@pytest.mark.timeout(300)
 @FUZZ
 @given(edits=st.dictionaries(st.sampled_from([*LLAMA, "head_dim", "tie_word_embeddings",
                                               "torch_dtype"]), config_values, max_size=4),
