@@ -66,16 +66,22 @@ def drop_page_cache() -> bool:
 
 
 def run_child(argv: list[str], env: dict[str, str] | None = None) -> tuple[float, int]:
-    """Wall seconds and peak RSS (bytes) of a child process, from the kernel's accounting."""
+    """Wall seconds and peak RSS (bytes) of a child process.
+
+    The stager reports its own peak (``peakRssBytes`` in its summary line, from VmHWM): the
+    kernel's ``ru_maxrss`` of a child also counts this large parent's memory at fork.
+    """
     start = time.perf_counter()
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
-    _, status, usage = os.wait4(proc.pid, 0)
+    done = subprocess.run(argv, capture_output=True, text=True, env=env, check=False)
     seconds = time.perf_counter() - start
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
-    if proc.returncode:
-        raise RuntimeError(f"{argv[0]} failed: {err.strip().splitlines()[-1:]}")
-    return seconds, usage.ru_maxrss * 1024
+    if done.returncode:
+        raise RuntimeError(f"{argv[0]} failed: {done.stderr.strip().splitlines()[-1:]}")
+    lines = done.stdout.strip().splitlines()
+    try:
+        peak = int(json.loads(lines[-1]).get("peakRssBytes", 0)) if lines else 0
+    except (ValueError, AttributeError):
+        peak = 0
+    return seconds, peak
 
 
 def dir_bytes(path: Path) -> int:

@@ -265,4 +265,20 @@ def _summary(manifest: Manifest, uri: str, seconds: float, *, already: bool) -> 
         "files": len(manifest.files),
         "seconds": round(seconds, 3),
         "alreadyStaged": already,
+        "peakRssBytes": peak_rss_bytes(),
     }
+
+
+def peak_rss_bytes() -> int:
+    """This process's own peak RSS. ``/proc/self/status`` VmHWM counts only the memory since
+    exec; ``ru_maxrss`` would also count the parent's, inherited at fork."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
