@@ -189,6 +189,9 @@ def table(rows: list[Measurement], baseline: Measurement) -> str:
     return "\n".join(lines)
 
 
+RSS_SECTION = "peak RSS"
+
+
 def chart(sections: dict[str, list[Measurement]], path: Path) -> None:
     import matplotlib
 
@@ -198,9 +201,11 @@ def chart(sections: dict[str, list[Measurement]], path: Path) -> None:
     fig, axes = plt.subplots(len(sections), 1, figsize=(8, 2.2 * len(sections) + 0.5))
     axes_list = axes if len(sections) > 1 else [axes]
     for ax, (title, rows) in zip(axes_list, sections.items(), strict=True):
-        ax.barh([m.name for m in rows], [m.throughput / 1e9 for m in rows], color="#4878a8")
+        rss = title == RSS_SECTION
+        values = [m.peak_rss / 2**20 if rss else m.throughput / 1e9 for m in rows]
+        ax.barh([m.name for m in rows], values, color="#4878a8")
         ax.set_title(title)
-        ax.set_xlabel("GB/s (median)")
+        ax.set_xlabel("peak RSS (MiB)" if rss else "GB/s (median)")
         ax.invert_yaxis()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -230,9 +235,9 @@ def run_bench(
     rss = bench_rss([int(g * GIB) for g in rss_gib], workdir, max(tps)) if rss_gib else []
     if rss:
         print(table(rss, rss[0]), file=log)
-    sections = {"staging vs cp + sync": staging, f"loading ({cache} page cache)": loading}
+    sections = {"staging vs cp + sync": staging, f"loading (page cache {cache})": loading}
     if rss:
-        sections["peak RSS"] = rss
+        sections[RSS_SECTION] = rss
     out.mkdir(parents=True, exist_ok=True)
     result = {
         "source_bytes": dir_bytes(src),
