@@ -5,11 +5,10 @@ rollout, with a real ``kopf run`` process (tier: kmock, or the real control plan
 from __future__ import annotations
 
 import json
-from typing import Any
 
 import pytest
 from modelstage.operator.job_plan import finalize_job_name, stage_job_name
-from support.kube_cluster import Cluster, eventually
+from support.kube_cluster import Cluster
 from support.modelstage_objects import (
     SPEC,
     complete_rollout,
@@ -21,19 +20,18 @@ from support.modelstage_objects import (
     summary,
     template_digest,
 )
+from support.operator_flow import (
+    apply,
+    condition,
+    status_of,
+    wait_job,
+    wait_named_job,
+    wait_phase,
+)
 from support.operator_process import OperatorProcess
-
-from .test_operator_lifecycle import apply, condition, status_of, wait_job, wait_phase
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(90)]
 SCALED = merged(SPEC, {"stager": {"parallelism": 4}})
-
-
-async def wait_named_job(cluster: Cluster, ns: str, name: str) -> dict[str, Any]:
-    async def probe() -> dict[str, Any] | None:
-        return await cluster.client.get(job_path(ns, name))
-
-    return await eventually(probe, what=f"Job {name}")
 
 
 def worker_summary(digest: str, index: int) -> str:

@@ -21,16 +21,6 @@ import uuid
 from pathlib import Path
 
 import pytest
-from operator_live.test_operator_lifecycle import (
-    MD,
-    apply,
-    condition,
-    operator_writes,
-    staged_and_rolled,
-    wait_job,
-    wait_phase,
-    wait_rolled,
-)
 from support.kube_cluster import Cluster, eventually
 from support.modelstage_objects import (
     SPEC,
@@ -43,6 +33,16 @@ from support.modelstage_objects import (
     merged,
     summary,
     template_digest,
+)
+from support.operator_flow import (
+    MD,
+    apply,
+    condition,
+    operator_writes,
+    staged_and_rolled,
+    wait_job,
+    wait_phase,
+    wait_rolled,
 )
 from support.operator_process import OperatorProcess
 
@@ -175,7 +175,9 @@ async def test_conflicting_spec_edits_resolve_to_the_latest_generation(
 
     async def settled() -> dict[str, object] | None:
         status = (await cluster.client.get(md_path(namespace, MD)) or {}).get("status") or {}
-        ok = status.get("desiredDigest") == digest and status.get("observedGeneration") == generation
+        ok = (
+            status.get("desiredDigest") == digest and status.get("observedGeneration") == generation
+        )
         return status if ok else None
 
     await eventually(settled, timeout=30, what="the status on the latest generation")

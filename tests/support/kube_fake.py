@@ -47,6 +47,7 @@ import jsonpatch
 import jsonschema
 import kmock
 from kmock._internal import rendering
+from modelstage.operator.patch import apply_merge_patch  # RFC 7386, unit-tested there
 
 NAMESPACES_PATH = re.compile(r"/api/v1/namespaces(?:/([^/]+))?/?")
 MERGE_PATCH = "application/merge-patch+json"
@@ -78,19 +79,6 @@ def _error(status: int, reason: str, message: str) -> kmock.KubernetesError:
     return kmock.KubernetesError(
         status=status, reason=reason, message=message, details={"causes": []}
     )
-
-
-def apply_merge_patch(target: Any, patch: Any) -> Any:
-    """RFC 7386."""
-    if not isinstance(patch, dict):
-        return copy.deepcopy(patch)
-    result = copy.deepcopy(target) if isinstance(target, dict) else {}
-    for key, value in patch.items():
-        if value is None:
-            result.pop(key, None)
-        else:
-            result[key] = apply_merge_patch(result.get(key), value)
-    return result
 
 
 def parse_selector(selector: str | None) -> list[tuple[str, str, str | None]]:

@@ -1,0 +1,110 @@
+"""Steps of the live operator tests (apply, wait for a Job, a phase, a rollout; count the
+operator's writes), shared by the lifecycle, scale-out, limits and reliability suites."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from modelstage.operator.job_plan import stage_job_name
+
+from support.kube_cluster import Cluster, eventually
+from support.modelstage_objects import (
+    complete_rollout,
+    deploy_path,
+    digest_of,
+    finish_stage_job,
+    job_path,
+    md_path,
+    model_deployment,
+    summary,
+    template_digest,
+    vllm_deployment,
+)
+
+MD = "llama"
+OPERATOR_AGENT = "OpenAPI-Generator"
+"""The handlers' client (kubernetes package); kopf's own requests say ``kopf/...``."""
+
+
+async def status_of(cluster: Cluster, ns: str, name: str = MD) -> dict[str, Any]:
+    body = await cluster.client.get(md_path(ns, name)) or {}
+    status: dict[str, Any] = body.get("status") or {}
+    return status
+
+
+async def wait_phase(
+    cluster: Cluster, ns: str, phase: str, timeout: float = 20.0
+) -> dict[str, Any]:
+    async def probe() -> dict[str, Any] | None:
+        status = await status_of(cluster, ns)
+        return status if status.get("phase") == phase else None
+
+    return await eventually(probe, timeout=timeout, what=f"phase {phase}")
+
+
+def condition(status: dict[str, Any], type_: str) -> dict[str, Any]:
+    return next((c for c in status.get("conditions") or [] if c["type"] == type_), {})
+
+
+async def events_for(cluster: Cluster, ns: str, name: str = MD) -> list[dict[str, Any]]:
+    events = await cluster.client.list(f"/api/v1/namespaces/{ns}/events")
+    return [e for e in events if (e.get("involvedObject") or {}).get("name") == name]
+
+
+async def apply(cluster: Cluster, ns: str, spec: dict[str, Any], *, workload: bool = True) -> None:
+    if workload:
+        await cluster.client.create(deploy_path(ns, None), vllm_deployment())
+    await cluster.client.create(md_path(ns), model_deployment(MD, spec))
+
+
+async def wait_named_job(cluster: Cluster, ns: str, name: str) -> dict[str, Any]:
+    async def probe() -> dict[str, Any] | None:
+        return await cluster.client.get(job_path(ns, name))
+
+    return await eventually(probe, what=f"Job {name}")
+
+
+async def wait_job(cluster: Cluster, ns: str, digest: str) -> dict[str, Any]:
+    """The stager Job of ``digest``."""
+    return await wait_named_job(cluster, ns, stage_job_name(digest))
+
+
+async def wait_rolled(cluster: Cluster, ns: str, digest: str) -> dict[str, Any]:
+    """The workload's template on ``digest`` (the status is written before the patch)."""
+
+    async def probe() -> dict[str, Any] | None:
+        workload = await cluster.client.get(deploy_path(ns))
+        return workload if template_digest(workload) == digest else None
+
+    return await eventually(probe, what=f"the workload on {digest}")
+
+
+async def wait_event(
+    cluster: Cluster, ns: str, reason: str, type_: str = "Normal"
+) -> dict[str, Any]:
+    """kopf posts Events asynchronously, after the status write."""
+
+    async def probe() -> dict[str, Any] | None:
+        events = await events_for(cluster, ns)
+        return next((e for e in events if (e["reason"], e["type"]) == (reason, type_)), None)
+
+    return await eventually(probe, what=f"a {type_} Event {reason}")
+
+
+async def staged_and_rolled(cluster: Cluster, ns: str, spec: dict[str, Any]) -> str:
+    """Applies ``spec``, completes its Job and the rollout: the workload is Ready on it."""
+    digest = digest_of(spec)
+    await wait_job(cluster, ns, digest)
+    await finish_stage_job(cluster.client, ns, digest, message=summary(digest), succeeded=True)
+    await wait_rolled(cluster, ns, digest)
+    await complete_rollout(cluster.client, ns)
+    await wait_phase(cluster, ns, "Ready")
+    return digest
+
+
+def operator_writes(cluster: Cluster, method: str, path: str) -> int | None:
+    """Requests the operator sent (kmock tier); None on the real tier (no request log)."""
+    if cluster.fake is None:
+        return None
+    count: int = cluster.fake.writes(method, path, agent=OPERATOR_AGENT)
+    return count
