@@ -1,14 +1,19 @@
 """Executes a shard plan: streams source bytes once and appends each rank's slices to its file.
 
-The pipeline: a reader thread fills reused buffers with row chunks of source tensors (only
-the rows some rank needs); the main thread cuts each chunk into per-rank views (zero-copy for
-whole rows, one copy for column splits or dtype casts); one writer thread per rank appends
-and hashes in order. Memory is bounded by the buffer pool, not by the checkpoint's size.
+The pipeline: rows that exactly one rank takes, unconverted, from a local source (most of
+a checkpoint: column-parallel weights, vocab shards, everything at TP=1) are read by that
+rank's writer straight into its sink's buffer. Everything else is read ahead once by a
+reader thread into reused buffers (only the rows some rank needs), and the main thread cuts
+each chunk into per-rank pieces without copying (shared rows, or a column cut as a strided
+view; only dtype casts copy here). One writer thread per rank hands its pieces to its sink
+in order, and the sink's one copy into its own buffer also gathers column cuts and feeds
+sha256 (``pieces.py``). Memory is bounded by the buffer pools, not by the checkpoint's size.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import queue
 import threading
 from collections.abc import Callable, Container, Iterator, Sequence
@@ -20,6 +25,7 @@ import numpy as np
 
 from .checkpoint import Checkpoint
 from .layouts import Layout
+from .pieces import Piece, SourceBytes
 from .progress import Progress
 from .safetensors_format import encode_header
 from .shard_plan import NON_LAYER_GROUP, ShardPlan, Slot, TargetTensor
@@ -33,7 +39,7 @@ PART_METADATA = {"format": "pt"}
 class Sink(Protocol):
     """One output file being written front to back (a local file, an S3 multipart upload)."""
 
-    def write(self, data: memoryview) -> None: ...
+    def write(self, data: Piece) -> None: ...
 
     def close(self) -> tuple[int, str]:
         """Finish durably; returns (size, sha256 hex)."""
@@ -135,7 +141,7 @@ class _DoneSink:
     def __init__(self, entry: tuple[int, str]) -> None:
         self.entry = entry
 
-    def write(self, data: memoryview) -> None:
+    def write(self, data: Piece) -> None:
         pass
 
     def close(self) -> tuple[int, str]:
@@ -153,9 +159,7 @@ class _RankStreams:
         self.executors = [ThreadPoolExecutor(1, f"rank{r}") for r in range(len(sinks))]
         self.pending: list[Future[None]] = []
 
-    def append(
-        self, rank: int, data: memoryview, on_done: Callable[[], None] | None = None
-    ) -> None:
+    def append(self, rank: int, data: Piece, on_done: Callable[[], None] | None = None) -> None:
         future = self.executors[rank].submit(self.sinks[rank].write, data)
         if on_done is not None:
             future.add_done_callback(lambda _f: on_done())
@@ -209,15 +213,40 @@ class _Fixed:
 
 
 @dataclass(frozen=True)
+class _Direct:
+    """A slot whose ranks take disjoint whole rows, unconverted: each rank's writer reads its
+    own rows straight from the source into its sink (``SourceBytes``); nothing is read ahead."""
+
+    target: TargetTensor
+    slot: Slot
+    file: str
+    begin: int
+    row_bytes: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(sel.num_rows for sel in self.slot.per_rank) * self.row_bytes
+
+
+@dataclass(frozen=True)
 class _TargetDone:
     target: TargetTensor
 
 
-_Item = _Chunk | _Fixed | _TargetDone
+_Item = _Chunk | _Fixed | _Direct | _TargetDone
+
+
+def _disjoint_whole_rows(slot: Slot) -> bool:
+    """Every rank takes whole rows and no row goes to two ranks."""
+    if any(sel.cols is not None for sel in slot.per_rank):
+        return False
+    spans = sorted(sel.rows for sel in slot.per_rank if sel.num_rows)
+    return all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
 
 
 def _items(part: list[TargetTensor], checkpoint: Checkpoint) -> Iterator[_Item]:
     """Work in file order; every rank receives its bytes in exactly this order."""
+    direct = checkpoint.source.direct_reads
     for target in part:
         if target.constant is not None:
             yield _Fixed(target, None)
@@ -228,6 +257,9 @@ def _items(part: list[TargetTensor], checkpoint: Checkpoint) -> Iterator[_Item]:
             info = checkpoint.tensors[slot.source]
             rows = info.shape[0]
             row_bytes = info.nbytes // rows if rows else 0
+            if direct and info.dtype == target.dtype and _disjoint_whole_rows(slot):
+                yield _Direct(target, slot, info.file, info.begin, row_bytes)
+                continue
             col_bytes = row_bytes // info.shape[1] if len(info.shape) > 1 and info.shape[1] else 0
             lo = min(s.rows[0] for s in slot.per_rank)
             hi = max(s.rows[1] for s in slot.per_rank)
@@ -308,6 +340,9 @@ def _stream_part(
             item, buf = got
             if isinstance(item, _Fixed):
                 _write_fixed(item, streams)
+            elif isinstance(item, _Direct):
+                _read_direct(item, checkpoint, streams)
+                progress.advance(item.nbytes)
             elif isinstance(item, _TargetDone):
                 progress.tensor_done()
             else:
@@ -338,21 +373,30 @@ def _write_fixed(item: _Fixed, streams: _RankStreams) -> None:
             remaining -= n
 
 
+def _read_direct(item: _Direct, checkpoint: Checkpoint, streams: _RankStreams) -> None:
+    for r, sel in enumerate(item.slot.per_rank):
+        if sel.num_rows:
+            offset = item.begin + sel.rows[0] * item.row_bytes
+            piece = SourceBytes(checkpoint.source, item.file, offset, sel.num_rows * item.row_bytes)
+            streams.append(r, piece)
+
+
 def _scatter(item: _Chunk, buf: bytearray, streams: _RankStreams, pool: _BufferPool) -> None:
     """Cut one chunk into each rank's bytes and queue them; the buffer returns when written."""
-    views: list[tuple[int, memoryview]] = []
+    views: list[tuple[int, Piece]] = []
     for r, sel in enumerate(item.slot.per_rank):
         a, b = max(sel.rows[0], item.first_row), min(sel.rows[1], item.last_row)
         if a >= b:
             continue
         lo, hi = (a - item.first_row) * item.row_bytes, (b - item.first_row) * item.row_bytes
-        view = memoryview(buf)[lo:hi]
-        if sel.cols is not None:
-            grid = np.frombuffer(view, dtype=np.uint8).reshape(b - a, item.row_bytes)
-            cut = grid[:, sel.cols[0] * item.col_bytes : sel.cols[1] * item.col_bytes]
-            view = np.ascontiguousarray(cut).data.cast("B")
+        rows = memoryview(buf)[lo:hi]
+        view: Piece = rows
+        if sel.cols is not None:  # the sink gathers the cut in its own copy
+            grid = np.frombuffer(rows, dtype=np.uint8).reshape(b - a, item.row_bytes)
+            view = grid[:, sel.cols[0] * item.col_bytes : sel.cols[1] * item.col_bytes]
         if item.src_dtype != item.target.dtype:
-            view = cast_bytes(view, item.src_dtype, item.target.dtype)
+            contiguous = np.ascontiguousarray(view).data.cast("B")
+            view = cast_bytes(contiguous, item.src_dtype, item.target.dtype)
         views.append((r, view))
     if not views:
         pool.free.put(buf)

@@ -49,7 +49,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+import numpy as np
+
 from .checkpoint import Checkpoint
+from .pieces import Piece, copy_piece, piece_nbytes
 from .progress import Progress
 from .rank_writer import Completed, OpenSink, _RankStreams, _stream_part
 from .shard_plan import TIED_EMBEDDING_TARGET, ShardPlan, TargetTensor
@@ -117,15 +120,16 @@ class _TensorCollector:
         if self.current is not None and self.current.nbytes == 0:
             self._emit()
 
-    def write(self, data: memoryview) -> None:
-        view = data.cast("B") if data.format != "B" else data
-        while len(view):
+    def write(self, data: Piece) -> None:
+        done, total = 0, piece_nbytes(data)
+        while done < total:
             if self.current is None:
                 raise AssertionError("more bytes than the plan's tensors hold")
-            n = min(len(view), len(self.buf) - self.filled)
-            self.buf[self.filled : self.filled + n] = view[:n]
+            space = np.frombuffer(self.buf, dtype=np.uint8)[self.filled :]
+            n = copy_piece(data, done, space)
+            del space  # the buffer is handed on whole once filled
             self.filled += n
-            view = view[n:]
+            done += n
             if self.filled == len(self.buf):
                 self._emit()
 

@@ -13,11 +13,12 @@ import json
 import os
 import shutil
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from ..aligned_io import DIRECT_MIN_BYTES, AlignedWriter
 from ..errors import ArtifactError, DestinationError
 from ..manifest import MANIFEST, Manifest, read_manifest, sha256_file
+from ..pieces import Piece
 from .base import Destination
 
 
@@ -29,13 +30,18 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-PARALLEL_HASH_BYTES = 1 << 20
-_HASHER = ThreadPoolExecutor(4, "sha256")
-"""Shared by every sink: one rank's hash and write of a chunk overlap; ranks share cores."""
-
-
 class LocalFileSink:
-    """Appends to a new file, hashing as it goes; ``close`` fsyncs and checks the size."""
+    """Appends to a new file, hashing as it goes; ``close`` fsyncs and checks the size.
+
+    Bytes are gathered into page-aligned buffers and written with ``O_DIRECT`` where the
+    filesystem allows it: the disk reads them straight from our buffer, so the kernel spends
+    no CPU copying them into the page cache (measured here: a buffered write + fsync of 4 GiB
+    costs 2.7 s of system time, a direct one 0.5 s), the staged artifact does not crowd the
+    node's page cache (and the Job's memory cgroup), and the CPU is left for sha256, which the
+    manifest needs for every byte. While one buffer is being written, this thread hashes and
+    fills the next. Without ``O_DIRECT`` (tmpfs, some FUSE mounts) the same buffers go
+    through the page cache.
+    """
 
     def __init__(self, path: Path, size: int) -> None:
         self.path, self.expected = path, size
@@ -50,32 +56,22 @@ class LocalFileSink:
                 ) from None
         self.written = 0
         self.hash = hashlib.sha256()
+        self.out = AlignedWriter(self.fd, direct=size >= DIRECT_MIN_BYTES)
 
-    def write(self, data: memoryview) -> None:
-        # sha256 runs at roughly the speed of the write itself: hash on a second core while
-        # this thread copies the same bytes into the page cache (both release the GIL).
-        hashed = None
-        if len(data) >= PARALLEL_HASH_BYTES:
-            hashed = _HASHER.submit(self.hash.update, data)
-        else:
-            self.hash.update(data)
-        view = data
-        while len(view):
-            n = os.write(self.fd, view)
-            view = view[n:]
-        self.written += len(data)
-        if hashed is not None:
-            hashed.result()
+    def write(self, data: Piece) -> None:
+        self.written += self.out.write(data, self.hash)
 
     def close(self) -> tuple[int, str]:
         if self.written != self.expected:
             raise AssertionError(f"{self.path}: wrote {self.written} of {self.expected} bytes")
+        self.out.finish(self.written)
         os.fsync(self.fd)
         os.close(self.fd)
         self.fd = -1
         return self.written, self.hash.hexdigest()
 
     def abort(self) -> None:
+        self.out.release()
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1

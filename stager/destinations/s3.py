@@ -45,8 +45,11 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
+
 from ..errors import ArtifactError, DestinationError, SpecError
 from ..manifest import MANIFEST, Manifest, check_ranks_present
+from ..pieces import Piece, copy_piece, piece_nbytes
 from ..s3_client import S3Client, S3Location, S3Options, with_retries
 from .base import Destination
 
@@ -104,23 +107,24 @@ class S3ObjectSink:
         self.parts: list[Future[dict[str, Any]]] = []
         self.failed: BaseException | None = None
 
-    def write(self, data: memoryview) -> None:
+    def write(self, data: Piece) -> None:
         if self.failed is not None:
             raise self.failed
-        if self.written + len(data) > self.size:
+        total = piece_nbytes(data)
+        if self.written + total > self.size:
             raise AssertionError(f"{self.key}: more than the announced {self.size} bytes")
-        self.hash.update(data)
-        self.written += len(data)
-        view = data.cast("B") if data.format != "B" else data
-        while len(view):
+        done = 0
+        while done < total:
             if self.buf is None:
                 self.buf = self.dest.take_buffer(min(self.part_bytes, self.size))
                 self.fill = 0
-            n = min(len(view), len(self.buf) - self.fill)
-            self.buf[self.fill : self.fill + n] = view[:n]
-            self.fill, view = self.fill + n, view[n:]
+            space = np.frombuffer(self.buf, dtype=np.uint8)[self.fill :]
+            n = copy_piece(data, done, space)
+            self.hash.update(space[:n].data)  # hashed from our copy, still in cache
+            self.fill, done = self.fill + n, done + n
             if self.fill == len(self.buf) and self.multipart:
                 self._flush_part()
+        self.written += total
 
     def _flush_part(self) -> None:
         assert self.buf is not None

@@ -18,6 +18,10 @@ class Source(abc.ABC):
     """
 
     uri: str
+    direct_reads: bool = False
+    """Ranged reads are cheap and thread-safe enough (a local file) for each rank's writer to
+    read its own rows straight into its output buffer; others are read ahead in large
+    chunks, once, by the rank writer's reader thread."""
 
     @abc.abstractmethod
     def list_files(self) -> list[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,8 @@ class LocalSource(Source):
     checkpoint cannot make the stager read (and publish) other files of the pod.
     """
 
+    direct_reads = True
+
     def __init__(self, path: str, *, allowed_root: Path | None = None) -> None:
         self.root = Path(path).absolute()
         if not self.root.is_dir():
@@ -30,6 +33,7 @@ class LocalSource(Source):
         if not self.root.resolve().is_relative_to(self._allowed):
             raise CheckpointError(f"{self.root}: outside {self._allowed}; refusing it")
         self._fds: dict[str, int] = {}
+        self._fds_lock = threading.Lock()  # rank writers read concurrently (direct_reads)
 
     def _path(self, name: str) -> Path:
         path = self.root / safe_name(name, str(self.root))
@@ -49,13 +53,19 @@ class LocalSource(Source):
 
     def _fd(self, name: str) -> int:
         fd = self._fds.get(name)
-        if fd is None:
-            try:
-                fd = os.open(self._path(name), os.O_RDONLY)
-            except OSError as e:
-                raise CheckpointError(f"{self.root / name}: cannot open: {e.strerror}") from None
-            self._fds[name] = fd
-        return fd
+        if fd is not None:
+            return fd
+        with self._fds_lock:
+            fd = self._fds.get(name)
+            if fd is None:
+                try:
+                    fd = os.open(self._path(name), os.O_RDONLY)
+                except OSError as e:
+                    raise CheckpointError(
+                        f"{self.root / name}: cannot open: {e.strerror}"
+                    ) from None
+                self._fds[name] = fd
+            return fd
 
     def read_range(self, name: str, offset: int, out: memoryview) -> None:
         fd, done = self._fd(name), 0
