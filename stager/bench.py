@@ -16,12 +16,13 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .progress import human_bytes
+from .s3_client import S3Options
 from .synthetic import SyntheticModel, write_checkpoint
 
 GIB = 1024**3
@@ -88,9 +89,9 @@ def dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
 
 
-def stager_argv(source: Path, out: Path, tp: int) -> list[str]:
+def stager_argv(source: Path, out: Path | str, tp: int, *flags: str) -> list[str]:
     return [sys.executable, "-P", "-m", "modelstage.stager.cli", "stage", str(source),
-            "--tp", str(tp), "--out", str(out)]  # fmt: skip
+            "--tp", str(tp), "--out", str(out), *flags]  # fmt: skip
 
 
 def bench_staging(source: Path, work: Path, tps: list[int], repeats: int) -> list[Measurement]:
@@ -99,18 +100,25 @@ def bench_staging(source: Path, work: Path, tps: list[int], repeats: int) -> lis
     results = [cp]
     staged = {tp: Measurement(f"stage tp={tp}", nbytes=size) for tp in tps}
     results += staged.values()
+    _read_all(source)  # both read the source from the page cache: what `cp` gets at best
     for _ in range(repeats):  # interleaved, so drift of the machine hits every row alike
         target = work / "cp"
+        os.sync()  # nobody pays for the previous step's writeback or deletes
         secs, _ = run_child(["sh", "-c", f"cp -r '{source}' '{target}' && sync"])
         cp.seconds.append(secs)
         shutil.rmtree(target)
         for tp, m in staged.items():
             out = work / f"tp{tp}"
+            os.sync()
             secs, rss = run_child(stager_argv(source, out, tp))
             m.seconds.append(secs)
             m.peak_rss = max(m.peak_rss, rss)
             shutil.rmtree(out)
     return results
+
+
+def _read_all(directory: Path) -> None:
+    _raw_read(sorted(p for p in directory.iterdir() if p.is_file()))
 
 
 def bench_rss(sizes: list[int], work: Path, tp: int) -> list[Measurement]:
@@ -127,25 +135,45 @@ def bench_rss(sizes: list[int], work: Path, tp: int) -> list[Measurement]:
 
 
 def bench_loading(artifact: Path, rank: int, repeats: int, cold: bool) -> list[Measurement]:
-    """Rank files into CPU tensors: raw read vs stock path vs the plugin's reader."""
+    """Rank files into CPU tensors: raw read vs stock path vs the plugin's reader.
+
+    Like vLLM's model before ``load_weights``, the parameters exist (and are touched) before
+    the clock starts, so every row measures moving the bytes, not allocating memory."""
     files = sorted(artifact.glob(f"model-rank-{rank}-part-*.safetensors"))
     size = sum(f.stat().st_size for f in files)
-    readers: dict[str, Callable[[list[Path]], None]] = {
-        "raw sequential read": _raw_read,
+    params = _parameters(files)
+    readers: dict[str, Callable[[list[Path], dict[str, Any]], None]] = {
+        "raw sequential read": lambda fs, _: _raw_read(fs),
         "vLLM stock path": _stock_read,
     }
     plugin = _plugin_read()
     if plugin is not None:
         readers["modelstage reader"] = plugin
     rows = {name: Measurement(f"load rank {rank}: {name}", nbytes=size) for name in readers}
+    if not cold:
+        _raw_read(files)  # the stager wrote them with O_DIRECT: not in the page cache yet
     for _ in range(repeats):
         for name, read in readers.items():
             if cold:
                 drop_page_cache()
             start = time.perf_counter()
-            read(files)
+            read(files, params)
             rows[name].seconds.append(time.perf_counter() - start)
     return list(rows.values())
+
+
+def _parameters(files: list[Path]) -> dict[str, Any]:
+    """One touched host tensor per tensor in ``files``, shaped and typed as stored."""
+    import torch
+
+    from .plugin.reader import TORCH_DTYPES
+    from .safetensors_format import read_local_header
+
+    params = {}
+    for f in files:
+        for name, info in read_local_header(f).tensors.items():
+            params[name] = torch.zeros(info.shape, dtype=TORCH_DTYPES[info.dtype])
+    return params
 
 
 def _raw_read(files: list[Path]) -> None:
@@ -157,19 +185,16 @@ def _raw_read(files: list[Path]) -> None:
                 pass
 
 
-def _stock_read(files: list[Path]) -> None:
-    import torch
+def _stock_read(files: list[Path], params: dict[str, Any]) -> None:
     from safetensors import safe_open
 
     for f in files:
         with safe_open(f, framework="pt") as st:
             for key in st.keys():  # noqa: SIM118 - safe_open has no __iter__
-                tensor = st.get_tensor(key)
-                param = torch.empty(tensor.shape, dtype=tensor.dtype)
-                param.copy_(tensor)
+                params[key].copy_(st.get_tensor(key))
 
 
-def _plugin_read() -> Callable[[list[Path]], None] | None:
+def _plugin_read() -> Callable[[list[Path], dict[str, Any]], None] | None:
     """The loader plugin's pipelined reader, when the serving side is installed."""
     try:
         from .plugin.reader import read_files_for_bench
@@ -215,29 +240,46 @@ def run_bench(
     *,
     size_gib: float,
     tps: list[int],
+    load_tp: int,
     repeats: int,
     workdir: Path,
     rss_gib: list[float],
     cold: bool,
     out: Path,
+    s3: str | None = None,
+    s3_options: S3Options | None = None,
+    s3_flags: Sequence[str] = (),
 ) -> dict[str, Any]:
+    """``s3_options``/``s3_flags``: how this process and a stager child reach ``s3``."""
     workdir.mkdir(parents=True, exist_ok=True)
     log = sys.stderr
     src = write_checkpoint(llama70b_scaled(int(size_gib * GIB)), workdir / "source")
     print(f"bench: source {human_bytes(dir_bytes(src))} in {src}", file=log)
+    sections: dict[str, list[Measurement]] = {}
+
+    def section(title: str, rows: list[Measurement]) -> None:
+        sections[title] = rows
+        print(f"\n{title}\n{table(rows, rows[0])}", file=log)
+
     staging = bench_staging(src, workdir, tps, repeats)
-    print(table(staging, staging[0]), file=log)
+    section("staging vs cp + sync (source in page cache)", staging)
     artifact = workdir / "artifact"
-    run_child(stager_argv(src, artifact, max(tps)))
-    cache = "dropped before each read" if cold and drop_page_cache() else "warm"
-    loading = bench_loading(artifact, 0, repeats, cold and cache != "warm")
-    print(table(loading, loading[0]), file=log)
-    rss = bench_rss([int(g * GIB) for g in rss_gib], workdir, max(tps)) if rss_gib else []
-    if rss:
-        print(table(rss, rss[0]), file=log)
-    sections = {"staging vs cp + sync": staging, f"loading (page cache {cache})": loading}
-    if rss:
-        sections[RSS_SECTION] = rss
+    run_child(stager_argv(src, artifact, load_tp))
+    cache = "dropped before each read" if cold and drop_page_cache() else "not dropped (warm)"
+    if cache.startswith("dropped"):
+        section(f"loading rank 0 of TP={load_tp}, page cache dropped",
+                bench_loading(artifact, 0, repeats, cold=True))  # fmt: skip
+    section(f"loading rank 0 of TP={load_tp}, page cache warm",
+            bench_loading(artifact, 0, repeats, cold=False))  # fmt: skip
+    shutil.rmtree(artifact)
+    if s3:
+        from .bench_s3 import bench_s3
+
+        options = s3_options or S3Options()
+        for title, rows in bench_s3(src, s3, load_tp, repeats, options, list(s3_flags)).items():
+            section(title, rows)
+    if rss_gib:
+        section(RSS_SECTION, bench_rss([int(g * GIB) for g in rss_gib], workdir, load_tp))
     out.mkdir(parents=True, exist_ok=True)
     result = {
         "source_bytes": dir_bytes(src),
@@ -248,6 +290,5 @@ def run_bench(
     }  # fmt: skip
     (out / "bench.json").write_text(json.dumps(result, indent=2) + "\n")
     chart(sections, out / "bench.png")
-    shutil.rmtree(workdir / "artifact")
     return {"json": str(out / "bench.json"), "png": str(out / "bench.png"),
             "page_cache": cache}  # fmt: skip

@@ -23,7 +23,7 @@ import collections
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -324,8 +324,11 @@ def staging_for(info: TensorInfo, dest: torch.Tensor) -> Target:
     return Target(staging, finish)
 
 
-def read_files_for_bench(files: Sequence[Path]) -> None:
-    """``modelstage bench``'s plugin row: the rank files into fresh host tensors, through the
+def read_files_for_bench(
+    files: Sequence[Path], params: Mapping[str, torch.Tensor] | None = None
+) -> None:
+    """``modelstage bench``'s plugin row: the rank files into ``params`` (name -> tensor, as
+    vLLM's model holds them before loading; fresh host tensors when None), through the
     reader with its default settings; what the stock row does with ``safe_open``."""
     from ..safetensors_format import read_local_header
     from .settings import DEFAULT_CHUNK_MIB, DEFAULT_DEPTH
@@ -335,7 +338,9 @@ def read_files_for_bench(files: Sequence[Path]) -> None:
         chunk_bytes=DEFAULT_CHUNK_MIB * 1024 * 1024, depth=DEFAULT_DEPTH, device=torch.device("cpu")
     )
 
-    def fresh(info: TensorInfo) -> Target:
+    def into(info: TensorInfo) -> Target:
+        if params is not None:
+            return Target(flat_bytes(params[info.name]))
         return Target(flat_bytes(torch.empty(info.shape, dtype=TORCH_DTYPES[info.dtype])))
 
-    reader.read(headers, fresh)
+    reader.read(headers, into)
