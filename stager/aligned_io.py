@@ -46,21 +46,21 @@ class _BufferPool:
     """Page-aligned anonymous mappings, reused across files, so a run maps each only once."""
 
     def __init__(self) -> None:
-        self._free: list[mmap.mmap] = []
+        self._free: dict[int, list[mmap.mmap]] = {}
         self._lock = threading.Lock()
 
-    def take(self) -> mmap.mmap:
+    def take(self, size: int) -> mmap.mmap:
         with self._lock:
-            if self._free:
-                return self._free.pop()
-        buf = mmap.mmap(-1, BUFFER_BYTES)
+            if free := self._free.get(size):
+                return free.pop()
+        buf = mmap.mmap(-1, size)
         with contextlib.suppress(OSError, AttributeError):  # fewer pages to pin per write
             buf.madvise(mmap.MADV_HUGEPAGE)
         return buf
 
     def give(self, buf: mmap.mmap) -> None:
         with self._lock:
-            self._free.append(buf)
+            self._free.setdefault(len(buf), []).append(buf)
 
 
 _POOL = _BufferPool()
@@ -87,10 +87,12 @@ class AlignedWriter:
     files' writers run beside this one on the other cores.
     """
 
-    def __init__(self, fd: int, *, direct: bool) -> None:
-        self.fd = fd
+    def __init__(self, fd: int, *, direct: bool, buffer_bytes: int = BUFFER_BYTES) -> None:
+        if buffer_bytes <= 0 or buffer_bytes % ALIGN:
+            raise ValueError(f"buffer size must be a positive multiple of {ALIGN}")
+        self.fd, self.buffer_bytes = fd, buffer_bytes
         self.direct = direct and direct_io_allowed() and _set_direct(fd, True)
-        self.buffers = [_POOL.take() for _ in range(BUFFERS_PER_FILE)]
+        self.buffers = [_POOL.take(buffer_bytes) for _ in range(BUFFERS_PER_FILE)]
         self.arrays = [np.frombuffer(b, dtype=np.uint8) for b in self.buffers]
         self.free = collections.deque(range(BUFFERS_PER_FILE))
         self.inflight: collections.deque[tuple[Future[None], int]] = collections.deque()
@@ -112,7 +114,7 @@ class AlignedWriter:
                 digest.update(space[:n].data)
             self.fill += n
             done += n
-            if self.fill == BUFFER_BYTES:
+            if self.fill == self.buffer_bytes:
                 self._submit()
         return total
 

@@ -172,35 +172,42 @@ class PipelinedReader:
         target_for: TargetFor,
         stats: ReadStats,
     ) -> None:
-        """Read every tensor into its host target in place; a target is finished once its
-        last piece is in (pieces complete in submission order, so all earlier ones are)."""
-        pending: collections.deque[tuple[Future[None], Target | None]] = collections.deque()
+        """Read every chunk of the files with one vectored read straight into the targets'
+        memory (``preadv``: one iovec per tensor piece), ``depth`` reads in flight; a target
+        is finished once the chunk holding its last byte is in (chunks complete in order,
+        and targets are created in file order, so staging memory stays a few chunks)."""
+        pending: collections.deque[tuple[Future[None], list[Target]]] = collections.deque()
+        open_targets: dict[str, tuple[Target, memoryview]] = {}
         pool = ThreadPoolExecutor(self.depth, thread_name_prefix="modelstage-read")
 
         def complete() -> None:
-            future, target = pending.popleft()
+            future, finished = pending.popleft()
             waited = time.perf_counter()
             future.result()
             finishing = time.perf_counter()
             stats.wait_seconds += finishing - waited
-            if target is not None and target.finish is not None:
-                target.finish()
-                stats.copy_seconds += time.perf_counter() - finishing
+            for target in finished:
+                if target.finish is not None:
+                    target.finish()
+            stats.copy_seconds += time.perf_counter() - finishing
 
         try:
-            for (path, header), fd in zip(files, fds, strict=True):
-                tensors = sorted((t for t in header.tensors.values() if t.nbytes),
-                                 key=lambda t: t.begin)  # fmt: skip
-                for info in tensors:
-                    target = target_for(info)
-                    view = target.flat.numpy().data
-                    for offset in range(0, info.nbytes, self.chunk_bytes):
-                        end = min(offset + self.chunk_bytes, info.nbytes)
-                        while len(pending) >= self.depth:
-                            complete()
-                        piece = _Chunk(path, fd, info.begin + offset, info.begin + end, (info,))
-                        future = pool.submit(_read_into, piece, view[offset:end], stats)
-                        pending.append((future, target if end == info.nbytes else None))
+            for chunk in chunks(files, self.chunk_bytes, fds):
+                segments: list[tuple[int, memoryview]] = []
+                finished: list[Target] = []
+                for info in chunk.tensors:
+                    entry = open_targets.get(info.name)
+                    if entry is None:
+                        target = target_for(info)
+                        entry = open_targets[info.name] = (target, target.flat.numpy().data)
+                    lo, hi = max(info.begin, chunk.begin), min(info.end, chunk.end)
+                    segments.append((lo, entry[1][lo - info.begin : hi - info.begin]))
+                    if hi == info.end:
+                        finished.append(open_targets.pop(info.name)[0])
+                while len(pending) >= 2 * self.depth:
+                    complete()
+                future = pool.submit(_read_segments, chunk, segments, stats)
+                pending.append((future, finished))
             while pending:
                 complete()
         finally:
@@ -283,24 +290,44 @@ class PipelinedReader:
         return end
 
 
-def _read_chunk(chunk: _Chunk, buf: torch.Tensor, stats: ReadStats) -> None:
-    _read_into(chunk, buf.numpy().data[: chunk.end - chunk.begin], stats)
+IOV_MAX = 1024
+"""Linux's limit on iovecs per ``preadv``."""
 
 
-def _read_into(chunk: _Chunk, view: memoryview, stats: ReadStats) -> None:
-    """``preadv`` the chunk's bytes into ``view`` (the GIL is released while the kernel copies)."""
-    start = time.perf_counter()
-    length = chunk.end - chunk.begin
-    done = 0
-    while done < length:
-        n = os.preadv(chunk.fd, [view[done:]], chunk.begin + done)
+def _read_segments(chunk: _Chunk, segments: list[tuple[int, memoryview]], stats: ReadStats) -> None:
+    """Fill ``(file offset, view)`` segments (in file order): back-to-back ones with one
+    ``preadv`` each (up to IOV_MAX), a hole between tensors starts another."""
+    start, i = time.perf_counter(), 0
+    while i < len(segments):
+        offset, first = segments[i]
+        run, end, i = [first], offset + len(first), i + 1
+        while i < len(segments) and segments[i][0] == end and len(run) < IOV_MAX:
+            run.append(segments[i][1])
+            end += len(segments[i][1])
+            i += 1
+        _preadv_exactly(chunk, run, offset)
+    stats._read_done(start, time.perf_counter(), sum(len(v) for _, v in segments))
+
+
+def _preadv_exactly(chunk: _Chunk, views: list[memoryview], offset: int) -> None:
+    k = 0
+    while k < len(views):
+        n = os.preadv(chunk.fd, views[k:], offset)
         if n == 0:
             raise ArtifactError(
-                f"{chunk.path}: ends at byte {chunk.begin + done}, the header promised "
+                f"{chunk.path}: ends at byte {offset}, the header promised "
                 f"{chunk.end}; the file changed after it was verified"
             )
-        done += n
-    stats._read_done(start, time.perf_counter(), length)
+        offset += n
+        while k < len(views) and n >= len(views[k]):
+            n -= len(views[k])
+            k += 1
+        if n:
+            views[k] = views[k][n:]
+
+
+def _read_chunk(chunk: _Chunk, buf: torch.Tensor, stats: ReadStats) -> None:
+    _read_segments(chunk, [(chunk.begin, buf.numpy().data[: chunk.end - chunk.begin])], stats)
 
 
 def _finish(target: Target) -> None:

@@ -31,10 +31,11 @@ ENV_VERIFY_HASH = "MODELSTAGE_VERIFY_HASH"
 ENV_READ_CHUNK_MIB = "MODELSTAGE_READ_CHUNK_MIB"
 """Size of one read of the pipelined reader, MiB (default 16)."""
 ENV_READ_DEPTH = "MODELSTAGE_READ_DEPTH"
-"""Reads in flight in the pipelined reader (default 4)."""
+"""Reads in flight in the pipelined reader (default 2: on a local disk, more concurrent
+buffered reads of one file defeat the kernel's readahead; measured in docs/performance.md)."""
 
 DEFAULT_CHUNK_MIB = 16
-DEFAULT_DEPTH = 4
+DEFAULT_DEPTH = 2
 
 
 @dataclass(frozen=True)

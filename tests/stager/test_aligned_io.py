@@ -1,0 +1,139 @@
+"""The aligned writer and the pieces it copies: every byte lands once, in order, hashed."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from modelstage.stager import aligned_io
+from modelstage.stager.aligned_io import ALIGN, AlignedWriter
+from modelstage.stager.pieces import Piece, SourceBytes, copy_piece
+from modelstage.stager.sources.local import LocalSource
+
+
+def _expected(piece: Piece) -> bytes:
+    if isinstance(piece, SourceBytes):
+        out = bytearray(piece.nbytes)
+        piece.source.read_range(piece.name, piece.offset, memoryview(out))
+        return bytes(out)
+    if isinstance(piece, memoryview):
+        return piece.tobytes()
+    return np.ascontiguousarray(piece).tobytes()
+
+
+def _pieces(source_dir: Path, seed: int) -> list[Piece]:
+    """Contiguous bytes, column cuts of odd widths, and source ranges, in a random mix."""
+    rng = np.random.default_rng(seed)
+    blob = rng.integers(0, 256, 50_000, dtype=np.uint8).tobytes()
+    (source_dir / "blob.bin").write_bytes(blob)
+    source = LocalSource(str(source_dir))
+    pieces: list[Piece] = []
+    for _ in range(12):
+        kind = rng.integers(3)
+        if kind == 0:
+            pieces.append(memoryview(rng.integers(0, 256, int(rng.integers(1, 9000)),
+                                                  dtype=np.uint8).tobytes()))  # fmt: skip
+        elif kind == 1:
+            rows, width = int(rng.integers(1, 40)), int(rng.integers(2, 700))
+            grid = rng.integers(0, 256, (rows, width), dtype=np.uint8)
+            lo = int(rng.integers(0, width - 1))
+            pieces.append(grid[:, lo : int(rng.integers(lo + 1, width + 1))])
+        else:
+            offset = int(rng.integers(0, 40_000))
+            pieces.append(SourceBytes(source, "blob.bin", offset, int(rng.integers(1, 10_000))))
+    return pieces
+
+
+@pytest.mark.parametrize("direct", [True, False])
+@pytest.mark.parametrize("buffer_bytes", [ALIGN, 3 * ALIGN, 1 << 20])
+def test_every_byte_lands_once_in_order_and_is_hashed(
+    tmp_path: Path, direct: bool, buffer_bytes: int
+) -> None:
+    pieces = _pieces(tmp_path, seed=buffer_bytes + direct)
+    expected = b"".join(_expected(p) for p in pieces)
+    path = tmp_path / "out.bin"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    os.posix_fallocate(fd, 0, len(expected))
+    writer = AlignedWriter(fd, direct=direct, buffer_bytes=buffer_bytes)
+    digest = hashlib.sha256()
+    assert sum(writer.write(p, digest) for p in pieces) == len(expected)
+    writer.finish(len(expected))
+    os.close(fd)
+    assert path.read_bytes() == expected  # the padded O_DIRECT tail is cut off
+    assert digest.hexdigest() == hashlib.sha256(expected).hexdigest()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, 30), width=st.integers(1, 50), data=st.data(),
+    room=st.integers(1, 97), start_frac=st.floats(0, 1),
+)  # fmt: skip
+def test_copy_piece_copies_a_column_cut_in_row_major_order_from_any_offset(
+    rows: int, width: int, data: st.DataObject, room: int, start_frac: float
+) -> None:
+    lo = data.draw(st.integers(0, width - 1))
+    hi = data.draw(st.integers(lo + 1, width))
+    grid = np.arange(rows * width, dtype=np.uint32).astype(np.uint8).reshape(rows, width)
+    cut = grid[:, lo:hi]
+    flat = np.ascontiguousarray(cut).reshape(-1)
+    start = int(start_frac * (flat.size - 1))
+    dst = np.zeros(room, dtype=np.uint8)
+    n = copy_piece(cut, start, dst)
+    assert n == min(room, flat.size - start)
+    assert dst[:n].tobytes() == flat[start : start + n].tobytes()
+
+
+def test_a_filesystem_that_refuses_direct_writes_gets_buffered_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Some filesystems accept ``O_DIRECT`` at ``fcntl`` and refuse the writes (EINVAL)."""
+    real_pwrite = os.pwrite
+    refused = []
+
+    def pwrite(fd: int, data: memoryview, offset: int) -> int:
+        import fcntl
+
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            refused.append(offset)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(aligned_io.os, "pwrite", pwrite)
+    data = os.urandom(3 * ALIGN + 123)
+    path = tmp_path / "out.bin"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    writer = AlignedWriter(fd, direct=True, buffer_bytes=2 * ALIGN)
+    was_direct = writer.direct
+    writer.write(memoryview(data))
+    writer.finish(len(data))
+    os.close(fd)
+    assert path.read_bytes() == data
+    assert not writer.direct
+    assert refused or not was_direct
+
+
+def test_direct_io_can_be_turned_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(aligned_io.DIRECT_IO_ENV, "0")
+    fd = os.open(tmp_path / "out.bin", os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    writer = AlignedWriter(fd, direct=True)
+    writer.write(memoryview(b"x" * 5000))
+    writer.finish(5000)
+    os.close(fd)
+    assert not writer.direct
+    assert (tmp_path / "out.bin").read_bytes() == b"x" * 5000
+
+
+def test_buffer_sizes_must_be_aligned(tmp_path: Path) -> None:
+    fd = os.open(tmp_path / "out.bin", os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    try:
+        with pytest.raises(ValueError, match="multiple of 4096"):
+            AlignedWriter(fd, direct=False, buffer_bytes=5000)
+    finally:
+        os.close(fd)
