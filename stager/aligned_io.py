@@ -31,6 +31,9 @@ if TYPE_CHECKING:
 ALIGN = 4096
 """Memory and file-offset alignment for ``O_DIRECT`` (a page; every block size divides it)."""
 BUFFER_BYTES = 8 * 1024 * 1024
+"""The largest buffer; a smaller file gets smaller ones (``buffer_bytes_for``)."""
+MIN_BUFFER_BYTES = 64 * 1024
+WRITES_PER_FILE = 16
 BUFFERS_PER_FILE = 2
 """One buffer is written while the next one fills."""
 DIRECT_MIN_BYTES = 1024 * 1024
@@ -64,6 +67,13 @@ class _BufferPool:
 
 
 _POOL = _BufferPool()
+
+
+def buffer_bytes_for(file_size: int) -> int:
+    """About ``WRITES_PER_FILE`` writes per file, between 64 KiB and 8 MiB each: a small
+    file neither pins 16 MiB of buffers nor lands in one write at its very end."""
+    share = -(-file_size // WRITES_PER_FILE // ALIGN) * ALIGN
+    return min(BUFFER_BYTES, max(MIN_BUFFER_BYTES, share))
 
 
 def direct_io_allowed() -> bool:

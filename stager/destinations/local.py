@@ -15,7 +15,7 @@ import shutil
 import uuid
 from pathlib import Path
 
-from ..aligned_io import DIRECT_MIN_BYTES, AlignedWriter
+from ..aligned_io import DIRECT_MIN_BYTES, AlignedWriter, buffer_bytes_for
 from ..errors import ArtifactError, DestinationError
 from ..manifest import MANIFEST, Manifest, read_manifest, sha256_file
 from ..pieces import Piece
@@ -56,7 +56,9 @@ class LocalFileSink:
                 ) from None
         self.written = 0
         self.hash = hashlib.sha256()
-        self.out = AlignedWriter(self.fd, direct=size >= DIRECT_MIN_BYTES)
+        self.out = AlignedWriter(
+            self.fd, direct=size >= DIRECT_MIN_BYTES, buffer_bytes=buffer_bytes_for(size)
+        )
 
     def write(self, data: Piece) -> None:
         self.written += self.out.write(data, self.hash)

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from modelstage.stager import aligned_io
 from modelstage.stager.aligned_io import ALIGN, AlignedWriter
 from modelstage.stager.pieces import Piece, SourceBytes, copy_piece
@@ -137,3 +136,12 @@ def test_buffer_sizes_must_be_aligned(tmp_path: Path) -> None:
             AlignedWriter(fd, direct=False, buffer_bytes=5000)
     finally:
         os.close(fd)
+
+
+def test_buffers_scale_with_the_file_between_64_kib_and_8_mib() -> None:
+    from modelstage.stager.aligned_io import BUFFER_BYTES, MIN_BUFFER_BYTES, buffer_bytes_for
+
+    assert buffer_bytes_for(0) == MIN_BUFFER_BYTES
+    assert buffer_bytes_for(10 * 2**20) % ALIGN == 0
+    assert MIN_BUFFER_BYTES < buffer_bytes_for(10 * 2**20) < BUFFER_BYTES
+    assert buffer_bytes_for(10 * 2**30) == BUFFER_BYTES
