@@ -9,10 +9,10 @@ import builtins
 import hashlib
 import json
 import os
+import re
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
-
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .errors import ArtifactError
 
@@ -21,42 +21,48 @@ SCHEMA_VERSION = 1
 TIMING_FIELDS = ("createdAt", "stageSeconds")
 """Fields that differ between two runs producing the same bytes."""
 HASH_BLOCK = 8 * 1024 * 1024
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
-class FileEntry(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    size: int = Field(ge=0)
-    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+@dataclass(frozen=True)
+class FileEntry:
+    size: int
+    sha256: str
 
 
-class Manifest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    schemaVersion: int = SCHEMA_VERSION
+@dataclass(frozen=True)
+class Manifest:
+    """Plain dataclasses with explicit checks: the stager reads this on its start path, the
+    loader plugin in every vLLM process; neither should pay for pydantic's import."""
+
     format: str
-    tensorParallelSize: int = Field(ge=1)
-    pipelineParallelSize: int = Field(default=1, ge=1)
+    tensorParallelSize: int
     dtype: str
     digest: str
     source: dict[str, Any]
     vllmVersion: str
     layoutVersion: str
     files: dict[str, FileEntry]
-    bytes: int = Field(ge=0)
+    bytes: int
     modelstageVersion: str
     createdAt: str
     stageSeconds: float
+    pipelineParallelSize: int = 1
+    schemaVersion: int = SCHEMA_VERSION
 
     def to_json(self) -> str:
-        return json.dumps(self.model_dump(), indent=2, sort_keys=True) + "\n"
+        return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
 
     @staticmethod
     def from_json(raw: builtins.bytes | str, where: str) -> Manifest:
         try:
-            return Manifest.model_validate_json(raw)
-        except ValidationError as e:
-            first = e.errors()[0]
-            loc = ".".join(str(x) for x in first["loc"])
-            raise ArtifactError(f"{where}: invalid manifest: {loc}: {first['msg']}") from None
+            doc = json.loads(raw)
+        except (ValueError, RecursionError) as e:
+            raise ArtifactError(f"{where}: invalid manifest: not JSON: {e}") from None
+        try:
+            return _parse(doc)
+        except _Invalid as e:
+            raise ArtifactError(f"{where}: invalid manifest: {e.loc}: {e.msg}") from None
 
     def check_expected(
         self, where: str, *, digest: str | None = None, tp: int | None = None
@@ -72,6 +78,64 @@ class Manifest(BaseModel):
                 f"{where}: artifact was staged for tensor parallel size "
                 f"{self.tensorParallelSize}, but the workload runs {tp}; stage it for {tp}"
             )
+
+
+class _Invalid(Exception):
+    def __init__(self, loc: str, msg: str) -> None:
+        self.loc, self.msg = loc, msg
+
+
+_FIELD_TYPES = {f.name: f.type for f in fields(Manifest)}
+
+
+def _parse(doc: object) -> Manifest:
+    if not isinstance(doc, dict):
+        raise _Invalid("(root)", "must be a JSON object")
+    unknown = sorted(set(doc) - set(_FIELD_TYPES))
+    if unknown:
+        raise _Invalid(unknown[0], "extra fields not permitted")
+    required = [f.name for f in fields(Manifest) if f.default is MISSING]
+    for name in required:
+        if name not in doc:
+            raise _Invalid(name, "field required")
+    values = dict(doc)
+    for name in ("tensorParallelSize", "pipelineParallelSize", "schemaVersion", "bytes"):
+        if name in values:
+            low = 0 if name == "bytes" else 1
+            values[name] = _int(name, values[name], low)
+    for name in ("format", "dtype", "digest", "vllmVersion", "layoutVersion",
+                 "modelstageVersion", "createdAt"):  # fmt: skip
+        if not isinstance(values[name], str):
+            raise _Invalid(name, "must be a string")
+    if isinstance(values["stageSeconds"], bool) or not isinstance(
+        values["stageSeconds"], int | float
+    ):
+        raise _Invalid("stageSeconds", "must be a number")
+    values["stageSeconds"] = float(values["stageSeconds"])
+    if not isinstance(values["source"], dict):
+        raise _Invalid("source", "must be an object")
+    files = values["files"]
+    if not isinstance(files, dict):
+        raise _Invalid("files", "must be an object")
+    values["files"] = {name: _entry(f"files.{name}", entry) for name, entry in files.items()}
+    return Manifest(**values)
+
+
+def _int(loc: str, value: object, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _Invalid(loc, "must be an integer")
+    if value < low:
+        raise _Invalid(loc, f"must be at least {low}")
+    return value
+
+
+def _entry(loc: str, entry: object) -> FileEntry:
+    if not isinstance(entry, dict) or set(entry) != {"size", "sha256"}:
+        raise _Invalid(loc, "must be {\"size\": bytes, \"sha256\": hex}")
+    sha256 = entry["sha256"]
+    if not isinstance(sha256, str) or not _SHA256.match(sha256):
+        raise _Invalid(f"{loc}.sha256", "must be 64 lower-case hex digits")
+    return FileEntry(_int(f"{loc}.size", entry["size"], 0), sha256)
 
 
 def read_manifest(directory: Path) -> Manifest | None:

@@ -39,7 +39,7 @@ PLUGIN_MODULES = (
     "safetensors_format.py",
     "py.typed",
 )
-"""The stager modules the plugin imports, all pure Python (pydantic comes with vLLM)."""
+"""The stager modules the plugin imports, all pure Python and standard library only."""
 PLUGIN_PACKAGE = "plugin"
 DIST_NAME = "modelstage"
 

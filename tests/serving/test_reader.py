@@ -104,3 +104,31 @@ def test_bench_entry_point_reads_rank_files_and_refuses_missing_ones(llama_tp2: 
     read_files_for_bench([p for p, _ in rank_files(llama_tp2, 0)])
     with pytest.raises(CheckpointError, match="cannot read"):
         read_files_for_bench([llama_tp2.path / "model-rank-9-part-0.safetensors"])
+
+
+@pytest.mark.parametrize(("chunk_bytes", "direct"), [(1 << 20, True), (4099, True), (4099, False)])
+def test_holes_between_tensors_and_more_tensors_than_iovecs_in_one_read(
+    tmp_path: Path, chunk_bytes: int, direct: bool
+) -> None:
+    """safetensors allows gaps between tensors' bytes; one vectored read takes at most 1024
+    pieces (IOV_MAX): 1500 tiny tensors with gaps, read into their own tensors."""
+    import json
+    import struct
+
+    entries, offset = {}, 0
+    for i in range(1500):
+        offset += 4 if i % 7 == 3 else 0  # a hole the reader must skip
+        entries[f"t{i}"] = {"dtype": "F32", "shape": [3], "data_offsets": [offset, offset + 12]}
+        offset += 12
+    data = torch.randn(offset // 4 + 1).numpy().tobytes()[:offset]
+    raw = json.dumps(entries).encode()
+    path = tmp_path / "holes.safetensors"
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+    header = read_local_header(path)
+    dest = {n: empty_like(t) for n, t in header.tensors.items()}
+    reader = PipelinedReader(chunk_bytes=chunk_bytes, depth=2, device=CPU, direct=direct)
+    reader.read([(path, header)], lambda info: Target(flat_bytes(dest[info.name])))
+    for name, entry in entries.items():
+        begin, end = entry["data_offsets"]
+        want = torch.frombuffer(bytearray(data[begin:end]), dtype=torch.float32)
+        assert torch.equal(dest[name], want), name
