@@ -285,7 +285,7 @@ def _add_bench_parser(sub: Any) -> None:
     be.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4, 8])
     be.add_argument("--load-tp", type=int, default=4,
                     help="load rank 0 of an artifact staged at this TP (also the S3 and RSS runs)")
-    be.add_argument("--repeats", type=int, default=5, help="repetitions; medians are reported")
+    be.add_argument("--repeats", type=int, default=3, help="repetitions; medians are reported")
     be.add_argument("--rss-gib", type=float, nargs="*", default=[2.0, 8.0],
                     help="checkpoint sizes for the peak-RSS comparison (none to skip)")
     be.add_argument("--warm", action="store_true",
