@@ -300,5 +300,6 @@ def run_bench(
     }  # fmt: skip
     (out / "bench.json").write_text(json.dumps(result, indent=2) + "\n")
     chart(sections, out / "bench.png")
+    shutil.rmtree(src)
     return {"json": str(out / "bench.json"), "png": str(out / "bench.png"),
             "page_cache": cache}  # fmt: skip

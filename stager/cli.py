@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
@@ -255,19 +256,23 @@ def _bench(args: argparse.Namespace) -> dict[str, Any]:
     from .bench import run_bench
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="modelstage-bench-"))
-    return run_bench(
-        size_gib=args.size_gib,
-        tps=args.tp,
-        load_tp=args.load_tp,
-        repeats=args.repeats,
-        workdir=workdir,
-        rss_gib=args.rss_gib,
-        cold=not args.warm,
-        out=Path(args.out),
-        s3=args.s3,
-        s3_options=_s3_options(args),
-        s3_flags=_s3_flags(args),
-    )
+    try:
+        return run_bench(
+            size_gib=args.size_gib,
+            tps=args.tp,
+            load_tp=args.load_tp,
+            repeats=args.repeats,
+            workdir=workdir,
+            rss_gib=args.rss_gib,
+            cold=not args.warm,
+            out=Path(args.out),
+            s3=args.s3,
+            s3_options=_s3_options(args),
+            s3_flags=_s3_flags(args),
+        )
+    finally:
+        if not args.workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _s3_flags(args: argparse.Namespace) -> list[str]:

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from support.charts import ROOT, run, tool
 
-SHELL_SCRIPTS = ("e2e/kind.sh", "scripts/tools", "scripts/setup", "scripts/test", ".ci/run")
+SHELL_SCRIPTS = ("e2e/kind.sh", "scripts/tools", "scripts/setup", "scripts/test", "scripts/bench-s3",
+                 ".ci/run")  # fmt: skip
 
 
 def _crd_reference() -> str:

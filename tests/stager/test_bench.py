@@ -1,0 +1,44 @@
+"""``modelstage bench`` runs end to end on a tiny checkpoint: it measures, it does not judge.
+
+Speed is never asserted (the machine may be slow); what is checked is that every section is
+measured, written to JSON and drawn, and that nothing is left behind, on disk or in S3.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from modelstage.stager import cli
+from support.s3_server import S3Server
+
+
+def test_bench_measures_every_section_and_cleans_up(
+    tmp_path: Path, s3: S3Server, bucket: str
+) -> None:
+    work, out = tmp_path / "work", tmp_path / "results"
+    code = cli.main([
+        "bench", "--size-gib", "0.03", "--tp", "1", "2", "--load-tp", "2", "--repeats", "1",
+        "--rss-gib", "0.02", "0.04", "--warm", "--workdir", str(work), "--out", str(out),
+        "--s3", f"s3://{bucket}/bench", "--s3-endpoint", s3.endpoint, "--s3-path-style",
+        "--s3-credentials-file", str(s3.credentials_file),
+    ])  # fmt: skip
+    assert code == 0
+    result = json.loads((out / "bench.json").read_text())
+    assert (out / "bench.png").stat().st_size > 0
+    sections = result["sections"]
+    names = {title: [m["name"] for m in rows] for title, rows in sections.items()}
+    staging = next(t for t in names if t.startswith("staging vs cp"))
+    assert names[staging] == ["cp + sync", "stage tp=1", "stage tp=2"]
+    loads = [t for t in names if t.startswith("loading rank 0 of TP=2, page cache")]
+    assert loads and all(len(names[t]) == 3 for t in loads)  # raw, stock, modelstage
+    assert any("from S3" in t for t in names) and any("multipart PUT" in t for t in names)
+    for rows in sections.values():
+        for m in rows:
+            assert m["seconds"] and all(s > 0 for s in m["seconds"]), m
+    rss = [m["peak_rss"] for m in sections["peak RSS"]]
+    assert len(rss) == 2 and all(0 < r < 2**30 for r in rss)
+    left = [p.name for p in work.iterdir() if not p.name.endswith(".lock")]  # stagers' locks
+    assert not left  # source, outputs and copies removed
+    listed = s3.client().list_objects_v2(Bucket=bucket)
+    assert listed.get("KeyCount", 0) == 0  # the S3 runs deleted what they wrote
