@@ -115,7 +115,8 @@ def open_destination(req: StageRequest) -> Destination:
             )
         from .destinations.s3 import S3Destination
 
-        return S3Destination(req.out, req.s3)
+        per_rank = req.format != "runai_streamer"  # every rank's file is open at once
+        return S3Destination(req.out, req.s3, open_files=req.tp if per_rank else 1)
     if "://" in req.out and not req.out.startswith("file://"):
         raise SpecError(f"--out {req.out!r}: only s3:// URIs and local paths are supported")
     return LocalDestination(req.out.removeprefix("file://"))

@@ -57,6 +57,9 @@ MiB = 1024 * 1024
 MIN_PART_BYTES = 5 * MiB
 """S3's smallest part (all but the last)."""
 MAX_PARTS = 10_000
+PART_BUFFER_BUDGET = 256 * MiB
+"""Part buffers of one run: one filling per open object plus ``concurrency`` in flight
+(16 MiB parts up to TP=8 with 8 in flight; smaller, down to S3's 5 MiB, beyond)."""
 COPY_LIMIT = 5 * 1024 * MiB
 """The largest object one ``CopyObject`` may copy; larger ones are copied part by part."""
 SHA256_KEY, RUN_KEY = "sha256", "modelstage-run"
@@ -221,11 +224,17 @@ class S3Destination(Destination):
         self,
         uri: str,
         options: S3Options | None = None,
+        *,
+        open_files: int = 1,
     ) -> None:
+        """``open_files``: objects written at once (one per rank for per-rank formats); each
+        holds a part buffer while it fills, so many of them get smaller parts."""
         options = options or S3Options()
         part_bytes, concurrency = options.part_bytes, options.concurrency
         if part_bytes < MIN_PART_BYTES:
             raise SpecError(f"S3 part size must be at least {MIN_PART_BYTES} bytes (5 MiB)")
+        fit = PART_BUFFER_BUDGET // (open_files + concurrency) // MiB * MiB
+        part_bytes = max(MIN_PART_BYTES, min(part_bytes, fit))
         self.location = S3Location.parse(uri)
         if not self.location.prefix:
             raise ArtifactError(f"{uri}: an artifact needs a prefix (s3://BUCKET/PREFIX/)")

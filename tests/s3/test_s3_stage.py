@@ -251,3 +251,15 @@ def test_credentials_file_errors_do_not_quote_the_file(tmp_path: Path) -> None:
     with pytest.raises(SpecError) as e:
         load_credentials(str(broken))
     assert secret not in str(e.value)
+
+
+def test_many_objects_open_at_once_get_smaller_parts_down_to_s3s_minimum() -> None:
+    """Each open object holds a part buffer: memory stays bounded at high TP."""
+    from modelstage.stager.destinations.s3 import MIN_PART_BYTES, S3Destination
+    from modelstage.stager.s3_client import S3Options
+
+    options = S3Options(endpoint_url="http://127.0.0.1:9", region="us-east-1")
+    assert S3Destination("s3://b/p", options, open_files=8).part_bytes == options.part_bytes
+    assert S3Destination("s3://b/p", options, open_files=16).part_bytes > MIN_PART_BYTES
+    assert S3Destination("s3://b/p", options, open_files=16).part_bytes < options.part_bytes
+    assert S3Destination("s3://b/p", options, open_files=100).part_bytes == MIN_PART_BYTES
