@@ -154,7 +154,6 @@ async def test_failed_job_reports_the_termination_reason_and_backs_off_without_n
 async def test_spec_change_stages_a_new_job_while_the_workload_keeps_the_old_artifact(
     cluster: Cluster, namespace: str, operator: OperatorProcess
 ) -> None:
-    await apply(cluster, namespace, SPEC)
     old = await staged_and_rolled(cluster, namespace, SPEC)
     new_spec = merged(SPEC, {"dtype": "bfloat16"})
     new = digest_of(new_spec)
@@ -180,7 +179,6 @@ async def test_spec_change_stages_a_new_job_while_the_workload_keeps_the_old_art
 async def test_crash_looping_pods_roll_the_workload_back_to_the_previous_artifact(
     cluster: Cluster, namespace: str, operator: OperatorProcess
 ) -> None:
-    await apply(cluster, namespace, SPEC)
     old = await staged_and_rolled(cluster, namespace, SPEC)
     await cluster.client.patch(md_path(namespace, MD), {"spec": {"dtype": "float16"}})
     new = digest_of(merged(SPEC, {"dtype": "float16"}))
@@ -259,7 +257,6 @@ async def test_operator_killed_mid_rollout_resumes_without_patching_the_workload
 async def test_digest_preserving_edit_stages_nothing(
     cluster: Cluster, namespace: str, operator: OperatorProcess
 ) -> None:
-    await apply(cluster, namespace, SPEC)
     digest = await staged_and_rolled(cluster, namespace, SPEC)
     md = await cluster.client.patch(
         md_path(namespace, MD),

@@ -38,6 +38,7 @@ from support.operator_flow import (
     MD,
     apply,
     condition,
+    nudge,
     operator_writes,
     staged_and_rolled,
     wait_job,
@@ -199,11 +200,9 @@ async def test_conflicting_spec_edits_resolve_to_the_latest_generation(
 async def test_a_deleted_target_workload_is_reported_and_not_recreated(
     cluster: Cluster, namespace: str, operator: OperatorProcess
 ) -> None:
-    await apply(cluster, namespace, SPEC)
     digest = await staged_and_rolled(cluster, namespace, SPEC)
     await cluster.client.delete(deploy_path(namespace))
-    # the operator sees it at its next reconciliation: nudge one with a no-op label edit
-    await cluster.client.patch(md_path(namespace, MD), {"metadata": {"labels": {"nudge": "1"}}})
+    await nudge(cluster, namespace)  # the operator sees it at its next reconciliation
 
     async def reported() -> dict[str, object] | None:
         status = (await cluster.client.get(md_path(namespace, MD)) or {}).get("status") or {}
@@ -223,7 +222,6 @@ async def test_a_workload_edited_by_someone_else_keeps_their_edit(
 ) -> None:
     """Fields the operator does not own (image, replicas, other env) are theirs: an edit to
     them is not reverted and causes no patch."""
-    await apply(cluster, namespace, SPEC)
     digest = await staged_and_rolled(cluster, namespace, SPEC)
     workload = await cluster.client.get(deploy_path(namespace))
     assert workload is not None
@@ -231,7 +229,7 @@ async def test_a_workload_edited_by_someone_else_keeps_their_edit(
     containers[0]["image"] = "vllm/vllm-openai:their-own-build"
     await cluster.client.patch(deploy_path(namespace), {
         "spec": {"replicas": 3, "template": {"spec": {"containers": containers}}}})  # fmt: skip
-    await cluster.client.patch(md_path(namespace, MD), {"metadata": {"labels": {"nudge": "1"}}})
+    await nudge(cluster, namespace)
     await asyncio.sleep(3)
     after = await cluster.client.get(deploy_path(namespace))
     assert after is not None and template_digest(after) == digest
@@ -247,13 +245,12 @@ async def test_a_workload_whose_artifact_fields_are_reverted_is_reported_not_rep
 ) -> None:
     """A GitOps tool re-applying the original manifest strips the operator's fields; patching
     them back each time would restart the pods at every sync. Desired: one report, no fight."""
-    await apply(cluster, namespace, SPEC)
     await staged_and_rolled(cluster, namespace, SPEC)
     strip = {"spec": {"template": {"metadata": {"annotations": {
         "modelstage.io/artifact-digest": None}}}}}  # fmt: skip
     for i in range(2):
         await cluster.client.patch(deploy_path(namespace), strip)
-        await cluster.client.patch(md_path(namespace, MD), {"metadata": {"labels": {"n": str(i)}}})
+        await nudge(cluster, namespace, str(i))
         await asyncio.sleep(3)
     assert template_digest(await cluster.client.get(deploy_path(namespace))) is None
     status = (await cluster.client.get(md_path(namespace, MD)) or {}).get("status") or {}

@@ -65,14 +65,20 @@ def copy_ckpt(src: Path, dst: Path) -> Path:
     return dst
 
 
-def test_a_pickle_only_checkpoint_is_refused_with_the_hint_and_never_unpickled(
-    small_ckpt: Path, tmp_path: Path
-) -> None:
+def malicious_pickle_ckpt(small_ckpt: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """A copy of ``small_ckpt`` whose only weights are a pickle that would create ``marker``."""
     ckpt = copy_ckpt(small_ckpt, tmp_path / "ckpt")
     for f in ckpt.glob("*.safetensors"):
         f.unlink()
     marker = tmp_path / "pwned"
     malicious_pickle(ckpt / "pytorch_model.bin", marker)
+    return ckpt, marker
+
+
+def test_a_pickle_only_checkpoint_is_refused_with_the_hint_and_never_unpickled(
+    small_ckpt: Path, tmp_path: Path
+) -> None:
+    ckpt, marker = malicious_pickle_ckpt(small_ckpt, tmp_path)
     with pytest.raises(CheckpointError, match=r"pickle weights .*safetensors only.*weights_only"):
         stage(StageRequest(source=str(ckpt), out=str(tmp_path / "out"), tp=2))
     assert not marker.exists() and not (tmp_path / "out").exists()
@@ -128,11 +134,7 @@ def test_allow_pickle_stages_the_same_rank_files_as_the_safetensors_checkpoint(
 def test_allow_pickle_still_refuses_a_pickle_that_would_run_code(
     small_ckpt: Path, tmp_path: Path
 ) -> None:
-    ckpt = copy_ckpt(small_ckpt, tmp_path / "ckpt")
-    for f in ckpt.glob("*.safetensors"):
-        f.unlink()
-    marker = tmp_path / "pwned"
-    malicious_pickle(ckpt / "pytorch_model.bin", marker)
+    ckpt, marker = malicious_pickle_ckpt(small_ckpt, tmp_path)
     with pytest.raises(CheckpointError, match="weights_only"):
         stage(StageRequest(source=str(ckpt), out=str(tmp_path / "out"), tp=2, allow_pickle=True))
     assert not marker.exists() and not (tmp_path / "out").exists()

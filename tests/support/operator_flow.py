@@ -93,6 +93,7 @@ async def wait_event(
 
 async def staged_and_rolled(cluster: Cluster, ns: str, spec: dict[str, Any]) -> str:
     """Applies ``spec``, completes its Job and the rollout: the workload is Ready on it."""
+    await apply(cluster, ns, spec)
     digest = digest_of(spec)
     await wait_job(cluster, ns, digest)
     await finish_stage_job(cluster.client, ns, digest, message=summary(digest), succeeded=True)
@@ -100,6 +101,11 @@ async def staged_and_rolled(cluster: Cluster, ns: str, spec: dict[str, Any]) -> 
     await complete_rollout(cluster.client, ns)
     await wait_phase(cluster, ns, "Ready")
     return digest
+
+
+async def nudge(cluster: Cluster, ns: str, value: str = "1") -> None:
+    """A no-op label edit on the ModelDeployment: the operator reconciles at the event."""
+    await cluster.client.patch(md_path(ns, MD), {"metadata": {"labels": {"nudge": value}}})
 
 
 def operator_writes(cluster: Cluster, method: str, path: str) -> int | None:
