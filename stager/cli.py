@@ -288,16 +288,31 @@ def _add_bench_parser(sub: Any) -> None:
     be = sub.add_parser("bench", help="measure staging and loading against cp / raw reads")
     be.add_argument("--size-gib", type=float, default=4.0, help="synthetic checkpoint size")
     be.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4, 8])
-    be.add_argument("--load-tp", type=int, default=4,
-                    help="load rank 0 of an artifact staged at this TP (also the S3 and RSS runs)")
+    be.add_argument(
+        "--load-tp",
+        type=int,
+        default=4,
+        help="load rank 0 of an artifact staged at this TP (also the S3 and RSS runs)",
+    )
     be.add_argument("--repeats", type=int, default=3, help="repetitions; medians are reported")
-    be.add_argument("--rss-gib", type=float, nargs="*", default=[2.0, 8.0],
-                    help="checkpoint sizes for the peak-RSS comparison (none to skip)")
-    be.add_argument("--warm", action="store_true",
-                    help="skip the loads with the page cache dropped (the warm ones always run)")
-    be.add_argument("--s3", metavar="URL",
-                    help="s3://BUCKET/PREFIX to also measure staging to and loading from S3 "
-                    "(endpoint and credentials as for `stage`: the --s3-* flags or AWS_*)")
+    be.add_argument(
+        "--rss-gib",
+        type=float,
+        nargs="*",
+        default=[2.0, 8.0],
+        help="checkpoint sizes for the peak-RSS comparison (none to skip)",
+    )
+    be.add_argument(
+        "--warm",
+        action="store_true",
+        help="skip the loads with the page cache dropped (the warm ones always run)",
+    )
+    be.add_argument(
+        "--s3",
+        metavar="URL",
+        help="s3://BUCKET/PREFIX to also measure staging to and loading from S3 "
+        "(endpoint and credentials as for `stage`: the --s3-* flags or AWS_*)",
+    )
     _add_s3_options(be)
     be.add_argument("--workdir", help="scratch space on the disk to measure (default: temp)")
     be.add_argument("--out", default="bench-results", help="where bench.json/bench.png go")

@@ -131,7 +131,7 @@ def _int(loc: str, value: object, low: int) -> int:
 
 def _entry(loc: str, entry: object) -> FileEntry:
     if not isinstance(entry, dict) or set(entry) != {"size", "sha256"}:
-        raise _Invalid(loc, "must be {\"size\": bytes, \"sha256\": hex}")
+        raise _Invalid(loc, 'must be {"size": bytes, "sha256": hex}')
     sha256 = entry["sha256"]
     if not isinstance(sha256, str) or not _SHA256.match(sha256):
         raise _Invalid(f"{loc}.sha256", "must be 64 lower-case hex digits")

@@ -103,6 +103,7 @@ def load_credentials(path: str) -> Credentials:
     """
     p = Path(path)
     if p.is_dir():
+
         def read(key: str) -> str | None:
             for name in (key, key.upper()):
                 if (p / name).is_file():
@@ -123,8 +124,8 @@ def load_credentials(path: str) -> Credentials:
                 f"{path}: not an AWS credentials file (INI with a [default] section holding "
                 "aws_access_key_id and aws_secret_access_key)"
             ) from None
-        section = "default" if parser.has_section("default") else next(
-            iter(parser.sections()), None
+        section = (
+            "default" if parser.has_section("default") else next(iter(parser.sections()), None)
         )
         values = parser[section] if section else {}
         key_id, secret = values.get("aws_access_key_id"), values.get("aws_secret_access_key")
@@ -151,10 +152,7 @@ class S3Client:
             aws_session_token=creds.session_token if creds else None,
         )
         region = (
-            options.region
-            or os.environ.get("AWS_REGION")
-            or session.region_name
-            or "us-east-1"
+            options.region or os.environ.get("AWS_REGION") or session.region_name or "us-east-1"
         )
         config = Config(
             region_name=region,

@@ -239,4 +239,3 @@ def spool_dir_for(out: str) -> Path:
     local = Path(out.removeprefix("file://")).absolute()
     local.parent.mkdir(parents=True, exist_ok=True)
     return Path(tempfile.mkdtemp(prefix=f"{local.name}.tmp-tensorizer-", dir=local.parent))
-

@@ -11,6 +11,12 @@ them into a folder that a stock vLLM image gets on ``PYTHONPATH``.
 
 from __future__ import annotations
 
+import logging
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .base import ModelstageLoader
+
 ENTRY_POINT_GROUP = "vllm.general_plugins"
 ENTRY_POINT_NAME = "modelstage"
 ENTRY_POINT = f"{__name__}:register"
@@ -24,7 +30,9 @@ _registered = False
 
 
 def register() -> None:
-    """Register every ``modelstage_*`` load format with vLLM; idempotent."""
+    """Register every ``modelstage_*`` load format with vLLM, and with
+    ``MODELSTAGE_S3_READER=1`` the S3 reader under vLLM's ``runai_streamer_sharded``
+    (``s3_sharded_state.py``); idempotent."""
     global _registered
     if _registered:
         return
@@ -32,12 +40,21 @@ def register() -> None:
 
     from .runai_streamer import ModelstageRunaiStreamerLoader
     from .runai_streamer_sharded import ModelstageRunaiStreamerShardedLoader
+    from .s3_sharded_state import ModelstageS3ShardedStateLoader
+    from .settings import ENV_S3_READER, PluginSettings
     from .sharded_state import ModelstageShardedStateLoader
 
-    for loader in (
+    loaders: list[type[ModelstageLoader]] = [
         ModelstageShardedStateLoader,
         ModelstageRunaiStreamerShardedLoader,
         ModelstageRunaiStreamerLoader,
-    ):
+    ]
+    if PluginSettings.from_env().s3_reader:
+        logging.getLogger("vllm.modelstage").info(
+            "modelstage: %s=1, runai_streamer_sharded is read by modelstage's S3 reader",
+            ENV_S3_READER,
+        )
+        loaders.append(ModelstageS3ShardedStateLoader)
+    for loader in loaders:
         register_model_loader(loader.load_format)(loader)
     _registered = True

@@ -48,6 +48,8 @@ class ModelstageLoader(BaseModelLoader):
     stock_class: ClassVar[type[BaseModelLoader]]
     per_rank: ClassVar[bool]
     """Whether the files hold per-rank state dicts (vLLM then keeps tied embeddings tied)."""
+    reads_s3: ClassVar[bool] = False
+    """Whether ``s3://`` locations are read by this loader (else refused, see below)."""
 
     def __init__(self, load_config: LoadConfig) -> None:
         super().__init__(load_config)
@@ -141,8 +143,8 @@ class ModelstageLoader(BaseModelLoader):
             raise refuse(
                 location,
                 f"--load-format {self.load_format} reads local artifacts only; for object "
-                f"storage use the stock --load-format {self.stock_format} (serving.plugin: "
-                "false)",
+                f"storage use the stock --load-format {self.stock_format} (with "
+                "MODELSTAGE_S3_READER=1 the plugin reads runai_streamer_sharded artifacts)",
             )
         return Path(location)
 

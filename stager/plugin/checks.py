@@ -14,16 +14,19 @@ Torch-free and vLLM-free, so the refusals are unit-tested without starting vLLM.
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ArtifactError, CheckpointError, SpecError
 from ..layouts import layout_for
 from ..manifest import MANIFEST, Manifest, read_manifest, sha256_file
-from ..safetensors_format import SafetensorsHeader, read_local_header
+from ..s3_client import S3Client, S3Location
+from ..safetensors_format import SafetensorsHeader, read_header, read_local_header
 from .settings import PluginSettings
 
 LOAD_FORMATS: dict[str, tuple[str, ...]] = {
@@ -37,17 +40,30 @@ formats share one file layout, so either loader reads either artifact."""
 
 @dataclass(frozen=True)
 class RankFile:
-    path: Path
+    name: str
+    """The name in the manifest."""
+    location: str
+    """Its path, or its s3:// URI."""
     size: int
     header: SafetensorsHeader
+    etag: str | None = None
+    """For objects: the ETag seen when verifying; every read is conditional on it."""
+
+    @property
+    def path(self) -> Path:
+        """A local file's path."""
+        return Path(self.location)
 
 
 @dataclass(frozen=True)
 class VerifiedArtifact:
-    directory: Path
+    location: str
+    """The directory, or the s3:// prefix URI (with its trailing slash)."""
     manifest: Manifest
     files: tuple[RankFile, ...]
     """The files this rank reads, in load order (part number for per-rank formats)."""
+    s3: S3Client | None = None
+    """For S3 artifacts: the client that verified it, to read with the same settings."""
 
     @property
     def bytes(self) -> int:
@@ -127,6 +143,54 @@ def verify_local(
         manifest = read_manifest(directory)
     except ArtifactError as e:
         raise refuse(where, str(e)) from None
+    manifest = _expected(manifest, where, load_format, settings, running_tp, vllm_version)
+    pattern = rank_glob or "*.safetensors"
+    names = _rank_names(where, manifest, (p.name for p in directory.glob(pattern)), pattern)
+    files = tuple(_verify_file(directory / n, manifest, settings.verify_hash) for n in names)
+    return VerifiedArtifact(where, manifest, _no_duplicates(where, files))
+
+
+def verify_s3(
+    uri: str,
+    s3: S3Client,
+    *,
+    load_format: str,
+    settings: PluginSettings,
+    running_tp: int,
+    vllm_version: str,
+    rank_glob: str,
+) -> VerifiedArtifact:
+    """Verify this rank's objects of an S3 artifact: the manifest object first, one listing
+    for sizes, ETags and unlisted objects, then each object's header (one small ranged GET).
+    The ETags pin what was verified: the reader's GETs are conditional on them."""
+    try:
+        location = S3Location.parse(uri)
+    except SpecError as e:
+        raise refuse(uri, str(e)) from None
+    where = location.uri
+    try:
+        manifest = _s3_manifest(s3, location)
+        present = _s3_listing(s3, location)
+    except ArtifactError:
+        raise
+    except Exception as e:
+        raise refuse(where, str(s3.error(e, where))) from None
+    manifest = _expected(manifest, where, load_format, settings, running_tp, vllm_version)
+    names = _rank_names(where, manifest, (n for n in present if n != MANIFEST), rank_glob)
+    files = tuple(
+        _verify_object(s3, location, n, manifest, present, settings.verify_hash) for n in names
+    )
+    return VerifiedArtifact(where, manifest, _no_duplicates(where, files), s3)
+
+
+def _expected(
+    manifest: Manifest | None,
+    where: str,
+    load_format: str,
+    settings: PluginSettings,
+    running_tp: int,
+    vllm_version: str,
+) -> Manifest:
     if manifest is None:
         raise refuse(
             where,
@@ -141,27 +205,36 @@ def verify_local(
         running_tp=running_tp,
         vllm_version=vllm_version,
     )
-    pattern = rank_glob or "*.safetensors"
+    return manifest
+
+
+def _rank_names(where: str, manifest: Manifest, present: Iterable[str], pattern: str) -> list[str]:
+    """The manifest's files this rank loads, in part order; refuse files the glob would also
+    match that the manifest does not list (vLLM's stock loaders would load them)."""
     listed = (n for n in manifest.files if fnmatch.fnmatchcase(n, pattern))
     names = sorted(listed, key=_part_key(pattern))
     if not names:
         raise refuse(where, f"the manifest lists no file matching {pattern!r}")
-    unlisted = sorted(p.name for p in directory.glob(pattern) if p.name not in manifest.files)
+    matching = (n for n in present if fnmatch.fnmatchcase(n, pattern))
+    unlisted = sorted(n for n in matching if n not in manifest.files)
     if unlisted:
         raise refuse(
             where,
             f"{', '.join(unlisted[:3])} match {pattern!r} but are not in the manifest; "
             "vLLM would load them; remove them or re-stage",
         )
-    files = tuple(_verify_file(directory / n, manifest, settings.verify_hash) for n in names)
-    seen: dict[str, Path] = {}
+    return names
+
+
+def _no_duplicates(where: str, files: tuple[RankFile, ...]) -> tuple[RankFile, ...]:
+    seen: dict[str, str] = {}
     for f in files:
         for tensor in f.header.tensors:
             if tensor in seen:
-                raise refuse(where, f"tensor {tensor!r} is in both {seen[tensor].name} and "
-                             f"{f.path.name}; re-stage the artifact")  # fmt: skip
-            seen[tensor] = f.path
-    return VerifiedArtifact(directory, manifest, files)
+                raise refuse(where, f"tensor {tensor!r} is in both {seen[tensor]} and "
+                             f"{f.name}; re-stage the artifact")  # fmt: skip
+            seen[tensor] = f.name
+    return files
 
 
 def _verify_file(path: Path, manifest: Manifest, hash_content: bool) -> RankFile:
@@ -178,7 +251,94 @@ def _verify_file(path: Path, manifest: Manifest, hash_content: bool) -> RankFile
         raise refuse(str(path), f"{e}; re-stage") from None
     if hash_content and sha256_file(path) != entry.sha256:
         raise refuse(str(path), "sha256 differs from the manifest; the file is corrupt")
-    return RankFile(path, size, header)
+    return RankFile(path.name, str(path), size, header)
+
+
+HEADER_PREFIX_BYTES = 256 * 1024
+"""Bytes fetched by the first GET of an object's header: a rank file's header is smaller, so
+the length and the JSON come in one request."""
+
+
+def _s3_manifest(s3: S3Client, location: S3Location) -> Manifest | None:
+    from botocore.exceptions import ClientError
+
+    key = location.key(MANIFEST)
+    try:
+        body = s3.client.get_object(Bucket=location.bucket, Key=key)["Body"]
+    except ClientError as e:
+        if str(e.response.get("Error", {}).get("Code")) in ("NoSuchKey", "404"):
+            return None
+        raise
+    with closing(body):
+        return Manifest.from_json(body.read(), f"{location.uri}{MANIFEST}")
+
+
+def _s3_listing(s3: S3Client, location: S3Location) -> dict[str, tuple[int, str]]:
+    """Name -> (size, ETag) of the objects directly under the artifact's prefix."""
+    prefix = location.key("")
+    found: dict[str, tuple[int, str]] = {}
+    pages = s3.client.get_paginator("list_objects_v2").paginate(
+        Bucket=location.bucket, Prefix=prefix, Delimiter="/"
+    )
+    for page in pages:
+        for obj in page.get("Contents", []):
+            name = obj["Key"][len(prefix) :]
+            if name:
+                found[name] = (int(obj["Size"]), str(obj["ETag"]).strip('"'))
+    return found
+
+
+def _verify_object(
+    s3: S3Client,
+    location: S3Location,
+    name: str,
+    manifest: Manifest,
+    present: dict[str, tuple[int, str]],
+    hash_content: bool,
+) -> RankFile:
+    uri, entry = f"{location.uri}{name}", manifest.files[name]
+    if name not in present:
+        raise refuse(uri, "listed in the manifest but missing; re-stage")
+    size, etag = present[name]
+    if size != entry.size:
+        raise refuse(uri, f"{size} bytes, the manifest says {entry.size}; re-stage")
+
+    def get(offset: int, length: int) -> bytes:
+        rng = f"bytes={offset}-{offset + length - 1}"
+        body = s3.client.get_object(
+            Bucket=location.bucket, Key=location.key(name), IfMatch=etag, Range=rng
+        )["Body"]
+        with closing(body):
+            data: bytes = body.read()
+        return data
+
+    try:
+        prefix = get(0, min(size, HEADER_PREFIX_BYTES))
+
+        def read(offset: int, length: int) -> bytes:
+            if offset + length <= len(prefix):
+                return prefix[offset : offset + length]
+            return get(offset, length)
+
+        header = read_header(uri, size, read)
+        if hash_content and _s3_sha256(s3, location, name, etag) != entry.sha256:
+            raise refuse(uri, "sha256 differs from the manifest; the object is corrupt")
+    except CheckpointError as e:
+        raise refuse(uri, f"{e}; re-stage") from None
+    except ArtifactError:
+        raise
+    except Exception as e:
+        raise refuse(uri, str(s3.error(e, uri))) from None
+    return RankFile(name, uri, size, header, etag)
+
+
+def _s3_sha256(s3: S3Client, location: S3Location, name: str, etag: str) -> str:
+    h = hashlib.sha256()
+    body = s3.client.get_object(Bucket=location.bucket, Key=location.key(name), IfMatch=etag)
+    with closing(body["Body"]) as stream:
+        for block in stream.iter_chunks(8 * 1024 * 1024):
+            h.update(block)
+    return h.hexdigest()
 
 
 def _part_key(pattern: str) -> Callable[[str], tuple[int, str]]:

@@ -3,15 +3,15 @@
 vLLM's stock sharded-state path (``safe_open`` + ``get_tensor`` + ``param.copy_``) reads one
 tensor at a time, materialises it in a fresh host tensor, then copies it; reads and copies
 alternate and nothing overlaps. Here the data section of each file is read front to back in
-fixed-size chunks, ``depth`` reads in flight on a thread pool (``os.preadv`` releases the GIL)
-into a small pool of reused buffers — pinned where CUDA exists, so host-to-device copies are
-asynchronous on a copy stream and overlap the next reads. Each chunk is copied straight into
-the byte ranges of the parameters it covers, so no tensor and no file is ever materialised;
-memory is ``(depth + 2) * chunk`` whatever the model's size. Where the parameters live in host
-memory (vLLM on CPU) there is nothing to overlap and a bounce buffer would only add a copy, so
-reads land directly in the parameters (``direct`` mode). A parameter that cannot take raw
-bytes (another dtype, a narrower shape, not contiguous) gets a host staging tensor of its own
-size and vLLM's ``copy_`` semantics once complete.
+fixed-size chunks, ``depth`` reads in flight on a thread pool (a store's ``preadv`` or ranged
+GET, ``stores.py``; both release the GIL) into a small pool of reused buffers — pinned where
+CUDA exists, so host-to-device copies are asynchronous on a copy stream and overlap the next
+reads. Each chunk is copied straight into the byte ranges of the parameters it covers, so no
+tensor and no file is ever materialised; memory is ``(depth + 2) * chunk`` whatever the model's
+size. Where the parameters live in host memory (vLLM on CPU) there is nothing to overlap and a
+bounce buffer would only add a copy, so reads land directly in the parameters (``direct``
+mode). A parameter that cannot take raw bytes (another dtype, a narrower shape, not contiguous)
+gets a host staging tensor of its own size and vLLM's ``copy_`` semantics once complete.
 
 Headers come from the verify phase (``checks.py``), so the reader never parses JSON and knows
 every tensor's byte range before the first read.
@@ -20,7 +20,6 @@ every tensor's byte range before the first read.
 from __future__ import annotations
 
 import collections
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -31,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-from ..errors import ArtifactError
 from ..safetensors_format import SafetensorsHeader, TensorInfo
+from .stores import LocalFiles, RankBytes
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -84,19 +83,17 @@ class ReadStats:
 
 @dataclass(frozen=True)
 class _Chunk:
-    path: Path
-    fd: int
+    file: int
+    """Index of the file in the store."""
     begin: int
     end: int
     tensors: tuple[TensorInfo, ...]
     """The tensors with at least one byte in ``[begin, end)``, in file order."""
 
 
-def chunks(
-    files: Sequence[tuple[Path, SafetensorsHeader]], chunk_bytes: int, fds: Sequence[int]
-) -> Iterator[_Chunk]:
+def chunks(headers: Sequence[SafetensorsHeader], chunk_bytes: int) -> Iterator[_Chunk]:
     """Cut every file's data section into chunks of at most ``chunk_bytes``; pure."""
-    for (path, header), fd in zip(files, fds, strict=True):
+    for file, header in enumerate(headers):
         tensors = sorted((t for t in header.tensors.values() if t.nbytes), key=lambda t: t.begin)
         if not tensors:
             continue
@@ -109,7 +106,7 @@ def chunks(
             last = first
             while last < len(tensors) and tensors[last].begin < end:
                 last += 1
-            yield _Chunk(path, fd, begin, end, tuple(tensors[first:last]))
+            yield _Chunk(file, begin, end, tuple(tensors[first:last]))
 
 
 class PipelinedReader:
@@ -144,33 +141,26 @@ class PipelinedReader:
         )
 
     def read(
-        self, files: Sequence[tuple[Path, SafetensorsHeader]], target_for: TargetFor
+        self, files: RankBytes | Sequence[tuple[Path, SafetensorsHeader]], target_for: TargetFor
     ) -> ReadStats:
-        stats = ReadStats(files=len(files))
-        fds = [os.open(path, os.O_RDONLY) for path, _ in files]
-        try:
-            for fd in fds:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-            for _, header in files:  # zero-byte tensors get no chunk; finish them now
+        """Read every tensor of ``files`` (a store, or local files with their headers)."""
+        store = files if isinstance(files, RankBytes) else LocalFiles(files)
+        stats = ReadStats(files=len(store.headers))
+        with store:
+            for header in store.headers:  # zero-byte tensors get no chunk; finish them now
                 for info in header.tensors.values():
                     if not info.nbytes:
                         _finish(target_for(info))
+            work = chunks(store.headers, self.chunk_bytes)
             if self.direct:
-                self._direct(files, fds, target_for, stats)
+                self._direct(store, work, target_for, stats)
             else:
-                self._pipeline(chunks(files, self.chunk_bytes, fds), target_for, stats)
-        finally:
-            for fd in fds:
-                os.close(fd)
+                self._pipeline(store, work, target_for, stats)
         stats._close()
         return stats
 
     def _direct(
-        self,
-        files: Sequence[tuple[Path, SafetensorsHeader]],
-        fds: Sequence[int],
-        target_for: TargetFor,
-        stats: ReadStats,
+        self, store: RankBytes, work: Iterator[_Chunk], target_for: TargetFor, stats: ReadStats
     ) -> None:
         """Read every chunk of the files with one vectored read straight into the targets'
         memory (``preadv``: one iovec per tensor piece), ``depth`` reads in flight; a target
@@ -192,7 +182,7 @@ class PipelinedReader:
             stats.copy_seconds += time.perf_counter() - finishing
 
         try:
-            for chunk in chunks(files, self.chunk_bytes, fds):
+            for chunk in work:
                 segments: list[tuple[int, memoryview]] = []
                 finished: list[Target] = []
                 for info in chunk.tensors:
@@ -206,7 +196,7 @@ class PipelinedReader:
                         finished.append(open_targets.pop(info.name)[0])
                 while len(pending) >= 2 * self.depth:
                     complete()
-                future = pool.submit(_read_segments, chunk, segments, stats)
+                future = pool.submit(_read_segments, store, chunk, segments, stats)
                 pending.append((future, finished))
             while pending:
                 complete()
@@ -216,7 +206,9 @@ class PipelinedReader:
         stats._close()
         stats.copy_seconds += stats.read_seconds
 
-    def _pipeline(self, work: Iterator[_Chunk], target_for: TargetFor, stats: ReadStats) -> None:
+    def _pipeline(
+        self, store: RankBytes, work: Iterator[_Chunk], target_for: TargetFor, stats: ReadStats
+    ) -> None:
         free: collections.deque[tuple[torch.Tensor, torch.cuda.Event | None]] = collections.deque(
             (b, None) for b in self.buffers
         )
@@ -232,7 +224,7 @@ class PipelinedReader:
             buf, copied = free.popleft()
             if copied is not None:
                 copied.synchronize()  # the buffer's last copy must be done before reuse
-            pending.append((chunk, buf, pool.submit(_read_chunk, chunk, buf, stats)))
+            pending.append((chunk, buf, pool.submit(_read_chunk, store, chunk, buf, stats)))
 
         try:
             if self.stream is not None:
@@ -290,44 +282,26 @@ class PipelinedReader:
         return end
 
 
-IOV_MAX = 1024
-"""Linux's limit on iovecs per ``preadv``."""
-
-
-def _read_segments(chunk: _Chunk, segments: list[tuple[int, memoryview]], stats: ReadStats) -> None:
+def _read_segments(
+    store: RankBytes, chunk: _Chunk, segments: list[tuple[int, memoryview]], stats: ReadStats
+) -> None:
     """Fill ``(file offset, view)`` segments (in file order): back-to-back ones with one
-    ``preadv`` each (up to IOV_MAX), a hole between tensors starts another."""
+    store read each, a hole between tensors starts another."""
     start, i = time.perf_counter(), 0
     while i < len(segments):
         offset, first = segments[i]
         run, end, i = [first], offset + len(first), i + 1
-        while i < len(segments) and segments[i][0] == end and len(run) < IOV_MAX:
+        while i < len(segments) and segments[i][0] == end:
             run.append(segments[i][1])
             end += len(segments[i][1])
             i += 1
-        _preadv_exactly(chunk, run, offset)
+        store.read_into(chunk.file, offset, run)
     stats._read_done(start, time.perf_counter(), sum(len(v) for _, v in segments))
 
 
-def _preadv_exactly(chunk: _Chunk, views: list[memoryview], offset: int) -> None:
-    k = 0
-    while k < len(views):
-        n = os.preadv(chunk.fd, views[k:], offset)
-        if n == 0:
-            raise ArtifactError(
-                f"{chunk.path}: ends at byte {offset}, the header promised "
-                f"{chunk.end}; the file changed after it was verified"
-            )
-        offset += n
-        while k < len(views) and n >= len(views[k]):
-            n -= len(views[k])
-            k += 1
-        if n:
-            views[k] = views[k][n:]
-
-
-def _read_chunk(chunk: _Chunk, buf: torch.Tensor, stats: ReadStats) -> None:
-    _read_segments(chunk, [(chunk.begin, buf.numpy().data[: chunk.end - chunk.begin])], stats)
+def _read_chunk(store: RankBytes, chunk: _Chunk, buf: torch.Tensor, stats: ReadStats) -> None:
+    view = buf.numpy().data[: chunk.end - chunk.begin]
+    _read_segments(store, chunk, [(chunk.begin, view)], stats)
 
 
 def _finish(target: Target) -> None:

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..errors import SpecError
+from ..s3_client import S3Options
 
 ENV_DIGEST = "MODELSTAGE_DIGEST"
 """The artifact digest the operator rolled out; the manifest's must equal it."""
@@ -34,8 +35,20 @@ ENV_READ_DEPTH = "MODELSTAGE_READ_DEPTH"
 """Reads in flight in the pipelined reader (default 2: on a local disk, more concurrent
 buffered reads of one file defeat the kernel's readahead; measured in docs/performance.md)."""
 
+ENV_S3_READER = "MODELSTAGE_S3_READER"
+"""``1``: the plugin also registers its loader under vLLM's ``runai_streamer_sharded`` name and
+reads S3 artifacts with its own ranged GETs (the only name vLLM accepts with ``--model s3://``
+besides plain ``runai_streamer``). The operator sets it for S3 per-rank artifacts."""
+ENV_S3_READ_CHUNK_MIB = "MODELSTAGE_S3_READ_CHUNK_MIB"
+"""Size of one ranged GET of the S3 reader, MiB (default 8)."""
+ENV_S3_READ_CONCURRENCY = "MODELSTAGE_S3_READ_CONCURRENCY"
+"""Ranged GETs in flight (default 8)."""
+
 DEFAULT_CHUNK_MIB = 16
 DEFAULT_DEPTH = 2
+DEFAULT_S3_CHUNK_MIB = 8
+DEFAULT_S3_CONCURRENCY = 8
+MiB = 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -47,8 +60,11 @@ class PluginSettings:
     metrics_port: int | None = None
     metrics_addr: str = "0.0.0.0"
     verify_hash: bool = False
-    chunk_bytes: int = DEFAULT_CHUNK_MIB * 1024 * 1024
+    chunk_bytes: int = DEFAULT_CHUNK_MIB * MiB
     depth: int = DEFAULT_DEPTH
+    s3_reader: bool = False
+    s3_chunk_bytes: int = DEFAULT_S3_CHUNK_MIB * MiB
+    s3_depth: int = DEFAULT_S3_CONCURRENCY
 
     @staticmethod
     def from_env(env: Mapping[str, str] | None = None) -> PluginSettings:
@@ -61,11 +77,34 @@ class PluginSettings:
             metrics_port=_int(env, ENV_METRICS_PORT, minimum=1, maximum=65535),
             metrics_addr=env.get(ENV_METRICS_ADDR) or "0.0.0.0",
             verify_hash=_flag(env, ENV_VERIFY_HASH),
-            chunk_bytes=(_int(env, ENV_READ_CHUNK_MIB, minimum=1) or DEFAULT_CHUNK_MIB)
-            * 1024
-            * 1024,
+            chunk_bytes=(_int(env, ENV_READ_CHUNK_MIB, minimum=1) or DEFAULT_CHUNK_MIB) * MiB,
             depth=_int(env, ENV_READ_DEPTH, minimum=1, maximum=64) or DEFAULT_DEPTH,
+            s3_reader=_flag(env, ENV_S3_READER),
+            s3_chunk_bytes=(_int(env, ENV_S3_READ_CHUNK_MIB, minimum=1) or DEFAULT_S3_CHUNK_MIB)
+            * MiB,
+            s3_depth=_int(env, ENV_S3_READ_CONCURRENCY, minimum=1, maximum=64)
+            or DEFAULT_S3_CONCURRENCY,
         )
+
+
+def serving_s3_options(env: Mapping[str, str] | None = None) -> S3Options:
+    """The S3 connection a serving pod is given for vLLM's Run:ai streamer (the operator's
+    ``AWS_*`` / ``RUNAI_STREAMER_S3_*`` variables), so the plugin reads where Run:ai would.
+    Credentials stay with boto3's own chain (``AWS_*`` variables, web identity, profiles)."""
+    env = os.environ if env is None else env
+    endpoint = (
+        env.get("AWS_ENDPOINT_URL_S3")
+        or env.get("AWS_ENDPOINT_URL")
+        or env.get("RUNAI_STREAMER_S3_ENDPOINT")
+        or None
+    )
+    virtual = env.get("RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING", "").strip().lower()
+    return S3Options(
+        endpoint_url=endpoint,
+        region=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or None,
+        path_style=virtual in ("0", "false", "no"),
+        ca_bundle=env.get("AWS_CA_BUNDLE") or None,
+    )
 
 
 def _int(

@@ -16,10 +16,13 @@ from torch import nn
 from vllm.config import ModelConfig
 from vllm.model_executor.model_loader.sharded_state_loader import ShardedStateLoader
 
+from ..s3_client import S3Client, S3Location
 from ..safetensors_format import TensorInfo
 from .base import ModelstageLoader, Transfer
-from .checks import VerifiedArtifact, refuse, verify_local
+from .checks import VerifiedArtifact, refuse, verify_local, verify_s3
 from .reader import TORCH_DTYPES, PipelinedReader, Target, flat_bytes, staging_for
+from .settings import serving_s3_options
+from .stores import LocalFiles, RankBytes, S3Objects, S3RankObject
 
 LOG = logging.getLogger("vllm.modelstage")
 
@@ -27,15 +30,33 @@ LOG = logging.getLogger("vllm.modelstage")
 def verify_rank_files(
     loader: ModelstageLoader, location: str, running_tp: int, vllm_version: str
 ) -> VerifiedArtifact:
-    """Checks of a local per-rank artifact whose stock loader is a ``ShardedStateLoader``."""
+    """Checks of a per-rank artifact whose stock loader is a ``ShardedStateLoader``: local,
+    or on S3 where the loader reads object storage itself."""
     assert isinstance(loader.stock, ShardedStateLoader)
+    rank_glob = ShardedStateLoader._render_default_pattern(loader.stock.pattern, part="*")
+    settings, load_format = loader.settings, loader.load_format
+    if loader.reads_s3 and location.startswith("s3://"):
+        try:
+            s3 = S3Client(serving_s3_options(), concurrency=settings.s3_depth)
+        except ImportError as e:
+            reason = f"the S3 reader needs boto3 ({e}); vLLM's images ship it: install it, "
+            raise refuse(location, reason + "or unset MODELSTAGE_S3_READER to use Run:ai") from None
+        return verify_s3(
+            location,
+            s3,
+            load_format=load_format,
+            settings=settings,
+            running_tp=running_tp,
+            vllm_version=vllm_version,
+            rank_glob=rank_glob,
+        )
     return verify_local(
         loader.verify_local_location(location),
-        load_format=loader.load_format,
-        settings=loader.settings,
+        load_format=load_format,
+        settings=settings,
         running_tp=running_tp,
         vllm_version=vllm_version,
-        rank_glob=ShardedStateLoader._render_default_pattern(loader.stock.pattern, part="*"),
+        rank_glob=rank_glob,
     )
 
 
@@ -52,15 +73,19 @@ class ModelstageShardedStateLoader(ModelstageLoader):
         self, model: nn.Module, model_config: ModelConfig, verified: VerifiedArtifact
     ) -> Transfer:
         state_dict = ShardedStateLoader._filter_subtensors(model.state_dict())
-        check_keys(str(verified.directory), verified.tensor_names, set(state_dict))
+        check_keys(verified.location, verified.tensor_names, set(state_dict))
         device = next(iter(state_dict.values())).device
+        store = store_for(verified)
+        on_s3 = isinstance(store, S3Objects)
         reader = PipelinedReader(
-            chunk_bytes=self.settings.chunk_bytes, depth=self.settings.depth, device=device
+            chunk_bytes=self.settings.s3_chunk_bytes if on_s3 else self.settings.chunk_bytes,
+            depth=self.settings.s3_depth if on_s3 else self.settings.depth,
+            device=device,
         )
-        stats = reader.read(
-            [(f.path, f.header) for f in verified.files],
-            lambda info: target_for(info, state_dict[info.name]),
-        )
+        stats = reader.read(store, lambda info: target_for(info, state_dict[info.name]))
+        LOG.info("modelstage: read %d bytes of %s with the %s reader in %.2f s",
+                 stats.bytes, verified.location, "S3" if on_s3 else "local",
+                 stats.read_seconds)  # fmt: skip
         return Transfer(
             bytes=stats.bytes,
             files=stats.files,
@@ -68,6 +93,18 @@ class ModelstageShardedStateLoader(ModelstageLoader):
             copy_seconds=stats.copy_seconds,
             read_wait_seconds=stats.wait_seconds,
         )
+
+
+def store_for(verified: VerifiedArtifact) -> RankBytes:
+    """The verified files as a store: local files, or the S3 objects at their verified ETags."""
+    if verified.s3 is None:
+        return LocalFiles([(f.path, f.header) for f in verified.files])
+    location = S3Location.parse(verified.location)
+    objects = []
+    for f in verified.files:
+        assert f.etag is not None
+        objects.append(S3RankObject(location, f.name, f.etag, f.header))
+    return S3Objects(verified.s3, objects)
 
 
 def check_keys(where: str, in_files: set[str], in_model: set[str]) -> None:

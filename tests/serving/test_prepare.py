@@ -18,8 +18,9 @@ from modelstage.stager.manifest import MANIFEST
 from modelstage.stager.prepare import PLUGIN_MODULES, install_plugin
 from support.serving import Artifact, last_line, prepare_cli
 
-ALLOWED_IMPORTS = {"vllm", "torch", "prometheus_client", "pydantic"}
-"""What a stock vLLM image provides; the copied plugin may import nothing else."""
+ALLOWED_IMPORTS = {"vllm", "torch", "prometheus_client", "pydantic", "boto3", "botocore"}
+"""What a stock vLLM image provides (vllm/vllm-openai installs boto3 for its S3 loaders); the
+copied plugin may import nothing else."""
 
 
 def run_prepare(

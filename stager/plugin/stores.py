@@ -1,0 +1,217 @@
+"""Where a rank's bytes come from: local files (``preadv``) or S3 objects (ranged GETs).
+
+The pipelined reader (``reader.py``) plans chunks from the headers and asks a store to fill
+lists of memory views — parameter memory on a host, pinned buffers for CUDA — with a file's
+bytes from an offset on. Both stores write straight into those views: ``preadv`` on a local
+file, and for S3 the socket's ``readinto`` on the response of one ranged GET, so neither
+allocates a buffer per read. Every GET carries ``If-Match`` with the ETag the verify phase
+saw: an object replaced after verification fails the load instead of mixing two artifacts.
+"""
+
+from __future__ import annotations
+
+import http.client
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from ..errors import ArtifactError
+from ..s3_client import S3Client, S3Location, with_retries
+from ..safetensors_format import SafetensorsHeader
+
+IOV_MAX = 1024
+"""Linux's limit on iovecs per ``preadv``."""
+
+
+class RankBytes(ABC):
+    """A rank's files, in load order, with their verified headers."""
+
+    default_concurrency: int = 2
+    """Reads in flight that suit the store when the settings do not say."""
+
+    @property
+    @abstractmethod
+    def headers(self) -> Sequence[SafetensorsHeader]: ...
+
+    @abstractmethod
+    def where(self, file: int) -> str:
+        """The file's path or URI, for messages."""
+
+    @abstractmethod
+    def read_into(self, file: int, offset: int, views: list[memoryview]) -> None:
+        """Fill ``views``, in order, with the file's bytes from ``offset`` on; thread-safe."""
+
+    @abstractmethod
+    def open(self) -> None:
+        """Acquire what reads need (file descriptors); called once before the first read."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release what ``open`` acquired."""
+
+    def __enter__(self) -> RankBytes:
+        self.open()
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+class LocalFiles(RankBytes):
+    """Files on a local filesystem (a PVC): one vectored ``preadv`` per run of views."""
+
+    def __init__(self, files: Sequence[tuple[Path, SafetensorsHeader]]) -> None:
+        self.paths = [Path(p) for p, _ in files]
+        self._headers = [h for _, h in files]
+        self._fds: list[int] = []
+
+    @property
+    def headers(self) -> Sequence[SafetensorsHeader]:
+        return self._headers
+
+    def where(self, file: int) -> str:
+        return str(self.paths[file])
+
+    def open(self) -> None:
+        try:
+            for path in self.paths:
+                fd = os.open(path, os.O_RDONLY)
+                self._fds.append(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        while self._fds:
+            os.close(self._fds.pop())
+
+    def read_into(self, file: int, offset: int, views: list[memoryview]) -> None:
+        fd, k, views = self._fds[file], 0, list(views)
+        while k < len(views):
+            n = os.preadv(fd, views[k : k + IOV_MAX], offset)
+            if n == 0:
+                raise ArtifactError(
+                    f"{self.where(file)}: ends at byte {offset}, the header promised more; "
+                    "the file changed after it was verified"
+                )
+            offset += n
+            while k < len(views) and n >= len(views[k]):
+                n -= len(views[k])
+                k += 1
+            if n:
+                views[k] = views[k][n:]
+
+
+@dataclass(frozen=True)
+class S3RankObject:
+    """One verified rank object: where it is, the ETag it had, its header."""
+
+    location: S3Location
+    name: str
+    etag: str
+    header: SafetensorsHeader
+
+    @property
+    def uri(self) -> str:
+        return f"{self.location.uri}{self.name}"
+
+
+class S3Objects(RankBytes):
+    """Objects in S3: one ranged GET (``If-Match`` the verified ETag) per run of views."""
+
+    default_concurrency = 8
+    """Requests in flight: S3 throughput comes from parallel connections, not one stream."""
+
+    def __init__(self, client: S3Client, objects: Sequence[S3RankObject]) -> None:
+        self.client = client
+        self.objects = list(objects)
+
+    @property
+    def headers(self) -> Sequence[SafetensorsHeader]:
+        return [o.header for o in self.objects]
+
+    def where(self, file: int) -> str:
+        return self.objects[file].uri
+
+    def open(self) -> None:
+        """Nothing to open: botocore pools the connections."""
+
+    def close(self) -> None:
+        """Nothing to close."""
+
+    def read_into(self, file: int, offset: int, views: list[memoryview]) -> None:
+        obj = self.objects[file]
+        length = sum(len(v) for v in views)
+        if not length:
+            return
+
+        def fetch() -> None:
+            response = self.client.client.get_object(
+                Bucket=obj.location.bucket, Key=obj.location.key(obj.name), IfMatch=obj.etag,
+                Range=f"bytes={offset}-{offset + length - 1}",
+            )  # fmt: skip
+            body = response["Body"]
+            try:
+                _body_into(body, views)
+            finally:
+                body.close()
+
+        try:
+            with_retries(fetch)
+        except ArtifactError:
+            raise
+        except Exception as e:
+            if _status(e) == 412:
+                raise ArtifactError(
+                    f"{obj.uri}: the object changed after it was verified (its ETag is no "
+                    f"longer {obj.etag}); restart the load to verify the new artifact"
+                ) from None
+            raise ArtifactError(str(self.client.error(e, obj.uri))) from None
+
+
+def _body_into(body: Any, views: list[memoryview]) -> None:
+    """Stream a response body into ``views``. The socket reads straight into them through
+    ``http.client``'s ``readinto`` when botocore's stream exposes it (urllib3's own
+    ``readinto`` reads into a fresh ``bytes`` and copies); otherwise ``read`` + copy. A short
+    or broken body raises botocore's ``IncompleteReadError``, which ``with_retries`` retries."""
+    from botocore.exceptions import IncompleteReadError
+
+    raw = getattr(getattr(body, "_raw_stream", None), "_fp", None)
+    encoded = getattr(raw, "getheader", lambda _: None)("Content-Encoding")
+    direct = isinstance(raw, http.client.HTTPResponse) and encoded in (None, "identity")
+    expected = sum(len(v) for v in views)
+    done = 0
+    try:
+        for view in views:
+            filled = 0
+            while filled < len(view):
+                if direct:
+                    n = raw.readinto(view[filled:])  # type: ignore[union-attr]
+                else:
+                    data = body.read(min(len(view) - filled, 1 << 20))
+                    n = len(data)
+                    view[filled : filled + n] = data
+                if not n:
+                    raise IncompleteReadError(actual_bytes=done, expected_bytes=expected)
+                filled += n
+                done += n
+    except (OSError, http.client.HTTPException) as e:
+        raise IncompleteReadError(actual_bytes=done, expected_bytes=expected) from e
+
+
+def _status(e: BaseException) -> int:
+    response = getattr(e, "response", None)
+    if not isinstance(response, dict):
+        return 0
+    meta = response.get("ResponseMetadata", {})
+    code = str(response.get("Error", {}).get("Code", ""))
+    if code == "PreconditionFailed":
+        return 412
+    return int(meta.get("HTTPStatusCode") or 0)
