@@ -33,9 +33,11 @@ LOAD_FORMATS: dict[str, tuple[str, ...]] = {
     "modelstage_sharded_state": ("sharded_state", "runai_streamer_sharded"),
     "modelstage_runai_streamer_sharded": ("sharded_state", "runai_streamer_sharded"),
     "modelstage_runai_streamer": ("runai_streamer",),
+    "runai_streamer_sharded": ("sharded_state", "runai_streamer_sharded"),
 }
 """Plugin load format -> artifact formats (manifest ``format``) it can load. The per-rank
-formats share one file layout, so either loader reads either artifact."""
+formats share one file layout, so either loader reads either artifact. ``runai_streamer_sharded``
+is the stock name the S3 reader takes over (``s3_sharded_state.py``)."""
 
 
 @dataclass(frozen=True)
@@ -174,7 +176,7 @@ def verify_s3(
     except ArtifactError:
         raise
     except Exception as e:
-        raise refuse(where, str(s3.error(e, where))) from None
+        raise _s3_refusal(s3, e, where) from None
     manifest = _expected(manifest, where, load_format, settings, running_tp, vllm_version)
     names = _rank_names(where, manifest, (n for n in present if n != MANIFEST), rank_glob)
     files = tuple(
@@ -328,8 +330,13 @@ def _verify_object(
     except ArtifactError:
         raise
     except Exception as e:
-        raise refuse(uri, str(s3.error(e, uri))) from None
+        raise _s3_refusal(s3, e, uri) from None
     return RankFile(name, uri, size, header, etag)
+
+
+def _s3_refusal(s3: S3Client, e: BaseException, where: str) -> ArtifactError:
+    """The S3 client's one credential-free line about ``where``, as a refusal."""
+    return refuse(where, str(s3.error(e, where)).removeprefix(f"{where}: "))
 
 
 def _s3_sha256(s3: S3Client, location: S3Location, name: str, etag: str) -> str:
