@@ -260,6 +260,23 @@ def test_s3_artifacts_get_stock_load_format_names_even_with_the_plugin(
     assert any(c["name"] == "modelstage-prepare" for c in init)
 
 
+def test_the_plugin_reads_per_rank_s3_artifacts_itself_until_it_is_turned_off(
+    make_spec: SpecFactory, deployment: dict[str, Any]
+) -> None:
+    """``MODELSTAGE_S3_READER`` hands vLLM's ``runai_streamer_sharded`` name to the plugin's
+    reader; the Hugging Face layout stays with Run:ai, and turning the plugin off drops it."""
+    storage = {"pvc": None, "s3": {"uri": "s3://models/p"}}
+    sharded = roll(make_spec(loadFormat="runai_streamer_sharded", storage=storage), deployment)
+    assert env(vllm(sharded))["MODELSTAGE_S3_READER"] == "1"
+    plain = roll(make_spec(loadFormat="runai_streamer", storage=storage), deployment)
+    assert "MODELSTAGE_S3_READER" not in env(vllm(plain))
+    off = make_spec(loadFormat="runai_streamer_sharded", storage=storage,
+                    serving={"plugin": False})  # fmt: skip
+    assert "MODELSTAGE_S3_READER" not in env(vllm(roll(off, sharded)))
+    on_pvc = roll(make_spec(loadFormat="sharded_state"), sharded)
+    assert "MODELSTAGE_S3_READER" not in env(vllm(on_pvc))
+
+
 def test_tensorizer_gets_the_per_rank_uri_and_its_own_s3_variables(
     make_spec: SpecFactory, deployment: dict[str, Any]
 ) -> None:
