@@ -3,8 +3,10 @@
 Baselines move the same bytes to and from the same server in the simplest fast way: an
 8-way multipart PUT of each source file (the stager's part size), and 8-way ranged GETs of
 each staged rank file into a reused buffer. Staging writes ``runai_streamer_sharded`` (the
-per-rank S3 format); loading reads rank 0 the way vLLM's Run:ai path does (the streamer,
-``clone``, ``copy_`` into preallocated parameters). Everything written is deleted again.
+per-rank S3 format); loading reads rank 0 into preallocated parameters the two ways a
+serving pod can: vLLM's Run:ai path (the streamer, ``clone``, ``copy_``) and the plugin's S3
+reader (``MODELSTAGE_S3_READER``: the verify phase, then ranged GETs straight into the
+parameters). Everything written is deleted again.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .bench import Measurement, run_child, stager_argv
+from .layouts import DEFAULT_VLLM_VERSION
 from .s3_client import S3Client, S3Location, S3Options, load_credentials
 from .safetensors_format import read_header
 
@@ -51,7 +54,7 @@ def bench_s3(
             _delete_prefix(s3, location.bucket, f"{run}/stage-{i}")
         artifact = f"{run}/load"
         run_child(stager_argv(source, f"s3://{location.bucket}/{artifact}", tp, *flags))
-        loading = _bench_loading(s3, location.bucket, artifact, options, repeats)
+        loading = _bench_loading(s3, location.bucket, artifact, options, repeats, tp)
     finally:
         _delete_prefix(s3, location.bucket, run)
     return {"staging to S3 vs multipart PUT": [put, staged],
@@ -82,7 +85,7 @@ def _multipart_put(s3: S3Client, bucket: str, key: str, path: Path, options: S3O
 
 
 def _bench_loading(
-    s3: S3Client, bucket: str, prefix: str, options: S3Options, repeats: int
+    s3: S3Client, bucket: str, prefix: str, options: S3Options, repeats: int, tp: int
 ) -> list[Measurement]:
     listed = s3.client.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/")["Contents"]
     rank0 = sorted(
@@ -92,6 +95,7 @@ def _bench_loading(
     params = _parameters(s3, bucket, rank0)
     get = Measurement(f"{WAYS}-way ranged GET", nbytes=size)
     streamer = Measurement("Run:ai streamer (vLLM's path)", nbytes=size)
+    plugin = Measurement("modelstage S3 reader (plugin)", nbytes=size)
     env = _runai_env(s3, options)
     for _ in range(repeats):
         start = time.perf_counter()
@@ -100,7 +104,10 @@ def _bench_loading(
         start = time.perf_counter()
         _runai_read([f"s3://{bucket}/{key}" for key, _ in rank0], params, env)
         streamer.seconds.append(time.perf_counter() - start)
-    return [get, streamer]
+        start = time.perf_counter()
+        _plugin_read(f"s3://{bucket}/{prefix}/", tp, params, s3)
+        plugin.seconds.append(time.perf_counter() - start)
+    return [get, streamer, plugin]
 
 
 def _ranged_get(s3: S3Client, bucket: str, objects: list[tuple[str, int]]) -> None:
@@ -170,6 +177,25 @@ def _runai_read(uris: list[str], params: dict[str, Any], env: dict[str, str]) ->
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def _plugin_read(uri: str, tp: int, params: dict[str, Any], s3: S3Client) -> None:
+    """Rank 0 as the plugin loads it in a pod: verify (manifest, listing, headers), then the
+    pipelined reader with its S3 defaults, straight into the parameters."""
+    import torch
+
+    from .plugin.checks import verify_s3
+    from .plugin.reader import PipelinedReader, Target, flat_bytes
+    from .plugin.settings import PluginSettings
+    from .plugin.sharded_state import store_for
+
+    settings = PluginSettings()
+    verified = verify_s3(uri, s3, load_format="runai_streamer_sharded", settings=settings,
+                         running_tp=tp, vllm_version=DEFAULT_VLLM_VERSION,
+                         rank_glob="model-rank-0-part-*.safetensors")  # fmt: skip
+    reader = PipelinedReader(chunk_bytes=settings.s3_chunk_bytes, depth=settings.s3_depth,
+                             device=torch.device("cpu"))  # fmt: skip
+    reader.read(store_for(verified), lambda info: Target(flat_bytes(params[info.name])))
 
 
 def _delete_prefix(s3: S3Client, bucket: str, prefix: str) -> None:

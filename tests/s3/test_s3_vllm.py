@@ -98,3 +98,31 @@ def test_vllm_loads_the_s3_artifact_with_exactly_the_reference_logprobs(
     assert not loader_warnings(got["log"]), "vLLM narrowed or cast tensors of the artifact"
     diff = differences(ref.output, got["output"])
     assert not diff, "S3 artifact differs from the original checkpoint:\n" + "\n".join(diff)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_vllm_loads_through_the_plugins_s3_reader_with_exactly_the_reference_logprobs(
+    tp: int, llama: Path, s3: S3Server, vllm_bucket: str, vllm_lock: None
+) -> None:
+    """``MODELSTAGE_S3_READER=1`` (what the operator sets with the plugin on): vLLM's
+    ``runai_streamer_sharded`` name is served by the plugin's checks and ranged GETs, in every
+    rank, with the same results as the original checkpoint; a wrong digest is refused."""
+    uri = f"s3://{vllm_bucket}/plugin-reader/tp{tp}/"
+    summary = stage(StageRequest(source=str(llama), out=uri, tp=tp,
+                                 format="runai_streamer_sharded", s3=s3.options()))  # fmt: skip
+    pod_env = {**s3.env(), "MODELSTAGE_S3_READER": "1", "MODELSTAGE_DIGEST": summary["digest"],
+               "MODELSTAGE_TP": str(tp), "MODELSTAGE_FORMAT": "runai_streamer_sharded"}  # fmt: skip
+    ref = reference(llama, tp, PROMPTS)
+    got = run_vllm_s3(uri, tp, "runai_streamer_sharded", pod_env)
+
+    read = [line for line in got["log"].splitlines() if "with the S3 reader" in line]
+    assert len(read) == tp, "every rank reads through the plugin:\n" + got["log"][-3000:]
+    assert not loader_warnings(got["log"])
+    diff = differences(ref.output, got["output"])
+    assert not diff, "S3 reader's load differs from the original checkpoint:\n" + "\n".join(diff)
+
+    if tp == 1:
+        with pytest.raises(AssertionError, match=r"refusing to load s3://.*digest"):
+            run_vllm_s3(
+                uri, tp, "runai_streamer_sharded", {**pod_env, "MODELSTAGE_DIGEST": "f" * 20}
+            )

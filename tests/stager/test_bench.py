@@ -32,7 +32,10 @@ def test_bench_measures_every_section_and_cleans_up(
     assert names[staging] == ["cp + sync", "stage tp=1", "stage tp=2"]
     loads = [t for t in names if t.startswith("loading rank 0 of TP=2, page cache")]
     assert loads and all(len(names[t]) == 3 for t in loads)  # raw, stock, modelstage
-    assert any("from S3" in t for t in names) and any("multipart PUT" in t for t in names)
+    from_s3 = next(t for t in names if "from S3" in t)
+    assert names[from_s3] == ["8-way ranged GET", "Run:ai streamer (vLLM's path)",
+                              "modelstage S3 reader (plugin)"]  # fmt: skip
+    assert any("multipart PUT" in t for t in names)
     for rows in sections.values():
         for m in rows:
             assert m["seconds"] and all(s > 0 for s in m["seconds"]), m
