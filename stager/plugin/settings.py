@@ -40,13 +40,14 @@ ENV_S3_READER = "MODELSTAGE_S3_READER"
 reads S3 artifacts with its own ranged GETs (the only name vLLM accepts with ``--model s3://``
 besides plain ``runai_streamer``). The operator sets it for S3 per-rank artifacts."""
 ENV_S3_READ_CHUNK_MIB = "MODELSTAGE_S3_READ_CHUNK_MIB"
-"""Size of one ranged GET of the S3 reader, MiB (default 8)."""
+"""Size of one ranged GET of the S3 reader, MiB (default 16: measured on SeaweedFS, 8 MiB GETs
+reach 0.8x of what 16 MiB ones do; CUDA ranks pin (concurrency + 2) x this)."""
 ENV_S3_READ_CONCURRENCY = "MODELSTAGE_S3_READ_CONCURRENCY"
 """Ranged GETs in flight (default 8)."""
 
 DEFAULT_CHUNK_MIB = 16
 DEFAULT_DEPTH = 2
-DEFAULT_S3_CHUNK_MIB = 8
+DEFAULT_S3_CHUNK_MIB = 16
 DEFAULT_S3_CONCURRENCY = 8
 MiB = 1024 * 1024
 
