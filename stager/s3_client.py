@@ -9,6 +9,7 @@ boto3 sends by default, so checksums are computed only where the API requires th
 from __future__ import annotations
 
 import configparser
+import http.client
 import os
 import random
 import time
@@ -255,3 +256,67 @@ def with_retries(
                 raise
             sleep(random.uniform(0, min(cap_s, base_s * 2**attempt)))
     raise AssertionError("unreachable")
+
+
+def get_range_into(
+    s3: S3Client, bucket: str, key: str, etag: str, offset: int, views: list[memoryview]
+) -> None:
+    """One ranged GET of exactly the views' bytes, streamed into them in order, conditional on
+    ``etag`` (``If-Match``: a replaced object answers 412, see ``precondition_failed``).
+    Transient failures, also in the middle of the body, retry the whole GET."""
+    length = sum(len(v) for v in views)
+    if not length:
+        return
+
+    def fetch() -> None:
+        response = s3.client.get_object(
+            Bucket=bucket, Key=key, IfMatch=etag, Range=f"bytes={offset}-{offset + length - 1}"
+        )
+        body = response["Body"]
+        try:
+            _body_into(body, views)
+        finally:
+            body.close()
+
+    with_retries(fetch)
+
+
+def precondition_failed(e: BaseException) -> bool:
+    """Whether ``e`` is S3's answer to an ``If-Match`` that no longer holds."""
+    response = getattr(e, "response", None)
+    if not isinstance(response, dict):
+        return False
+    code = str(response.get("Error", {}).get("Code", ""))
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return code in ("PreconditionFailed", "412") or status == 412
+
+
+def _body_into(body: Any, views: list[memoryview]) -> None:
+    """Stream a response body into ``views``. The socket reads straight into them through
+    ``http.client``'s ``readinto`` where botocore's stream exposes it (urllib3's ``readinto``
+    reads into a fresh ``bytes`` and copies); otherwise ``read`` + copy. A short or broken
+    body raises botocore's ``IncompleteReadError``, which ``with_retries`` retries."""
+    from botocore.exceptions import IncompleteReadError
+
+    raw = getattr(getattr(body, "_raw_stream", None), "_fp", None)
+    direct = isinstance(raw, http.client.HTTPResponse) and raw.getheader(
+        "Content-Encoding", "identity"
+    ) in ("", "identity")
+    expected, done = sum(len(v) for v in views), 0
+    try:
+        for view in views:
+            filled = 0
+            while filled < len(view):
+                if direct:
+                    assert isinstance(raw, http.client.HTTPResponse)
+                    n = raw.readinto(view[filled:])
+                else:
+                    data = body.read(min(len(view) - filled, 1 << 20))
+                    n = len(data)
+                    view[filled : filled + n] = data
+                if not n:
+                    raise IncompleteReadError(actual_bytes=done, expected_bytes=expected)
+                filled += n
+                done += n
+    except (OSError, http.client.HTTPException) as e:
+        raise IncompleteReadError(actual_bytes=done, expected_bytes=expected) from e

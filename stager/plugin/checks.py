@@ -27,13 +27,13 @@ from ..layouts import layout_for
 from ..manifest import MANIFEST, Manifest, read_manifest, sha256_file
 from ..s3_client import S3Client, S3Location
 from ..safetensors_format import SafetensorsHeader, read_header, read_local_header
-from .settings import PluginSettings
+from .settings import S3_READER_FORMAT, PluginSettings
 
 LOAD_FORMATS: dict[str, tuple[str, ...]] = {
     "modelstage_sharded_state": ("sharded_state", "runai_streamer_sharded"),
     "modelstage_runai_streamer_sharded": ("sharded_state", "runai_streamer_sharded"),
     "modelstage_runai_streamer": ("runai_streamer",),
-    "runai_streamer_sharded": ("sharded_state", "runai_streamer_sharded"),
+    S3_READER_FORMAT: ("sharded_state", "runai_streamer_sharded"),
 }
 """Plugin load format -> artifact formats (manifest ``format``) it can load. The per-rank
 formats share one file layout, so either loader reads either artifact. ``runai_streamer_sharded``

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from .settings import S3_READER_FORMAT
 from .sharded_state import ModelstageShardedStateLoader
 
 
 class ModelstageS3ShardedStateLoader(ModelstageShardedStateLoader):
-    load_format: ClassVar[str] = "runai_streamer_sharded"
-    stock_format: ClassVar[str] = "runai_streamer_sharded"
+    load_format: ClassVar[str] = S3_READER_FORMAT
+    stock_format: ClassVar[str] = S3_READER_FORMAT
     reads_s3: ClassVar[bool] = True

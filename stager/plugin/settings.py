@@ -39,6 +39,8 @@ ENV_S3_READER = "MODELSTAGE_S3_READER"
 """``1``: the plugin also registers its loader under vLLM's ``runai_streamer_sharded`` name and
 reads S3 artifacts with its own ranged GETs (the only name vLLM accepts with ``--model s3://``
 besides plain ``runai_streamer``). The operator sets it for S3 per-rank artifacts."""
+S3_READER_FORMAT = "runai_streamer_sharded"
+"""vLLM's name that the S3 reader takes over when ``MODELSTAGE_S3_READER=1``."""
 ENV_S3_READ_CHUNK_MIB = "MODELSTAGE_S3_READ_CHUNK_MIB"
 """Size of one ranged GET of the S3 reader, MiB (default 16: measured on SeaweedFS, 8 MiB GETs
 reach 0.8x of what 16 MiB ones do; CUDA ranks pin (concurrency + 2) x this)."""

@@ -10,17 +10,15 @@ saw: an object replaced after verification fails the load instead of mixing two 
 
 from __future__ import annotations
 
-import http.client
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any
 
 from ..errors import ArtifactError
-from ..s3_client import S3Client, S3Location, with_retries
+from ..s3_client import S3Client, S3Location, get_range_into, precondition_failed
 from ..safetensors_format import SafetensorsHeader
 
 IOV_MAX = 1024
@@ -148,70 +146,13 @@ class S3Objects(RankBytes):
 
     def read_into(self, file: int, offset: int, views: list[memoryview]) -> None:
         obj = self.objects[file]
-        length = sum(len(v) for v in views)
-        if not length:
-            return
-
-        def fetch() -> None:
-            response = self.client.client.get_object(
-                Bucket=obj.location.bucket, Key=obj.location.key(obj.name), IfMatch=obj.etag,
-                Range=f"bytes={offset}-{offset + length - 1}",
-            )  # fmt: skip
-            body = response["Body"]
-            try:
-                _body_into(body, views)
-            finally:
-                body.close()
-
         try:
-            with_retries(fetch)
-        except ArtifactError:
-            raise
+            get_range_into(self.client, obj.location.bucket, obj.location.key(obj.name),
+                           obj.etag, offset, views)  # fmt: skip
         except Exception as e:
-            if _status(e) == 412:
+            if precondition_failed(e):
                 raise ArtifactError(
                     f"{obj.uri}: the object changed after it was verified (its ETag is no "
                     f"longer {obj.etag}); restart the load to verify the new artifact"
                 ) from None
             raise ArtifactError(str(self.client.error(e, obj.uri))) from None
-
-
-def _body_into(body: Any, views: list[memoryview]) -> None:
-    """Stream a response body into ``views``. The socket reads straight into them through
-    ``http.client``'s ``readinto`` when botocore's stream exposes it (urllib3's own
-    ``readinto`` reads into a fresh ``bytes`` and copies); otherwise ``read`` + copy. A short
-    or broken body raises botocore's ``IncompleteReadError``, which ``with_retries`` retries."""
-    from botocore.exceptions import IncompleteReadError
-
-    raw = getattr(getattr(body, "_raw_stream", None), "_fp", None)
-    encoded = getattr(raw, "getheader", lambda _: None)("Content-Encoding")
-    direct = isinstance(raw, http.client.HTTPResponse) and encoded in (None, "identity")
-    expected = sum(len(v) for v in views)
-    done = 0
-    try:
-        for view in views:
-            filled = 0
-            while filled < len(view):
-                if direct:
-                    n = raw.readinto(view[filled:])  # type: ignore[union-attr]
-                else:
-                    data = body.read(min(len(view) - filled, 1 << 20))
-                    n = len(data)
-                    view[filled : filled + n] = data
-                if not n:
-                    raise IncompleteReadError(actual_bytes=done, expected_bytes=expected)
-                filled += n
-                done += n
-    except (OSError, http.client.HTTPException) as e:
-        raise IncompleteReadError(actual_bytes=done, expected_bytes=expected) from e
-
-
-def _status(e: BaseException) -> int:
-    response = getattr(e, "response", None)
-    if not isinstance(response, dict):
-        return 0
-    meta = response.get("ResponseMetadata", {})
-    code = str(response.get("Error", {}).get("Code", ""))
-    if code == "PreconditionFailed":
-        return 412
-    return int(meta.get("HTTPStatusCode") or 0)

@@ -3,8 +3,9 @@
 The stager asks for headers first, then exactly the byte ranges of the shard plan; this
 source turns each ``read_range`` into ranged GETs of those bytes only. A large range (the
 rank writer reads up to 32 MiB at a time) is split into pieces of ``range_bytes`` fetched
-concurrently, each written straight into its slice of the caller's buffer, so memory stays
-at the caller's buffers plus one small read buffer per connection.
+concurrently, each streamed from the socket straight into its slice of the caller's buffer
+(``s3_client.get_range_into``, shared with the loader plugin's S3 reader), so memory stays at
+the caller's buffers.
 
 Every GET carries ``If-Match`` with the ETag seen when listing: the ETags are the source
 identity recorded in the manifest, so an object replaced while staging fails the run
@@ -22,15 +23,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CheckpointError
-from ..s3_client import S3Client, S3Location, S3Options, with_retries
+from ..s3_client import S3Client, S3Location, S3Options, get_range_into, precondition_failed
 from .base import Source, safe_name
 
 MiB = 1024 * 1024
 RANGE_BYTES = 8 * MiB
 """Size of one ranged GET: big enough to amortise a request, small enough to spread a
 32 MiB read over several connections."""
-READ_BYTES = 1 * MiB
-"""How much of a response body is held at once before it is copied into the caller's buffer."""
 
 
 @dataclass(frozen=True)
@@ -122,40 +121,16 @@ class S3Source(Source):
 
     def _get(self, name: str, obj: _Object, offset: int, out: memoryview) -> None:
         """One ranged GET into ``out``; transient failures (also mid-body) are retried whole."""
-        key = self.location.key(name)
-        what = f"{self.uri}{name}"
-
-        def fetch() -> None:
-            response = self.s3.client.get_object(
-                Bucket=self.location.bucket, Key=key, IfMatch=obj.etag,
-                Range=f"bytes={offset}-{offset + len(out) - 1}",
-            )  # fmt: skip
-            body = response["Body"]
-            try:
-                done = 0
-                while done < len(out):
-                    chunk = body.read(min(READ_BYTES, len(out) - done))
-                    if not chunk:
-                        raise CheckpointError(
-                            f"{what}: the response ended at byte {offset + done} of a ranged "
-                            f"read up to byte {offset + len(out)}"
-                        )
-                    out[done : done + len(chunk)] = chunk
-                    done += len(chunk)
-            finally:
-                body.close()
-
         try:
-            with_retries(fetch)
-        except CheckpointError:
-            raise
+            get_range_into(self.s3, self.location.bucket, self.location.key(name), obj.etag,
+                           offset, [out])  # fmt: skip
         except Exception as e:
-            if _code(e) in ("PreconditionFailed", "412"):
+            if precondition_failed(e):
                 raise CheckpointError(
-                    f"{what}: the object changed while staging (its ETag is no longer "
-                    f"{obj.etag}); stage again to pick up the new content"
+                    f"{self.uri}{name}: the object changed while staging (its ETag is no "
+                    f"longer {obj.etag}); stage again to pick up the new content"
                 ) from None
-            raise self._error(e, what) from None
+            raise self._error(e, f"{self.uri}{name}") from None
 
     def identity(self, files: list[str]) -> dict[str, Any]:
         """ETag and size per object: S3 changes the ETag whenever an object's content is
@@ -172,10 +147,3 @@ class S3Source(Source):
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
-
-
-def _code(e: BaseException) -> str:
-    response = getattr(e, "response", None)
-    if not isinstance(response, dict):
-        return ""
-    return str(response.get("Error", {}).get("Code", ""))

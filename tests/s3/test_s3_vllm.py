@@ -96,6 +96,7 @@ def test_vllm_loads_the_s3_artifact_with_exactly_the_reference_logprobs(
           f"reference {'cached' if ref.cached else f'{ref.seconds:.1f} s'}")  # fmt: skip
 
     assert not loader_warnings(got["log"]), "vLLM narrowed or cast tensors of the artifact"
+    assert "with the S3 reader" not in got["log"], "the plugin's reader is opt-in"
     diff = differences(ref.output, got["output"])
     assert not diff, "S3 artifact differs from the original checkpoint:\n" + "\n".join(diff)
 

@@ -12,7 +12,7 @@ from modelstage.stager.manifest import MANIFEST
 from modelstage.stager.plugin import LOAD_FORMATS
 from modelstage.stager.plugin.checks import LOAD_FORMATS as CHECKED_FORMATS
 from modelstage.stager.plugin.checks import VerifiedArtifact, _part_key, verify_local
-from modelstage.stager.plugin.settings import PluginSettings
+from modelstage.stager.plugin.settings import S3_READER_FORMAT, PluginSettings
 from support.serving import Artifact
 
 RANK0 = "model-rank-0-part-*.safetensors"
@@ -167,7 +167,7 @@ def test_parts_load_in_part_number_order_not_name_order() -> None:
 
 
 def test_plugin_and_checks_agree_on_the_load_formats() -> None:
-    assert set(LOAD_FORMATS) == set(CHECKED_FORMATS)
+    assert set(CHECKED_FORMATS) == {*LOAD_FORMATS, S3_READER_FORMAT}
 
 
 def test_settings_parse_strictly() -> None:
@@ -175,6 +175,9 @@ def test_settings_parse_strictly() -> None:
                                  "MODELSTAGE_VERIFY_HASH": "true", "MODELSTAGE_READ_DEPTH": "8"})  # fmt: skip
     assert (s.tp, s.metrics_port, s.verify_hash, s.depth) == (2, 9400, True, 8)
     assert PluginSettings.from_env({}) == PluginSettings()
+    s3 = PluginSettings.from_env({"MODELSTAGE_S3_READER": "1", "MODELSTAGE_S3_READ_CHUNK_MIB": "32",
+                                  "MODELSTAGE_S3_READ_CONCURRENCY": "12"})  # fmt: skip
+    assert (s3.s3_reader, s3.s3_chunk_bytes, s3.s3_depth) == (True, 32 << 20, 12)
     with pytest.raises(SpecError, match=r"MODELSTAGE_TP='two' is not an integer"):
         PluginSettings.from_env({"MODELSTAGE_TP": "two"})
     with pytest.raises(SpecError, match=r"MODELSTAGE_METRICS_PORT=70000 must be in \[1, 65535\]"):
