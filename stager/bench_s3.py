@@ -18,8 +18,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from .bench import Measurement, run_child, stager_argv
 from .layouts import DEFAULT_VLLM_VERSION
+from .plugin.checks import verify_s3
+from .plugin.reader import TORCH_DTYPES, PipelinedReader, Target, flat_bytes
+from .plugin.settings import PluginSettings
+from .plugin.stores import store_for
 from .s3_client import S3Client, S3Location, S3Options, load_credentials
 from .safetensors_format import read_header
 
@@ -122,10 +128,6 @@ def _ranged_get(s3: S3Client, bucket: str, objects: list[tuple[str, int]]) -> No
 
 
 def _parameters(s3: S3Client, bucket: str, objects: list[tuple[str, int]]) -> dict[str, Any]:
-    import torch
-
-    from .plugin.reader import TORCH_DTYPES
-
     params = {}
     for key, length in objects:
 
@@ -182,13 +184,6 @@ def _runai_read(uris: list[str], params: dict[str, Any], env: dict[str, str]) ->
 def _plugin_read(uri: str, tp: int, params: dict[str, Any], s3: S3Client) -> None:
     """Rank 0 as the plugin loads it in a pod: verify (manifest, listing, headers), then the
     pipelined reader with its S3 defaults, straight into the parameters."""
-    import torch
-
-    from .plugin.checks import verify_s3
-    from .plugin.reader import PipelinedReader, Target, flat_bytes
-    from .plugin.settings import PluginSettings
-    from .plugin.sharded_state import store_for
-
     settings = PluginSettings()
     verified = verify_s3(uri, s3, load_format="runai_streamer_sharded", settings=settings,
                          running_tp=tp, vllm_version=DEFAULT_VLLM_VERSION,

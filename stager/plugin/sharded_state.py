@@ -16,13 +16,13 @@ from torch import nn
 from vllm.config import ModelConfig
 from vllm.model_executor.model_loader.sharded_state_loader import ShardedStateLoader
 
-from ..s3_client import S3Client, S3Location
+from ..s3_client import S3Client
 from ..safetensors_format import TensorInfo
 from .base import ModelstageLoader, Transfer
 from .checks import VerifiedArtifact, refuse, verify_local, verify_s3
 from .reader import TORCH_DTYPES, PipelinedReader, Target, flat_bytes, staging_for
 from .settings import serving_s3_options
-from .stores import LocalFiles, RankBytes, S3Objects, S3RankObject
+from .stores import S3Objects, store_for
 
 LOG = logging.getLogger("vllm.modelstage")
 
@@ -93,18 +93,6 @@ class ModelstageShardedStateLoader(ModelstageLoader):
             copy_seconds=stats.copy_seconds,
             read_wait_seconds=stats.wait_seconds,
         )
-
-
-def store_for(verified: VerifiedArtifact) -> RankBytes:
-    """The verified files as a store: local files, or the S3 objects at their verified ETags."""
-    if verified.s3 is None:
-        return LocalFiles([(f.path, f.header) for f in verified.files])
-    location = S3Location.parse(verified.location)
-    objects = []
-    for f in verified.files:
-        assert f.etag is not None
-        objects.append(S3RankObject(location, f.name, f.etag, f.header))
-    return S3Objects(verified.s3, objects)
 
 
 def check_keys(where: str, in_files: set[str], in_model: set[str]) -> None:

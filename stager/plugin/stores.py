@@ -16,10 +16,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 from ..errors import ArtifactError
 from ..s3_client import S3Client, S3Location, get_range_into, precondition_failed
 from ..safetensors_format import SafetensorsHeader
+
+if TYPE_CHECKING:
+    from .checks import VerifiedArtifact
 
 IOV_MAX = 1024
 """Linux's limit on iovecs per ``preadv``."""
@@ -156,3 +160,15 @@ class S3Objects(RankBytes):
                     f"longer {obj.etag}); restart the load to verify the new artifact"
                 ) from None
             raise ArtifactError(str(self.client.error(e, obj.uri))) from None
+
+
+def store_for(verified: VerifiedArtifact) -> RankBytes:
+    """The verified files as a store: local files, or the S3 objects at their verified ETags."""
+    if verified.s3 is None:
+        return LocalFiles([(f.path, f.header) for f in verified.files])
+    location = S3Location.parse(verified.location)
+    objects = []
+    for f in verified.files:
+        assert f.etag is not None, f"{f.location}: verified without an ETag"
+        objects.append(S3RankObject(location, f.name, f.etag, f.header))
+    return S3Objects(verified.s3, objects)

@@ -17,8 +17,7 @@ from modelstage.stager.manifest import MANIFEST
 from modelstage.stager.plugin.checks import VerifiedArtifact, verify_s3
 from modelstage.stager.plugin.reader import TORCH_DTYPES, PipelinedReader, Target, flat_bytes
 from modelstage.stager.plugin.settings import PluginSettings, serving_s3_options
-from modelstage.stager.plugin.sharded_state import store_for
-from modelstage.stager.plugin.stores import S3Objects
+from modelstage.stager.plugin.stores import S3Objects, store_for
 from modelstage.stager.s3_client import S3Client
 from modelstage.stager.stage import StageRequest, stage
 from safetensors.torch import load_file

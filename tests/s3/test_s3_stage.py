@@ -28,7 +28,7 @@ MiB = 1024 * 1024
 def objects(s3: S3Server, bucket: str, prefix: str) -> dict[str, dict[str, Any]]:
     """{name under prefix: listing entry} with a plain boto3 client."""
     pages = s3.client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
-    return {o["Key"][len(prefix):]: o for p in pages for o in p.get("Contents", [])}
+    return {o["Key"][len(prefix) :]: o for p in pages for o in p.get("Contents", [])}
 
 
 def body(s3: S3Server, bucket: str, key: str) -> bytes:
@@ -220,8 +220,15 @@ def test_credentials_never_appear_in_outputs_manifest_or_errors(
     term_log.touch()
     outputs: list[str] = []
 
-    ok = cli_stage(make_small_ckpt, f"s3://{bucket}/c/", s3, "runai_streamer", clean_env(
-        MODELSTAGE_TERMINATION_LOG=str(term_log)), "--s3-credentials-file", str(secret_dir))
+    ok = cli_stage(
+        make_small_ckpt,
+        f"s3://{bucket}/c/",
+        s3,
+        "runai_streamer",
+        clean_env(MODELSTAGE_TERMINATION_LOG=str(term_log)),
+        "--s3-credentials-file",
+        str(secret_dir),
+    )
     outputs += ok.communicate(timeout=120)
     assert ok.returncode == 0, outputs[-1]
     outputs.append(term_log.read_text())
