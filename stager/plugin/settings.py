@@ -42,14 +42,15 @@ besides plain ``runai_streamer``). The operator sets it for S3 per-rank artifact
 S3_READER_FORMAT = "runai_streamer_sharded"
 """vLLM's name that the S3 reader takes over when ``MODELSTAGE_S3_READER=1``."""
 ENV_S3_READ_CHUNK_MIB = "MODELSTAGE_S3_READ_CHUNK_MIB"
-"""Size of one ranged GET of the S3 reader, MiB (default 16: measured on SeaweedFS, 8 MiB GETs
-reach 0.8x of what 16 MiB ones do; CUDA ranks pin (concurrency + 2) x this)."""
+"""Size of one ranged GET of the S3 reader, MiB (default 32: botocore spends a few ms of CPU per
+request, so on a loopback SeaweedFS 8 MiB GETs reach 0.7x of what 32 MiB ones do; CUDA ranks
+pin (concurrency + 2) x this, 320 MiB by default)."""
 ENV_S3_READ_CONCURRENCY = "MODELSTAGE_S3_READ_CONCURRENCY"
 """Ranged GETs in flight (default 8)."""
 
 DEFAULT_CHUNK_MIB = 16
 DEFAULT_DEPTH = 2
-DEFAULT_S3_CHUNK_MIB = 16
+DEFAULT_S3_CHUNK_MIB = 32
 DEFAULT_S3_CONCURRENCY = 8
 MiB = 1024 * 1024
 
