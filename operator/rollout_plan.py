@@ -56,8 +56,10 @@ RUNAI_KEYS = frozenset({"distributed", "concurrency", "memory_limit"})
 LOADERS: dict[LoadFormat, LoaderInfo] = {
     "sharded_state": LoaderInfo("sharded_state", "modelstage_sharded_state", frozenset()),
     "runai_streamer": LoaderInfo("runai_streamer", "modelstage_runai_streamer", RUNAI_KEYS),
+    # vLLM serves runai_streamer_sharded with its ShardedStateLoader, which refuses every
+    # extra-config key but `pattern` (fixed by the layout): Run:ai tuning goes by RUNAI_* env.
     "runai_streamer_sharded": LoaderInfo(
-        "runai_streamer_sharded", "modelstage_runai_streamer_sharded", RUNAI_KEYS
+        "runai_streamer_sharded", "modelstage_runai_streamer_sharded", frozenset()
     ),
     "tensorizer": LoaderInfo(
         "tensorizer",

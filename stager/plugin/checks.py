@@ -315,7 +315,7 @@ def _verify_object(
         return data
 
     try:
-        prefix = get(0, min(size, HEADER_PREFIX_BYTES))
+        prefix = get(0, min(size, HEADER_PREFIX_BYTES)) if size else b""
 
         def read(offset: int, length: int) -> bytes:
             if offset + length <= len(prefix):

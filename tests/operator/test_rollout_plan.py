@@ -5,6 +5,7 @@ against the patched workload gives an empty patch."""
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -277,6 +278,21 @@ def test_the_plugin_reads_per_rank_s3_artifacts_itself_until_it_is_turned_off(
     assert "MODELSTAGE_S3_READER" not in env(vllm(on_pvc))
 
 
+@pytest.mark.parametrize(("load_format", "kept"), [
+    ("runai_streamer", {"concurrency": 16}),
+    ("runai_streamer_sharded", None),  # vLLM's ShardedStateLoader refuses any key but pattern
+])  # fmt: skip
+def test_users_runai_extra_config_is_kept_only_where_vllm_accepts_it(
+    make_spec: SpecFactory, deployment: dict[str, Any], load_format: str, kept: Any
+) -> None:
+    vllm(deployment)["args"] += ["--model-loader-extra-config", '{"concurrency": 16}']
+    storage = {"pvc": None, "s3": {"uri": "s3://models/p"}}
+    args = vllm(roll(make_spec(loadFormat=load_format, storage=storage), deployment))["args"]
+    flag = "--model-loader-extra-config"
+    got = json.loads(args[args.index(flag) + 1]) if flag in args else None
+    assert got == kept
+
+
 def test_tensorizer_gets_the_per_rank_uri_and_its_own_s3_variables(
     make_spec: SpecFactory, deployment: dict[str, Any]
 ) -> None:
@@ -305,8 +321,13 @@ def test_moving_from_s3_to_a_pvc_drops_the_s3_env_but_not_the_users(
     on_s3 = roll(make_spec(loadFormat="tensorizer", storage=S3), deployment)
     on_pvc = roll(make_spec(loadFormat="tensorizer"), on_s3)
     names = set(env(vllm(on_pvc)))
-    assert not names & {"AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "S3_ENDPOINT_URL", "AWS_CA_BUNDLE",
-                        "CURL_CA_BUNDLE"}
+    assert not names & {
+        "AWS_ENDPOINT_URL",
+        "AWS_ACCESS_KEY_ID",
+        "S3_ENDPOINT_URL",
+        "AWS_CA_BUNDLE",
+        "CURL_CA_BUNDLE",
+    }
     assert {"HF_TOKEN", "VLLM_LOGGING_LEVEL", "MODELSTAGE_DIGEST"} <= names
     assert all(v["name"] != "modelstage-s3-ca" for v in pod(on_pvc)["volumes"])
 
