@@ -32,9 +32,6 @@ IOV_MAX = 1024
 class RankBytes(ABC):
     """A rank's files, in load order, with their verified headers."""
 
-    default_concurrency: int = 2
-    """Reads in flight that suit the store when the settings do not say."""
-
     @property
     @abstractmethod
     def headers(self) -> Sequence[SafetensorsHeader]: ...
@@ -127,9 +124,6 @@ class S3RankObject:
 
 class S3Objects(RankBytes):
     """Objects in S3: one ranged GET (``If-Match`` the verified ETag) per run of views."""
-
-    default_concurrency = 8
-    """Requests in flight: S3 throughput comes from parallel connections, not one stream."""
 
     def __init__(self, client: S3Client, objects: Sequence[S3RankObject]) -> None:
         self.client = client
