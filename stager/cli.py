@@ -47,6 +47,8 @@ def _stage(args: argparse.Namespace) -> dict[str, Any]:
         s3=_s3_options(args),
         max_part_bytes=args.max_part_bytes,
         allow_pickle=args.allow_pickle,
+        expect_identity=args.expect_identity,
+        force=args.force,
     )
     if args.command == "finalize":
         return finalize(request)
@@ -144,6 +146,39 @@ def _prepare(args: argparse.Namespace) -> dict[str, Any]:
     )
 
 
+def _resolve(args: argparse.Namespace) -> dict[str, Any]:
+    """The source's identity now (resolve.py): the digest's source input."""
+    from .resolve import resolve
+    from .stage import StageRequest
+
+    request = StageRequest(
+        source=args.source, out="", tp=1, revision=args.revision, source_uri=args.source_uri,
+        hf_token_file=args.hf_token_file, cache_dir=args.cache_dir, s3=_s3_options(args),
+        allow_pickle=args.allow_pickle,
+    )  # fmt: skip
+    resolved = resolve(request)
+    resolved.close()
+    return resolved.summary()
+
+
+def _add_resolve_parser(sub: Any) -> None:
+    re_ = sub.add_parser(
+        "resolve",
+        help="print a source's identity now (a Hub branch's commit, S3 ETags, a folder's "
+        "files): what the artifact digest is taken from",
+    )
+    re_.add_argument("source", help="a local directory, s3://BUCKET/PREFIX or hf://ORG/NAME")
+    re_.add_argument("--revision", help="hf:// sources: the branch, tag or commit to resolve")
+    re_.add_argument("--source-uri", help="logical source URI when SOURCE is a mount point")
+    re_.add_argument("--hf-token-file", help="hf:// sources: a file holding the Hub token")
+    re_.add_argument("--cache-dir", help="hf:// sources with HF_HUB_OFFLINE: the hub cache")
+    re_.add_argument(
+        "--allow-pickle", action="store_true", help="as for `stage`: pickle-only weights"
+    )
+    _add_s3_options(re_)
+    re_.set_defaults(run=_resolve)
+
+
 def _add_prepare_parser(sub: Any) -> None:
     pr = sub.add_parser(
         "prepare", help="initContainer: verify the artifact and install the vLLM loader plugin"
@@ -230,8 +265,20 @@ def build_parser() -> argparse.ArgumentParser:
         "True), converted to safetensors, then staged as usual; unpickling untrusted files "
         "is a risk, so this is off by default",
     )  # fmt: skip
+    st.add_argument(
+        "--expect-identity", metavar="IDENTITY",
+        help="refuse to stage unless the source still has this identity (`modelstage resolve` "
+        "printed it; the operator passes the one its resolve step found)",
+    )  # fmt: skip
+    st.add_argument(
+        "--force", action="store_true",
+        help="replace the artifact already at --out (another digest, e.g. of a source that "
+        "changed since, or the same one re-staged); it is deleted, manifest first, before "
+        "staging",
+    )  # fmt: skip
     _add_s3_options(st)
     st.set_defaults(run=_stage)
+    _add_resolve_parser(sub)
 
     ve = sub.add_parser("verify", help="re-check an artifact against its manifest")
     ve.add_argument("artifact", help="artifact directory or s3://BUCKET/PREFIX/")

@@ -14,13 +14,14 @@ from typing import Any, TextIO
 from .checkpoint import open_checkpoint
 from .destinations.base import Destination
 from .destinations.local import LocalDestination
-from .digest import artifact_digest
-from .errors import SpecError
+from .digest import artifact_digest, identity_key
+from .errors import ArtifactError, SpecError
 from .hf_layout import copy_weight_files, small_files
 from .layouts import Layout, layout_for
 from .manifest import FileEntry, Manifest
 from .progress import Progress
 from .rank_writer import write_rank_files
+from .resolve import Resolved, canonical_uri, check_expected, check_identity, resolve
 from .s3_client import S3Options
 from .shard_plan import plan_shards
 from .sources import Source, open_source
@@ -48,7 +49,8 @@ class StageRequest:
     format: str = "sharded_state"
     vllm_version: str | None = None
     digest: str | None = None
-    """The operator passes its own (computed from the spec); the CLI computes it otherwise."""
+    """The operator passes its own (computed from the spec and the resolved source identity);
+    the CLI computes it otherwise."""
     revision: str | None = None
     source_uri: str | None = None
     """The logical URI (e.g. ``pvc://claim/path``) when ``source`` is where it is mounted."""
@@ -65,6 +67,11 @@ class StageRequest:
     allow_pickle: bool = False
     """Accept a checkpoint with only pickle weights, loaded with ``torch.load(weights_only=
     True)`` and converted to safetensors first (pickle_source.py); refused by default."""
+    expect_identity: str | None = None
+    """The source identity resolved earlier (the operator's resolve step): a source that no
+    longer has it is refused instead of staged under a digest that does not describe it."""
+    force: bool = False
+    """Replace an artifact already at ``out`` (another digest, or the same one re-staged)."""
 
 
 def modelstage_version() -> str:
@@ -84,25 +91,17 @@ def request_layout(req: StageRequest) -> Layout:
     return dataclasses.replace(layout, max_part_bytes=req.max_part_bytes)
 
 
-def request_digest(req: StageRequest) -> str:
+def request_digest(req: StageRequest, identity: str) -> str:
+    """The artifact digest of ``req`` for the resolved source ``identity``."""
     return req.digest or artifact_digest(
-        uri=req.source_uri or open_source_uri(req.source),
-        revision=req.revision,
+        uri=req.source_uri or canonical_uri(req.source),
+        source=identity,
         tensor_parallel=req.tp,
         pipeline_parallel=req.pp,
         dtype=req.dtype,
         load_format=req.format,
         layout_version=layout_for(req.vllm_version).layout_version,
     )
-
-
-def open_source_uri(source: str) -> str:
-    """A canonical URI for digests: absolute paths for local sources."""
-    if "://" in source and not source.startswith("file://"):
-        return source
-    from pathlib import Path
-
-    return "file://" + str(Path(source.removeprefix("file://")).absolute())
 
 
 def open_destination(req: StageRequest) -> Destination:
@@ -144,23 +143,29 @@ def stage(req: StageRequest, *, progress_stream: TextIO | None = None) -> dict[s
             "load time with its own --dtype) or a per-rank format"
         )
     layout = request_layout(req)
-    digest = request_digest(req)
     dest = open_destination(req)
-    existing = dest.existing()
-    if existing is not None:
-        if existing.digest != digest:
-            existing.check_expected(dest.uri, digest=digest)
-        return _summary(existing, dest.uri, time.monotonic() - started, already=True)
-
-    source = open_source(req.source, revision=req.revision, s3=req.s3,
-                         hf_token_file=req.hf_token_file, cache_dir=req.cache_dir)  # fmt: skip
+    resolved = resolve(req)
+    try:
+        check_expected(resolved, req.expect_identity)
+        digest = request_digest(req, resolved.identity)
+        existing = existing_artifact(dest, req, digest, resolved)
+        if existing is not None:
+            return _summary(existing, dest.uri, time.monotonic() - started, already=True)
+        source = resolved.source or open_source(req.source, revision=req.revision, s3=req.s3,
+                                                hf_token_file=req.hf_token_file,
+                                                cache_dir=req.cache_dir,
+                                                commit=resolved.commit)  # fmt: skip
+        resolved.source = None  # handed on: closed below, as ``source``
+    finally:
+        resolved.close()
     if req.allow_pickle:
         source = _with_pickles_converted(source, req.out)
     try:
-        checkpoint = open_checkpoint(source)
+        checkpoint = resolved.checkpoint or open_checkpoint(source)
         # Also for runai_streamer: a TP that cannot split this model fails here, not in vLLM.
         plan = plan_shards(checkpoint.model, checkpoint.source_tensors, req.tp, layout, req.dtype)
         identity = checkpoint.identity()
+        check_identity(resolved.identity, identity, resolved.uri)
         dest.begin(run_key(digest, identity))
         try:
             label = f"staging {req.format} tp={req.tp} to {dest.uri}"
@@ -201,6 +206,39 @@ def stage(req: StageRequest, *, progress_stream: TextIO | None = None) -> dict[s
     return _summary(manifest, dest.uri, time.monotonic() - started, already=False)
 
 
+def existing_artifact(
+    dest: Destination, req: StageRequest, digest: str, resolved: Resolved
+) -> Manifest | None:
+    """The artifact already at the destination when it is the one this run would write.
+
+    One of another digest (the source changed since it was staged, or another request) is
+    refused, saying what is there and what this run would write; ``--force`` deletes it
+    (manifest first) and the run stages anew."""
+    existing = dest.existing()
+    if existing is None or (existing.digest == digest and not req.force):
+        return existing
+    if not req.force:
+        there = existing.source.get("identity") or "not recorded (staged by an older modelstage)"
+        changed = (
+            "the source changed since that artifact was staged"
+            if (existing.format, existing.tensorParallelSize, existing.dtype)
+            == (req.format, req.tp, req.dtype)
+            and existing.source.get("uri") == resolved.uri
+            else "it was staged for another request"
+        )
+        raise ArtifactError(
+            f"{dest.uri} holds the artifact of digest {existing.digest} ({existing.format}, tp="
+            f"{existing.tensorParallelSize}, dtype {existing.dtype}, source identity {there}, "
+            f"staged {existing.createdAt}); this run would write digest {digest} ({req.format}, "
+            f"tp={req.tp}, dtype {req.dtype}, source identity {resolved.identity}): {changed}. "
+            "Pass --force to replace it, or choose another --out"
+        )
+    from .delete import remove_artifact
+
+    remove_artifact(dest.uri, existing.digest, req.s3)
+    return None
+
+
 def _with_pickles_converted(source: Source, out: str) -> Source:
     """``--allow-pickle``: a source without safetensors but with pickle weights is read
     through their safetensors conversion; any other source is returned as it is."""
@@ -232,9 +270,10 @@ def build_manifest(
         dtype=req.dtype,
         digest=digest,
         source={
-            "uri": req.source_uri or open_source_uri(req.source),
+            "uri": req.source_uri or canonical_uri(req.source),
             "revision": req.revision,
             **identity,
+            "identity": identity_key(identity),
         },
         vllmVersion=layout.vllm_version,
         layoutVersion=layout.layout_version,
@@ -246,14 +285,6 @@ def build_manifest(
     )
 
 
-def source_identity_digest(identity: dict[str, Any]) -> str:
-    """A short, stable stand-in for a long identity (termination messages hold 4 KiB)."""
-    if identity.get("commit"):
-        return f"commit:{identity['commit']}"
-    canonical = json.dumps(identity, sort_keys=True, separators=(",", ":"))
-    return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
-
-
 def _summary(manifest: Manifest, uri: str, seconds: float, *, already: bool) -> dict[str, Any]:
     return {
         "digest": manifest.digest,
@@ -261,7 +292,7 @@ def _summary(manifest: Manifest, uri: str, seconds: float, *, already: bool) -> 
         "format": manifest.format,
         "tensorParallelSize": manifest.tensorParallelSize,
         "source": manifest.source.get("uri"),
-        "sourceIdentity": source_identity_digest(manifest.source),
+        "sourceIdentity": manifest.source.get("identity"),
         "bytes": manifest.bytes,
         "files": len(manifest.files),
         "seconds": round(seconds, 3),

@@ -98,12 +98,19 @@ class HfSource(LocalSource):
         token_file: str | None = None,
         cache_dir: str | None = None,
         endpoint: str | None = None,
+        commit: str | None = None,
+        fetch: bool = True,
     ) -> None:
+        """``commit``: the one ``resolve`` found for ``revision`` (fetched, and recorded as the
+        revision's ref); ``fetch=False`` (``resolve``): the commit only, no source then."""
         from huggingface_hub import constants
         from huggingface_hub.file_download import repo_folder_name
 
         self.repo_id = parse_hf_uri(uri)
         self.revision = check_revision(revision or DEFAULT_REVISION)
+        if commit is not None and not _COMMIT.fullmatch(commit):
+            raise CheckpointError(f"{commit!r}: not a commit sha")
+        self.pinned = commit
         self._token = read_token(token_file)
         self.cache_dir = Path(cache_dir or constants.HF_HUB_CACHE).absolute()
         endpoint = endpoint or os.environ.get("HF_ENDPOINT") or constants.ENDPOINT
@@ -112,12 +119,17 @@ class HfSource(LocalSource):
         try:
             if hub_offline():
                 self.commit = self._from_cache()
+            elif not fetch:
+                pinned = _COMMIT.fullmatch(self.revision)  # a commit never moves: no request
+                self.commit = self.revision if pinned else self._model_info()[0]
             else:
                 self.commit = self._download()
         except CheckpointError as e:
             raise CheckpointError(self._redact(str(e))) from None
         except Exception as e:
             raise CheckpointError(self._redact(self._describe(e))) from None
+        if not fetch:
+            return
         super().__init__(str(self.storage / "snapshots" / self.commit), allowed_root=self.storage)
         self.uri = f"{SCHEME}{self.repo_id}"
 
@@ -129,14 +141,33 @@ class HfSource(LocalSource):
         revision: str | None = None,
         hf_token_file: str | None = None,
         cache_dir: str | None = None,
+        commit: str | None = None,
         **_: Any,
     ) -> HfSource:
-        return cls(uri, revision=revision, token_file=hf_token_file, cache_dir=cache_dir)
+        return cls(
+            uri, revision=revision, token_file=hf_token_file, cache_dir=cache_dir, commit=commit
+        )
+
+    @classmethod
+    def resolve(
+        cls,
+        uri: str,
+        *,
+        revision: str | None = None,
+        hf_token_file: str | None = None,
+        cache_dir: str | None = None,
+        **_: Any,
+    ) -> str:
+        """The commit ``revision`` names now, without fetching a file: the source identity the
+        digest is taken from, before any download (and for ``modelstage resolve``)."""
+        return cls(
+            uri, revision=revision, token_file=hf_token_file, cache_dir=cache_dir, fetch=False
+        ).commit
 
     # --- resolving and fetching -------------------------------------------------------------
     def _from_cache(self) -> str:
         """Offline: the commit from ``refs/<revision>`` (or the revision itself, a sha)."""
-        commit = self.revision
+        commit = self.pinned or self.revision
         if not _COMMIT.fullmatch(commit):
             ref = self.storage / "refs" / self.revision
             commit = ref.read_text().strip() if ref.is_file() else ""
@@ -149,23 +180,11 @@ class HfSource(LocalSource):
         return commit
 
     def _download(self) -> str:
-        from huggingface_hub import HfApi, constants, hf_hub_download
+        from huggingface_hub import hf_hub_download
         from huggingface_hub.utils.tqdm import disable_progress_bars
 
         disable_progress_bars()  # carriage-return bars garble pod logs; we log per repo below
-        # Telemetry makes huggingface_hub fetch a registry from the endpoint (and cache it
-        # under HF_HOME) to describe the caller in its User-Agent: a request the stager does
-        # not need, from pods whose egress may allow only the Hub's file endpoints.
-        constants.HF_HUB_DISABLE_TELEMETRY = True
-        api = HfApi(endpoint=self.endpoint, token=self._token, library_name="modelstage")
-        info = api.model_info(self.repo_id, revision=self.revision)
-        commit = str(info.sha or "")
-        if not _COMMIT.fullmatch(commit):
-            raise CheckpointError(
-                f"{SCHEME}{self.repo_id}: the Hub answered without a commit sha for revision "
-                f"{self.revision!r}; is HF_ENDPOINT a Hugging Face Hub?"
-            )
-        files = sorted(s.rfilename for s in info.siblings or [])
+        commit, files = self._model_info()
 
         def fetch(name: str) -> str:
             return str(hf_hub_download(
@@ -183,6 +202,24 @@ class HfSource(LocalSource):
             list(pool.map(fetch, needed))
         self._write_ref(commit)
         return commit
+
+    def _model_info(self) -> tuple[str, list[str]]:
+        """(the commit the revision names, the repo's file names at it): one Hub request."""
+        from huggingface_hub import HfApi, constants
+
+        # Telemetry makes huggingface_hub fetch a registry from the endpoint (and cache it
+        # under HF_HOME) to describe the caller in its User-Agent: a request the stager does
+        # not need, from pods whose egress may allow only the Hub's file endpoints.
+        constants.HF_HUB_DISABLE_TELEMETRY = True
+        api = HfApi(endpoint=self.endpoint, token=self._token, library_name="modelstage")
+        info = api.model_info(self.repo_id, revision=self.pinned or self.revision)
+        commit = str(info.sha or "")
+        if not _COMMIT.fullmatch(commit):
+            raise CheckpointError(
+                f"{SCHEME}{self.repo_id}: the Hub answered without a commit sha for revision "
+                f"{self.revision!r}; is HF_ENDPOINT a Hugging Face Hub?"
+            )
+        return commit, sorted(s.rfilename for s in info.siblings or [])
 
     def _needed(self, files: list[str], fetch: Callable[[str], str]) -> list[str]:
         """The files the stager reads, from the repo's listing (and its index, fetched first)."""

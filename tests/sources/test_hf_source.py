@@ -92,7 +92,8 @@ def test_a_branch_is_resolved_to_its_commit_and_only_the_needed_files_are_fetche
     fetched = [name for name, _ in hub.content_gets()]
     assert sorted(fetched) == sorted(NEEDED), "each needed file exactly once, nothing else"
     resolved = [s.path for s in hub.seen if s.path.startswith("/api/")]
-    assert resolved == ["/api/models/acme/llama/revision/main"]
+    # the branch once (the identity the digest is taken from), then the listing at that commit
+    assert resolved == ["/api/models/acme/llama/revision/main", f"/api/models/acme/llama/revision/{COMMIT}"]
     assert all(f"/resolve/{COMMIT}/" in s.path for s in hub.seen if "/resolve/" in s.path)
     ref = tmp_path / "cache" / "models--acme--llama" / "refs" / "main"
     assert ref.read_text() == COMMIT  # an offline rerun by branch name finds this snapshot
@@ -107,7 +108,10 @@ def test_a_rerun_reads_finished_files_from_the_cache_without_fetching_them(
     hub.seen.clear()
     stage(hub_request(tmp_path / "b", tmp_path / "cache", revision="v1.0"))
     assert hub.content_gets() == []
-    assert [s.path for s in hub.seen] == ["/api/models/acme/llama/revision/v1.0"]
+    assert [s.path for s in hub.seen] == [
+        "/api/models/acme/llama/revision/v1.0",
+        f"/api/models/acme/llama/revision/{COMMIT}",
+    ]
     assert artifact_files(tmp_path / "a") == artifact_files(tmp_path / "b")
 
 
