@@ -55,6 +55,9 @@ class OperatorConfig:
     peering_lifetime: float = 60.0
     """Seconds an instance's peering record stays valid without a keep-alive: how long a
     paused instance waits before it takes over from one that died without saying so."""
+    resolve_interval: float = 0.0
+    """Seconds between resolutions of a moving source (a branch, an S3 prefix, a folder) when
+    a spec sets no ``model.resolveIntervalSeconds``; 0: only when the spec changes."""
     max_stager_jobs: int = 4
     """Stage Jobs at once across everything this operator serves; more wait in a queue
     (``slots.py``); 0: no limit."""
@@ -81,6 +84,7 @@ class OperatorConfig:
             failed_backoff_max=_float(env, "FAILED_BACKOFF_MAX", cls.failed_backoff_max),
             conflict_delay=_float(env, "CONFLICT_DELAY", cls.conflict_delay),
             max_stager_jobs=int(_float(env, "MAX_STAGER_JOBS", cls.max_stager_jobs)),
+            resolve_interval=_float(env, "RESOLVE_INTERVAL", cls.resolve_interval),
             peering_lifetime=_float(env, "PEERING_LIFETIME", cls.peering_lifetime),
             posting_level=level,
         )
