@@ -17,8 +17,11 @@ from support.kube_cluster import (
     KubeHTTP,
     apply_crd,
     assets_folder,
+    chart_rbac,
     control_plane,
     kmock_cluster,
+    new_namespace,
+    operator_kubeconfig,
 )
 from support.operator_process import OperatorProcess
 
@@ -50,25 +53,26 @@ async def cluster(
         async with kmock_cluster([CRD, *PEERING_CRDS], tmp_path) as fake_cluster:
             yield fake_cluster
         return
-    assert real_control_plane.kubeconfig is not None
-    async with KubeHTTP(real_control_plane.server, real_control_plane.token) as client:
+    server = real_control_plane.server
+    async with KubeHTTP(server, real_control_plane.token) as client:
         for crd in (CRD, *PEERING_CRDS):
             await apply_crd(client, crd)
+        # The operator runs as the chart's ServiceAccount, with the chart's RBAC only.
+        kubeconfig = await operator_kubeconfig(
+            client, server, chart_rbac("default"), tmp_path / "operator-kubeconfig"
+        )
         yield Cluster(
             "real",
             client,
-            real_control_plane.kubeconfig,
+            kubeconfig,
             garbage_collection=real_control_plane.has_garbage_collector,
+            server=server,
         )
 
 
 @pytest_asyncio.fixture
 async def namespace(cluster: Cluster) -> str:
-    name = f"t-{uuid.uuid4().hex[:8]}"
-    await cluster.client.create(
-        "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}}
-    )
-    return name
+    return await new_namespace(cluster, f"t-{uuid.uuid4().hex[:8]}")
 
 
 @pytest_asyncio.fixture

@@ -21,7 +21,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from support.kube_cluster import Cluster, eventually
+from support.kube_cluster import Cluster, eventually, new_namespace
 from support.modelstage_objects import (
     SPEC,
     complete_rollout,
@@ -55,10 +55,7 @@ creates the Job or writes the status, or once it idles."""
 
 
 async def fresh_namespace(cluster: Cluster) -> str:
-    name = f"f-{uuid.uuid4().hex[:8]}"
-    await cluster.client.create("/api/v1/namespaces", {
-        "apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})  # fmt: skip
-    return name
+    return await new_namespace(cluster, f"f-{uuid.uuid4().hex[:8]}")
 
 
 async def one_job_one_patch(cluster: Cluster, ns: str, job_uid: str | None = None) -> None:

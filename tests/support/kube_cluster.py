@@ -241,7 +241,8 @@ class ControlPlane:
                 "--advertise-address=127.0.0.1",
                 "--service-cluster-ip-range=10.0.0.0/24",
                 f"--token-auth-file={self.workdir / 'tokens.csv'}",
-                "--authorization-mode=AlwaysAllow",
+                # RBAC as clusters run it: the operator holds only the chart's permissions.
+                "--authorization-mode=RBAC",
                 "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
                 f"--service-account-key-file={public}",
                 f"--service-account-signing-key-file={private}",
@@ -330,16 +331,106 @@ async def apply_crd(client: KubeHTTP, crd: dict[str, Any], timeout: float = 30.0
     await eventually(discovered, timeout=timeout, what=f"{group}/{version} discovery")
 
 
+# -- the operator's identity on the real tier: the chart's ServiceAccount and RBAC ------------
+
+KIND_PATHS = {
+    "Namespace": ("v1", "namespaces", False),
+    "ServiceAccount": ("v1", "serviceaccounts", True),
+    "ClusterRole": ("rbac.authorization.k8s.io/v1", "clusterroles", False),
+    "ClusterRoleBinding": ("rbac.authorization.k8s.io/v1", "clusterrolebindings", False),
+    "Role": ("rbac.authorization.k8s.io/v1", "roles", True),
+    "RoleBinding": ("rbac.authorization.k8s.io/v1", "rolebindings", True),
+    "ClusterKopfPeering": ("kopf.dev/v1", "clusterkopfpeerings", False),
+    "KopfPeering": ("kopf.dev/v1", "kopfpeerings", True),
+}
+RBAC_KINDS = ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding")
+
+
+def collection_path(doc: dict[str, Any]) -> str:
+    version, plural, namespaced = KIND_PATHS[doc["kind"]]
+    base = f"/api/{version}" if "/" not in version else f"/apis/{version}"
+    if namespaced:
+        return f"{base}/namespaces/{doc['metadata']['namespace']}/{plural}"
+    return f"{base}/{plural}"
+
+
+async def create_all(client: KubeHTTP, docs: list[dict[str, Any]]) -> None:
+    """Creates each document (its namespace first, when missing); existing ones are kept."""
+    for doc in docs:
+        namespace = doc["metadata"].get("namespace")
+        if namespace and await client.get(f"/api/v1/namespaces/{namespace}") is None:
+            await client.create("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace",
+                                                       "metadata": {"name": namespace}})  # fmt: skip
+        try:
+            await client.create(collection_path(doc), doc)
+        except ApiStatusError as error:
+            if error.status != 409:
+                raise
+
+
+async def service_account_token(client: KubeHTTP, namespace: str, name: str) -> str:
+    """A bound token of the ServiceAccount (the TokenRequest API, as the kubelet gets one)."""
+    request = {
+        "apiVersion": "authentication.k8s.io/v1",
+        "kind": "TokenRequest",
+        "spec": {"expirationSeconds": 24 * 3600},
+    }
+    path = f"/api/v1/namespaces/{namespace}/serviceaccounts/{name}/token"
+    answer = await client.create(path, request)
+    token: str = answer["status"]["token"]
+    return token
+
+
+async def operator_kubeconfig(
+    client: KubeHTTP, server: str, rbac: list[dict[str, Any]], path: Path
+) -> Path:
+    """Installs the chart's RBAC documents and writes a kubeconfig with a token of the chart's
+    ServiceAccount: the operator then has exactly the chart's permissions."""
+    docs = [d for d in rbac if d["kind"] in RBAC_KINDS]
+    await create_all(client, docs)
+    account = next(d for d in docs if d["kind"] == "ServiceAccount")["metadata"]
+    token = await service_account_token(client, account["namespace"], account["name"])
+    return write_kubeconfig(path, server, token)
+
+
 @dataclass
 class Cluster:
-    """What a test gets: the tier, the client, the kubeconfig, and the fake (kmock tier)."""
+    """What a test gets: the tier, the client, the operator's kubeconfig, and the fake."""
 
     tier: str
     client: KubeHTTP
+    """The tests' own client: cluster admin (``system:masters``) on the real tier."""
     kubeconfig: Path
+    """The operator's kubeconfig: on the real tier a token of the chart's ServiceAccount,
+    bound by the chart's RBAC for the test's namespace (``namespace`` fixture)."""
     fake: Any = None
     """``FakeKubeAPI`` on the kmock tier (request counts), None on the real tier."""
     garbage_collection: bool = False
+    server: str = ""
+
+
+def chart_rbac(namespace: str) -> list[dict[str, Any]]:
+    """The chart's ServiceAccount, Role and RoleBinding for an operator that serves
+    ``namespace`` (its namespaced mode: what ``--namespace`` runs need)."""
+    from support.charts import render_docs
+
+    docs = render_docs(
+        "--set", "watch.namespaced=true", "--set", f"watch.namespaces={{{namespace}}}"
+    )
+    return [d for d in docs if d["kind"] in RBAC_KINDS]
+
+
+async def new_namespace(cluster: Cluster, name: str) -> str:
+    """Creates a namespace; on the real tier also the chart's Role and RoleBinding in it, so
+    that the operator (``Cluster.kubeconfig``) may serve it."""
+    await cluster.client.create(
+        "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}}
+    )
+    if cluster.tier == "real":
+        await create_all(
+            cluster.client, [d for d in chart_rbac(name) if d["kind"] != "ServiceAccount"]
+        )
+    return name
 
 
 @contextlib.asynccontextmanager
@@ -353,7 +444,8 @@ async def kmock_cluster(crds: list[dict[str, Any]], folder: Path) -> AsyncIterat
         kubeconfig = write_kubeconfig(folder / "kubeconfig", url)
         try:
             async with KubeHTTP(url) as client:
-                yield Cluster("kmock", client, kubeconfig, fake=fake)
+                yield Cluster("kmock", client, kubeconfig, fake=fake, garbage_collection=True,
+                              server=url)  # fmt: skip
         finally:
             await fake.end_watches()
 
