@@ -61,6 +61,12 @@ def write_kubeconfig(path: Path, server: str, token: str | None = None) -> Path:
     return path
 
 
+def kubeconfig_token(path: Path) -> str | None:
+    """The bearer token of a kubeconfig that ``write_kubeconfig`` wrote."""
+    token: str | None = yaml.safe_load(path.read_text())["users"][0]["user"].get("token")
+    return token
+
+
 class ApiStatusError(Exception):
     def __init__(self, status: int, body: Any) -> None:
         super().__init__(f"HTTP {status}: {body}")

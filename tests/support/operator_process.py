@@ -83,6 +83,8 @@ class OperatorProcess:
             **TEST_SETTINGS,
             "KUBECONFIG": str(self.kubeconfig),
             "PYTHONSAFEPATH": "1",
+            # The log is evidence the tests wait for, and a SIGKILL must not lose its tail.
+            "PYTHONUNBUFFERED": "1",
             "MODELSTAGE_OPERATOR_METRICS_PORT": str(self.metrics_port),
             "MODELSTAGE_OPERATOR_METRICS_HOST": "127.0.0.1",
             **self.extra_env,
