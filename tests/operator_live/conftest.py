@@ -14,14 +14,11 @@ import yaml
 from support.kube_cluster import (
     Cluster,
     ControlPlane,
-    KubeHTTP,
-    apply_crd,
     assets_folder,
-    chart_rbac,
     control_plane,
     kmock_cluster,
     new_namespace,
-    operator_kubeconfig,
+    real_cluster,
 )
 from support.operator_process import OperatorProcess
 
@@ -53,21 +50,8 @@ async def cluster(
         async with kmock_cluster([CRD, *PEERING_CRDS], tmp_path) as fake_cluster:
             yield fake_cluster
         return
-    server = real_control_plane.server
-    async with KubeHTTP(server, real_control_plane.token) as client:
-        for crd in (CRD, *PEERING_CRDS):
-            await apply_crd(client, crd)
-        # The operator runs as the chart's ServiceAccount, with the chart's RBAC only.
-        kubeconfig = await operator_kubeconfig(
-            client, server, chart_rbac("default"), tmp_path / "operator-kubeconfig"
-        )
-        yield Cluster(
-            "real",
-            client,
-            kubeconfig,
-            garbage_collection=real_control_plane.has_garbage_collector,
-            server=server,
-        )
+    async with real_cluster(real_control_plane, [CRD, *PEERING_CRDS], tmp_path) as real:
+        yield real
 
 
 @pytest_asyncio.fixture

@@ -208,8 +208,11 @@ class ControlPlane:
 
     assets: Path
     workdir: Path
+    apiserver_args: tuple[str, ...] = ()
+    """Extra kube-apiserver flags (``--watch-cache=false`` for the watch-expiry tests)."""
     processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
     server: str = ""
+    etcd: str = ""
     token: str = field(default_factory=lambda: secrets.token_hex(16))
     kubeconfig: Path | None = None
 
@@ -235,6 +238,7 @@ class ControlPlane:
                 "--unsafe-no-fsync=true",
             ],
         )
+        self.etcd = f"http://127.0.0.1:{etcd_port}"
         (self.workdir / "tokens.csv").write_text(f'{self.token},admin,admin,"system:masters"\n')
         private, public = _service_account_keys(self.workdir)
         self._spawn(
@@ -254,6 +258,7 @@ class ControlPlane:
                 f"--service-account-signing-key-file={private}",
                 "--disable-admission-plugins=ServiceAccount",
                 "--allow-privileged=true",
+                *self.apiserver_args,
             ],
         )
         self.server = f"https://127.0.0.1:{api_port}"
@@ -273,6 +278,25 @@ class ControlPlane:
                     "--use-service-account-credentials=false",
                 ],
             )
+
+    def compact(self) -> None:
+        """Compacts etcd at its current revision: every older resourceVersion is forgotten
+        (with ``--watch-cache=false`` a watch from one then gets 410 Expired)."""
+        import base64
+        import json
+        import urllib.request
+
+        def call(path: str, body: dict[str, Any]) -> dict[str, Any]:
+            request = urllib.request.Request(
+                self.etcd + path, data=json.dumps(body).encode(),
+                headers={"Content-Type": "application/json"},
+            )  # fmt: skip
+            with urllib.request.urlopen(request, timeout=10) as response:
+                answer: dict[str, Any] = json.loads(response.read())
+                return answer
+
+        revision = call("/v3/kv/range", {"key": base64.b64encode(b"/").decode()})["header"]
+        call("/v3/kv/compaction", {"revision": revision["revision"], "physical": True})
 
     @property
     def has_garbage_collector(self) -> bool:
@@ -413,6 +437,17 @@ class Cluster:
     """``FakeKubeAPI`` on the kmock tier (request counts), None on the real tier."""
     garbage_collection: bool = False
     server: str = ""
+    plane: ControlPlane | None = None
+    """The real tier's control plane."""
+
+    async def forget_history(self) -> None:
+        """Every resourceVersion so far is forgotten: a watch resuming from one gets 410
+        Expired (etcd compacted on the real tier, which needs ``--watch-cache=false`` to show
+        it at once; the fake's ``compact``)."""
+        if self.plane is not None:
+            await asyncio.to_thread(self.plane.compact)
+        else:
+            await self.fake.compact()
 
 
 def chart_rbac(namespace: str) -> list[dict[str, Any]]:
@@ -456,9 +491,25 @@ async def kmock_cluster(crds: list[dict[str, Any]], folder: Path) -> AsyncIterat
             await fake.end_watches()
 
 
+@contextlib.asynccontextmanager
+async def real_cluster(plane: ControlPlane, crds: list[dict[str, Any]], folder: Path) -> AsyncIterator[Cluster]:
+    """The real tier's ``Cluster``: the CRDs applied, and the operator's kubeconfig holding a
+    token of the chart's ServiceAccount (the chart's RBAC only)."""
+    async with KubeHTTP(plane.server, plane.token) as client:
+        for crd in crds:
+            await apply_crd(client, crd)
+        kubeconfig = await operator_kubeconfig(
+            client, plane.server, chart_rbac("default"), folder / "operator-kubeconfig"
+        )
+        yield Cluster("real", client, kubeconfig, garbage_collection=plane.has_garbage_collector,
+                      server=plane.server, plane=plane)  # fmt: skip
+
+
 @contextlib.contextmanager
-def control_plane(assets: Path, workdir: Path) -> Iterator[ControlPlane]:
-    plane = ControlPlane(assets, workdir)
+def control_plane(
+    assets: Path, workdir: Path, apiserver_args: tuple[str, ...] = ()
+) -> Iterator[ControlPlane]:
+    plane = ControlPlane(assets, workdir, apiserver_args)
     try:
         plane.start()
         yield plane

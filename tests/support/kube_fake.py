@@ -145,6 +145,8 @@ class FakeKubeAPI(kmock.KubernetesEmulator):
     _closing: bool = attrs.field(default=False, init=False)
     _compacted: int = attrs.field(default=0, init=False)
     """Watches from a resourceVersion below this are answered 410 Expired (``compact``)."""
+    expired_watches: int = attrs.field(default=0, init=False)
+    """Watches answered 410 Expired: evidence that a client resumed from forgotten history."""
     _watch_epoch: int = attrs.field(default=0, init=False)
     """Bumped by ``compact``: open watches end, as the API server ends them at their timeout."""
 
@@ -543,6 +545,7 @@ class FakeKubeAPI(kmock.KubernetesEmulator):
             if since.isdigit() and int(since) > 0:
                 position = int(since)
                 if position < self._compacted:
+                    self.expired_watches += 1
                     # The watch cache's answer to a resourceVersion it no longer holds: an
                     # ERROR event with a 410 Status in a 200 stream; the client must re-list.
                     yield {"type": "ERROR", "object": {

@@ -47,6 +47,8 @@ class OperatorProcess:
     priority: int | None = None
     """With a priority, kopf's peering instead of ``--standalone`` (the namespace's
     KopfPeering must exist)."""
+    verbose: bool = False
+    """kopf's debug log (watch restarts, patches)."""
     process: subprocess.Popen[bytes] | None = None
     starts: int = 0
 
@@ -106,7 +108,11 @@ class OperatorProcess:
                     self.namespace,
                     "--log-format",
                     "json",
-                    *(["--verbose"] if os.environ.get("MODELSTAGE_TEST_OPERATOR_VERBOSE") else []),
+                    *(
+                        ["--verbose"]
+                        if self.verbose or os.environ.get("MODELSTAGE_TEST_OPERATOR_VERBOSE")
+                        else []
+                    ),
                 ],
                 cwd=self.workdir,
                 env=env,
