@@ -47,6 +47,9 @@ class OperatorProcess:
     priority: int | None = None
     """With a priority, kopf's peering instead of ``--standalone`` (the namespace's
     KopfPeering must exist)."""
+    args: list[str] | None = None
+    """The operator's arguments instead of ``--namespace`` with standalone/priority (e.g. the
+    chart's own)."""
     verbose: bool = False
     """kopf's debug log (watch restarts, patches)."""
     process: subprocess.Popen[bytes] | None = None
@@ -99,15 +102,8 @@ class OperatorProcess:
                     "-P",
                     "-m",
                     "modelstage.operator",
-                    *(
-                        ["--standalone"]
-                        if self.priority is None
-                        else ["--priority", str(self.priority)]
-                    ),
-                    "--namespace",
-                    self.namespace,
-                    "--log-format",
-                    "json",
+                    *(self.args if self.args is not None else self._scope()),
+                    "--log-format=json",
                     *(
                         ["--verbose"]
                         if self.verbose or os.environ.get("MODELSTAGE_TEST_OPERATOR_VERBOSE")
@@ -120,6 +116,10 @@ class OperatorProcess:
                 stderr=subprocess.STDOUT,
             )
         await self.wait_ready(timeout)
+
+    def _scope(self) -> list[str]:
+        peering = ["--standalone"] if self.priority is None else ["--priority", str(self.priority)]
+        return [*peering, "--namespace", self.namespace]
 
     async def wait_ready(self, timeout: float) -> None:
         """Ready when the startup handler has run (metrics answer) and kopf watches."""
