@@ -155,6 +155,38 @@ def modeldeployment_resync(
 
 
 @kopf.on.event(*MD)
+def modeldeployment_lagging(
+    type: str,
+    namespace: str | None,
+    name: str,
+    meta: kopf.Meta,
+    status: kopf.Status,
+    memo: Any,
+    logger: Logger,
+    **_: Any,
+) -> None:
+    """Reconciles a ModelDeployment whose status lags its generation, whatever the event.
+
+    kopf calls the spec handler when the spec differs from the one it last handed to that
+    handler; a reconciliation reads the object afresh and may act on a newer spec than the one
+    it was handed. An edit back to the handed spec (A, then B read and acted on, then A again
+    while the handler still runs) then looks unchanged to kopf, and no handler would run:
+    the status would stay on B. Any later event of the object (the status write's own, at
+    least) shows the lag, and this reconciles it. Without a lag it does nothing."""
+    observed = status.get("observedGeneration")
+    generation = meta.get("generation")
+    if type == "DELETED" or meta.get("deletionTimestamp") or observed is None:
+        return  # gone, going, or never reconciled: the create/resume handlers do it
+    if generation is None or int(observed) >= int(generation):
+        return
+    assert namespace is not None
+    try:
+        _reconcile(memo, namespace, name, logger)
+    except Conflict as error:
+        logger.info("reconcile of generation %s deferred: %s", generation, error)
+
+
+@kopf.on.event(*MD)
 def modeldeployment_phase(
     type: str, namespace: str | None, name: str, status: kopf.Status, memo: Any, **_: Any
 ) -> None:

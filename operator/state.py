@@ -344,9 +344,11 @@ def decide(
             ("True", "Staged", f"artifact {desired.digest} is staged"),
             (
                 "RolledBack",
-                f"pods on artifact {desired.digest} failed and the workload was rolled "
-                f"back to {current.digest if current else 'its previous artifact'}; "
-                "change the spec to try again",
+                _rolled_back_message(
+                    desired.digest,
+                    status.failure_reason,
+                    current.digest if current else "its previous artifact",
+                ),
             ),
         )
         if current is not None and w is not None and w.digest != current.digest:
@@ -378,13 +380,13 @@ def decide(
                 draft.phase = "Failed"
                 draft.degraded = (
                     "RolledBack",
-                    f"pods on artifact {desired.digest} failed ({reason}); rolled back to "
-                    f"artifact {status.previous_artifact.digest}; change the spec to try again",
+                    _rolled_back_message(desired.digest, reason, status.previous_artifact.digest),
                 )
                 draft.updates = {
                     "artifact": status.previous_artifact,
                     "previous_artifact": None,
                     "failed_digest": desired.digest,
+                    "failure_reason": reason,
                     "workload_generation": None,
                 }
                 details = f"rolling back to {status.previous_artifact.digest}: {reason}"
@@ -457,6 +459,7 @@ def decide(
             action, details = Action.CREATE_RESOLVE_JOB, source.message
 
     now, gen = observed.now, observed.generation
+    still_failed = desired is not None and status.failed_digest == desired.digest
     updates: list[Condition] = [
         condition(
             "Staged", draft.staged[0], draft.staged[1], draft.staged[2], now=now, generation=gen
@@ -487,9 +490,8 @@ def decide(
             "desired_digest": desired.digest if desired else None,
             "source": source.source if source is not None else status.source,
             "conditions": conditions,
-            "failed_digest": status.failed_digest
-            if desired is not None and status.failed_digest == desired.digest
-            else None,
+            "failed_digest": status.failed_digest if still_failed else None,
+            "failure_reason": status.failure_reason if still_failed else None,
             "queue_position": None,
             **draft.updates,
         }
@@ -530,6 +532,16 @@ def headline(conditions: Sequence[Condition]) -> str | None:
     if staged is not None and staged.status != "True":
         return staged.reason
     return ready.reason if ready is not None else None
+
+
+def _rolled_back_message(failed: str, reason: str | None, back_to: str) -> str:
+    """The ``RolledBack`` condition's message; the same words whenever it is re-decided, so the
+    pods' failure reason survives the reconciliations that follow the rollback."""
+    why = f" ({reason})" if reason else ""
+    return (
+        f"pods on artifact {failed} failed{why}; rolled back to artifact {back_to}; "
+        "change the spec to try again"
+    )
 
 
 def _staged_message(artifact: ArtifactStatus) -> str:

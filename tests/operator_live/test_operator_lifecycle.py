@@ -24,7 +24,8 @@ from typing import Any
 
 import pytest
 from modelstage.operator.job_plan import stage_job_name
-from support.kube_cluster import Cluster, eventually
+from support.charts import render_docs as chart_docs
+from support.kube_cluster import Cluster, create_all, eventually, operator_kubeconfig
 from support.modelstage_objects import (
     SPEC,
     complete_rollout,
@@ -332,9 +333,9 @@ async def test_metrics_count_reconciles_jobs_by_state_and_deployments_by_phase(
 async def test_deleting_the_model_deployment_garbage_collects_its_job(
     cluster: Cluster, namespace: str, tmp_path: Path
 ) -> None:
-    """Real tier only: kmock has no garbage collector."""
-    if not cluster.garbage_collection:
-        pytest.skip("needs the real tier with kube-controller-manager (garbage collection)")
+    """Owner references at work: kube-controller-manager's garbage collector on the real tier,
+    the fake's copy of it on kmock."""
+    assert cluster.garbage_collection, "KUBEBUILDER_ASSETS must hold kube-controller-manager"
     operator = OperatorProcess(cluster.kubeconfig, namespace, tmp_path)
     await operator.start()
     try:
@@ -347,5 +348,52 @@ async def test_deleting_the_model_deployment_garbage_collects_its_job(
             return await cluster.client.get(job_path(namespace, stage_job_name(digest))) is None
 
         await eventually(collected, timeout=30, what="the Job garbage-collected")
+    finally:
+        await operator.stop(graceful=False)
+
+
+async def test_a_model_deployment_with_a_100_character_name_stages_and_rolls(
+    cluster: Cluster, namespace: str, operator: OperatorProcess
+) -> None:
+    """Object names may have 253 characters, label values 63: the Job's owner label must fit
+    (the real API server refuses the Job otherwise)."""
+    name = "llama-" + "x" * 93 + "1"
+    assert len(name) == 100
+    digest = await staged_and_rolled(cluster, namespace, SPEC, name=name)
+    job = await cluster.client.get(job_path(namespace, stage_job_name(digest)))
+    assert job is not None
+    owner_label = job["metadata"]["labels"]["modelstage.io/model-deployment"]
+    assert len(owner_label) <= 63 and owner_label.startswith("llama-x")
+    assert job["metadata"]["ownerReferences"][0]["name"] == name
+
+
+async def test_the_operator_as_the_chart_runs_it_serves_every_namespace(
+    cluster: Cluster, namespace: str, tmp_path: Path
+) -> None:
+    """``python -m modelstage.operator`` with the chart's arguments (``--all-namespaces``,
+    peering on) and, on the real tier, the chart's ClusterRole only: it starts, stays up and
+    stages."""
+    docs = chart_docs("--set", "watch.namespaced=false")
+    if cluster.tier == "real":
+        await create_all(cluster.client, [d for d in docs if d["kind"] == "ClusterKopfPeering"])
+        kubeconfig = await operator_kubeconfig(
+            cluster.client, cluster.server, docs, tmp_path / "clusterwide-kubeconfig"
+        )
+    else:
+        await cluster.client.create("/apis/kopf.dev/v1/clusterkopfpeerings",
+                                    {"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering",
+                                     "metadata": {"name": "modelstage"}})  # fmt: skip
+        kubeconfig = cluster.kubeconfig
+    [deployment] = [d for d in docs if d["kind"] == "Deployment"]
+    [container] = deployment["spec"]["template"]["spec"]["containers"]
+    args = [a for a in container["args"] if not a.startswith("--liveness")]
+    assert "--all-namespaces" in args and any(a.startswith("--priority") for a in args)
+    operator = OperatorProcess(kubeconfig, namespace, tmp_path, args=args)
+    await operator.start()
+    try:
+        await apply(cluster, namespace, SPEC)
+        await wait_job(cluster, namespace, digest_of(SPEC))
+        assert operator.process is not None and operator.process.poll() is None
+        assert "Forbidden" not in operator.logs()
     finally:
         await operator.stop(graceful=False)

@@ -21,7 +21,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-from support.kube_cluster import Cluster, eventually
+from support.api_gate import api_gate
+from support.kube_cluster import Cluster, eventually, new_namespace
 from support.modelstage_objects import (
     SPEC,
     complete_rollout,
@@ -55,10 +56,7 @@ creates the Job or writes the status, or once it idles."""
 
 
 async def fresh_namespace(cluster: Cluster) -> str:
-    name = f"f-{uuid.uuid4().hex[:8]}"
-    await cluster.client.create("/api/v1/namespaces", {
-        "apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})  # fmt: skip
-    return name
+    return await new_namespace(cluster, f"f-{uuid.uuid4().hex[:8]}")
 
 
 async def one_job_one_patch(cluster: Cluster, ns: str, job_uid: str | None = None) -> None:
@@ -194,6 +192,53 @@ async def test_conflicting_spec_edits_resolve_to_the_latest_generation(
     assert template_digest(await cluster.client.get(deploy_path(namespace))) == digest
     if cluster.fake is not None:
         assert operator_writes(cluster, "PATCH", deploy_path(namespace)) == 1
+
+
+async def wait_generation(cluster: Cluster, ns: str, generation: int, digest: str) -> None:
+    async def settled() -> dict[str, object] | None:
+        status = (await cluster.client.get(md_path(ns, MD)) or {}).get("status") or {}
+        ok = status.get("desiredDigest") == digest and status.get("observedGeneration") == generation
+        return status if ok else None
+
+    await eventually(settled, timeout=30, what=f"the status on generation {generation}")
+
+
+@pytest.mark.timeout(120)
+async def test_a_spec_edited_back_while_the_operator_works_on_a_newer_one_is_reconciled(
+    cluster: Cluster, namespace: str, tmp_path: Path
+) -> None:
+    """The interleaving behind lost edits, made to happen every time by a gate in front of the
+    API server. The handler woken by generation 2 (float16) reads generation 3 (bfloat16 again,
+    whose Job exists: nothing to create) and writes its status; generation 4 (float16) lands
+    before the handler returns. kopf compares generation 4 with the spec of the event that woke
+    the handler (float16), sees no change, and calls no handler: only reconciling the status's
+    lag behind the generation reaches generation 4."""
+    ns = namespace
+    first = merged(SPEC, {"dtype": "bfloat16"})
+    async with api_gate(cluster) as gate:
+        operator = OperatorProcess(gate.kubeconfig(tmp_path / "gated"), ns, tmp_path)
+        await operator.start()
+        try:
+            await apply(cluster, ns, first)
+            await wait_job(cluster, ns, digest_of(first))
+            await wait_generation(cluster, ns, 1, digest_of(first))
+
+            async def idle() -> bool:  # the Job's own event reconciles too: let it pass
+                return operator.handled("stage_job_event")
+
+            await eventually(idle, what="the Job's event handled")
+            read = gate.hold("GET", md_path(ns, MD))
+            await cluster.client.patch(md_path(ns, MD), {"spec": {"dtype": "float16"}})
+            await read.wait_arrived()  # the handler of generation 2 reads the object...
+            await cluster.client.patch(md_path(ns, MD), {"spec": {"dtype": "bfloat16"}})
+            written = gate.hold("PATCH", md_path(ns, MD, "status"), after=True)
+            read.release()  # ...and finds generation 3
+            await written.wait_arrived()  # its status for generation 3 is written
+            await cluster.client.patch(md_path(ns, MD), {"spec": {"dtype": "float16"}})
+            written.release()
+            await wait_generation(cluster, ns, 4, digest_of(merged(SPEC, {"dtype": "float16"})))
+        finally:
+            await operator.stop(graceful=False)
 
 
 @pytest.mark.timeout(120)

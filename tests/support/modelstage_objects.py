@@ -10,10 +10,10 @@ from typing import Any
 
 from modelstage.operator.api import ModelDeploymentSpec
 from modelstage.operator.artifact import spec_digest
-from modelstage.operator.resolve_plan import pinned_identity
 from modelstage.operator.job_plan import stage_job_name
 from modelstage.operator.kube import DIGEST_ANNOTATION
 from modelstage.operator.kube_client import resource_path
+from modelstage.operator.resolve_plan import pinned_identity
 
 from support.kube_cluster import KubeHTTP
 

@@ -33,10 +33,10 @@ async def status_of(cluster: Cluster, ns: str, name: str = MD) -> dict[str, Any]
 
 
 async def wait_phase(
-    cluster: Cluster, ns: str, phase: str, timeout: float = 20.0
+    cluster: Cluster, ns: str, phase: str, timeout: float = 20.0, name: str = MD
 ) -> dict[str, Any]:
     async def probe() -> dict[str, Any] | None:
-        status = await status_of(cluster, ns)
+        status = await status_of(cluster, ns, name)
         return status if status.get("phase") == phase else None
 
     return await eventually(probe, timeout=timeout, what=f"phase {phase}")
@@ -51,10 +51,12 @@ async def events_for(cluster: Cluster, ns: str, name: str = MD) -> list[dict[str
     return [e for e in events if (e.get("involvedObject") or {}).get("name") == name]
 
 
-async def apply(cluster: Cluster, ns: str, spec: dict[str, Any], *, workload: bool = True) -> None:
+async def apply(
+    cluster: Cluster, ns: str, spec: dict[str, Any], *, workload: bool = True, name: str = MD
+) -> None:
     if workload:
         await cluster.client.create(deploy_path(ns, None), vllm_deployment())
-    await cluster.client.create(md_path(ns), model_deployment(MD, spec))
+    await cluster.client.create(md_path(ns), model_deployment(name, spec))
 
 
 async def wait_named_job(cluster: Cluster, ns: str, name: str) -> dict[str, Any]:
@@ -91,15 +93,17 @@ async def wait_event(
     return await eventually(probe, what=f"a {type_} Event {reason}")
 
 
-async def staged_and_rolled(cluster: Cluster, ns: str, spec: dict[str, Any]) -> str:
+async def staged_and_rolled(
+    cluster: Cluster, ns: str, spec: dict[str, Any], name: str = MD
+) -> str:
     """Applies ``spec``, completes its Job and the rollout: the workload is Ready on it."""
-    await apply(cluster, ns, spec)
+    await apply(cluster, ns, spec, name=name)
     digest = digest_of(spec)
     await wait_job(cluster, ns, digest)
     await finish_stage_job(cluster.client, ns, digest, message=summary(digest), succeeded=True)
     await wait_rolled(cluster, ns, digest)
     await complete_rollout(cluster.client, ns)
-    await wait_phase(cluster, ns, "Ready")
+    await wait_phase(cluster, ns, "Ready", name=name)
     return digest
 
 

@@ -47,6 +47,11 @@ class OperatorProcess:
     priority: int | None = None
     """With a priority, kopf's peering instead of ``--standalone`` (the namespace's
     KopfPeering must exist)."""
+    args: list[str] | None = None
+    """The operator's arguments instead of ``--namespace`` with standalone/priority (e.g. the
+    chart's own)."""
+    verbose: bool = False
+    """kopf's debug log (watch restarts, patches)."""
     process: subprocess.Popen[bytes] | None = None
     starts: int = 0
 
@@ -83,6 +88,8 @@ class OperatorProcess:
             **TEST_SETTINGS,
             "KUBECONFIG": str(self.kubeconfig),
             "PYTHONSAFEPATH": "1",
+            # The log is evidence the tests wait for, and a SIGKILL must not lose its tail.
+            "PYTHONUNBUFFERED": "1",
             "MODELSTAGE_OPERATOR_METRICS_PORT": str(self.metrics_port),
             "MODELSTAGE_OPERATOR_METRICS_HOST": "127.0.0.1",
             **self.extra_env,
@@ -95,16 +102,13 @@ class OperatorProcess:
                     "-P",
                     "-m",
                     "modelstage.operator",
+                    *(self.args if self.args is not None else self._scope()),
+                    "--log-format=json",
                     *(
-                        ["--standalone"]
-                        if self.priority is None
-                        else ["--priority", str(self.priority)]
+                        ["--verbose"]
+                        if self.verbose or os.environ.get("MODELSTAGE_TEST_OPERATOR_VERBOSE")
+                        else []
                     ),
-                    "--namespace",
-                    self.namespace,
-                    "--log-format",
-                    "json",
-                    *(["--verbose"] if os.environ.get("MODELSTAGE_TEST_OPERATOR_VERBOSE") else []),
                 ],
                 cwd=self.workdir,
                 env=env,
@@ -112,6 +116,10 @@ class OperatorProcess:
                 stderr=subprocess.STDOUT,
             )
         await self.wait_ready(timeout)
+
+    def _scope(self) -> list[str]:
+        peering = ["--standalone"] if self.priority is None else ["--priority", str(self.priority)]
+        return [*peering, "--namespace", self.namespace]
 
     async def wait_ready(self, timeout: float) -> None:
         """Ready when the startup handler has run (metrics answer) and kopf watches."""
