@@ -83,6 +83,7 @@ def startup(settings: kopf.OperatorSettings, memo: Any, logger: Logger, **_: Any
         post_event=_post_event,
         slots=StagerSlots(config.max_stager_jobs),
         resolve_interval=config.resolve_interval,
+        stager_logs=config.stager_logs,
     )
     logger.info(
         "modelstage operator started",

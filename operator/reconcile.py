@@ -66,6 +66,7 @@ from .state import (
     pod_failures,
     progress_line,
     queued,
+    staging_progress,
     termination_message,
 )
 from .validation import Finding, validate_spec, validate_workload
@@ -133,6 +134,7 @@ class Reconciler:
         post_event: EventFn,
         slots: StagerSlots | None = None,
         resolve_interval: float = 0.0,
+        stager_logs: bool = False,
     ) -> None:
         self.kube = kube
         self.stager_image = stager_image
@@ -140,6 +142,8 @@ class Reconciler:
         self.slots = slots or StagerSlots(0)
         self.resolve_interval = resolve_interval
         """Seconds between resolutions of a moving source, when the spec does not say."""
+        self.stager_logs = stager_logs
+        """Read running stagers' log tails for their progress (needs ``get pods/log``)."""
         self._locks: dict[tuple[str, str], threading.Lock] = {}
         self._locks_guard = threading.Lock()
 
@@ -463,29 +467,25 @@ class Reconciler:
         return observe_job(job, termination_message(own, success=state == "Succeeded")), None
 
     def _progress(self, namespace: str, job: Manifest, pods: list[Manifest]) -> str:
-        """The running stager's latest progress line, from the tail of its log (the stager
-        has no API access to report it any other way); '' when there is none to read. For an
-        Indexed Job: the workers done, and the first running worker's line."""
-        line = ""
-        for pod in sorted(pods, key=lambda p: str(p["metadata"].get("name"))):
-            if (pod.get("status") or {}).get("phase") != "Running":
-                continue
+        """What the cluster says about a running stage Job (``staging_progress``), and with
+        ``stager_logs`` the stager's own latest progress line from the tail of its log: the
+        stager holds no API credentials to report it any other way."""
+        tail = ""
+        running = [p for p in pods if (p.get("status") or {}).get("phase") == "Running"]
+        for pod in sorted(running, key=lambda p: str(p["metadata"].get("name"))):
+            if not self.stager_logs:
+                break
             path = resource_path("v1", "pods", namespace, pod["metadata"]["name"], "log")
             try:
                 tail = self.kube.text(
                     path, {"container": "stager", "tailLines": str(LOG_TAIL_LINES)}
                 )
-            except (ApiException, OSError) as error:  # no kubelet, no rights: no progress
+            except (ApiException, OSError) as error:  # no kubelet, no rights: no line
                 LOG.debug("cannot read %s: %s", path, error)
                 continue
-            line = progress_line(tail)
-            if line:
+            if progress_line(tail):
                 break
-        completions = int((job.get("spec") or {}).get("completions") or 1)
-        if completions > 1:
-            done = int((job.get("status") or {}).get("succeeded") or 0)
-            return f"{done}/{completions} workers done" + (f"; {line}" if line else "")
-        return line
+        return staging_progress(job, pods, tail)
 
     def _resolve(
         self,

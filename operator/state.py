@@ -121,6 +121,30 @@ def observe_job(job: Manifest, termination_message: str = "") -> JobObservation:
 PROGRESS_CHARS = 240
 
 
+def staging_progress(job: Manifest, pods: Sequence[Manifest], log_tail: str = "") -> str:
+    """A running stage Job's progress in words: its workers done (an Indexed Job), since when
+    its first pod runs, and the stager's latest progress line when ``log_tail`` (the tail of
+    a running stager's log) holds one. Stable between reconciliations unless something moved,
+    so the status is not rewritten for nothing."""
+    parts = []
+    completions = int((job.get("spec") or {}).get("completions") or 1)
+    if completions > 1:
+        done = int((job.get("status") or {}).get("succeeded") or 0)
+        parts.append(f"{done}/{completions} workers done")
+    started = sorted(
+        str((p.get("status") or {}).get("startTime"))
+        for p in pods
+        if (p.get("status") or {}).get("phase") == "Running"
+        and (p.get("status") or {}).get("startTime")
+    )
+    if started:
+        parts.append(f"running since {started[0]}")
+    line = progress_line(log_tail)
+    if line:
+        parts.append(line)
+    return "; ".join(parts)
+
+
 def progress_line(log: str) -> str:
     """The latest progress line of a stager's log tail (the last with a percentage): what
     the ``Staged`` condition shows while the Job runs."""

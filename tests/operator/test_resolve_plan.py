@@ -36,6 +36,7 @@ from modelstage.operator.state import (
     decide,
     headline,
     progress_line,
+    staging_progress,
 )
 from modelstage.stager.cli import build_parser
 
@@ -288,6 +289,22 @@ def test_the_latest_progress_line_is_taken_from_a_log_tail() -> None:
     assert progress_line(log).endswith("(50%), 9/23 tensors, 1.0 GiB/s")
     assert progress_line("nothing measured yet\n") == ""
     assert len(progress_line("x" * 1000 + " 5%")) <= 240
+
+
+def test_staging_progress_says_what_the_cluster_and_the_log_know() -> None:
+    def pod(name: str, phase: str, start: str) -> dict[str, Any]:
+        return {"metadata": {"name": name}, "status": {"phase": phase, "startTime": start}}
+
+    indexed = {"spec": {"completions": 4}, "status": {"succeeded": 1}}
+    pods = [pod("w-1", "Running", "2026-03-01T12:01:00Z"), pod("w-0", "Succeeded", "2026-03-01T12:00:00Z"),
+            pod("w-2", "Running", "2026-03-01T12:00:30Z")]  # fmt: skip
+    assert staging_progress(indexed, pods) == (
+        "1/4 workers done; running since 2026-03-01T12:00:30Z")  # fmt: skip
+    log = "staging x: 1.0 GiB / 4.0 GiB (25%), 3/23 tensors, 1.0 GiB/s\n"
+    assert staging_progress({"spec": {}}, pods[:1], log) == (
+        "running since 2026-03-01T12:01:00Z; staging x: 1.0 GiB / 4.0 GiB (25%), 3/23 tensors, "
+        "1.0 GiB/s")  # fmt: skip
+    assert staging_progress({"spec": {}}, []) == ""
 
 
 def test_the_staged_condition_carries_the_progress_and_how_to_follow_the_job(
