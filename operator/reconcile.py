@@ -605,6 +605,7 @@ class Reconciler:
             warning = (cond.type == "Degraded" and cond.status == "True") or cond.reason in (
                 "StagingFailed",
                 "ArtifactMismatch",
+                "ResolveFailed",
             )
             self.post_event(
                 body,

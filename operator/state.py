@@ -475,7 +475,7 @@ def decide(
                     }
                     details = f"artifact {desired.digest} staged: rolling the workload onto it"
 
-    if source is not None and not unresolved and source.state != "resolved":
+    if source is not None and not unresolved and not blocks_staging and source.state != "resolved":
         if source.state == "failed" and draft.degraded is None:
             # A periodic resolution failed: the recorded identity still holds; say so.
             draft.degraded = ("ResolveFailed", source.message)

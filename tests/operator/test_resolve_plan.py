@@ -329,3 +329,17 @@ def test_the_headline_reason_is_the_deciding_conditions(make_spec: SpecFactory) 
     failed = decide(desired, ModelDeploymentStatus(), observed(job=JobObservation("Failed", "error: x")))
     assert failed.status.reason == "StagingFailed"
     assert headline([]) is None
+
+
+def test_a_spec_that_cannot_be_staged_starts_no_resolve_job(make_spec: SpecFactory) -> None:
+    from modelstage.operator.validation import Finding
+
+    spec = make_spec(model={"revision": "main"})
+    too_small = Finding("ClaimTooSmall", "use a larger claim", "staging")
+    for s in (step(spec), step(spec, resolved_status(spec, COMMIT_A), now=T0 + timedelta(hours=1),
+                               interval=60)):  # fmt: skip
+        observed_ = Observed(generation=1, now=T0, findings=(too_small,))
+        desired = None if s.source is None else artifact_for(
+            spec, namespace="llm", deployment_name="llama", identity=s.source.identity)  # fmt: skip
+        d = decide(desired, ModelDeploymentStatus(), observed_, s)
+        assert (d.action, d.status.phase, d.status.reason) == (Action.WAIT, "Failed", "ClaimTooSmall")
