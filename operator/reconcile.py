@@ -50,7 +50,13 @@ from .job_plan import (
 from .kube import LABEL_DIGEST, Manifest, Owner
 from .kube_client import Conflict, KubeClient, resource_path
 from .patch import merge_diff
-from .resolve_plan import SourceStep, plan_source, recorded_identity, resolve_job_name
+from .resolve_plan import (
+    SourceStep,
+    plan_source,
+    recorded_identity,
+    resolution_due,
+    resolve_job_name,
+)
 from .retention import Holder, RetentionPlan, plan_release, plan_retention, remember
 from .rollout_plan import plan_rollout
 from .slots import StagerSlots
@@ -501,7 +507,10 @@ class Reconciler:
         interval = self.resolve_interval if spec_interval is None else float(spec_interval)
         job_name = resolve_job_name(spec, status.source, name)
         job: JobObservation | None = None
-        manifest = self.kube.get(resource_path("batch/v1", "jobs", namespace, job_name))
+        due = resolution_due(spec, status.source, now=now, interval=interval)
+        manifest = (
+            self.kube.get(resource_path("batch/v1", "jobs", namespace, job_name)) if due else None
+        )
         if manifest is not None:
             job = observe_job(manifest)
             if job.state != "Running":

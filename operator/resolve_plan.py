@@ -120,6 +120,18 @@ def describe(spec: ModelDeploymentSpec) -> str:
     return f"{model.uri}@{model.revision}" if model.revision else model.uri
 
 
+def resolution_due(
+    spec: ModelDeploymentSpec, recorded: SourceStatus | None, *, now: datetime, interval: float
+) -> bool:
+    """Whether a resolve Job is needed now: never for a pinned commit; when nothing is
+    recorded for the spec's source fields; when ``interval`` seconds (> 0) have passed."""
+    if pinned_identity(spec) is not None:
+        return False
+    if recorded is None or recorded.key != source_key(spec):
+        return True
+    return interval > 0 and now >= recorded.resolved_at + timedelta(seconds=interval)
+
+
 def plan_source(
     spec: ModelDeploymentSpec,
     recorded: SourceStatus | None,
@@ -148,10 +160,7 @@ def plan_source(
         )
         return SourceStep(pinned_source, "resolved")
     current = recorded if recorded is not None and recorded.key == key else None
-    due = current is None or (
-        interval > 0 and now >= current.resolved_at + timedelta(seconds=interval)
-    )
-    if not due:
+    if not resolution_due(spec, recorded, now=now, interval=interval):
         return SourceStep(current, "resolved")
     name = resolve_job_name(spec, recorded, owner)
     what = f"resolving the source identity of {describe(spec)}"
