@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any
 
 import kubernetes_validate
@@ -345,3 +346,37 @@ def test_staging_step_creates_the_next_job_only_after_the_previous_one_succeeded
         None, "finalize"
     )
     assert staging_step(["stage"], {"stage": "Succeeded"}) == StagingStep(None, "stage")
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        {"model": {"uri": "hf://meta-llama/Meta-Llama-3-8B-Instruct", "revision": "main"}},
+        {"model": {"uri": "s3://ckpts/llama/", "credentialsSecret": None},
+         "storage": {"pvc": None, "s3": {"uri": "s3://bkt/p"}}, "loadFormat": "tensorizer"},
+        {"model": {"uri": "pvc://checkpoints/llama", "credentialsSecret": None}},
+    ],
+    ids=["hf", "s3", "pvc"],
+)
+def test_the_stager_takes_the_operators_digest_from_the_jobs_own_arguments(
+    make_spec: SpecFactory, source: dict[str, Any]
+) -> None:
+    """One canonical function: what the stager computes from the stage Job's command (without
+    the --digest the operator passes) and the resolved identity is the operator's digest."""
+    from modelstage.operator.api import SourceStatus
+    from modelstage.stager.cli import build_parser
+    from modelstage.stager.stage import StageRequest, request_digest
+
+    spec = make_spec(**source)
+    resolved = SourceStatus(uri=spec.model.uri, identity=IDENTITY, resolved_at=datetime.now(UTC),
+                            key="k", commit="ab" * 20 if spec.model.scheme == "hf" else None)  # fmt: skip
+    digest = spec_digest(spec, resolved.identity)
+    job = plan_stage_job(spec, owner=OWNER, digest=digest, source=resolved)
+    args = build_parser().parse_args(container(job)["command"][1:])
+    request = StageRequest(
+        source=args.source, out=args.out, tp=args.tp, pp=args.pp, dtype=args.dtype,
+        format=args.format, vllm_version=args.vllm_version, revision=args.revision,
+        source_uri=args.source_uri,
+    )  # fmt: skip
+    assert (args.digest, args.expect_identity) == (digest, IDENTITY)
+    assert request_digest(request, args.expect_identity) == digest
