@@ -56,6 +56,7 @@ from .resolve_plan import (
     recorded_identity,
     resolution_due,
     resolve_job_name,
+    source_changed,
 )
 from .retention import Holder, RetentionPlan, plan_release, plan_retention, remember
 from .rollout_plan import plan_rollout
@@ -245,6 +246,27 @@ class Reconciler:
                     source=source.source if source is not None else None,
                 )
                 job, next_job = self._observe_jobs(namespace, desired.digest, jobs)
+                if source is not None and job is not None and source_changed(job, status.source):
+                    # The source changed between resolving and staging: resolve it again
+                    # now; a new identity is a new artifact with Jobs of its own.
+                    source = self._resolve(spec, status, namespace, name, now, stale=True)
+                    if source.source is not None and source.source.identity != (
+                        status.source.identity if status.source else None
+                    ):
+                        desired = artifact_for(
+                            spec,
+                            namespace=namespace,
+                            deployment_name=name,
+                            identity=source.source.identity,
+                        )
+                        jobs = staging_jobs(
+                            spec,
+                            owner=owner,
+                            digest=desired.digest,
+                            default_image=self.stager_image,
+                            source=source.source,
+                        )
+                        job, next_job = self._observe_jobs(namespace, desired.digest, jobs)
             if workload is not None:
                 observed_workload = self._observe_workload(namespace, workload)
 
@@ -500,6 +522,7 @@ class Reconciler:
         namespace: str,
         name: str,
         now: datetime,
+        stale: bool = False,
     ) -> SourceStep:
         """The resolution step (``resolve_plan.plan_source``), with this round's resolve Job
         observed: its state, and once it ended its pod's termination message."""
@@ -507,7 +530,7 @@ class Reconciler:
         interval = self.resolve_interval if spec_interval is None else float(spec_interval)
         job_name = resolve_job_name(spec, status.source, name)
         job: JobObservation | None = None
-        due = resolution_due(spec, status.source, now=now, interval=interval)
+        due = resolution_due(spec, status.source, now=now, interval=interval, stale=stale)
         manifest = (
             self.kube.get(resource_path("batch/v1", "jobs", namespace, job_name)) if due else None
         )
@@ -523,7 +546,7 @@ class Reconciler:
                 )
                 job = observe_job(manifest, message)
         return plan_source(
-            spec, status.source, owner=name, now=now, interval=interval, job=job
+            spec, status.source, owner=name, now=now, interval=interval, job=job, stale=stale
         )
 
     def _create_resolve_job(

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
-from modelstage.stager.digest import IDENTITY_KEY
+from modelstage.stager.digest import IDENTITY_KEY, SOURCE_CHANGED
 
 from .api import ModelDeploymentSpec, SourceStatus
 from .state import JobObservation
@@ -121,15 +121,37 @@ def describe(spec: ModelDeploymentSpec) -> str:
 
 
 def resolution_due(
-    spec: ModelDeploymentSpec, recorded: SourceStatus | None, *, now: datetime, interval: float
+    spec: ModelDeploymentSpec,
+    recorded: SourceStatus | None,
+    *,
+    now: datetime,
+    interval: float,
+    stale: bool = False,
 ) -> bool:
     """Whether a resolve Job is needed now: never for a pinned commit; when nothing is
-    recorded for the spec's source fields; when ``interval`` seconds (> 0) have passed."""
+    recorded for the spec's source fields; when ``interval`` seconds (> 0) have passed; when
+    the recorded identity is ``stale`` (``source_changed``)."""
     if pinned_identity(spec) is not None:
         return False
-    if recorded is None or recorded.key != source_key(spec):
+    if recorded is None or recorded.key != source_key(spec) or stale:
         return True
     return interval > 0 and now >= recorded.resolved_at + timedelta(seconds=interval)
+
+
+_FOUND = re.compile(r"found (commit:[0-9a-f]{40}|sha256:[0-9a-f]{64})")
+
+
+def source_changed(stage_job: JobObservation, recorded: SourceStatus | None) -> bool:
+    """The stage Job refused its ``--expect-identity`` after the recorded resolution: the
+    source changed between resolving and staging, to an identity other than the recorded one.
+    Then it is resolved again at once (else it would stay ``StagingFailed`` until the next
+    interval or spec change); once, not again after a resolution that found it unchanged."""
+    if recorded is None or stage_job.state != "Failed" or SOURCE_CHANGED not in stage_job.message:
+        return False
+    if stage_job.finished_at is not None and stage_job.finished_at < recorded.resolved_at:
+        return False
+    found = _FOUND.search(stage_job.message)
+    return found is None or found.group(1) != recorded.identity
 
 
 def plan_source(
@@ -140,10 +162,11 @@ def plan_source(
     now: datetime,
     interval: float,
     job: JobObservation | None,
+    stale: bool = False,
 ) -> SourceStep:
     """The resolution step. ``job`` is the observation of ``resolve_job_name(spec, recorded,
     owner)`` (None when it does not exist); ``interval``: seconds between resolutions of a
-    moving reference, 0 for none."""
+    moving reference, 0 for none; ``stale``: the recorded identity is known to be outdated."""
     key = source_key(spec)
     pinned = pinned_identity(spec)
     if pinned is not None:
@@ -160,7 +183,7 @@ def plan_source(
         )
         return SourceStep(pinned_source, "resolved")
     current = recorded if recorded is not None and recorded.key == key else None
-    if not resolution_due(spec, recorded, now=now, interval=interval):
+    if not resolution_due(spec, recorded, now=now, interval=interval, stale=stale):
         return SourceStep(current, "resolved")
     name = resolve_job_name(spec, recorded, owner)
     what = f"resolving the source identity of {describe(spec)}"

@@ -54,6 +54,7 @@ class JobObservation:
     message: str = ""
     """The stager's termination message: the JSON summary, or the failure reason."""
     finished_at: datetime | None = None
+    """When it succeeded (``completionTime``) or failed (its condition's transition)."""
     name: str = ""
     progress: str = ""
     """While it runs: the stager's latest progress line (``progress_line``)."""
@@ -114,7 +115,9 @@ def observe_job(job: Manifest, termination_message: str = "") -> JobObservation:
             )
         if cond.get("type") in ("Failed", "FailureTarget"):
             message = termination_message or cond.get("message") or cond.get("reason") or ""
-            return JobObservation("Failed", message, name=name)
+            return JobObservation(
+                "Failed", message, _time(cond.get("lastTransitionTime")), name=name
+            )
     return JobObservation("Running", termination_message, name=name)
 
 

@@ -20,6 +20,9 @@ DIGEST_HEX_CHARS = 20
 """80 bits: collision-safe per namespace, short enough for Kubernetes names (<= 63 chars)."""
 IDENTITY_KEY = re.compile(r"^(commit:[0-9a-f]{40}|sha256:[0-9a-f]{64})$")
 """``commit:<sha>`` for a Hub commit, ``sha256:<hex>`` over any other source's identity."""
+SOURCE_CHANGED = "changed since it was resolved"
+"""What the stager's refusal of ``--expect-identity`` says, followed by ``found <identity>``:
+the operator resolves the source again when a stage Job fails with it."""
 
 
 def identity_key(identity: Mapping[str, Any]) -> str:

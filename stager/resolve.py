@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .checkpoint import Checkpoint, open_checkpoint
-from .digest import identity_key
+from .digest import SOURCE_CHANGED, identity_key
 from .errors import CheckpointError
 from .sources import Source, open_source
 
@@ -131,7 +131,7 @@ def check_expected(resolved: Resolved, expected: str | None) -> None:
     since is refused, so the operator resolves it again and stages it as a new artifact."""
     if expected is not None and resolved.identity != expected:
         raise CheckpointError(
-            f"{resolved.uri} changed since it was resolved: expected source identity "
-            f"{expected}, found {resolved.identity}; it is resolved again and staged as a new "
-            "artifact"
+            f"{resolved.uri} {SOURCE_CHANGED}: expected source identity {expected}, found "
+            f"{resolved.identity}; resolve it again (the operator does) and stage the new "
+            "content as a new artifact"
         )

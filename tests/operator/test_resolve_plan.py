@@ -343,3 +343,27 @@ def test_a_spec_that_cannot_be_staged_starts_no_resolve_job(make_spec: SpecFacto
             spec, namespace="llm", deployment_name="llama", identity=s.source.identity)  # fmt: skip
         d = decide(desired, ModelDeploymentStatus(), observed_, s)
         assert (d.action, d.status.phase, d.status.reason) == (Action.WAIT, "Failed", "ClaimTooSmall")
+
+
+def test_a_stage_job_that_found_the_source_changed_makes_the_resolution_due(
+    make_spec: SpecFactory,
+) -> None:
+    from modelstage.operator.resolve_plan import resolution_due, source_changed
+
+    spec = make_spec(model={"revision": "main"})
+    recorded = resolved_status(spec, COMMIT_A).source
+    assert recorded is not None
+    refusal = (f"error: hf://x changed since it was resolved: expected source identity "
+               f"commit:{COMMIT_A}, found commit:{COMMIT_B}; resolve it again")  # fmt: skip
+    after = T0 + timedelta(minutes=1)
+    assert source_changed(JobObservation("Failed", refusal, after), recorded)
+    assert not source_changed(JobObservation("Failed", "error: disk full", after), recorded)
+    assert not source_changed(JobObservation("Running", refusal), recorded)
+    # Resolved again after that failure and found unchanged: not again (no Job loop).
+    assert not source_changed(JobObservation("Failed", refusal, T0 - timedelta(minutes=1)), recorded)
+    same = refusal.replace(f"found commit:{COMMIT_B}", f"found commit:{COMMIT_A}")
+    assert not source_changed(JobObservation("Failed", same, after), recorded)
+    assert resolution_due(spec, recorded, now=T0, interval=0, stale=True)
+    assert not resolution_due(spec, recorded, now=T0, interval=0)
+    pinned = make_spec(model={"revision": COMMIT_A})
+    assert not resolution_due(pinned, recorded, now=T0, interval=0, stale=True)

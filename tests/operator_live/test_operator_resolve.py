@@ -137,6 +137,31 @@ async def test_a_failed_resolution_fails_with_its_reason_and_stages_nothing(
         "app.kubernetes.io/component=stager")) == []  # fmt: skip
 
 
+async def test_a_source_that_changed_before_its_stage_job_ran_is_resolved_again(
+    cluster: Cluster, namespace: str, operator: OperatorProcess
+) -> None:
+    """The stage Job refuses a source that no longer has the resolved identity; the operator
+    resolves it again at once (no interval set) and stages what the source holds now."""
+    await apply(cluster, namespace, BRANCH)
+    await finish_resolve(cluster, namespace, await resolve_job(cluster, namespace),
+                         resolution(COMMIT_A))  # fmt: skip
+    stale = digest_of(BRANCH, f"commit:{COMMIT_A}")
+    await wait_job(cluster, namespace, stale)
+    refusal = (f"error: {BRANCH['model']['uri']} changed since it was resolved: expected source "
+               f"identity commit:{COMMIT_A}, found commit:{COMMIT_B}; resolve it again")  # fmt: skip
+    await finish_stage_job(cluster.client, namespace, stale, message=refusal, succeeded=False)
+    await finish_resolve(cluster, namespace, await resolve_job(cluster, namespace),
+                         resolution(COMMIT_B))  # fmt: skip
+    fresh = digest_of(BRANCH, f"commit:{COMMIT_B}")
+    await wait_job(cluster, namespace, fresh)
+    await finish_stage_job(cluster.client, namespace, fresh, message=staged(fresh, COMMIT_B),
+                           succeeded=True)  # fmt: skip
+    await wait_rolled(cluster, namespace, fresh)
+    await complete_rollout(cluster.client, namespace)
+    status = await wait_phase(cluster, namespace, "Ready")
+    assert status["artifact"]["source"] == f"commit:{COMMIT_B}"
+
+
 @pytest_asyncio.fixture
 async def resolving(cluster: Cluster, namespace: str, tmp_path: Path) -> AsyncIterator[None]:
     """An operator that resolves moving sources every 2 s and re-reads every second (the
