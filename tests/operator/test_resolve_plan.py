@@ -367,3 +367,38 @@ def test_a_stage_job_that_found_the_source_changed_makes_the_resolution_due(
     assert not resolution_due(spec, recorded, now=T0, interval=0)
     pinned = make_spec(model={"revision": COMMIT_A})
     assert not resolution_due(pinned, recorded, now=T0, interval=0, stale=True)
+
+
+class LogKube:
+    """The one call ``Reconciler._progress`` makes: a pod's log, or the API's refusal."""
+
+    def __init__(self, log: str | None) -> None:
+        self.log, self.reads = log, []  # type: list[tuple[str, dict[str, str]]]
+
+    def text(self, path: str, query: dict[str, str]) -> str:
+        from kubernetes.client.exceptions import ApiException
+
+        self.reads.append((path, dict(query)))
+        if self.log is None:
+            raise ApiException(status=403, reason="pods/log is forbidden")
+        return self.log
+
+
+def test_the_stager_log_is_read_only_where_the_operator_may_read_it() -> None:
+    from modelstage.operator.reconcile import Reconciler
+
+    pods = [{"metadata": {"name": "stage-x"},
+             "status": {"phase": "Running", "startTime": "2026-03-01T12:00:00Z"}}]  # fmt: skip
+    log = "staging x: 1.0 GiB / 4.0 GiB (25%), 3/23 tensors, 1.0 GiB/s\n"
+    quiet = LogKube(log)
+    off = Reconciler(quiet, stager_image="x", post_event=lambda *_: None)  # type: ignore[arg-type]
+    assert off._progress("ns", {"spec": {}}, pods) == "running since 2026-03-01T12:00:00Z"
+    assert quiet.reads == []
+    allowed = LogKube(log)
+    on = Reconciler(allowed, stager_image="x", post_event=lambda *_: None, stager_logs=True)  # type: ignore[arg-type]
+    assert on._progress("ns", {"spec": {}}, pods).endswith("(25%), 3/23 tensors, 1.0 GiB/s")
+    assert allowed.reads == [("/api/v1/namespaces/ns/pods/stage-x/log",
+                              {"container": "stager", "tailLines": "20"})]  # fmt: skip
+    refused = Reconciler(LogKube(None), stager_image="x", post_event=lambda *_: None,  # type: ignore[arg-type]
+                         stager_logs=True)  # fmt: skip
+    assert refused._progress("ns", {"spec": {}}, pods) == "running since 2026-03-01T12:00:00Z"
