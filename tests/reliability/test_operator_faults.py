@@ -10,7 +10,7 @@ the patches, garbage collection of Jobs, watch semantics under a restart (bookma
 Gone, a resourceVersion too old), and a Job controller's backoff (here the tests play the
 Job controller, so "a Job that fails repeatedly" is one Job whose pods failed up to its
 ``backoffLimit``; the operator's side of it is
-``test_failed_job_reports_the_termination_reason_and_backs_off_without_new_jobs`` in
+``test_failed_job_reports_the_termination_reason_and_creates_no_new_job`` in
 tests/operator_live/test_operator_lifecycle.py, which this tier reuses by reference).
 """
 
@@ -39,9 +39,10 @@ from support.operator_flow import (
     MD,
     apply,
     condition,
-    nudge,
+    logged_more,
     operator_writes,
     staged_and_rolled,
+    succeeded,
     wait_job,
     wait_phase,
     wait_rolled,
@@ -185,10 +186,11 @@ async def test_conflicting_spec_edits_resolve_to_the_latest_generation(
         d = job["metadata"]["labels"].get("modelstage.io/digest")
         await finish_stage_job(cluster.client, namespace, d, message=summary(d), succeeded=True)
     await wait_rolled(cluster, namespace, digest)
+    handled = operator.count(succeeded("deployment_event"))
     await complete_rollout(cluster.client, namespace)
     status = await wait_phase(cluster, namespace, "Ready")
     assert status["artifact"]["digest"] == digest
-    await asyncio.sleep(1)
+    await logged_more(operator, succeeded("deployment_event"), handled)
     assert template_digest(await cluster.client.get(deploy_path(namespace))) == digest
     if cluster.fake is not None:
         assert operator_writes(cluster, "PATCH", deploy_path(namespace)) == 1
@@ -246,8 +248,8 @@ async def test_a_deleted_target_workload_is_reported_and_not_recreated(
     cluster: Cluster, namespace: str, operator: OperatorProcess
 ) -> None:
     digest = await staged_and_rolled(cluster, namespace, SPEC)
+    handled = operator.count(succeeded("deployment_event"))
     await cluster.client.delete(deploy_path(namespace))
-    await nudge(cluster, namespace)  # the operator sees it at its next reconciliation
 
     async def reported() -> dict[str, object] | None:
         status = (await cluster.client.get(md_path(namespace, MD)) or {}).get("status") or {}
@@ -255,7 +257,7 @@ async def test_a_deleted_target_workload_is_reported_and_not_recreated(
 
     status = await eventually(reported, timeout=30, what="TargetNotFound in the status")
     assert status["artifact"]["digest"] == digest  # type: ignore[index]
-    await asyncio.sleep(2)
+    await logged_more(operator, succeeded("deployment_event"), handled)
     assert await cluster.client.get(deploy_path(namespace)) is None
     if cluster.fake is not None:
         assert operator_writes(cluster, "POST", deploy_path(namespace, None)) == 0
@@ -272,10 +274,10 @@ async def test_a_workload_edited_by_someone_else_keeps_their_edit(
     assert workload is not None
     containers = workload["spec"]["template"]["spec"]["containers"]
     containers[0]["image"] = "vllm/vllm-openai:their-own-build"
+    handled = operator.count(succeeded("deployment_event"))
     await cluster.client.patch(deploy_path(namespace), {
         "spec": {"replicas": 3, "template": {"spec": {"containers": containers}}}})  # fmt: skip
-    await nudge(cluster, namespace)
-    await asyncio.sleep(3)
+    await logged_more(operator, succeeded("deployment_event"), handled)
     after = await cluster.client.get(deploy_path(namespace))
     assert after is not None and template_digest(after) == digest
     assert after["spec"]["replicas"] == 3
@@ -293,10 +295,11 @@ async def test_a_workload_whose_artifact_fields_are_reverted_is_reported_not_rep
     await staged_and_rolled(cluster, namespace, SPEC)
     strip = {"spec": {"template": {"metadata": {"annotations": {
         "modelstage.io/artifact-digest": None}}}}}  # fmt: skip
-    for i in range(2):
-        await cluster.client.patch(deploy_path(namespace), strip)
-        await nudge(cluster, namespace, str(i))
-        await asyncio.sleep(3)
+    sync = {"metadata": {"labels": {"synced": "2"}}}  # the tool's next sync touches it again
+    for edit in (strip, sync):
+        handled = operator.count(succeeded("deployment_event"))
+        await cluster.client.patch(deploy_path(namespace), edit)
+        await logged_more(operator, succeeded("deployment_event"), handled)
     assert template_digest(await cluster.client.get(deploy_path(namespace))) is None
     status = (await cluster.client.get(md_path(namespace, MD)) or {}).get("status") or {}
     assert condition(status, "Degraded").get("status") == "True"
