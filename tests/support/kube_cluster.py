@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import secrets
 import shutil
@@ -114,7 +115,15 @@ class KubeHTTP:
             params=params or None,
             headers={"Content-Type": content_type} if body is not None else None,
         ) as response:
-            data = await response.json(content_type=None)
+            text = await response.text()
+            try:
+                data = json.loads(text) if text else None
+            except json.JSONDecodeError:
+                # A plain-text answer ("404 page not found" while a new API group is not yet
+                # served): an error to the caller, not a parsing crash.
+                if response.status < 300:
+                    raise
+                data = {"message": text.strip()}
             if response.status >= 300:
                 raise ApiStatusError(response.status, data)
             return data
@@ -283,7 +292,6 @@ class ControlPlane:
         """Compacts etcd at its current revision: every older resourceVersion is forgotten
         (with ``--watch-cache=false`` a watch from one then gets 410 Expired)."""
         import base64
-        import json
         import urllib.request
 
         def call(path: str, body: dict[str, Any]) -> dict[str, Any]:
