@@ -237,7 +237,9 @@ async def test_conflicting_spec_edits_resolve_to_the_latest_generation(
 async def wait_generation(cluster: Cluster, ns: str, generation: int, digest: str) -> None:
     async def settled() -> dict[str, object] | None:
         status = (await cluster.client.get(md_path(ns, MD)) or {}).get("status") or {}
-        ok = status.get("desiredDigest") == digest and status.get("observedGeneration") == generation
+        ok = (
+            status.get("desiredDigest") == digest and status.get("observedGeneration") == generation
+        )
         return status if ok else None
 
     await eventually(settled, timeout=30, what=f"the status on generation {generation}")

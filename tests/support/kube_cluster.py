@@ -500,7 +500,9 @@ async def kmock_cluster(crds: list[dict[str, Any]], folder: Path) -> AsyncIterat
 
 
 @contextlib.asynccontextmanager
-async def real_cluster(plane: ControlPlane, crds: list[dict[str, Any]], folder: Path) -> AsyncIterator[Cluster]:
+async def real_cluster(
+    plane: ControlPlane, crds: list[dict[str, Any]], folder: Path
+) -> AsyncIterator[Cluster]:
     """The real tier's ``Cluster``: the CRDs applied, and the operator's kubeconfig holding a
     token of the chart's ServiceAccount (the chart's RBAC only)."""
     async with KubeHTTP(plane.server, plane.token) as client:

@@ -94,9 +94,7 @@ async def wait_event(
     return await eventually(probe, what=f"a {type_} Event {reason}")
 
 
-async def staged_and_rolled(
-    cluster: Cluster, ns: str, spec: dict[str, Any], name: str = MD
-) -> str:
+async def staged_and_rolled(cluster: Cluster, ns: str, spec: dict[str, Any], name: str = MD) -> str:
     """Applies ``spec``, completes its Job and the rollout: the workload is Ready on it."""
     await apply(cluster, ns, spec, name=name)
     digest = digest_of(spec)
