@@ -422,3 +422,28 @@ async def test_the_resync_timer_alone_notices_a_deleted_workload(
             await logged_more(operator, "Timer 'modeldeployment_resync' succeeded.", timers)
         finally:
             await operator.stop(graceful=False)
+
+
+@pytest.mark.timeout(120)
+async def test_a_job_event_whose_reconciliation_keeps_conflicting_still_rolls_out(
+    cluster: Cluster, namespace: str, tmp_path: Path
+) -> None:
+    """The Job's success is seen only through its own events (kopf does not retry event
+    handlers, and those events do not repeat): eight 409s on the status write, more than the
+    re-reads of every reconciliation the events wake, must not drop the roll-out."""
+    ns = namespace
+    digest = digest_of(SPEC)
+    async with api_gate(cluster) as gate:
+        operator = OperatorProcess(gate.kubeconfig(tmp_path / "gated"), ns, tmp_path)
+        await operator.start()
+        try:
+            await apply(cluster, ns, SPEC)
+            await wait_job(cluster, ns, digest)
+            await logged_more(operator, succeeded("stage_job_event"), 0)
+            refused = gate.refuse("PATCH", md_path(ns, MD, "status"), 409, "Conflict", times=8)
+            await finish_stage_job(cluster.client, ns, digest, message=summary(digest),
+                                   succeeded=True)  # fmt: skip
+            await wait_rolled(cluster, ns, digest)
+            assert refused.answered == 8
+        finally:
+            await operator.stop(graceful=False)

@@ -159,7 +159,7 @@ class KubeHTTP:
 async def eventually(
     probe: Callable[[], Awaitable[T]],
     *,
-    timeout: float = 20.0,
+    timeout: float = 60.0,
     interval: float = 0.1,
     what: str = "condition",
 ) -> T:

@@ -34,7 +34,7 @@ async def status_of(cluster: Cluster, ns: str, name: str = MD) -> dict[str, Any]
 
 
 async def wait_phase(
-    cluster: Cluster, ns: str, phase: str, timeout: float = 20.0, name: str = MD
+    cluster: Cluster, ns: str, phase: str, timeout: float = 60.0, name: str = MD
 ) -> dict[str, Any]:
     async def probe() -> dict[str, Any] | None:
         status = await status_of(cluster, ns, name)
@@ -114,7 +114,7 @@ async def logged_more(operator: OperatorProcess, text: str, than: int, times: in
     async def probe() -> bool:
         return operator.count(text) >= than + times
 
-    await eventually(probe, timeout=30, what=f"{times} more {text!r} in the operator's log")
+    await eventually(probe, timeout=60, what=f"{times} more {text!r} in the operator's log")
 
 
 def succeeded(handler: str) -> str:
