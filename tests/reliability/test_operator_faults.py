@@ -219,6 +219,8 @@ async def test_conflicting_spec_edits_resolve_to_the_latest_generation(
         return status if ok else None
 
     await eventually(settled, timeout=30, what="the status on the latest generation")
+    # The status is written before the Job is created (reconcile.py): wait for the Job too.
+    await wait_job(cluster, namespace, digest)
     # jobs of stale generations may exist, but only the latest digest's Job is rolled out
     for job in await cluster.client.list(job_path(namespace)):
         d = job["metadata"]["labels"].get("modelstage.io/digest")
