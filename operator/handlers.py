@@ -21,6 +21,7 @@ Run with ``python -m modelstage.operator`` (or ``kopf run -m modelstage.operator
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any, NamedTuple, cast
 
@@ -117,6 +118,28 @@ def _reconcile(memo: Any, namespace: str, name: str, logger: Logger) -> Outcome 
     return reconciler.reconcile(namespace, name, logger)
 
 
+EVENT_CONFLICT_ROUNDS = 5
+"""Rounds of re-reads (each of ``reconcile``'s own attempts) an event-triggered reconciliation
+makes before it leaves the object to the resync timer."""
+
+
+def _reconcile_settled(memo: Any, namespace: str, name: str, logger: Logger) -> None:
+    """A reconciliation woken by an event, which kopf does not retry: a write conflict means
+    someone else wrote the object meanwhile, and that write's event may not wake this object
+    again (a Job's or a workload's event does not repeat), so it re-reads after the conflict
+    delay instead of dropping the change it was woken for."""
+    config: OperatorConfig = memo.config
+    for round_ in range(EVENT_CONFLICT_ROUNDS):
+        try:
+            _reconcile(memo, namespace, name, logger)
+            return
+        except Conflict as error:
+            if round_ + 1 == EVENT_CONFLICT_ROUNDS:
+                logger.warning("reconcile of %s left to the resync timer: %s", name, error)
+                return
+            time.sleep(config.conflict_delay)
+
+
 @kopf.on.resume(*MD)
 @kopf.on.create(*MD)
 @kopf.on.update(*MD, field="spec")
@@ -149,10 +172,7 @@ def modeldeployment_resync(
     namespace: str | None, name: str, memo: Any, logger: Logger, **_: Any
 ) -> None:
     assert namespace is not None
-    try:
-        _reconcile(memo, namespace, name, logger)
-    except Conflict as error:
-        logger.info("resync deferred: %s", error)
+    _reconcile_settled(memo, namespace, name, logger)
 
 
 @kopf.on.event(*MD)
@@ -181,10 +201,7 @@ def modeldeployment_lagging(
     if generation is None or int(observed) >= int(generation):
         return
     assert namespace is not None
-    try:
-        _reconcile(memo, namespace, name, logger)
-    except Conflict as error:
-        logger.info("reconcile of generation %s deferred: %s", generation, error)
+    _reconcile_settled(memo, namespace, name, logger)
 
 
 @kopf.on.event(*MD)
@@ -208,17 +225,13 @@ def _reconcile_matching(
     logger: Logger,
     match: Callable[[Ref], bool],
 ) -> None:
-    """Reconciles each ModelDeployment of ``namespace`` for which ``match(ref)`` holds; a write
-    conflict is left to the next event or the timer (event handlers are not retried)."""
+    """Reconciles each ModelDeployment of ``namespace`` for which ``match(ref)`` holds (write
+    conflicts re-read, ``_reconcile_settled``)."""
     refs: kopf.Index[str | None, Ref] = kwargs["modeldeployment_refs"]
     assert namespace is not None
     for ref in list(refs.get(namespace, [])):
-        if not match(ref):
-            continue
-        try:
-            _reconcile(memo, namespace, ref.name, logger)
-        except Conflict as error:
-            logger.info("reconcile of %s deferred: %s", ref.name, error)
+        if match(ref):
+            _reconcile_settled(memo, namespace, ref.name, logger)
 
 
 @kopf.on.event("batch", "v1", "jobs", labels=STAGER)
@@ -249,10 +262,7 @@ def stage_job_event(
         # A slot is free: the queued ModelDeployments try again, in queue order (each
         # also learns its new position).
         for waiting_ns, waiting in slots.waiting():
-            try:
-                _reconcile(memo, waiting_ns, waiting, logger)
-            except Conflict as error:
-                logger.info("reconcile of %s deferred: %s", waiting, error)
+            _reconcile_settled(memo, waiting_ns, waiting, logger)
 
 
 @kopf.on.event("batch", "v1", "jobs", labels=CLEANUP)

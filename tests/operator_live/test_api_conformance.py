@@ -72,7 +72,9 @@ async def test_a_job_name_over_63_characters_is_refused_through_its_pod_label(
 async def test_an_invalid_object_name_is_refused(
     cluster: Cluster, namespace: str, name: str
 ) -> None:
-    error = await refused(cluster.client.create(deploy_path(namespace, None), vllm_deployment(name)))
+    error = await refused(
+        cluster.client.create(deploy_path(namespace, None), vllm_deployment(name))
+    )
     assert (error.status, error.body["reason"]) == (422, "Invalid")
     assert "metadata.name" in error.body["message"]
 
@@ -124,7 +126,10 @@ async def test_a_job_template_and_a_deployment_selector_are_immutable(
 
 async def test_objects_go_only_into_a_live_namespace(cluster: Cluster, namespace: str) -> None:
     error = await refused(cluster.client.create(job_path("no-such-namespace"), job("j")))
-    assert (error.status, error.body["message"]) == (404, 'namespaces "no-such-namespace" not found')
+    assert (error.status, error.body["message"]) == (
+        404,
+        'namespaces "no-such-namespace" not found',
+    )
 
     await cluster.client.create(job_path(namespace), job("inside"))
     await cluster.client.delete(f"/api/v1/namespaces/{namespace}")

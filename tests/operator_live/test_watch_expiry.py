@@ -71,7 +71,9 @@ async def test_a_watch_from_a_forgotten_resource_version_gets_410_expired(
     created = await cluster.client.create(deploy_path(namespace, None), vllm_deployment("w"))
     since = created["metadata"]["resourceVersion"]
     for n in range(3):
-        await cluster.client.patch(deploy_path(namespace, "w"), {"metadata": {"labels": {"n": str(n)}}})
+        await cluster.client.patch(
+            deploy_path(namespace, "w"), {"metadata": {"labels": {"n": str(n)}}}
+        )
     await cluster.forget_history()
     assert cluster.client.session is not None
     params = {"watch": "true", "timeoutSeconds": "2", "resourceVersion": since}

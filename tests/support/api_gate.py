@@ -34,8 +34,15 @@ class Hold:
     """Hold the answer (the server has done the request) instead of the request."""
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
     released: asyncio.Event = field(default_factory=asyncio.Event)
+    abandoned: bool = False
 
     def release(self) -> None:
+        self.released.set()
+
+    def abandon(self) -> None:
+        """The client died meanwhile: the held request never reaches the server (or, held
+        after, its answer is never sent)."""
+        self.abandoned = True
         self.released.set()
 
     async def wait_arrived(self, timeout: float = 30.0) -> None:
@@ -43,10 +50,27 @@ class Hold:
 
 
 @dataclass
+class Refusal:
+    """Answer the next ``times`` matching requests with ``status`` instead of the server."""
+
+    method: str
+    path: str
+    status: int
+    reason: str
+    times: int
+    answered: int = 0
+
+
+@dataclass
 class ApiGate:
     upstream: str
     token: str | None
     holds: list[Hold] = field(default_factory=list)
+    refusals: list[Refusal] = field(default_factory=list)
+    muted: set[str] = field(default_factory=set)
+    """Watch paths whose events are not passed on (the stream itself stays open)."""
+    dropped: list[bytes] = field(default_factory=list)
+    """The muted events, as the server sent them."""
     url: str = ""
     _session: aiohttp.ClientSession | None = None
     _tasks: set[asyncio.Task[object]] = field(default_factory=set)
@@ -57,6 +81,17 @@ class ApiGate:
         held = Hold(method.upper(), path, after)
         self.holds.append(held)
         return held
+
+    def refuse(self, method: str, path: str, status: int, reason: str, times: int = 1) -> Refusal:
+        """The next ``times`` ``method`` requests to ``path`` get a Kubernetes Status of
+        ``status`` (e.g. 409 ``Conflict``), as if the server had answered so."""
+        refusal = Refusal(method.upper(), path, status, reason, times)
+        self.refusals.append(refusal)
+        return refusal
+
+    def mute(self, path: str) -> None:
+        """Events of watches on ``path`` stop reaching the operator (a lost event)."""
+        self.muted.add(path)
 
     def kubeconfig(self, path: Path) -> Path:
         return write_kubeconfig(path, self.url, self.token)
@@ -79,6 +114,21 @@ class ApiGate:
         if held is not None and not held.after:
             held.arrived.set()
             await held.released.wait()
+            if held.abandoned:
+                return aiohttp.web.Response(status=503, text="abandoned by the tests' gate")
+        refusal = next(
+            (r for r in self.refusals
+             if (r.method, r.path) == (request.method, request.path) and r.answered < r.times),
+            None,
+        )  # fmt: skip
+        if refusal is not None:
+            refusal.answered += 1
+            message = f"{refusal.reason} (injected by the tests' API gate)"
+            return aiohttp.web.json_response(
+                {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+                 "message": message, "reason": refusal.reason, "code": refusal.status},
+                status=refusal.status,
+            )  # fmt: skip
         assert self._session is not None
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
         body = await request.read()
@@ -93,16 +143,26 @@ class ApiGate:
             if held is not None and held.after:
                 held.arrived.set()
                 await held.released.wait()
+                if held.abandoned:
+                    return aiohttp.web.Response(status=503, text="abandoned by the tests' gate")
             response = aiohttp.web.StreamResponse(status=upstream.status)
             for key, value in upstream.headers.items():
                 if key.lower() not in HOP_HEADERS and key.lower() != "content-encoding":
                     response.headers[key] = value
             await response.prepare(request)
+            watch = request.query.get("watch") in ("true", "1")
             with contextlib.suppress(
                 ConnectionResetError, aiohttp.ClientPayloadError, aiohttp.ClientConnectionError
             ):
-                async for chunk in upstream.content.iter_any():
-                    await response.write(chunk)
+                if watch:  # event by event (one JSON document a line), so events can be muted
+                    async for line in upstream.content:
+                        if request.path in self.muted:
+                            self.dropped.append(line)
+                        else:
+                            await response.write(line)
+                else:
+                    async for chunk in upstream.content.iter_any():
+                        await response.write(chunk)
             await response.write_eof()
             return response
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import secrets
 import shutil
@@ -114,7 +115,15 @@ class KubeHTTP:
             params=params or None,
             headers={"Content-Type": content_type} if body is not None else None,
         ) as response:
-            data = await response.json(content_type=None)
+            text = await response.text()
+            try:
+                data = json.loads(text) if text else None
+            except json.JSONDecodeError:
+                # A plain-text answer ("404 page not found" while a new API group is not yet
+                # served): an error to the caller, not a parsing crash.
+                if response.status < 300:
+                    raise
+                data = {"message": text.strip()}
             if response.status >= 300:
                 raise ApiStatusError(response.status, data)
             return data
@@ -150,7 +159,7 @@ class KubeHTTP:
 async def eventually(
     probe: Callable[[], Awaitable[T]],
     *,
-    timeout: float = 20.0,
+    timeout: float = 60.0,
     interval: float = 0.1,
     what: str = "condition",
 ) -> T:
@@ -283,7 +292,6 @@ class ControlPlane:
         """Compacts etcd at its current revision: every older resourceVersion is forgotten
         (with ``--watch-cache=false`` a watch from one then gets 410 Expired)."""
         import base64
-        import json
         import urllib.request
 
         def call(path: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -492,7 +500,9 @@ async def kmock_cluster(crds: list[dict[str, Any]], folder: Path) -> AsyncIterat
 
 
 @contextlib.asynccontextmanager
-async def real_cluster(plane: ControlPlane, crds: list[dict[str, Any]], folder: Path) -> AsyncIterator[Cluster]:
+async def real_cluster(
+    plane: ControlPlane, crds: list[dict[str, Any]], folder: Path
+) -> AsyncIterator[Cluster]:
     """The real tier's ``Cluster``: the CRDs applied, and the operator's kubeconfig holding a
     token of the chart's ServiceAccount (the chart's RBAC only)."""
     async with KubeHTTP(plane.server, plane.token) as client:

@@ -20,6 +20,7 @@ from support.modelstage_objects import (
     template_digest,
     vllm_deployment,
 )
+from support.operator_process import OperatorProcess
 
 MD = "llama"
 OPERATOR_AGENT = "OpenAPI-Generator"
@@ -33,7 +34,7 @@ async def status_of(cluster: Cluster, ns: str, name: str = MD) -> dict[str, Any]
 
 
 async def wait_phase(
-    cluster: Cluster, ns: str, phase: str, timeout: float = 20.0, name: str = MD
+    cluster: Cluster, ns: str, phase: str, timeout: float = 60.0, name: str = MD
 ) -> dict[str, Any]:
     async def probe() -> dict[str, Any] | None:
         status = await status_of(cluster, ns, name)
@@ -93,9 +94,7 @@ async def wait_event(
     return await eventually(probe, what=f"a {type_} Event {reason}")
 
 
-async def staged_and_rolled(
-    cluster: Cluster, ns: str, spec: dict[str, Any], name: str = MD
-) -> str:
+async def staged_and_rolled(cluster: Cluster, ns: str, spec: dict[str, Any], name: str = MD) -> str:
     """Applies ``spec``, completes its Job and the rollout: the workload is Ready on it."""
     await apply(cluster, ns, spec, name=name)
     digest = digest_of(spec)
@@ -107,9 +106,19 @@ async def staged_and_rolled(
     return digest
 
 
-async def nudge(cluster: Cluster, ns: str, value: str = "1") -> None:
-    """A no-op label edit on the ModelDeployment: the operator reconciles at the event."""
-    await cluster.client.patch(md_path(ns, MD), {"metadata": {"labels": {"nudge": value}}})
+async def logged_more(operator: OperatorProcess, text: str, than: int, times: int = 1) -> None:
+    """Evidence before asserting that something did not happen: the operator has logged
+    ``text`` (e.g. ``Handler 'deployment_event' succeeded.``) ``times`` more times than
+    ``than`` (a count taken before the event), so it has handled the event in question."""
+
+    async def probe() -> bool:
+        return operator.count(text) >= than + times
+
+    await eventually(probe, timeout=60, what=f"{times} more {text!r} in the operator's log")
+
+
+def succeeded(handler: str) -> str:
+    return f"Handler '{handler}' succeeded."
 
 
 def operator_writes(cluster: Cluster, method: str, path: str) -> int | None:

@@ -77,8 +77,13 @@ class OperatorProcess:
 
     def handled(self, handler: str) -> bool:
         """Whether the current process has run ``handler`` successfully (kopf's log line)."""
-        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-        return f"Handler '{handler}' succeeded." in text
+        return self.count(f"Handler '{handler}' succeeded.") > 0
+
+    def count(self, text: str) -> int:
+        """How often the current process has logged ``text`` (kopf's handler outcomes:
+        ``Handler 'x' succeeded.``, ``Handler 'x' failed temporarily``, ...)."""
+        log = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return log.count(text)
 
     async def start(self, timeout: float = 30.0) -> None:
         assert self.process is None or self.process.poll() is not None
