@@ -172,13 +172,13 @@ def stage(req: StageRequest, *, progress_stream: TextIO | None = None) -> dict[s
                 )
                 carried = checkpoint.carried_over
             elif req.format == "tensorizer":
-                from .tensorizer_writer import spool_dir_for, write_tensorizer_files
+                from .tensorizer_writer import write_tensorizer_files
 
                 progress = Progress(checkpoint.weight_bytes, len(plan.targets), label=label,
                                     stream=progress_stream)  # fmt: skip
                 files = write_tensorizer_files(
                     plan, checkpoint, dest.open_sink, progress, dest.completed,
-                    tied=checkpoint.model.tie_word_embeddings, spool_dir=spool_dir_for(req.out),
+                    tied=checkpoint.model.tie_word_embeddings,
                 )  # fmt: skip
                 carried = checkpoint.carried_over
             else:
