@@ -1,4 +1,4 @@
-"""The ``modelstage`` command: stage, verify, demo.
+"""The ``modelstage`` command (its subcommands are listed by ``modelstage --help``).
 
 Contract with Kubernetes: on failure the last line printed is one human-readable reason (the
 pod's termination message under ``FallbackToLogsOnError``); on success it is a one-line JSON
@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -17,8 +18,30 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from .digest import DIGEST_HEX_CHARS
 from .errors import ModelstageError, SpecError
 from .layouts import DEFAULT_VLLM_VERSION
+
+DIGEST_PATTERN = re.compile(rf"[0-9a-f]{{{DIGEST_HEX_CHARS}}}")
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kKMGT]i?)?B?\s*$")
+_UNITS = {"k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+          "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}  # fmt: skip
+
+
+def parse_bytes(text: str, flag: str) -> int:
+    """``5368709120``, ``50M`` (10^6), ``512Mi`` (2^20), ``1G``, ``1Gi``: as Kubernetes reads
+    quantities (the CRD's sizes use the same suffixes)."""
+    match = _SIZE.match(text)
+    if match is None:
+        raise SpecError(
+            f"{flag} {text!r}: expected a number of bytes, e.g. 5368709120, 50M (10^6 bytes) "
+            "or 512Mi (2^20 bytes)"
+        )
+    number, unit = match.groups()
+    value = float(number) * (_UNITS[unit] if unit else 1)
+    if value < 1 or not value.is_integer():
+        raise SpecError(f"{flag} {text!r}: must be a positive whole number of bytes")
+    return int(value)
 
 TERMINATION_LOG = "/dev/termination-log"
 
@@ -28,9 +51,18 @@ def _stage(args: argparse.Namespace) -> dict[str, Any]:
     from .stage import FORMATS, StageRequest, stage
 
     assert args.format in FORMATS
-    group = Group.parse(args.group) if args.group else Group.from_env(os.environ)
-    if args.command == "finalize" and args.group:
-        raise SpecError("finalize checks and publishes every group's parts; drop --group")
+    if args.command == "finalize":
+        group = None
+        if args.group:  # "finalize with the workers' arguments" may well include theirs
+            print(f"finalize: ignoring --group {args.group} (finalize checks every group's "
+                  "parts)", file=sys.stderr)  # fmt: skip
+    else:
+        group = Group.parse(args.group) if args.group else Group.from_env(os.environ)
+    if args.digest is not None and not DIGEST_PATTERN.fullmatch(args.digest):
+        raise SpecError(
+            f"--digest {args.digest!r}: expected {DIGEST_HEX_CHARS} lower-case hex characters "
+            "(as `modelstage plan` or the operator computes it)"
+        )
     request = StageRequest(
         source=args.source,
         out=args.out,
@@ -44,8 +76,10 @@ def _stage(args: argparse.Namespace) -> dict[str, Any]:
         source_uri=args.source_uri,
         hf_token_file=args.hf_token_file,
         cache_dir=args.cache_dir,
+        timeouts=_timeouts(args),
         s3=_s3_options(args),
-        max_part_bytes=args.max_part_bytes,
+        max_part_bytes=parse_bytes(args.max_part_bytes, "--max-part-bytes")
+        if args.max_part_bytes is not None else None,
         allow_pickle=args.allow_pickle,
     )
     if args.command == "finalize":
@@ -56,15 +90,64 @@ def _stage(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _s3_options(args: argparse.Namespace) -> Any:
+    import dataclasses
+
     from .s3_client import S3Options
 
-    return S3Options(
+    options = S3Options(
         endpoint_url=args.s3_endpoint,
         region=args.s3_region,
         path_style=args.s3_path_style,
         ca_bundle=args.s3_ca_bundle,
         credentials_file=args.s3_credentials_file,
     )
+    return dataclasses.replace(options, **_s3_timeouts(args))
+
+
+# --- network timeouts (network.py) -----------------------------------------------------------
+def _timeouts(args: argparse.Namespace) -> Any:
+    """Hub requests: the flags, else MODELSTAGE_CONNECT_TIMEOUT / _READ_TIMEOUT / _RETRIES."""
+    from .network import Timeouts
+
+    return Timeouts.from_env(
+        connect=getattr(args, "connect_timeout", None),
+        read=getattr(args, "read_timeout", None),
+        retries=getattr(args, "retries", None),
+    )
+
+
+def _s3_timeouts(args: argparse.Namespace) -> dict[str, Any]:
+    """S3 keeps its own defaults (S3Options) unless a flag or variable sets a timeout."""
+    from .network import ENV_CONNECT, ENV_READ
+
+    timeouts = _timeouts(args)
+    out: dict[str, float] = {}
+    if getattr(args, "connect_timeout", None) is not None or os.environ.get(ENV_CONNECT):
+        out["connect_timeout"] = timeouts.connect
+    if getattr(args, "read_timeout", None) is not None or os.environ.get(ENV_READ):
+        out["read_timeout"] = timeouts.read
+    return out
+
+
+def _add_network_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("network (hf:// and s3://)")
+    group.add_argument(
+        "--connect-timeout", type=float, metavar="SECONDS",
+        help="give up connecting after this long (default: MODELSTAGE_CONNECT_TIMEOUT, else 10)",
+    )  # fmt: skip
+    group.add_argument(
+        "--read-timeout", type=float, metavar="SECONDS",
+        help="abandon a request that receives nothing for this long, then retry it (default: "
+        "MODELSTAGE_READ_TIMEOUT, else 60 for the Hub and 120 for S3)",
+    )  # fmt: skip
+    group.add_argument(
+        "--retries", type=int, metavar="N",
+        help="further attempts of a Hub request after a timeout, a dropped connection, 429 or "
+        "5xx (default: MODELSTAGE_RETRIES, else 3; S3 requests: botocore's 8 attempts)",
+    )  # fmt: skip
+
+
+# --- end network timeouts --------------------------------------------------------------------
 
 
 def _add_s3_options(parser: argparse.ArgumentParser) -> None:
@@ -91,12 +174,13 @@ def _verify(args: argparse.Namespace) -> dict[str, Any]:
         from .destinations.s3 import S3Destination
 
         manifest = S3Destination(args.artifact, _s3_options(args)).verify(
-            digest=args.digest, tp=args.tp, hash_content=not args.sizes_only
+            digest=args.digest, tp=args.tp, hash_content=not args.sizes_only, show_progress=True
         )
     else:
         manifest = verify_directory(
-            Path(args.artifact), digest=args.digest, tp=args.tp, hash_content=not args.sizes_only
-        )
+            Path(args.artifact), digest=args.digest, tp=args.tp,
+            hash_content=not args.sizes_only, show_progress=True,
+        )  # fmt: skip
     return {
         "verified": str(args.artifact),
         "digest": manifest.digest,
@@ -120,6 +204,13 @@ def _demo(args: argparse.Namespace) -> dict[str, Any]:
     out = work / "artifact"
     summary = stage(StageRequest(source=str(source), out=str(out), tp=args.tp))
     verify_directory(out)
+    if summary["alreadyStaged"]:
+        print(
+            f"demo: {out} already holds this artifact ({human_bytes(summary['bytes'])} in "
+            f"{summary['files']} files at TP={args.tp}): nothing staged; verified {out}",
+            file=sys.stderr,
+        )
+        return {**summary, "verified": True}
     rate = summary["bytes"] / max(summary["seconds"], 1e-9)
     print(
         f"demo: staged {human_bytes(summary['bytes'])} into {summary['files']} files at TP="
@@ -156,6 +247,7 @@ def _add_prepare_parser(sub: Any) -> None:
         "--hash", action="store_true", help="also sha256 every local file (reads every byte)"
     )
     _add_s3_options(pr)
+    _add_network_options(pr)
     pr.set_defaults(run=_prepare)
 
 
@@ -173,20 +265,26 @@ def _delete(args: argparse.Namespace) -> dict[str, Any]:
 
 def _add_delete_parser(sub: Any) -> None:
     de = sub.add_parser("delete", help="delete one artifact (manifest first); idempotent")
-    de.add_argument("--artifact", required=True, help="artifact directory or s3://BUCKET/PREFIX/")
+    de.add_argument(
+        "--artifact", required=True,
+        help="the artifact: a directory or s3://BUCKET/PREFIX/ named by its digest (the "
+        "operator's layout), or any one holding the artifact's manifest (`stage --out DIR`)",
+    )  # fmt: skip
     de.add_argument("--digest", help="refuse unless the location is this artifact")
     _add_s3_options(de)
+    _add_network_options(de)
     de.set_defaults(run=_delete)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="modelstage", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="modelstage")
+    parser.add_argument("--version", action="version", version=f"modelstage {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     st = sub.add_parser(
-        "stage", aliases=["finalize"],
-        help="pre-shard a checkpoint per tensor-parallel rank; as `finalize` (same arguments): "
-        "check the parts that `stage --group` workers wrote and publish the artifact",
+        "stage",
+        help="pre-shard a checkpoint per tensor-parallel rank (scale-out: `--group i/n` "
+        "workers, then `finalize`)",
     )  # fmt: skip
     st.add_argument(
         "source",
@@ -203,7 +301,12 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     st.add_argument("--vllm-version", default=DEFAULT_VLLM_VERSION, help="layout to produce")
     st.add_argument("--out", required=True, help="the artifact directory or s3://BUCKET/PREFIX/")
-    st.add_argument("--digest", help="expected artifact digest (the operator passes it)")
+    st.add_argument(
+        "--digest",
+        help=f"use this artifact digest ({DIGEST_HEX_CHARS} hex characters) instead of computing "
+        "one from the request; it names the artifact and is recorded, not checked (the "
+        "operator passes the spec's; `modelstage plan` shows it)",
+    )
     st.add_argument("--revision", help="source revision (recorded; hub sources resolve it)")
     st.add_argument("--source-uri", help="logical source URI when SOURCE is a mount point")
     st.add_argument(
@@ -220,9 +323,9 @@ def build_parser() -> argparse.ArgumentParser:
         "when MODELSTAGE_WORKERS is set",
     )  # fmt: skip
     st.add_argument(
-        "--max-part-bytes", type=int,
-        help="largest part file per rank (default: the layout's, 5 GiB); workers and finalize "
-        "of one artifact must agree",
+        "--max-part-bytes", metavar="BYTES",
+        help="largest part file per rank, e.g. 5368709120, 50M or 512Mi (default: the layout's, "
+        "5 GiB); workers and finalize of one artifact must agree",
     )  # fmt: skip
     st.add_argument(
         "--allow-pickle", action="store_true",
@@ -231,7 +334,9 @@ def build_parser() -> argparse.ArgumentParser:
         "is a risk, so this is off by default",
     )  # fmt: skip
     _add_s3_options(st)
+    _add_network_options(st)
     st.set_defaults(run=_stage)
+    _add_finalize_parser(sub, st)
 
     ve = sub.add_parser("verify", help="re-check an artifact against its manifest")
     ve.add_argument("artifact", help="artifact directory or s3://BUCKET/PREFIX/")
@@ -239,6 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
     ve.add_argument("--tp", type=int, help="fail unless the artifact has this TP size")
     ve.add_argument("--sizes-only", action="store_true", help="skip content hashing")
     _add_s3_options(ve)
+    _add_network_options(ve)
     ve.set_defaults(run=_verify)
 
     de = sub.add_parser("demo", help="generate a small checkpoint, stage it at TP=2, verify it")
@@ -249,7 +355,39 @@ def build_parser() -> argparse.ArgumentParser:
     _add_prepare_parser(sub)  # issue 9
     _add_delete_parser(sub)  # issue 5
     _add_bench_parser(sub)
+    _describe_commands(parser, sub)
     return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("modelstage")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+def _add_finalize_parser(sub: Any, stage_parser: argparse.ArgumentParser) -> None:
+    """``finalize`` takes exactly ``stage``'s arguments (the workers' command line works as
+    it is; ``--group`` is ignored), under its own name and help."""
+    sub.add_parser(
+        "finalize", parents=[stage_parser], conflict_handler="resolve",
+        help="check the parts that `stage --group i/n` workers wrote and publish the artifact "
+        "(the workers' arguments)",
+        description="Check every part that the `modelstage stage --group i/n` workers wrote "
+        "(sizes, hashes, this run's settings), then write the manifest and publish the "
+        "artifact. Takes the workers' arguments; --group is ignored.",
+    )  # fmt: skip
+
+
+def _describe_commands(parser: argparse.ArgumentParser, sub: Any) -> None:
+    """The top-level description lists every subcommand there is, in the order added."""
+    names = ", ".join(sub.choices)
+    parser.description = (
+        "Pre-shard LLM checkpoints per tensor-parallel rank for vLLM, and check, serve and "
+        f"delete the artifacts. Commands: {names}."
+    )
 
 
 def _bench(args: argparse.Namespace) -> dict[str, Any]:

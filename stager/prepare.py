@@ -77,7 +77,8 @@ def verify_artifact(
             f"mounted by the pod) and s3:// URIs, not {scheme}://"
         )
     directory = Path(artifact.removeprefix("file://"))
-    manifest = verify_directory(directory, digest=digest, tp=tp, hash_content=hash_content)
+    manifest = verify_directory(directory, digest=digest, tp=tp, hash_content=hash_content,
+                                show_progress=True)  # fmt: skip
     return _summary(str(directory), manifest, hashed=hash_content)
 
 
