@@ -15,7 +15,7 @@ import pytest
 from modelstage.stager import cli
 from modelstage.stager.destinations import local
 from modelstage.stager.destinations.local import LocationLock
-from modelstage.stager.errors import ArtifactError, SpecError
+from modelstage.stager.errors import SpecError
 from modelstage.stager.manifest import verify_directory
 from modelstage.stager.progress import Progress
 from modelstage.stager.stage import StageRequest, stage
@@ -311,9 +311,3 @@ def test_demo_with_a_tp_the_model_cannot_split_fails_in_one_line(tmp_path: Path)
     assert line.startswith("error: ") and "does not divide the 8 attention heads" in line
     assert not (tmp_path / "artifact").exists()
 
-
-def test_an_artifact_error_is_one_line(tmp_path: Path) -> None:
-    """The ``error:`` contract for a verify of something that is not an artifact."""
-    line = last_error(run("verify", str(tmp_path / "nothing")))
-    assert line == f"error: {tmp_path / 'nothing'}: no such artifact directory"
-    assert ArtifactError  # the domain of that message
