@@ -311,3 +311,18 @@ def test_demo_with_a_tp_the_model_cannot_split_fails_in_one_line(tmp_path: Path)
     assert line.startswith("error: ") and "does not divide the 8 attention heads" in line
     assert not (tmp_path / "artifact").exists()
 
+
+
+def test_setup_run_again_on_a_current_checkout_prints_one_line() -> None:
+    """``make demo`` runs ``scripts/setup`` first; on a checkout whose editable install is
+    current it must not reinstall (setuptools' warnings filled ~40 lines)."""
+    root = Path(__file__).resolve().parents[2]
+    venv = os.path.realpath(sys.prefix)
+    env = {**os.environ, "MODELSTAGE_VENV": sys.prefix, "PYTHONSAFEPATH": "1"}
+    for _ in range(2):  # the first brings the install up to date, if it was not
+        done = subprocess.run([str(root / "scripts" / "setup")], cwd=root, env=env,
+                              capture_output=True, text=True, timeout=1200, check=False)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+    assert done.stdout == ""
+    assert done.stderr == f"setup: ready ({venv}, linked as .venv)\n"
+    assert os.path.realpath(root / ".venv") == venv
