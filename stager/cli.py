@@ -355,6 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_prepare_parser(sub)  # issue 9
     _add_delete_parser(sub)  # issue 5
     _add_bench_parser(sub)
+    _add_plan_parser(sub)
     _describe_commands(parser, sub)
     return parser
 
@@ -457,6 +458,100 @@ def _add_bench_parser(sub: Any) -> None:
     be.set_defaults(run=_bench)
 
 
+# --- plan: what staging and the operator would do, offline (plan.py) ---------------------------
+PLAN_BLOCKED = 2
+"""``modelstage plan``'s exit status when a check would refuse staging or the rollout."""
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from .plan import load_manifests, plan_deployment_report, plan_stage_report, render
+
+    target = args.target
+    if target == "-" or Path(target).is_file():
+        image = args.stager_image or os.environ.get(
+            "MODELSTAGE_OPERATOR_STAGER_IMAGE", _default_stager_image()
+        )
+        workload = None
+        if args.workload:
+            workload = load_manifests(args.workload, ("Deployment", "StatefulSet"))[0]
+        reports = [
+            plan_deployment_report(m, namespace=args.namespace, workload=workload,
+                                   checkpoint=args.checkpoint, stager_image=image)
+            for m in load_manifests(target, ("ModelDeployment",))
+        ]  # fmt: skip
+    else:
+        if args.tp is None:
+            raise SpecError(
+                f"{target}: not a file; to plan `modelstage stage SOURCE`, give --tp (and "
+                "--format, --out as for stage)"
+            )
+        from .stage import StageRequest
+
+        request = StageRequest(
+            source=target, out=args.out or "(--out)", tp=args.tp, pp=1, dtype=args.dtype,
+            format=args.format, vllm_version=args.vllm_version, digest=args.digest,
+            revision=args.revision, source_uri=args.source_uri,
+            max_part_bytes=parse_bytes(args.max_part_bytes, "--max-part-bytes")
+            if args.max_part_bytes is not None else None,
+        )  # fmt: skip
+        reports = [plan_stage_report(request, checkpoint=args.checkpoint)]
+    if args.output == "json":
+        doc: Any = reports[0] if len(reports) == 1 else reports
+        print(json.dumps(doc, indent=2, sort_keys=True))
+    else:
+        print("\n\n".join(render(r) for r in reports))
+    blocked = any(c["blocks"] in ("staging", "rollout") for r in reports for c in r["checks"])
+    return PLAN_BLOCKED if blocked else 0
+
+
+def _default_stager_image() -> str:
+    from modelstage.operator.api import DEFAULT_STAGER_IMAGE
+
+    return DEFAULT_STAGER_IMAGE
+
+
+def _add_plan_parser(sub: Any) -> None:
+    pl = sub.add_parser(
+        "plan",
+        help="show, offline, what staging and the operator would do: digest, artifact, Jobs, "
+        "files and sizes, the patched vLLM command, the checks that would refuse it",
+        description="Plan without doing: for a ModelDeployment manifest (FILE), what the "
+        "operator would do, from its own planners; for SOURCE --tp N --format F, what "
+        "`modelstage stage` would do. Nothing is contacted. Exit status 2 when a check "
+        "would refuse staging or the rollout.",
+    )  # fmt: skip
+    pl.add_argument("target", metavar="FILE|SOURCE",
+                    help="a ModelDeployment YAML file (- for stdin), or a stage SOURCE")
+    pl.add_argument("-o", "--output", choices=["text", "json"], default="text")
+    pl.add_argument("--checkpoint", metavar="DIR",
+                    help="a local copy of the checkpoint (config.json and safetensors headers "
+                    "are read) to list the artifact's files and sizes")  # fmt: skip
+    md = pl.add_argument_group("ModelDeployment form")
+    md.add_argument("--namespace", help="default: the manifest's, else `default`")
+    md.add_argument("--workload", metavar="FILE",
+                    help="the target Deployment or StatefulSet manifest: plan its patch "
+                    "(vLLM arguments, initContainer, env, volumes) and check it")  # fmt: skip
+    md.add_argument("--stager-image",
+                    help="the operator's default stager image (default: "
+                    "MODELSTAGE_OPERATOR_STAGER_IMAGE, else the release's)")  # fmt: skip
+    so = pl.add_argument_group("SOURCE form (as for `modelstage stage`)")
+    so.add_argument("--tp", type=int)
+    so.add_argument("--format", default="sharded_state",
+                    choices=["sharded_state", "runai_streamer_sharded", "runai_streamer",
+                             "tensorizer"])  # fmt: skip
+    so.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    so.add_argument("--out")
+    so.add_argument("--vllm-version", default=DEFAULT_VLLM_VERSION)
+    so.add_argument("--revision")
+    so.add_argument("--source-uri")
+    so.add_argument("--digest")
+    so.add_argument("--max-part-bytes", metavar="BYTES")
+    pl.set_defaults(run=_plan)
+
+
+# --- end plan ----------------------------------------------------------------------------------
+
+
 def _write_termination_log(line: str) -> None:
     path = os.environ.get("MODELSTAGE_TERMINATION_LOG", TERMINATION_LOG)
     if os.path.exists(path) and os.access(path, os.W_OK):
@@ -466,7 +561,7 @@ def _write_termination_log(line: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    run: Callable[[argparse.Namespace], dict[str, Any]] = args.run
+    run: Callable[[argparse.Namespace], dict[str, Any] | int] = args.run
     try:
         result = run(args)
     except ModelstageError as e:
@@ -478,6 +573,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
+    if isinstance(result, int):  # a command that printed its own report (plan)
+        return result
     line = json.dumps(result, sort_keys=True, separators=(",", ":"))
     sys.stderr.flush()
     print(line)

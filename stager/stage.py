@@ -135,9 +135,8 @@ def run_key(digest: str, identity: dict[str, Any]) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-def stage(req: StageRequest, *, progress_stream: TextIO | None = None) -> dict[str, Any]:
-    """Stage one artifact; returns the one-line summary. Idempotent for a complete artifact."""
-    started = time.monotonic()
+def check_request(req: StageRequest) -> None:
+    """What refuses a request before any source is read (``modelstage plan`` shows it)."""
     if req.format not in FORMATS:
         raise SpecError(f"format {req.format!r} is not supported; supported: {', '.join(FORMATS)}")
     if req.pp != 1:
@@ -147,6 +146,12 @@ def stage(req: StageRequest, *, progress_stream: TextIO | None = None) -> dict[s
             "runai_streamer copies the checkpoint as it is; use --dtype auto (vLLM casts at "
             "load time with its own --dtype) or a per-rank format"
         )
+
+
+def stage(req: StageRequest, *, progress_stream: TextIO | None = None) -> dict[str, Any]:
+    """Stage one artifact; returns the one-line summary. Idempotent for a complete artifact."""
+    started = time.monotonic()
+    check_request(req)
     layout = request_layout(req)
     digest = request_digest(req)
     dest = open_destination(req)
