@@ -36,11 +36,13 @@ PLUGIN_MODULES = (
     "errors.py",
     "layouts.py",
     "manifest.py",
+    "progress.py",
     "s3_client.py",
     "safetensors_format.py",
     "py.typed",
 )
-"""The stager modules the plugin imports, all pure Python; only ``s3_client`` needs more
+"""The stager modules the plugin imports (``progress`` only when ``verify_directory``
+reports its hashing), all pure Python; only ``s3_client`` needs more
 (boto3, imported when an S3 artifact is read: vLLM's images ship it for the Run:ai and
 tensorizer S3 paths)."""
 PLUGIN_PACKAGE = "plugin"
