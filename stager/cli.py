@@ -43,6 +43,7 @@ def parse_bytes(text: str, flag: str) -> int:
         raise SpecError(f"{flag} {text!r}: must be a positive whole number of bytes")
     return int(value)
 
+
 TERMINATION_LOG = "/dev/termination-log"
 
 
