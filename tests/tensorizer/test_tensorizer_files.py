@@ -179,6 +179,37 @@ def test_streamed_rank_files_equal_tensorizers_own_seeking_writes_to_a_file(
         assert rank_file(streamed, rank).read_bytes() == paths[rank].read_bytes(), rank
 
 
+def test_a_local_rank_file_is_written_once_in_place_without_a_spool(
+    checkpoint: Callable[[str], Path], staged: Callable[..., Path], tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """No temporary copy beside ``--out``: each rank file is written once, by its sink, into
+    the artifact's work directory (the only files created are the artifact's own)."""
+    import tempfile
+
+    from modelstage.stager.destinations.local import LocalFileSink
+
+    def no_spool(*args: object, **kwargs: object) -> str:
+        raise AssertionError("a temporary directory was made")
+
+    created: list[str] = []
+    init = LocalFileSink.__init__
+
+    def counting(self: LocalFileSink, path: Path, size: int) -> None:
+        created.append(path.name)
+        init(self, path, size)
+
+    monkeypatch.setattr(tempfile, "mkdtemp", no_spool)
+    monkeypatch.setattr(LocalFileSink, "__init__", counting)
+    stage(StageRequest(source=str(checkpoint("llama")), out=str(tmp_path / "a"), tp=2,
+                       format="tensorizer"))  # fmt: skip
+    assert sorted(created) == sorted(p.name for p in (tmp_path / "a").iterdir())
+    for rank in range(2):
+        assert rank_file(tmp_path / "a", rank).read_bytes() == rank_file(
+            staged("llama", "tensorizer", 2), rank
+        ).read_bytes()
+
+
 def test_a_prologue_that_differs_from_the_prediction_is_refused_and_nothing_published(
     checkpoint: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
