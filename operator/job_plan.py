@@ -248,13 +248,16 @@ def _plan_job(
     }
     if stager.resources is not None:
         container["resources"] = stager.resources.wire()
+    scratch = scratch_bound(spec)
+    if scratch.request is not None:
+        _request_ephemeral_storage(container, scratch.request)
     pod_spec: Manifest = {
         "restartPolicy": "Never",
         "automountServiceAccountToken": False,
         "securityContext": pod_security_context(),
         "containers": [container],
         "volumes": [
-            {"name": VOLUME_SCRATCH, "emptyDir": {}},
+            {"name": VOLUME_SCRATCH, "emptyDir": {"sizeLimit": scratch.size_limit}},
             *dest_volumes,
             *source_volumes,
             *ca_volume(connection),
@@ -362,3 +365,58 @@ def plan_cleanup_job(
             },
         },
     }
+
+
+# --- the stager's scratch space (ephemeral storage) ------------------------------------------
+SCRATCH_DEFAULT = "2Gi"
+"""The scratch volume's bound when nothing large lands there (HOME, temporary files): every
+format streams into the artifact location, tensorizer included, so only a hub cache is big."""
+HF_CACHE_DEFAULT = "200Gi"
+"""The bound of an ``hf://`` Job's scratch volume (which holds the hub cache, i.e. the whole
+checkpoint) when ``model.sizeHint`` is not set: a 70B bf16 checkpoint fits; set the hint
+for anything larger. Not requested from the scheduler (it would exclude smaller nodes)."""
+SCRATCH_HEADROOM = 0.1
+CONTAINER_EPHEMERAL_EXTRA = 1 << 30
+"""Beyond the scratch volume, the container's own writable layer and logs."""
+
+
+@dataclass(frozen=True)
+class ScratchBound:
+    """The scratch ``emptyDir``'s ``sizeLimit``, and the ``ephemeral-storage`` the stager
+    container requests and is limited to (None: nothing requested, the volume is bounded)."""
+
+    size_limit: str
+    request: str | None
+
+
+def scratch_bound(spec: ModelDeploymentSpec) -> ScratchBound:
+    """How much node-local disk a staging pod may use. An ``hf://`` source downloads the
+    checkpoint into the hub cache under the scratch volume: ``model.sizeHint`` plus headroom
+    (requested, so the pod lands on a node with room), else ``HF_CACHE_DEFAULT``. Every other
+    source writes only small files there. A user's own ``ephemeral-storage`` limit wins."""
+    from .claim_plan import gibibytes, parse_quantity
+
+    user = ((spec.stager.resources.limits or {}) if spec.stager.resources else {}).get(
+        "ephemeral-storage"
+    )
+    if user is not None:
+        return ScratchBound(size_limit=str(user), request=None)
+    if spec.model.scheme != "hf":
+        size = parse_quantity(SCRATCH_DEFAULT)
+    elif spec.model.size_hint is None:
+        return ScratchBound(size_limit=HF_CACHE_DEFAULT, request=None)
+    else:
+        size = int(parse_quantity(spec.model.size_hint) * (1 + SCRATCH_HEADROOM)) + (1 << 30)
+    return ScratchBound(
+        size_limit=gibibytes(size), request=gibibytes(size + CONTAINER_EPHEMERAL_EXTRA)
+    )
+
+
+def _request_ephemeral_storage(container: Manifest, amount: str) -> None:
+    """Request and limit ``amount`` of ephemeral storage, unless the user's resources set
+    either (a limit of ours below a request of theirs would be refused)."""
+    resources = container.setdefault("resources", {})
+    if any("ephemeral-storage" in (resources.get(k) or {}) for k in ("requests", "limits")):
+        return
+    for kind in ("requests", "limits"):
+        resources.setdefault(kind, {})["ephemeral-storage"] = amount

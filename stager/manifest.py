@@ -12,9 +12,12 @@ import os
 import re
 from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import ArtifactError
+
+if TYPE_CHECKING:
+    from .progress import Progress
 
 MANIFEST = "modelstage.json"
 SCHEMA_VERSION = 1
@@ -149,11 +152,13 @@ def read_manifest(directory: Path) -> Manifest | None:
     return Manifest.from_json(raw, str(path))
 
 
-def sha256_file(path: Path) -> str:
+def sha256_file(path: Path, progress: Progress | None = None) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(HASH_BLOCK):
             h.update(block)
+            if progress is not None:
+                progress.advance(len(block))
     return h.hexdigest()
 
 
@@ -163,8 +168,10 @@ def verify_directory(
     digest: str | None = None,
     tp: int | None = None,
     hash_content: bool = True,
+    show_progress: bool = False,
 ) -> Manifest:
-    """Check a local artifact against its manifest; raise ArtifactError at the first problem."""
+    """Check a local artifact against its manifest; raise ArtifactError at the first problem.
+    ``show_progress``: report the hashing (bytes, rate, ETA) on stderr; 140 GB take minutes."""
     if not directory.is_dir():
         raise ArtifactError(f"{directory}: no such artifact directory")
     manifest = read_manifest(directory)
@@ -172,6 +179,12 @@ def verify_directory(
         raise ArtifactError(f"{directory}: no {MANIFEST}; the artifact is incomplete")
     manifest.check_expected(str(directory), digest=digest, tp=tp)
     check_ranks_present(directory, manifest)
+    progress = None
+    if hash_content and show_progress:
+        from .progress import Progress
+
+        progress = Progress(manifest.bytes, len(manifest.files), label=f"hashing {directory}",
+                            items="files")  # fmt: skip
     for name, entry in sorted(manifest.files.items()):
         path = directory / name
         try:
@@ -180,8 +193,12 @@ def verify_directory(
             raise ArtifactError(f"{path}: listed in the manifest but missing") from None
         if size != entry.size:
             raise ArtifactError(f"{path}: {size} bytes, the manifest says {entry.size}")
-        if hash_content and sha256_file(path) != entry.sha256:
+        if hash_content and sha256_file(path, progress) != entry.sha256:
             raise ArtifactError(f"{path}: sha256 differs from the manifest; the file is corrupt")
+        if progress is not None:
+            progress.tensor_done()
+    if progress is not None:
+        progress.finish()
     extra = sorted(
         p.name for p in directory.iterdir() if p.name not in manifest.files and p.name != MANIFEST
     )

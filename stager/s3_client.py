@@ -88,6 +88,12 @@ class S3Options:
     credentials_file: str | None = None
     max_attempts: int = 8
     """botocore's attempts per request (standard mode: backoff with jitter on 5xx/throttling)."""
+    connect_timeout: float = 10.0
+    """Seconds to connect; then the attempt fails and botocore retries it."""
+    read_timeout: float = 120.0
+    """Seconds without a byte of an answer; then the attempt fails and botocore retries it.
+    Longer than the Hub's default: completing a large multipart upload can take a minute.
+    (``--connect-timeout`` / ``--read-timeout`` or ``MODELSTAGE_*``, network.py)."""
     part_bytes: int = 16 * 1024 * 1024
     """Multipart part size; memory is about (open objects + concurrency) x part_bytes."""
     concurrency: int = 8
@@ -162,8 +168,8 @@ class S3Client:
             request_checksum_calculation="when_required",
             response_checksum_validation="when_required",
             max_pool_connections=concurrency + 4,
-            connect_timeout=10,
-            read_timeout=120,
+            connect_timeout=options.connect_timeout,
+            read_timeout=options.read_timeout,
         )
         self.options = options
         self.client: Any = session.client(

@@ -49,10 +49,13 @@ from .stage import (
     StageRequest,
     _summary,
     build_manifest,
+    modelstage_version,
+    occupied,
     open_destination,
     request_digest,
     request_layout,
     run_key,
+    source_identity_digest,
 )
 
 WORKERS_ENV = "MODELSTAGE_WORKERS"
@@ -128,6 +131,8 @@ class _Run:
     layout: Layout
     key: str
     parts: list[list[TargetTensor]]
+    params: dict[str, Any]
+    """What the run key pins, in words (``Destination.begin_shared``)."""
 
 
 def _check_request(req: StageRequest) -> None:
@@ -145,7 +150,12 @@ def _plan_run(req: StageRequest, checkpoint: Checkpoint, digest: str) -> _Run:
     plan = plan_shards(checkpoint.model, checkpoint.source_tensors, req.tp, layout, req.dtype)
     identity = checkpoint.identity()
     key = run_key(digest, {**identity, "maxPartBytes": layout.max_part_bytes})
-    return _Run(checkpoint, plan, identity, layout, key, plan_parts(plan, layout.max_part_bytes))
+    params = {
+        "maxPartBytes": layout.max_part_bytes, "modelstageVersion": modelstage_version(),
+        "source": source_identity_digest(identity), "digest": digest,
+    }  # fmt: skip
+    return _Run(checkpoint, plan, identity, layout, key, plan_parts(plan, layout.max_part_bytes),
+                params)  # fmt: skip
 
 
 def stage_group(
@@ -157,20 +167,23 @@ def stage_group(
     digest = request_digest(req)
     dest = open_destination(req)
     if (existing := dest.existing()) is not None:
-        existing.check_expected(dest.uri, digest=digest)
+        if existing.digest != digest:
+            raise occupied(existing, dest.uri, req, digest)
         return {**_summary(existing, dest.uri, time.monotonic() - started, already=True),
                 "group": str(group)}  # fmt: skip
     source = open_source(req.source, revision=req.revision, s3=req.s3,
-                         hf_token_file=req.hf_token_file, cache_dir=req.cache_dir)  # fmt: skip
+                         hf_token_file=req.hf_token_file, cache_dir=req.cache_dir,
+                         timeouts=req.timeouts)  # fmt: skip
     try:
         run = _plan_run(req, open_checkpoint(source), digest)
         mine = assign_parts(part_sizes(run.parts), group.count)[group.index]
-        dest.begin_shared(run.key)
+        dest.begin_shared(run.key, params=run.params)
         try:
             progress = Progress(
                 sum(t.nbytes for p in mine for t in run.parts[p]) * run.plan.tp,
                 sum(len(run.parts[p]) for p in mine),
-                label=f"staging parts {mine.start}..{mine.stop - 1} (group {group}) to {dest.uri}",
+                label=(f"staging parts {mine.start}..{mine.stop - 1}" if mine
+                       else "no parts to stage") + f" (group {group}) to {dest.uri}",
                 stream=progress_stream,
             )  # fmt: skip
             files = write_rank_files(run.plan, run.checkpoint, run.layout, dest.open_sink,
@@ -194,22 +207,24 @@ def stage_group(
     }
 
 
-def finalize(req: StageRequest) -> dict[str, Any]:
+def finalize(req: StageRequest, *, progress_stream: TextIO | None = None) -> dict[str, Any]:
     """Check that every part of every rank is there and whole, then publish the artifact."""
     started = time.monotonic()
     _check_request(req)
     digest = request_digest(req)
     dest = open_destination(req)
     if (existing := dest.existing()) is not None:
-        existing.check_expected(dest.uri, digest=digest)
+        if existing.digest != digest:
+            raise occupied(existing, dest.uri, req, digest)
         return _summary(existing, dest.uri, time.monotonic() - started, already=True)
     source = open_source(req.source, revision=req.revision, s3=req.s3,
-                         hf_token_file=req.hf_token_file, cache_dir=req.cache_dir)  # fmt: skip
+                         hf_token_file=req.hf_token_file, cache_dir=req.cache_dir,
+                         timeouts=req.timeouts)  # fmt: skip
     try:
         run = _plan_run(req, open_checkpoint(source), digest)
-        dest.begin_shared(run.key, finalize=True)
+        dest.begin_shared(run.key, finalize=True, params=run.params)
         try:
-            files = _check_parts(dest, run)
+            files = _check_parts(dest, run, progress_stream)
             for name in run.checkpoint.carried_over:
                 files[name] = dest.write_small(name, source.read_bytes(name))
             manifest = build_manifest(req, digest, run.layout, run.identity, files, started)
@@ -222,11 +237,27 @@ def finalize(req: StageRequest) -> dict[str, Any]:
     return _summary(manifest, dest.uri, time.monotonic() - started, already=False)
 
 
-def _check_parts(dest: Destination, run: _Run) -> dict[str, tuple[int, str]]:
-    """Every rank's every part, checked in parallel; the first problem in file order wins."""
+def _check_parts(
+    dest: Destination, run: _Run, progress_stream: TextIO | None = None
+) -> dict[str, tuple[int, str]]:
+    """Every rank's every part, checked in parallel (locally: re-hashed, which takes minutes
+    for a large artifact, so each checked part is reported); the first problem in file order
+    wins."""
     names = rank_file_names(run.layout, run.plan.tp, len(run.parts))
     sizes = part_sizes(run.parts)
     wanted = [(names[r][p], sizes[p]) for r in range(run.plan.tp) for p in range(len(sizes))]
+    progress = Progress(sum(s for _, s in wanted), len(wanted),
+                        label=f"checking parts of {dest.uri}", stream=progress_stream,
+                        items="parts")  # fmt: skip
+
+    def check(name: str, size: int) -> tuple[int, str]:
+        found = dest.check_part(name, size)
+        progress.advance(size)
+        progress.tensor_done()
+        return found
+
     with ThreadPoolExecutor(min(CHECK_THREADS, os.cpu_count() or 1)) as pool:
-        futures = [pool.submit(dest.check_part, name, size) for name, size in wanted]
-        return {name: f.result() for (name, _), f in zip(wanted, futures, strict=True)}
+        futures = [pool.submit(check, name, size) for name, size in wanted]
+        checked = {name: f.result() for (name, _), f in zip(wanted, futures, strict=True)}
+    progress.finish()
+    return checked

@@ -15,10 +15,11 @@ from .checkpoint import open_checkpoint
 from .destinations.base import Destination
 from .destinations.local import LocalDestination
 from .digest import artifact_digest
-from .errors import SpecError
+from .errors import ArtifactError, SpecError
 from .hf_layout import copy_weight_files, small_files
 from .layouts import Layout, layout_for
 from .manifest import FileEntry, Manifest
+from .network import Timeouts
 from .progress import Progress
 from .rank_writer import write_rank_files
 from .s3_client import S3Options
@@ -59,6 +60,9 @@ class StageRequest:
     """A mounted Secret holding a Hub token for ``hf://`` sources (default: ``HF_TOKEN``)."""
     cache_dir: str | None = None
     """The hub cache ``hf://`` sources download into (default: ``HF_HUB_CACHE``)."""
+    timeouts: Timeouts | None = None
+    """Connect/read timeouts and retries of Hub requests (default: ``MODELSTAGE_*`` or
+    network.py's defaults); S3 takes its own from ``s3``."""
     max_part_bytes: int | None = None
     """Largest part file per rank (default: the layout's). It shapes the bytes: every
     worker and the finalize step of one artifact must use the same value."""
@@ -131,9 +135,8 @@ def run_key(digest: str, identity: dict[str, Any]) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-def stage(req: StageRequest, *, progress_stream: TextIO | None = None) -> dict[str, Any]:
-    """Stage one artifact; returns the one-line summary. Idempotent for a complete artifact."""
-    started = time.monotonic()
+def check_request(req: StageRequest) -> None:
+    """What refuses a request before any source is read (``modelstage plan`` shows it)."""
     if req.format not in FORMATS:
         raise SpecError(f"format {req.format!r} is not supported; supported: {', '.join(FORMATS)}")
     if req.pp != 1:
@@ -143,17 +146,24 @@ def stage(req: StageRequest, *, progress_stream: TextIO | None = None) -> dict[s
             "runai_streamer copies the checkpoint as it is; use --dtype auto (vLLM casts at "
             "load time with its own --dtype) or a per-rank format"
         )
+
+
+def stage(req: StageRequest, *, progress_stream: TextIO | None = None) -> dict[str, Any]:
+    """Stage one artifact; returns the one-line summary. Idempotent for a complete artifact."""
+    started = time.monotonic()
+    check_request(req)
     layout = request_layout(req)
     digest = request_digest(req)
     dest = open_destination(req)
     existing = dest.existing()
     if existing is not None:
         if existing.digest != digest:
-            existing.check_expected(dest.uri, digest=digest)
+            raise occupied(existing, dest.uri, req, digest)
         return _summary(existing, dest.uri, time.monotonic() - started, already=True)
 
     source = open_source(req.source, revision=req.revision, s3=req.s3,
-                         hf_token_file=req.hf_token_file, cache_dir=req.cache_dir)  # fmt: skip
+                         hf_token_file=req.hf_token_file, cache_dir=req.cache_dir,
+                         timeouts=req.timeouts)  # fmt: skip
     if req.allow_pickle:
         source = _with_pickles_converted(source, req.out)
     try:
@@ -172,19 +182,20 @@ def stage(req: StageRequest, *, progress_stream: TextIO | None = None) -> dict[s
                 )
                 carried = checkpoint.carried_over
             elif req.format == "tensorizer":
-                from .tensorizer_writer import spool_dir_for, write_tensorizer_files
+                from .tensorizer_writer import write_tensorizer_files
 
                 progress = Progress(checkpoint.weight_bytes, len(plan.targets), label=label,
                                     stream=progress_stream)  # fmt: skip
                 files = write_tensorizer_files(
                     plan, checkpoint, dest.open_sink, progress, dest.completed,
-                    tied=checkpoint.model.tie_word_embeddings, spool_dir=spool_dir_for(req.out),
+                    tied=checkpoint.model.tie_word_embeddings,
                 )  # fmt: skip
                 carried = checkpoint.carried_over
             else:
                 progress = Progress(
                     sum(source.size(f) for f in checkpoint.weight_files),
                     len(checkpoint.weight_files), label=label, stream=progress_stream,
+                    items="files",
                 )  # fmt: skip
                 files = copy_weight_files(checkpoint, dest.open_sink, progress, dest.completed)
                 carried = small_files(checkpoint)
@@ -283,3 +294,30 @@ def peak_rss_bytes() -> int:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def occupied(existing: Manifest, uri: str, req: StageRequest, digest: str) -> ArtifactError:
+    """``--out`` holds another artifact: say what is there, what this run would write, and
+    what differs (an artifact is never overwritten)."""
+    source = req.source_uri or open_source_uri(req.source)
+    theirs = {
+        "format": existing.format, "TP": existing.tensorParallelSize, "dtype": existing.dtype,
+        "source": existing.source.get("uri"), "revision": existing.source.get("revision"),
+        "layout": existing.layoutVersion,
+    }  # fmt: skip
+    ours = {
+        "format": req.format, "TP": req.tp, "dtype": req.dtype, "source": source,
+        "revision": req.revision, "layout": request_layout(req).layout_version,
+    }  # fmt: skip
+    differ = [k for k in ours if ours[k] != theirs[k]] or ["digest (--digest)"]
+
+    def describe(d: dict[str, Any]) -> str:
+        at = f"@{d['revision']}" if d["revision"] else ""
+        return f"{d['format']}, TP {d['TP']}, dtype {d['dtype']}, from {d['source']}{at}"
+
+    return ArtifactError(
+        f"{uri} already holds artifact {existing.digest} ({describe(theirs)}, staged "
+        f"{existing.createdAt}); this run would write artifact {digest} ({describe(ours)}); "
+        f"they differ in {', '.join(differ)}. An artifact is never overwritten: choose another "
+        f"--out, or delete the old one first (`modelstage delete --artifact {uri}`)"
+    )

@@ -197,7 +197,8 @@ def test_pod_is_restricted_and_reports_through_its_termination_message(
     assert security["capabilities"] == {"drop": ["ALL"]}
     assert security["readOnlyRootFilesystem"] is True
     assert container(job)["terminationMessagePolicy"] == "FallbackToLogsOnError"
-    assert {"name": "modelstage-scratch", "emptyDir": {}} in pod["volumes"]
+    scratch = {v["name"]: v for v in pod["volumes"]}["modelstage-scratch"]
+    assert set(scratch) == {"name", "emptyDir"} and set(scratch["emptyDir"]) == {"sizeLimit"}
 
 
 def test_owner_reference_and_labels_tie_the_job_to_its_model_deployment(
@@ -342,3 +343,48 @@ def test_staging_step_creates_the_next_job_only_after_the_previous_one_succeeded
         None, "finalize"
     )
     assert staging_step(["stage"], {"stage": "Succeeded"}) == StagingStep(None, "stage")
+
+
+@pytest.mark.parametrize(
+    ("model", "size_limit", "requested"),
+    [
+        ({"uri": "hf://acme/llama", "sizeHint": "100Gi"}, "111Gi", "112Gi"),
+        ({"uri": "hf://acme/llama"}, "200Gi", None),
+        ({"uri": "s3://ckpts/llama", "credentialsSecret": None}, "2Gi", "3Gi"),
+        ({"uri": "pvc://ckpts/llama", "credentialsSecret": None}, "2Gi", "3Gi"),
+    ],
+    ids=["hf-with-size-hint", "hf-without", "s3", "pvc"],
+)
+def test_the_scratch_volume_and_ephemeral_storage_are_bounded(
+    make_spec: SpecFactory, model: dict[str, Any], size_limit: str, requested: str | None
+) -> None:
+    """Only a hub cache is large (the checkpoint, under HF_HOME on the scratch volume): its
+    bound comes from model.sizeHint (+10% + 1Gi; +1Gi more for the container) and is requested so the pod lands on a node
+    with room; every format streams into the artifact location, tensorizer included."""
+    for fmt in ("sharded_state", "tensorizer"):
+        job = plan(make_spec(model=model, loadFormat=fmt))
+        pod = job["spec"]["template"]["spec"]
+        scratch = {v["name"]: v for v in pod["volumes"]}["modelstage-scratch"]
+        assert scratch["emptyDir"] == {"sizeLimit": size_limit}
+        resources = container(job).get("resources", {})
+        if requested is None:
+            assert "ephemeral-storage" not in resources.get("requests", {})
+        else:
+            assert resources["requests"]["ephemeral-storage"] == requested
+            assert resources["limits"]["ephemeral-storage"] == requested
+        kubernetes_validate.validate(job, kubernetes_validate.latest_version(), strict=True)
+
+
+def test_a_users_ephemeral_storage_wins(make_spec: SpecFactory) -> None:
+    spec = make_spec(
+        model={"uri": "hf://acme/llama", "sizeHint": "100Gi"},
+        stager={"resources": {"limits": {"ephemeral-storage": "500Gi"}}},
+    )
+    job = plan(spec)
+    pod = job["spec"]["template"]["spec"]
+    assert {v["name"]: v for v in pod["volumes"]}["modelstage-scratch"]["emptyDir"] == {
+        "sizeLimit": "500Gi"
+    }
+    assert container(job)["resources"] == {"limits": {"ephemeral-storage": "500Gi"}}
+    only_request = plan(make_spec(stager={"resources": {"requests": {"ephemeral-storage": "9Gi"}}}))
+    assert container(only_request)["resources"] == {"requests": {"ephemeral-storage": "9Gi"}}
