@@ -68,7 +68,7 @@ def stage_artifact(
 
 def pod_env(plugin_dir: Path, site: Path, modelstage: Mapping[str, str]) -> dict[str, str]:
     env = base_env()
-    env.pop("VLLM_PLUGINS", None)  # every plugin found is loaded: the pod's plugin is
+    env.pop("VLLM_PLUGINS", None)  # unset: vLLM loads every plugin it finds, the pod's too
     env["PYTHONPATH"] = f"{plugin_dir}{os.pathsep}{site}"
     env.update({f"MODELSTAGE_{k.upper()}": v for k, v in modelstage.items()})
     return env
