@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from modelstage.stager.safetensors_format import parse_header
 from modelstage.stager.stage import StageRequest, stage
 from modelstage.stager.synthetic import SyntheticModel, write_checkpoint
 from support.s3_server import S3Server
@@ -146,8 +147,6 @@ def test_vllm_loads_a_bfloat16_s3_artifact_at_bfloat16_with_exactly_the_referenc
                        dtype="auto", s3=s3.options()))  # fmt: skip
     client = s3.client()
     listed = client.list_objects_v2(Bucket=vllm_bucket, Prefix=f"bf16/tp{tp}/model-rank-")
-    from modelstage.stager.safetensors_format import parse_header
-
     for obj in listed["Contents"]:
         head = client.get_object(Bucket=vllm_bucket, Key=obj["Key"], Range="bytes=0-65535")
         raw = head["Body"].read()
