@@ -23,11 +23,16 @@ from tensorizer import TensorDeserializer
 from tensorizer.serialization import TensorType
 
 
-@pytest.mark.parametrize("model,tp", [("llama", 1), ("llama", 2), ("llama", 4), ("qwen2", 2)])
+@pytest.mark.parametrize(
+    "model,tp", [("llama", 1), ("llama", 2), ("llama", 4), ("qwen2", 2), ("bf16", 2)]
+)
 def test_every_rank_file_holds_exactly_that_ranks_sharded_state_plus_the_marker(
     staged: Callable[..., Path], model: str, tp: int
 ) -> None:
     tz, ss = staged(model, "tensorizer", tp), staged(model, "sharded_state", tp)
+    if model == "bf16":
+        weights = {t.dtype for _, t in read_entries(rank_file(tz, 0)).values() if t.dim() > 1}
+        assert weights == {torch.bfloat16}, "a bfloat16 source staged with dtype auto"
     for rank in range(tp):
         expected = sharded_state(ss, rank)
         got = read_entries(rank_file(tz, rank))
