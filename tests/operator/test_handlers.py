@@ -131,10 +131,15 @@ def test_a_write_conflict_is_retried_after_the_conflict_delay() -> None:
     assert raised.value.delay == 2.5
 
 
-def test_the_resync_timer_reconciles_and_leaves_a_conflict_to_its_next_tick() -> None:
+FAST = OperatorConfig(conflict_delay=0.0)
+
+
+def test_a_reconciliation_woken_by_an_event_rereads_after_conflicts_then_leaves_it_to_the_timer() -> None:
+    """kopf does not retry event handlers: conflicts are re-read in rounds, never dropped at
+    the first; an object that keeps conflicting is left to the next resync."""
     reconciler = Reconciler(conflicts={"m"})
-    handlers.modeldeployment_resync(namespace=NS, name="m", memo=Memo(reconciler), logger=LOG)
-    assert reconciler.calls == [(NS, "m")]
+    handlers.modeldeployment_resync(namespace=NS, name="m", memo=Memo(reconciler, FAST), logger=LOG)
+    assert reconciler.calls == [(NS, "m")] * handlers.EVENT_CONFLICT_ROUNDS
 
 
 # -- routing of child events ---------------------------------------------------------------
@@ -159,9 +164,9 @@ def test_a_stager_job_event_reconciles_the_deployments_that_ask_for_its_digest()
 
 def test_a_conflict_on_one_deployment_does_not_stop_the_others() -> None:
     reconciler = Reconciler(conflicts={"a"})
-    handlers._reconcile_matching(Memo(reconciler), {"modeldeployment_refs": index()}, NS, LOG,
-                                 lambda r: r.digest is not None)  # fmt: skip
-    assert reconciler.calls == [(NS, "a"), (NS, "b")]
+    handlers._reconcile_matching(Memo(reconciler, FAST), {"modeldeployment_refs": index()}, NS,
+                                 LOG, lambda r: r.digest is not None)  # fmt: skip
+    assert reconciler.calls == [(NS, "a")] * handlers.EVENT_CONFLICT_ROUNDS + [(NS, "b")]
 
 
 def test_stage_job_events_hold_and_free_stager_slots_and_wake_the_queue() -> None:
