@@ -108,10 +108,14 @@ kubectl -n "$NAMESPACE" wait --for=condition=complete job/make-tiny-llama --time
 SOURCE_PATH="demo/checkpoint"
 
 log "a CPU vLLM Deployment that serves the checkpoint as it is"
+# The annotation opts the workload in: only the ModelDeployment it names may patch it.
 kubectl apply -n "$NAMESPACE" -f - <<EOF
 apiVersion: apps/v1
 kind: Deployment
-metadata: {name: vllm-tiny, labels: {app: vllm-tiny}}
+metadata:
+  name: vllm-tiny
+  labels: {app: vllm-tiny}
+  annotations: {modelstage.io/model-deployment: tiny-llama}
 spec:
   replicas: 1
   strategy: {type: RollingUpdate, rollingUpdate: {maxSurge: 1, maxUnavailable: 0}}

@@ -18,6 +18,10 @@ MANAGED_ENV_ANNOTATION = "modelstage.io/managed-env"
 """Env var names the operator set in the vLLM container, so that a later plan can drop them."""
 LABEL_DIGEST = "modelstage.io/digest"
 LABEL_OWNER = "modelstage.io/model-deployment"
+OPT_IN_ANNOTATION = "modelstage.io/model-deployment"
+"""On a Deployment or StatefulSet: the one ModelDeployment (by name) that may patch it. A
+workload without it is never patched: creating a ModelDeployment does not by itself grant
+the right to change someone else's workload."""
 
 PLUGIN_DIR = "/opt/modelstage/plugins"
 CA_DIR = "/etc/modelstage/s3-ca"

@@ -62,7 +62,7 @@ from .state import (
     queued,
     termination_message,
 )
-from .validation import Finding, validate_spec, validate_workload
+from .validation import Finding, opt_in_problem, validate_spec, validate_workload
 
 STAGER_SELECTOR = {"app.kubernetes.io/component": "stager"}
 JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
@@ -251,6 +251,11 @@ class Reconciler:
             outcome.job_created = self._create_job(spec, owner, desired, next_job, body, logger)
         elif decision.action in (Action.ROLL_OUT, Action.ROLL_BACK):
             assert spec is not None and workload is not None and decision.artifact is not None
+            # ``decide`` never asks for this without the opt-in; checked again here, where
+            # the operator writes to a workload that is not its own.
+            refused = opt_in_problem(workload, namespace=namespace, deployment_name=name)
+            if refused is not None:
+                raise AssertionError(f"refusing to patch: {refused}")
             plan = plan_rollout(
                 spec,
                 artifact_from_status(decision.artifact),

@@ -244,6 +244,9 @@ def _ready(observed: Observed) -> tuple[Literal["True", "False"], str, str]:
     w = observed.workload
     if w is None:
         return "False", "TargetNotFound", "the target workload does not exist"
+    refused = next((f for f in observed.findings if f.reason == "TargetNotOptedIn"), None)
+    if refused is not None:
+        return "False", refused.reason, refused.message
     if w.digest is None:
         return "False", "NotRolledOut", "the workload does not serve a modelstage artifact yet"
     if w.failing or w.stalled or not w.complete:
@@ -299,7 +302,12 @@ def decide(desired: Artifact | None, status: ModelDeploymentStatus, observed: Ob
                 "change the spec to try again",
             ),
         )
-        if current is not None and w is not None and w.digest != current.digest:
+        if (
+            current is not None
+            and w is not None
+            and w.digest != current.digest
+            and not blocks_rollout
+        ):
             # The rollback was decided but not applied (the shell stopped in between): redo it.
             action, target = Action.ROLL_BACK, current
             details = f"rolling back to {current.digest}"

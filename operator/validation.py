@@ -19,7 +19,7 @@ from modelstage.stager.layouts import layout_for
 from .api import Condition, ModelDeploymentSpec
 from .artifact import claim_name
 from .conditions import condition
-from .kube import Manifest
+from .kube import OPT_IN_ANNOTATION, Manifest
 from .rollout_plan import ACCELERATORS, select_container
 from .vllm_args import VllmSettings, rewrite
 
@@ -43,6 +43,25 @@ def validate_spec(spec: ModelDeploymentSpec) -> list[Finding]:
     except SpecError as error:
         return [Finding("UnsupportedVllmVersion", f"spec.serving.vllmVersion: {error}", "staging")]
     return []
+
+
+def opt_in_problem(workload: Manifest, *, namespace: str, deployment_name: str) -> str | None:
+    """Why ``workload`` may not be patched for ModelDeployment ``deployment_name``, or None
+    when its metadata names it in the opt-in annotation. Whoever may create ModelDeployments
+    must not thereby gain the right to change every workload of the namespace: the workload's
+    owner consents, on the workload."""
+    meta = workload.get("metadata") or {}
+    kind, name = workload.get("kind", "workload"), meta.get("name", "?")
+    named = (meta.get("annotations") or {}).get(OPT_IN_ANNOTATION)
+    if named == deployment_name:
+        return None
+    how = (
+        f"add the annotation {OPT_IN_ANNOTATION}: {deployment_name} to the metadata of {kind} "
+        f"{name} (namespace {namespace}) to let this ModelDeployment patch its pod template"
+    )
+    if named is None:
+        return f"{kind} {name} has not opted in to modelstage: {how}"
+    return f"{kind} {name} opted in for ModelDeployment {named!r}, not {deployment_name!r}: {how}"
 
 
 def _gpus(container: Manifest) -> tuple[str, int] | None:
@@ -95,6 +114,9 @@ def validate_workload(
                 "rollout",
             )
         ]
+    refused = opt_in_problem(workload, namespace=namespace, deployment_name=deployment_name)
+    if refused is not None:  # nothing more is read from a workload that did not consent
+        return [Finding("TargetNotOptedIn", refused, "rollout")]
     pod_spec: Manifest = (workload.get("spec") or {}).get("template", {}).get("spec") or {}
     try:
         container = select_container(spec, pod_spec)

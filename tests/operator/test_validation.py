@@ -22,7 +22,9 @@ NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
 def check(
     spec: ModelDeploymentSpec, workload: dict[str, Any] | None, claim: dict[str, Any] | None = None
 ) -> list[Finding]:
-    return validate_workload(spec, workload, namespace="llm", deployment_name="llama", claim=claim)
+    return validate_workload(
+        spec, workload, namespace="llm", deployment_name="llama-70b", claim=claim
+    )
 
 
 def reasons(findings: list[Finding]) -> list[str]:
@@ -39,6 +41,43 @@ def claim(*modes: str) -> dict[str, Any]:
 
 def test_the_example_workload_is_fine(make_spec: SpecFactory, deployment: dict[str, Any]) -> None:
     assert check(make_spec(parallelism={"tensor": 4}), deployment, claim("ReadWriteMany")) == []
+
+
+def test_a_workload_without_the_opt_in_is_refused_and_not_inspected(
+    make_spec: SpecFactory, deployment: dict[str, Any]
+) -> None:
+    del deployment["metadata"]["annotations"]
+    deployment["spec"]["template"]["spec"]["containers"] = []  # not read: no ContainerNotFound
+    (finding,) = check(make_spec(), deployment)
+    assert (finding.reason, finding.blocks) == ("TargetNotOptedIn", "rollout")
+    assert "Deployment vllm-llama has not opted in" in finding.message
+    assert "modelstage.io/model-deployment: llama-70b" in finding.message
+
+
+def test_a_workload_that_opted_in_for_another_model_deployment_is_refused(
+    make_spec: SpecFactory, deployment: dict[str, Any]
+) -> None:
+    deployment["metadata"]["annotations"]["modelstage.io/model-deployment"] = "mistral"
+    (finding,) = check(make_spec(), deployment)
+    assert finding.reason == "TargetNotOptedIn"
+    assert "opted in for ModelDeployment 'mistral', not 'llama-70b'" in finding.message
+
+
+def test_a_non_vllm_workload_of_the_namespace_cannot_be_taken_over(
+    make_spec: SpecFactory,
+) -> None:
+    payments = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "payments-api", "namespace": "llm"},
+        "spec": {"template": {"spec": {"containers": [
+            {"name": "api", "image": "example/payments:1", "args": ["--port", "8080"]},
+        ]}}},
+    }  # fmt: skip
+    spec = make_spec(serving={"targetRef": {"name": "payments-api"}, "containerName": None})
+    assert reasons(check(spec, payments)) == ["TargetNotOptedIn"]
+    payments["metadata"]["annotations"] = {"modelstage.io/model-deployment": "llama-70b"}
+    assert reasons(check(spec, payments)) == ["VllmCommandNotRecognized"]
 
 
 def test_unknown_vllm_version_blocks_staging(make_spec: SpecFactory) -> None:
@@ -150,7 +189,7 @@ def test_claim_to_create_is_judged_by_its_template(
         },
     )
     (finding,) = check(spec, deployment)
-    assert "PVC modelstage-llama is ReadWriteOnce" in finding.message
+    assert "PVC modelstage-llama-70b is ReadWriteOnce" in finding.message
 
 
 def test_read_write_once_pod_blocks_the_rollout(
