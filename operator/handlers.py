@@ -77,10 +77,11 @@ def startup(settings: kopf.OperatorSettings, memo: Any, logger: Logger, **_: Any
         stager_image=config.stager_image,
         post_event=_post_event,
         slots=StagerSlots(config.max_stager_jobs),
+        allowed_images=config.allowed_stager_images,
     )
     logger.info(
         "modelstage operator started",
-        extra={"metrics_port": config.metrics_port, "stager_image": config.stager_image},
+        extra={"metrics_port": config.metrics_port, "stager_images": config.stager_images},
     )
 
 

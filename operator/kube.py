@@ -34,6 +34,11 @@ VOLUME_PLUGINS = "modelstage-plugins"
 VOLUME_CA = "modelstage-s3-ca"
 VOLUME_SOURCE = "modelstage-source"
 VOLUME_SCRATCH = "modelstage-scratch"
+VOLUME_NO_TOKEN = "modelstage-no-token"
+TOKEN_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+"""Where Kubernetes mounts a pod's service-account token. A container that already mounts
+something there does not get the token (the ServiceAccount admission plugin skips it): the
+serving initContainer mounts an empty folder there, since it never calls the API."""
 
 NONROOT_UID = 65532
 """The stager image's user (distroless ``nonroot``)."""

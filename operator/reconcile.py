@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
@@ -62,7 +62,13 @@ from .state import (
     queued,
     termination_message,
 )
-from .validation import Finding, opt_in_problem, validate_spec, validate_workload
+from .validation import (
+    Finding,
+    image_allowed,
+    opt_in_problem,
+    validate_spec,
+    validate_workload,
+)
 
 STAGER_SELECTOR = {"app.kubernetes.io/component": "stager"}
 JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
@@ -119,9 +125,12 @@ class Reconciler:
         stager_image: str,
         post_event: EventFn,
         slots: StagerSlots | None = None,
+        allowed_images: Sequence[str] = (),
     ) -> None:
         self.kube = kube
         self.stager_image = stager_image
+        self.images = (stager_image, *allowed_images)
+        """Images a spec may name (``spec.stager.image``); the default first."""
         self.post_event = post_event
         self.slots = slots or StagerSlots(0)
         self._locks: dict[tuple[str, str], threading.Lock] = {}
@@ -175,7 +184,7 @@ class Reconciler:
         next_job: Manifest | None = None
         observed_workload: WorkloadObservation | None = None
         if spec is not None:
-            findings += validate_spec(spec)
+            findings += validate_spec(spec, allowed_images=self.images)
             if not any(f.blocks == "staging" for f in findings):
                 try:
                     desired = artifact_for(spec, namespace=namespace, deployment_name=name)
@@ -368,7 +377,7 @@ class Reconciler:
                 namespace=namespace,
                 owner_name=name,
                 connection=connection,
-                image=spec.stager.image or self.stager_image,
+                image=self._image(spec),
             )
             if job is None:
                 message = (
@@ -393,6 +402,12 @@ class Reconciler:
                     self.kube.delete(resource_path("batch/v1", "jobs", namespace, job_name))
         for artifact in plan.released:
             logger.info("artifact %s let go; another ModelDeployment keeps it", artifact.digest)
+
+    def _image(self, spec: ModelDeploymentSpec) -> str:
+        """The spec's stager image when it is allowed, else the operator's default (the
+        clean-up runs on deletion too, where no validation stops an image)."""
+        wanted = spec.stager.image
+        return wanted if wanted and image_allowed(wanted, self.images) else self.stager_image
 
     def _observe_jobs(
         self, namespace: str, digest: str, planned: list[Manifest]

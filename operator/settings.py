@@ -39,6 +39,11 @@ class OperatorConfig:
     metrics_host: str = "0.0.0.0"
     stager_image: str = DEFAULT_STAGER_IMAGE
     """The stager image when a spec does not name one (also the serving initContainer's)."""
+    allowed_stager_images: tuple[str, ...] = ()
+    """Images a spec may name in ``spec.stager.image`` besides ``stager_image``: exact
+    references, or repositories (any tag or digest of theirs). The image runs in stager Jobs
+    and as an initContainer in the target workload's pods, whose loader plugin folder it
+    fills: it is the operator's choice, not the ModelDeployment author's."""
     watch_server_timeout: float = 300.0
     """Seconds the API server keeps a watch open before the operator re-lists."""
     watch_client_timeout: float = 330.0
@@ -72,6 +77,10 @@ class OperatorConfig:
             metrics_port=int(_float(env, "METRICS_PORT", cls.metrics_port)),
             metrics_host=env.get(PREFIX + "METRICS_HOST", cls.metrics_host),
             stager_image=env.get(PREFIX + "STAGER_IMAGE", cls.stager_image),
+            allowed_stager_images=tuple(
+                i.strip() for i in env.get(PREFIX + "ALLOWED_STAGER_IMAGES", "").split(",")
+                if i.strip()
+            ),
             watch_server_timeout=_float(env, "WATCH_SERVER_TIMEOUT", cls.watch_server_timeout),
             watch_client_timeout=_float(env, "WATCH_CLIENT_TIMEOUT", cls.watch_client_timeout),
             connect_timeout=_float(env, "CONNECT_TIMEOUT", cls.connect_timeout),
@@ -84,6 +93,11 @@ class OperatorConfig:
             peering_lifetime=_float(env, "PEERING_LIFETIME", cls.peering_lifetime),
             posting_level=level,
         )
+
+    @property
+    def stager_images(self) -> tuple[str, ...]:
+        """Every image a spec may name: the default, then the allowed ones."""
+        return (self.stager_image, *self.allowed_stager_images)
 
     def backoff(self, retry: int) -> float:
         """Delay before retry number ``retry`` (0-based) of a failed staging."""

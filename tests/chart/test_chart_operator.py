@@ -12,11 +12,12 @@ from typing import Any
 from urllib.parse import urlparse
 
 import pytest
+import yaml
 from modelstage.operator import settings as operator_settings
 from modelstage.operator.__main__ import parse_args
 from modelstage.operator.kube import labels as child_labels
 from modelstage.operator.settings import OperatorConfig
-from support.charts import RELEASE_NAMESPACE, of_kind, one, render
+from support.charts import CHART, RELEASE, RELEASE_NAMESPACE, of_kind, one, render, run, tool
 
 
 def _container(docs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -88,6 +89,18 @@ def test_environment_is_what_the_operator_reads(rendered: list[dict[str, Any]]) 
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert config.metrics_port == ports["metrics"]
     assert config.stager_image == "ghcr.io/modelstage/stager:0.1.0"
+    assert config.stager_images == (config.stager_image,), "only the chart's image by default"
+
+
+def test_allowed_stager_images_reach_the_operator() -> None:
+    text = run([tool("helm"), "template", RELEASE, str(CHART), "--namespace", RELEASE_NAMESPACE,
+                "--set", "stagerImage.allowed={registry.local/stager,ghcr.io/acme/stager:2}"]).stdout  # fmt: skip
+    docs = [d for d in yaml.safe_load_all(text) if d]
+    env = {e["name"]: e.get("value") for e in _container(docs)["env"]}
+    config = OperatorConfig.from_env({k: v for k, v in env.items() if v is not None})
+    assert config.stager_images == (
+        "ghcr.io/modelstage/stager:0.1.0", "registry.local/stager", "ghcr.io/acme/stager:2"
+    )
 
 
 def test_peering_object_matches_the_operators_peering(scenario: str) -> None:

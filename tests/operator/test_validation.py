@@ -80,6 +80,46 @@ def test_a_non_vllm_workload_of_the_namespace_cannot_be_taken_over(
     assert reasons(check(spec, payments)) == ["VllmCommandNotRecognized"]
 
 
+DEFAULT_IMAGE = "ghcr.io/modelstage/stager:0.1.0"
+IMAGES = (DEFAULT_IMAGE, "registry.local/modelstage/stager")
+
+
+@pytest.mark.parametrize(
+    ("image", "allowed"),
+    [
+        ("ghcr.io/modelstage/stager:0.1.0", True),
+        ("ghcr.io/modelstage/stager:0.1.0@sha256:" + "0" * 64, True),
+        ("registry.local/modelstage/stager:0.2.0", True),
+        ("registry.local/modelstage/stager@sha256:" + "a" * 64, True),
+        ("attacker/img:latest", False),
+        ("ghcr.io/modelstage/stager:latest", False),
+        ("ghcr.io/modelstage/stager", False),
+        ("registry.local/modelstage/stager-evil:1", False),
+        ("registry.local/modelstage/stager/evil:1", False),
+        ("registry.local/modelstage/stager:1/../evil", False),
+        ("registry.local/modelstage/stager@sha256:short", False),
+    ],
+)
+def test_a_stager_image_must_be_one_the_operator_allows(
+    make_spec: SpecFactory, image: str, allowed: bool
+) -> None:
+    findings = validate_spec(make_spec(stager={"image": image}), allowed_images=IMAGES)
+    if allowed:
+        assert findings == []
+        return
+    (finding,) = findings
+    assert (finding.reason, finding.blocks) == ("StagerImageNotAllowed", "staging")
+    assert f"spec.stager.image {image!r} is not one of the stager images" in finding.message
+    assert "remove spec.stager.image to use the operator's default " + DEFAULT_IMAGE in finding.message
+
+
+def test_no_stager_image_in_the_spec_takes_the_operators_default(make_spec: SpecFactory) -> None:
+    assert validate_spec(make_spec(), allowed_images=IMAGES) == []
+    assert reasons(validate_spec(make_spec(stager={"image": DEFAULT_IMAGE}))) == [
+        "StagerImageNotAllowed"
+    ]  # nothing is allowed unless the operator says so
+
+
 def test_unknown_vllm_version_blocks_staging(make_spec: SpecFactory) -> None:
     (finding,) = validate_spec(make_spec(serving={"vllmVersion": "0.9"}))
     assert finding.reason == "UnsupportedVllmVersion"

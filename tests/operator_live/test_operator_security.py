@@ -1,5 +1,7 @@
 """The operator's security boundaries, with a real ``kopf run`` process against an API server.
 
+- The stager image (also the serving initContainer's) is the operator's choice: a spec naming
+  another image stages nothing and says why.
 - A workload is patched only when it opts in: its metadata names the ModelDeployment in the
   annotation ``modelstage.io/model-deployment``. Without it the artifact is staged (staging
   touches nothing of the workload's), the workload is left as it was, and the status says why
@@ -16,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from modelstage.operator.job_plan import stage_job_name
 from modelstage.operator.kube import OPT_IN_ANNOTATION
 from support.kube_cluster import Cluster, eventually
 from support.modelstage_objects import (
@@ -23,13 +26,15 @@ from support.modelstage_objects import (
     deploy_path,
     digest_of,
     finish_stage_job,
+    job_path,
     md_path,
+    merged,
     model_deployment,
     summary,
     template_digest,
     vllm_deployment,
 )
-from support.operator_flow import MD, condition, status_of, wait_job, wait_rolled
+from support.operator_flow import MD, apply, condition, status_of, wait_job, wait_phase, wait_rolled
 from support.operator_process import OperatorProcess
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(90)]
@@ -87,4 +92,18 @@ async def test_an_opt_in_for_another_model_deployment_is_refused(
 
     status = await eventually(refused, what="Degraded=TargetNotOptedIn")
     assert "opted in for ModelDeployment 'other'" in condition(status, "Degraded")["message"]
+    assert template_digest(await cluster.client.get(deploy_path(ns))) is None
+
+
+async def test_a_stager_image_the_operator_does_not_allow_stages_nothing(
+    cluster: Cluster, namespace: str, operator: OperatorProcess
+) -> None:
+    ns = namespace
+    spec = merged(SPEC, {"stager": {"image": "attacker/img:latest"}})
+    await apply(cluster, ns, spec)
+    status = await wait_phase(cluster, ns, "Failed")
+    staged = condition(status, "Staged")
+    assert (staged["status"], staged["reason"]) == ("False", "StagerImageNotAllowed")
+    assert "'attacker/img:latest' is not one of the stager images" in staged["message"]
+    assert await cluster.client.get(job_path(ns, stage_job_name(digest_of(spec)))) is None
     assert template_digest(await cluster.client.get(deploy_path(ns))) is None
