@@ -65,16 +65,18 @@ fi
 
 log "CRDs and chart (the CRD upgrade path first, as on every upgrade)"
 kubectl apply --server-side -f charts/modelstage/crds/
+# The operator serves the test namespace only (a Role there): it must exist first.
+kubectl create namespace "$NAMESPACE" --dry-run=client -o yaml | kubectl apply -f -
 helm upgrade --install "$RELEASE" charts/modelstage \
   --namespace modelstage-system --create-namespace \
   --set image.repository=modelstage-operator --set image.tag="$TAG" \
   --set image.pullPolicy=Never \
   --set stagerImage.repository=modelstage-stager --set stagerImage.tag="$TAG" \
+  --set "watch.namespaces={$NAMESPACE}" \
   --wait --timeout 5m
 kubectl -n modelstage-system rollout status "deployment/$RELEASE" --timeout=5m
 
 log "a tiny generated checkpoint on a PVC"
-kubectl create namespace "$NAMESPACE" --dry-run=client -o yaml | kubectl apply -f -
 kubectl apply -n "$NAMESPACE" -f - <<EOF
 apiVersion: v1
 kind: PersistentVolumeClaim

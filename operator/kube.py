@@ -65,6 +65,22 @@ class Owner:
         }
 
 
+def model_deployment_owners(manifest: Manifest) -> set[str]:
+    """UIDs of the ModelDeployments that control ``manifest`` (its controller owner
+    references of our kind and API group). Names and labels can be copied by anyone who may
+    create the object; an owner reference to a ModelDeployment is how the operator's own
+    children are told apart."""
+    group = API_VERSION.split("/", 1)[0]
+    return {
+        str(ref.get("uid"))
+        for ref in (manifest.get("metadata") or {}).get("ownerReferences") or []
+        if ref.get("controller")
+        and ref.get("kind") == KIND
+        and str(ref.get("apiVersion", "")).split("/", 1)[0] == group
+        and ref.get("uid")
+    }
+
+
 def labels(component: str, owner_name: str, digest: str | None = None) -> dict[str, str]:
     out = {
         "app.kubernetes.io/name": "modelstage",

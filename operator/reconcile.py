@@ -43,7 +43,7 @@ from .job_plan import (
     staging_jobs,
     staging_step,
 )
-from .kube import LABEL_DIGEST, Manifest, Owner
+from .kube import LABEL_DIGEST, Manifest, Owner, model_deployment_owners
 from .kube_client import Conflict, KubeClient, resource_path
 from .patch import merge_diff
 from .retention import Holder, RetentionPlan, plan_release, plan_retention, remember
@@ -212,7 +212,9 @@ class Reconciler:
                 jobs = staging_jobs(
                     spec, owner=owner, digest=desired.digest, default_image=self.stager_image
                 )
-                job, next_job = self._observe_jobs(namespace, desired.digest, jobs)
+                job, next_job, foreign = self._observe_jobs(namespace, desired.digest, jobs, owner)
+                if foreign is not None:
+                    findings.append(foreign)
             if workload is not None:
                 observed_workload = self._observe_workload(namespace, workload)
 
@@ -231,7 +233,9 @@ class Reconciler:
             if job_name == stage_job_name(desired.digest):
                 position = self.slots.acquire((namespace, job_name), (namespace, name))
                 if position:
-                    decision = queued(decision, position, self.slots.limit, observed)
+                    decision = queued(
+                        decision, position, self.slots.limit, observed, self.slots.per_namespace
+                    )
         outcome = Outcome(decision, invalid=invalid)
 
         # 1. The status, first (see the module docstring).
@@ -410,35 +414,61 @@ class Reconciler:
         return wanted if wanted and image_allowed(wanted, self.images) else self.stager_image
 
     def _observe_jobs(
-        self, namespace: str, digest: str, planned: list[Manifest]
-    ) -> tuple[JobObservation | None, Manifest | None]:
-        """(the observation of the Job staging follows, the Job to create next); see
-        ``staging_step``: the stage Job, then for a scaled-out artifact its finalize Job."""
+        self, namespace: str, digest: str, planned: list[Manifest], owner: Owner
+    ) -> tuple[JobObservation | None, Manifest | None, Finding | None]:
+        """(the observation of the Job staging follows, the Job to create next, why an
+        existing Job is not followed); see ``staging_step``: the stage Job, then for a
+        scaled-out artifact its finalize Job."""
         found: dict[str, Manifest] = {}
         for manifest in planned:
             name = manifest["metadata"]["name"]
             job = self.kube.get(resource_path("batch/v1", "jobs", namespace, name))
             if job is None:
                 break
+            foreign = self._foreign_job(namespace, job, owner)
+            if foreign is not None:
+                return None, None, foreign
             found[name] = job
         step = staging_step(
             [j["metadata"]["name"] for j in planned],
             {name: observe_job(job).state for name, job in found.items()},
         )
         if step.create is not None:
-            return None, next(j for j in planned if j["metadata"]["name"] == step.create)
+            return None, next(j for j in planned if j["metadata"]["name"] == step.create), None
         assert step.follow is not None
         job = found[step.follow]
         state = observe_job(job).state
         if state == "Running":
-            return observe_job(job), None
+            return observe_job(job), None, None
         pods = self.kube.list(
             resource_path("v1", "pods", namespace),
             label_selector={**STAGER_SELECTOR, LABEL_DIGEST: digest},
         )
         own = [p for p in pods if (p["metadata"].get("labels") or {}).get(JOB_NAME_LABEL)
                in (None, step.follow)]  # fmt: skip
-        return observe_job(job, termination_message(own, success=state == "Succeeded")), None
+        message = termination_message(own, success=state == "Succeeded")
+        return observe_job(job, message), None, None
+
+    def _foreign_job(self, namespace: str, job: Manifest, owner: Owner) -> Finding | None:
+        """Why a Job under a staging Job's name is not one to follow: the names are
+        predictable, so anyone who may create Jobs could plant one that reports a staged
+        artifact. Followed are Jobs controlled by this ModelDeployment or, for an artifact
+        two of them share, by another ModelDeployment of the namespace."""
+        uids = model_deployment_owners(job)
+        if owner.uid in uids:
+            return None
+        if uids and uids & {
+            str(md["metadata"].get("uid")) for md in self.kube.list(md_path(namespace))
+        }:
+            return None
+        name = job["metadata"]["name"]
+        return Finding(
+            "JobNotOwned",
+            f"Job {name} exists in namespace {namespace} but no ModelDeployment of the "
+            "namespace owns it: modelstage did not create it and does not trust what it "
+            "reports; delete it and modelstage creates its own",
+            "staging",
+        )
 
     def _observe_workload(self, namespace: str, workload: Manifest) -> WorkloadObservation:
         digest = observe_workload(workload).digest

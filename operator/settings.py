@@ -35,8 +35,10 @@ def _float(env: Mapping[str, str], name: str, default: float) -> float:
 @dataclass(frozen=True)
 class OperatorConfig:
     metrics_port: int = 8080
-    """Prometheus metrics on ``0.0.0.0:<port>``; 0 turns them off."""
-    metrics_host: str = "0.0.0.0"
+    """Prometheus metrics on ``<metrics_host>:<port>``; 0 turns them off."""
+    metrics_host: str = "127.0.0.1"
+    """The address the metrics endpoint binds: loopback unless told otherwise (the chart
+    binds the pod's IP, which Prometheus scrapes and a NetworkPolicy guards)."""
     stager_image: str = DEFAULT_STAGER_IMAGE
     """The stager image when a spec does not name one (also the serving initContainer's)."""
     allowed_stager_images: tuple[str, ...] = ()
@@ -63,6 +65,9 @@ class OperatorConfig:
     max_stager_jobs: int = 4
     """Stage Jobs at once across everything this operator serves; more wait in a queue
     (``slots.py``); 0: no limit."""
+    max_stager_jobs_per_namespace: int = 2
+    """Stage Jobs at once per namespace, so that one namespace cannot take every slot;
+    0: no cap beyond ``max_stager_jobs``."""
     posting_level: int = logging.INFO
     """Least severity of kopf's own messages posted as Kubernetes Events."""
 
@@ -90,6 +95,9 @@ class OperatorConfig:
             failed_backoff_max=_float(env, "FAILED_BACKOFF_MAX", cls.failed_backoff_max),
             conflict_delay=_float(env, "CONFLICT_DELAY", cls.conflict_delay),
             max_stager_jobs=int(_float(env, "MAX_STAGER_JOBS", cls.max_stager_jobs)),
+            max_stager_jobs_per_namespace=int(
+                _float(env, "MAX_STAGER_JOBS_PER_NAMESPACE", cls.max_stager_jobs_per_namespace)
+            ),
             peering_lifetime=_float(env, "PEERING_LIFETIME", cls.peering_lifetime),
             posting_level=level,
         )

@@ -442,13 +442,18 @@ def decide(desired: Artifact | None, status: ModelDeploymentStatus, observed: Ob
     return Decision(action=action, status=new_status, artifact=target, details=details)
 
 
-def queued(decision: Decision, position: int, limit: int, observed: Observed) -> Decision:
+def queued(
+    decision: Decision, position: int, limit: int, observed: Observed, per_namespace: int = 0
+) -> Decision:
     """The stage Job must wait for a slot (``slots.StagerSlots``): no action, phase
     ``Pending``, ``Staged=False/Queued`` with the place in the queue."""
     digest = decision.status.desired_digest
+    limits = [f"{limit} stager Job{'s' if limit != 1 else ''} at once"] if limit > 0 else []
+    if per_namespace > 0:
+        limits.append(f"{per_namespace} per namespace")
     message = (
         f"artifact {digest} waits for a stager slot: position {position} in the queue "
-        f"(at most {limit} stager Job{'s' if limit != 1 else ''} at once)"
+        f"(at most {', '.join(limits)})"
     )
     update = condition(
         "Staged", "False", "Queued", message, now=observed.now, generation=observed.generation
