@@ -155,7 +155,7 @@ def _extra_config(argv: list[str], flags: list[Flag], settings: VllmSettings) ->
         if flag.name == EXTRA_CONFIG:
             try:
                 parsed = json.loads(_value(argv, flag) or "{}")
-            except json.JSONDecodeError:
+            except (ValueError, RecursionError):  # not JSON, too deep, too many digits
                 parsed = {}
             current = parsed if isinstance(parsed, dict) else {}
     kept = {k: v for k, v in current.items() if k in settings.kept_extra_keys}

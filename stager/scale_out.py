@@ -38,6 +38,7 @@ from typing import Any, TextIO
 from .checkpoint import Checkpoint, open_checkpoint
 from .destinations.base import Destination
 from .errors import SpecError
+from .hf_layout import copy_small_file
 from .layouts import Layout
 from .progress import Progress
 from .rank_writer import PART_METADATA, plan_parts, rank_file_names, write_rank_files
@@ -211,7 +212,7 @@ def finalize(req: StageRequest) -> dict[str, Any]:
         try:
             files = _check_parts(dest, run)
             for name in run.checkpoint.carried_over:
-                files[name] = dest.write_small(name, source.read_bytes(name))
+                files[name] = copy_small_file(source, name, dest)
             manifest = build_manifest(req, digest, run.layout, run.identity, files, started)
             dest.commit(manifest)
         except BaseException:

@@ -90,6 +90,7 @@ def plan_shards(
     """Map every source tensor to its per-rank slices; refuse missing or unknown tensors."""
     config.check_tensor_parallel(tp)
     arch = architecture_for(config)
+    _check_present(arch, config, sources)  # before expanding: config.json's numbers are claims
     active = _expand_rules(arch, config)
     _check_sources(arch, config, active, sources)
     out_dtype = _resolve_dtype(dtype)
@@ -124,18 +125,55 @@ def _expand_rules(arch: Architecture, config: ModelConfig) -> list[tuple[Rule, s
     return expanded
 
 
+def _check_present(
+    arch: Architecture, config: ModelConfig, sources: Mapping[str, SourceTensor]
+) -> None:
+    """Refuse a checkpoint that lacks tensors the config asks for, with work and memory
+    bounded by the tensors present, never by ``num_hidden_layers``: a 600-byte config.json
+    claiming a million layers must fail as fast as one claiming three."""
+    rules = [r for r in arch.rules if r.when.holds(config)]
+    layer_rules = [r for r in rules if "{L}" in r.source]
+    first = next(i for i, r in enumerate(arch.rules) if "{L}" in r.source)
+    before = [r.source for r in rules if "{L}" not in r.source and arch.rules.index(r) < first]
+    after = [r.source for r in rules if "{L}" not in r.source and arch.rules.index(r) > first]
+    prefixes = {r.source.split("{L}", 1)[0] for r in layer_rules}
+    present: set[int] = set()  # decoder layers with at least one tensor: at most len(sources)
+    for name in sources:
+        for prefix in prefixes:
+            index = name[len(prefix) :].split(".", 1)[0] if name.startswith(prefix) else ""
+            if index.isdigit() and len(index) < 9:
+                present.add(int(index))
+    count, examples = 0, [s for s in before if s not in sources]
+    count += len(examples)
+    for layer in sorted(i for i in present if i < config.num_layers):
+        for rule in layer_rules:
+            name = rule.source.replace("{L}", str(layer))
+            if name not in sources:
+                count += 1
+                examples.append(name)
+    absent = config.num_layers - len([i for i in present if i < config.num_layers])
+    count += absent * len(layer_rules)
+    layer = 0
+    while len(examples) < 5 and absent and layer < config.num_layers:
+        if layer not in present:  # each absent layer adds examples: a few steps at most
+            examples += [r.source.replace("{L}", str(layer)) for r in layer_rules]
+        layer += 1
+    missing_after = [s for s in after if s not in sources]
+    count += len(missing_after)
+    examples += missing_after
+    if count:
+        raise CheckpointError(
+            f"checkpoint lacks {count} tensor(s) that {arch.name} needs, e.g. "
+            + ", ".join(examples[:5])
+        )
+
+
 def _check_sources(
     arch: Architecture,
     config: ModelConfig,
     active: list[tuple[Rule, str, int]],
     sources: Mapping[str, SourceTensor],
 ) -> None:
-    missing = [s for _, s, _ in active if s not in sources]
-    if missing:
-        raise CheckpointError(
-            f"checkpoint lacks {len(missing)} tensor(s) that {arch.name} needs, e.g. "
-            + ", ".join(missing[:5])
-        )
     wanted = {s for _, s, _ in active}
     ignore = [re.compile(re.escape(p).replace(r"\{L\}", r"\d+") + "$") for p in arch.ignored]
     if config.tie_word_embeddings:

@@ -7,6 +7,8 @@ two stagers from racing on the same location; leftovers of killed runs are remov
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -20,6 +22,30 @@ from ..errors import ArtifactError, DestinationError
 from ..manifest import MANIFEST, Manifest, read_manifest, sha256_file
 from ..pieces import Piece
 from .base import Destination
+
+
+def open_lock(path: Path) -> int:
+    """The location's lock file, created when missing, never through a symbolic link (one
+    planted there would have the stager create or truncate a file elsewhere)."""
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise DestinationError(
+                f"{path}: the lock file is a symbolic link; refusing to follow it (remove it)"
+            ) from None
+        raise DestinationError(f"{path.parent}: cannot write: {e.strerror}") from None
+
+
+def remove_leftover(path: Path) -> int:
+    """Remove a ``<out>.tmp-*`` leftover of a killed run; returns the files it held. A link
+    or a file under that name is removed itself, never followed."""
+    if path.is_symlink() or not path.is_dir():
+        path.unlink(missing_ok=True)
+        return 1
+    count = sum(len(files) for _, _, files in os.walk(path))  # os.walk follows no links
+    shutil.rmtree(path)
+    return count
 
 
 def fsync_dir(path: Path) -> None:
@@ -79,6 +105,8 @@ class LocalFileSink:
             self.fd = -1
 
 
+SIDECAR_MAX_BYTES = 4096
+"""A sidecar is one short JSON line; more is not one of ours (and does not parse)."""
 SIDECAR_SUFFIX = ".part.json"
 """Beside each part a scale-out worker finished: its size, sha256 and run key."""
 PARTIAL_INFIX = ".partial-"
@@ -151,9 +179,9 @@ class LocalDestination(Destination):
         parent = self.out.parent
         try:
             parent.mkdir(parents=True, exist_ok=True)
-            self._lock_fd = os.open(parent / f".{self.out.name}.lock", os.O_RDWR | os.O_CREAT)
         except OSError as e:
             raise DestinationError(f"{parent}: cannot write: {e.strerror}") from None
+        self._lock_fd = open_lock(parent / f".{self.out.name}.lock")
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -161,7 +189,8 @@ class LocalDestination(Destination):
                 f"{self.out}: another stager is writing this artifact right now"
             ) from None
         for stale in parent.glob(f"{self.out.name}.tmp-*"):
-            shutil.rmtree(stale, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                remove_leftover(stale)
         self.work = parent / f"{self.out.name}.tmp-{uuid.uuid4().hex[:12]}"
         self.work.mkdir()
 
@@ -179,9 +208,9 @@ class LocalDestination(Destination):
         parent = self.out.parent
         try:
             parent.mkdir(parents=True, exist_ok=True)
-            self._lock_fd = os.open(parent / f".{self.out.name}.lock", os.O_RDWR | os.O_CREAT)
         except OSError as e:
             raise DestinationError(f"{parent}: cannot write: {e.strerror}") from None
+        self._lock_fd = open_lock(parent / f".{self.out.name}.lock")
         try:
             mode = fcntl.LOCK_EX if finalize else fcntl.LOCK_SH
             fcntl.flock(self._lock_fd, mode | fcntl.LOCK_NB)
@@ -210,9 +239,12 @@ class LocalDestination(Destination):
             return None
         path = self.work / name
         try:
-            record = json.loads(sidecar_path(path).read_bytes())
+            with open(sidecar_path(path), "rb") as f:
+                record = json.loads(f.read(SIDECAR_MAX_BYTES))
             on_disk = os.stat(path).st_size
-        except (FileNotFoundError, ValueError):
+        except (FileNotFoundError, ValueError, RecursionError):
+            return None
+        if not isinstance(record, dict):
             return None
         if record.get("runKey") != self.run_key or record.get("size") != size or on_disk != size:
             return None
@@ -263,7 +295,8 @@ class LocalDestination(Destination):
         self.work = None
         if self.shared:  # leftovers of other runs; no worker of theirs can hold the lock now
             for stale in self.out.parent.glob(f"{self.out.name}.tmp-*"):
-                shutil.rmtree(stale, ignore_errors=True)
+                with contextlib.suppress(OSError):
+                    remove_leftover(stale)
         self._unlock()
 
     def abort(self) -> None:

@@ -421,6 +421,12 @@ def test_observe_workload_reads_the_digest_and_rollout_counts() -> None:
     assert not seen.complete
 
 
+@pytest.mark.parametrize("line", ["[" * 5000, '{"digest": 1' + "0" * 5000 + "}", '{"a":' * 5000])
+def test_a_termination_message_that_is_no_json_is_no_summary(line: str) -> None:
+    """A pod writes what it likes there: deep nesting or endless digits are not a crash."""
+    assert parse_summary(f"staging\n{line}") is None
+
+
 @pytest.mark.parametrize(
     ("message", "expected"),
     [

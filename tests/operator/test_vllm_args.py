@@ -413,6 +413,15 @@ def test_moving_from_an_earlier_artifact_adds_no_served_model_name() -> None:
     ]
 
 
+@pytest.mark.parametrize("value", ["[" * 5000, "1" + "0" * 5000, "{not json"])
+def test_an_extra_config_that_is_no_json_object_is_dropped(value: str) -> None:
+    command, _ = rewrite(["vllm", "serve", "m", "--model-loader-extra-config", value], None, TENSORIZER)
+    assert command is not None
+    assert json.loads(command[command.index("--model-loader-extra-config") + 1]) == {
+        "tensorizer_uri": f"{ART}/model-rank-%03d.tensors"
+    }
+
+
 def test_an_extra_config_that_ends_up_empty_is_removed() -> None:
     command = [
         "vllm",
