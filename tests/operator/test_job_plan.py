@@ -350,3 +350,16 @@ def test_the_stager_has_a_memory_limit_unless_the_spec_sets_its_resources(
         assert container(job)["resources"] == resources
     mine = {"requests": {"cpu": "4", "memory": "8Gi"}, "limits": {"memory": "16Gi"}}
     assert container(plan(make_spec(stager={"resources": mine})))["resources"] == mine
+
+
+def test_a_service_account_lends_its_cloud_identity_never_an_api_token(
+    make_spec: SpecFactory,
+) -> None:
+    """``stager.serviceAccountName`` is for workload identity (S3); the stager never calls
+    the Kubernetes API, so its pods mount no API token whatever the account."""
+    spec = make_spec(stager={"serviceAccountName": "s3-reader"})
+    for job in jobs(make_spec(stager={"serviceAccountName": "s3-reader", "parallelism": 2})):
+        pod = job["spec"]["template"]["spec"]
+        assert pod["serviceAccountName"] == "s3-reader"
+        assert pod["automountServiceAccountToken"] is False
+    assert plan(spec)["spec"]["template"]["spec"]["automountServiceAccountToken"] is False

@@ -374,3 +374,19 @@ def test_allow_pickle_never_reads_a_pickle_whole(tmp_path: Path) -> None:
         assert not list(spool.glob("*.pickle")), "the spooled copy is removed"
     finally:
         converted.close()
+
+
+def test_an_oversized_s3_manifest_is_refused_after_reading_only_its_limit(
+    s3: Any, bucket: str
+) -> None:
+    """The object's listed size is not read whole: the destination and the plugin read at most
+    one byte past the limit, and refuse."""
+    from modelstage.stager.destinations.s3 import S3Destination
+    from modelstage.stager.plugin.checks import _s3_manifest
+    from modelstage.stager.s3_client import S3Client, S3Location
+
+    s3.client().put_object(Bucket=bucket, Key=f"big/{MANIFEST}", Body=b" " * (MAX_MANIFEST_BYTES + 4096))
+    with pytest.raises(ArtifactError, match="more than"):
+        S3Destination(f"s3://{bucket}/big/", s3.options()).existing()
+    with pytest.raises(ArtifactError, match="more than"):
+        _s3_manifest(S3Client(s3.options()), S3Location.parse(f"s3://{bucket}/big/"))
