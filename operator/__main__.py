@@ -33,7 +33,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     kopf.configure(verbose=args.verbose, log_format=kopf.LogFormat[args.log_format.upper()])
     from . import handlers  # noqa: F401  (registers the handlers)
 
+    settings = kopf.OperatorSettings()
+    # Serving named namespaces needs no cluster-scoped reads: kopf then neither lists
+    # namespaces nor watches CRDs, which a namespaced Role does not grant (without this it
+    # retries the refused requests with backoff for a minute and more before it serves).
+    settings.scanning.disabled = not args.all_namespaces
     kopf.run(
+        settings=settings,
         standalone=args.standalone,
         priority=args.priority,
         liveness_endpoint=args.liveness,

@@ -433,6 +433,10 @@ class ModelDeploymentStatus(Model):
     """The artifact served before the current rollout: the rollback target."""
     failed_digest: str | None = None
     """A digest whose rollout failed and was rolled back; not retried until the spec changes."""
+    failure_reason: str | None = None
+    """Why the pods on ``failed_digest`` failed (crash loop, image pull, ...), as observed when
+    the rollback was decided: later reconciliations, which no longer see those pods, keep
+    reporting it."""
     workload_generation: int | None = Field(default=None, ge=1)
     """The workload's generation when it was last seen on ``artifact``. Off the artifact at a
     later generation means someone else changed it: reported, never patched back."""

@@ -20,6 +20,7 @@ Run with ``python -m modelstage.operator`` (or ``kopf run -m modelstage.operator
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any, NamedTuple, cast
 
@@ -108,6 +109,28 @@ def _reconcile(memo: Any, namespace: str, name: str, logger: Logger) -> Outcome 
     return reconciler.reconcile(namespace, name, logger)
 
 
+EVENT_CONFLICT_ROUNDS = 5
+"""Rounds of re-reads (each of ``reconcile``'s own attempts) an event-triggered reconciliation
+makes before it leaves the object to the resync timer."""
+
+
+def _reconcile_settled(memo: Any, namespace: str, name: str, logger: Logger) -> None:
+    """A reconciliation woken by an event, which kopf does not retry: a write conflict means
+    someone else wrote the object meanwhile, and that write's event may not wake this object
+    again (a Job's or a workload's event does not repeat), so it re-reads after the conflict
+    delay instead of dropping the change it was woken for."""
+    config: OperatorConfig = memo.config
+    for round_ in range(EVENT_CONFLICT_ROUNDS):
+        try:
+            _reconcile(memo, namespace, name, logger)
+            return
+        except Conflict as error:
+            if round_ + 1 == EVENT_CONFLICT_ROUNDS:
+                logger.warning("reconcile of %s left to the resync timer: %s", name, error)
+                return
+            time.sleep(config.conflict_delay)
+
+
 @kopf.on.resume(*MD)
 @kopf.on.create(*MD)
 @kopf.on.update(*MD, field="spec")
@@ -140,10 +163,36 @@ def modeldeployment_resync(
     namespace: str | None, name: str, memo: Any, logger: Logger, **_: Any
 ) -> None:
     assert namespace is not None
-    try:
-        _reconcile(memo, namespace, name, logger)
-    except Conflict as error:
-        logger.info("resync deferred: %s", error)
+    _reconcile_settled(memo, namespace, name, logger)
+
+
+@kopf.on.event(*MD)
+def modeldeployment_lagging(
+    type: str,
+    namespace: str | None,
+    name: str,
+    meta: kopf.Meta,
+    status: kopf.Status,
+    memo: Any,
+    logger: Logger,
+    **_: Any,
+) -> None:
+    """Reconciles a ModelDeployment whose status lags its generation, whatever the event.
+
+    kopf calls the spec handler when the spec differs from the one it last handed to that
+    handler; a reconciliation reads the object afresh and may act on a newer spec than the one
+    it was handed. An edit back to the handed spec (A, then B read and acted on, then A again
+    while the handler still runs) then looks unchanged to kopf, and no handler would run:
+    the status would stay on B. Any later event of the object (the status write's own, at
+    least) shows the lag, and this reconciles it. Without a lag it does nothing."""
+    observed = status.get("observedGeneration")
+    generation = meta.get("generation")
+    if type == "DELETED" or meta.get("deletionTimestamp") or observed is None:
+        return  # gone, going, or never reconciled: the create/resume handlers do it
+    if generation is None or int(observed) >= int(generation):
+        return
+    assert namespace is not None
+    _reconcile_settled(memo, namespace, name, logger)
 
 
 @kopf.on.event(*MD)
@@ -167,17 +216,13 @@ def _reconcile_matching(
     logger: Logger,
     match: Callable[[Ref], bool],
 ) -> None:
-    """Reconciles each ModelDeployment of ``namespace`` for which ``match(ref)`` holds; a write
-    conflict is left to the next event or the timer (event handlers are not retried)."""
+    """Reconciles each ModelDeployment of ``namespace`` for which ``match(ref)`` holds (write
+    conflicts re-read, ``_reconcile_settled``)."""
     refs: kopf.Index[str | None, Ref] = kwargs["modeldeployment_refs"]
     assert namespace is not None
     for ref in list(refs.get(namespace, [])):
-        if not match(ref):
-            continue
-        try:
-            _reconcile(memo, namespace, ref.name, logger)
-        except Conflict as error:
-            logger.info("reconcile of %s deferred: %s", ref.name, error)
+        if match(ref):
+            _reconcile_settled(memo, namespace, ref.name, logger)
 
 
 @kopf.on.event("batch", "v1", "jobs", labels=STAGER)
@@ -208,10 +253,7 @@ def stage_job_event(
         # A slot is free: the queued ModelDeployments try again, in queue order (each
         # also learns its new position).
         for waiting_ns, waiting in slots.waiting():
-            try:
-                _reconcile(memo, waiting_ns, waiting, logger)
-            except Conflict as error:
-                logger.info("reconcile of %s deferred: %s", waiting, error)
+            _reconcile_settled(memo, waiting_ns, waiting, logger)
 
 
 @kopf.on.event("batch", "v1", "jobs", labels=CLEANUP)

@@ -7,6 +7,7 @@ start with ``modelstage-``, which is how a later plan finds (and replaces) its o
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,12 +82,27 @@ def model_deployment_owners(manifest: Manifest) -> set[str]:
     }
 
 
+LABEL_VALUE_MAX = 63
+"""The API server refuses longer label values (422); object names may have up to 253."""
+
+
+def label_value(name: str) -> str:
+    """``name`` as a label value: itself when it fits, else a prefix and a hash of the whole
+    name (stable, distinct for distinct names, within 63 characters, starting and ending
+    with an alphanumeric character as label values must)."""
+    if len(name) <= LABEL_VALUE_MAX:
+        return name
+    tail = hashlib.sha256(name.encode()).hexdigest()[:10]
+    head = name[: LABEL_VALUE_MAX - len(tail) - 1].rstrip("-._")
+    return f"{head}-{tail}"
+
+
 def labels(component: str, owner_name: str, digest: str | None = None) -> dict[str, str]:
     out = {
         "app.kubernetes.io/name": "modelstage",
         "app.kubernetes.io/component": component,
         "app.kubernetes.io/managed-by": "modelstage-operator",
-        LABEL_OWNER: owner_name,
+        LABEL_OWNER: label_value(owner_name),
     }
     if digest is not None:
         out[LABEL_DIGEST] = digest

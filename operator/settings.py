@@ -22,6 +22,18 @@ PEERING_NAME = "modelstage"
 REPORTING_COMPONENT = "modelstage-operator"
 
 
+def _int(env: Mapping[str, str], name: str, default: int) -> int:
+    """A whole number: values that reach the API server as query parameters (``timeoutSeconds``)
+    must be integers there, which it parses with ``strconv.ParseInt`` (``300.0`` is a 400)."""
+    raw = env.get(PREFIX + name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{PREFIX}{name}={raw!r} is not a whole number") from None
+
+
 def _float(env: Mapping[str, str], name: str, default: float) -> float:
     raw = env.get(PREFIX + name)
     if raw is None or raw == "":
@@ -46,8 +58,9 @@ class OperatorConfig:
     references, or repositories (any tag or digest of theirs). The image runs in stager Jobs
     and as an initContainer in the target workload's pods, whose loader plugin folder it
     fills: it is the operator's choice, not the ModelDeployment author's."""
-    watch_server_timeout: float = 300.0
-    """Seconds the API server keeps a watch open before the operator re-lists."""
+    watch_server_timeout: int = 300
+    """Seconds the API server keeps a watch open before the operator re-lists; sent as the
+    watch's ``timeoutSeconds``, which the API server accepts only as an integer."""
     watch_client_timeout: float = 330.0
     connect_timeout: float = 10.0
     request_timeout: float = 30.0
@@ -79,14 +92,14 @@ class OperatorConfig:
         if not isinstance(level, int):
             raise ValueError(f"{PREFIX}POSTING_LEVEL={level_name!r} is not a log level")
         return cls(
-            metrics_port=int(_float(env, "METRICS_PORT", cls.metrics_port)),
+            metrics_port=_int(env, "METRICS_PORT", cls.metrics_port),
             metrics_host=env.get(PREFIX + "METRICS_HOST", cls.metrics_host),
             stager_image=env.get(PREFIX + "STAGER_IMAGE", cls.stager_image),
             allowed_stager_images=tuple(
                 i.strip() for i in env.get(PREFIX + "ALLOWED_STAGER_IMAGES", "").split(",")
                 if i.strip()
             ),
-            watch_server_timeout=_float(env, "WATCH_SERVER_TIMEOUT", cls.watch_server_timeout),
+            watch_server_timeout=_int(env, "WATCH_SERVER_TIMEOUT", cls.watch_server_timeout),
             watch_client_timeout=_float(env, "WATCH_CLIENT_TIMEOUT", cls.watch_client_timeout),
             connect_timeout=_float(env, "CONNECT_TIMEOUT", cls.connect_timeout),
             request_timeout=_float(env, "REQUEST_TIMEOUT", cls.request_timeout),
@@ -94,9 +107,9 @@ class OperatorConfig:
             failed_backoff=_float(env, "FAILED_BACKOFF", cls.failed_backoff),
             failed_backoff_max=_float(env, "FAILED_BACKOFF_MAX", cls.failed_backoff_max),
             conflict_delay=_float(env, "CONFLICT_DELAY", cls.conflict_delay),
-            max_stager_jobs=int(_float(env, "MAX_STAGER_JOBS", cls.max_stager_jobs)),
-            max_stager_jobs_per_namespace=int(
-                _float(env, "MAX_STAGER_JOBS_PER_NAMESPACE", cls.max_stager_jobs_per_namespace)
+            max_stager_jobs=_int(env, "MAX_STAGER_JOBS", cls.max_stager_jobs),
+            max_stager_jobs_per_namespace=_int(
+                env, "MAX_STAGER_JOBS_PER_NAMESPACE", cls.max_stager_jobs_per_namespace
             ),
             peering_lifetime=_float(env, "PEERING_LIFETIME", cls.peering_lifetime),
             posting_level=level,
@@ -117,7 +130,7 @@ def configure(settings: kopf.OperatorSettings, config: OperatorConfig) -> None:
     settings.posting.level = config.posting_level
     settings.posting.reporting_component = REPORTING_COMPONENT
     settings.posting.reporting_instance = os.environ.get("HOSTNAME", "local")
-    settings.watching.server_timeout = config.watch_server_timeout
+    settings.watching.server_timeout = int(config.watch_server_timeout)
     settings.watching.client_timeout = config.watch_client_timeout
     settings.watching.connect_timeout = config.connect_timeout
     settings.networking.request_timeout = config.request_timeout

@@ -297,9 +297,11 @@ def decide(desired: Artifact | None, status: ModelDeploymentStatus, observed: Ob
             ("True", "Staged", f"artifact {desired.digest} is staged"),
             (
                 "RolledBack",
-                f"pods on artifact {desired.digest} failed and the workload was rolled "
-                f"back to {current.digest if current else 'its previous artifact'}; "
-                "change the spec to try again",
+                _rolled_back_message(
+                    desired.digest,
+                    status.failure_reason,
+                    current.digest if current else "its previous artifact",
+                ),
             ),
         )
         if (
@@ -336,13 +338,13 @@ def decide(desired: Artifact | None, status: ModelDeploymentStatus, observed: Ob
                 draft.phase = "Failed"
                 draft.degraded = (
                     "RolledBack",
-                    f"pods on artifact {desired.digest} failed ({reason}); rolled back to "
-                    f"artifact {status.previous_artifact.digest}; change the spec to try again",
+                    _rolled_back_message(desired.digest, reason, status.previous_artifact.digest),
                 )
                 draft.updates = {
                     "artifact": status.previous_artifact,
                     "previous_artifact": None,
                     "failed_digest": desired.digest,
+                    "failure_reason": reason,
                     "workload_generation": None,
                 }
                 details = f"rolling back to {status.previous_artifact.digest}: {reason}"
@@ -405,6 +407,7 @@ def decide(desired: Artifact | None, status: ModelDeploymentStatus, observed: Ob
                     details = f"artifact {desired.digest} staged: rolling the workload onto it"
 
     now, gen = observed.now, observed.generation
+    still_failed = desired is not None and status.failed_digest == desired.digest
     updates: list[Condition] = [
         condition(
             "Staged", draft.staged[0], draft.staged[1], draft.staged[2], now=now, generation=gen
@@ -432,9 +435,8 @@ def decide(desired: Artifact | None, status: ModelDeploymentStatus, observed: Ob
             "observed_generation": gen,
             "desired_digest": desired.digest if desired else None,
             "conditions": merge_conditions(status.conditions, updates),
-            "failed_digest": status.failed_digest
-            if desired is not None and status.failed_digest == desired.digest
-            else None,
+            "failed_digest": status.failed_digest if still_failed else None,
+            "failure_reason": status.failure_reason if still_failed else None,
             "queue_position": None,
             **draft.updates,
         }
@@ -466,6 +468,16 @@ def queued(
         }
     )
     return Decision(Action.WAIT, status, details=message if position == 1 else "")
+
+
+def _rolled_back_message(failed: str, reason: str | None, back_to: str) -> str:
+    """The ``RolledBack`` condition's message; the same words whenever it is re-decided, so the
+    pods' failure reason survives the reconciliations that follow the rollback."""
+    why = f" ({reason})" if reason else ""
+    return (
+        f"pods on artifact {failed} failed{why}; rolled back to artifact {back_to}; "
+        "change the spec to try again"
+    )
 
 
 def _staged_message(artifact: ArtifactStatus) -> str:

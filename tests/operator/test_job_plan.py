@@ -3,6 +3,7 @@ restricted security, PVC or S3 wiring, and a manifest Kubernetes' own schema acc
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -47,6 +48,25 @@ def container(job: dict[str, Any]) -> dict[str, Any]:
 
 def env(job: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {e["name"]: e for e in container(job)["env"]}
+
+
+@pytest.mark.parametrize("length", [63, 64, 100, 253])
+def test_every_label_value_fits_the_api_servers_63_characters(
+    make_spec: SpecFactory, length: int
+) -> None:
+    """Object names may have 253 characters; label values 63 (the API server answers 422)."""
+    name = ("llama-" + "x" * 300)[: length - 1] + "1"
+    job = plan(make_spec(), Owner(name=name, namespace="llm", uid="u"))
+    template_labels = job["spec"]["template"]["metadata"]["labels"]
+    for labels in (job["metadata"]["labels"], template_labels):
+        for value in labels.values():
+            assert len(value) <= 63 and re.fullmatch(
+                r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?", value
+            )
+    owner = job["metadata"]["labels"]["modelstage.io/model-deployment"]
+    assert owner == name if length <= 63 else owner != name
+    other = plan(make_spec(), Owner(name=name[:-1] + "2", namespace="llm", uid="u"))
+    assert other["metadata"]["labels"]["modelstage.io/model-deployment"] != owner
 
 
 def test_job_is_named_from_the_digest_and_fits_a_label(make_spec: SpecFactory) -> None:

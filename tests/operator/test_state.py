@@ -292,6 +292,19 @@ def test_after_a_rollback_the_failed_digest_is_not_retried(desired: Artifact) ->
     assert cond(later, "Degraded") == ("True", "RolledBack")
 
 
+def test_the_pods_failure_reason_survives_the_reconciliations_after_a_rollback(
+    desired: Artifact,
+) -> None:
+    """The rollback patch itself wakes the operator again, and by then the failing pods are
+    gone: the Degraded message must still say why they failed."""
+    why = "pod vllm-7d9f, container vllm: CrashLoopBackOff: RuntimeError: CUDA out of memory"
+    first = run(desired, rolled_out(desired), workload=on(desired.digest, failing=(why,)))
+    later = run(desired, first.status, workload=on(OLD.digest), now=T0 + timedelta(minutes=1))
+    degraded = later.status.condition("Degraded")
+    assert degraded is not None and why in degraded.message and OLD.digest in degraded.message
+    assert later.status.failure_reason == why
+
+
 def test_a_rollback_that_was_not_applied_is_applied_again(desired: Artifact) -> None:
     first = run(desired, rolled_out(desired), workload=on(desired.digest, failing=("crash",)))
     again = run(desired, first.status, workload=on(desired.digest, failing=("crash",)))
@@ -319,6 +332,7 @@ def test_a_spec_change_after_a_rollback_stages_again(
     changed = artifact_for(make_spec(dtype="float16"), namespace="llm", deployment_name="llama")
     d = run(changed, first.status, workload=on(OLD.digest), generation=2)
     assert d.action is Action.CREATE_JOB and d.status.failed_digest is None
+    assert d.status.failure_reason is None
 
 
 def test_failing_pods_without_a_previous_artifact_fail_without_rollback(desired: Artifact) -> None:

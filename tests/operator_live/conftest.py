@@ -14,11 +14,11 @@ import yaml
 from support.kube_cluster import (
     Cluster,
     ControlPlane,
-    KubeHTTP,
-    apply_crd,
     assets_folder,
     control_plane,
     kmock_cluster,
+    new_namespace,
+    real_cluster,
 )
 from support.operator_process import OperatorProcess
 
@@ -50,25 +50,13 @@ async def cluster(
         async with kmock_cluster([CRD, *PEERING_CRDS], tmp_path) as fake_cluster:
             yield fake_cluster
         return
-    assert real_control_plane.kubeconfig is not None
-    async with KubeHTTP(real_control_plane.server, real_control_plane.token) as client:
-        for crd in (CRD, *PEERING_CRDS):
-            await apply_crd(client, crd)
-        yield Cluster(
-            "real",
-            client,
-            real_control_plane.kubeconfig,
-            garbage_collection=real_control_plane.has_garbage_collector,
-        )
+    async with real_cluster(real_control_plane, [CRD, *PEERING_CRDS], tmp_path) as real:
+        yield real
 
 
 @pytest_asyncio.fixture
 async def namespace(cluster: Cluster) -> str:
-    name = f"t-{uuid.uuid4().hex[:8]}"
-    await cluster.client.create(
-        "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}}
-    )
-    return name
+    return await new_namespace(cluster, f"t-{uuid.uuid4().hex[:8]}")
 
 
 @pytest_asyncio.fixture

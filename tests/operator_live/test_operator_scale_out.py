@@ -53,7 +53,7 @@ async def test_indexed_job_then_finalize_job_then_rollout(
     final = await wait_named_job(cluster, namespace, finalize_job_name(digest))
     [pod_container] = final["spec"]["template"]["spec"]["containers"]
     assert pod_container["command"][:2] == ["modelstage", "finalize"]
-    assert "completionMode" not in final["spec"]
+    assert final["spec"]["completionMode"] == "NonIndexed"  # the API server's default
     status = await status_of(cluster, namespace)
     assert status["phase"] == "Staging", "the workers' parts are no artifact before finalize"
     assert template_digest(await cluster.client.get(deploy_path(namespace))) is None

@@ -91,16 +91,24 @@ def run(
 
 
 @cache
-def render_text(scenario: str) -> str:
-    args = SCENARIOS[scenario]
+def render_values(*args: str) -> str:
+    """``helm template`` of the chart with these ``--set`` style arguments."""
     return run(
         [tool("helm"), "template", RELEASE, str(CHART), "--namespace", RELEASE_NAMESPACE, *args]
     ).stdout
 
 
+def render_text(scenario: str) -> str:
+    return render_values(*SCENARIOS[scenario])
+
+
 def render(scenario: str) -> list[dict[str, Any]]:
     """The documents ``helm template`` renders for a scenario (empty documents dropped)."""
     return [doc for doc in yaml.safe_load_all(render_text(scenario)) if doc]
+
+
+def render_docs(*args: str) -> list[dict[str, Any]]:
+    return [doc for doc in yaml.safe_load_all(render_values(*args)) if doc]
 
 
 def of_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import secrets
 import shutil
@@ -59,6 +60,12 @@ def write_kubeconfig(path: Path, server: str, token: str | None = None) -> Path:
     }
     path.write_text(yaml.safe_dump(config))
     return path
+
+
+def kubeconfig_token(path: Path) -> str | None:
+    """The bearer token of a kubeconfig that ``write_kubeconfig`` wrote."""
+    token: str | None = yaml.safe_load(path.read_text())["users"][0]["user"].get("token")
+    return token
 
 
 class ApiStatusError(Exception):
@@ -108,7 +115,15 @@ class KubeHTTP:
             params=params or None,
             headers={"Content-Type": content_type} if body is not None else None,
         ) as response:
-            data = await response.json(content_type=None)
+            text = await response.text()
+            try:
+                data = json.loads(text) if text else None
+            except json.JSONDecodeError:
+                # A plain-text answer ("404 page not found" while a new API group is not yet
+                # served): an error to the caller, not a parsing crash.
+                if response.status < 300:
+                    raise
+                data = {"message": text.strip()}
             if response.status >= 300:
                 raise ApiStatusError(response.status, data)
             return data
@@ -144,7 +159,7 @@ class KubeHTTP:
 async def eventually(
     probe: Callable[[], Awaitable[T]],
     *,
-    timeout: float = 20.0,
+    timeout: float = 60.0,
     interval: float = 0.1,
     what: str = "condition",
 ) -> T:
@@ -202,8 +217,11 @@ class ControlPlane:
 
     assets: Path
     workdir: Path
+    apiserver_args: tuple[str, ...] = ()
+    """Extra kube-apiserver flags (``--watch-cache=false`` for the watch-expiry tests)."""
     processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
     server: str = ""
+    etcd: str = ""
     token: str = field(default_factory=lambda: secrets.token_hex(16))
     kubeconfig: Path | None = None
 
@@ -229,6 +247,7 @@ class ControlPlane:
                 "--unsafe-no-fsync=true",
             ],
         )
+        self.etcd = f"http://127.0.0.1:{etcd_port}"
         (self.workdir / "tokens.csv").write_text(f'{self.token},admin,admin,"system:masters"\n')
         private, public = _service_account_keys(self.workdir)
         self._spawn(
@@ -241,12 +260,14 @@ class ControlPlane:
                 "--advertise-address=127.0.0.1",
                 "--service-cluster-ip-range=10.0.0.0/24",
                 f"--token-auth-file={self.workdir / 'tokens.csv'}",
-                "--authorization-mode=AlwaysAllow",
+                # RBAC as clusters run it: the operator holds only the chart's permissions.
+                "--authorization-mode=RBAC",
                 "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
                 f"--service-account-key-file={public}",
                 f"--service-account-signing-key-file={private}",
                 "--disable-admission-plugins=ServiceAccount",
                 "--allow-privileged=true",
+                *self.apiserver_args,
             ],
         )
         self.server = f"https://127.0.0.1:{api_port}"
@@ -266,6 +287,24 @@ class ControlPlane:
                     "--use-service-account-credentials=false",
                 ],
             )
+
+    def compact(self) -> None:
+        """Compacts etcd at its current revision: every older resourceVersion is forgotten
+        (with ``--watch-cache=false`` a watch from one then gets 410 Expired)."""
+        import base64
+        import urllib.request
+
+        def call(path: str, body: dict[str, Any]) -> dict[str, Any]:
+            request = urllib.request.Request(
+                self.etcd + path, data=json.dumps(body).encode(),
+                headers={"Content-Type": "application/json"},
+            )  # fmt: skip
+            with urllib.request.urlopen(request, timeout=10) as response:
+                answer: dict[str, Any] = json.loads(response.read())
+                return answer
+
+        revision = call("/v3/kv/range", {"key": base64.b64encode(b"/").decode()})["header"]
+        call("/v3/kv/compaction", {"revision": revision["revision"], "physical": True})
 
     @property
     def has_garbage_collector(self) -> bool:
@@ -330,16 +369,117 @@ async def apply_crd(client: KubeHTTP, crd: dict[str, Any], timeout: float = 30.0
     await eventually(discovered, timeout=timeout, what=f"{group}/{version} discovery")
 
 
+# -- the operator's identity on the real tier: the chart's ServiceAccount and RBAC ------------
+
+KIND_PATHS = {
+    "Namespace": ("v1", "namespaces", False),
+    "ServiceAccount": ("v1", "serviceaccounts", True),
+    "ClusterRole": ("rbac.authorization.k8s.io/v1", "clusterroles", False),
+    "ClusterRoleBinding": ("rbac.authorization.k8s.io/v1", "clusterrolebindings", False),
+    "Role": ("rbac.authorization.k8s.io/v1", "roles", True),
+    "RoleBinding": ("rbac.authorization.k8s.io/v1", "rolebindings", True),
+    "ClusterKopfPeering": ("kopf.dev/v1", "clusterkopfpeerings", False),
+    "KopfPeering": ("kopf.dev/v1", "kopfpeerings", True),
+}
+RBAC_KINDS = ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding")
+
+
+def collection_path(doc: dict[str, Any]) -> str:
+    version, plural, namespaced = KIND_PATHS[doc["kind"]]
+    base = f"/api/{version}" if "/" not in version else f"/apis/{version}"
+    if namespaced:
+        return f"{base}/namespaces/{doc['metadata']['namespace']}/{plural}"
+    return f"{base}/{plural}"
+
+
+async def create_all(client: KubeHTTP, docs: list[dict[str, Any]]) -> None:
+    """Creates each document (its namespace first, when missing); existing ones are kept."""
+    for doc in docs:
+        namespace = doc["metadata"].get("namespace")
+        if namespace and await client.get(f"/api/v1/namespaces/{namespace}") is None:
+            await client.create("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace",
+                                                       "metadata": {"name": namespace}})  # fmt: skip
+        try:
+            await client.create(collection_path(doc), doc)
+        except ApiStatusError as error:
+            if error.status != 409:
+                raise
+
+
+async def service_account_token(client: KubeHTTP, namespace: str, name: str) -> str:
+    """A bound token of the ServiceAccount (the TokenRequest API, as the kubelet gets one)."""
+    request = {
+        "apiVersion": "authentication.k8s.io/v1",
+        "kind": "TokenRequest",
+        "spec": {"expirationSeconds": 24 * 3600},
+    }
+    path = f"/api/v1/namespaces/{namespace}/serviceaccounts/{name}/token"
+    answer = await client.create(path, request)
+    token: str = answer["status"]["token"]
+    return token
+
+
+async def operator_kubeconfig(
+    client: KubeHTTP, server: str, rbac: list[dict[str, Any]], path: Path
+) -> Path:
+    """Installs the chart's RBAC documents and writes a kubeconfig with a token of the chart's
+    ServiceAccount: the operator then has exactly the chart's permissions."""
+    docs = [d for d in rbac if d["kind"] in RBAC_KINDS]
+    await create_all(client, docs)
+    account = next(d for d in docs if d["kind"] == "ServiceAccount")["metadata"]
+    token = await service_account_token(client, account["namespace"], account["name"])
+    return write_kubeconfig(path, server, token)
+
+
 @dataclass
 class Cluster:
-    """What a test gets: the tier, the client, the kubeconfig, and the fake (kmock tier)."""
+    """What a test gets: the tier, the client, the operator's kubeconfig, and the fake."""
 
     tier: str
     client: KubeHTTP
+    """The tests' own client: cluster admin (``system:masters``) on the real tier."""
     kubeconfig: Path
+    """The operator's kubeconfig: on the real tier a token of the chart's ServiceAccount,
+    bound by the chart's RBAC for the test's namespace (``namespace`` fixture)."""
     fake: Any = None
     """``FakeKubeAPI`` on the kmock tier (request counts), None on the real tier."""
     garbage_collection: bool = False
+    server: str = ""
+    plane: ControlPlane | None = None
+    """The real tier's control plane."""
+
+    async def forget_history(self) -> None:
+        """Every resourceVersion so far is forgotten: a watch resuming from one gets 410
+        Expired (etcd compacted on the real tier, which needs ``--watch-cache=false`` to show
+        it at once; the fake's ``compact``)."""
+        if self.plane is not None:
+            await asyncio.to_thread(self.plane.compact)
+        else:
+            await self.fake.compact()
+
+
+def chart_rbac(namespace: str) -> list[dict[str, Any]]:
+    """The chart's ServiceAccount, Role and RoleBinding for an operator that serves
+    ``namespace`` (its namespaced mode: what ``--namespace`` runs need)."""
+    from support.charts import render_docs
+
+    docs = render_docs(
+        "--set", "watch.namespaced=true", "--set", f"watch.namespaces={{{namespace}}}"
+    )
+    return [d for d in docs if d["kind"] in RBAC_KINDS]
+
+
+async def new_namespace(cluster: Cluster, name: str) -> str:
+    """Creates a namespace; on the real tier also the chart's Role and RoleBinding in it, so
+    that the operator (``Cluster.kubeconfig``) may serve it."""
+    await cluster.client.create(
+        "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}}
+    )
+    if cluster.tier == "real":
+        await create_all(
+            cluster.client, [d for d in chart_rbac(name) if d["kind"] != "ServiceAccount"]
+        )
+    return name
 
 
 @contextlib.asynccontextmanager
@@ -353,14 +493,33 @@ async def kmock_cluster(crds: list[dict[str, Any]], folder: Path) -> AsyncIterat
         kubeconfig = write_kubeconfig(folder / "kubeconfig", url)
         try:
             async with KubeHTTP(url) as client:
-                yield Cluster("kmock", client, kubeconfig, fake=fake)
+                yield Cluster("kmock", client, kubeconfig, fake=fake, garbage_collection=True,
+                              server=url)  # fmt: skip
         finally:
             await fake.end_watches()
 
 
+@contextlib.asynccontextmanager
+async def real_cluster(
+    plane: ControlPlane, crds: list[dict[str, Any]], folder: Path
+) -> AsyncIterator[Cluster]:
+    """The real tier's ``Cluster``: the CRDs applied, and the operator's kubeconfig holding a
+    token of the chart's ServiceAccount (the chart's RBAC only)."""
+    async with KubeHTTP(plane.server, plane.token) as client:
+        for crd in crds:
+            await apply_crd(client, crd)
+        kubeconfig = await operator_kubeconfig(
+            client, plane.server, chart_rbac("default"), folder / "operator-kubeconfig"
+        )
+        yield Cluster("real", client, kubeconfig, garbage_collection=plane.has_garbage_collector,
+                      server=plane.server, plane=plane)  # fmt: skip
+
+
 @contextlib.contextmanager
-def control_plane(assets: Path, workdir: Path) -> Iterator[ControlPlane]:
-    plane = ControlPlane(assets, workdir)
+def control_plane(
+    assets: Path, workdir: Path, apiserver_args: tuple[str, ...] = ()
+) -> Iterator[ControlPlane]:
+    plane = ControlPlane(assets, workdir, apiserver_args)
     try:
         plane.start()
         yield plane

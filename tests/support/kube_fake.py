@@ -1,10 +1,10 @@
 """An in-process Kubernetes API for the operator's live tests: kmock's emulator, made stricter.
 
-kmock 0.8's ``KubernetesEmulator`` stores objects and serves list/watch, but (DESIGN.md
-section 6) has no uid, generation or resourceVersion, no ``/status`` subresource, no
-``generateName``, no label selectors, no schema validation, no garbage collection, and merges
-every write as a dict update. ``FakeKubeAPI`` keeps kmock's request parsing, discovery,
-request log and error rendering, and replaces the object semantics with the API server's:
+kmock 0.8's ``KubernetesEmulator`` stores objects and serves list/watch, but has no uid,
+generation or resourceVersion, no ``/status`` subresource, no ``generateName``, no label
+selectors, no schema validation, no garbage collection, and merges every write as a dict
+update. ``FakeKubeAPI`` keeps kmock's request parsing, discovery, request log and error
+rendering, and replaces the object semantics with the API server's:
 
 - ``metadata.uid``, ``creationTimestamp``, ``generation`` (bumped when anything outside
   ``metadata`` and ``status`` changes), ``resourceVersion`` (one counter for all objects);
@@ -16,17 +16,23 @@ request log and error rendering, and replaces the object semantics with the API 
 - a patch that changes nothing is a no-op: no new resourceVersion, no watch event;
 - ``generateName``, finalizers and ``deletionTimestamp``;
 - list and watch with ``labelSelector`` (equality, ``!=``, existence); watch from a
-  ``resourceVersion`` replays the events after it, ends after ``timeoutSeconds``;
+  ``resourceVersion`` replays the events after it, ends after ``timeoutSeconds``; a watch
+  from before the last ``compact`` gets the 410 ``Expired`` ERROR event;
 - ModelDeployment writes are validated against the CRD's OpenAPI schema (jsonschema), 422
-  when invalid (CEL rules are not evaluated here: tests/operator/test_crd.py pins them).
+  when invalid (CEL rules are not evaluated here: tests/operator/test_crd.py pins them);
+- the API server's query-parameter parsing, name and label rules, defaulting and immutable
+  fields (``kube_rules.py``, each rule with the behaviour it copies);
+- namespaces: creating in a missing one is 404, in a terminating one 403; deleting one deletes
+  its contents first (the namespace controller);
+- garbage collection: an object whose owners (``ownerReferences`` uids) are all gone is
+  deleted, finalizers honoured (kube-controller-manager's collector, background propagation).
 
-Namespaces are served (kopf lists and watches them) but not enforced: kmock's path parser
-reads ``/api/v1/namespaces[/name]`` as the start of a namespaced path, so ``__call__`` parses
-those two paths itself.
+kmock's path parser reads ``/api/v1/namespaces[/name]`` as the start of a namespaced path, so
+``__call__`` parses those two paths itself.
 
-Still not emulated (the real tier, ``KUBEBUILDER_ASSETS``, proves these): garbage collection
-through owner references, schema defaulting and pruning, CEL validation, controllers (Job,
-Deployment), admission, RBAC, server-side apply.
+Still not emulated (the real tier, ``KUBEBUILDER_ASSETS``, proves these): schema defaulting
+and pruning of custom resources, CEL validation, controllers (Job, Deployment), admission,
+RBAC, server-side apply, watch bookmarks.
 """
 
 from __future__ import annotations
@@ -48,6 +54,8 @@ import jsonschema
 import kmock
 from kmock._internal import rendering
 from modelstage.operator.patch import apply_merge_patch  # RFC 7386, unit-tested there
+
+from support import kube_rules
 
 NAMESPACES_PATH = re.compile(r"/api/v1/namespaces(?:/([^/]+))?/?")
 MERGE_PATCH = "application/merge-patch+json"
@@ -79,6 +87,10 @@ def _error(status: int, reason: str, message: str) -> kmock.KubernetesError:
     return kmock.KubernetesError(
         status=status, reason=reason, message=message, details={"causes": []}
     )
+
+
+def _refused(refusal: kube_rules.Refusal) -> kmock.KubernetesError:
+    return _error(refusal.status, refusal.reason, refusal.message)
 
 
 def parse_selector(selector: str | None) -> list[tuple[str, str, str | None]]:
@@ -131,6 +143,12 @@ class FakeKubeAPI(kmock.KubernetesEmulator):
     _log: list[tuple[int, kmock.resource, dict[str, Any]]] = attrs.field(factory=list, init=False)
     _changed: asyncio.Condition = attrs.field(factory=asyncio.Condition, init=False)
     _closing: bool = attrs.field(default=False, init=False)
+    _compacted: int = attrs.field(default=0, init=False)
+    """Watches from a resourceVersion below this are answered 410 Expired (``compact``)."""
+    expired_watches: int = attrs.field(default=0, init=False)
+    """Watches answered 410 Expired: evidence that a client resumed from forgotten history."""
+    _watch_epoch: int = attrs.field(default=0, init=False)
+    """Bumped by ``compact``: open watches end, as the API server ends them at their timeout."""
 
     def register(self, spec: ResourceSpec, *, namespaced: bool = True, schema: Any = None) -> None:
         res = kmock.resource(spec.api_version if "/" in spec.api_version else f"v1/{spec.plural}")
@@ -214,6 +232,10 @@ class FakeKubeAPI(kmock.KubernetesEmulator):
             return await self._render_error(error)
 
     async def _handle(self, request: rendering.Request) -> Any:
+        try:
+            kube_rules.check_query(request.params)
+        except kube_rules.Refusal as refusal:
+            raise _refused(refusal) from None
         # Skip the parent's own state changes: ours happen in the _serve_* callbacks below,
         # which kmock's fallback reactions (registered by the parent) dispatch to.
         return await kmock.KubernetesScaffold._handle(self, request)
@@ -278,17 +300,16 @@ class FakeKubeAPI(kmock.KubernetesEmulator):
             if self._current(key) is not None:
                 raise _error(409, "AlreadyExists", f"{spec.plural} {meta['name']!r} already exists")
             if request.namespace is not None:
+                self._check_namespace(spec, request.namespace, meta["name"])
                 meta["namespace"] = request.namespace
             if spec.status:
                 obj.pop("status", None)
             obj.setdefault("apiVersion", spec.api_version)
             obj.setdefault("kind", spec.kind)
-            meta.update(
-                uid=str(uuid.uuid4()),
-                creationTimestamp=_now(),
-                generation=1,
-                resourceVersion=self._next_rv(),
-            )
+            meta.update(uid=str(uuid.uuid4()), creationTimestamp=_now(), generation=1)
+            obj = self._admit(spec, obj)
+            meta = obj["metadata"]
+            meta["resourceVersion"] = self._next_rv()
             self._validate(key[0], obj)
             if key in self._objects:
                 self._objects[key].create(obj)
@@ -350,6 +371,8 @@ class FakeKubeAPI(kmock.KubernetesEmulator):
             ):
                 if field in old["metadata"]:
                     new.setdefault("metadata", {})[field] = old["metadata"][field]
+            if request.subresource is None:
+                new = self._admit(spec, new, old)
             if new == old:
                 return old  # a no-op: no new version, no event
             if _essence(new) != _essence(old):
@@ -361,6 +384,7 @@ class FakeKubeAPI(kmock.KubernetesEmulator):
                 self._objects[key].history.append(new)
                 self._objects[key].delete()
                 await self._emit(key[0], "DELETED", new)
+                await self._collect_garbage()
                 return new
             self._objects[key].history.append(new)
             await self._emit(key[0], "MODIFIED", new)
@@ -374,17 +398,98 @@ class FakeKubeAPI(kmock.KubernetesEmulator):
             old = self._current(key)
             if old is None:
                 raise _error(404, "NotFound", f"{spec.plural} {request.name!r} not found")
-            if old["metadata"].get("finalizers"):
-                if not old["metadata"].get("deletionTimestamp"):
-                    old["metadata"]["deletionTimestamp"] = _now()
-                    old["metadata"]["resourceVersion"] = self._next_rv()
-                    self._objects[key].history.append(old)
-                    await self._emit(key[0], "MODIFIED", old)
-                return old
+            deleted = await self._delete(key, old)
+            await self._collect_garbage()
+            return deleted
+
+    async def _delete(
+        self, key: tuple[kmock.resource, str | None, str], old: dict[str, Any]
+    ) -> dict[str, Any]:
+        """A DELETE: marked (``deletionTimestamp``) while finalizers remain, else gone. A
+        namespace first turns ``Terminating`` and goes when nothing is left in it."""
+        if self._specs[key[0]].kind == "Namespace" and not old["metadata"].get("deletionTimestamp"):
+            old["metadata"]["deletionTimestamp"] = _now()
+            old.setdefault("status", {})["phase"] = "Terminating"
             old["metadata"]["resourceVersion"] = self._next_rv()
-            self._objects[key].delete()
-            await self._emit(key[0], "DELETED", old)
+            self._objects[key].history.append(old)
+            await self._emit(key[0], "MODIFIED", old)
             return old
+        if old["metadata"].get("finalizers"):
+            if not old["metadata"].get("deletionTimestamp"):
+                old["metadata"]["deletionTimestamp"] = _now()
+                old["metadata"]["resourceVersion"] = self._next_rv()
+                self._objects[key].history.append(old)
+                await self._emit(key[0], "MODIFIED", old)
+            return old
+        old["metadata"]["resourceVersion"] = self._next_rv()
+        self._objects[key].delete()
+        await self._emit(key[0], "DELETED", old)
+        return old
+
+    async def _collect_garbage(self) -> None:
+        """What kube-controller-manager's garbage collector and namespace controller do, at
+        once: an object whose every owner (``ownerReferences`` by uid) is gone is deleted
+        (background propagation); a terminating namespace has its contents deleted, and goes
+        when they are gone. Repeats until nothing changes (dependents of dependents)."""
+        while True:
+            live = {k: o.raw for k, o in list(self._objects.items()) if not o.deleted}
+            uids = {(obj.get("metadata") or {}).get("uid") for obj in live.values()}
+            terminating = {
+                k[2] for k, obj in live.items()
+                if self._specs[k[0]].kind == "Namespace" and obj["metadata"].get("deletionTimestamp")
+            }  # fmt: skip
+            doomed = []
+            for k, obj in live.items():
+                meta = obj.get("metadata") or {}
+                owners = meta.get("ownerReferences") or []
+                orphaned = bool(owners) and not any(o.get("uid") in uids for o in owners)
+                in_terminating = k[1] is not None and k[1] in terminating
+                if (orphaned or in_terminating) and not meta.get("deletionTimestamp"):
+                    doomed.append(k)
+            for namespace in terminating:
+                if not any(k[1] == namespace for k in live):
+                    doomed.append(next(k for k in live if k[2] == namespace and k[1] is None
+                                       and self._specs[k[0]].kind == "Namespace"))  # fmt: skip
+            if not doomed:
+                return
+            for k in doomed:
+                obj = copy.deepcopy(live[k])
+                if self._specs[k[0]].kind == "Namespace":
+                    obj["metadata"]["resourceVersion"] = self._next_rv()
+                    self._objects[k].delete()
+                    await self._emit(k[0], "DELETED", obj)
+                else:
+                    await self._delete(k, obj)
+
+    def _check_namespace(self, spec: ResourceSpec, namespace: str, name: str) -> None:
+        """Objects go only into a namespace that exists and is not terminating."""
+        ns = next(
+            (o.raw for (r, _, n), o in self._objects.items()
+             if n == namespace and not o.deleted and self._specs.get(r, spec).kind == "Namespace"),
+            None,
+        )  # fmt: skip
+        if ns is None:
+            raise _error(404, "NotFound", f'namespaces "{namespace}" not found')
+        if ns["metadata"].get("deletionTimestamp"):
+            raise _error(
+                403, "Forbidden", f'{spec.plural} "{name}" is forbidden: unable to create new '
+                f"content in namespace {namespace} because it is being terminated",
+            )  # fmt: skip
+
+    def _admit(
+        self, spec: ResourceSpec, new: dict[str, Any], old: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """Defaulting, then validation of names, labels and immutable fields (``kube_rules``)."""
+        try:
+            new = kube_rules.apply_defaults(spec.kind, new)
+            kube_rules.check_metadata(spec.kind, new)
+            if spec.kind == "Job":
+                kube_rules.check_job(new)
+            if old is not None:
+                kube_rules.check_immutable(spec.kind, old, new)
+        except kube_rules.Refusal as refusal:
+            raise _refused(refusal) from None
+        return new
 
     async def _serve_fetch(self, request: rendering.Request) -> Any:
         spec = self._spec_of(request)
@@ -437,21 +542,33 @@ class FakeKubeAPI(kmock.KubernetesEmulator):
 
         yield b""  # start streaming: headers go out now
         async with self._lock:
-            if since.isdigit():
+            if since.isdigit() and int(since) > 0:
                 position = int(since)
+                if position < self._compacted:
+                    self.expired_watches += 1
+                    # The watch cache's answer to a resourceVersion it no longer holds: an
+                    # ERROR event with a 410 Status in a 200 stream; the client must re-list.
+                    yield {"type": "ERROR", "object": {
+                        "kind": "Status", "apiVersion": "v1", "metadata": {},
+                        "status": "Failure", "reason": "Expired", "code": 410,
+                        "message": f"too old resource version: {position} ({self._compacted})",
+                    }}  # fmt: skip
+                    return
                 backlog = [e for rv, r, e in self._log if rv > position and r == res]
             else:
+                # "" or "0": the current state, as ADDED events, then changes.
                 backlog = [{"type": "ADDED", "object": o} for o in self._matching(request)]
             seen = len(self._log)
+            epoch = self._watch_epoch
         for event in backlog:
             if wanted(event):
                 yield event
-        while not self._closing:
+        while not self._closing and epoch == self._watch_epoch:
             remaining = deadline - asyncio.get_running_loop().time()
             if remaining <= 0:
                 return
             async with self._changed:
-                if len(self._log) == seen and not self._closing:
+                if len(self._log) == seen and not self._closing and epoch == self._watch_epoch:
                     try:
                         await asyncio.wait_for(self._changed.wait(), timeout=remaining)
                     except TimeoutError:
@@ -461,6 +578,16 @@ class FakeKubeAPI(kmock.KubernetesEmulator):
             for _, r, event in fresh:
                 if r == res and wanted(event):
                     yield event
+
+    async def compact(self) -> None:
+        """Forgets every event so far (as etcd's compaction and the watch cache's window
+        do): a watch that resumes from an older resourceVersion gets 410 Expired; open
+        watches end, as the API server's do at their timeout."""
+        async with self._lock:
+            self._compacted = self._rv
+        self._watch_epoch += 1
+        async with self._changed:
+            self._changed.notify_all()
 
     async def end_watches(self) -> None:
         """Ends every open watch stream (so that the server stops at once)."""

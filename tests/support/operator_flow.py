@@ -20,6 +20,7 @@ from support.modelstage_objects import (
     template_digest,
     vllm_deployment,
 )
+from support.operator_process import OperatorProcess
 
 MD = "llama"
 OPERATOR_AGENT = "OpenAPI-Generator"
@@ -33,10 +34,10 @@ async def status_of(cluster: Cluster, ns: str, name: str = MD) -> dict[str, Any]
 
 
 async def wait_phase(
-    cluster: Cluster, ns: str, phase: str, timeout: float = 20.0
+    cluster: Cluster, ns: str, phase: str, timeout: float = 60.0, name: str = MD
 ) -> dict[str, Any]:
     async def probe() -> dict[str, Any] | None:
-        status = await status_of(cluster, ns)
+        status = await status_of(cluster, ns, name)
         return status if status.get("phase") == phase else None
 
     return await eventually(probe, timeout=timeout, what=f"phase {phase}")
@@ -51,10 +52,12 @@ async def events_for(cluster: Cluster, ns: str, name: str = MD) -> list[dict[str
     return [e for e in events if (e.get("involvedObject") or {}).get("name") == name]
 
 
-async def apply(cluster: Cluster, ns: str, spec: dict[str, Any], *, workload: bool = True) -> None:
-    if workload:
-        await cluster.client.create(deploy_path(ns, None), vllm_deployment())
-    await cluster.client.create(md_path(ns), model_deployment(MD, spec))
+async def apply(
+    cluster: Cluster, ns: str, spec: dict[str, Any], *, workload: bool = True, name: str = MD
+) -> None:
+    if workload:  # opted in for this ModelDeployment
+        await cluster.client.create(deploy_path(ns, None), vllm_deployment(model_deployment=name))
+    await cluster.client.create(md_path(ns), model_deployment(name, spec))
 
 
 async def wait_named_job(cluster: Cluster, ns: str, name: str) -> dict[str, Any]:
@@ -91,21 +94,31 @@ async def wait_event(
     return await eventually(probe, what=f"a {type_} Event {reason}")
 
 
-async def staged_and_rolled(cluster: Cluster, ns: str, spec: dict[str, Any]) -> str:
+async def staged_and_rolled(cluster: Cluster, ns: str, spec: dict[str, Any], name: str = MD) -> str:
     """Applies ``spec``, completes its Job and the rollout: the workload is Ready on it."""
-    await apply(cluster, ns, spec)
+    await apply(cluster, ns, spec, name=name)
     digest = digest_of(spec)
     await wait_job(cluster, ns, digest)
     await finish_stage_job(cluster.client, ns, digest, message=summary(digest), succeeded=True)
     await wait_rolled(cluster, ns, digest)
     await complete_rollout(cluster.client, ns)
-    await wait_phase(cluster, ns, "Ready")
+    await wait_phase(cluster, ns, "Ready", name=name)
     return digest
 
 
-async def nudge(cluster: Cluster, ns: str, value: str = "1") -> None:
-    """A no-op label edit on the ModelDeployment: the operator reconciles at the event."""
-    await cluster.client.patch(md_path(ns, MD), {"metadata": {"labels": {"nudge": value}}})
+async def logged_more(operator: OperatorProcess, text: str, than: int, times: int = 1) -> None:
+    """Evidence before asserting that something did not happen: the operator has logged
+    ``text`` (e.g. ``Handler 'deployment_event' succeeded.``) ``times`` more times than
+    ``than`` (a count taken before the event), so it has handled the event in question."""
+
+    async def probe() -> bool:
+        return operator.count(text) >= than + times
+
+    await eventually(probe, timeout=60, what=f"{times} more {text!r} in the operator's log")
+
+
+def succeeded(handler: str) -> str:
+    return f"Handler '{handler}' succeeded."
 
 
 def operator_writes(cluster: Cluster, method: str, path: str) -> int | None:

@@ -47,6 +47,11 @@ class OperatorProcess:
     priority: int | None = None
     """With a priority, kopf's peering instead of ``--standalone`` (the namespace's
     KopfPeering must exist)."""
+    args: list[str] | None = None
+    """The operator's arguments instead of ``--namespace`` with standalone/priority (e.g. the
+    chart's own)."""
+    verbose: bool = False
+    """kopf's debug log (watch restarts, patches)."""
     process: subprocess.Popen[bytes] | None = None
     starts: int = 0
 
@@ -72,8 +77,13 @@ class OperatorProcess:
 
     def handled(self, handler: str) -> bool:
         """Whether the current process has run ``handler`` successfully (kopf's log line)."""
-        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-        return f"Handler '{handler}' succeeded." in text
+        return self.count(f"Handler '{handler}' succeeded.") > 0
+
+    def count(self, text: str) -> int:
+        """How often the current process has logged ``text`` (kopf's handler outcomes:
+        ``Handler 'x' succeeded.``, ``Handler 'x' failed temporarily``, ...)."""
+        log = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return log.count(text)
 
     async def start(self, timeout: float = 30.0) -> None:
         assert self.process is None or self.process.poll() is not None
@@ -83,6 +93,8 @@ class OperatorProcess:
             **TEST_SETTINGS,
             "KUBECONFIG": str(self.kubeconfig),
             "PYTHONSAFEPATH": "1",
+            # The log is evidence the tests wait for, and a SIGKILL must not lose its tail.
+            "PYTHONUNBUFFERED": "1",
             "MODELSTAGE_OPERATOR_METRICS_PORT": str(self.metrics_port),
             "MODELSTAGE_OPERATOR_METRICS_HOST": "127.0.0.1",
             **self.extra_env,
@@ -95,16 +107,13 @@ class OperatorProcess:
                     "-P",
                     "-m",
                     "modelstage.operator",
+                    *(self.args if self.args is not None else self._scope()),
+                    "--log-format=json",
                     *(
-                        ["--standalone"]
-                        if self.priority is None
-                        else ["--priority", str(self.priority)]
+                        ["--verbose"]
+                        if self.verbose or os.environ.get("MODELSTAGE_TEST_OPERATOR_VERBOSE")
+                        else []
                     ),
-                    "--namespace",
-                    self.namespace,
-                    "--log-format",
-                    "json",
-                    *(["--verbose"] if os.environ.get("MODELSTAGE_TEST_OPERATOR_VERBOSE") else []),
                 ],
                 cwd=self.workdir,
                 env=env,
@@ -112,6 +121,10 @@ class OperatorProcess:
                 stderr=subprocess.STDOUT,
             )
         await self.wait_ready(timeout)
+
+    def _scope(self) -> list[str]:
+        peering = ["--standalone"] if self.priority is None else ["--priority", str(self.priority)]
+        return [*peering, "--namespace", self.namespace]
 
     async def wait_ready(self, timeout: float) -> None:
         """Ready when the startup handler has run (metrics answer) and kopf watches."""
