@@ -9,6 +9,7 @@ state machine reads the summary or the failure reason.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import posixpath
 from collections.abc import Mapping, Sequence
@@ -36,6 +37,17 @@ from .kube import (
 )
 from .state import JobState
 
+DEFAULT_RESOURCES: Manifest = {
+    "requests": {"cpu": "1", "memory": "1Gi"},
+    "limits": {"memory": "4Gi"},
+}
+"""The stager's resources when ``spec.stager.resources`` is unset (which then replaces them
+whole). Staging streams through fixed buffer pools (well under 1 GiB at TP=8, S3 included);
+the limit leaves room for a tensorizer rank's largest tensor and stops a runaway input."""
+CLEANUP_RESOURCES: Manifest = {
+    "requests": {"cpu": "100m", "memory": "128Mi"},
+    "limits": {"memory": "512Mi"},
+}
 SCALE_OUT_FORMATS = frozenset({"sharded_state", "runai_streamer_sharded"})
 """Formats whose rank files an Indexed Job can write in parallel (tensor groups per pod)."""
 HF_TOKEN_KEY = "HF_TOKEN"
@@ -108,7 +120,7 @@ def _source(spec: ModelDeploymentSpec) -> tuple[list[str], list[Manifest], list[
         "persistentVolumeClaim": {"claimName": claim, "readOnly": True},
     }
     mount = {"name": VOLUME_SOURCE, "mountPath": SOURCE_MOUNT, "readOnly": True}
-    return [local, "--source-uri", uri], [volume], [mount]
+    return [local, f"--source-uri={uri}"], [volume], [mount]
 
 
 def s3_connection(spec: ModelDeploymentSpec) -> S3Connection | None:
@@ -121,11 +133,12 @@ def s3_connection(spec: ModelDeploymentSpec) -> S3Connection | None:
 def _s3_flags(connection: S3Connection | None) -> list[str]:
     if connection is None:
         return []
+    # Spec values as --flag=value: a value that looks like a flag stays a value.
     flags: list[str] = []
     if connection.endpoint:
-        flags += ["--s3-endpoint", connection.endpoint]
+        flags.append(f"--s3-endpoint={connection.endpoint}")
     if connection.region:
-        flags += ["--s3-region", connection.region]
+        flags.append(f"--s3-region={connection.region}")
     if not connection.virtual_addressing:
         flags.append("--s3-path-style")
     ca = ca_file(connection)
@@ -183,8 +196,8 @@ def stager_command(
         location.path,
     ]
     command += source[1:]
-    if spec.model.revision is not None:
-        command += ["--revision", spec.model.revision]
+    if spec.model.revision is not None:  # free text: `--allow-pickle` must stay a revision
+        command.append(f"--revision={spec.model.revision}")
     return command + _s3_flags(s3_connection(spec))
 
 
@@ -246,8 +259,8 @@ def _plan_job(
         "securityContext": container_security_context(),
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
-    if stager.resources is not None:
-        container["resources"] = stager.resources.wire()
+    resources = stager.resources
+    container["resources"] = resources.wire() if resources else copy.deepcopy(DEFAULT_RESOURCES)
     scratch = scratch_bound(spec)
     if scratch.request is not None:
         _request_ephemeral_storage(container, scratch.request)
@@ -338,6 +351,7 @@ def plan_cleanup_job(
             *mounts,
             *ca_mount(s3),
         ],
+        "resources": copy.deepcopy(CLEANUP_RESOURCES),
         "securityContext": container_security_context(),
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }

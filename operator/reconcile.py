@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
@@ -43,7 +43,7 @@ from .job_plan import (
     staging_jobs,
     staging_step,
 )
-from .kube import LABEL_DIGEST, Manifest, Owner
+from .kube import LABEL_DIGEST, Manifest, Owner, model_deployment_owners
 from .kube_client import Conflict, KubeClient, resource_path
 from .patch import merge_diff
 from .retention import Holder, RetentionPlan, plan_release, plan_retention, remember
@@ -62,7 +62,13 @@ from .state import (
     queued,
     termination_message,
 )
-from .validation import Finding, validate_spec, validate_workload
+from .validation import (
+    Finding,
+    image_allowed,
+    opt_in_problem,
+    validate_spec,
+    validate_workload,
+)
 
 STAGER_SELECTOR = {"app.kubernetes.io/component": "stager"}
 JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
@@ -119,9 +125,12 @@ class Reconciler:
         stager_image: str,
         post_event: EventFn,
         slots: StagerSlots | None = None,
+        allowed_images: Sequence[str] = (),
     ) -> None:
         self.kube = kube
         self.stager_image = stager_image
+        self.images = (stager_image, *allowed_images)
+        """Images a spec may name (``spec.stager.image``); the default first."""
         self.post_event = post_event
         self.slots = slots or StagerSlots(0)
         self._locks: dict[tuple[str, str], threading.Lock] = {}
@@ -175,7 +184,7 @@ class Reconciler:
         next_job: Manifest | None = None
         observed_workload: WorkloadObservation | None = None
         if spec is not None:
-            findings += validate_spec(spec)
+            findings += validate_spec(spec, allowed_images=self.images)
             if not any(f.blocks == "staging" for f in findings):
                 try:
                     desired = artifact_for(spec, namespace=namespace, deployment_name=name)
@@ -203,7 +212,9 @@ class Reconciler:
                 jobs = staging_jobs(
                     spec, owner=owner, digest=desired.digest, default_image=self.stager_image
                 )
-                job, next_job = self._observe_jobs(namespace, desired.digest, jobs)
+                job, next_job, foreign = self._observe_jobs(namespace, desired.digest, jobs, owner)
+                if foreign is not None:
+                    findings.append(foreign)
             if workload is not None:
                 observed_workload = self._observe_workload(namespace, workload)
 
@@ -222,7 +233,9 @@ class Reconciler:
             if job_name == stage_job_name(desired.digest):
                 position = self.slots.acquire((namespace, job_name), (namespace, name))
                 if position:
-                    decision = queued(decision, position, self.slots.limit, observed)
+                    decision = queued(
+                        decision, position, self.slots.limit, observed, self.slots.per_namespace
+                    )
         outcome = Outcome(decision, invalid=invalid)
 
         # 1. The status, first (see the module docstring).
@@ -251,6 +264,11 @@ class Reconciler:
             outcome.job_created = self._create_job(spec, owner, desired, next_job, body, logger)
         elif decision.action in (Action.ROLL_OUT, Action.ROLL_BACK):
             assert spec is not None and workload is not None and decision.artifact is not None
+            # ``decide`` never asks for this without the opt-in; checked again here, where
+            # the operator writes to a workload that is not its own.
+            refused = opt_in_problem(workload, namespace=namespace, deployment_name=name)
+            if refused is not None:
+                raise AssertionError(f"refusing to patch: {refused}")
             plan = plan_rollout(
                 spec,
                 artifact_from_status(decision.artifact),
@@ -363,7 +381,7 @@ class Reconciler:
                 namespace=namespace,
                 owner_name=name,
                 connection=connection,
-                image=spec.stager.image or self.stager_image,
+                image=self._image(spec),
             )
             if job is None:
                 message = (
@@ -389,36 +407,68 @@ class Reconciler:
         for artifact in plan.released:
             logger.info("artifact %s let go; another ModelDeployment keeps it", artifact.digest)
 
+    def _image(self, spec: ModelDeploymentSpec) -> str:
+        """The spec's stager image when it is allowed, else the operator's default (the
+        clean-up runs on deletion too, where no validation stops an image)."""
+        wanted = spec.stager.image
+        return wanted if wanted and image_allowed(wanted, self.images) else self.stager_image
+
     def _observe_jobs(
-        self, namespace: str, digest: str, planned: list[Manifest]
-    ) -> tuple[JobObservation | None, Manifest | None]:
-        """(the observation of the Job staging follows, the Job to create next); see
-        ``staging_step``: the stage Job, then for a scaled-out artifact its finalize Job."""
+        self, namespace: str, digest: str, planned: list[Manifest], owner: Owner
+    ) -> tuple[JobObservation | None, Manifest | None, Finding | None]:
+        """(the observation of the Job staging follows, the Job to create next, why an
+        existing Job is not followed); see ``staging_step``: the stage Job, then for a
+        scaled-out artifact its finalize Job."""
         found: dict[str, Manifest] = {}
         for manifest in planned:
             name = manifest["metadata"]["name"]
             job = self.kube.get(resource_path("batch/v1", "jobs", namespace, name))
             if job is None:
                 break
+            foreign = self._foreign_job(namespace, job, owner)
+            if foreign is not None:
+                return None, None, foreign
             found[name] = job
         step = staging_step(
             [j["metadata"]["name"] for j in planned],
             {name: observe_job(job).state for name, job in found.items()},
         )
         if step.create is not None:
-            return None, next(j for j in planned if j["metadata"]["name"] == step.create)
+            return None, next(j for j in planned if j["metadata"]["name"] == step.create), None
         assert step.follow is not None
         job = found[step.follow]
         state = observe_job(job).state
         if state == "Running":
-            return observe_job(job), None
+            return observe_job(job), None, None
         pods = self.kube.list(
             resource_path("v1", "pods", namespace),
             label_selector={**STAGER_SELECTOR, LABEL_DIGEST: digest},
         )
         own = [p for p in pods if (p["metadata"].get("labels") or {}).get(JOB_NAME_LABEL)
                in (None, step.follow)]  # fmt: skip
-        return observe_job(job, termination_message(own, success=state == "Succeeded")), None
+        message = termination_message(own, success=state == "Succeeded")
+        return observe_job(job, message), None, None
+
+    def _foreign_job(self, namespace: str, job: Manifest, owner: Owner) -> Finding | None:
+        """Why a Job under a staging Job's name is not one to follow: the names are
+        predictable, so anyone who may create Jobs could plant one that reports a staged
+        artifact. Followed are Jobs controlled by this ModelDeployment or, for an artifact
+        two of them share, by another ModelDeployment of the namespace."""
+        uids = model_deployment_owners(job)
+        if owner.uid in uids:
+            return None
+        if uids and uids & {
+            str(md["metadata"].get("uid")) for md in self.kube.list(md_path(namespace))
+        }:
+            return None
+        name = job["metadata"]["name"]
+        return Finding(
+            "JobNotOwned",
+            f"Job {name} exists in namespace {namespace} but no ModelDeployment of the "
+            "namespace owns it: modelstage did not create it and does not trust what it "
+            "reports; delete it and modelstage creates its own",
+            "staging",
+        )
 
     def _observe_workload(self, namespace: str, workload: Manifest) -> WorkloadObservation:
         digest = observe_workload(workload).digest

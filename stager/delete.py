@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import uuid
 from pathlib import Path
 from typing import Any
 
-from .destinations.local import LocationLock, fsync_dir
+from .destinations.local import LocationLock, fsync_dir, remove_leftover
 from .digest import DIGEST_HEX_CHARS
 from .errors import ArtifactError, DestinationError, SpecError
 from .manifest import MANIFEST, read_manifest
@@ -94,7 +93,11 @@ def _delete_local(out: Path, digest: str) -> int:
 
 def _remove_tree(out: Path, digest: str) -> int:
     removed = 0
-    if out.is_dir():
+    if out.is_symlink():  # not an artifact the stager wrote: the link goes, never its target
+        out.unlink()
+        fsync_dir(out.parent)
+        removed += 1
+    elif out.is_dir():
         manifest = read_manifest(out) if (out / MANIFEST).exists() else None
         if manifest is not None and manifest.digest != digest:
             raise ArtifactError(
@@ -110,8 +113,7 @@ def _remove_tree(out: Path, digest: str) -> int:
     elif out.exists():
         raise ArtifactError(f"{out} is not a directory; not deleted")
     for stale in out.parent.glob(f"{out.name}.tmp-*"):
-        removed += sum(1 for p in stale.rglob("*") if p.is_file())
-        shutil.rmtree(stale)
+        removed += remove_leftover(stale)
     return removed
 
 

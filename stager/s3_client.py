@@ -13,6 +13,7 @@ import http.client
 import os
 import random
 import time
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -145,6 +146,21 @@ def load_credentials(path: str) -> Credentials:
     return Credentials(key_id, secret, token)
 
 
+def check_endpoint(url: str | None) -> None:
+    """Refuse an endpoint URL with userinfo (``http://user:secret@host``): the credential
+    would land in every error message and log line that names the endpoint. The refusal
+    does not repeat it."""
+    if not url:
+        return
+    netloc = urllib.parse.urlsplit(url).netloc
+    if "@" in netloc:
+        shown = urllib.parse.urlsplit(url)._replace(netloc="***@" + netloc.rpartition("@")[2])
+        raise SpecError(
+            f"S3 endpoint {shown.geturl()}: credentials never go into the endpoint URL; "
+            "use AWS_* variables or --s3-credentials-file"
+        )
+
+
 class S3Client:
     """A boto3 S3 client plus what is needed to report its errors without leaking secrets."""
 
@@ -152,6 +168,7 @@ class S3Client:
         import boto3
         from botocore.config import Config
 
+        check_endpoint(options.endpoint_url)
         creds = load_credentials(options.credentials_file) if options.credentials_file else None
         session = boto3.session.Session(
             aws_access_key_id=creds.access_key_id if creds else None,
@@ -176,6 +193,7 @@ class S3Client:
             "s3", endpoint_url=options.endpoint_url, config=config,
             verify=options.ca_bundle if options.ca_bundle else None,
         )  # fmt: skip
+        check_endpoint(self.client.meta.endpoint_url)  # also from AWS_ENDPOINT_URL*
         resolved = session.get_credentials()
         frozen = resolved.get_frozen_credentials() if resolved is not None else None
         self._secrets = tuple(

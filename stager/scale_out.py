@@ -38,6 +38,7 @@ from typing import Any, TextIO
 from .checkpoint import Checkpoint, open_checkpoint
 from .destinations.base import Destination
 from .errors import SpecError
+from .hf_layout import copy_small_file
 from .layouts import Layout
 from .progress import Progress
 from .rank_writer import PART_METADATA, plan_parts, rank_file_names, write_rank_files
@@ -226,7 +227,7 @@ def finalize(req: StageRequest, *, progress_stream: TextIO | None = None) -> dic
         try:
             files = _check_parts(dest, run, progress_stream)
             for name in run.checkpoint.carried_over:
-                files[name] = dest.write_small(name, source.read_bytes(name))
+                files[name] = copy_small_file(source, name, dest)
             manifest = build_manifest(req, digest, run.layout, run.identity, files, started)
             dest.commit(manifest)
         except BaseException:

@@ -16,7 +16,7 @@ from .destinations.base import Destination
 from .destinations.local import LocalDestination
 from .digest import artifact_digest
 from .errors import ArtifactError, SpecError
-from .hf_layout import copy_weight_files, small_files
+from .hf_layout import copy_small_file, copy_weight_files, small_files
 from .layouts import Layout, layout_for
 from .manifest import FileEntry, Manifest
 from .network import Timeouts
@@ -200,7 +200,7 @@ def stage(req: StageRequest, *, progress_stream: TextIO | None = None) -> dict[s
                 files = copy_weight_files(checkpoint, dest.open_sink, progress, dest.completed)
                 carried = small_files(checkpoint)
             for name in carried:
-                files[name] = dest.write_small(name, source.read_bytes(name))
+                files[name] = copy_small_file(source, name, dest)
             progress.finish()
             manifest = build_manifest(req, digest, layout, identity, files, started)
             dest.commit(manifest)

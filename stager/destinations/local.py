@@ -8,6 +8,8 @@ and the lock file itself goes when its last holder leaves (``LocationLock``).
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -23,6 +25,30 @@ from ..errors import ArtifactError, DestinationError
 from ..manifest import MANIFEST, Manifest, read_manifest, sha256_file
 from ..pieces import Piece
 from .base import Destination
+
+
+def open_lock(path: Path) -> int:
+    """The location's lock file, created when missing, never through a symbolic link (one
+    planted there would have the stager create or truncate a file elsewhere)."""
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise DestinationError(
+                f"{path}: the lock file is a symbolic link; refusing to follow it (remove it)"
+            ) from None
+        raise DestinationError(f"{path.parent}: cannot write: {e.strerror}") from None
+
+
+def remove_leftover(path: Path) -> int:
+    """Remove a ``<out>.tmp-*`` leftover of a killed run; returns the files it held. A link
+    or a file under that name is removed itself, never followed."""
+    if path.is_symlink() or not path.is_dir():
+        path.unlink(missing_ok=True)
+        return 1
+    count = sum(len(files) for _, _, files in os.walk(path))  # os.walk follows no links
+    shutil.rmtree(path)
+    return count
 
 
 def fsync_dir(path: Path) -> None:
@@ -101,14 +127,14 @@ class LocationLock:
         """Take the lock; False when another process holds it in a conflicting mode."""
         mode = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = open_lock(self.path)
             try:
                 fcntl.flock(fd, mode)
             except BlockingIOError:
                 os.close(fd)
                 return False
             try:
-                same = os.path.samestat(os.fstat(fd), os.stat(self.path))
+                same = os.path.samestat(os.fstat(fd), os.lstat(self.path))
             except FileNotFoundError:
                 same = False
             if same:
@@ -136,6 +162,8 @@ class LocationLock:
 
 RUN_RECORD = ".modelstage-run.json"
 """In a shared work directory: the settings its run key pins (see ``begin_shared``)."""
+SIDECAR_MAX_BYTES = 4096
+"""A sidecar is one short JSON line; more is not one of ours (and does not parse)."""
 SIDECAR_SUFFIX = ".part.json"
 """Beside each part a scale-out worker finished: its size, sha256 and run key."""
 PARTIAL_INFIX = ".partial-"
@@ -218,7 +246,8 @@ class LocalDestination(Destination):
         if not locked:
             raise DestinationError(f"{self.out}: another stager is writing this artifact right now")
         for stale in parent.glob(f"{self.out.name}.tmp-*"):
-            shutil.rmtree(stale, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                remove_leftover(stale)
         self.work = parent / f"{self.out.name}.tmp-{uuid.uuid4().hex[:12]}"
         self.work.mkdir()
 
@@ -295,9 +324,12 @@ class LocalDestination(Destination):
             return None
         path = self.work / name
         try:
-            record = json.loads(sidecar_path(path).read_bytes())
+            with open(sidecar_path(path), "rb") as f:
+                record = json.loads(f.read(SIDECAR_MAX_BYTES))
             on_disk = os.stat(path).st_size
-        except (FileNotFoundError, ValueError):
+        except (FileNotFoundError, ValueError, RecursionError):
+            return None
+        if not isinstance(record, dict):
             return None
         if record.get("runKey") != self.run_key or record.get("size") != size or on_disk != size:
             return None
@@ -348,7 +380,8 @@ class LocalDestination(Destination):
         self.work = None
         if self.shared:  # leftovers of other runs; no worker of theirs can hold the lock now
             for stale in self.out.parent.glob(f"{self.out.name}.tmp-*"):
-                shutil.rmtree(stale, ignore_errors=True)
+                with contextlib.suppress(OSError):
+                    remove_leftover(stale)
         self._unlock()
 
     def abort(self) -> None:

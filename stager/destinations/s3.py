@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ArtifactError, DestinationError, SpecError
-from ..manifest import MANIFEST, Manifest, check_ranks_present
+from ..manifest import MANIFEST, MAX_MANIFEST_BYTES, Manifest, check_ranks_present
 from ..pieces import Piece, copy_piece, piece_nbytes
 from ..progress import Progress
 from ..s3_client import S3Client, S3Location, S3Options, with_retries
@@ -354,12 +354,17 @@ class S3Destination(Destination):
             Bucket=self.location.bucket, Key=key), key))  # fmt: skip
 
     def _get(self, name: str) -> bytes | None:
+        """A small object (the manifest), at most MAX_MANIFEST_BYTES + 1 of it: enough for
+        ``Manifest.from_json`` to refuse a longer one, never the whole of a huge one."""
         from botocore.exceptions import ClientError
 
         key = self.location.key(name)
         try:
             body = self.s3.client.get_object(Bucket=self.location.bucket, Key=key)["Body"]
-            return bytes(body.read())
+            try:
+                return bytes(body.read(MAX_MANIFEST_BYTES + 1))
+            finally:
+                body.close()
         except ClientError as e:
             if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
                 return None

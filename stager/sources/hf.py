@@ -42,7 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
-from ..checkpoint import CARRIED_OVER, INDEX, MAX_JSON_BYTES
+from ..checkpoint import CARRIED_OVER, INDEX, INDEX_VALUES, MAX_JSON_BYTES, parse_json
 from ..errors import CheckpointError
 from ..network import Timeouts
 from ..progress import Progress, human_bytes
@@ -259,17 +259,13 @@ class HfSource(LocalSource):
 
     def _needed(self, files: list[str], fetch: Callable[[str], str]) -> list[str]:
         """The files the stager reads, from the repo's listing (and its index, fetched first)."""
-        import json
-
         top = [f for f in files if "/" not in f]
         if INDEX in top:
             path = Path(fetch(INDEX))
             if path.stat().st_size > MAX_JSON_BYTES:
                 raise CheckpointError(f"{INDEX}: too large for a JSON file here")
-            try:
-                weight_map = json.loads(path.read_bytes()).get("weight_map")
-            except (ValueError, AttributeError):
-                raise CheckpointError(f"{INDEX}: invalid JSON or no 'weight_map' object") from None
+            index = parse_json(path.read_bytes(), INDEX, max_values=INDEX_VALUES)
+            weight_map = index.get("weight_map") if isinstance(index, dict) else None
             if not isinstance(weight_map, dict):
                 raise CheckpointError(f"{INDEX}: 'weight_map' must map tensor names to file names")
             weights = sorted({safe_name(str(v), INDEX) for v in weight_map.values()})

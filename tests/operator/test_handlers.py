@@ -143,10 +143,15 @@ def test_a_reconciliation_woken_by_an_event_rereads_after_conflicts_then_leaves_
 
 
 # -- routing of child events ---------------------------------------------------------------
-def job(digest: str, state: str = "Running") -> dict[str, Any]:
+OWNED = [{"apiVersion": "modelstage.io/v1alpha1", "kind": "ModelDeployment", "name": "a",
+          "uid": "u-a", "controller": True}]  # fmt: skip
+
+
+def job(digest: str, state: str = "Running", owners: list[Any] = OWNED) -> dict[str, Any]:
     conditions = {"Running": [], "Succeeded": [{"type": "Complete", "status": "True"}],
                   "Failed": [{"type": "Failed", "status": "True"}]}[state]  # fmt: skip
-    return {"metadata": {"labels": {LABEL_DIGEST: digest}}, "status": {"conditions": conditions}}
+    return {"metadata": {"labels": {LABEL_DIGEST: digest}, "ownerReferences": owners},
+            "status": {"conditions": conditions}}  # fmt: skip
 
 
 def stage_job_event(reconciler: Reconciler, name: str, body: dict[str, Any], type_: str = "MODIFIED") -> None:
@@ -181,6 +186,13 @@ def test_stage_job_events_hold_and_free_stager_slots_and_wake_the_queue() -> Non
     reconciler.calls.clear()
     stage_job_event(reconciler, name, job("d1", "Succeeded"), "DELETED")
     assert reconciler.calls == [(NS, "a")], "a slot freed once wakes the queue once"
+
+
+def test_a_running_job_no_model_deployment_owns_holds_no_slot() -> None:
+    """Anyone who may create Jobs can copy the name and labels: only ownership counts."""
+    reconciler = Reconciler()
+    stage_job_event(reconciler, handlers.STAGE_JOB_PREFIX + "d1", job("d1", owners=[]))
+    assert reconciler.slots.acquire((NS, "j"), (NS, "w")) == 0
 
 
 def test_a_job_that_is_not_a_stage_job_holds_no_slot() -> None:

@@ -375,16 +375,28 @@ def test_a_container_that_does_not_run_vllm_is_refused() -> None:
         rewrite(["nginx", "-g", "daemon off;"], None, SETTINGS)
 
 
-def test_no_command_and_no_args_means_a_vllm_image_gets_flags() -> None:
-    assert rewrite(None, None, SETTINGS) == (
+@pytest.mark.parametrize(
+    "args",
+    [None, [], ["--port", "8080"], ["serve", "--config", "/etc/app.yaml"], ["payments-api"]],
+)
+def test_args_without_any_vllm_flag_are_not_taken_for_vllm(args: list[str] | None) -> None:
+    with pytest.raises(SpecError, match=r"no vLLM invocation.*--model"):
+        rewrite(None, args, SETTINGS)
+
+
+def test_args_only_with_a_vllm_flag_and_a_positional_model_are_vllm() -> None:
+    assert rewrite(None, ["acme/llama", "--max-model-len", "2048"], SETTINGS) == (
         None,
         [
-            "--model",
             ART,
+            "--max-model-len",
+            "2048",
             "--load-format",
             "modelstage_sharded_state",
             "--tensor-parallel-size",
             "4",
+            "--served-model-name",
+            "acme/llama",
         ],
     )
 
@@ -401,6 +413,15 @@ def test_moving_from_an_earlier_artifact_adds_no_served_model_name() -> None:
         "--tensor-parallel-size",
         "1",
     ]
+
+
+@pytest.mark.parametrize("value", ["[" * 5000, "1" + "0" * 5000, "{not json"])
+def test_an_extra_config_that_is_no_json_object_is_dropped(value: str) -> None:
+    command, _ = rewrite(["vllm", "serve", "m", "--model-loader-extra-config", value], None, TENSORIZER)
+    assert command is not None
+    assert json.loads(command[command.index("--model-loader-extra-config") + 1]) == {
+        "tensorizer_uri": f"{ART}/model-rank-%03d.tensors"
+    }
 
 
 def test_an_extra_config_that_ends_up_empty_is_removed() -> None:
@@ -469,6 +490,12 @@ def test_rewrite_keeps_other_tokens_in_order_and_is_idempotent(
     argv = render(flags)
     command = None if entry is None else entry + argv[:split]
     args = argv if entry is None else argv[split:]
+    vllm_flags = {"--max-model-len", "--gpu-memory-utilization", "--model", "--load-format",
+                  "--tensor-parallel-size", "-tp", "--tensor_parallel_size"}  # fmt: skip
+    if entry is None and not any(name in vllm_flags for name, _, _ in flags):
+        with pytest.raises(SpecError, match="no vLLM invocation"):
+            rewrite(command, args, SETTINGS)
+        return
     once = rewrite(command, args, SETTINGS)
     assert rewrite(*once, SETTINGS) == once
     before = [t for t in render([f for f in flags if f[0] in OTHER_FLAGS])]

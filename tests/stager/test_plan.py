@@ -27,6 +27,8 @@ from modelstage.stager.stage import StageRequest, stage
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("modeldeployment-*.yaml"))
 WORKLOAD = ROOT / "examples" / "vllm-deployment.yaml"
+OPT_IN = "modelstage.io/model-deployment"
+"""The target's annotation that names the ModelDeployment allowed to patch it."""
 MODELSTAGE = str(Path(sys.executable).with_name("modelstage"))
 
 
@@ -61,11 +63,23 @@ BASE: dict[str, Any] = {
 }  # fmt: skip
 
 
-# --- the ModelDeployment form equals the operator's planners ------------------------------------
-def workload_for(spec: ModelDeploymentSpec, tmp_path: Path) -> tuple[dict[str, Any], Path]:
-    """The example vLLM Deployment as the spec's target (kind and name; one container when
-    the spec names none)."""
+def opted_in(tmp_path: Path, md_name: str = "llama") -> Path:
+    """The example Deployment, opted in for ``md_name`` (it names the example's own)."""
     workload = yaml.safe_load(WORKLOAD.read_text())
+    workload["metadata"]["annotations"][OPT_IN] = md_name
+    path = tmp_path / f"workload-{md_name}.yaml"
+    path.write_text(yaml.safe_dump(workload))
+    return path
+
+
+# --- the ModelDeployment form equals the operator's planners ------------------------------------
+def workload_for(
+    spec: ModelDeploymentSpec, tmp_path: Path, md_name: str = "llama"
+) -> tuple[dict[str, Any], Path]:
+    """The example vLLM Deployment as the spec's target (kind and name; one container when
+    the spec names none), opted in for ModelDeployment ``md_name``."""
+    workload = yaml.safe_load(WORKLOAD.read_text())
+    workload["metadata"]["annotations"][OPT_IN] = md_name
     workload["kind"], workload["metadata"]["name"] = spec.serving.target_ref.kind, spec.serving.target_ref.name
     pod = workload["spec"]["template"]["spec"]
     if spec.serving.container_name is None:
@@ -82,7 +96,7 @@ def test_the_plan_of_each_example_is_the_operators_digest_jobs_claim_and_patch(
     doc = yaml.safe_load(example.read_text())
     spec = ModelDeploymentSpec.model_validate(doc["spec"])
     name, namespace = doc["metadata"]["name"], "team-a"
-    workload, workload_file = workload_for(spec, tmp_path)
+    workload, workload_file = workload_for(spec, tmp_path, name)
     report = plan_json(str(example), "--namespace", namespace, "--workload", str(workload_file))
 
     digest = spec_digest(spec)
@@ -103,7 +117,7 @@ def test_the_plan_of_each_example_is_the_operators_digest_jobs_claim_and_patch(
 def test_the_digest_is_the_one_prepare_and_the_stager_are_given(tmp_path: Path) -> None:
     """Where ``prepare --digest`` comes from: the plan's digest, passed to the stager Job and
     to the serving pod's initContainer alike."""
-    report = plan_json(str(write_md(tmp_path, BASE)), "--workload", str(WORKLOAD))
+    report = plan_json(str(write_md(tmp_path, BASE)), "--workload", str(opted_in(tmp_path)))
     digest = report["digest"]
     stage_command = report["jobs"][0]["command"]
     assert stage_command[stage_command.index("--digest") + 1] == digest
@@ -123,7 +137,7 @@ def test_human_output_names_the_digest_jobs_commands_and_files(
     tmp_path: Path, llama_ckpt: Path
 ) -> None:
     md = write_md(tmp_path, {**BASE, "stager": {"parallelism": 2}})
-    done = plan(str(md), "--workload", str(WORKLOAD), "--checkpoint", str(llama_ckpt))
+    done = plan(str(md), "--workload", str(opted_in(tmp_path)), "--checkpoint", str(llama_ckpt))
     assert done.returncode == 0, done.stderr
     digest = spec_digest(ModelDeploymentSpec.model_validate({**BASE, "stager": {"parallelism": 2}}))
     out = done.stdout
@@ -185,7 +199,7 @@ def test_an_unknown_vllm_version_blocks_staging(tmp_path: Path) -> None:
 
 def test_a_workload_without_the_container_blocks_the_rollout_not_staging(tmp_path: Path) -> None:
     spec = {**BASE, "serving": {**BASE["serving"], "containerName": "nope"}}
-    report = plan_json(str(write_md(tmp_path, spec)), "--workload", str(WORKLOAD), code=2)
+    report = plan_json(str(write_md(tmp_path, spec)), "--workload", str(opted_in(tmp_path)), code=2)
     assert [(c["reason"], c["blocks"]) for c in report["checks"]] == [
         ("ContainerNotFound", "rollout")
     ]
@@ -196,7 +210,7 @@ def test_a_workload_without_the_container_blocks_the_rollout_not_staging(tmp_pat
 def test_a_workload_that_is_not_the_specs_target_is_pointed_out(tmp_path: Path) -> None:
     spec = {**BASE, "serving": {**BASE["serving"], "targetRef": {"kind": "Deployment",
                                                                   "name": "other"}}}  # fmt: skip
-    report = plan_json(str(write_md(tmp_path, spec)), "--workload", str(WORKLOAD))
+    report = plan_json(str(write_md(tmp_path, spec)), "--workload", str(opted_in(tmp_path)))
     [check] = report["checks"]
     assert check == {
         "reason": "WorkloadNotTheTarget", "blocks": "nothing",
@@ -242,7 +256,7 @@ def test_planning_a_model_deployment_imports_neither_torch_nor_the_operators_kop
     code = (
         "import sys\n"
         "from modelstage.stager import cli\n"
-        f"assert cli.main(['plan', {str(md)!r}, '-o', 'json', '--workload', {str(WORKLOAD)!r}]) == 0\n"
+        f"assert cli.main(['plan', {str(md)!r}, '-o', 'json', '--workload', {str(opted_in(tmp_path))!r}]) == 0\n"
         "heavy = {'torch', 'numpy', 'kopf', 'kubernetes', 'boto3', 'huggingface_hub'}\n"
         "print(sorted(heavy & set(sys.modules)), file=sys.stderr)\n"
     )
