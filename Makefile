@@ -13,7 +13,8 @@ demo: setup
 test: setup
 	./scripts/test
 
-# The long fault-injection trials (operator kills x10, S3 kill points x20); .ci/run runs them too.
+# The long fault-injection trials (operator kills x10, S3 kill points x20) and the costlier vLLM
+# oracle cases (TP 4, float16 at TP 2, a bfloat16 source cast to float32); .ci/run runs them too.
 test-slow: setup
 	MODELSTAGE_TEST_MARKERS=slow ./scripts/test
 

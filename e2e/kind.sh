@@ -65,16 +65,18 @@ fi
 
 log "CRDs and chart (the CRD upgrade path first, as on every upgrade)"
 kubectl apply --server-side -f charts/modelstage/crds/
+# The operator serves the test namespace only (a Role there): it must exist first.
+kubectl create namespace "$NAMESPACE" --dry-run=client -o yaml | kubectl apply -f -
 helm upgrade --install "$RELEASE" charts/modelstage \
   --namespace modelstage-system --create-namespace \
   --set image.repository=modelstage-operator --set image.tag="$TAG" \
   --set image.pullPolicy=Never \
   --set stagerImage.repository=modelstage-stager --set stagerImage.tag="$TAG" \
+  --set "watch.namespaces={$NAMESPACE}" \
   --wait --timeout 5m
 kubectl -n modelstage-system rollout status "deployment/$RELEASE" --timeout=5m
 
 log "a tiny generated checkpoint on a PVC"
-kubectl create namespace "$NAMESPACE" --dry-run=client -o yaml | kubectl apply -f -
 kubectl apply -n "$NAMESPACE" -f - <<EOF
 apiVersion: v1
 kind: PersistentVolumeClaim
@@ -108,10 +110,14 @@ kubectl -n "$NAMESPACE" wait --for=condition=complete job/make-tiny-llama --time
 SOURCE_PATH="demo/checkpoint"
 
 log "a CPU vLLM Deployment that serves the checkpoint as it is"
+# The annotation opts the workload in: only the ModelDeployment it names may patch it.
 kubectl apply -n "$NAMESPACE" -f - <<EOF
 apiVersion: apps/v1
 kind: Deployment
-metadata: {name: vllm-tiny, labels: {app: vllm-tiny}}
+metadata:
+  name: vllm-tiny
+  labels: {app: vllm-tiny}
+  annotations: {modelstage.io/model-deployment: tiny-llama}
 spec:
   replicas: 1
   strategy: {type: RollingUpdate, rollingUpdate: {maxSurge: 1, maxUnavailable: 0}}

@@ -129,6 +129,16 @@ class S3Connection(Model):
     ca_bundle_secret: SecretName | None = None
     """Secret with key ``ca.crt``: the CA bundle that signs the endpoint's certificate."""
 
+    rules: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            # Not a pattern: the API server would quote the refused value, credential and all.
+            cel="!has(self.endpoint) || !self.endpoint.contains('@')",
+            message="the S3 endpoint must not carry credentials (user:password@host): put "
+            "them in the Secret named by credentialsSecret",
+            check=lambda c: c.endpoint is None or "@" not in c.endpoint,
+        ),
+    )
+
 
 class ModelSource(Model):
     """The checkpoint to stage."""
@@ -154,6 +164,11 @@ class ModelSource(Model):
     pinned commit never moves and is not resolved again."""
 
     rules: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            cel="!self.uri.matches('^[a-z0-9]+://.*/[.][.](/.*)?$')",
+            message="model.uri must not contain '..' path segments",
+            check=lambda m: ".." not in m.uri.split("://", 1)[-1].split("/"),
+        ),
         Rule(
             cel="!has(self.revision) || self.uri.startsWith('hf://')",
             message="model.revision applies to hf:// sources only: remove it",
@@ -274,21 +289,26 @@ class Stager(Model):
     """How the staging Job runs."""
 
     image: Annotated[str, Field(min_length=1, max_length=512)] | None = None
-    """Stager image; the operator's default when unset."""
+    """Stager image, also run as the serving pods' initContainer; the operator's default when
+    unset. Only images the operator allows are accepted (the chart's ``stagerImage`` and
+    ``stagerImage.allowed``); any other is refused with reason ``StagerImageNotAllowed``."""
     resources: Resources | None = None
     parallelism: Annotated[int, Field(ge=1, le=64)] = 1
     """Pods of an Indexed Job, each writing a group of tensors (per-rank safetensors formats)."""
     node_selector: dict[str, str] | None = None
     tolerations: Annotated[list[Toleration], Field(max_length=32)] | None = None
     service_account_name: Annotated[str, Field(pattern=DNS_NAME, max_length=253)] | None = None
-    """Service account of the stager pods (workload identity for S3)."""
+    """Service account of the stager pods, for workload identity (S3 through IRSA and the
+    like); its Kubernetes API token is never mounted in them."""
     backoff_limit: Annotated[int, Field(ge=0, le=20)] = 2
     active_deadline_seconds: Annotated[int, Field(ge=60, le=7 * 24 * 3600)] = 6 * 3600
     """Give up staging after this long (a 70B checkpoint at 1 GB/s takes about 3 minutes)."""
 
 
 class TargetRef(Model):
-    """The vLLM workload whose pod template the operator patches."""
+    """The vLLM workload whose pod template the operator patches. It must opt in: its
+    metadata carries the annotation ``modelstage.io/model-deployment`` naming this
+    ModelDeployment; without it nothing is patched (reason ``TargetNotOptedIn``)."""
 
     kind: Literal["Deployment", "StatefulSet"] = "Deployment"
     name: Annotated[str, Field(pattern=DNS_NAME, max_length=253)]

@@ -31,7 +31,7 @@ from . import metrics
 from .api import GROUP, PLURAL, VERSION, ModelDeploymentSpec, SourceStatus
 from .artifact import spec_digest
 from .job_plan import stage_job_name
-from .kube import DIGEST_ANNOTATION, LABEL_DIGEST, Manifest
+from .kube import DIGEST_ANNOTATION, LABEL_DIGEST, Manifest, model_deployment_owners
 from .kube_client import Conflict, KubeClient
 from .reconcile import JOB_NAME_LABEL, Outcome, Reconciler
 from .resolve_plan import recorded_identity, resolve_job_name
@@ -82,13 +82,14 @@ def startup(settings: kopf.OperatorSettings, memo: Any, logger: Logger, **_: Any
         kube,
         stager_image=config.stager_image,
         post_event=_post_event,
-        slots=StagerSlots(config.max_stager_jobs),
+        slots=StagerSlots(config.max_stager_jobs, config.max_stager_jobs_per_namespace),
+        allowed_images=config.allowed_stager_images,
         resolve_interval=config.resolve_interval,
         stager_logs=config.stager_logs,
     )
     logger.info(
         "modelstage operator started",
-        extra={"metrics_port": config.metrics_port, "stager_image": config.stager_image},
+        extra={"metrics_port": config.metrics_port, "stager_images": config.stager_images},
     )
 
 
@@ -256,7 +257,7 @@ def stage_job_event(
     if not name.startswith(STAGE_JOB_PREFIX):
         return
     slots = cast(Reconciler, memo.reconciler).slots
-    if type != "DELETED" and state == "Running":
+    if type != "DELETED" and state == "Running" and model_deployment_owners(dict(body)):
         slots.running((namespace, name))
     elif slots.finished((namespace, name)):
         # A slot is free: the queued ModelDeployments try again, in queue order (each

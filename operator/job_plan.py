@@ -9,6 +9,7 @@ state machine reads the summary or the failure reason.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import posixpath
 from collections.abc import Mapping, Sequence
@@ -43,6 +44,17 @@ from .kube import (
 from .resolve_plan import RESOLVE_TTL_SECONDS
 from .state import JobState
 
+DEFAULT_RESOURCES: Manifest = {
+    "requests": {"cpu": "1", "memory": "1Gi"},
+    "limits": {"memory": "4Gi"},
+}
+"""The stager's resources when ``spec.stager.resources`` is unset (which then replaces them
+whole). Staging streams through fixed buffer pools (well under 1 GiB at TP=8, S3 included);
+the limit leaves room for a tensorizer rank's largest tensor and stops a runaway input."""
+CLEANUP_RESOURCES: Manifest = {
+    "requests": {"cpu": "100m", "memory": "128Mi"},
+    "limits": {"memory": "512Mi"},
+}
 SCALE_OUT_FORMATS = frozenset({"sharded_state", "runai_streamer_sharded"})
 """Formats whose rank files an Indexed Job can write in parallel (tensor groups per pod)."""
 HF_TOKEN_KEY = "HF_TOKEN"
@@ -123,7 +135,7 @@ def _source(spec: ModelDeploymentSpec) -> tuple[list[str], list[Manifest], list[
         "persistentVolumeClaim": {"claimName": claim, "readOnly": True},
     }
     mount = {"name": VOLUME_SOURCE, "mountPath": SOURCE_MOUNT, "readOnly": True}
-    return [local, "--source-uri", uri], [volume], [mount]
+    return [local, f"--source-uri={uri}"], [volume], [mount]
 
 
 def s3_connection(spec: ModelDeploymentSpec) -> S3Connection | None:
@@ -136,11 +148,12 @@ def s3_connection(spec: ModelDeploymentSpec) -> S3Connection | None:
 def _s3_flags(connection: S3Connection | None) -> list[str]:
     if connection is None:
         return []
+    # Spec values as --flag=value: a value that looks like a flag stays a value.
     flags: list[str] = []
     if connection.endpoint:
-        flags += ["--s3-endpoint", connection.endpoint]
+        flags.append(f"--s3-endpoint={connection.endpoint}")
     if connection.region:
-        flags += ["--s3-region", connection.region]
+        flags.append(f"--s3-region={connection.region}")
     if not connection.virtual_addressing:
         flags.append("--s3-path-style")
     ca = ca_file(connection)
@@ -206,11 +219,12 @@ def stager_command(
         location.path,
     ]
     command += source_args[1:]
+    # Values as --flag=value: free text such as `--allow-pickle` must stay a revision.
     revision = resolved.commit if resolved is not None and resolved.commit else None
     if revision or spec.model.revision is not None:
-        command += ["--revision", revision or str(spec.model.revision)]
+        command.append(f"--revision={revision or spec.model.revision}")
     if resolved is not None:
-        command += ["--expect-identity", resolved.identity]
+        command.append(f"--expect-identity={resolved.identity}")
     return command + _s3_flags(s3_connection(spec))
 
 
@@ -282,15 +296,18 @@ def _plan_job(
         "securityContext": container_security_context(),
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
-    if stager.resources is not None:
-        container["resources"] = stager.resources.wire()
+    resources = stager.resources
+    container["resources"] = resources.wire() if resources else copy.deepcopy(DEFAULT_RESOURCES)
+    scratch = scratch_bound(spec)
+    if scratch.request is not None:
+        _request_ephemeral_storage(container, scratch.request)
     pod_spec: Manifest = {
         "restartPolicy": "Never",
         "automountServiceAccountToken": False,
         "securityContext": pod_security_context(),
         "containers": [container],
         "volumes": [
-            {"name": VOLUME_SCRATCH, "emptyDir": {}},
+            {"name": VOLUME_SCRATCH, "emptyDir": {"sizeLimit": scratch.size_limit}},
             *dest_volumes,
             *source_volumes,
             *ca_volume(connection),
@@ -372,6 +389,7 @@ def plan_cleanup_job(
             *mounts,
             *ca_mount(s3),
         ],
+        "resources": copy.deepcopy(CLEANUP_RESOURCES),
         "securityContext": container_security_context(),
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
@@ -402,6 +420,10 @@ def plan_cleanup_job(
 
 
 RESOLVE_CONTAINER = "resolve"
+RESOLVE_RESOURCES: Manifest = {
+    "requests": {"cpu": "100m", "memory": "256Mi"},
+    "limits": {"memory": "1Gi"},
+}
 RESOLVE_DEADLINE_SECONDS = 600
 """A resolution is a metadata request, a listing or a few headers: minutes at most."""
 
@@ -423,7 +445,7 @@ def plan_resolve_job(
     job_labels = labels("resolve", owner.name)
     command = ["modelstage", "resolve", *source_args]
     if spec.model.revision is not None:
-        command += ["--revision", spec.model.revision]
+        command.append(f"--revision={spec.model.revision}")
     container: Manifest = {
         "name": RESOLVE_CONTAINER,
         "image": stager.image or default_image,
@@ -442,6 +464,8 @@ def plan_resolve_job(
         ],
         "securityContext": container_security_context(),
         "terminationMessagePolicy": "FallbackToLogsOnError",
+        # A metadata request, a listing or the headers: a small pod whatever staging needs.
+        "resources": copy.deepcopy(RESOLVE_RESOURCES),
     }
     pod_spec: Manifest = {
         "restartPolicy": "Never",
@@ -449,7 +473,7 @@ def plan_resolve_job(
         "securityContext": pod_security_context(),
         "containers": [container],
         "volumes": [
-            {"name": VOLUME_SCRATCH, "emptyDir": {}},
+            {"name": VOLUME_SCRATCH, "emptyDir": {"sizeLimit": SCRATCH_DEFAULT}},
             *source_volumes,
             *ca_volume(connection),
         ],
@@ -487,3 +511,56 @@ def _source_credentials_env(spec: ModelDeploymentSpec) -> list[Manifest]:
     if spec.model.scheme == "hf":
         return [e for e in _credentials_env(spec) if e["name"] == "HF_TOKEN"]
     return _credentials_env(spec)
+# --- the stager's scratch space (ephemeral storage) ------------------------------------------
+SCRATCH_DEFAULT = "2Gi"
+"""The scratch volume's bound when nothing large lands there (HOME, temporary files): every
+format streams into the artifact location, tensorizer included, so only a hub cache is big."""
+HF_CACHE_DEFAULT = "200Gi"
+"""The bound of an ``hf://`` Job's scratch volume (which holds the hub cache, i.e. the whole
+checkpoint) when ``model.sizeHint`` is not set: a 70B bf16 checkpoint fits; set the hint
+for anything larger. Not requested from the scheduler (it would exclude smaller nodes)."""
+SCRATCH_HEADROOM = 0.1
+CONTAINER_EPHEMERAL_EXTRA = 1 << 30
+"""Beyond the scratch volume, the container's own writable layer and logs."""
+
+
+@dataclass(frozen=True)
+class ScratchBound:
+    """The scratch ``emptyDir``'s ``sizeLimit``, and the ``ephemeral-storage`` the stager
+    container requests and is limited to (None: nothing requested, the volume is bounded)."""
+
+    size_limit: str
+    request: str | None
+
+
+def scratch_bound(spec: ModelDeploymentSpec) -> ScratchBound:
+    """How much node-local disk a staging pod may use. An ``hf://`` source downloads the
+    checkpoint into the hub cache under the scratch volume: ``model.sizeHint`` plus headroom
+    (requested, so the pod lands on a node with room), else ``HF_CACHE_DEFAULT``. Every other
+    source writes only small files there. A user's own ``ephemeral-storage`` limit wins."""
+    from .claim_plan import gibibytes, parse_quantity
+
+    user = ((spec.stager.resources.limits or {}) if spec.stager.resources else {}).get(
+        "ephemeral-storage"
+    )
+    if user is not None:
+        return ScratchBound(size_limit=str(user), request=None)
+    if spec.model.scheme != "hf":
+        size = parse_quantity(SCRATCH_DEFAULT)
+    elif spec.model.size_hint is None:
+        return ScratchBound(size_limit=HF_CACHE_DEFAULT, request=None)
+    else:
+        size = int(parse_quantity(spec.model.size_hint) * (1 + SCRATCH_HEADROOM)) + (1 << 30)
+    return ScratchBound(
+        size_limit=gibibytes(size), request=gibibytes(size + CONTAINER_EPHEMERAL_EXTRA)
+    )
+
+
+def _request_ephemeral_storage(container: Manifest, amount: str) -> None:
+    """Request and limit ``amount`` of ephemeral storage, unless the user's resources set
+    either (a limit of ours below a request of theirs would be refused)."""
+    resources = container.setdefault("resources", {})
+    if any("ephemeral-storage" in (resources.get(k) or {}) for k in ("requests", "limits")):
+        return
+    for kind in ("requests", "limits"):
+        resources.setdefault(kind, {})["ephemeral-storage"] = amount

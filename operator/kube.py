@@ -19,6 +19,10 @@ MANAGED_ENV_ANNOTATION = "modelstage.io/managed-env"
 """Env var names the operator set in the vLLM container, so that a later plan can drop them."""
 LABEL_DIGEST = "modelstage.io/digest"
 LABEL_OWNER = "modelstage.io/model-deployment"
+OPT_IN_ANNOTATION = "modelstage.io/model-deployment"
+"""On a Deployment or StatefulSet: the one ModelDeployment (by name) that may patch it. A
+workload without it is never patched: creating a ModelDeployment does not by itself grant
+the right to change someone else's workload."""
 
 PLUGIN_DIR = "/opt/modelstage/plugins"
 CA_DIR = "/etc/modelstage/s3-ca"
@@ -31,6 +35,11 @@ VOLUME_PLUGINS = "modelstage-plugins"
 VOLUME_CA = "modelstage-s3-ca"
 VOLUME_SOURCE = "modelstage-source"
 VOLUME_SCRATCH = "modelstage-scratch"
+VOLUME_NO_TOKEN = "modelstage-no-token"
+TOKEN_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+"""Where Kubernetes mounts a pod's service-account token. A container that already mounts
+something there does not get the token (the ServiceAccount admission plugin skips it): the
+serving initContainer mounts an empty folder there, since it never calls the API."""
 
 NONROOT_UID = 65532
 """The stager image's user (distroless ``nonroot``)."""
@@ -55,6 +64,22 @@ class Owner:
             "controller": True,
             "blockOwnerDeletion": True,
         }
+
+
+def model_deployment_owners(manifest: Manifest) -> set[str]:
+    """UIDs of the ModelDeployments that control ``manifest`` (its controller owner
+    references of our kind and API group). Names and labels can be copied by anyone who may
+    create the object; an owner reference to a ModelDeployment is how the operator's own
+    children are told apart."""
+    group = API_VERSION.split("/", 1)[0]
+    return {
+        str(ref.get("uid"))
+        for ref in (manifest.get("metadata") or {}).get("ownerReferences") or []
+        if ref.get("controller")
+        and ref.get("kind") == KIND
+        and str(ref.get("apiVersion", "")).split("/", 1)[0] == group
+        and ref.get("uid")
+    }
 
 
 LABEL_VALUE_MAX = 63

@@ -77,7 +77,7 @@ REGISTRY.register(JOBS)
 REGISTRY.register(DEPLOYMENTS)
 
 
-def serve(port: int, host: str = "0.0.0.0") -> None:
+def serve(port: int, host: str = "127.0.0.1") -> None:
     """Starts the metrics endpoint in a daemon thread (``port`` 0: no endpoint)."""
     if port:
         start_http_server(port, addr=host, registry=REGISTRY)

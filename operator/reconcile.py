@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
@@ -47,7 +47,7 @@ from .job_plan import (
     staging_jobs,
     staging_step,
 )
-from .kube import LABEL_DIGEST, Manifest, Owner
+from .kube import LABEL_DIGEST, Manifest, Owner, model_deployment_owners
 from .kube_client import Conflict, KubeClient, resource_path
 from .patch import merge_diff
 from .resolve_plan import (
@@ -57,6 +57,7 @@ from .resolve_plan import (
     resolution_due,
     resolve_job_name,
     source_changed,
+    source_key,
 )
 from .retention import Holder, RetentionPlan, plan_release, plan_retention, remember
 from .rollout_plan import plan_rollout
@@ -76,7 +77,13 @@ from .state import (
     staging_progress,
     termination_message,
 )
-from .validation import Finding, validate_spec, validate_workload
+from .validation import (
+    Finding,
+    image_allowed,
+    opt_in_problem,
+    validate_spec,
+    validate_workload,
+)
 
 STAGER_SELECTOR = {"app.kubernetes.io/component": "stager"}
 JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
@@ -142,9 +149,12 @@ class Reconciler:
         slots: StagerSlots | None = None,
         resolve_interval: float = 0.0,
         stager_logs: bool = False,
+        allowed_images: Sequence[str] = (),
     ) -> None:
         self.kube = kube
         self.stager_image = stager_image
+        self.images = (stager_image, *allowed_images)
+        """Images a spec may name (``spec.stager.image``); the default first."""
         self.post_event = post_event
         self.slots = slots or StagerSlots(0)
         self.resolve_interval = resolve_interval
@@ -204,14 +214,14 @@ class Reconciler:
         source: SourceStep | None = None
         now = _now()
         if spec is not None:
-            findings += validate_spec(spec)
+            findings += validate_spec(spec, allowed_images=self.images)
             if not any(f.blocks == "staging" for f in findings):
                 try:
                     layout_for(spec.serving.vllm_version)
                 except SpecError as error:
                     findings.append(Finding("InvalidSpec", str(error), "staging"))
             if not any(f.blocks == "staging" for f in findings):
-                source = self._resolve(spec, status, namespace, name, now)
+                source = self._resolve(spec, status, owner, now)
                 if source.source is not None:
                     desired = artifact_for(
                         spec,
@@ -245,11 +255,13 @@ class Reconciler:
                     default_image=self.stager_image,
                     source=source.source if source is not None else None,
                 )
-                job, next_job = self._observe_jobs(namespace, desired.digest, jobs)
-                if source is not None and job is not None and source_changed(job, status.source):
+                job, next_job, foreign = self._observe_jobs(namespace, desired.digest, jobs, owner)
+                if foreign is not None:
+                    findings.append(foreign)
+                elif source is not None and job is not None and source_changed(job, status.source):
                     # The source changed between resolving and staging: resolve it again
                     # now; a new identity is a new artifact with Jobs of its own.
-                    source = self._resolve(spec, status, namespace, name, now, stale=True)
+                    source = self._resolve(spec, status, owner, now, stale=True)
                     if source.source is not None and source.source.identity != (
                         status.source.identity if status.source else None
                     ):
@@ -266,7 +278,11 @@ class Reconciler:
                             default_image=self.stager_image,
                             source=source.source,
                         )
-                        job, next_job = self._observe_jobs(namespace, desired.digest, jobs)
+                        job, next_job, foreign = self._observe_jobs(
+                            namespace, desired.digest, jobs, owner
+                        )
+                        if foreign is not None:
+                            findings.append(foreign)
             if workload is not None:
                 observed_workload = self._observe_workload(namespace, workload)
 
@@ -285,7 +301,9 @@ class Reconciler:
             if job_name == stage_job_name(desired.digest):
                 position = self.slots.acquire((namespace, job_name), (namespace, name))
                 if position:
-                    decision = queued(decision, position, self.slots.limit, observed)
+                    decision = queued(
+                        decision, position, self.slots.limit, observed, self.slots.per_namespace
+                    )
         outcome = Outcome(decision, invalid=invalid)
 
         # 1. The status, first (see the module docstring).
@@ -317,6 +335,11 @@ class Reconciler:
             outcome.job_created = self._create_job(spec, owner, desired, next_job, body, logger)
         elif decision.action in (Action.ROLL_OUT, Action.ROLL_BACK):
             assert spec is not None and workload is not None and decision.artifact is not None
+            # ``decide`` never asks for this without the opt-in; checked again here, where
+            # the operator writes to a workload that is not its own.
+            refused = opt_in_problem(workload, namespace=namespace, deployment_name=name)
+            if refused is not None:
+                raise AssertionError(f"refusing to patch: {refused}")
             plan = plan_rollout(
                 spec,
                 artifact_from_status(decision.artifact),
@@ -437,7 +460,7 @@ class Reconciler:
                 namespace=namespace,
                 owner_name=name,
                 connection=connection,
-                image=spec.stager.image or self.stager_image,
+                image=self._image(spec),
             )
             if job is None:
                 message = (
@@ -463,24 +486,34 @@ class Reconciler:
         for artifact in plan.released:
             logger.info("artifact %s let go; another ModelDeployment keeps it", artifact.digest)
 
+    def _image(self, spec: ModelDeploymentSpec) -> str:
+        """The spec's stager image when it is allowed, else the operator's default (the
+        clean-up runs on deletion too, where no validation stops an image)."""
+        wanted = spec.stager.image
+        return wanted if wanted and image_allowed(wanted, self.images) else self.stager_image
+
     def _observe_jobs(
-        self, namespace: str, digest: str, planned: list[Manifest]
-    ) -> tuple[JobObservation | None, Manifest | None]:
-        """(the observation of the Job staging follows, the Job to create next); see
-        ``staging_step``: the stage Job, then for a scaled-out artifact its finalize Job."""
+        self, namespace: str, digest: str, planned: list[Manifest], owner: Owner
+    ) -> tuple[JobObservation | None, Manifest | None, Finding | None]:
+        """(the observation of the Job staging follows, the Job to create next, why an
+        existing Job is not followed); see ``staging_step``: the stage Job, then for a
+        scaled-out artifact its finalize Job."""
         found: dict[str, Manifest] = {}
         for manifest in planned:
             name = manifest["metadata"]["name"]
             job = self.kube.get(resource_path("batch/v1", "jobs", namespace, name))
             if job is None:
                 break
+            foreign = self._foreign_job(namespace, job, owner)
+            if foreign is not None:
+                return None, None, foreign
             found[name] = job
         step = staging_step(
             [j["metadata"]["name"] for j in planned],
             {name: observe_job(job).state for name, job in found.items()},
         )
         if step.create is not None:
-            return None, next(j for j in planned if j["metadata"]["name"] == step.create)
+            return None, next(j for j in planned if j["metadata"]["name"] == step.create), None
         assert step.follow is not None
         job = found[step.follow]
         state = observe_job(job).state
@@ -491,8 +524,31 @@ class Reconciler:
         own = [p for p in pods if (p["metadata"].get("labels") or {}).get(JOB_NAME_LABEL)
                in (None, step.follow)]  # fmt: skip
         if state == "Running":
-            return replace(observe_job(job), progress=self._progress(namespace, job, own)), None
-        return observe_job(job, termination_message(own, success=state == "Succeeded")), None
+            progress = self._progress(namespace, job, own)
+            return replace(observe_job(job), progress=progress), None, None
+        message = termination_message(own, success=state == "Succeeded")
+        return observe_job(job, message), None, None
+
+    def _foreign_job(self, namespace: str, job: Manifest, owner: Owner) -> Finding | None:
+        """Why a Job under a staging Job's name is not one to follow: the names are
+        predictable, so anyone who may create Jobs could plant one that reports a staged
+        artifact. Followed are Jobs controlled by this ModelDeployment or, for an artifact
+        two of them share, by another ModelDeployment of the namespace."""
+        uids = model_deployment_owners(job)
+        if owner.uid in uids:
+            return None
+        if uids and uids & {
+            str(md["metadata"].get("uid")) for md in self.kube.list(md_path(namespace))
+        }:
+            return None
+        name = job["metadata"]["name"]
+        return Finding(
+            "JobNotOwned",
+            f"Job {name} exists in namespace {namespace} but no ModelDeployment of the "
+            "namespace owns it: modelstage did not create it and does not trust what it "
+            "reports; delete it and modelstage creates its own",
+            "staging",
+        )
 
     def _progress(self, namespace: str, job: Manifest, pods: list[Manifest]) -> str:
         """What the cluster says about a running stage Job (``staging_progress``), and with
@@ -519,13 +575,14 @@ class Reconciler:
         self,
         spec: ModelDeploymentSpec,
         status: ModelDeploymentStatus,
-        namespace: str,
-        name: str,
+        owner: Owner,
         now: datetime,
         stale: bool = False,
     ) -> SourceStep:
         """The resolution step (``resolve_plan.plan_source``), with this round's resolve Job
-        observed: its state, and once it ended its pod's termination message."""
+        observed: its state, and once it ended its pod's termination message. A Job of that
+        name this ModelDeployment does not own is not believed (its name is predictable)."""
+        namespace, name = owner.namespace, owner.name
         spec_interval = spec.model.resolve_interval_seconds
         interval = self.resolve_interval if spec_interval is None else float(spec_interval)
         job_name = resolve_job_name(spec, status.source, name)
@@ -534,6 +591,14 @@ class Reconciler:
         manifest = (
             self.kube.get(resource_path("batch/v1", "jobs", namespace, job_name)) if due else None
         )
+        if manifest is not None and owner.uid not in model_deployment_owners(manifest):
+            return SourceStep(
+                status.source if status.source and status.source.key == source_key(spec) else None,
+                "failed",
+                job_name,
+                f"Job {job_name} exists but this ModelDeployment does not own it: modelstage "
+                "did not create it and does not trust what it reports; delete it",
+            )
         if manifest is not None:
             job = observe_job(manifest)
             if job.state != "Running":

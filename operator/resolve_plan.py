@@ -115,6 +115,15 @@ class SourceStep:
     """What the resolve Job does or why it failed, for the conditions."""
 
 
+def source_status(
+    spec: ModelDeploymentSpec, identity: str, *, now: datetime, job: str | None = None
+) -> SourceStatus:
+    """The status record of ``identity`` resolved for ``spec`` at ``now`` (by ``job``)."""
+    commit = identity.removeprefix("commit:") if identity.startswith("commit:") else None
+    return SourceStatus(uri=spec.model.uri, revision=spec.model.revision, identity=identity,
+                        commit=commit, resolved_at=now, key=source_key(spec), job=job)  # fmt: skip
+
+
 def describe(spec: ModelDeploymentSpec) -> str:
     model = spec.model
     return f"{model.uri}@{model.revision}" if model.revision else model.uri
@@ -172,16 +181,7 @@ def plan_source(
     if pinned is not None:
         same = recorded is not None and recorded.key == key and recorded.identity == pinned
         at = recorded.resolved_at if same and recorded is not None else now
-        commit = pinned.removeprefix("commit:")
-        pinned_source = SourceStatus(
-            uri=spec.model.uri,
-            revision=spec.model.revision,
-            identity=pinned,
-            commit=commit,
-            resolved_at=at,
-            key=key,
-        )
-        return SourceStep(pinned_source, "resolved")
+        return SourceStep(source_status(spec, pinned, now=at), "resolved")
     current = recorded if recorded is not None and recorded.key == key else None
     if not resolution_due(spec, recorded, now=now, interval=interval, stale=stale):
         return SourceStep(current, "resolved")

@@ -24,7 +24,9 @@ from .kube import (
     MANAGED_ENV_ANNOTATION,
     OWNED_PREFIX,
     PLUGIN_DIR,
+    TOKEN_DIR,
     VOLUME_ARTIFACTS,
+    VOLUME_NO_TOKEN,
     VOLUME_PLUGINS,
     Manifest,
     ca_file,
@@ -226,7 +228,10 @@ def _python_path(env: list[Manifest], plugin: bool) -> list[Manifest]:
 def _prepare_container(
     artifact: Artifact, image: str, s3_env: list[Manifest], connection: S3Connection | None
 ) -> Manifest:
-    mounts: list[Manifest] = [{"name": VOLUME_PLUGINS, "mountPath": PLUGIN_DIR}]
+    mounts: list[Manifest] = [
+        {"name": VOLUME_PLUGINS, "mountPath": PLUGIN_DIR},
+        {"name": VOLUME_NO_TOKEN, "mountPath": TOKEN_DIR, "readOnly": True},
+    ]
     if artifact.location.on_pvc:
         mounts.append({"name": VOLUME_ARTIFACTS, "mountPath": ARTIFACT_MOUNT, "readOnly": True})
     container: Manifest = {
@@ -316,6 +321,8 @@ def plan_rollout(
         mounts.append({"name": VOLUME_ARTIFACTS, "mountPath": ARTIFACT_MOUNT, "readOnly": True})
     if plugin:
         volumes.append({"name": VOLUME_PLUGINS, "emptyDir": {}})
+        # Shadows the service-account token in the initContainer (see kube.TOKEN_DIR).
+        volumes.append({"name": VOLUME_NO_TOKEN, "emptyDir": {"sizeLimit": "1Mi"}})
         mounts.append({"name": VOLUME_PLUGINS, "mountPath": PLUGIN_DIR, "readOnly": True})
     volumes += ca_volume(connection)
     mounts += ca_mount(connection)

@@ -47,10 +47,17 @@ def _float(env: Mapping[str, str], name: str, default: float) -> float:
 @dataclass(frozen=True)
 class OperatorConfig:
     metrics_port: int = 8080
-    """Prometheus metrics on ``0.0.0.0:<port>``; 0 turns them off."""
-    metrics_host: str = "0.0.0.0"
+    """Prometheus metrics on ``<metrics_host>:<port>``; 0 turns them off."""
+    metrics_host: str = "127.0.0.1"
+    """The address the metrics endpoint binds: loopback unless told otherwise (the chart
+    binds the pod's IP, which Prometheus scrapes and a NetworkPolicy guards)."""
     stager_image: str = DEFAULT_STAGER_IMAGE
     """The stager image when a spec does not name one (also the serving initContainer's)."""
+    allowed_stager_images: tuple[str, ...] = ()
+    """Images a spec may name in ``spec.stager.image`` besides ``stager_image``: exact
+    references, or repositories (any tag or digest of theirs). The image runs in stager Jobs
+    and as an initContainer in the target workload's pods, whose loader plugin folder it
+    fills: it is the operator's choice, not the ModelDeployment author's."""
     watch_server_timeout: int = 300
     """Seconds the API server keeps a watch open before the operator re-lists; sent as the
     watch's ``timeoutSeconds``, which the API server accepts only as an integer."""
@@ -77,6 +84,9 @@ class OperatorConfig:
     max_stager_jobs: int = 4
     """Stage Jobs at once across everything this operator serves; more wait in a queue
     (``slots.py``); 0: no limit."""
+    max_stager_jobs_per_namespace: int = 2
+    """Stage Jobs at once per namespace, so that one namespace cannot take every slot;
+    0: no cap beyond ``max_stager_jobs``."""
     posting_level: int = logging.INFO
     """Least severity of kopf's own messages posted as Kubernetes Events."""
 
@@ -91,6 +101,10 @@ class OperatorConfig:
             metrics_port=_int(env, "METRICS_PORT", cls.metrics_port),
             metrics_host=env.get(PREFIX + "METRICS_HOST", cls.metrics_host),
             stager_image=env.get(PREFIX + "STAGER_IMAGE", cls.stager_image),
+            allowed_stager_images=tuple(
+                i.strip() for i in env.get(PREFIX + "ALLOWED_STAGER_IMAGES", "").split(",")
+                if i.strip()
+            ),
             watch_server_timeout=_int(env, "WATCH_SERVER_TIMEOUT", cls.watch_server_timeout),
             watch_client_timeout=_float(env, "WATCH_CLIENT_TIMEOUT", cls.watch_client_timeout),
             connect_timeout=_float(env, "CONNECT_TIMEOUT", cls.connect_timeout),
@@ -100,12 +114,20 @@ class OperatorConfig:
             failed_backoff_max=_float(env, "FAILED_BACKOFF_MAX", cls.failed_backoff_max),
             conflict_delay=_float(env, "CONFLICT_DELAY", cls.conflict_delay),
             max_stager_jobs=_int(env, "MAX_STAGER_JOBS", cls.max_stager_jobs),
+            max_stager_jobs_per_namespace=_int(
+                env, "MAX_STAGER_JOBS_PER_NAMESPACE", cls.max_stager_jobs_per_namespace
+            ),
             resolve_interval=_float(env, "RESOLVE_INTERVAL", cls.resolve_interval),
             stager_logs=env.get(PREFIX + "STAGER_LOGS", "").strip().lower()
             in ("1", "true", "yes", "on"),
             peering_lifetime=_float(env, "PEERING_LIFETIME", cls.peering_lifetime),
             posting_level=level,
         )
+
+    @property
+    def stager_images(self) -> tuple[str, ...]:
+        """Every image a spec may name: the default, then the allowed ones."""
+        return (self.stager_image, *self.allowed_stager_images)
 
     def backoff(self, retry: int) -> float:
         """Delay before retry number ``retry`` (0-based) of a failed staging."""

@@ -265,7 +265,7 @@ def parse_summary(message: str) -> Mapping[str, Any] | None:
         return None
     try:
         summary = json.loads(lines[-1])
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # whatever a pod wrote: not a summary
         return None
     return summary if isinstance(summary, dict) and "digest" in summary else None
 
@@ -303,6 +303,9 @@ def _ready(observed: Observed) -> tuple[Literal["True", "False"], str, str]:
     w = observed.workload
     if w is None:
         return "False", "TargetNotFound", "the target workload does not exist"
+    refused = next((f for f in observed.findings if f.reason == "TargetNotOptedIn"), None)
+    if refused is not None:
+        return "False", refused.reason, refused.message
     if w.digest is None:
         return "False", "NotRolledOut", "the workload does not serve a modelstage artifact yet"
     if w.failing or w.stalled or not w.complete:
@@ -378,7 +381,12 @@ def decide(
                 ),
             ),
         )
-        if current is not None and w is not None and w.digest != current.digest:
+        if (
+            current is not None
+            and w is not None
+            and w.digest != current.digest
+            and not blocks_rollout
+        ):
             # The rollback was decided but not applied (the shell stopped in between): redo it.
             action, target = Action.ROLL_BACK, current
             details = f"rolling back to {current.digest}"
@@ -526,13 +534,18 @@ def decide(
     return Decision(action=action, status=new_status, artifact=target, details=details)
 
 
-def queued(decision: Decision, position: int, limit: int, observed: Observed) -> Decision:
+def queued(
+    decision: Decision, position: int, limit: int, observed: Observed, per_namespace: int = 0
+) -> Decision:
     """The stage Job must wait for a slot (``slots.StagerSlots``): no action, phase
     ``Pending``, ``Staged=False/Queued`` with the place in the queue."""
     digest = decision.status.desired_digest
+    limits = [f"{limit} stager Job{'s' if limit != 1 else ''} at once"] if limit > 0 else []
+    if per_namespace > 0:
+        limits.append(f"{per_namespace} per namespace")
     message = (
         f"artifact {digest} waits for a stager slot: position {position} in the queue "
-        f"(at most {limit} stager Job{'s' if limit != 1 else ''} at once)"
+        f"(at most {', '.join(limits)})"
     )
     update = condition(
         "Staged", "False", "Queued", message, now=observed.now, generation=observed.generation

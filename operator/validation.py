@@ -9,6 +9,8 @@ person should change.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Literal
@@ -19,7 +21,7 @@ from modelstage.stager.layouts import layout_for
 from .api import Condition, ModelDeploymentSpec
 from .artifact import claim_name
 from .conditions import condition
-from .kube import Manifest
+from .kube import OPT_IN_ANNOTATION, Manifest
 from .rollout_plan import ACCELERATORS, select_container
 from .vllm_args import VllmSettings, rewrite
 
@@ -36,13 +38,77 @@ class Finding:
     blocks: Blocks
 
 
-def validate_spec(spec: ModelDeploymentSpec) -> list[Finding]:
-    """What the spec alone cannot do, beyond what the schema refuses."""
+TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
+DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
+
+
+def image_allowed(image: str, allowed: Sequence[str]) -> bool:
+    """Whether ``image`` is one of ``allowed``: equal to an entry; an entry that names a
+    repository with any tag and/or digest (``repo:tag``, ``repo@sha256:...``); an entry with a
+    tag pinned by digest (``repo:tag@sha256:...``). Never a longer repository (``repo-evil``,
+    ``repo/evil``)."""
+    for entry in allowed:
+        if image == entry:
+            return True
+        if not image.startswith(entry) or "@" in entry:
+            continue
+        rest = image[len(entry) :]
+        tagged = ":" in entry.rsplit("/", 1)[-1]
+        tag, at, digest = rest.partition("@")
+        if tag and (tagged or not tag.startswith(":") or not TAG.match(tag[1:])):
+            continue
+        if (at or not tag) and not DIGEST.match(digest):
+            continue
+        return True
+    return False
+
+
+def validate_spec(
+    spec: ModelDeploymentSpec, *, allowed_images: Sequence[str] = ()
+) -> list[Finding]:
+    """What the spec alone cannot do, beyond what the schema refuses. ``allowed_images``:
+    the images ``spec.stager.image`` may name (the operator's default comes first)."""
+    findings: list[Finding] = []
+    image = spec.stager.image
+    if image is not None and not image_allowed(image, allowed_images):
+        default = f"the operator's default {allowed_images[0]}" if allowed_images else "the default"
+        findings.append(
+            Finding(
+                "StagerImageNotAllowed",
+                f"spec.stager.image {image!r} is not one of the stager images this operator "
+                f"allows ({', '.join(allowed_images) or 'none'}): it would run in the stager "
+                f"Jobs and in the workload's pods; remove spec.stager.image to use {default}, "
+                "or ask the operator's administrator to allow it (chart value "
+                "stagerImage.allowed)",
+                "staging",
+            )
+        )
     try:
         layout_for(spec.serving.vllm_version)
     except SpecError as error:
-        return [Finding("UnsupportedVllmVersion", f"spec.serving.vllmVersion: {error}", "staging")]
-    return []
+        findings.append(
+            Finding("UnsupportedVllmVersion", f"spec.serving.vllmVersion: {error}", "staging")
+        )
+    return findings
+
+
+def opt_in_problem(workload: Manifest, *, namespace: str, deployment_name: str) -> str | None:
+    """Why ``workload`` may not be patched for ModelDeployment ``deployment_name``, or None
+    when its metadata names it in the opt-in annotation. Whoever may create ModelDeployments
+    must not thereby gain the right to change every workload of the namespace: the workload's
+    owner consents, on the workload."""
+    meta = workload.get("metadata") or {}
+    kind, name = workload.get("kind", "workload"), meta.get("name", "?")
+    named = (meta.get("annotations") or {}).get(OPT_IN_ANNOTATION)
+    if named == deployment_name:
+        return None
+    how = (
+        f"add the annotation {OPT_IN_ANNOTATION}: {deployment_name} to the metadata of {kind} "
+        f"{name} (namespace {namespace}) to let this ModelDeployment patch its pod template"
+    )
+    if named is None:
+        return f"{kind} {name} has not opted in to modelstage: {how}"
+    return f"{kind} {name} opted in for ModelDeployment {named!r}, not {deployment_name!r}: {how}"
 
 
 def _gpus(container: Manifest) -> tuple[str, int] | None:
@@ -95,6 +161,9 @@ def validate_workload(
                 "rollout",
             )
         ]
+    refused = opt_in_problem(workload, namespace=namespace, deployment_name=deployment_name)
+    if refused is not None:  # nothing more is read from a workload that did not consent
+        return [Finding("TargetNotOptedIn", refused, "rollout")]
     pod_spec: Manifest = (workload.get("spec") or {}).get("template", {}).get("spec") or {}
     try:
         container = select_container(spec, pod_spec)

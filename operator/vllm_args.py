@@ -5,8 +5,10 @@ The operator changes only the flags it owns (``--model``, ``--load-format``,
 clients keep the model name they know) and leaves every other token where it was, in the list
 (``command`` or ``args``) it was in. Recognised invocations: ``vllm serve [MODEL] ...``,
 ``python -m vllm.entrypoints.openai.api_server ...`` and a bare argument list for images whose
-entrypoint is vLLM. Both ``--flag value`` and ``--flag=value`` are handled, as are vLLM's
-``-tp`` alias and underscore spellings. Rewriting its own output changes nothing.
+entrypoint is vLLM, recognised by vLLM's own flags (``VLLM_FLAGS``): a container whose
+arguments show no vLLM at all is not taken for one. Both ``--flag value`` and ``--flag=value``
+are handled, as are vLLM's ``-tp`` alias and underscore spellings. Rewriting its own output
+changes nothing.
 """
 
 from __future__ import annotations
@@ -32,6 +34,10 @@ TP = "--tensor-parallel-size"
 EXTRA_CONFIG = "--model-loader-extra-config"
 SERVED_NAME = "--served-model-name"
 OWNED = frozenset({MODEL, LOAD_FORMAT, TP, EXTRA_CONFIG, SERVED_NAME})
+VLLM_FLAGS = OWNED | {
+    "--pipeline-parallel-size", "--max-model-len", "--gpu-memory-utilization", "-pp",
+}  # fmt: skip
+"""Flags that mark a bare argument list as vLLM's (an image whose entrypoint is vLLM)."""
 
 COMMAND, ARGS = 0, 1
 Token = tuple[str, int]
@@ -64,14 +70,21 @@ class Flag:
     inline: bool
 
 
-def _canonical(token: str) -> str | None:
-    """The owned flag a token names (``--tensor_parallel_size=2`` -> ``--tensor-parallel-size``)."""
+def _flag_name(token: str) -> str | None:
+    """The flag a token names, spelled canonically (``--tensor_parallel_size=2`` ->
+    ``--tensor-parallel-size``); None for a value."""
     if not token.startswith("-"):
         return None
     name = token.split("=", 1)[0]
     name = ALIASES.get(name, name)
     if name.startswith("--"):
         name = "--" + name[2:].replace("_", "-")
+    return name
+
+
+def _canonical(token: str) -> str | None:
+    """The owned flag a token names, or None."""
+    name = _flag_name(token)
     return name if name in OWNED else None
 
 
@@ -93,13 +106,14 @@ def _vllm_start(argv: list[str], has_command: bool) -> tuple[int, bool, bool]:
             return i + 2, True, True
         if token == "-m" and nxt in API_SERVER_MODULES:
             return i + 2, False, False
-    if not has_command:
+    if not has_command and any(_flag_name(t) in VLLM_FLAGS for t in argv):
         # Args only: the image's entrypoint is `vllm serve` (positional model allowed) or the
         # API server module (--model only); --model works with both.
         return 0, True, False
     raise SpecError(
         "found no vLLM invocation in the container's command/args: expected `vllm serve MODEL`, "
-        "`python -m vllm.entrypoints.openai.api_server`, or args only for a vLLM image"
+        "`python -m vllm.entrypoints.openai.api_server`, or, for an image whose entrypoint is "
+        "vLLM, args with vLLM's own flags (" + ", ".join(sorted(VLLM_FLAGS)) + ")"
     )
 
 
@@ -141,7 +155,7 @@ def _extra_config(argv: list[str], flags: list[Flag], settings: VllmSettings) ->
         if flag.name == EXTRA_CONFIG:
             try:
                 parsed = json.loads(_value(argv, flag) or "{}")
-            except json.JSONDecodeError:
+            except (ValueError, RecursionError):  # not JSON, too deep, too many digits
                 parsed = {}
             current = parsed if isinstance(parsed, dict) else {}
     kept = {k: v for k, v in current.items() if k in settings.kept_extra_keys}

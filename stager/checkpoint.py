@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import CheckpointError
+from .manifest import CARRIED_OVER as CARRIED_OVER
+from .manifest import INDEX as INDEX
 from .model_config import ModelConfig
 from .safetensors_format import TensorInfo, read_header
 from .shard_plan import SourceTensor
@@ -20,16 +22,20 @@ from .sources import Source
 from .sources.base import safe_name
 
 CONFIG = "config.json"
-INDEX = "model.safetensors.index.json"
-CARRIED_OVER = (
-    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-    "tokenizer.model", "special_tokens_map.json", "added_tokens.json", "vocab.json",
-    "vocab.txt", "merges.txt", "chat_template.json", "chat_template.jinja",
-    "preprocessor_config.json",
-)  # fmt: skip
-"""Files vLLM reads beside the weights (config, tokenizer, generation defaults)."""
 PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
-MAX_JSON_BYTES = 64 * 1024 * 1024
+MiB = 1024 * 1024
+MAX_CONFIG_BYTES = 1 * MiB
+"""config.json files take a few KiB; anything near this is not a model config."""
+MAX_JSON_BYTES = 32 * MiB
+"""The weight index: about 100 bytes per tensor, so room for MAX_TENSORS and long names."""
+MAX_TENSORS = 262_144
+"""Tensors in a checkpoint: several times the largest published mixture-of-experts models;
+what a header or an index claims beyond it is refused before it is expanded."""
+INDEX_VALUES = MAX_TENSORS + 1024
+"""JSON values an index may hold: one per tensor, and its metadata."""
+MAX_CARRIED_BYTES = 256 * MiB
+"""Each file carried beside the weights (tokenizer, vocabulary, config): the largest real
+tokenizers take tens of MiB. They are streamed, never read whole."""
 
 
 @dataclass(frozen=True)
@@ -53,14 +59,32 @@ class Checkpoint:
         return self.source.identity([*self.weight_files, *self.carried_over])
 
 
-def read_json(source: Source, name: str) -> Any:
-    size = source.size(name)
-    if size > MAX_JSON_BYTES:
-        raise CheckpointError(f"{name}: {size} bytes is too large for a JSON file here")
+def parse_json(raw: bytes, name: str, *, max_values: int | None = None) -> Any:
+    """JSON from an untrusted file, as a ``CheckpointError`` on any fault: invalid, nested
+    past the parser's depth, numbers past Python's digit limit, or (``max_values``) more
+    values than the file may hold, counted on the raw bytes before anything is built."""
+    if max_values is not None:
+        values = raw.count(b",") + raw.count(b"[") + raw.count(b"{")
+        if values > max_values:
+            raise CheckpointError(
+                f"{name}: holds about {values} JSON values, more than the {max_values} it may "
+                "have; refusing it"
+            )
     try:
-        return json.loads(source.read_bytes(name))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{name}: invalid JSON: {e}") from None
+        return json.loads(raw)
+    except RecursionError:
+        raise CheckpointError(f"{name}: invalid JSON: nested too deeply") from None
+    except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError, digit limits
+        raise CheckpointError(f"{name}: invalid JSON: {str(e).splitlines()[0][:200]}") from None
+
+
+def read_json(
+    source: Source, name: str, *, max_bytes: int = MAX_JSON_BYTES, max_values: int | None = None
+) -> Any:
+    size = source.size(name)
+    if size > max_bytes:
+        raise CheckpointError(f"{name}: {size} bytes is too large for a JSON file here")
+    return parse_json(source.read_bytes(name, max_bytes=max_bytes), name, max_values=max_values)
 
 
 def open_checkpoint(source: Source) -> Checkpoint:
@@ -68,7 +92,7 @@ def open_checkpoint(source: Source) -> Checkpoint:
     files = source.list_files()
     if CONFIG not in files:
         raise CheckpointError(f"{source.uri}: no config.json; not a Hugging Face checkpoint")
-    config = read_json(source, CONFIG)
+    config = read_json(source, CONFIG, max_bytes=MAX_CONFIG_BYTES)
     if not isinstance(config, dict):
         raise CheckpointError(f"{CONFIG}: not a JSON object")
     model = ModelConfig.from_dict(config)
@@ -76,6 +100,11 @@ def open_checkpoint(source: Source) -> Checkpoint:
     tensors: dict[str, TensorInfo] = {}
     for name in weight_files:
         header = read_header(name, source.size(name), _reader(source, name))
+        if len(tensors) + len(header.tensors) > MAX_TENSORS:
+            raise CheckpointError(
+                f"{source.uri}: the weight files declare more than {MAX_TENSORS} tensors "
+                f"(at {name}); refusing the checkpoint"
+            )
         for tensor in header.tensors.values():
             if tensor.name in tensors:
                 raise CheckpointError(
@@ -85,6 +114,12 @@ def open_checkpoint(source: Source) -> Checkpoint:
     if INDEX in files:
         _check_index(source, tensors)
     carried = tuple(f for f in CARRIED_OVER if f in files)
+    for name in carried:  # before any work: a rank file written for nothing costs hours
+        if (size := source.size(name)) > MAX_CARRIED_BYTES:
+            raise CheckpointError(
+                f"{source.uri}: {name} holds {size} bytes, more than the {MAX_CARRIED_BYTES} "
+                "a file carried beside the weights may have; refusing it"
+            )
     return Checkpoint(source, config, model, tuple(weight_files), tensors, carried)
 
 
@@ -99,7 +134,7 @@ def _reader(source: Source, name: str) -> Callable[[int, int], bytes]:
 
 def _weight_files(source: Source, files: list[str]) -> list[str]:
     if INDEX in files:
-        index = read_json(source, INDEX)
+        index = read_json(source, INDEX, max_values=INDEX_VALUES)
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict) or not all(
             isinstance(v, str) for v in weight_map.values()
@@ -128,7 +163,7 @@ def _weight_files(source: Source, files: list[str]) -> list[str]:
 
 
 def _check_index(source: Source, tensors: Mapping[str, TensorInfo]) -> None:
-    index = read_json(source, INDEX)
+    index = read_json(source, INDEX, max_values=INDEX_VALUES)
     for name, file in index["weight_map"].items():
         found = tensors.get(name)
         if found is None:

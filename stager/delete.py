@@ -6,21 +6,21 @@ credentials itself) for artifacts that retention or a ModelDeployment's deletion
 Deleting is idempotent: an artifact already gone is success, and a rerun finishes what a
 killed run left. The manifest goes first (and, locally, the directory is renamed aside
 before the tree is removed), so a reader that races the delete sees "incomplete", never a
-complete artifact with files missing. Only artifact-shaped locations are touched: the last
-path element must be a digest, and a manifest there must carry the expected one.
+complete artifact with files missing. Only artifacts are touched: a location named by its
+digest (the operator's layout; a manifest there must carry that digest), or any folder or
+prefix holding a manifest (what ``stage --out DIR`` makes), whose digest ``--digest``, when
+given, must match.
 """
 
 from __future__ import annotations
 
-import fcntl
 import os
 import re
-import shutil
 import uuid
 from pathlib import Path
 from typing import Any
 
-from .destinations.local import fsync_dir
+from .destinations.local import LocationLock, fsync_dir, remove_leftover
 from .digest import DIGEST_HEX_CHARS
 from .errors import ArtifactError, DestinationError, SpecError
 from .manifest import MANIFEST, read_manifest
@@ -34,20 +34,47 @@ DELETE_BATCH = 1000
 def delete_artifact(
     artifact: str, *, digest: str | None = None, s3: S3Options | None = None
 ) -> dict[str, Any]:
-    """Delete the artifact at ``artifact`` (a directory or ``s3://bucket/prefix/<digest>``)."""
+    """Delete the artifact at ``artifact`` (a directory or an ``s3://bucket/prefix``)."""
     name = artifact.rstrip("/").rsplit("/", 1)[-1]
-    if not DIGEST_NAME.match(name):
-        raise SpecError(
-            f"{artifact}: not an artifact location (the last path element must be a "
-            f"{DIGEST_HEX_CHARS}-character digest); refusing to delete it"
-        )
-    if digest is not None and digest != name:
-        raise SpecError(f"{artifact}: the location is artifact {name}, not {digest}")
-    if artifact.startswith("s3://"):
-        removed = _delete_s3(artifact, name, s3)
+    if DIGEST_NAME.match(name):
+        if digest is not None and digest != name:
+            raise SpecError(f"{artifact}: the location is artifact {name}, not {digest}")
+        expected = name
     else:
-        removed = _delete_local(Path(artifact.removeprefix("file://")), name)
-    return {"deleted": artifact, "digest": name, "removed": removed}
+        named = _digest_of_named(artifact, digest, s3)
+        if named is None:
+            return {"deleted": artifact, "digest": digest, "removed": 0}
+        expected = named
+    if artifact.startswith("s3://"):
+        removed = _delete_s3(artifact, expected, s3)
+    else:
+        removed = _delete_local(Path(artifact.removeprefix("file://")), expected)
+    return {"deleted": artifact, "digest": expected, "removed": removed}
+
+
+def _digest_of_named(artifact: str, digest: str | None, s3: S3Options | None) -> str | None:
+    """A location not named by a digest is an artifact only if it holds a manifest: its
+    digest then stands for the name (None: nothing is there, nothing to do)."""
+    if artifact.startswith("s3://"):
+        from .destinations.s3 import S3Destination
+
+        dest = S3Destination(artifact, s3)
+        manifest, present = dest.existing(), bool(dest._list())
+    else:
+        path = Path(artifact.removeprefix("file://"))
+        manifest = read_manifest(path) if path.is_dir() else None
+        present = path.exists()
+    if manifest is None:
+        if not present:
+            return None
+        raise SpecError(
+            f"{artifact}: not an artifact (it holds no {MANIFEST}, and its name is not a "
+            f"{DIGEST_HEX_CHARS}-character digest); refusing to delete it. An interrupted "
+            "stage or delete leaves no manifest: remove such a folder or prefix by hand"
+        )
+    if digest is not None and digest != manifest.digest:
+        raise SpecError(f"{artifact}: its manifest says artifact {manifest.digest}, not {digest}")
+    return manifest.digest
 
 
 def remove_artifact(location: str, digest: str, s3: S3Options | None = None) -> int:
@@ -63,23 +90,22 @@ def _delete_local(out: Path, digest: str) -> int:
     out = out.absolute()
     if not out.parent.is_dir():
         return 0
-    lock = out.parent / f".{out.name}.lock"
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT)
+    lock = LocationLock(out)
+    if not lock.acquire(exclusive=True):
+        raise DestinationError(f"{out}: a stager is writing it right now; retry")
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise DestinationError(f"{out}: a stager is writing it right now; retry") from None
-        removed = _remove_tree(out, digest)
-        lock.unlink()
+        return _remove_tree(out, digest)
     finally:
-        os.close(fd)
-    return removed
+        lock.release()
 
 
 def _remove_tree(out: Path, digest: str) -> int:
     removed = 0
-    if out.is_dir():
+    if out.is_symlink():  # not an artifact the stager wrote: the link goes, never its target
+        out.unlink()
+        fsync_dir(out.parent)
+        removed += 1
+    elif out.is_dir():
         manifest = read_manifest(out) if (out / MANIFEST).exists() else None
         if manifest is not None and manifest.digest != digest:
             raise ArtifactError(
@@ -95,8 +121,7 @@ def _remove_tree(out: Path, digest: str) -> int:
     elif out.exists():
         raise ArtifactError(f"{out} is not a directory; not deleted")
     for stale in out.parent.glob(f"{out.name}.tmp-*"):
-        removed += sum(1 for p in stale.rglob("*") if p.is_file())
-        shutil.rmtree(stale)
+        removed += remove_leftover(stale)
     return removed
 
 

@@ -12,11 +12,36 @@ import os
 import re
 from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import ArtifactError
 
+if TYPE_CHECKING:
+    from .progress import Progress
+
 MANIFEST = "modelstage.json"
+MAX_MANIFEST_BYTES = 16 * 1024 * 1024
+"""A manifest lists every file with its size and hash, about 150 bytes each: far below this."""
+INDEX = "model.safetensors.index.json"
+CARRIED_OVER = (
+    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+    "tokenizer.model", "special_tokens_map.json", "added_tokens.json", "vocab.json",
+    "vocab.txt", "merges.txt", "chat_template.json", "chat_template.jinja",
+    "preprocessor_config.json",
+)  # fmt: skip
+"""Files vLLM reads beside the weights (config, tokenizer, generation defaults)."""
+SAFE_FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}$")
+"""An artifact's files sit at its top level: a plain name, no path, no leading dot."""
+FORMAT_FILES = {
+    "sharded_state": re.compile(r"^model-(rank-\d+|pp-\d+-tp-\d+)-part-\d+\.safetensors$"),
+    "runai_streamer_sharded": re.compile(
+        r"^model-(rank-\d+|pp-\d+-tp-\d+)-part-\d+\.safetensors$"
+    ),
+    "tensorizer": re.compile(r"^model-rank-\d+\.tensors$"),
+    "runai_streamer": re.compile(r"^.+\.safetensors$"),
+}
+"""The weight files each format has; besides them an artifact holds only CARRIED_OVER files
+and (runai_streamer) the index."""
 SCHEMA_VERSION = 1
 TIMING_FIELDS = ("createdAt", "stageSeconds")
 """Fields that differ between two runs producing the same bytes."""
@@ -55,6 +80,12 @@ class Manifest:
 
     @staticmethod
     def from_json(raw: builtins.bytes | str, where: str) -> Manifest:
+        """Parse and check; ``raw`` longer than MAX_MANIFEST_BYTES (read with one byte to
+        spare, so that a longer file shows) is refused unparsed."""
+        if len(raw) > MAX_MANIFEST_BYTES:
+            raise ArtifactError(
+                f"{where}: invalid manifest: more than {MAX_MANIFEST_BYTES} bytes"
+            )
         try:
             doc = json.loads(raw)
         except (ValueError, RecursionError) as e:
@@ -118,7 +149,26 @@ def _parse(doc: object) -> Manifest:
     if not isinstance(files, dict):
         raise _Invalid("files", "must be an object")
     values["files"] = {name: _entry(f"files.{name}", entry) for name, entry in files.items()}
+    for name in values["files"]:
+        _check_file_name(name, values["format"])
     return Manifest(**values)
+
+
+def _check_file_name(name: str, format: str) -> None:
+    """Only names the format writes: a manifest naming ``/etc/hostname`` or ``../x`` is not
+    one modelstage wrote, and no reader may stat, hash or load what it names."""
+    weights = FORMAT_FILES.get(format)
+    if (
+        not SAFE_FILE_NAME.match(name)
+        or name == MANIFEST
+        or (
+            weights is not None
+            and not weights.match(name)
+            and name not in CARRIED_OVER
+            and not (name == INDEX and format == "runai_streamer")
+        )
+    ):
+        raise _Invalid(f"files.{name[:100]!r}", f"not a file name a {format} artifact has")
 
 
 def _int(loc: str, value: object, low: int) -> int:
@@ -141,7 +191,8 @@ def _entry(loc: str, entry: object) -> FileEntry:
 def read_manifest(directory: Path) -> Manifest | None:
     path = directory / MANIFEST
     try:
-        raw = path.read_bytes()
+        with open(path, "rb") as f:
+            raw = f.read(MAX_MANIFEST_BYTES + 1)
     except FileNotFoundError:
         return None
     except OSError as e:
@@ -149,11 +200,13 @@ def read_manifest(directory: Path) -> Manifest | None:
     return Manifest.from_json(raw, str(path))
 
 
-def sha256_file(path: Path) -> str:
+def sha256_file(path: Path, progress: Progress | None = None) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(HASH_BLOCK):
             h.update(block)
+            if progress is not None:
+                progress.advance(len(block))
     return h.hexdigest()
 
 
@@ -163,8 +216,10 @@ def verify_directory(
     digest: str | None = None,
     tp: int | None = None,
     hash_content: bool = True,
+    show_progress: bool = False,
 ) -> Manifest:
-    """Check a local artifact against its manifest; raise ArtifactError at the first problem."""
+    """Check a local artifact against its manifest; raise ArtifactError at the first problem.
+    ``show_progress``: report the hashing (bytes, rate, ETA) on stderr; 140 GB take minutes."""
     if not directory.is_dir():
         raise ArtifactError(f"{directory}: no such artifact directory")
     manifest = read_manifest(directory)
@@ -172,6 +227,12 @@ def verify_directory(
         raise ArtifactError(f"{directory}: no {MANIFEST}; the artifact is incomplete")
     manifest.check_expected(str(directory), digest=digest, tp=tp)
     check_ranks_present(directory, manifest)
+    progress = None
+    if hash_content and show_progress:
+        from .progress import Progress
+
+        progress = Progress(manifest.bytes, len(manifest.files), label=f"hashing {directory}",
+                            items="files")  # fmt: skip
     for name, entry in sorted(manifest.files.items()):
         path = directory / name
         try:
@@ -180,8 +241,12 @@ def verify_directory(
             raise ArtifactError(f"{path}: listed in the manifest but missing") from None
         if size != entry.size:
             raise ArtifactError(f"{path}: {size} bytes, the manifest says {entry.size}")
-        if hash_content and sha256_file(path) != entry.sha256:
+        if hash_content and sha256_file(path, progress) != entry.sha256:
             raise ArtifactError(f"{path}: sha256 differs from the manifest; the file is corrupt")
+        if progress is not None:
+            progress.tensor_done()
+    if progress is not None:
+        progress.finish()
     extra = sorted(
         p.name for p in directory.iterdir() if p.name not in manifest.files and p.name != MANIFEST
     )

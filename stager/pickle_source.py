@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import CheckpointError
+from .safetensors_format import encode_header
 from .sources.base import Source
 from .sources.local import LocalSource
 
@@ -100,26 +101,74 @@ class ConvertedPickleSource(Source):
         shutil.rmtree(self.spool, ignore_errors=True)
 
 
+SPOOL_CHUNK_BYTES = 8 * 1024 * 1024
+
+
+def _local_copy(source: Source, name: str, spool: Path) -> tuple[str, Path | None]:
+    """A path ``torch.load`` can memory-map: a local file as it is (through its descriptor,
+    opened without following links), anything else copied to ``spool`` in chunks (then also
+    returned, to be removed). The pickle is never read into memory whole."""
+    if isinstance(source, LocalSource):
+        return f"/proc/self/fd/{source.open_fd(name)}", None
+    size = source.size(name)
+    copy = spool / f".{Path(name).name}.pickle"
+    buf = bytearray(min(size, SPOOL_CHUNK_BYTES))
+    with open(copy, "wb") as f:
+        for offset in range(0, size, SPOOL_CHUNK_BYTES):
+            view = memoryview(buf)[: min(SPOOL_CHUNK_BYTES, size - offset)]
+            source.read_range(name, offset, view)
+            f.write(view)
+    return str(copy), copy
+
+
 def _convert(source: Source, name: str, target: Path) -> None:
-    import io
-
     import torch
-    from safetensors.torch import save_file
 
+    path, spooled = _local_copy(source, name, target.parent)
     try:
-        state = torch.load(io.BytesIO(source.read_bytes(name)), map_location="cpu",
-                           weights_only=True)  # fmt: skip
-    except Exception as e:  # weights_only refuses any non-tensor object: say which file
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as e:  # weights_only refuses any non-tensor object: say which file
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise CheckpointError(
+                f"{source.uri}: {name}: not a plain state dict of tensors in torch.save's zip "
+                f"format ({first[:200]}); torch.load(weights_only=True, mmap=True) refused it"
+            ) from None
+        if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
+            state = state["state_dict"]
+        if not isinstance(state, dict) or not all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
+        ):
+            raise CheckpointError(
+                f"{source.uri}: {name}: expected a dict of tensor names to tensors"
+            )
+        _write_safetensors(source, name, state, target)
+    finally:
+        if spooled is not None:
+            spooled.unlink(missing_ok=True)
+
+
+def _write_safetensors(source: Source, name: str, state: dict[str, Any], target: Path) -> None:
+    """Tensor by tensor, from the memory-mapped pickle: memory stays at the largest tensor
+    (tensors sharing storage, tied weights, are written once each)."""
+    import torch
+
+    names = {
+        torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+        torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+        torch.uint8: "U8", torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3",
+        torch.float8_e5m2: "F8_E5M2",
+    }  # fmt: skip
+    items = sorted(state.items())
+    unknown = [k for k, v in items if v.dtype not in names]
+    if unknown:
         raise CheckpointError(
-            f"{source.uri}: {name}: not a plain state dict of tensors ({first[:200]}); "
-            "torch.load(weights_only=True) refused it"
-        ) from None
-    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
-        state = state["state_dict"]
-    if not isinstance(state, dict) or not all(
-        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
-    ):
-        raise CheckpointError(f"{source.uri}: {name}: expected a dict of tensor names to tensors")
-    # save_file refuses tensors sharing storage (tied weights): give each its own bytes
-    save_file({k: v.contiguous().clone() for k, v in state.items()}, str(target))
+            f"{source.uri}: {name}: tensor {unknown[0]!r} has dtype {state[unknown[0]].dtype}, "
+            "which safetensors cannot hold"
+        )
+    header, _ = encode_header([(k, names[v.dtype], tuple(v.shape)) for k, v in items])
+    with open(target, "wb") as f:
+        f.write(header)
+        for _, tensor in items:
+            flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+            f.write(flat.numpy().data)

@@ -36,11 +36,13 @@ PLUGIN_MODULES = (
     "errors.py",
     "layouts.py",
     "manifest.py",
+    "progress.py",
     "s3_client.py",
     "safetensors_format.py",
     "py.typed",
 )
-"""The stager modules the plugin imports, all pure Python; only ``s3_client`` needs more
+"""The stager modules the plugin imports (``progress`` only when ``verify_directory``
+reports its hashing), all pure Python; only ``s3_client`` needs more
 (boto3, imported when an S3 artifact is read: vLLM's images ship it for the Run:ai and
 tensorizer S3 paths)."""
 PLUGIN_PACKAGE = "plugin"
@@ -77,7 +79,8 @@ def verify_artifact(
             f"mounted by the pod) and s3:// URIs, not {scheme}://"
         )
     directory = Path(artifact.removeprefix("file://"))
-    manifest = verify_directory(directory, digest=digest, tp=tp, hash_content=hash_content)
+    manifest = verify_directory(directory, digest=digest, tp=tp, hash_content=hash_content,
+                                show_progress=True)  # fmt: skip
     return _summary(str(directory), manifest, hashed=hash_content)
 
 

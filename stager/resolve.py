@@ -90,11 +90,12 @@ def resolve(req: StageRequest) -> Resolved:
 
         commit = HfSource.resolve(
             req.source, revision=req.revision, hf_token_file=req.hf_token_file,
-            cache_dir=req.cache_dir,
+            cache_dir=req.cache_dir, timeouts=req.timeouts,
         )  # fmt: skip
         return Resolved(uri, req.revision, f"commit:{commit}", "hf", commit=commit)
     source = open_source(req.source, revision=req.revision, s3=req.s3,
-                         hf_token_file=req.hf_token_file, cache_dir=req.cache_dir)  # fmt: skip
+                         hf_token_file=req.hf_token_file, cache_dir=req.cache_dir,
+                         timeouts=req.timeouts)  # fmt: skip
     try:
         checkpoint = None
         identity = None

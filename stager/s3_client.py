@@ -13,6 +13,7 @@ import http.client
 import os
 import random
 import time
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -88,6 +89,12 @@ class S3Options:
     credentials_file: str | None = None
     max_attempts: int = 8
     """botocore's attempts per request (standard mode: backoff with jitter on 5xx/throttling)."""
+    connect_timeout: float = 10.0
+    """Seconds to connect; then the attempt fails and botocore retries it."""
+    read_timeout: float = 120.0
+    """Seconds without a byte of an answer; then the attempt fails and botocore retries it.
+    Longer than the Hub's default: completing a large multipart upload can take a minute.
+    (``--connect-timeout`` / ``--read-timeout`` or ``MODELSTAGE_*``, network.py)."""
     part_bytes: int = 16 * 1024 * 1024
     """Multipart part size; memory is about (open objects + concurrency) x part_bytes."""
     concurrency: int = 8
@@ -139,6 +146,21 @@ def load_credentials(path: str) -> Credentials:
     return Credentials(key_id, secret, token)
 
 
+def check_endpoint(url: str | None) -> None:
+    """Refuse an endpoint URL with userinfo (``http://user:secret@host``): the credential
+    would land in every error message and log line that names the endpoint. The refusal
+    does not repeat it."""
+    if not url:
+        return
+    netloc = urllib.parse.urlsplit(url).netloc
+    if "@" in netloc:
+        shown = urllib.parse.urlsplit(url)._replace(netloc="***@" + netloc.rpartition("@")[2])
+        raise SpecError(
+            f"S3 endpoint {shown.geturl()}: credentials never go into the endpoint URL; "
+            "use AWS_* variables or --s3-credentials-file"
+        )
+
+
 class S3Client:
     """A boto3 S3 client plus what is needed to report its errors without leaking secrets."""
 
@@ -146,6 +168,7 @@ class S3Client:
         import boto3
         from botocore.config import Config
 
+        check_endpoint(options.endpoint_url)
         creds = load_credentials(options.credentials_file) if options.credentials_file else None
         session = boto3.session.Session(
             aws_access_key_id=creds.access_key_id if creds else None,
@@ -162,14 +185,15 @@ class S3Client:
             request_checksum_calculation="when_required",
             response_checksum_validation="when_required",
             max_pool_connections=concurrency + 4,
-            connect_timeout=10,
-            read_timeout=120,
+            connect_timeout=options.connect_timeout,
+            read_timeout=options.read_timeout,
         )
         self.options = options
         self.client: Any = session.client(
             "s3", endpoint_url=options.endpoint_url, config=config,
             verify=options.ca_bundle if options.ca_bundle else None,
         )  # fmt: skip
+        check_endpoint(self.client.meta.endpoint_url)  # also from AWS_ENDPOINT_URL*
         resolved = session.get_credentials()
         frozen = resolved.get_frozen_credentials() if resolved is not None else None
         self._secrets = tuple(

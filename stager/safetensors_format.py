@@ -25,8 +25,14 @@ DTYPE_SIZES: dict[str, int] = {
     "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
     "F8_E4M3": 1, "F8_E5M2": 1,
 }  # fmt: skip
-MAX_HEADER_BYTES = 100 * 1024 * 1024
-"""The safetensors reference implementation refuses larger headers; so do we."""
+MAX_HEADER_BYTES = 32 * 1024 * 1024
+"""A header takes about 100 bytes per tensor, so MAX_TENSORS_PER_HEADER with long names fits
+(the reference implementation allows 100 MiB; parsing that much JSON takes several times
+its size in memory, and no real file comes near)."""
+MAX_TENSORS_PER_HEADER = 131_072
+"""Tensors in one file: real files hold hundreds to a few thousand."""
+MAX_VALUES_PER_TENSOR = 16
+"""JSON values one tensor's entry needs (dtype, a shape of a few dimensions, two offsets)."""
 HEADER_ALIGNMENT = 8
 
 
@@ -95,13 +101,28 @@ def read_local_header(path: Path) -> SafetensorsHeader:
 
 
 def parse_header(file: str, raw: bytes, file_size: int) -> SafetensorsHeader:
-    """Validate a header's JSON against the file size (pure; the fuzzers call it directly)."""
+    """Validate a header's JSON against the file size (pure; the fuzzers call it directly).
+
+    The entries are counted on the raw bytes before the JSON is parsed: a header of a million
+    empty tensors is refused at the cost of its bytes, not of a million parsed objects."""
+    entries = raw.count(b"{")
+    values = entries + raw.count(b",") + raw.count(b"[")
+    if entries > MAX_TENSORS_PER_HEADER + 2 or values > MAX_TENSORS_PER_HEADER * (
+        MAX_VALUES_PER_TENSOR
+    ):
+        raise CheckpointError(
+            f"{file}: the header holds more entries than the {MAX_TENSORS_PER_HEADER} tensors "
+            "a file may have; refusing it"
+        )
     try:
         doc = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise CheckpointError(f"{file}: invalid header JSON: {e}") from None
+    except RecursionError:
+        raise CheckpointError(f"{file}: invalid header JSON: nested too deeply") from None
     except CheckpointError as e:
         raise CheckpointError(f"{file}: {e}") from None
+    except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError, Python's digit limit
+        reason = str(e).splitlines()[0][:200]
+        raise CheckpointError(f"{file}: invalid header JSON: {reason}") from None
     if not isinstance(doc, dict):
         raise CheckpointError(f"{file}: header is not a JSON object")
     data_start = 8 + len(raw)
@@ -111,6 +132,11 @@ def parse_header(file: str, raw: bytes, file_size: int) -> SafetensorsHeader:
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
     ):
         raise CheckpointError(f"{file}: __metadata__ must map strings to strings")
+    if len(doc) > MAX_TENSORS_PER_HEADER:  # the exact count; the scan above is a bound
+        raise CheckpointError(
+            f"{file}: the header holds more entries than the {MAX_TENSORS_PER_HEADER} tensors "
+            "a file may have; refusing it"
+        )
     tensors: dict[str, TensorInfo] = {}
     for name, entry in doc.items():
         tensors[name] = _tensor_info(file, name, entry, data_start, data_len)
@@ -119,11 +145,12 @@ def parse_header(file: str, raw: bytes, file_size: int) -> SafetensorsHeader:
 
 
 def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
-    names = [k for k, _ in pairs]
-    if len(set(names)) != len(names):
-        dup = next(n for n in names if names.count(n) > 1)
-        raise CheckpointError(f"duplicate name {dup!r} in header")
-    return dict(pairs)
+    found: dict[str, object] = {}
+    for name, value in pairs:  # linear, whatever the number of names
+        if name in found:
+            raise CheckpointError(f"duplicate name {name!r} in header")
+        found[name] = value
+    return found
 
 
 def _tensor_info(file: str, name: str, entry: object, data_start: int, data_len: int) -> TensorInfo:

@@ -37,7 +37,9 @@ from typing import Any, TextIO
 
 from .checkpoint import Checkpoint, open_checkpoint
 from .destinations.base import Destination
+from .digest import identity_key
 from .errors import SpecError
+from .hf_layout import copy_small_file
 from .layouts import Layout
 from .progress import Progress
 from .rank_writer import PART_METADATA, plan_parts, rank_file_names, write_rank_files
@@ -51,6 +53,7 @@ from .stage import (
     _summary,
     build_manifest,
     existing_artifact,
+    modelstage_version,
     open_destination,
     request_digest,
     request_layout,
@@ -130,6 +133,8 @@ class _Run:
     layout: Layout
     key: str
     parts: list[list[TargetTensor]]
+    params: dict[str, Any]
+    """What the run key pins, in words (``Destination.begin_shared``)."""
 
 
 def _check_request(req: StageRequest) -> None:
@@ -151,7 +156,7 @@ def _open(req: StageRequest, resolved: Resolved) -> Source:
     """The source staging reads: the one resolving opened (local, S3), or the Hub's files."""
     source = resolved.source or open_source(req.source, revision=req.revision, s3=req.s3,
                                             hf_token_file=req.hf_token_file,
-                                            cache_dir=req.cache_dir,
+                                            cache_dir=req.cache_dir, timeouts=req.timeouts,
                                             commit=resolved.commit)  # fmt: skip
     resolved.source = None
     return source
@@ -163,7 +168,12 @@ def _plan_run(req: StageRequest, checkpoint: Checkpoint, digest: str, resolved: 
     identity = checkpoint.identity()
     check_identity(resolved, identity, req.source_uri or req.source)
     key = run_key(digest, {**identity, "maxPartBytes": layout.max_part_bytes})
-    return _Run(checkpoint, plan, identity, layout, key, plan_parts(plan, layout.max_part_bytes))
+    params = {
+        "maxPartBytes": layout.max_part_bytes, "modelstageVersion": modelstage_version(),
+        "source": identity_key(identity), "digest": digest,
+    }  # fmt: skip
+    return _Run(checkpoint, plan, identity, layout, key, plan_parts(plan, layout.max_part_bytes),
+                params)  # fmt: skip
 
 
 def stage_group(
@@ -187,12 +197,13 @@ def stage_group(
         checkpoint = resolved.checkpoint or open_checkpoint(source)
         run = _plan_run(req, checkpoint, digest, resolved.identity)
         mine = assign_parts(part_sizes(run.parts), group.count)[group.index]
-        dest.begin_shared(run.key)
+        dest.begin_shared(run.key, params=run.params)
         try:
             progress = Progress(
                 sum(t.nbytes for p in mine for t in run.parts[p]) * run.plan.tp,
                 sum(len(run.parts[p]) for p in mine),
-                label=f"staging parts {mine.start}..{mine.stop - 1} (group {group}) to {dest.uri}",
+                label=(f"staging parts {mine.start}..{mine.stop - 1}" if mine
+                       else "no parts to stage") + f" (group {group}) to {dest.uri}",
                 stream=progress_stream,
             )  # fmt: skip
             files = write_rank_files(run.plan, run.checkpoint, run.layout, dest.open_sink,
@@ -216,7 +227,7 @@ def stage_group(
     }
 
 
-def finalize(req: StageRequest) -> dict[str, Any]:
+def finalize(req: StageRequest, *, progress_stream: TextIO | None = None) -> dict[str, Any]:
     """Check that every part of every rank is there and whole, then publish the artifact."""
     started = time.monotonic()
     _check_request(req)
@@ -233,11 +244,11 @@ def finalize(req: StageRequest) -> dict[str, Any]:
     try:
         checkpoint = resolved.checkpoint or open_checkpoint(source)
         run = _plan_run(req, checkpoint, digest, resolved.identity)
-        dest.begin_shared(run.key, finalize=True)
+        dest.begin_shared(run.key, finalize=True, params=run.params)
         try:
-            files = _check_parts(dest, run)
+            files = _check_parts(dest, run, progress_stream)
             for name in run.checkpoint.carried_over:
-                files[name] = dest.write_small(name, source.read_bytes(name))
+                files[name] = copy_small_file(source, name, dest)
             manifest = build_manifest(req, digest, run.layout, run.identity, files, started)
             dest.commit(manifest)
         except BaseException:
@@ -248,11 +259,27 @@ def finalize(req: StageRequest) -> dict[str, Any]:
     return _summary(manifest, dest.uri, time.monotonic() - started, already=False)
 
 
-def _check_parts(dest: Destination, run: _Run) -> dict[str, tuple[int, str]]:
-    """Every rank's every part, checked in parallel; the first problem in file order wins."""
+def _check_parts(
+    dest: Destination, run: _Run, progress_stream: TextIO | None = None
+) -> dict[str, tuple[int, str]]:
+    """Every rank's every part, checked in parallel (locally: re-hashed, which takes minutes
+    for a large artifact, so each checked part is reported); the first problem in file order
+    wins."""
     names = rank_file_names(run.layout, run.plan.tp, len(run.parts))
     sizes = part_sizes(run.parts)
     wanted = [(names[r][p], sizes[p]) for r in range(run.plan.tp) for p in range(len(sizes))]
+    progress = Progress(sum(s for _, s in wanted), len(wanted),
+                        label=f"checking parts of {dest.uri}", stream=progress_stream,
+                        items="parts")  # fmt: skip
+
+    def check(name: str, size: int) -> tuple[int, str]:
+        found = dest.check_part(name, size)
+        progress.advance(size)
+        progress.tensor_done()
+        return found
+
     with ThreadPoolExecutor(min(CHECK_THREADS, os.cpu_count() or 1)) as pool:
-        futures = [pool.submit(dest.check_part, name, size) for name, size in wanted]
-        return {name: f.result() for (name, _), f in zip(wanted, futures, strict=True)}
+        futures = [pool.submit(check, name, size) for name, size in wanted]
+        checked = {name: f.result() for (name, _), f in zip(wanted, futures, strict=True)}
+    progress.finish()
+    return checked

@@ -90,6 +90,7 @@ def plan_shards(
     """Map every source tensor to its per-rank slices; refuse missing or unknown tensors."""
     config.check_tensor_parallel(tp)
     arch = architecture_for(config)
+    _check_layer_count(arch, config, sources)
     active = _expand_rules(arch, config)
     _check_sources(arch, config, active, sources)
     out_dtype = _resolve_dtype(dtype)
@@ -122,6 +123,21 @@ def _expand_rules(arch: Architecture, config: ModelConfig) -> list[tuple[Rule, s
         expanded += [(r, r.source.replace("{L}", str(layer)), layer) for r in layer_rules]
     expanded += [(r, r.source, NON_LAYER_GROUP) for r in after]
     return expanded
+
+
+def _check_layer_count(
+    arch: Architecture, config: ModelConfig, sources: Mapping[str, SourceTensor]
+) -> None:
+    """Refuse a config that claims more decoder layers than the checkpoint has tensors for
+    before the rules are expanded per layer: that costs time and memory per claimed layer
+    (``num_hidden_layers`` may be up to 2**24), whereas the checkpoint's headers bound the
+    number of tensors."""
+    per_layer = sum(1 for r in arch.rules if "{L}" in r.source and r.when.holds(config))
+    if config.num_layers * per_layer > len(sources):
+        raise CheckpointError(
+            f"config.json has {config.num_layers} layers, but the checkpoint holds only "
+            f"{len(sources)} tensors ({arch.name} needs {per_layer} per layer)"
+        )
 
 
 def _check_sources(

@@ -16,9 +16,10 @@ from .destinations.base import Destination
 from .destinations.local import LocalDestination
 from .digest import artifact_digest, identity_key
 from .errors import ArtifactError, SpecError
-from .hf_layout import copy_weight_files, small_files
+from .hf_layout import copy_small_file, copy_weight_files, small_files
 from .layouts import Layout, layout_for
 from .manifest import FileEntry, Manifest
+from .network import Timeouts
 from .progress import Progress
 from .rank_writer import write_rank_files
 from .resolve import Resolved, canonical_uri, check_expected, check_identity, resolve
@@ -61,6 +62,9 @@ class StageRequest:
     """A mounted Secret holding a Hub token for ``hf://`` sources (default: ``HF_TOKEN``)."""
     cache_dir: str | None = None
     """The hub cache ``hf://`` sources download into (default: ``HF_HUB_CACHE``)."""
+    timeouts: Timeouts | None = None
+    """Connect/read timeouts and retries of Hub requests (default: ``MODELSTAGE_*`` or
+    network.py's defaults); S3 takes its own from ``s3``."""
     max_part_bytes: int | None = None
     """Largest part file per rank (default: the layout's). It shapes the bytes: every
     worker and the finalize step of one artifact must use the same value."""
@@ -130,9 +134,8 @@ def run_key(digest: str, identity: dict[str, Any]) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-def stage(req: StageRequest, *, progress_stream: TextIO | None = None) -> dict[str, Any]:
-    """Stage one artifact; returns the one-line summary. Idempotent for a complete artifact."""
-    started = time.monotonic()
+def check_request(req: StageRequest) -> None:
+    """What refuses a request before any source is read (``modelstage plan`` shows it)."""
     if req.format not in FORMATS:
         raise SpecError(f"format {req.format!r} is not supported; supported: {', '.join(FORMATS)}")
     if req.pp != 1:
@@ -142,6 +145,12 @@ def stage(req: StageRequest, *, progress_stream: TextIO | None = None) -> dict[s
             "runai_streamer copies the checkpoint as it is; use --dtype auto (vLLM casts at "
             "load time with its own --dtype) or a per-rank format"
         )
+
+
+def stage(req: StageRequest, *, progress_stream: TextIO | None = None) -> dict[str, Any]:
+    """Stage one artifact; returns the one-line summary. Idempotent for a complete artifact."""
+    started = time.monotonic()
+    check_request(req)
     layout = request_layout(req)
     dest = open_destination(req)
     resolved = resolve(req)
@@ -153,7 +162,7 @@ def stage(req: StageRequest, *, progress_stream: TextIO | None = None) -> dict[s
             return _summary(existing, dest.uri, time.monotonic() - started, already=True)
         source = resolved.source or open_source(req.source, revision=req.revision, s3=req.s3,
                                                 hf_token_file=req.hf_token_file,
-                                                cache_dir=req.cache_dir,
+                                                cache_dir=req.cache_dir, timeouts=req.timeouts,
                                                 commit=resolved.commit)  # fmt: skip
         resolved.source = None  # handed on: closed below, as ``source``
     finally:
@@ -177,24 +186,25 @@ def stage(req: StageRequest, *, progress_stream: TextIO | None = None) -> dict[s
                 )
                 carried = checkpoint.carried_over
             elif req.format == "tensorizer":
-                from .tensorizer_writer import spool_dir_for, write_tensorizer_files
+                from .tensorizer_writer import write_tensorizer_files
 
                 progress = Progress(checkpoint.weight_bytes, len(plan.targets), label=label,
                                     stream=progress_stream)  # fmt: skip
                 files = write_tensorizer_files(
                     plan, checkpoint, dest.open_sink, progress, dest.completed,
-                    tied=checkpoint.model.tie_word_embeddings, spool_dir=spool_dir_for(req.out),
+                    tied=checkpoint.model.tie_word_embeddings,
                 )  # fmt: skip
                 carried = checkpoint.carried_over
             else:
                 progress = Progress(
                     sum(source.size(f) for f in checkpoint.weight_files),
                     len(checkpoint.weight_files), label=label, stream=progress_stream,
+                    items="files",
                 )  # fmt: skip
                 files = copy_weight_files(checkpoint, dest.open_sink, progress, dest.completed)
                 carried = small_files(checkpoint)
             for name in carried:
-                files[name] = dest.write_small(name, source.read_bytes(name))
+                files[name] = copy_small_file(source, name, dest)
             progress.finish()
             manifest = build_manifest(req, digest, layout, identity, files, started)
             dest.commit(manifest)
@@ -218,21 +228,7 @@ def existing_artifact(
     if existing is None or (existing.digest == digest and not req.force):
         return existing
     if not req.force:
-        there = existing.source.get("identity") or "not recorded (staged by an older modelstage)"
-        changed = (
-            "the source changed since that artifact was staged"
-            if (existing.format, existing.tensorParallelSize, existing.dtype)
-            == (req.format, req.tp, req.dtype)
-            and existing.source.get("uri") == resolved.uri
-            else "it was staged for another request"
-        )
-        raise ArtifactError(
-            f"{dest.uri} holds the artifact of digest {existing.digest} ({existing.format}, tp="
-            f"{existing.tensorParallelSize}, dtype {existing.dtype}, source identity {there}, "
-            f"staged {existing.createdAt}); this run would write digest {digest} ({req.format}, "
-            f"tp={req.tp}, dtype {req.dtype}, source identity {resolved.identity}): {changed}. "
-            "Pass --force to replace it, or choose another --out"
-        )
+        raise occupied(existing, dest.uri, req, digest, resolved.identity)
     from .delete import remove_artifact
 
     remove_artifact(dest.uri, existing.digest, req.s3)
@@ -314,3 +310,44 @@ def peak_rss_bytes() -> int:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def occupied(
+    existing: Manifest, uri: str, req: StageRequest, digest: str, identity: str
+) -> ArtifactError:
+    """``--out`` holds another artifact: say what is there, what this run would write, and
+    what differs (an artifact is never overwritten without ``--force``). ``identity``: the
+    source identity this run resolved; a changed source differs only in it."""
+    source = req.source_uri or canonical_uri(req.source)
+    theirs = {
+        "format": existing.format, "TP": existing.tensorParallelSize, "dtype": existing.dtype,
+        "source": existing.source.get("uri"), "revision": existing.source.get("revision"),
+        "layout": existing.layoutVersion,
+        "source identity": existing.source.get("identity") or "not recorded",
+    }  # fmt: skip
+    ours = {
+        "format": req.format, "TP": req.tp, "dtype": req.dtype, "source": source,
+        "revision": req.revision, "layout": request_layout(req).layout_version,
+        "source identity": identity,
+    }  # fmt: skip
+    differ = [k for k in ours if ours[k] != theirs[k]] or ["digest (--digest)"]
+    changed = (
+        " (the source changed since that artifact was staged)"
+        if differ == ["source identity"]
+        else ""
+    )
+
+    def describe(d: dict[str, Any]) -> str:
+        at = f"@{d['revision']}" if d["revision"] else ""
+        return (
+            f"{d['format']}, TP {d['TP']}, dtype {d['dtype']}, from {d['source']}{at}, "
+            f"source identity {d['source identity']}"
+        )
+
+    return ArtifactError(
+        f"{uri} already holds artifact {existing.digest} ({describe(theirs)}, staged "
+        f"{existing.createdAt}); this run would write artifact {digest} ({describe(ours)}); "
+        f"they differ in {', '.join(differ)}{changed}. An artifact is never overwritten: "
+        "choose another --out, pass --force to replace it, or delete the old one first "
+        f"(`modelstage delete --artifact {uri}`)"
+    )

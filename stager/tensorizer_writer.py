@@ -31,30 +31,32 @@ What vLLM 0.32 writes (``serialize_vllm_model`` in
 the ``sharded_state`` writer; each rank's bytes arrive in plan order and are collected one
 target tensor at a time, handed to that rank's ``TensorSerializer.write_tensor`` and dropped:
 memory holds one tensor per rank (the largest tensor of the model, split over the ranks), not
-the model. tensorizer's writer must seek (it reserves its metadata block up front and rewrites
-the file header at ``close``), so each rank file is serialised into a local spool file and
-then streamed through the destination's sink (hashing it on the way), which is exactly what
-tensorizer's own ``open_stream("s3://...", "wb")`` does (a ``NamedTemporaryFile`` uploaded by
-boto3 on close) -- except that the upload uses this stager's S3 client: endpoint, path-style
-addressing, CA bundle, credentials files, retries, sha256 and run-key metadata, resuming.
+the model. tensorizer's writer seeks: it reserves a 256 KiB prologue (file header and
+metadata index) up front and rewrites it after every tensor; everything after the prologue
+it writes front to back, one tensor (header, then data) at a time. The prologue holds no
+hashes, only names, dtypes, shapes, offsets and sizes, which the plan fixes, so
+``predict_layout`` computes its final bytes (and the file's size) before the first tensor.
+``_StreamingFile`` hands that prologue to the destination's sink first, then each tensor's
+bytes as its ``write_tensor`` returns, and at ``close`` checks that what tensorizer wrote
+into the prologue is exactly what was predicted (otherwise the file is refused and nothing
+is published). Each rank file is thus written once, in order, straight into its sink (a
+local file hashed as it is written, or an S3 multipart upload); nothing is spooled to disk.
 """
 
 from __future__ import annotations
 
-import contextlib
-import shutil
-import tempfile
+import struct
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
 
 from .checkpoint import Checkpoint
 from .pieces import Piece, copy_piece, piece_nbytes
 from .progress import Progress
-from .rank_writer import Completed, OpenSink, _RankStreams, _stream_part
+from .rank_writer import Completed, OpenSink, Sink, _DoneSink, _RankStreams, _stream_part
 from .shard_plan import TIED_EMBEDDING_TARGET, ShardPlan, TargetTensor
 
 RANK_FILE_PATTERN = "model-rank-{rank:03d}.tensors"
@@ -62,7 +64,9 @@ RANK_FILE_PATTERN = "model-rank-{rank:03d}.tensors"
 MARKER = ".vllm_tensorized_marker"
 TIED_EMBEDDING_ALIASES = ("model.embed_tokens.weight",)
 """Where vLLM's module tree holds the tied head's parameter a second time."""
-SPOOL_COPY_BYTES = 8 * 1024 * 1024
+METADATA_BYTES = 256 * 1024
+"""The metadata block tensorizer 2.10.1 reserves after its file header."""
+COPY_BELOW_BYTES = 1024 * 1024
 
 _TORCH_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
@@ -104,8 +108,11 @@ class _TensorCollector:
     each complete tensor to that rank's ``TensorSerializer`` (runs in the rank's thread)."""
 
     def __init__(self, serializer: Any, targets: list[TargetTensor],
-                 entries: dict[str, list[Entry]]) -> None:  # fmt: skip
+                 entries: dict[str, list[Entry]], written: Any = None) -> None:  # fmt: skip
         self.serializer, self.entries = serializer, entries
+        self.written = written
+        """Called after each ``write_tensor`` (``_StreamingFile.commit``): the tensor is
+        final in the file and its bytes may go on to the sink."""
         self.targets: Iterator[TargetTensor] = iter(targets)
         self.current: TargetTensor | None = None
         self.buf = bytearray()
@@ -147,6 +154,8 @@ class _TensorCollector:
         for e in self.entries[target.name]:
             kind = TensorType.BUFFER if e.buffer else TensorType.PARAM
             self.serializer.write_tensor(e.module_idx, e.label, kind, tensor)
+            if self.written is not None:
+                self.written()
         self._next()
 
     def close(self) -> tuple[int, str]:
@@ -158,33 +167,260 @@ class _TensorCollector:
         pass
 
 
+
+def _numpy_dtype(dtype: Any, ndim: int) -> tuple[str, bool]:
+    """tensorizer's dtype string for a torch dtype, and whether it is opaque (bfloat16)."""
+    import torch
+    from tensorizer._NumpyTensor import _NumpyTensor
+    from tensorizer.serialization import OPAQUE_DTYPE_SEP
+
+    numpy_tensor = _NumpyTensor.from_tensor(torch.empty((0,) * ndim, dtype=dtype))
+    name = str(numpy_tensor.numpy_dtype)
+    if numpy_tensor.is_opaque:
+        name += OPAQUE_DTYPE_SEP + str(numpy_tensor.torch_dtype)
+    return name, bool(numpy_tensor.is_opaque)
+
+
+@dataclass(frozen=True)
+class FileLayout:
+    """What a rank file will hold before any tensor is written: its prologue's final bytes
+    (file header + metadata index) and its size. Equal for every rank (equal shapes)."""
+
+    prologue: bytes
+    size: int
+
+
+def predict_layout(plan: ShardPlan, entries: dict[str, list[Entry]]) -> FileLayout:
+    """The bytes tensorizer 2.10.1's ``TensorSerializer`` leaves in the prologue after the
+    marker and every entry were written in plan order, computed with its own header codecs
+    (``_TensorHeaderSerializer``, ``_FileHeader``) and version rules. ``_StreamingFile``
+    checks the prediction against what the serializer wrote, so a drift fails loudly."""
+    import torch
+    from tensorizer.serialization import (
+        META_TENSOR_TENSORIZER_VERSION,
+        NON_OPAQUE_TENSORIZER_VERSION,
+        OPAQUE_TENSORIZER_VERSION,
+        TENSORIZER_MAGIC,
+        TensorType,
+        _FileFeatureFlags,
+        _FileHeader,
+        _TensorHeaderSerializer,
+    )
+
+    writes: list[tuple[int, str, TensorType, Any, tuple[int, ...], int]] = [
+        (0, MARKER, TensorType.PARAM, torch.int64, (1,), -1)  # hollow: no data bytes
+    ]
+    for target in plan.targets:
+        dtype = getattr(torch, _TORCH_DTYPES[target.dtype])
+        for e in entries[target.name]:
+            kind = TensorType.BUFFER if e.buffer else TensorType.PARAM
+            writes.append((e.module_idx, e.label, kind, dtype, tuple(target.shape), target.nbytes))
+    version = NON_OPAQUE_TENSORIZER_VERSION
+    start = len(TENSORIZER_MAGIC) + len(_FileHeader(version, _FileFeatureFlags(0), 0, 0).to_bytes())
+    pos = start + 8 + METADATA_BYTES
+    metadata = bytearray(METADATA_BYTES)
+    cursor = tensor_bytes = 0
+    for idx, label, kind, dtype, shape, nbytes in writes:
+        if nbytes < 0:  # a meta tensor: written hollow, which needs file version 4
+            version = max(version, META_TENSOR_TENSORIZER_VERSION)
+            nbytes = 0
+        name, opaque = _numpy_dtype(dtype, len(shape))
+        if opaque:
+            version = max(version, OPAQUE_TENSORIZER_VERSION)
+        header = _TensorHeaderSerializer(
+            idx, kind, label.encode("utf-8"), name.encode("utf-8"), shape, nbytes, pos,
+            include_crc32=True, include_sha256=True, crypt_info=None,
+        )  # fmt: skip
+        entry = header.metadata_entry
+        if cursor + len(entry) > METADATA_BYTES:
+            raise AssertionError("tensorizer's metadata block cannot index this many tensors")
+        metadata[cursor : cursor + len(entry)] = entry
+        cursor += len(entry)
+        pos += header.data_offset + nbytes
+        tensor_bytes += nbytes
+    file_header = _FileHeader(version, _FileFeatureFlags(0), tensor_bytes, len(writes)).to_bytes()
+    prologue = TENSORIZER_MAGIC + file_header + struct.pack("<Q", METADATA_BYTES) + metadata
+    assert len(prologue) == start + 8 + METADATA_BYTES
+    return FileLayout(bytes(prologue), pos + 8)  # + the zero length field that ends the file
+
+
+class _StreamingFile:
+    """The seekable file ``TensorSerializer`` wants, over an append-only sink.
+
+    Writes into the prologue land in a shadow copy (checked at ``close`` against the
+    prediction, which went to the sink first). Writes after it are kept, without a copy for
+    tensor data, until ``commit`` (called after each ``write_tensor``: the tensor is then
+    complete up to the file position) sends them to the sink in file order. The 8-byte zero
+    length field tensorizer writes after the last tensor stays pending: the next tensor's
+    header overwrites it, or ``close`` sends it. tensorizer never rewrites a committed byte
+    after the prologue; if it did, that is an error, not a silent corruption.
+    """
+
+    def __init__(self, sink: Sink, layout: FileLayout) -> None:
+        self.sink, self.layout = sink, layout
+        self.shadow = bytearray(len(layout.prologue))
+        self.pos = 0
+        self.emitted = len(layout.prologue)
+        self.pending: list[tuple[int, memoryview]] = []
+        self.aborted = self.closed = False
+        self._lock = threading.Lock()
+        sink.write(memoryview(layout.prologue))
+
+    # --- what TensorSerializer calls ---------------------------------------------------------
+    def readable(self) -> bool:
+        return True
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        if whence != 0:
+            raise OSError("only absolute seeks are supported")
+        self.pos = offset
+        return offset
+
+    def flush(self) -> None:
+        pass
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data)
+        if view.ndim != 1 or view.format != "B":
+            view = view.cast("B")
+        n = view.nbytes
+        if self.aborted:
+            return n
+        start, end = self.pos, self.pos + n
+        with self._lock:
+            if end <= len(self.shadow):
+                self.shadow[start:end] = view
+            elif start >= self.emitted:
+                # Tensor data is kept by reference: its buffer lives until the collector
+                # moves on, which is after ``commit``. Anything small is copied.
+                kept = view if n >= COPY_BELOW_BYTES else memoryview(bytes(view))
+                self.pending.append((start, kept))
+            else:
+                raise AssertionError(
+                    f"tensorizer rewrote bytes {start}..{end} already streamed "
+                    f"(streamed up to {self.emitted})"
+                )
+        self.pos = end
+        return n
+
+    def close(self) -> None:
+        """The serializer is done: send the rest, then check the prologue and the size.
+        Once only: tensorizer's ``__del__`` closes the file a second time."""
+        if self.aborted or self.closed:
+            return
+        self.closed = True
+        self._send(max((o + len(v) for o, v in self.pending), default=self.emitted))
+        if self.emitted != self.layout.size:
+            raise AssertionError(
+                f"tensorizer wrote {self.emitted} bytes, {self.layout.size} were predicted"
+            )
+        if bytes(self.shadow) != self.layout.prologue:
+            first = next(i for i, (a, b) in enumerate(zip(self.shadow, self.layout.prologue,
+                                                          strict=True)) if a != b)  # fmt: skip
+            raise AssertionError(
+                f"tensorizer's file prologue differs from the predicted one at byte {first}; "
+                "the tensorizer version is not the one this writer was made for (2.10.1)"
+            )
+
+    # --- what the collector calls ------------------------------------------------------------
+    def commit(self) -> None:
+        """Every byte before the file position is final: send it to the sink."""
+        self._send(self.pos)
+
+    def abort(self) -> None:
+        self.aborted = True
+        self.pending.clear()
+
+    def _send(self, upto: int) -> None:
+        with self._lock:
+            pending, self.pending = self.pending, []
+        # A later write wins over an earlier one it covers (the next tensor's header over
+        # the zero length field); what remains must tile [emitted, upto) exactly.
+        live = [
+            (o, v) for i, (o, v) in enumerate(pending)
+            if not any(p <= o and o + len(v) <= p + len(w) for p, w in pending[i + 1 :])
+        ]  # fmt: skip
+        live.sort(key=lambda item: item[0])
+        keep: list[tuple[int, memoryview]] = []
+        for offset, view in live:
+            if offset + len(view) > upto:
+                keep.append((offset, view))
+                continue
+            if offset != self.emitted:
+                raise AssertionError(
+                    f"tensorizer left bytes {self.emitted}..{offset} unwritten or written twice"
+                )
+            if len(view):
+                self.sink.write(view)
+            self.emitted += len(view)
+        with self._lock:
+            self.pending = keep + self.pending
+
+
 def serialize_ranks(
     plan: ShardPlan,
     checkpoint: Checkpoint,
-    files: Sequence[IO[bytes]],
+    files: Sequence[Any],
     progress: Progress,
     *,
     tied: bool,
 ) -> None:
-    """Write every rank's tensorized file into ``files[rank]`` (seekable, left closed)."""
+    """Write every rank's tensorized file into ``files[rank]`` (seekable; a ``_StreamingFile``
+    or a real file), or skip the rank where ``files[rank]`` is None; files are left closed."""
     import torch
     from tensorizer import TensorSerializer
     from tensorizer.serialization import TensorType
 
     entries = file_entries(plan, tied)
-    serializers = [TensorSerializer(f) for f in files]
+    serializers = [TensorSerializer(f) if f is not None else None for f in files]
+
+    def abort_all() -> None:
+        for f in files:
+            if isinstance(f, _StreamingFile):
+                f.abort()
+
     try:
         marker = torch.empty((1,), dtype=torch.int64, device="meta")
-        for s in serializers:
+        sinks: list[Sink] = []
+        for s, f in zip(serializers, files, strict=True):
+            if s is None:
+                sinks.append(_DoneSink((0, "")))
+                continue
             s.write_tensor(0, MARKER, TensorType.PARAM, marker)
-        collectors = [_TensorCollector(s, list(plan.targets), entries) for s in serializers]
-        with _RankStreams(collectors) as streams:
+            commit = getattr(f, "commit", None)
+            if commit is not None:
+                commit()
+            sinks.append(_TensorCollector(s, list(plan.targets), entries, commit))
+        with _RankStreams(sinks) as streams:
             _stream_part(list(plan.targets), checkpoint, streams, progress)
-        for c in collectors:
+        for c in sinks:
             c.close()
+    except BaseException:
+        abort_all()
+        raise
     finally:
+        # Every serializer is closed (closing its file and stopping its thread pools), also
+        # when one of them fails its close: then the others' files are aborted first.
+        failure: BaseException | None = None
         for s in serializers:
-            s.close()  # closes the file too; also on failure, to stop its thread pools
+            if s is None:
+                continue
+            try:
+                s.close()
+            except BaseException as e:
+                abort_all()
+                failure = failure or e
+        if failure is not None:
+            raise failure
 
 
 def write_tensorizer_files(
@@ -195,47 +431,30 @@ def write_tensorizer_files(
     completed: Completed | None = None,
     *,
     tied: bool,
-    spool_dir: Path,
 ) -> dict[str, tuple[int, str]]:
-    """Serialise every rank into ``spool_dir``, then stream each file into its sink; returns
-    {file name: (size, sha256)}. ``completed`` skips the upload of a file an earlier run with
-    the same run key finished (tensorizer's output is deterministic for the same plan).
-    ``spool_dir`` is removed afterwards, also on failure."""
-    spool_dir.mkdir(parents=True, exist_ok=True)
-    try:
-        paths = [spool_dir / rank_file_name(r) for r in range(plan.tp)]
-        with contextlib.ExitStack() as stack:
-            files = [stack.enter_context(open(p, "wb+")) for p in paths]
-            serialize_ranks(plan, checkpoint, files, progress, tied=tied)
-        results: dict[str, tuple[int, str]] = {}
-        for rank, path in enumerate(paths):
-            name, size = rank_file_name(rank), path.stat().st_size
-            done = completed(name, size) if completed else None
-            results[name] = done if done is not None else _copy_into(path, open_sink(name, size))
-            path.unlink()
+    """Stream every rank's file into its sink; returns {file name: (size, sha256)}.
+    ``completed`` skips a rank file an earlier run with the same run key finished
+    (tensorizer's output is deterministic for the same plan): nothing is serialised for it."""
+    layout = predict_layout(plan, file_entries(plan, tied))
+    names = [rank_file_name(r) for r in range(plan.tp)]
+    done = [completed(n, layout.size) if completed else None for n in names]
+    results = {n: d for n, d in zip(names, done, strict=True) if d is not None}
+    if len(results) == plan.tp:
+        for _ in plan.targets:
+            progress.tensor_done()
         return results
-    finally:
-        shutil.rmtree(spool_dir, ignore_errors=True)
-
-
-def _copy_into(path: Path, sink: Any) -> tuple[int, str]:
-    buf = bytearray(SPOOL_COPY_BYTES)
+    sinks: list[Sink | None] = []
     try:
-        with open(path, "rb", buffering=0) as f:
-            while n := f.readinto(buf):
-                sink.write(memoryview(buf)[:n])  # sinks copy or write before returning
-        result: tuple[int, str] = sink.close()
-        return result
+        for name, d in zip(names, done, strict=True):
+            sinks.append(open_sink(name, layout.size) if d is None else None)
+        files = [_StreamingFile(s, layout) if s is not None else None for s in sinks]
+        serialize_ranks(plan, checkpoint, files, progress, tied=tied)
+        for name, sink in zip(names, sinks, strict=True):
+            if sink is not None:
+                results[name] = sink.close()
     except BaseException:
-        sink.abort()
+        for sink in sinks:
+            if sink is not None:
+                sink.abort()
         raise
-
-
-def spool_dir_for(out: str) -> Path:
-    """A private spool directory: beside a local ``--out`` (same filesystem, and named so
-    that the local destination's ``begin`` removes it after a crash), else in TMPDIR."""
-    if out.startswith("s3://"):
-        return Path(tempfile.mkdtemp(prefix="modelstage-tensorizer-"))
-    local = Path(out.removeprefix("file://")).absolute()
-    local.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f"{local.name}.tmp-tensorizer-", dir=local.parent))
+    return dict(sorted(results.items()))

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import abc
+from collections.abc import Mapping
+from typing import Any
 
 from ..errors import SpecError
 from ..manifest import Manifest
@@ -37,10 +39,14 @@ class Destination(abc.ABC):
 
     # -- scale-out (scale_out.py): several workers write parts, one finalize step commits ---
 
-    def begin_shared(self, run_key: str, *, finalize: bool = False) -> None:
+    def begin_shared(
+        self, run_key: str, *, finalize: bool = False, params: Mapping[str, Any] | None = None
+    ) -> None:
         """Join the work area that every worker of ``run_key`` shares (or, with ``finalize``,
         take it over once they are done). Parts a worker finishes stay there, complete, for
-        a rerun to reuse and for the finalize step to check."""
+        a rerun to reuse and for the finalize step to check. ``params`` are the settings the
+        run key pins (part size, stager version, source), recorded so that a finalize with
+        other settings can say which one differs."""
         raise SpecError(f"{self.uri}: this destination cannot be staged by several workers")
 
     def check_part(self, name: str, size: int) -> tuple[int, str]:

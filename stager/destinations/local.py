@@ -2,24 +2,53 @@
 
 Work happens in a sibling ``<out>.tmp-<id>`` on the same filesystem; every file is fsynced,
 the manifest is written last, then one ``rename`` publishes the directory. A lock file keeps
-two stagers from racing on the same location; leftovers of killed runs are removed under it.
+two stagers from racing on the same location; leftovers of killed runs are removed under it,
+and the lock file itself goes when its last holder leaves (``LocationLock``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import fcntl
 import hashlib
 import json
 import os
 import shutil
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from ..aligned_io import DIRECT_MIN_BYTES, AlignedWriter, buffer_bytes_for
 from ..errors import ArtifactError, DestinationError
 from ..manifest import MANIFEST, Manifest, read_manifest, sha256_file
 from ..pieces import Piece
 from .base import Destination
+
+
+def open_lock(path: Path) -> int:
+    """The location's lock file, created when missing, never through a symbolic link (one
+    planted there would have the stager create or truncate a file elsewhere)."""
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise DestinationError(
+                f"{path}: the lock file is a symbolic link; refusing to follow it (remove it)"
+            ) from None
+        raise DestinationError(f"{path.parent}: cannot write: {e.strerror}") from None
+
+
+def remove_leftover(path: Path) -> int:
+    """Remove a ``<out>.tmp-*`` leftover of a killed run; returns the files it held. A link
+    or a file under that name is removed itself, never followed."""
+    if path.is_symlink() or not path.is_dir():
+        path.unlink(missing_ok=True)
+        return 1
+    count = sum(len(files) for _, _, files in os.walk(path))  # os.walk follows no links
+    shutil.rmtree(path)
+    return count
 
 
 def fsync_dir(path: Path) -> None:
@@ -79,6 +108,62 @@ class LocalFileSink:
             self.fd = -1
 
 
+class LocationLock:
+    """``<parent>/.<name>.lock``: an ``flock`` that one-pod stagers and finalize take
+    exclusively, scale-out workers shared, deletes exclusively; always non-blocking (a busy
+    location is an error to retry, never a wait).
+
+    The file is removed by the last holder, so nothing stays beside a finished artifact. That
+    is race-free because removal needs the exclusive lock and every taker checks, once it holds
+    the lock, that the path still names the file it locked; one that locked a file unlinked in
+    between starts over on the new one.
+    """
+
+    def __init__(self, out: Path) -> None:
+        self.path = out.parent / f".{out.name}.lock"
+        self.fd = -1
+
+    def acquire(self, *, exclusive: bool) -> bool:
+        """Take the lock; False when another process holds it in a conflicting mode."""
+        mode = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB
+        while True:
+            fd = open_lock(self.path)
+            try:
+                fcntl.flock(fd, mode)
+            except BlockingIOError:
+                os.close(fd)
+                return False
+            try:
+                same = os.path.samestat(os.fstat(fd), os.lstat(self.path))
+            except FileNotFoundError:
+                same = False
+            if same:
+                self.fd = fd
+                return True
+            os.close(fd)  # locked a file its last holder had just removed: take the new one
+
+    def release(self) -> None:
+        """Leave; the last holder (the only one that can lock exclusively) removes the file."""
+        if self.fd < 0:
+            return
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            self.path.unlink(missing_ok=True)
+        except BlockingIOError:
+            pass  # other holders remain; the last one removes it
+        finally:
+            os.close(self.fd)
+            self.fd = -1
+
+    @property
+    def held(self) -> bool:
+        return self.fd >= 0
+
+
+RUN_RECORD = ".modelstage-run.json"
+"""In a shared work directory: the settings its run key pins (see ``begin_shared``)."""
+SIDECAR_MAX_BYTES = 4096
+"""A sidecar is one short JSON line; more is not one of ours (and does not parse)."""
 SIDECAR_SUFFIX = ".part.json"
 """Beside each part a scale-out worker finished: its size, sha256 and run key."""
 PARTIAL_INFIX = ".partial-"
@@ -129,7 +214,7 @@ class LocalDestination(Destination):
         self.out = Path(out).absolute()
         self.uri = str(self.out)
         self.work: Path | None = None
-        self._lock_fd = -1
+        self._lock = LocationLock(self.out)
         self.run_key = ""
         self.shared = self.finalizing = False
 
@@ -140,9 +225,13 @@ class LocalDestination(Destination):
             raise ArtifactError(f"{self.out} exists and is not a directory; choose another --out")
         manifest = read_manifest(self.out)
         if manifest is None:
+            names = sorted(p.name for p in self.out.iterdir())
+            more = ", ..." if len(names) > 3 else ""
+            count = f"{len(names)} {'entry' if len(names) == 1 else 'entries'}"
+            held = f"{count}: {', '.join(names[:3])}{more}" if names else "empty"
             raise ArtifactError(
-                f"{self.out} exists but holds no {MANIFEST}: an incomplete or foreign artifact; "
-                "it is never overwritten: remove it or choose another --out"
+                f"{self.out} exists but holds no {MANIFEST} ({held}): an incomplete or foreign "
+                "artifact; it is never overwritten: remove it or choose another --out"
             )
         return manifest
 
@@ -151,17 +240,14 @@ class LocalDestination(Destination):
         parent = self.out.parent
         try:
             parent.mkdir(parents=True, exist_ok=True)
-            self._lock_fd = os.open(parent / f".{self.out.name}.lock", os.O_RDWR | os.O_CREAT)
+            locked = self._lock.acquire(exclusive=True)
         except OSError as e:
             raise DestinationError(f"{parent}: cannot write: {e.strerror}") from None
-        try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise DestinationError(
-                f"{self.out}: another stager is writing this artifact right now"
-            ) from None
+        if not locked:
+            raise DestinationError(f"{self.out}: another stager is writing this artifact right now")
         for stale in parent.glob(f"{self.out.name}.tmp-*"):
-            shutil.rmtree(stale, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                remove_leftover(stale)
         self.work = parent / f"{self.out.name}.tmp-{uuid.uuid4().hex[:12]}"
         self.work.mkdir()
 
@@ -172,21 +258,19 @@ class LocalDestination(Destination):
         the same name; another run key (stager version, source, part size) gets another."""
         return self.out.parent / f"{self.out.name}.tmp-shared-{run_key[:16]}"
 
-    def begin_shared(self, run_key: str, *, finalize: bool = False) -> None:
+    def begin_shared(
+        self, run_key: str, *, finalize: bool = False, params: Mapping[str, Any] | None = None
+    ) -> None:
         """Join the run's shared work directory: workers under a shared lock (any number at
         once, never beside a one-pod stager, which locks exclusively), the finalize step
         under the exclusive lock, and only when some worker has written something."""
         parent = self.out.parent
         try:
             parent.mkdir(parents=True, exist_ok=True)
-            self._lock_fd = os.open(parent / f".{self.out.name}.lock", os.O_RDWR | os.O_CREAT)
+            locked = self._lock.acquire(exclusive=finalize)
         except OSError as e:
             raise DestinationError(f"{parent}: cannot write: {e.strerror}") from None
-        try:
-            mode = fcntl.LOCK_EX if finalize else fcntl.LOCK_SH
-            fcntl.flock(self._lock_fd, mode | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self._unlock()
+        if not locked:
             raise DestinationError(
                 f"{self.out}: another stager is writing this artifact right now"
                 + (" (a worker is still running?)" if finalize else "")
@@ -196,13 +280,43 @@ class LocalDestination(Destination):
         if finalize:
             if not self.work.is_dir():
                 self._unlock()
-                raise ArtifactError(
-                    f"{self.work}: no worker has written this artifact; run the "
-                    "`modelstage stage --group i/n` workers first"
-                )
+                raise ArtifactError(self._no_work_reason(params or {}))
             self.finalizing = True
         else:
             self.work.mkdir(exist_ok=True)
+            record = self.work / RUN_RECORD
+            if params and not record.exists():
+                _write_durably(record, json.dumps(dict(params), sort_keys=True).encode())
+
+    def _no_work_reason(self, params: Mapping[str, Any]) -> str:
+        """Why finalize finds no parts: no worker ran, or workers ran with other settings
+        (their run key, hence their work directory, differs); say which setting."""
+        others = sorted(self.out.parent.glob(f"{self.out.name}.tmp-shared-*"))
+        for other in others:
+            try:
+                theirs = json.loads((other / RUN_RECORD).read_bytes())
+            except (OSError, ValueError):
+                continue
+            differ = [k for k in params if theirs.get(k) != params[k]]
+            if differ:
+                said = "; ".join(f"{k} {theirs.get(k)} (this finalize: {params[k]})"
+                                 for k in differ)  # fmt: skip
+                hint = (f" (--max-part-bytes {theirs['maxPartBytes']})"
+                        if "maxPartBytes" in differ else "")  # fmt: skip
+                return (
+                    f"{self.out}: the workers' parts in {other} were written with other "
+                    f"settings: {said}; run finalize with the workers' arguments{hint}"
+                )
+        if others:
+            return (
+                f"{self.out}: no parts of this run, but parts of another run are in "
+                f"{others[0]}: the workers ran with other settings (--max-part-bytes, stager "
+                "version or source); run finalize with the workers' exact arguments"
+            )
+        return (
+            f"{self.work}: no worker has written this artifact; run the "
+            "`modelstage stage --group i/n` workers first"
+        )
 
     def completed(self, name: str, size: int) -> tuple[int, str] | None:
         """A part a worker of this run finished: renamed into place with its sidecar."""
@@ -210,9 +324,12 @@ class LocalDestination(Destination):
             return None
         path = self.work / name
         try:
-            record = json.loads(sidecar_path(path).read_bytes())
+            with open(sidecar_path(path), "rb") as f:
+                record = json.loads(f.read(SIDECAR_MAX_BYTES))
             on_disk = os.stat(path).st_size
-        except (FileNotFoundError, ValueError):
+        except (FileNotFoundError, ValueError, RecursionError):
+            return None
+        if not isinstance(record, dict):
             return None
         if record.get("runKey") != self.run_key or record.get("size") != size or on_disk != size:
             return None
@@ -263,7 +380,8 @@ class LocalDestination(Destination):
         self.work = None
         if self.shared:  # leftovers of other runs; no worker of theirs can hold the lock now
             for stale in self.out.parent.glob(f"{self.out.name}.tmp-*"):
-                shutil.rmtree(stale, ignore_errors=True)
+                with contextlib.suppress(OSError):
+                    remove_leftover(stale)
         self._unlock()
 
     def abort(self) -> None:
@@ -276,6 +394,4 @@ class LocalDestination(Destination):
         self._unlock()
 
     def _unlock(self) -> None:
-        if self._lock_fd >= 0:
-            os.close(self._lock_fd)
-            self._lock_fd = -1
+        self._lock.release()

@@ -42,14 +42,16 @@ import io
 import re
 import sys
 import threading
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
 from ..errors import ArtifactError, DestinationError, SpecError
-from ..manifest import MANIFEST, Manifest, check_ranks_present
+from ..manifest import MANIFEST, MAX_MANIFEST_BYTES, Manifest, check_ranks_present
 from ..pieces import Piece, copy_piece, piece_nbytes
+from ..progress import Progress
 from ..s3_client import S3Client, S3Location, S3Options, with_retries
 from .base import Destination
 
@@ -352,12 +354,17 @@ class S3Destination(Destination):
             Bucket=self.location.bucket, Key=key), key))  # fmt: skip
 
     def _get(self, name: str) -> bytes | None:
+        """A small object (the manifest), at most MAX_MANIFEST_BYTES + 1 of it: enough for
+        ``Manifest.from_json`` to refuse a longer one, never the whole of a huge one."""
         from botocore.exceptions import ClientError
 
         key = self.location.key(name)
         try:
             body = self.s3.client.get_object(Bucket=self.location.bucket, Key=key)["Body"]
-            return bytes(body.read())
+            try:
+                return bytes(body.read(MAX_MANIFEST_BYTES + 1))
+            finally:
+                body.close()
         except ClientError as e:
             if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
                 return None
@@ -383,7 +390,9 @@ class S3Destination(Destination):
             self.call(lambda u=upload: client.abort_multipart_upload(
                 Bucket=bucket, Key=u["Key"], UploadId=u["UploadId"]), upload["Key"])  # fmt: skip
 
-    def begin_shared(self, run_key: str, *, finalize: bool = False) -> None:
+    def begin_shared(
+        self, run_key: str, *, finalize: bool = False, params: Mapping[str, Any] | None = None
+    ) -> None:
         """Workers write their objects under the prefix itself, like one stager does; unlike
         ``begin`` a worker must not abort multipart uploads, which may be another worker's.
         The finalize step runs when every worker is done, so it aborts leftovers."""
@@ -400,8 +409,10 @@ class S3Destination(Destination):
         if found is None:
             state = "has the wrong size or run" if name in self._present else "is missing"
             raise ArtifactError(
-                f"{self.uri_of(name)} {state} (expected {size} bytes from this run); rerun "
-                "the worker that owns it (`modelstage stage --group i/n`), then finalize again"
+                f"{self.uri_of(name)} {state} (expected {size} bytes from this run: workers and "
+                "finalize must run the same stager with the same arguments, --max-part-bytes "
+                "included); rerun the worker that owns it (`modelstage stage --group i/n`), "
+                "then finalize again"
             )
         return found
 
@@ -483,16 +494,26 @@ class S3Destination(Destination):
     # -- reading an artifact back ---------------------------------------------------------
 
     def verify(
-        self, *, digest: str | None = None, tp: int | None = None, hash_content: bool = True
+        self,
+        *,
+        digest: str | None = None,
+        tp: int | None = None,
+        hash_content: bool = True,
+        show_progress: bool = False,
     ) -> Manifest:
         """Check the artifact against its manifest: every object present with its size (and,
-        when hashing, its sha256), no object that the manifest does not list."""
+        when hashing, its sha256), no object that the manifest does not list.
+        ``show_progress``: report the hashing (bytes, rate, ETA) on stderr."""
         manifest = self.existing()
         if manifest is None:
             raise ArtifactError(f"{self.uri}: no {MANIFEST}; the artifact is incomplete")
         manifest.check_expected(self.uri, digest=digest, tp=tp)
         check_ranks_present(self.uri, manifest)
         present = self._list()
+        progress = None
+        if hash_content and show_progress:
+            progress = Progress(manifest.bytes, len(manifest.files), label=f"hashing {self.uri}",
+                                items="files")  # fmt: skip
         for name, entry in sorted(manifest.files.items()):
             if name not in present:
                 raise ArtifactError(f"{self.uri_of(name)}: listed in the manifest but missing")
@@ -500,22 +521,28 @@ class S3Destination(Destination):
                 raise ArtifactError(
                     f"{self.uri_of(name)}: {present[name]} bytes, the manifest says {entry.size}"
                 )
-            if hash_content and self._hash_object(name) != entry.sha256:
+            if hash_content and self._hash_object(name, progress) != entry.sha256:
                 raise ArtifactError(
                     f"{self.uri_of(name)}: sha256 differs from the manifest; the object is corrupt"
                 )
+            if progress is not None:
+                progress.tensor_done()
+        if progress is not None:
+            progress.finish()
         extra = sorted(n for n in present if n not in manifest.files and n != MANIFEST)
         if extra:
             raise ArtifactError(f"{self.uri}: objects not in the manifest: {', '.join(extra[:5])}")
         return manifest
 
-    def _hash_object(self, name: str) -> str:
+    def _hash_object(self, name: str, progress: Progress | None = None) -> str:
         key, h = self.location.key(name), hashlib.sha256()
         body = self.call(lambda: self.s3.client.get_object(
             Bucket=self.location.bucket, Key=key)["Body"], key)  # fmt: skip
         try:
             for block in body.iter_chunks(8 * MiB):
                 h.update(block)
+                if progress is not None:
+                    progress.advance(len(block))
         except Exception as e:
             raise self.s3.error(e, self.uri_of(name)) from None
         return h.hexdigest()

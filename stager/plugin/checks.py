@@ -13,7 +13,6 @@ Torch-free and vLLM-free, so the refusals are unit-tested without starting vLLM.
 
 from __future__ import annotations
 
-import fnmatch
 import hashlib
 import os
 import re
@@ -24,7 +23,7 @@ from pathlib import Path
 
 from ..errors import ArtifactError, CheckpointError, SpecError
 from ..layouts import layout_for
-from ..manifest import MANIFEST, Manifest, read_manifest, sha256_file
+from ..manifest import MANIFEST, MAX_MANIFEST_BYTES, Manifest, read_manifest, sha256_file
 from ..s3_client import S3Client, S3Location
 from ..safetensors_format import SafetensorsHeader, read_header, read_local_header
 from .settings import S3_READER_FORMAT, PluginSettings
@@ -213,11 +212,12 @@ def _expected(
 def _rank_names(where: str, manifest: Manifest, present: Iterable[str], pattern: str) -> list[str]:
     """The manifest's files this rank loads, in part order; refuse files the glob would also
     match that the manifest does not list (vLLM's stock loaders would load them)."""
-    listed = (n for n in manifest.files if fnmatch.fnmatchcase(n, pattern))
+    glob = _glob(pattern)
+    listed = (n for n in manifest.files if glob.fullmatch(n))
     names = sorted(listed, key=_part_key(pattern))
     if not names:
         raise refuse(where, f"the manifest lists no file matching {pattern!r}")
-    matching = (n for n in present if fnmatch.fnmatchcase(n, pattern))
+    matching = (n for n in present if glob.fullmatch(n))
     unlisted = sorted(n for n in matching if n not in manifest.files)
     if unlisted:
         raise refuse(
@@ -271,8 +271,8 @@ def _s3_manifest(s3: S3Client, location: S3Location) -> Manifest | None:
         if str(e.response.get("Error", {}).get("Code")) in ("NoSuchKey", "404"):
             return None
         raise
-    with closing(body):
-        return Manifest.from_json(body.read(), f"{location.uri}{MANIFEST}")
+    with closing(body):  # at most one byte past the limit: from_json refuses longer ones
+        return Manifest.from_json(body.read(MAX_MANIFEST_BYTES + 1), f"{location.uri}{MANIFEST}")
 
 
 def _s3_listing(s3: S3Client, location: S3Location) -> dict[str, tuple[int, str]]:
@@ -348,9 +348,15 @@ def _s3_sha256(s3: S3Client, location: S3Location, name: str, etag: str) -> str:
     return h.hexdigest()
 
 
+def _glob(pattern: str) -> re.Pattern[str]:
+    """vLLM's part-file glob as a regex whose ``*`` stays within one name (``fnmatch``'s
+    ``*`` would also match ``/``: ``model-rank-0-part-*`` would take ``../x/part-0``)."""
+    return re.compile(re.escape(pattern).replace(r"\*", "([^/]*)"))
+
+
 def _part_key(pattern: str) -> Callable[[str], tuple[int, str]]:
     """Sort part files by the number the glob's ``*`` matched (part 10 after part 9)."""
-    regex = re.compile(re.escape(pattern).replace(r"\*", "(.*)"))
+    regex = _glob(pattern)
 
     def key(name: str) -> tuple[int, str]:
         m = regex.fullmatch(name)

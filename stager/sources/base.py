@@ -34,8 +34,16 @@ class Source(abc.ABC):
     def read_range(self, name: str, offset: int, out: memoryview) -> None:
         """Fill ``out`` with the bytes at ``offset``; a short read is a CheckpointError."""
 
-    def read_bytes(self, name: str) -> bytes:
-        buf = bytearray(self.size(name))
+    def read_bytes(self, name: str, *, max_bytes: int) -> bytes:
+        """The whole file, when it holds at most ``max_bytes``: the size a source reports
+        (an S3 listing, a file's) is a claim, never a reason to allocate."""
+        size = self.size(name)
+        if size > max_bytes:
+            raise CheckpointError(
+                f"{self.uri}: {name} holds {size} bytes, more than the {max_bytes} this file "
+                "may have; refusing it"
+            )
+        buf = bytearray(size)
         self.read_range(name, 0, memoryview(buf))
         return bytes(buf)
 

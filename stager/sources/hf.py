@@ -13,6 +13,14 @@ is what ``huggingface_hub`` offers: a connection dropped mid-file is resumed wit
 request within the run, and files completed by an earlier (killed) run are not fetched again;
 a partial file of a killed run is discarded by the library and fetched from the start.
 
+**Timeouts and progress.** Every request has a connect and a read timeout and is retried on
+timeouts, dropped connections, 429 and 5xx (``network.Timeouts``: ``--connect-timeout``,
+``--read-timeout``, ``--retries`` or ``MODELSTAGE_*``); huggingface_hub's own client waits
+forever on the model-info call, so an endpoint that accepts and never answers would hang the
+stager. Downloads report bytes, rate and ETA (``progress.Progress``) every few seconds.
+Transfers through ``hf_xet`` (Xet-backed repositories on the real Hub) use that library's
+own timeouts; set ``HF_HUB_DISABLE_XET=1`` to have them go through the HTTP path above.
+
 With ``HF_HUB_OFFLINE=1`` nothing is requested: the revision resolves through the cache's
 ``refs/`` and the snapshot folder is read as it is (a pre-filled cache on a volume).
 
@@ -22,17 +30,22 @@ in the Authorization header and is removed from every message this module produc
 
 from __future__ import annotations
 
+import math
 import os
 import posixpath
+import random
 import re
 import sys
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
-from ..checkpoint import CARRIED_OVER, INDEX, MAX_JSON_BYTES
+from ..checkpoint import CARRIED_OVER, INDEX, INDEX_VALUES, MAX_JSON_BYTES, parse_json
 from ..errors import CheckpointError
+from ..network import Timeouts
+from ..progress import Progress, human_bytes
 from .base import safe_name
 from .local import LocalSource
 
@@ -41,6 +54,9 @@ _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 DEFAULT_REVISION = "main"
 DOWNLOAD_WORKERS = 4
+RETRY_BASE_S = 1.0
+RETRY_CAP_S = 16.0
+T = TypeVar("T")
 
 
 def parse_hf_uri(uri: str) -> str:
@@ -100,12 +116,14 @@ class HfSource(LocalSource):
         endpoint: str | None = None,
         commit: str | None = None,
         fetch: bool = True,
+        timeouts: Timeouts | None = None,
     ) -> None:
         """``commit``: the one ``resolve`` found for ``revision`` (fetched, and recorded as the
         revision's ref); ``fetch=False`` (``resolve``): the commit only, no source then."""
         from huggingface_hub import constants
         from huggingface_hub.file_download import repo_folder_name
 
+        self.timeouts = timeouts or Timeouts.from_env()
         self.repo_id = parse_hf_uri(uri)
         self.revision = check_revision(revision or DEFAULT_REVISION)
         if commit is not None and not _COMMIT.fullmatch(commit):
@@ -121,7 +139,7 @@ class HfSource(LocalSource):
                 self.commit = self._from_cache()
             elif not fetch:
                 pinned = _COMMIT.fullmatch(self.revision)  # a commit never moves: no request
-                self.commit = self.revision if pinned else self._model_info()[0]
+                self.commit = self.revision if pinned else str(self._model_info().sha)
             else:
                 self.commit = self._download()
         except CheckpointError as e:
@@ -141,12 +159,12 @@ class HfSource(LocalSource):
         revision: str | None = None,
         hf_token_file: str | None = None,
         cache_dir: str | None = None,
+        timeouts: Timeouts | None = None,
         commit: str | None = None,
         **_: Any,
     ) -> HfSource:
-        return cls(
-            uri, revision=revision, token_file=hf_token_file, cache_dir=cache_dir, commit=commit
-        )
+        return cls(uri, revision=revision, token_file=hf_token_file, cache_dir=cache_dir,
+                   timeouts=timeouts, commit=commit)  # fmt: skip
 
     @classmethod
     def resolve(
@@ -156,13 +174,13 @@ class HfSource(LocalSource):
         revision: str | None = None,
         hf_token_file: str | None = None,
         cache_dir: str | None = None,
+        timeouts: Timeouts | None = None,
         **_: Any,
     ) -> str:
         """The commit ``revision`` names now, without fetching a file: the source identity the
         digest is taken from, before any download (and for ``modelstage resolve``)."""
-        return cls(
-            uri, revision=revision, token_file=hf_token_file, cache_dir=cache_dir, fetch=False
-        ).commit
+        return cls(uri, revision=revision, token_file=hf_token_file, cache_dir=cache_dir,
+                   timeouts=timeouts, fetch=False).commit  # fmt: skip
 
     # --- resolving and fetching -------------------------------------------------------------
     def _from_cache(self) -> str:
@@ -180,60 +198,113 @@ class HfSource(LocalSource):
         return commit
 
     def _download(self) -> str:
-        from huggingface_hub import hf_hub_download
+        from huggingface_hub import constants, hf_hub_download
         from huggingface_hub.utils.tqdm import disable_progress_bars
 
-        disable_progress_bars()  # carriage-return bars garble pod logs; we log per repo below
-        commit, files = self._model_info()
+        disable_progress_bars()  # carriage-return bars garble pod logs; Progress reports below
+        # Downloads read this at each request (a whole number of seconds, for its retries).
+        constants.HF_HUB_DOWNLOAD_TIMEOUT = math.ceil(self.timeouts.read)
+        timeout = self._http_timeout()
+        info = self._model_info(files_metadata=True)
+        commit = str(info.sha)
+        siblings = info.siblings or []
+        files = sorted(s.rfilename for s in siblings)
+        sizes = {s.rfilename: s.size for s in siblings if isinstance(s.size, int)}
+        snapshot = self.storage / "snapshots" / commit
+        progress: Progress | None = None
 
         def fetch(name: str) -> str:
-            return str(hf_hub_download(
+            bar = _bar_class(progress, known=name in sizes) if progress is not None else None
+            return str(self._retrying(name, lambda: hf_hub_download(
                 self.repo_id, name, revision=commit, cache_dir=self.cache_dir,
                 endpoint=self.endpoint, token=self._token, library_name="modelstage",
-            ))  # fmt: skip
+                etag_timeout=timeout, tqdm_class=bar,
+            )))  # fmt: skip
 
         needed = self._needed(files, fetch)
+        missing = [n for n in needed if not (snapshot / n).exists()]
+        total = sum(sizes.get(n, 0) for n in missing)
+        unknown = sum(1 for n in missing if n not in sizes)
         print(
-            f"hf: fetching {len(needed)} files of {self.repo_id} at {commit} "
-            f"(revision {self.revision}) into {self.cache_dir}",
+            f"hf: fetching {len(missing)} of {len(needed)} files ({human_bytes(total)}"
+            f"{f' + {unknown} of unknown size' if unknown else ''}) of {self.repo_id} at "
+            f"{commit} (revision {self.revision}) into {self.cache_dir}",
             file=sys.stderr,
         )
+        progress = Progress(total, len(missing), label=f"hf: downloading {self.repo_id}",
+                            items="files")  # fmt: skip
+
+        def fetch_counted(name: str) -> str:
+            path = fetch(name)
+            if name in missing:
+                assert progress is not None
+                progress.tensor_done()
+            return path
+
         with ThreadPoolExecutor(DOWNLOAD_WORKERS, thread_name_prefix="hf-get") as pool:
-            list(pool.map(fetch, needed))
+            list(pool.map(fetch_counted, needed))
+        if missing:
+            progress.finish()
         self._write_ref(commit)
         return commit
 
-    def _model_info(self) -> tuple[str, list[str]]:
-        """(the commit the revision names, the repo's file names at it): one Hub request."""
+    def _model_info(self, *, files_metadata: bool = False) -> Any:
+        """The Hub's model info at the revision (or the commit ``resolve`` pinned), with its
+        commit sha checked: one request, retried on transient failures."""
         from huggingface_hub import HfApi, constants
 
         # Telemetry makes huggingface_hub fetch a registry from the endpoint (and cache it
         # under HF_HOME) to describe the caller in its User-Agent: a request the stager does
         # not need, from pods whose egress may allow only the Hub's file endpoints.
         constants.HF_HUB_DISABLE_TELEMETRY = True
+        timeout = self._http_timeout()
         api = HfApi(endpoint=self.endpoint, token=self._token, library_name="modelstage")
-        info = api.model_info(self.repo_id, revision=self.pinned or self.revision)
-        commit = str(info.sha or "")
-        if not _COMMIT.fullmatch(commit):
+        info = self._retrying("the model info", lambda: api.model_info(
+            self.repo_id, revision=self.pinned or self.revision, files_metadata=files_metadata,
+            timeout=timeout,
+        ))  # fmt: skip
+        if not _COMMIT.fullmatch(str(info.sha or "")):
             raise CheckpointError(
                 f"{SCHEME}{self.repo_id}: the Hub answered without a commit sha for revision "
                 f"{self.revision!r}; is HF_ENDPOINT a Hugging Face Hub?"
             )
-        return commit, sorted(s.rfilename for s in info.siblings or [])
+        return info
+
+    def _http_timeout(self) -> float:
+        """huggingface_hub hands its ``timeout`` arguments on to its httpx client, which takes
+        a ``Timeout`` with separate connect and read limits (the annotations say float)."""
+        import httpx2
+
+        t = self.timeouts
+        return cast(float, httpx2.Timeout(t.read, connect=t.connect))
+
+    def _retrying(self, what: str, call: Callable[[], T]) -> T:
+        """``call`` with retries on transient failures (timeouts, dropped connections, 429,
+        5xx), each announced on stderr; exponential backoff with full jitter."""
+        attempts = self.timeouts.attempts
+        for attempt in range(1, attempts + 1):
+            try:
+                return call()
+            except Exception as e:
+                if attempt == attempts or not _transient(e):
+                    raise
+                print(
+                    f"hf: {what}: {self._redact(_reason(e, self.timeouts))}; retrying "
+                    f"({attempt}/{self.timeouts.retries})",
+                    file=sys.stderr,
+                )
+                time.sleep(random.uniform(0, min(RETRY_CAP_S, RETRY_BASE_S * 2**attempt)))
+        raise AssertionError("unreachable")
 
     def _needed(self, files: list[str], fetch: Callable[[str], str]) -> list[str]:
         """The files the stager reads, from the repo's listing (and its index, fetched first)."""
-        import json
-
         top = [f for f in files if "/" not in f]
         if INDEX in top:
             path = Path(fetch(INDEX))
             if path.stat().st_size > MAX_JSON_BYTES:
                 raise CheckpointError(f"{INDEX}: too large for a JSON file here")
-            try:
-                weight_map = json.loads(path.read_bytes()).get("weight_map")
-            except (ValueError, AttributeError):
-                raise CheckpointError(f"{INDEX}: invalid JSON or no 'weight_map' object") from None
+            index = parse_json(path.read_bytes(), INDEX, max_values=INDEX_VALUES)
+            weight_map = index.get("weight_map") if isinstance(index, dict) else None
             if not isinstance(weight_map, dict):
                 raise CheckpointError(f"{INDEX}: 'weight_map' must map tensor names to file names")
             weights = sorted({safe_name(str(v), INDEX) for v in weight_map.values()})
@@ -302,6 +373,16 @@ class HfSource(LocalSource):
             status = e.response.status_code if e.response is not None else "?"
             hint = f"; check the token's permissions ({token})" if status in (401, 403) else ""
             return f"{repo}: the Hub refused the request (HTTP {status}){hint}"
+        cause = _network_cause(e)
+        if cause is not None and "Timeout" in type(cause).__name__:
+            return (
+                f"{repo}: the Hub at {self.endpoint} did not answer in time "
+                f"({_reason(cause, self.timeouts)}, {self.timeouts.attempts} attempts); check "
+                "HF_ENDPOINT and the network, raise --read-timeout / --retries, or stage from a "
+                "pre-filled cache with HF_HUB_OFFLINE=1"
+            )
+        if cause is not None:
+            e = cause
         if type(e).__module__.startswith(("httpx", "httpcore")):
             return (
                 f"{repo}: cannot reach the Hub at {self.endpoint} ({type(e).__name__}); check "
@@ -324,6 +405,75 @@ class HfSource(LocalSource):
             "commit": self.commit,
             "files": [{"name": n, "size": self.size(n)} for n in files],
         }
+
+
+def _network_cause(e: BaseException) -> BaseException | None:
+    """The HTTP client's exception behind ``e``: itself, or what huggingface_hub wrapped
+    (it reports a failed metadata request as ``LocalEntryNotFoundError`` from it)."""
+    seen = 0
+    while e is not None and seen < 5:
+        if type(e).__module__.startswith(("httpx", "httpcore")):
+            return e
+        e = e.__cause__ or e.__context__  # type: ignore[assignment]
+        seen += 1
+    return None
+
+
+def _transient(e: BaseException) -> bool:
+    """Worth another attempt: a timeout, a dropped or refused connection, 429 or 5xx."""
+    from huggingface_hub.errors import HfHubHTTPError
+
+    if isinstance(e, HfHubHTTPError):
+        status = e.response.status_code if e.response is not None else 0
+        return status == 429 or status >= 500
+    cause = _network_cause(e)
+    if cause is None:
+        return False
+    name = type(cause).__name__
+    return "Timeout" in name or name in (
+        "ConnectError", "ReadError", "WriteError", "NetworkError", "RemoteProtocolError",
+        "CloseError",
+    )  # fmt: skip
+
+
+def _reason(e: BaseException, timeouts: Timeouts) -> str:
+    """``no answer within 60 s (ReadTimeout)``, ``ConnectError: ...``: what went wrong."""
+    cause = _network_cause(e) or e
+    name = type(cause).__name__
+    if name == "ConnectTimeout":
+        return f"no connection within {timeouts.connect:g} s ({name})"
+    if "Timeout" in name:
+        return f"no answer within {timeouts.read:g} s ({name})"
+    return f"{name}: {_first_line(cause)}"
+
+
+def _bar_class(progress: Progress, *, known: bool) -> type:
+    """A stand-in for tqdm that huggingface_hub's ``http_get`` drives (``tqdm_class``): it
+    counts the bytes of one file into ``progress``. ``known``: the file's size is already in
+    the total (from the model info); otherwise the bar adds it when the response says it."""
+
+    class Bar:
+        def __init__(self, *_: Any, total: int | None = None, initial: int = 0,
+                     **__: Any) -> None:  # fmt: skip
+            if not known and total:
+                progress.add_total(total)
+            if initial:
+                progress.advance(initial)
+
+        def __enter__(self) -> Bar:
+            return self
+
+        def __exit__(self, *_: object) -> None:
+            pass
+
+        def update(self, n: int | float | None = 1) -> None:
+            if n:
+                progress.advance(int(n))
+
+        def close(self) -> None:
+            pass
+
+    return Bar
 
 
 def _first_line(e: BaseException) -> str:

@@ -12,10 +12,21 @@ from typing import Any
 from urllib.parse import urlparse
 
 import pytest
+import yaml
 from modelstage.operator import settings as operator_settings
 from modelstage.operator.__main__ import parse_args
 from modelstage.operator.settings import OperatorConfig
-from support.charts import RELEASE_NAMESPACE, of_kind, one, render
+from support.charts import (
+    CHART,
+    RELEASE,
+    RELEASE_NAMESPACE,
+    is_namespaced,
+    of_kind,
+    one,
+    render,
+    run,
+    tool,
+)
 
 
 def _container(docs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -67,7 +78,7 @@ def test_probes_hit_kopfs_liveness_endpoint(rendered: list[dict[str, Any]]) -> N
 def test_arguments_parse_with_the_operators_parser(scenario: str) -> None:
     docs = render(scenario)
     args = parse_args(_container(docs)["args"])
-    namespaced = scenario.startswith("namespaced")
+    namespaced = is_namespaced(scenario)
     if scenario == "namespaced":
         assert args.namespaces == ["team-a", "team-b"]
     elif namespaced:
@@ -87,6 +98,19 @@ def test_environment_is_what_the_operator_reads(rendered: list[dict[str, Any]]) 
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert config.metrics_port == ports["metrics"]
     assert config.stager_image == "ghcr.io/modelstage/stager:0.1.0"
+    assert config.stager_images == (config.stager_image,), "only the chart's image by default"
+    assert (config.max_stager_jobs, config.max_stager_jobs_per_namespace) == (4, 2)
+
+
+def test_allowed_stager_images_reach_the_operator() -> None:
+    text = run([tool("helm"), "template", RELEASE, str(CHART), "--namespace", RELEASE_NAMESPACE,
+                "--set", "stagerImage.allowed={registry.local/stager,ghcr.io/acme/stager:2}"]).stdout  # fmt: skip
+    docs = [d for d in yaml.safe_load_all(text) if d]
+    env = {e["name"]: e.get("value") for e in _container(docs)["env"]}
+    config = OperatorConfig.from_env({k: v for k, v in env.items() if v is not None})
+    assert config.stager_images == (
+        "ghcr.io/modelstage/stager:0.1.0", "registry.local/stager", "ghcr.io/acme/stager:2"
+    )
 
 
 def test_peering_object_matches_the_operators_peering(scenario: str) -> None:
@@ -160,9 +184,35 @@ def test_vllm_loader_pod_monitor_scrapes_one_port_per_rank() -> None:
     assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["serving"]}
 
 
-@pytest.mark.parametrize("scenario_name", ["namespaced", "namespaced-release-namespace"])
+@pytest.mark.parametrize("scenario_name", ["default", "namespaced", "namespaced-release-namespace"])
 def test_namespaced_mode_needs_nothing_cluster_scoped(scenario_name: str) -> None:
     docs = render(scenario_name)
     cluster_scoped = {"ClusterRole", "ClusterRoleBinding", "ClusterKopfPeering"}
     assert not [d["kind"] for d in docs if d["kind"] in cluster_scoped]
     assert of_kind(docs, "Role") and of_kind(docs, "RoleBinding")
+
+
+def test_endpoints_bind_the_pods_ip_not_every_address(rendered: list[dict[str, Any]]) -> None:
+    container = _container(rendered)
+    env = {e["name"]: e for e in container["env"]}
+    assert env["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert env["MODELSTAGE_OPERATOR_METRICS_HOST"]["value"] == "$(POD_IP)"
+    names = [e["name"] for e in container["env"]]
+    assert names.index("POD_IP") < names.index("MODELSTAGE_OPERATOR_METRICS_HOST")
+    assert urlparse(parse_args(container["args"]).liveness).hostname == "$(pod_ip)"
+    assert "0.0.0.0" not in str(container)
+
+
+def test_a_network_policy_admits_metrics_from_the_monitoring_namespace_only(
+    rendered: list[dict[str, Any]],
+) -> None:
+    policy = one(rendered, "NetworkPolicy")
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    pod_labels = one(rendered, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    ports = {p["name"] for p in _container(rendered)["ports"]}
+    rules = {r["ports"][0]["port"]: r for r in policy["spec"]["ingress"]}
+    assert set(rules) == ports == {"metrics", "health"}
+    assert rules["metrics"]["from"] == [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    ]

@@ -24,7 +24,7 @@ from typing import Any
 
 from modelstage.operator import api as operator_api
 from modelstage.operator.kube import Owner
-from support.charts import ROOT, SCENARIOS, of_kind, render
+from support.charts import ROOT, SCENARIOS, is_namespaced, of_kind, render
 
 Triple = tuple[str, str, str]
 """(API group, resource[/subresource], verb)."""
@@ -193,7 +193,7 @@ def test_rbac_has_no_wildcard_and_is_exactly_what_the_operator_uses(scenario: st
     docs = render(scenario)
     triples, wildcards = granted(docs)
     assert not wildcards
-    namespaced = scenario.startswith("namespaced")
+    namespaced = is_namespaced(scenario)
     expected = operator_uses() | framework(namespaced, "no-peering" not in scenario)
     args = " ".join(SCENARIOS[scenario])
     expected -= {triple for triple, value in OPT_IN.items() if value not in args}

@@ -272,6 +272,7 @@ def test_notes_tell_the_next_step_and_the_crd_upgrade() -> None:
     assert "kubectl apply -n <namespace> -f examples/modeldeployment-sharded-state.yaml" in notes
     assert "kubectl apply --server-side -f <chart>/crds/" in notes
     assert "not leader election" in notes
+    assert "modelstage.io/model-deployment: <name>" in notes  # the workload's opt-in
 
 
 def test_dashboard_is_valid_json_and_only_queries_exported_metrics() -> None:

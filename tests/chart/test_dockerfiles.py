@@ -79,7 +79,11 @@ def test_multi_stage_pinned_and_non_root(name: str) -> None:
         rest.split("=", 1) for keyword, rest in instructions if keyword == "ARG" and "=" in rest
     )
     base = args.get("PYTHON_IMAGE", "")
-    assert re.fullmatch(r"python:\d+\.\d+(\.\d+)?-slim-\w+", base), base
+    assert re.fullmatch(r"python:\d+\.\d+(\.\d+)?-slim-\w+(@sha256:[0-9a-f]{64})?", base), base
+    assert [rest for keyword, rest in instructions if keyword == "FROM"][-1] == "${PYTHON_IMAGE}"
+    assert "PYTHON_IMAGE=python:3.11-slim-bookworm@sha256:" in (ROOT / name).read_text(), (
+        "the Dockerfile says how to pin the base by digest"
+    )
     users = [rest for keyword, rest in instructions if keyword == "USER"]
     assert users and users[-1].split(":")[0] not in ("0", "root")
     assert args.get("MODELSTAGE_VERSION") == PYPROJECT["project"]["version"]
@@ -134,3 +138,61 @@ def test_images_ship_the_extras_they_need() -> None:
     installs = " ".join(r for k, r in _instructions("Dockerfile.stager") if k == "RUN")
     for needed in ("[stager]", "torch==", "tensorizer==", "runai-model-streamer[s3]==", "curl="):
         assert needed in installs, f"Dockerfile.stager does not install {needed}"
+
+
+def _stages(name: str) -> list[list[tuple[str, str]]]:
+    stages: list[list[tuple[str, str]]] = []
+    for keyword, rest in _instructions(name):
+        if keyword == "FROM":
+            stages.append([])
+        if stages:
+            stages[-1].append((keyword, rest))
+    return stages
+
+
+def _lock(name: str) -> dict[str, tuple[str, list[str]]]:
+    """{package: (version, sha256 hashes)} of requirements/<name>.lock."""
+    text = re.sub(r"\\\n", " ", (ROOT / "requirements" / f"{name}.lock").read_text())
+    out = {}
+    for line in text.splitlines():
+        if line.strip() and not line.startswith("#"):
+            requirement, *options = line.split()
+            package, _, version = requirement.partition("==")
+            hashes = [o.removeprefix("--hash=sha256:") for o in options]
+            assert version and hashes and all(re.fullmatch(r"[0-9a-f]{64}", h) for h in hashes), line
+            out[package] = (version, hashes)
+    return out
+
+
+def _names(requirements: list[str]) -> set[str]:
+    return {re.split(r"[\[<>=!~ ;]", r, maxsplit=1)[0].lower().replace("_", "-") for r in requirements}
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_wheels_are_hash_checked_and_installed_without_an_index(name: str) -> None:
+    """The build stage downloads every locked wheel with --require-hashes; the image installs
+    the package with --no-index from those wheels only: no index is asked for it, so a
+    published ``modelstage`` of the same version cannot win."""
+    build, final = _stages(name)
+    build_runs = " ".join(" ".join(rest.split()) for keyword, rest in build if keyword == "RUN")
+    image = name.removeprefix("Dockerfile.")
+    assert "--require-hashes -r requirements/build.lock" in build_runs
+    assert f"--require-hashes --only-binary=:all: --no-deps --dest /wheels -r requirements/{image}.lock" in build_runs
+    assert "--no-build-isolation" in build_runs, "the build backend comes from the lock too"
+    final_runs = " ".join(" ".join(rest.split()) for keyword, rest in final if keyword == "RUN")
+    installs = re.findall(r"pip install[^&]*modelstage\[", final_runs)
+    assert installs and all("--no-index --find-links /wheels" in i for i in installs)
+
+
+@pytest.mark.parametrize("image", ["operator", "stager"])
+def test_the_locks_cover_what_the_images_install(image: str) -> None:
+    locked = _lock(image)
+    wanted = _names(PYPROJECT["project"]["dependencies"])
+    wanted |= _names([r for r in PYPROJECT["project"]["optional-dependencies"][image]
+                      if not r.startswith("torch")])  # fmt: skip
+    if image == "stager":
+        wanted |= {"tensorizer", "runai-model-streamer", "runai-model-streamer-s3"}
+    assert wanted <= set(locked), sorted(wanted - set(locked))
+    assert "torch" not in locked and "modelstage" not in locked
+    build = _lock("build")
+    assert set(build) == {"pip", "setuptools"}

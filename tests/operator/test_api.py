@@ -40,6 +40,13 @@ RULE_VIOLATIONS: list[tuple[dict[str, Any], str]] = [
     ),
     ({"storage": {"pvc": {"claimName": None}}}, "needs claimName"),
     ({"storage": {"pvc": {"path": "models/../../etc"}}}, "must not contain '..'"),
+    ({"model": {"uri": "pvc://claim/../../../etc"}}, "model.uri must not contain '..'"),
+    ({"model": {"uri": "hf://acme/.."}}, "model.uri must not contain '..'"),
+    (
+        {"storage": {"pvc": None, "s3": {"uri": "s3://bkt/p", "endpoint": "http://admin:pw@s3:9"}},
+         "loadFormat": "tensorizer"},
+        "must not carry credentials",
+    ),
     (
         {
             "model": {"uri": "s3://bkt/c", "credentialsSecret": None, "s3": {"region": "x"}},
@@ -122,6 +129,18 @@ def test_cross_field_rules_refuse_with_an_actionable_message(
 ) -> None:
     with pytest.raises(ValidationError, match=re.escape(message)):
         ModelDeploymentSpec.model_validate(spec_dict(**overrides))
+
+
+def test_a_credential_in_an_s3_endpoint_is_refused_without_being_repeated(
+    spec_dict: SpecDict,
+) -> None:
+    from modelstage.operator.reconcile import _first_error
+
+    body = spec_dict(model={"uri": "s3://bkt/c", "s3": {"endpoint": "http://admin:hunter2@s3:9"}})
+    with pytest.raises(ValidationError) as refused:
+        ModelDeploymentSpec.model_validate(body)
+    message = _first_error(refused.value)  # what the operator writes into the status
+    assert "must not carry credentials" in message and "hunter2" not in message
 
 
 @pytest.mark.parametrize(

@@ -94,12 +94,12 @@ def test_hf_source_to_pvc_runs_the_stager_cli_as_contracted(make_spec: SpecFacto
         "--tp", "2", "--pp", "1", "--dtype", "bfloat16", "--format", "sharded_state",
         "--vllm-version", "0.32", "--digest", digest,
         "--out", f"{ARTIFACT_MOUNT}/artifacts/llm/{digest}",
-        "--revision", "main",
+        "--revision=main",
     ]  # fmt: skip
 
 
 def test_revision_is_passed_only_when_set(make_spec: SpecFactory) -> None:
-    assert "--revision" not in container(plan(make_spec()))["command"]
+    assert not [a for a in container(plan(make_spec()))["command"] if "--revision" in a]
 
 
 def test_hf_token_comes_from_the_secret_by_reference(make_spec: SpecFactory) -> None:
@@ -135,7 +135,7 @@ def test_pvc_source_is_mounted_read_only_and_named_by_source_uri(make_spec: Spec
     job = plan(spec)
     command = container(job)["command"]
     assert command[2] == "/mnt/modelstage/source/meta-llama/Llama-3-8B"
-    assert command[command.index("--source-uri") + 1] == "pvc://checkpoints/meta-llama/Llama-3-8B"
+    assert "--source-uri=pvc://checkpoints/meta-llama/Llama-3-8B" in command
     volumes = {v["name"]: v for v in job["spec"]["template"]["spec"]["volumes"]}
     assert volumes["modelstage-source"]["persistentVolumeClaim"] == {
         "claimName": "checkpoints",
@@ -151,8 +151,8 @@ def test_s3_storage_passes_connection_flags_ca_and_credentials(make_spec: SpecFa
     command = container(job)["command"]
     digest = spec_digest(spec, IDENTITY)
     assert command[command.index("--out") + 1] == f"s3://models/modelstage/llm/{digest}"
-    assert command[-7:] == [
-        "--s3-endpoint", "https://minio.storage:9000", "--s3-region", "eu-west-1",
+    assert command[-5:] == [
+        "--s3-endpoint=https://minio.storage:9000", "--s3-region=eu-west-1",
         "--s3-path-style", "--s3-ca-bundle", "/etc/modelstage/s3-ca/ca.crt",
     ]  # fmt: skip
     assert env(job)["AWS_ACCESS_KEY_ID"]["valueFrom"]["secretKeyRef"] == {
@@ -182,7 +182,7 @@ def test_s3_source_to_pvc_uses_the_sources_connection(make_spec: SpecFactory) ->
     job = plan(spec)
     command = container(job)["command"]
     assert command[2] == "s3://ckpts/qwen"
-    assert command[command.index("--s3-endpoint") + 1] == "http://s3.local"
+    assert "--s3-endpoint=http://s3.local" in command
     assert env(job)["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "src-creds"
     assert "HF_TOKEN" not in env(job)
 
@@ -201,7 +201,8 @@ def test_pod_is_restricted_and_reports_through_its_termination_message(
     assert security["capabilities"] == {"drop": ["ALL"]}
     assert security["readOnlyRootFilesystem"] is True
     assert container(job)["terminationMessagePolicy"] == "FallbackToLogsOnError"
-    assert {"name": "modelstage-scratch", "emptyDir": {}} in pod["volumes"]
+    scratch = {v["name"]: v for v in pod["volumes"]}["modelstage-scratch"]
+    assert set(scratch) == {"name", "emptyDir"} and set(scratch["emptyDir"]) == {"sizeLimit"}
 
 
 def test_owner_reference_and_labels_tie_the_job_to_its_model_deployment(
@@ -346,6 +347,92 @@ def test_staging_step_creates_the_next_job_only_after_the_previous_one_succeeded
         None, "finalize"
     )
     assert staging_step(["stage"], {"stage": "Succeeded"}) == StagingStep(None, "stage")
+
+
+@pytest.mark.parametrize(
+    ("model", "size_limit", "requested"),
+    [
+        ({"uri": "hf://acme/llama", "sizeHint": "100Gi"}, "111Gi", "112Gi"),
+        ({"uri": "hf://acme/llama"}, "200Gi", None),
+        ({"uri": "s3://ckpts/llama", "credentialsSecret": None}, "2Gi", "3Gi"),
+        ({"uri": "pvc://ckpts/llama", "credentialsSecret": None}, "2Gi", "3Gi"),
+    ],
+    ids=["hf-with-size-hint", "hf-without", "s3", "pvc"],
+)
+def test_the_scratch_volume_and_ephemeral_storage_are_bounded(
+    make_spec: SpecFactory, model: dict[str, Any], size_limit: str, requested: str | None
+) -> None:
+    """Only a hub cache is large (the checkpoint, under HF_HOME on the scratch volume): its
+    bound comes from model.sizeHint (+10% + 1Gi; +1Gi more for the container) and is requested so the pod lands on a node
+    with room; every format streams into the artifact location, tensorizer included."""
+    for fmt in ("sharded_state", "tensorizer"):
+        job = plan(make_spec(model=model, loadFormat=fmt))
+        pod = job["spec"]["template"]["spec"]
+        scratch = {v["name"]: v for v in pod["volumes"]}["modelstage-scratch"]
+        assert scratch["emptyDir"] == {"sizeLimit": size_limit}
+        resources = container(job).get("resources", {})
+        if requested is None:
+            assert "ephemeral-storage" not in resources.get("requests", {})
+        else:
+            assert resources["requests"]["ephemeral-storage"] == requested
+            assert resources["limits"]["ephemeral-storage"] == requested
+        kubernetes_validate.validate(job, kubernetes_validate.latest_version(), strict=True)
+
+
+def test_a_users_ephemeral_storage_wins(make_spec: SpecFactory) -> None:
+    spec = make_spec(
+        model={"uri": "hf://acme/llama", "sizeHint": "100Gi"},
+        stager={"resources": {"limits": {"ephemeral-storage": "500Gi"}}},
+    )
+    job = plan(spec)
+    pod = job["spec"]["template"]["spec"]
+    assert {v["name"]: v for v in pod["volumes"]}["modelstage-scratch"]["emptyDir"] == {
+        "sizeLimit": "500Gi"
+    }
+    assert container(job)["resources"] == {"limits": {"ephemeral-storage": "500Gi"}}
+    only_request = plan(make_spec(stager={"resources": {"requests": {"ephemeral-storage": "9Gi"}}}))
+    assert container(only_request)["resources"] == {"requests": {"ephemeral-storage": "9Gi"}}
+
+
+def test_spec_values_that_look_like_flags_reach_the_stager_as_values(
+    make_spec: SpecFactory,
+) -> None:
+    from modelstage.stager.cli import build_parser
+
+    spec = make_spec(
+        model={"revision": "--allow-pickle"},
+        loadFormat="tensorizer",
+        storage={"pvc": None, "s3": {"uri": "s3://models/p", "region": "--allow-pickle",
+                                     "endpoint": "http://s3.local"}},
+    )  # fmt: skip
+    args = build_parser().parse_args(container(plan(spec))["command"][1:])
+    assert (args.revision, args.s3_region, args.allow_pickle) == (
+        "--allow-pickle", "--allow-pickle", False
+    )
+
+
+def test_the_stager_has_a_memory_limit_unless_the_spec_sets_its_resources(
+    make_spec: SpecFactory,
+) -> None:
+    resources = container(plan(make_spec()))["resources"]
+    assert resources["limits"]["memory"] and resources["requests"]["memory"]
+    for job in jobs(make_spec(stager={"parallelism": 2})):
+        assert container(job)["resources"] == resources
+    mine = {"requests": {"cpu": "4", "memory": "8Gi"}, "limits": {"memory": "16Gi"}}
+    assert container(plan(make_spec(stager={"resources": mine})))["resources"] == mine
+
+
+def test_a_service_account_lends_its_cloud_identity_never_an_api_token(
+    make_spec: SpecFactory,
+) -> None:
+    """``stager.serviceAccountName`` is for workload identity (S3); the stager never calls
+    the Kubernetes API, so its pods mount no API token whatever the account."""
+    spec = make_spec(stager={"serviceAccountName": "s3-reader"})
+    for job in jobs(make_spec(stager={"serviceAccountName": "s3-reader", "parallelism": 2})):
+        pod = job["spec"]["template"]["spec"]
+        assert pod["serviceAccountName"] == "s3-reader"
+        assert pod["automountServiceAccountToken"] is False
+    assert plan(spec)["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
 
 
 @pytest.mark.parametrize(

@@ -230,7 +230,7 @@ def test_the_resolve_job_runs_modelstage_resolve_with_the_stage_jobs_pod_setting
     pod, stage_pod = job["spec"]["template"]["spec"], stage["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     assert container["name"] == RESOLVE_CONTAINER
-    assert container["command"] == ["modelstage", "resolve", spec.model.uri, "--revision", "main"]
+    assert container["command"] == ["modelstage", "resolve", spec.model.uri, "--revision=main"]
     args = build_parser().parse_args(container["command"][1:])
     assert (args.source, args.revision) == (spec.model.uri, "main")
     assert container["terminationMessagePolicy"] == "FallbackToLogsOnError"
@@ -254,7 +254,7 @@ def test_a_pvc_source_is_resolved_where_the_stager_reads_it(make_spec: SpecFacto
     (container,) = job["spec"]["template"]["spec"]["containers"]
     (stage_container,) = stage["spec"]["template"]["spec"]["containers"]
     source_path = stage_container["command"][2]
-    assert container["command"][2:] == [source_path, "--source-uri", "pvc://checkpoints/llama"]
+    assert container["command"][2:] == [source_path, "--source-uri=pvc://checkpoints/llama"]
     mounts = [m for m in container["volumeMounts"] if m["name"] == "modelstage-source"]
     assert mounts and mounts[0]["readOnly"] is True
     assert container["env"] == [e for e in container["env"] if "valueFrom" not in e]

@@ -108,6 +108,7 @@ def test_serving_contract_env_init_container_and_volumes(
             "persistentVolumeClaim": {"claimName": "models", "readOnly": True},
         },
         {"name": "modelstage-plugins", "emptyDir": {}},
+        {"name": "modelstage-no-token", "emptyDir": {"sizeLimit": "1Mi"}},
     ]
     (init,) = pod(rolled)["initContainers"]
     assert init["image"] == "registry.local/stager:1"
@@ -119,6 +120,10 @@ def test_serving_contract_env_init_container_and_volumes(
         "volumeMounts"
     ]
     assert init["securityContext"]["allowPrivilegeEscalation"] is False
+    # An empty folder where the service-account token would be: the initContainer gets none.
+    assert {"name": "modelstage-no-token", "readOnly": True,
+            "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount"} in init["volumeMounts"]  # fmt: skip
+    assert all(m["name"] != "modelstage-no-token" for m in container["volumeMounts"])
     annotations = rolled["spec"]["template"]["metadata"]["annotations"]
     assert annotations["modelstage.io/artifact-digest"] == art.digest
 

@@ -51,3 +51,25 @@ def test_a_deleted_model_deployment_leaves_the_queue() -> None:
 def test_zero_means_no_limit() -> None:
     slots = StagerSlots(0)
     assert all(slots.acquire(("ns", f"j{i}"), ("ns", f"m{i}")) == 0 for i in range(50))
+
+
+def test_one_namespace_cannot_take_every_slot() -> None:
+    slots = StagerSlots(4, per_namespace=2)
+    assert slots.acquire(("greedy", "job-1"), ("greedy", "m1")) == 0
+    assert slots.acquire(("greedy", "job-2"), ("greedy", "m2")) == 0
+    assert slots.acquire(("greedy", "job-3"), ("greedy", "m3")) == 1, "at its cap"
+    assert slots.acquire(("greedy", "job-4"), ("greedy", "m4")) == 2
+    # Another namespace passes the capped waiters: they wait for their own Jobs, not a slot.
+    assert slots.acquire(("team", "job-a"), ("team", "a")) == 0
+    assert slots.finished(("greedy", "job-1"))
+    assert slots.acquire(("greedy", "job-4"), ("greedy", "m4")) == 2, "m3 is ahead"
+    assert slots.acquire(("greedy", "job-3"), ("greedy", "m3")) == 0
+
+
+def test_jobs_seen_running_count_against_their_namespaces_cap() -> None:
+    slots = StagerSlots(0, per_namespace=1)
+    slots.running(("ns", "job-old"))
+    assert slots.acquire(("ns", "job-a"), ("ns", "a")) == 1
+    assert slots.acquire(("other", "job-b"), ("other", "b")) == 0, "no global limit"
+    assert slots.finished(("ns", "job-old"))
+    assert slots.acquire(("ns", "job-a"), ("ns", "a")) == 0

@@ -46,6 +46,9 @@ OLD = ArtifactStatus(
 NO_GPUS = Finding("InsufficientGPUs", "raise the GPU limit", "rollout")
 RWO = Finding("ReadWriteOnceMultiNode", "use ReadWriteMany", "nothing")
 BAD_VERSION = Finding("UnsupportedVllmVersion", "unknown vLLM version", "staging")
+NOT_OPTED_IN = Finding(
+    "TargetNotOptedIn", "add the annotation modelstage.io/model-deployment: llama", "rollout"
+)
 
 
 @pytest.fixture
@@ -163,8 +166,9 @@ def test_staged_artifact_is_recorded_and_rolled_out(desired: Artifact) -> None:
     [
         (None, (Finding("TargetNotFound", "create it", "rollout"),), "TargetNotFound"),
         (on(None), (NO_GPUS,), "InsufficientGPUs"),
+        (on(None), (NOT_OPTED_IN,), "TargetNotOptedIn"),
     ],
-    ids=["no-workload", "not-enough-gpus"],
+    ids=["no-workload", "not-enough-gpus", "not-opted-in"],
 )
 def test_staged_artifact_waits_while_the_rollout_is_blocked(
     desired: Artifact,
@@ -315,6 +319,20 @@ def test_a_rollback_that_was_not_applied_is_applied_again(desired: Artifact) -> 
     assert again.action is Action.ROLL_BACK and again.artifact == OLD
 
 
+def test_a_workload_that_withdrew_its_opt_in_is_neither_rolled_out_nor_back(
+    desired: Artifact,
+) -> None:
+    serving_old = run(desired, rolled_out(desired), workload=on(OLD.digest), findings=(NOT_OPTED_IN,))
+    assert (serving_old.action, serving_old.status.phase) == (Action.WAIT, "Staged")
+    assert cond(serving_old, "Ready") == ("False", "TargetNotOptedIn")
+    assert cond(serving_old, "Degraded") == ("True", "TargetNotOptedIn")
+    first = run(desired, rolled_out(desired), workload=on(desired.digest, failing=("crash",)))
+    again = run(desired, first.status, workload=on(desired.digest, failing=("crash",)),
+                findings=(NOT_OPTED_IN,))  # fmt: skip
+    assert again.action is Action.WAIT
+    assert "modelstage.io/model-deployment" in again.status.condition("Degraded").message  # type: ignore[union-attr]
+
+
 def test_a_spec_change_after_a_rollback_stages_again(
     make_spec: SpecFactory, desired: Artifact
 ) -> None:
@@ -428,6 +446,12 @@ def test_observe_workload_reads_the_digest_and_rollout_counts() -> None:
         failing=("pod-1: CrashLoopBackOff",), stalled=True,
     )  # fmt: skip
     assert not seen.complete
+
+
+@pytest.mark.parametrize("line", ["[" * 5000, '{"digest": 1' + "0" * 5000 + "}", '{"a":' * 5000])
+def test_a_termination_message_that_is_no_json_is_no_summary(line: str) -> None:
+    """A pod writes what it likes there: deep nesting or endless digits are not a crash."""
+    assert parse_summary(f"staging\n{line}") is None
 
 
 @pytest.mark.parametrize(

@@ -22,7 +22,9 @@ NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
 def check(
     spec: ModelDeploymentSpec, workload: dict[str, Any] | None, claim: dict[str, Any] | None = None
 ) -> list[Finding]:
-    return validate_workload(spec, workload, namespace="llm", deployment_name="llama", claim=claim)
+    return validate_workload(
+        spec, workload, namespace="llm", deployment_name="llama-70b", claim=claim
+    )
 
 
 def reasons(findings: list[Finding]) -> list[str]:
@@ -39,6 +41,83 @@ def claim(*modes: str) -> dict[str, Any]:
 
 def test_the_example_workload_is_fine(make_spec: SpecFactory, deployment: dict[str, Any]) -> None:
     assert check(make_spec(parallelism={"tensor": 4}), deployment, claim("ReadWriteMany")) == []
+
+
+def test_a_workload_without_the_opt_in_is_refused_and_not_inspected(
+    make_spec: SpecFactory, deployment: dict[str, Any]
+) -> None:
+    del deployment["metadata"]["annotations"]
+    deployment["spec"]["template"]["spec"]["containers"] = []  # not read: no ContainerNotFound
+    (finding,) = check(make_spec(), deployment)
+    assert (finding.reason, finding.blocks) == ("TargetNotOptedIn", "rollout")
+    assert "Deployment vllm-llama has not opted in" in finding.message
+    assert "modelstage.io/model-deployment: llama-70b" in finding.message
+
+
+def test_a_workload_that_opted_in_for_another_model_deployment_is_refused(
+    make_spec: SpecFactory, deployment: dict[str, Any]
+) -> None:
+    deployment["metadata"]["annotations"]["modelstage.io/model-deployment"] = "mistral"
+    (finding,) = check(make_spec(), deployment)
+    assert finding.reason == "TargetNotOptedIn"
+    assert "opted in for ModelDeployment 'mistral', not 'llama-70b'" in finding.message
+
+
+def test_a_non_vllm_workload_of_the_namespace_cannot_be_taken_over(
+    make_spec: SpecFactory,
+) -> None:
+    payments = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "payments-api", "namespace": "llm"},
+        "spec": {"template": {"spec": {"containers": [
+            {"name": "api", "image": "example/payments:1", "args": ["--port", "8080"]},
+        ]}}},
+    }  # fmt: skip
+    spec = make_spec(serving={"targetRef": {"name": "payments-api"}, "containerName": None})
+    assert reasons(check(spec, payments)) == ["TargetNotOptedIn"]
+    payments["metadata"]["annotations"] = {"modelstage.io/model-deployment": "llama-70b"}
+    assert reasons(check(spec, payments)) == ["VllmCommandNotRecognized"]
+
+
+DEFAULT_IMAGE = "ghcr.io/modelstage/stager:0.1.0"
+IMAGES = (DEFAULT_IMAGE, "registry.local/modelstage/stager")
+
+
+@pytest.mark.parametrize(
+    ("image", "allowed"),
+    [
+        ("ghcr.io/modelstage/stager:0.1.0", True),
+        ("ghcr.io/modelstage/stager:0.1.0@sha256:" + "0" * 64, True),
+        ("registry.local/modelstage/stager:0.2.0", True),
+        ("registry.local/modelstage/stager@sha256:" + "a" * 64, True),
+        ("attacker/img:latest", False),
+        ("ghcr.io/modelstage/stager:latest", False),
+        ("ghcr.io/modelstage/stager", False),
+        ("registry.local/modelstage/stager-evil:1", False),
+        ("registry.local/modelstage/stager/evil:1", False),
+        ("registry.local/modelstage/stager:1/../evil", False),
+        ("registry.local/modelstage/stager@sha256:short", False),
+    ],
+)
+def test_a_stager_image_must_be_one_the_operator_allows(
+    make_spec: SpecFactory, image: str, allowed: bool
+) -> None:
+    findings = validate_spec(make_spec(stager={"image": image}), allowed_images=IMAGES)
+    if allowed:
+        assert findings == []
+        return
+    (finding,) = findings
+    assert (finding.reason, finding.blocks) == ("StagerImageNotAllowed", "staging")
+    assert f"spec.stager.image {image!r} is not one of the stager images" in finding.message
+    assert "remove spec.stager.image to use the operator's default " + DEFAULT_IMAGE in finding.message
+
+
+def test_no_stager_image_in_the_spec_takes_the_operators_default(make_spec: SpecFactory) -> None:
+    assert validate_spec(make_spec(), allowed_images=IMAGES) == []
+    assert reasons(validate_spec(make_spec(stager={"image": DEFAULT_IMAGE}))) == [
+        "StagerImageNotAllowed"
+    ]  # nothing is allowed unless the operator says so
 
 
 def test_unknown_vllm_version_blocks_staging(make_spec: SpecFactory) -> None:
@@ -150,7 +229,7 @@ def test_claim_to_create_is_judged_by_its_template(
         },
     )
     (finding,) = check(spec, deployment)
-    assert "PVC modelstage-llama is ReadWriteOnce" in finding.message
+    assert "PVC modelstage-llama-70b is ReadWriteOnce" in finding.message
 
 
 def test_read_write_once_pod_blocks_the_rollout(

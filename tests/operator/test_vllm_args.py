@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -373,16 +375,28 @@ def test_a_container_that_does_not_run_vllm_is_refused() -> None:
         rewrite(["nginx", "-g", "daemon off;"], None, SETTINGS)
 
 
-def test_no_command_and_no_args_means_a_vllm_image_gets_flags() -> None:
-    assert rewrite(None, None, SETTINGS) == (
+@pytest.mark.parametrize(
+    "args",
+    [None, [], ["--port", "8080"], ["serve", "--config", "/etc/app.yaml"], ["payments-api"]],
+)
+def test_args_without_any_vllm_flag_are_not_taken_for_vllm(args: list[str] | None) -> None:
+    with pytest.raises(SpecError, match=r"no vLLM invocation.*--model"):
+        rewrite(None, args, SETTINGS)
+
+
+def test_args_only_with_a_vllm_flag_and_a_positional_model_are_vllm() -> None:
+    assert rewrite(None, ["acme/llama", "--max-model-len", "2048"], SETTINGS) == (
         None,
         [
-            "--model",
             ART,
+            "--max-model-len",
+            "2048",
             "--load-format",
             "modelstage_sharded_state",
             "--tensor-parallel-size",
             "4",
+            "--served-model-name",
+            "acme/llama",
         ],
     )
 
@@ -399,6 +413,15 @@ def test_moving_from_an_earlier_artifact_adds_no_served_model_name() -> None:
         "--tensor-parallel-size",
         "1",
     ]
+
+
+@pytest.mark.parametrize("value", ["[" * 5000, "1" + "0" * 5000, "{not json"])
+def test_an_extra_config_that_is_no_json_object_is_dropped(value: str) -> None:
+    command, _ = rewrite(["vllm", "serve", "m", "--model-loader-extra-config", value], None, TENSORIZER)
+    assert command is not None
+    assert json.loads(command[command.index("--model-loader-extra-config") + 1]) == {
+        "tensorizer_uri": f"{ART}/model-rank-%03d.tensors"
+    }
 
 
 def test_an_extra_config_that_ends_up_empty_is_removed() -> None:
@@ -467,6 +490,12 @@ def test_rewrite_keeps_other_tokens_in_order_and_is_idempotent(
     argv = render(flags)
     command = None if entry is None else entry + argv[:split]
     args = argv if entry is None else argv[split:]
+    vllm_flags = {"--max-model-len", "--gpu-memory-utilization", "--model", "--load-format",
+                  "--tensor-parallel-size", "-tp", "--tensor_parallel_size"}  # fmt: skip
+    if entry is None and not any(name in vllm_flags for name, _, _ in flags):
+        with pytest.raises(SpecError, match="no vLLM invocation"):
+            rewrite(command, args, SETTINGS)
+        return
     once = rewrite(command, args, SETTINGS)
     assert rewrite(*once, SETTINGS) == once
     before = [t for t in render([f for f in flags if f[0] in OTHER_FLAGS])]
@@ -478,3 +507,114 @@ def test_rewrite_keeps_other_tokens_in_order_and_is_idempotent(
     assert len(kept) >= len(before)
     joined = " ".join(after)
     assert f"{ART}" in joined and "modelstage_sharded_state" in joined
+
+
+# vLLM's own argument parser on the rewritten command lines: what `vllm serve` and the API
+# server module build (`make_arg_parser`), for every load format, location and plugin setting.
+API_SERVER = ("vllm.entrypoints.openai.api_server", "vllm.entrypoints.api_server")
+OWNED_DESTS = frozenset(
+    {"model", "model_tag", "load_format", "tensor_parallel_size",
+     "model_loader_extra_config", "served_model_name"}
+)  # fmt: skip
+ARTIFACTS = [
+    ("sharded_state", True),
+    ("tensorizer", True),
+    ("tensorizer", False),
+    ("runai_streamer", False),
+    ("runai_streamer_sharded", False),
+]
+"""(format, on a PVC): every pairing the API allows (per-rank safetensors on a PVC, Run:ai on S3)."""
+
+
+@dataclass(frozen=True)
+class VllmParser:
+    parse: Any
+    """``argv -> argparse.Namespace``, raising ``SystemExit`` as vLLM's CLI does."""
+    stock_formats: frozenset[str]
+    """Load formats stock vLLM registers (no plugin loaded in this process)."""
+    default_model: str
+    """``--model``'s default, what vLLM serves when no model is given."""
+
+
+@pytest.fixture(scope="module")
+def vllm_parser() -> VllmParser:
+    """vLLM's ``vllm serve`` parser (importing vLLM takes ~10 s: once per module)."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.model_executor.model_loader import _LOAD_FORMAT_TO_MODEL_LOADER
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
+    stock = frozenset(_LOAD_FORMAT_TO_MODEL_LOADER)
+    return VllmParser(parser.parse_args, stock, parser.parse_args([]).model)
+
+
+def vllm_argv(command: list[str] | None, args: list[str] | None) -> list[str]:
+    """What vLLM's parser gets: the tokens after ``vllm serve`` or ``-m <api server>``, or
+    the whole args list of an image whose entrypoint is vLLM."""
+    argv = (command or []) + (args or [])
+    for i, token in enumerate(argv):
+        if token.rsplit("/", 1)[-1] == "vllm" and argv[i + 1 : i + 2] == ["serve"]:
+            return argv[i + 2 :]
+        if token == "-m" and argv[i + 1 : i + 2] and argv[i + 1] in API_SERVER:
+            return argv[i + 2 :]
+    assert command is None, argv
+    return argv
+
+
+def for_this_vllm(tokens: list[str] | None, config_file: str) -> list[str] | None:
+    """The corpus's tokens with what vLLM 0.32 no longer accepts replaced by its equivalent
+    (a flag renamed since), and the config file pointed at one that exists."""
+    if tokens is None:
+        return None
+    swap = {"--disable-log-requests": "--no-enable-log-requests",
+            "/etc/vllm/config.yaml": config_file}  # fmt: skip
+    return [swap.get(t, t) for t in tokens]
+
+
+def vllm_model(ns: Any) -> str | None:
+    """The model vLLM serves: `vllm serve`'s positional overrides ``--model``."""
+    return ns.model_tag if ns.model_tag is not None else ns.model
+
+
+@pytest.mark.parametrize("plugin", [True, False], ids=["plugin", "stock"])
+@pytest.mark.parametrize(("load_format", "on_pvc"), ARTIFACTS,
+                         ids=[f"{f}-{'pvc' if p else 's3'}" for f, p in ARTIFACTS])  # fmt: skip
+@pytest.mark.parametrize("case", CORPUS, ids=lambda c: c.name)
+def test_vllms_own_parser_reads_the_rewritten_command_line_as_intended(
+    case: Case, load_format: str, on_pvc: bool, plugin: bool, vllm_parser: VllmParser,
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    from modelstage.operator.artifact import Artifact, location_from_uri
+    from modelstage.operator.rollout_plan import vllm_settings
+    from modelstage.stager.plugin import LOAD_FORMATS as PLUGIN_FORMATS
+
+    config_file = tmp_path / "config.yaml"
+    config_file.write_text("max-model-len: 4096\n")
+    command = for_this_vllm(case.command, str(config_file))
+    args = for_this_vllm(case.args, str(config_file))
+    digest = "0123456789abcdef0123"
+    uri = f"pvc://models/llm/{digest}" if on_pvc else f"s3://models/llm/{digest}"
+    artifact = Artifact(location_from_uri(uri, digest), load_format, 2)  # type: ignore[arg-type]
+    settings = vllm_settings(artifact, plugin)
+    before = vllm_parser.parse(vllm_argv(command, args))
+    after = vllm_parser.parse(vllm_argv(*rewrite(command, args, settings)))
+
+    assert vllm_model(after) == settings.model and after.model_tag in (None, settings.model)
+    assert after.load_format == settings.load_format
+    if settings.load_format.startswith("modelstage_"):
+        assert plugin and on_pvc and settings.load_format in PLUGIN_FORMATS
+    else:
+        assert settings.load_format in vllm_parser.stock_formats
+    assert after.tensor_parallel_size == 2
+    kept = {k: v for k, v in (before.model_loader_extra_config or {}).items()
+            if k in settings.kept_extra_keys}  # fmt: skip
+    assert (after.model_loader_extra_config or {}) == {**kept, **settings.extra_config}
+    given = before.model_tag is not None or before.model != vllm_parser.default_model
+    if before.served_model_name is not None:
+        assert after.served_model_name == before.served_model_name
+    elif given:  # clients keep the name they know
+        assert after.served_model_name == [vllm_model(before)]
+    else:  # no model given: vLLM's default was never a name clients used
+        assert after.served_model_name is None
+    changed = {k for k in vars(before) if k not in OWNED_DESTS and vars(before)[k] != vars(after)[k]}
+    assert not changed, {k: (vars(before)[k], vars(after)[k]) for k in changed}

@@ -71,7 +71,7 @@ async def test_stagings_beyond_the_limit_wait_queued_in_order(
 ) -> None:
     ns = namespace
     for name in ("a", "b", "c"):
-        await cluster.client.create(deploy_path(ns, None), vllm_deployment(f"vllm-{name}"))
+        await cluster.client.create(deploy_path(ns, None), vllm_deployment(f"vllm-{name}", model_deployment=name))
         await cluster.client.create(md_path(ns), model_deployment(name, SPECS[name]))
         if name == "a":  # one at a time: the queue is in order of arrival at the operator
             await wait_job(cluster, ns, "a")
@@ -102,7 +102,7 @@ async def test_a_claim_too_small_for_the_size_hint_fails_before_any_job_or_claim
     ns = namespace
     body = merged(SPECS["a"], {"model": {"sizeHint": "100Gi"}})
     body["storage"] = {"pvc": {"path": "/artifacts", "create": {"size": "50Gi"}}}
-    await cluster.client.create(deploy_path(ns, None), vllm_deployment("vllm-a"))
+    await cluster.client.create(deploy_path(ns, None), vllm_deployment("vllm-a", model_deployment="a"))
     await cluster.client.create(md_path(ns), model_deployment("a", body))
 
     async def failed() -> dict[str, Any] | None:

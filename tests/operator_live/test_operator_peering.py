@@ -76,7 +76,7 @@ async def test_two_operator_instances_with_peering_only_the_higher_priority_acts
         await logged(low, "Pausing operations in favour of")
 
         first = merged(SPEC, {"serving": {"targetRef": {"name": "vllm-1"}}})
-        await cluster.client.create(deploy_path(ns, None), vllm_deployment("vllm-1"))
+        await cluster.client.create(deploy_path(ns, None), vllm_deployment("vllm-1", model_deployment="first"))
         await cluster.client.create(md_path(ns), model_deployment("first", first))
         await job_of(cluster, ns, first)
         await handled(high)  # its log line may land just after the Job
@@ -86,7 +86,7 @@ async def test_two_operator_instances_with_peering_only_the_higher_priority_acts
         await high.kill()  # no goodbye: its record expires after its lifetime
         await logged(low, "Resuming operations after the pause")
         second = merged(SPEC, {"dtype": "bfloat16", "serving": {"targetRef": {"name": "vllm-2"}}})
-        await cluster.client.create(deploy_path(ns, None), vllm_deployment("vllm-2"))
+        await cluster.client.create(deploy_path(ns, None), vllm_deployment("vllm-2", model_deployment="second"))
         await cluster.client.create(md_path(ns), model_deployment("second", second))
         await job_of(cluster, ns, second)
         await handled(low)

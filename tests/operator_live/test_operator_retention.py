@@ -83,7 +83,7 @@ async def test_older_artifacts_go_by_clean_up_job_unless_shared_and_the_finalize
 ) -> None:
     ns = namespace
     # "other" serves the first artifact and keeps it.
-    await cluster.client.create(deploy_path(ns, None), vllm_deployment("vllm-other"))
+    await cluster.client.create(deploy_path(ns, None), vllm_deployment("vllm-other", model_deployment="other"))
     other = spec(DTYPES[0], "vllm-other")
     await cluster.client.create(md_path(ns), model_deployment("other", other))
     shared = await stage_and_roll(cluster, ns, "other", other, "vllm-other")

@@ -281,3 +281,31 @@ def test_every_container_the_operator_creates_is_non_root_with_a_read_only_root(
     assert inits, "the rollout adds the prepare initContainer"
     for c in inits:  # ours; the vLLM container and the pod context belong to the workload
         assert_restricted(c, {}, f"initContainer {c['name']}")
+
+
+@pytest.mark.parametrize(
+    ("argv", "env"),
+    [
+        (["stage", "{ckpt}", "--tp", "1", "--out", "s3://bkt/x/", "--format",
+          "runai_streamer_sharded", "--s3-endpoint", "http://admin:hunter2@127.0.0.1:9"], {}),
+        (["verify", "s3://bkt/x/", "--s3-endpoint", "https://hunter2@127.0.0.1:9"], {}),
+        (["delete", "--artifact", "s3://bkt/x/" + "0" * 20], {"AWS_ENDPOINT_URL": "http://a:hunter2@127.0.0.1:9"}),
+        (["prepare", "--artifact", "s3://bkt/x/", "--digest", "d", "--tp", "1", "--plugin-dir",
+          "{tmp}/p", "--s3-endpoint", "http://admin:hunter2@127.0.0.1:9"], {}),
+        (["stage", "s3://bkt/ckpt", "--tp", "1", "--out", "{tmp}/out", "--s3-endpoint",
+          "http://admin:hunter2@127.0.0.1:9"], {}),
+    ],
+    ids=["stage-to", "verify", "delete-env", "prepare", "stage-from"],
+)  # fmt: skip
+def test_an_s3_endpoint_with_credentials_is_refused_without_repeating_them(
+    argv: list[str], env: dict[str, str], small_ckpt: Path, tmp_path: Path
+) -> None:
+    cli = str(Path(sys.executable).with_name("modelstage"))
+    args = [a.format(ckpt=small_ckpt, tmp=tmp_path) for a in argv]
+    base = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    done = subprocess.run([cli, *args], env={**base, "PYTHONSAFEPATH": "1", **env}, cwd="/",
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: S3 endpoint http") and "credentials never go into" in last
+    assert "hunter2" not in done.stdout + done.stderr

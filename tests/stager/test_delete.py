@@ -1,5 +1,5 @@
 """``modelstage delete``: the clean-up Job's command; manifest first, idempotent, and only
-ever an artifact-shaped location."""
+ever an artifact: a location named by its digest, or a folder holding a manifest."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def test_deleting_what_is_already_gone_succeeds(tmp_path: Path) -> None:
 
 
 def test_only_artifact_shaped_locations_are_deleted(llama_ckpt: Path, tmp_path: Path) -> None:
-    with pytest.raises(SpecError, match="not an artifact location"):
+    with pytest.raises(SpecError, match=r"not an artifact \(it holds no modelstage.json"):
         delete_artifact(str(tmp_path))
     out = _staged(llama_ckpt, tmp_path)
     with pytest.raises(SpecError, match="not ffff"):
@@ -68,3 +68,29 @@ def test_cli_delete_prints_one_line_summary(
     assert cli.main(["delete", "--artifact", str(out), "--digest", DIGEST]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["digest"] == DIGEST
     assert not out.exists()
+
+
+def test_a_folder_named_as_the_readme_shows_is_deleted_when_its_manifest_matches(
+    llama_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``stage --out /models/llama-tp2`` makes an artifact whose folder is not named by its
+    digest: its manifest says which artifact it is."""
+    out = tmp_path / "models" / "llama-tp2"
+    summary = stage(StageRequest(source=str(llama_ckpt), out=str(out), tp=2))
+    with pytest.raises(SpecError, match=f"its manifest says artifact {summary['digest']}, not f"):
+        delete_artifact(str(out), digest="f" * 20)
+    assert (out / MANIFEST).exists()
+    assert cli.main(["delete", "--artifact", str(out), "--digest", summary["digest"]]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["digest"] == summary["digest"] and result["removed"] > 1
+    assert list((tmp_path / "models").iterdir()) == [], "no artifact, lock or leftovers"
+    assert delete_artifact(str(out))["removed"] == 0, "gone already: nothing to do"
+
+
+def test_a_named_folder_without_a_manifest_is_refused_and_left_alone(tmp_path: Path) -> None:
+    folder = tmp_path / "models" / "llama-tp2"
+    folder.mkdir(parents=True)
+    (folder / "weights.bin").write_bytes(b"not ours")
+    with pytest.raises(SpecError, match="remove such a folder or prefix by hand"):
+        delete_artifact(str(folder))
+    assert (folder / "weights.bin").exists()

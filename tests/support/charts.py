@@ -33,6 +33,7 @@ RELEASE_NAMESPACE = "modelstage-system"
 
 SCENARIOS: dict[str, list[str]] = {
     "default": [],
+    "cluster-wide": ["--set", "watch.namespaced=false"],
     "namespaced": [
         "--set", "watch.namespaced=true",
         "--set", "watch.namespaces={team-a,team-b}",
@@ -57,6 +58,11 @@ SCENARIOS: dict[str, list[str]] = {
     ],
 }  # fmt: skip
 """``helm template`` value sets every rendering check runs over."""
+
+
+def is_namespaced(scenario: str) -> bool:
+    """Whether a scenario renders namespaced mode (the chart's default)."""
+    return "watch.namespaced=false" not in SCENARIOS[scenario]
 
 
 def tool(name: str) -> str:

@@ -11,11 +11,13 @@ switchable while clients are connected:
   stopped), then accepted again on the same port (the server restarted);
 - ``down_on_request(text)``: go down when a request whose head holds ``text`` arrives,
   before it reaches the server (a crash at a chosen step, e.g. the first ``config.json``);
-- ``cut_after_bytes(n)``: connections are cut once ``n`` more bytes went through, in either
-  direction (a crash in the middle of an upload or a download).
+- ``cut_after_bytes(n)``: every open connection is cut once ``n`` more bytes (counted from
+  this call) went through, in either direction (a crash in the middle of an upload or a
+  download); one cut per call.
 
 It counts the bytes sent to the server (``bytes_up``) and back (``bytes_down``), which tests
-use as a progress measure. Everything binds to 127.0.0.1 only.
+use as a progress measure, and the cuts it made (``cuts``), so a test can prove that a fault
+it armed fired. Everything binds to 127.0.0.1 only.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ class FaultProxy:
         self._listener: socket.socket | None = None
         self.port = 0
         self.bytes_up = self.bytes_down = 0
-        self.requests = self.throttled = 0
+        self.requests = self.throttled = self.cuts = 0
         self.delay_s = 0.0
         self._throttle_next = self._seen = 0
         self._throttle_every = 1
@@ -112,6 +114,7 @@ class FaultProxy:
                 self._cut_budget -= up + down
                 if self._cut_budget <= 0:
                     self._cut_budget, cut = None, True
+                    self.cuts += 1
         if cut:
             self._cut_all()
 

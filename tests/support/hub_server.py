@@ -7,6 +7,10 @@ What it serves, as the Hub does (checked against huggingface_hub 2.4's client co
   for small files; for large ("LFS") files a 302 to a blob URL on the same host with
   ``X-Linked-Etag`` / ``X-Linked-Size``, as the Hub redirects to its CDN.
 - ``GET`` of either URL, honouring ``Range: bytes=N-`` with 206 and ``Content-Range``.
+- ``?blobs=true`` on model info adds each file's ``size``, as the Hub does.
+- Faults: a download cut after N bytes (``drop_after``) or stalled after N bytes
+  (``stall_after``: the connection stays open and silent), and ``silent_server``: an
+  endpoint that accepts connections and never answers.
 - Errors with the Hub's ``X-Error-Code`` header: 401 ``GatedRepo`` without a token and 403
   with a token lacking access, 401 ``RepoNotFound`` for a missing repository (the Hub cannot
   tell missing from private without a token), 404 ``RevisionNotFound``, 404 ``EntryNotFound``.
@@ -21,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import socket
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -53,7 +58,11 @@ class FakeHub:
     seen: list[Seen] = field(default_factory=list)
     drop_after: dict[str, int] = field(default_factory=dict)
     """file name -> bytes to send of its next full GET before the connection is cut (once)."""
+    stall_after: dict[str, int] = field(default_factory=dict)
+    """file name -> bytes to send of its next full GET before going silent (once): the
+    connection stays open and nothing more comes until the server stops."""
     lock: threading.Lock = field(default_factory=threading.Lock)
+    stopping: threading.Event = field(default_factory=threading.Event)
 
     def content_gets(self) -> list[tuple[str, str | None]]:
         """(file name, Range header) for every GET of file content, in order."""
@@ -100,7 +109,8 @@ class _Handler(BaseHTTPRequestHandler):
         if path.startswith("/api/models/"):
             rest = path.removeprefix("/api/models/")
             repo_id, _, rev = rest.partition("/revision/")
-            self._model_info(repo_id, rev or "main")
+            blobs = "blobs=true" in urlsplit(self.path).query.lower()
+            self._model_info(repo_id, rev or "main", blobs=blobs)
         elif path.startswith("/blobs/"):
             sha = path.removeprefix("/blobs/")
             for repo in hub.repos.values():
@@ -137,14 +147,15 @@ class _Handler(BaseHTTPRequestHandler):
             self._error(404, "RevisionNotFound", f"Invalid rev id: {rev}")
         return commit
 
-    def _model_info(self, repo_id: str, rev: str) -> None:
+    def _model_info(self, repo_id: str, rev: str, *, blobs: bool = False) -> None:
         repo = self._repo(repo_id)
         if repo is None or (commit := self._commit(repo, rev)) is None:
             return
         body = json.dumps({
             "id": repo_id, "modelId": repo_id, "sha": commit, "private": False,
             "gated": "manual" if repo.gated else False, "disabled": False,
-            "siblings": [{"rfilename": n} for n in sorted(repo.files)],
+            "siblings": [{"rfilename": n, **({"size": len(d)} if blobs else {})}
+                         for n, d in sorted(repo.files.items())],
         }).encode()  # fmt: skip
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
@@ -189,6 +200,13 @@ class _Handler(BaseHTTPRequestHandler):
             return
         with hub.lock:
             cut = hub.drop_after.pop(name, None) if status == 200 else None
+            stall = hub.stall_after.pop(name, None) if status == 200 else None
+        if stall is not None:
+            self.wfile.write(body[:stall])
+            self.wfile.flush()
+            hub.stopping.wait()
+            self.close_connection = True
+            return
         if cut is not None:
             self.wfile.write(body[:cut])
             self.wfile.flush()
@@ -229,6 +247,46 @@ def fake_hub(token: str) -> Iterator[FakeHub]:
     try:
         yield hub
     finally:
+        hub.stopping.set()
         server.shutdown()
         server.server_close()
         thread.join()
+
+
+@dataclass
+class SilentServer:
+    endpoint: str
+    accepted: int = 0
+
+
+@contextlib.contextmanager
+def silent_server() -> Iterator[SilentServer]:
+    """An endpoint on 127.0.0.1 that accepts every connection and never sends a byte: what
+    a hung proxy or a wedged server looks like to a client. Counts accepted connections."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    server = SilentServer(endpoint=f"http://127.0.0.1:{listener.getsockname()[1]}")
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        listener.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            held.append(conn)
+            server.accepted += 1
+
+    thread = threading.Thread(target=accept, name="silent-server", daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        stop.set()
+        thread.join()
+        for conn in held:
+            conn.close()
+        listener.close()

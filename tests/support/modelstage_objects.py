@@ -11,7 +11,7 @@ from typing import Any
 from modelstage.operator.api import ModelDeploymentSpec
 from modelstage.operator.artifact import spec_digest
 from modelstage.operator.job_plan import stage_job_name
-from modelstage.operator.kube import DIGEST_ANNOTATION
+from modelstage.operator.kube import DIGEST_ANNOTATION, OPT_IN_ANNOTATION
 from modelstage.operator.kube_client import resource_path
 from modelstage.operator.resolve_plan import pinned_identity
 
@@ -74,12 +74,19 @@ def model_deployment(name: str, spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def vllm_deployment(name: str = WORKLOAD, replicas: int = 1) -> dict[str, Any]:
+def vllm_deployment(
+    name: str = WORKLOAD, replicas: int = 1, *, model_deployment: str | None = "llama"
+) -> dict[str, Any]:
+    """A vLLM Deployment that opts in to being patched by ModelDeployment
+    ``model_deployment`` (None: no opt-in)."""
     labels = {"app": name}
+    metadata: dict[str, Any] = {"name": name, "labels": labels}
+    if model_deployment is not None:
+        metadata["annotations"] = {OPT_IN_ANNOTATION: model_deployment}
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": {"name": name, "labels": labels},
+        "metadata": metadata,
         "spec": {
             "replicas": replicas,
             "selector": {"matchLabels": labels},

@@ -55,8 +55,8 @@ async def events_for(cluster: Cluster, ns: str, name: str = MD) -> list[dict[str
 async def apply(
     cluster: Cluster, ns: str, spec: dict[str, Any], *, workload: bool = True, name: str = MD
 ) -> None:
-    if workload:
-        await cluster.client.create(deploy_path(ns, None), vllm_deployment())
+    if workload:  # opted in for this ModelDeployment
+        await cluster.client.create(deploy_path(ns, None), vllm_deployment(model_deployment=name))
     await cluster.client.create(md_path(ns), model_deployment(name, spec))
 
 

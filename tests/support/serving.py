@@ -68,6 +68,7 @@ def stage_artifact(
 
 def pod_env(plugin_dir: Path, site: Path, modelstage: Mapping[str, str]) -> dict[str, str]:
     env = base_env()
+    env.pop("VLLM_PLUGINS", None)  # unset: vLLM loads every plugin it finds, the pod's too
     env["PYTHONPATH"] = f"{plugin_dir}{os.pathsep}{site}"
     env.update({f"MODELSTAGE_{k.upper()}": v for k, v in modelstage.items()})
     return env
@@ -106,15 +107,17 @@ def free_ports(count: int) -> int:
 
 
 def stock_run(artifact: Artifact, tmp: Path) -> dict[str, Any]:
-    """vLLM's own ``sharded_state`` loader on the artifact: the reference."""
+    """vLLM's own ``sharded_state`` loader on the artifact: the reference. Stock vLLM:
+    ``VLLM_PLUGINS=""`` keeps the installed modelstage plugin from registering."""
     out = tmp / "stock.json"
     proc = run_locked(
         [sys.executable, str(RUN_VLLM), "--model", str(artifact.path), "--tp", str(artifact.tp),
          "--load-format", "sharded_state", "--prompts", json.dumps(PROMPTS), "--out", str(out)],
-        env=base_env(), cwd=tmp,
+        env={**base_env(), "VLLM_PLUGINS": ""}, cwd=tmp,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     result: dict[str, Any] = json.loads(out.read_text())
+    assert result["plugin_load_formats"] == [], "the stock reference ran with the plugin"
     return result
 
 

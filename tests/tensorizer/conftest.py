@@ -24,9 +24,11 @@ MODELS = {
     "tied": SyntheticModel(tie_word_embeddings=True, seed=3),
     "qwen2": SyntheticModel(architecture="Qwen2ForCausalLM", seed=5),
     "wide": SyntheticModel(hidden_size=512, intermediate_size=1536, vocab_size=4000, seed=7),
+    "bf16": SyntheticModel(dtype="bfloat16", num_shards=2, split_fused=True, seed=9),
 }
 """Small checkpoints: untied Llama with q/k/v and gate/up split over three files, a tied
-Llama, Qwen2 (q/k/v biases), and one whose TP=2 rank files exceed a 5 MiB S3 part."""
+Llama, Qwen2 (q/k/v biases), one whose TP=2 rank files exceed a 5 MiB S3 part, and a
+bfloat16 Llama (staged ``dtype="auto"``: its rank files stay bfloat16)."""
 
 
 @pytest.fixture(scope="session")

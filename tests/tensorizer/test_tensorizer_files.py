@@ -7,6 +7,7 @@ must hold exactly that rank's tensors, plus what vLLM's tensorized layout adds.
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
@@ -22,11 +23,16 @@ from tensorizer import TensorDeserializer
 from tensorizer.serialization import TensorType
 
 
-@pytest.mark.parametrize("model,tp", [("llama", 1), ("llama", 2), ("llama", 4), ("qwen2", 2)])
+@pytest.mark.parametrize(
+    "model,tp", [("llama", 1), ("llama", 2), ("llama", 4), ("qwen2", 2), ("bf16", 2)]
+)
 def test_every_rank_file_holds_exactly_that_ranks_sharded_state_plus_the_marker(
     staged: Callable[..., Path], model: str, tp: int
 ) -> None:
     tz, ss = staged(model, "tensorizer", tp), staged(model, "sharded_state", tp)
+    if model == "bf16":
+        weights = {t.dtype for _, t in read_entries(rank_file(tz, 0)).values() if t.dim() > 1}
+        assert weights == {torch.bfloat16}, "a bfloat16 source staged with dtype auto"
     for rank in range(tp):
         expected = sharded_state(ss, rank)
         got = read_entries(rank_file(tz, rank))
@@ -110,7 +116,7 @@ def test_manifest_lists_every_rank_file_with_its_sha256_and_verifies(
     assert ranks == [f"model-rank-{r:03d}.tensors" for r in range(4)]
     assert "config.json" in manifest.files
     leftovers = [p.name for p in tz.parent.iterdir() if ".tmp-" in p.name]
-    assert leftovers == [], "the spool directory must be gone"
+    assert leftovers == [], "no work area may be left behind"
 
 
 def test_staging_twice_gives_identical_bytes(
@@ -127,16 +133,105 @@ def test_staging_twice_gives_identical_bytes(
     }
 
 
-def test_a_failed_stage_leaves_no_artifact_and_no_spool(
+def test_a_failed_stage_leaves_no_artifact_and_no_work_area(
     checkpoint: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """A rank file's sink fails in the middle of the stream (a full disk)."""
+    from modelstage.stager.destinations.local import LocalFileSink
+
+    write = LocalFileSink.write
+
+    def failing(self: LocalFileSink, data: object) -> None:
+        if self.path.name.endswith(".tensors") and self.written > 0:
+            raise OSError("disk full")
+        write(self, data)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(LocalFileSink, "write", failing)
+    with pytest.raises(OSError, match="disk full"):
+        stage(StageRequest(source=str(checkpoint("llama")), out=str(tmp_path / "a"), tp=2,
+                           format="tensorizer"))  # fmt: skip
+    assert [p.name for p in tmp_path.iterdir() if not p.name.startswith(".")] == []
+
+
+@pytest.mark.parametrize(
+    ("model", "tp", "dtype"),
+    [("llama", 2, "auto"), ("tied", 2, "auto"), ("qwen2", 1, "bfloat16"), ("llama", 4, "float16")],
+)
+def test_streamed_rank_files_equal_tensorizers_own_seeking_writes_to_a_file(
+    checkpoint: Callable[[str], Path], staged: Callable[..., Path], tmp_path: Path,
+    model: str, tp: int, dtype: str,
+) -> None:  # fmt: skip
+    """The stager predicts the prologue and streams each rank file front to back; the
+    reference is tensorizer's ``TensorSerializer`` writing the same plan into real files,
+    seeking back and rewriting the prologue as it goes."""
+    from modelstage.stager.checkpoint import open_checkpoint
+    from modelstage.stager.layouts import layout_for
+    from modelstage.stager.progress import Progress
+    from modelstage.stager.shard_plan import plan_shards
+    from modelstage.stager.sources import open_source
+    from modelstage.stager.tensorizer_writer import serialize_ranks
+
+    source = open_source(str(checkpoint(model)))
+    ckpt = open_checkpoint(source)
+    plan = plan_shards(ckpt.model, ckpt.source_tensors, tp, layout_for(None), dtype)
+    paths = [tmp_path / f"ref-{r}.tensors" for r in range(tp)]
+    files = [open(p, "wb+") for p in paths]  # noqa: SIM115 - the serializer closes them
+    serialize_ranks(plan, ckpt, files, Progress(0, 0, label="ref", stream=io.StringIO()),
+                    tied=ckpt.model.tie_word_embeddings)  # fmt: skip
+    source.close()
+    streamed = staged(model, "tensorizer", tp, dtype)
+    for rank in range(tp):
+        assert rank_file(streamed, rank).read_bytes() == paths[rank].read_bytes(), rank
+
+
+def test_a_local_rank_file_is_written_once_in_place_without_a_spool(
+    checkpoint: Callable[[str], Path], staged: Callable[..., Path], tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """No temporary copy beside ``--out``: each rank file is written once, by its sink, into
+    the artifact's work directory (the only files created are the artifact's own)."""
+    import tempfile
+
+    from modelstage.stager.destinations.local import LocalFileSink
+
+    def no_spool(*args: object, **kwargs: object) -> str:
+        raise AssertionError("a temporary directory was made")
+
+    created: list[str] = []
+    init = LocalFileSink.__init__
+
+    def counting(self: LocalFileSink, path: Path, size: int) -> None:
+        created.append(path.name)
+        init(self, path, size)
+
+    monkeypatch.setattr(tempfile, "mkdtemp", no_spool)
+    monkeypatch.setattr(LocalFileSink, "__init__", counting)
+    stage(StageRequest(source=str(checkpoint("llama")), out=str(tmp_path / "a"), tp=2,
+                       format="tensorizer"))  # fmt: skip
+    assert sorted(created) == sorted(p.name for p in (tmp_path / "a").iterdir())
+    for rank in range(2):
+        assert rank_file(tmp_path / "a", rank).read_bytes() == rank_file(
+            staged("llama", "tensorizer", 2), rank
+        ).read_bytes()
+
+
+def test_a_prologue_that_differs_from_the_prediction_is_refused_and_nothing_published(
+    checkpoint: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """If tensorizer's prologue ever drifted from ``predict_layout`` (another tensorizer
+    version), the streamed bytes would be wrong: the stage must fail instead."""
     from modelstage.stager import tensorizer_writer
 
-    def boom(*args: object, **kwargs: object) -> None:
-        raise OSError("disk full")
+    predict = tensorizer_writer.predict_layout
 
-    monkeypatch.setattr(tensorizer_writer, "_copy_into", boom)
-    with pytest.raises(OSError, match="disk full"):
+    def drifted(*args: object) -> tensorizer_writer.FileLayout:
+        layout = predict(*args)  # type: ignore[arg-type]
+        prologue = bytearray(layout.prologue)
+        prologue[100] ^= 0xFF  # inside the metadata index
+        return tensorizer_writer.FileLayout(bytes(prologue), layout.size)
+
+    monkeypatch.setattr(tensorizer_writer, "predict_layout", drifted)
+    with pytest.raises(AssertionError, match="prologue differs from the predicted one at byte 100"):
         stage(StageRequest(source=str(checkpoint("llama")), out=str(tmp_path / "a"), tp=2,
                            format="tensorizer"))  # fmt: skip
     assert [p.name for p in tmp_path.iterdir() if not p.name.startswith(".")] == []

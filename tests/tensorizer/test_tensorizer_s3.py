@@ -87,3 +87,20 @@ def test_a_rerun_reuses_the_finished_rank_objects(
     assert summary["alreadyStaged"] is False
     assert "s3: reused" in capfd.readouterr().err
     S3Destination(out, s3.options()).verify(tp=2, hash_content=True)
+
+
+def test_nothing_is_spooled_on_local_disk(
+    s3: S3Server, bucket: str, staged: Callable[..., Path], checkpoint: Callable[[str], Path],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """Each rank file streams into its multipart upload: no temporary file (in a Job, TMPDIR
+    is the scratch volume, which would have to hold the whole artifact)."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", "/nonexistent/modelstage-no-spool")
+    stage(request(checkpoint("wide"), f"s3://{bucket}/nospool/", s3))
+    local = staged("wide", "tensorizer", 2)
+    client = s3.client()
+    for rank in range(2):
+        body = client.get_object(Bucket=bucket, Key=f"nospool/model-rank-{rank:03d}.tensors")
+        assert body["Body"].read() == rank_file(local, rank).read_bytes()

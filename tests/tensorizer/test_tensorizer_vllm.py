@@ -12,6 +12,9 @@ generating on a GPU is e2e/gpu_tensorizer_check.py.
 from __future__ import annotations
 
 import hashlib
+import json
+import re
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -70,12 +73,9 @@ def test_each_rank_file_names_every_tensor_of_vllms_model_for_that_rank(
         assert derived == ["cos_sin_cache"], "only the RoPE cache is computed, not stored"
 
 
-@pytest.mark.parametrize("model,tp", CASES)
-def test_tensorizer_loads_each_rank_into_a_module_shaped_like_vllms(
-    vllm_model: Callable[[str, int], VllmModel], staged: Callable[..., Path], model: str, tp: int
-) -> None:
-    vllm = vllm_model(model, tp)
-    artifact, reference = staged(model, "tensorizer", tp), staged(model, "sharded_state", tp)
+def assert_loads_like_sharded_state(vllm: VllmModel, artifact: Path, reference: Path) -> None:
+    """Each rank file, loaded by tensorizer into a module shaped like vLLM's, holds exactly the
+    tensors of the same rank's ``sharded_state`` artifact."""
     for rank, tensors in enumerate(vllm.ranks):
         module = skeleton(tensors)
         with TensorDeserializer(str(rank_file(artifact, rank)), device="cpu") as d:
@@ -89,6 +89,42 @@ def test_tensorizer_loads_each_rank_into_a_module_shaped_like_vllms(
                 continue
             source = expected.get(name, expected.get("lm_head.weight"))
             assert source is not None and torch.equal(tensor, source), f"rank {rank}: {name}"
+
+
+@pytest.mark.parametrize("model,tp", CASES)
+def test_tensorizer_loads_each_rank_into_a_module_shaped_like_vllms(
+    vllm_model: Callable[[str, int], VllmModel], staged: Callable[..., Path], model: str, tp: int
+) -> None:
+    vllm = vllm_model(model, tp)
+    artifact, reference = staged(model, "tensorizer", tp), staged(model, "sharded_state", tp)
+    assert_loads_like_sharded_state(vllm, artifact, reference)
+
+
+def test_a_mutated_tensorizer_rank_file_fails_the_readback_oracle(
+    vllm_model: Callable[[str, int], VllmModel], staged: Callable[..., Path], tmp_path: Path
+) -> None:
+    """The control of the oracle above (vLLM cannot load tensorizer files on CPU): two q-head
+    row blocks of one layer's ``qkv_proj`` swapped in place in rank 1's file, sizes and
+    headers untouched, so tensorizer loads it without a word."""
+    model, tp = "llama", 2
+    artifact, reference = staged(model, "tensorizer", tp), staged(model, "sharded_state", tp)
+    mutated = tmp_path / "mutated"
+    shutil.copytree(artifact, mutated)
+    name = "model.layers.1.self_attn.qkv_proj.weight"
+    _, qkv = read_entries(rank_file(mutated, 1))[name]
+    config = json.loads((artifact / "config.json").read_text())
+    head_rows = config["hidden_size"] // config["num_attention_heads"]
+    head = head_rows * qkv.shape[1] * qkv.element_size()
+    data = qkv.contiguous().view(torch.uint8).reshape(-1).numpy().tobytes()
+    raw = bytearray(rank_file(mutated, 1).read_bytes())
+    at = raw.find(data)
+    assert at > 0 and raw.find(data, at + 1) == -1, "the tensor's bytes are not unique in the file"
+    raw[at : at + 2 * head] = data[head : 2 * head] + data[:head]
+    rank_file(mutated, 1).write_bytes(raw)
+
+    assert_loads_like_sharded_state(vllm_model(model, tp), artifact, reference)
+    with pytest.raises(AssertionError, match=rf"rank 1: {re.escape(name)}"):
+        assert_loads_like_sharded_state(vllm_model(model, tp), mutated, reference)
 
 
 @pytest.mark.parametrize("model,tp", CASES)

@@ -4,8 +4,10 @@ Started by the tests as a subprocess (vLLM spawns workers, forks OMP pools and k
 state, so every run gets a fresh interpreter), with the cwd in a temp dir and
 PYTHONSAFEPATH=1 because the checkout's ``operator/`` folder shadows the stdlib.
 
-Usage: run_vllm.py --model DIR --tp N --load-format FMT --prompts JSON --out FILE
-The prompts are lists of token ids; the tokenizer is never loaded.
+Usage: run_vllm.py --model DIR --tp N --load-format FMT [--dtype DTYPE] --prompts JSON --out FILE
+The prompts are lists of token ids; the tokenizer is never loaded. The result records the
+dtype vLLM ran at and the ``modelstage_*`` load formats registered in this process, so a test
+can prove a reference ran stock vLLM (``VLLM_PLUGINS=""``) and at the dtype it asked for.
 """
 
 from __future__ import annotations
@@ -35,7 +37,9 @@ def _logprob_dict(entry: dict[int, Any] | None) -> dict[str, float] | None:
     return {str(token): float(lp.logprob) for token, lp in entry.items()}
 
 
-def run(model: str, tp: int, load_format: str, prompts: list[list[int]]) -> dict[str, Any]:
+def run(
+    model: str, tp: int, load_format: str, prompts: list[list[int]], dtype: str = "float32"
+) -> dict[str, Any]:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     # Engine core in this process, rank workers forked from it (no CUDA here to make fork
     # unsafe): each saves a fresh interpreter importing vLLM, about 10 s per process.
@@ -52,7 +56,7 @@ def run(model: str, tp: int, load_format: str, prompts: list[list[int]]) -> dict
         model=model,
         tensor_parallel_size=tp,
         load_format=load_format,
-        dtype="float32",
+        dtype=dtype,
         skip_tokenizer_init=True,
         enforce_eager=True,
         max_model_len=MAX_MODEL_LEN,
@@ -86,12 +90,17 @@ def run(model: str, tp: int, load_format: str, prompts: list[list[int]]) -> dict
             }
         )
     import vllm
+    from vllm.model_executor.model_loader import _LOAD_FORMAT_TO_MODEL_LOADER
 
     return {
         "vllm_version": vllm.__version__,
         "model": model,
         "tp": tp,
         "load_format": load_format,
+        "dtype": str(llm.llm_engine.model_config.dtype).removeprefix("torch."),
+        "plugin_load_formats": sorted(
+            f for f in _LOAD_FORMAT_TO_MODEL_LOADER if f.startswith("modelstage")
+        ),
         "results": results,
         "seconds": {
             "import": round(imported - started, 2),
@@ -106,10 +115,11 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--load-format", default="safetensors")
+    parser.add_argument("--dtype", default="float32")
     parser.add_argument("--prompts", required=True, help="JSON list of token-id lists")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    result = run(args.model, args.tp, args.load_format, json.loads(args.prompts))
+    result = run(args.model, args.tp, args.load_format, json.loads(args.prompts), args.dtype)
     Path(args.out).write_text(json.dumps(result, indent=1))
     # vLLM's orderly shutdown takes 3-6 s per run here; the result is written, and forked
     # rank workers exit by themselves when they see their parent gone.

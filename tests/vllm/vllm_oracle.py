@@ -2,9 +2,14 @@
 
 Greedy tokens alone are a weak check (small random models often keep the same argmax under a
 wrongly split matrix), so the oracle compares the generated ids, the top-5 ``logprobs`` of
-every generated position and the ``prompt_logprobs`` of every prompt position, as exact
-float32 values. References (vLLM on the original checkpoint) are cached on disk keyed by
+every generated position and the ``prompt_logprobs`` of every prompt position, exactly: the
+same vLLM at the same dtype on the same weights gives bit-equal values, in float32 as in
+bfloat16 or float16. References (vLLM on the original checkpoint) are cached on disk keyed by
 everything that could change them, so CI runs on one machine skip them.
+
+Oracle runs are stock vLLM: ``VLLM_PLUGINS=""`` keeps the project's installed loader plugin
+(an entry point that would register in every vLLM process) out, and each run's result must
+show that no ``modelstage_*`` load format was registered.
 """
 
 from __future__ import annotations
@@ -78,20 +83,36 @@ def _remove_shared_memory(log: str) -> None:
             leftover.unlink(missing_ok=True)
 
 
-def run_vllm(model: Path, tp: int, load_format: str, prompts: list[list[int]]) -> VllmRun:
-    """One vLLM start in a fresh interpreter; raises with vLLM's log tail if it fails."""
+def run_vllm(
+    model: Path | str,
+    tp: int,
+    load_format: str,
+    prompts: list[list[int]],
+    dtype: str = "float32",
+    *,
+    env: dict[str, str] | None = None,
+    plugin: bool = False,
+) -> VllmRun:
+    """One vLLM start in a fresh interpreter; raises with vLLM's log tail if it fails.
+
+    Stock vLLM unless ``plugin``; ``env`` is added to this process's environment (S3
+    settings, ``MODELSTAGE_*``)."""
     with tempfile.TemporaryDirectory(prefix="vllm-oracle-") as work, vllm_lock() as waited:
         out = Path(work) / "result.json"
-        env = dict(os.environ, PYTHONSAFEPATH="1", VLLM_CPU_KVCACHE_SPACE="1")
+        run_env = dict(os.environ, PYTHONSAFEPATH="1", VLLM_CPU_KVCACHE_SPACE="1", **(env or {}))
+        if plugin:
+            run_env.pop("VLLM_PLUGINS", None)
+        else:
+            run_env["VLLM_PLUGINS"] = ""
         started = time.monotonic()
         proc = subprocess.run(
             [
                 sys.executable, str(RUNNER),
                 "--model", str(model), "--tp", str(tp), "--load-format", load_format,
-                "--prompts", json.dumps(prompts), "--out", str(out),
+                "--dtype", dtype, "--prompts", json.dumps(prompts), "--out", str(out),
             ],
             cwd=work,
-            env=env,
+            env=run_env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -103,14 +124,23 @@ def run_vllm(model: Path, tp: int, load_format: str, prompts: list[list[int]]) -
         if proc.returncode != 0 or not out.exists():
             tail = "\n".join(proc.stdout.splitlines()[-40:])
             raise AssertionError(
-                f"vLLM failed on {model} (tp={tp}, load_format={load_format}, "
+                f"vLLM failed on {model} (tp={tp}, load_format={load_format}, dtype={dtype}, "
                 f"exit {proc.returncode}):\n{tail}"
             )
-        return VllmRun(json.loads(out.read_text()), proc.stdout, seconds, False, waited)
+        output = json.loads(out.read_text())
+        assert output["dtype"] == dtype, f"vLLM ran at {output['dtype']}, asked for {dtype}"
+        if not plugin:
+            assert output["plugin_load_formats"] == [], (
+                f"a stock run registered {output['plugin_load_formats']}: the plugin was loaded"
+            )
+        return VllmRun(output, proc.stdout, seconds, False, waited)
 
 
-def reference(checkpoint: Path, tp: int, prompts: list[list[int]]) -> VllmRun:
-    """vLLM on the original checkpoint (``load_format="safetensors"``), cached on disk."""
+def reference(
+    checkpoint: Path, tp: int, prompts: list[list[int]], dtype: str = "float32"
+) -> VllmRun:
+    """Stock vLLM on the original checkpoint (``load_format="safetensors"``) at ``dtype``,
+    cached on disk."""
     import torch
 
     key_material = json.dumps(
@@ -119,6 +149,7 @@ def reference(checkpoint: Path, tp: int, prompts: list[list[int]]) -> VllmRun:
             "torch": torch.__version__,
             "checkpoint": tree_digest(checkpoint),
             "tp": tp,
+            "dtype": dtype,
             "prompts": prompts,
             "runner": hashlib.sha256(RUNNER.read_bytes()).hexdigest(),
         },
@@ -128,7 +159,7 @@ def reference(checkpoint: Path, tp: int, prompts: list[list[int]]) -> VllmRun:
     path = cache_dir() / f"{key}.json"
     if path.exists():
         return VllmRun(json.loads(path.read_text()), "", 0.0, cached=True)
-    run = run_vllm(checkpoint, tp, "safetensors", prompts)
+    run = run_vllm(checkpoint, tp, "safetensors", prompts, dtype)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp-{os.getpid()}")
     tmp.write_text(json.dumps(run.output, indent=1))
@@ -178,3 +209,60 @@ def differences(expected: dict[str, Any], actual: dict[str, Any], limit: int = 8
 
 def loader_warnings(log: str) -> list[str]:
     return [line for line in log.splitlines() if any(w in line for w in SHAPE_OR_DTYPE_WARNINGS)]
+
+
+def weight_dtypes(artifact: Path) -> set[str]:
+    """The safetensors dtypes of the artifact's weights (0-d attention scales left out: vLLM
+    keeps them float32 whatever the model's dtype)."""
+    from modelstage.stager.safetensors_format import read_local_header
+
+    return {
+        t.dtype
+        for path in artifact.glob("*.safetensors")
+        for t in read_local_header(path).tensors.values()
+        if t.shape
+    }
+
+
+def swap_kv_head_blocks(
+    artifact: Path, num_heads: int, num_kv_heads: int, head_size: int, tp: int, layer: int
+) -> str:
+    """Swap the first two k-head row blocks of one layer's fused qkv in rank 0's file.
+
+    Rows of ``qkv_proj.weight`` on a rank are its q heads, then its k heads, then its v
+    heads, ``head_size`` rows each. Returns the file it rewrote.
+    """
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    key = f"model.layers.{layer}.self_attn.qkv_proj.weight"
+    assert num_kv_heads // tp >= 2, "the mutation needs two KV heads on the rank"
+    for path in sorted(artifact.glob("model-rank-0-part-*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            if key not in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
+                continue
+            metadata = f.metadata()
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+        k0 = num_heads // tp * head_size
+        qkv = tensors[key].clone()
+        qkv[k0 : k0 + head_size] = tensors[key][k0 + head_size : k0 + 2 * head_size]
+        qkv[k0 + head_size : k0 + 2 * head_size] = tensors[key][k0 : k0 + head_size]
+        assert not qkv.equal(tensors[key])
+        tensors[key] = qkv
+        save_file(tensors, str(path), metadata=metadata)
+        return path.name
+    raise AssertionError(f"{key} is in no rank-0 part file of {artifact}")
+
+
+def swap_rank_files(artifact: Path, a: int, b: int) -> list[str]:
+    """Exchange the part files of ranks ``a`` and ``b`` (each rank then loads the other's
+    shards: same names, same shapes, so vLLM loads it without a word). Returns the names."""
+    parts_a = sorted(artifact.glob(f"model-rank-{a}-part-*.safetensors"))
+    parts_b = sorted(artifact.glob(f"model-rank-{b}-part-*.safetensors"))
+    assert parts_a and len(parts_a) == len(parts_b), (parts_a, parts_b)
+    for pa, pb in zip(parts_a, parts_b, strict=True):
+        tmp = pa.with_name(pa.name + ".swap")
+        pa.rename(tmp)
+        pb.rename(pa)
+        tmp.rename(pb)
+    return [p.name for p in parts_a + parts_b]

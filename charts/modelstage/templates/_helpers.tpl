@@ -56,3 +56,9 @@ app.kubernetes.io/component: operator
 {{- define "modelstage.peeringName" -}}
 modelstage
 {{- end -}}
+
+{{/* The operator's bind address as a URL host: the pod's IP by default, brackets for IPv6. */}}
+{{- define "modelstage.bindHostForURL" -}}
+{{- $host := .Values.operator.bindAddress | default "$(POD_IP)" -}}
+{{- if contains ":" $host -}}[{{ $host }}]{{- else -}}{{ $host }}{{- end -}}
+{{- end -}}
