@@ -408,7 +408,7 @@ def test_a_moved_branch_is_resolved_anew_and_never_answered_with_the_stale_artif
     assert (answer["identity"], answer["commit"]) == (f"commit:{moved}", moved)
     assert answer["digestInputs"] == {"uri": "hf://acme/llama", "source": f"commit:{moved}"}
 
-    with pytest.raises(ArtifactError, match=f"would write digest .* source identity commit:{moved}"):
+    with pytest.raises(ArtifactError, match=f"would write artifact .* source identity commit:{moved}"):
         stage(hub_request(tmp_path / "out", tmp_path / "cache"))
     second = stage(hub_request(tmp_path / "new", tmp_path / "cache"))
     assert second["digest"] != first["digest"]

@@ -230,11 +230,13 @@ def test_a_checkpoint_rewritten_in_place_is_a_new_artifact_never_the_stale_one(
     with pytest.raises(ArtifactError) as refused:
         stage(StageRequest(source=str(src), out=str(out), tp=2))
     message = str(refused.value)
-    assert f"holds the artifact of digest {first['digest']}" in message
+    assert f"already holds artifact {first['digest']}" in message
     assert f"source identity {first['sourceIdentity']}" in message
-    assert f"would write digest {elsewhere['digest']}" in message
+    assert f"would write artifact {elsewhere['digest']}" in message
     assert f"source identity {elsewhere['sourceIdentity']}" in message
-    assert "the source changed since that artifact was staged" in message
+    assert "they differ in source identity (the source changed since that artifact was staged)" in (
+        message
+    )
     assert "--force" in message
     verify_directory(out, digest=first["digest"])  # refused, untouched
 
