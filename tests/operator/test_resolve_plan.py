@@ -402,3 +402,24 @@ def test_the_stager_log_is_read_only_where_the_operator_may_read_it() -> None:
     refused = Reconciler(LogKube(None), stager_image="x", post_event=lambda *_: None,  # type: ignore[arg-type]
                          stager_logs=True)  # fmt: skip
     assert refused._progress("ns", {"spec": {}}, pods) == "running since 2026-03-01T12:00:00Z"
+
+
+def test_a_resolve_job_this_model_deployment_does_not_own_is_not_believed(
+    make_spec: SpecFactory,
+) -> None:
+    """Its name is predictable: a Job planted under it must not set the identity."""
+    from modelstage.operator.reconcile import Reconciler
+
+    spec = make_spec(model={"revision": "main"})
+    name = resolve_job_name(spec, None, OWNER.name)
+    planted = {"metadata": {"name": name, "ownerReferences": []},
+               "status": {"conditions": [{"type": "Complete", "status": "True"}]}}  # fmt: skip
+
+    class Kube:
+        def get(self, path: str) -> dict[str, Any] | None:
+            return planted if path.endswith(f"/jobs/{name}") else None
+
+    reconciler = Reconciler(Kube(), stager_image="x", post_event=lambda *_: None)  # type: ignore[arg-type]
+    got = reconciler._resolve(spec, ModelDeploymentStatus(), OWNER, T0)
+    assert (got.state, got.source) == ("failed", None)
+    assert "does not own it" in got.message
