@@ -202,8 +202,17 @@ def _demo(args: argparse.Namespace) -> dict[str, Any]:
     from .synthetic import llama_demo, write_checkpoint
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="modelstage-demo-"))
-    source = write_checkpoint(llama_demo(), work / "checkpoint")
-    print(f"demo: generated a Llama-shaped checkpoint in {source}", file=sys.stderr)
+    source = work / "checkpoint"
+    if source.is_dir():
+        # Written again, the same bytes would be new files (new modification times): another
+        # source identity, so another artifact. Published by rename below, so it is whole.
+        print(f"demo: reusing the checkpoint in {source}", file=sys.stderr)
+    else:
+        partial = work / f"checkpoint.tmp-{os.getpid()}"
+        shutil.rmtree(partial, ignore_errors=True)
+        write_checkpoint(llama_demo(), partial)
+        os.rename(partial, source)
+        print(f"demo: generated a Llama-shaped checkpoint in {source}", file=sys.stderr)
     out = work / "artifact"
     summary = stage(StageRequest(source=str(source), out=str(out), tp=args.tp))
     verify_directory(out)

@@ -124,12 +124,14 @@ def test_an_occupied_out_says_what_is_there_and_what_this_run_would_write(
     done = run("stage", str(llama_ckpt), "--tp", "1", "--out", str(out))
     line = last_error(done)
     source = f"file://{llama_ckpt}"
+    identity = first["sourceIdentity"]
     assert line.startswith(
         f"error: {out} already holds artifact {first['digest']} (sharded_state, TP 2, dtype "
-        f"auto, from {source}, staged "
+        f"auto, from {source}, source identity {identity}, staged "
     )
     assert "; this run would write artifact " in line
-    assert f"(sharded_state, TP 1, dtype auto, from {source}); they differ in TP." in line
+    assert (f"(sharded_state, TP 1, dtype auto, from {source}, source identity {identity}); "
+            "they differ in TP.") in line  # fmt: skip
     assert line.endswith(f"(`modelstage delete --artifact {out}`)")
     assert "re-stage" not in line
     verify_directory(out, tp=2)
