@@ -157,6 +157,11 @@ class ModelSource(Model):
     """The checkpoint's size (its weight files, e.g. ``140Gi``). The operator never reads
     the source; with this hint it sizes a claim it creates (``storage.pvc.create`` without
     ``size``) and refuses, before any Job starts, a claim too small for the artifacts."""
+    resolve_interval_seconds: Annotated[int, Field(ge=0, le=30 * 24 * 3600)] | None = None
+    """Resolve the source again this often (a branch's commit, the objects' ETags, the
+    folder's files) and stage and roll out anew when it changed; 0: only when the spec
+    changes; unset: the operator's default (``MODELSTAGE_OPERATOR_RESOLVE_INTERVAL``). A
+    pinned commit never moves and is not resolved again."""
 
     rules: ClassVar[tuple[Rule, ...]] = (
         Rule(
@@ -181,6 +186,13 @@ class ModelSource(Model):
             check=lambda m: (
                 m.s3 is None or m.s3.credentials_secret is None or m.credentials_secret is None
             ),
+        ),
+        Rule(
+            cel="!has(self.resolveIntervalSeconds) || self.resolveIntervalSeconds == 0 "
+            "|| self.resolveIntervalSeconds >= 60",
+            message="model.resolveIntervalSeconds is 0 (only on spec changes) or at least 60: "
+            "each resolution is a Job",
+            check=lambda m: not 0 < (m.resolve_interval_seconds or 0) < 60,
         ),
     )
 
@@ -390,6 +402,25 @@ class ModelDeploymentSpec(Model):
     )
 
 
+class SourceStatus(Model):
+    """The source identity the desired artifact's digest is taken from, as last resolved."""
+
+    model_config = ConfigDict(extra="ignore", strict=False)
+    uri: str
+    revision: str | None = None
+    identity: str
+    """``commit:<sha>`` (hf://), else ``sha256:`` over the objects' ETags or the files' sizes,
+    header hashes and modification times (what ``modelstage resolve`` prints)."""
+    commit: str | None = None
+    """The commit the revision named (hf://)."""
+    resolved_at: datetime
+    key: str
+    """The spec's source fields (URI, revision, endpoint) this identity was resolved for: a
+    change of them resolves again."""
+    job: str | None = None
+    """The resolve Job that reported it; unset for a pinned commit (known from the spec)."""
+
+
 class ArtifactStatus(Model):
     """A staged artifact, as the stager reported it."""
 
@@ -400,7 +431,7 @@ class ArtifactStatus(Model):
     format: LoadFormat
     tensor_parallel_size: int
     source: str | None = None
-    """Source identity the stager resolved (commit sha, ETags or file hashes)."""
+    """Source identity it was staged from (``commit:<sha>`` or ``sha256:<hex>``)."""
     bytes: int | None = None
     files: int | None = None
     staged_at: datetime | None = None
@@ -424,9 +455,14 @@ class ModelDeploymentStatus(Model):
 
     model_config = ConfigDict(extra="ignore", strict=False)
     phase: Phase = "Pending"
+    reason: str | None = None
+    """Why the phase is what it is, in one word: the reason of the condition that decides it
+    (``Degraded`` when true, else ``Staged`` until staged, else ``Ready``)."""
     observed_generation: int | None = None
     desired_digest: str | None = None
-    """The digest the current spec asks for."""
+    """The digest the current spec asks for (of the resolved source identity)."""
+    source: SourceStatus | None = None
+    """The source identity last resolved for the spec, and when."""
     artifact: ArtifactStatus | None = None
     """The artifact the workload is rolled (or rolling) onto."""
     previous_artifact: ArtifactStatus | None = None

@@ -1,7 +1,9 @@
 """The artifact a spec asks for: its digest and where it lives.
 
-Both are pure functions of the spec and the namespace (DESIGN.md section 3): the operator never
-sees the source, so what the stager resolves (commit sha, ETags) cannot enter the digest.
+Both are pure functions of the spec, the namespace and the resolved source identity (a
+branch's commit, the objects' ETags, the files' sizes and headers): the operator never reads
+the source itself, a short resolve Job reports the identity (``resolve_plan.py``), and the
+digest is the stager's own function of both, so a source that changed is a new artifact.
 Artifacts are content-addressed per namespace, so two ModelDeployments asking for the same
 bytes share one artifact.
 """
@@ -21,11 +23,12 @@ ARTIFACT_MOUNT = "/mnt/modelstage/artifacts"
 MANIFEST_FILE = "modelstage.json"
 
 
-def spec_digest(spec: ModelDeploymentSpec) -> str:
-    """The artifact digest of a spec; raises ``SpecError`` for an unknown vLLM version."""
+def spec_digest(spec: ModelDeploymentSpec, identity: str) -> str:
+    """The artifact digest of a spec whose source resolved to ``identity``; raises
+    ``SpecError`` for an unknown vLLM version."""
     return artifact_digest(
         uri=spec.model.uri,
-        revision=spec.model.revision,
+        source=identity,
         tensor_parallel=spec.parallelism.tensor,
         pipeline_parallel=spec.parallelism.pipeline,
         dtype=spec.dtype,
@@ -100,10 +103,16 @@ class Artifact:
         return self.location.digest
 
 
-def artifact_for(spec: ModelDeploymentSpec, *, namespace: str, deployment_name: str) -> Artifact:
-    """The artifact the spec asks for; raises ``SpecError`` for an unknown vLLM version."""
+def artifact_for(
+    spec: ModelDeploymentSpec, *, namespace: str, deployment_name: str, identity: str
+) -> Artifact:
+    """The artifact the spec asks for, its source resolved to ``identity``; raises
+    ``SpecError`` for an unknown vLLM version."""
     location = locate(
-        spec, namespace=namespace, deployment_name=deployment_name, digest=spec_digest(spec)
+        spec,
+        namespace=namespace,
+        deployment_name=deployment_name,
+        digest=spec_digest(spec, identity),
     )
     return Artifact(location, spec.load_format, spec.parallelism.tensor)
 

@@ -88,11 +88,39 @@ def status_schema() -> dict[str, Any]:
 
 PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+    {
+        "name": "Ready",
+        "type": "string",
+        "description": "The Ready condition: the workload serves an artifact, all replicas up.",
+        "jsonPath": '.status.conditions[?(@.type=="Ready")].status',
+    },
+    {
+        "name": "Reason",
+        "type": "string",
+        "description": "Why the phase is what it is (docs/api.md lists every reason).",
+        "jsonPath": ".status.reason",
+    },
+    {"name": "Model", "type": "string", "jsonPath": ".spec.model.uri"},
     {"name": "TP", "type": "integer", "jsonPath": ".spec.parallelism.tensor"},
-    {"name": "Format", "type": "string", "jsonPath": ".spec.loadFormat"},
-    {"name": "Digest", "type": "string", "jsonPath": ".status.artifact.digest"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    # -o wide
+    {
+        "name": "Target",
+        "type": "string",
+        "priority": 1,
+        "jsonPath": ".spec.serving.targetRef.name",
+    },
+    {"name": "Format", "type": "string", "priority": 1, "jsonPath": ".spec.loadFormat"},
+    {"name": "Digest", "type": "string", "priority": 1, "jsonPath": ".status.artifact.digest"},
+    {
+        "name": "Source",
+        "type": "string",
+        "priority": 1,
+        "description": "The source identity the served artifact was staged from.",
+        "jsonPath": ".status.artifact.source",
+    },
 ]
+"""``kubectl get md`` (and ``-o wide`` for priority 1): state at a glance."""
 
 
 def crd() -> dict[str, Any]:

@@ -10,6 +10,7 @@ reconciliation and never a wrong action:
   ``kopf.PermanentError`` (a spec that can never work, with its reason in the status too);
 - a stager Job or its pods changed → reconcile the ModelDeployments whose spec asks for
   that digest;
+- a resolve Job or its pod changed → reconcile the ModelDeployment whose resolution round it is;
 - a target Deployment/StatefulSet changed, or a pod of it fails → reconcile the
   ModelDeployments that target it;
 - a timer, as a safety net for anything missed (``MODELSTAGE_OPERATOR_RESYNC_INTERVAL``).
@@ -27,12 +28,13 @@ from typing import Any, NamedTuple, cast
 import kopf
 
 from . import metrics
-from .api import GROUP, PLURAL, VERSION, ModelDeploymentSpec
+from .api import GROUP, PLURAL, VERSION, ModelDeploymentSpec, SourceStatus
 from .artifact import spec_digest
 from .job_plan import stage_job_name
 from .kube import DIGEST_ANNOTATION, LABEL_DIGEST, Manifest, model_deployment_owners
 from .kube_client import Conflict, KubeClient
-from .reconcile import Outcome, Reconciler
+from .reconcile import JOB_NAME_LABEL, Outcome, Reconciler
+from .resolve_plan import recorded_identity, resolve_job_name
 from .settings import OperatorConfig, configure
 from .slots import StagerSlots
 from .state import observe_job, pod_failures
@@ -42,6 +44,7 @@ MANAGED = {"app.kubernetes.io/managed-by": "modelstage-operator"}
 STAGER = {**MANAGED, "app.kubernetes.io/component": "stager"}
 STAGE_JOB_PREFIX = stage_job_name("")
 CLEANUP = {**MANAGED, "app.kubernetes.io/component": "cleanup"}
+RESOLVE = {**MANAGED, "app.kubernetes.io/component": "resolve"}
 CONFIG = OperatorConfig.from_env()
 """Read at import: the timer's interval is fixed when the handlers are registered."""
 
@@ -53,11 +56,13 @@ class Ref(NamedTuple):
 
     name: str
     digest: str | None
-    """The digest its spec asks for."""
+    """The digest its spec asks for (of the source identity its status records)."""
     artifact: str | None
     """The digest its status says the workload is on."""
     target: tuple[str, str] | None
     """(kind, name) of the target workload."""
+    resolve_job: str | None = None
+    """The resolve Job of its current resolution round."""
 
 
 def _post_event(obj: Manifest, type_: str, reason: str, message: str) -> None:
@@ -79,6 +84,8 @@ def startup(settings: kopf.OperatorSettings, memo: Any, logger: Logger, **_: Any
         post_event=_post_event,
         slots=StagerSlots(config.max_stager_jobs, config.max_stager_jobs_per_namespace),
         allowed_images=config.allowed_stager_images,
+        resolve_interval=config.resolve_interval,
+        stager_logs=config.stager_logs,
     )
     logger.info(
         "modelstage operator started",
@@ -92,16 +99,19 @@ def modeldeployment_refs(
 ) -> dict[str | None, Ref]:
     digest: str | None
     target: tuple[str, str] | None
+    resolve_job: str | None
     try:
         parsed = ModelDeploymentSpec.model_validate(dict(spec))
-        digest, target = (
-            spec_digest(parsed),
-            (parsed.serving.target_ref.kind, parsed.serving.target_ref.name),
-        )
+        raw_source = status.get("source")
+        source = SourceStatus.model_validate(raw_source) if raw_source else None
+        identity = recorded_identity(parsed, source)
+        digest = spec_digest(parsed, identity) if identity is not None else None
+        target = (parsed.serving.target_ref.kind, parsed.serving.target_ref.name)
+        resolve_job = resolve_job_name(parsed, source, name)
     except Exception:  # an invalid spec routes nothing; its own handlers report it
-        digest, target = None, None
+        digest, target, resolve_job = None, None, None
     artifact = (status.get("artifact") or {}).get("digest")
-    return {namespace: Ref(name, digest, artifact, target)}
+    return {namespace: Ref(name, digest, artifact, target, resolve_job)}
 
 
 def _reconcile(memo: Any, namespace: str, name: str, logger: Logger) -> Outcome | None:
@@ -263,6 +273,33 @@ def cleanup_job_event(
     """A staging of the same location waits for its clean-up Job; this wakes it."""
     digest = labels.get(LABEL_DIGEST)
     _reconcile_matching(memo, kwargs, namespace, logger, lambda r: r.digest == digest)
+
+
+@kopf.on.event("batch", "v1", "jobs", labels=RESOLVE)
+def resolve_job_event(
+    name: str, namespace: str | None, memo: Any, logger: Logger, **kwargs: Any
+) -> None:
+    """A resolve Job started or ended: its ModelDeployment records the identity or the
+    failure."""
+    _reconcile_matching(memo, kwargs, namespace, logger, lambda r: r.resolve_job == name)
+
+
+@kopf.on.event("v1", "pods", labels=RESOLVE)
+def resolve_pod_event(
+    type: str,
+    namespace: str | None,
+    labels: kopf.Labels,
+    status: kopf.Status,
+    memo: Any,
+    logger: Logger,
+    **kwargs: Any,
+) -> None:
+    """The identity is in the pod's termination message, which can land after the Job's
+    condition."""
+    if type == "DELETED" or status.get("phase") not in ("Succeeded", "Failed"):
+        return
+    job = labels.get(JOB_NAME_LABEL) or labels.get("job-name")
+    _reconcile_matching(memo, kwargs, namespace, logger, lambda r: r.resolve_job == job)
 
 
 @kopf.on.delete(*MD)

@@ -16,7 +16,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .api import DEFAULT_STAGER_IMAGE, ArtifactStatus, ModelDeploymentSpec, S3Connection
+from .api import (
+    DEFAULT_STAGER_IMAGE,
+    ArtifactStatus,
+    ModelDeploymentSpec,
+    S3Connection,
+    SourceStatus,
+)
 from .artifact import ARTIFACT_MOUNT, ArtifactLocation, locate, location_from_uri
 from .kube import (
     SCRATCH_DIR,
@@ -35,6 +41,7 @@ from .kube import (
     s3_credentials_env,
     secret_env,
 )
+from .resolve_plan import RESOLVE_TTL_SECONDS
 from .state import JobState
 
 DEFAULT_RESOURCES: Manifest = {
@@ -97,13 +104,21 @@ def staging_jobs(
     owner: Owner,
     digest: str,
     default_image: str = DEFAULT_STAGER_IMAGE,
+    source: SourceStatus | None = None,
 ) -> list[Manifest]:
     """The Jobs that stage ``digest``, in order: the stage Job, and when it is an Indexed Job
-    (``stager.parallelism`` > 1) the small finalize Job that checks and publishes its parts."""
-    jobs = [plan_stage_job(spec, owner=owner, digest=digest, default_image=default_image)]
+    (``stager.parallelism`` > 1) the small finalize Job that checks and publishes its parts.
+    ``source``: the resolved identity the digest was taken from (``stager_command``)."""
+    jobs = [
+        plan_stage_job(
+            spec, owner=owner, digest=digest, default_image=default_image, source=source
+        )
+    ]
     if scale_out_workers(spec) > 1:
         jobs.append(
-            plan_finalize_job(spec, owner=owner, digest=digest, default_image=default_image)
+            plan_finalize_job(
+                spec, owner=owner, digest=digest, default_image=default_image, source=source
+            )
         )
     return jobs
 
@@ -170,16 +185,24 @@ def _destination(location: ArtifactLocation) -> tuple[list[Manifest], list[Manif
 
 
 def stager_command(
-    spec: ModelDeploymentSpec, location: ArtifactLocation, subcommand: str = "stage"
+    spec: ModelDeploymentSpec,
+    location: ArtifactLocation,
+    subcommand: str = "stage",
+    source: SourceStatus | None = None,
 ) -> list[str]:
     """``modelstage stage SOURCE --tp N ... --out DEST`` exactly as the stager CLI takes it
     (``finalize`` takes the same arguments). An Indexed Job's pods find their group in
-    ``JOB_COMPLETION_INDEX`` and ``MODELSTAGE_WORKERS`` (the stager's ``--group`` default)."""
-    source, _, _ = _source(spec)
+    ``JOB_COMPLETION_INDEX`` and ``MODELSTAGE_WORKERS`` (the stager's ``--group`` default).
+
+    With the resolved ``source``: ``--expect-identity`` (a source that changed since it was
+    resolved is refused, not staged under this digest) and, for hf://, the resolved commit
+    as the revision (a branch that moves meanwhile cannot change what is staged)."""
+    source_args, _, _ = _source(spec)
+    resolved = source
     command = [
         "modelstage",
         subcommand,
-        source[0],
+        source_args[0],
         "--tp",
         str(spec.parallelism.tensor),
         "--pp",
@@ -195,9 +218,13 @@ def stager_command(
         "--out",
         location.path,
     ]
-    command += source[1:]
-    if spec.model.revision is not None:  # free text: `--allow-pickle` must stay a revision
-        command.append(f"--revision={spec.model.revision}")
+    command += source_args[1:]
+    # Values as --flag=value: free text such as `--allow-pickle` must stay a revision.
+    revision = resolved.commit if resolved is not None and resolved.commit else None
+    if revision or spec.model.revision is not None:
+        command.append(f"--revision={revision or spec.model.revision}")
+    if resolved is not None:
+        command.append(f"--expect-identity={resolved.identity}")
     return command + _s3_flags(s3_connection(spec))
 
 
@@ -207,9 +234,10 @@ def plan_stage_job(
     owner: Owner,
     digest: str,
     default_image: str = DEFAULT_STAGER_IMAGE,
+    source: SourceStatus | None = None,
 ) -> Manifest:
     """The Job that stages ``digest`` for ``spec``; pure, deterministic."""
-    return _plan_job(spec, owner, digest, default_image, finalize=False)
+    return _plan_job(spec, owner, digest, default_image, finalize=False, source=source)
 
 
 def plan_finalize_job(
@@ -218,14 +246,21 @@ def plan_finalize_job(
     owner: Owner,
     digest: str,
     default_image: str = DEFAULT_STAGER_IMAGE,
+    source: SourceStatus | None = None,
 ) -> Manifest:
     """One pod, the stage Job's volumes and arguments, ``modelstage finalize``: it reads the
     source's config and headers (not its weights), checks every part and publishes."""
-    return _plan_job(spec, owner, digest, default_image, finalize=True)
+    return _plan_job(spec, owner, digest, default_image, finalize=True, source=source)
 
 
 def _plan_job(
-    spec: ModelDeploymentSpec, owner: Owner, digest: str, default_image: str, *, finalize: bool
+    spec: ModelDeploymentSpec,
+    owner: Owner,
+    digest: str,
+    default_image: str,
+    *,
+    finalize: bool,
+    source: SourceStatus | None = None,
 ) -> Manifest:
     location = locate(spec, namespace=owner.namespace, deployment_name=owner.name, digest=digest)
     _, source_volumes, source_mounts = _source(spec)
@@ -248,7 +283,9 @@ def _plan_job(
         "name": "stager",
         "image": stager.image or default_image,
         "imagePullPolicy": "IfNotPresent",
-        "command": stager_command(spec, location, "finalize" if finalize else "stage"),
+        "command": stager_command(
+            spec, location, "finalize" if finalize else "stage", source=source
+        ),
         "env": env,
         "volumeMounts": [
             {"name": VOLUME_SCRATCH, "mountPath": SCRATCH_DIR},
@@ -299,6 +336,7 @@ def _plan_job(
             "annotations": {
                 "modelstage.io/source-uri": spec.model.uri,
                 "modelstage.io/artifact-uri": location.uri,
+                **({"modelstage.io/source-identity": source.identity} if source else {}),
             },
             "ownerReferences": [owner.reference()],
         },
@@ -381,6 +419,98 @@ def plan_cleanup_job(
     }
 
 
+RESOLVE_CONTAINER = "resolve"
+RESOLVE_RESOURCES: Manifest = {
+    "requests": {"cpu": "100m", "memory": "256Mi"},
+    "limits": {"memory": "1Gi"},
+}
+RESOLVE_DEADLINE_SECONDS = 600
+"""A resolution is a metadata request, a listing or a few headers: minutes at most."""
+
+
+def plan_resolve_job(
+    spec: ModelDeploymentSpec,
+    *,
+    owner: Owner,
+    name: str,
+    default_image: str = DEFAULT_STAGER_IMAGE,
+) -> Manifest:
+    """The Job that runs ``modelstage resolve`` on the spec's source (``resolve_plan.py``):
+    the stage Job's image, source volume, credentials (by Secret reference), CA bundle and
+    security context, but no artifact volume and no Indexed pods; its one-line JSON lands in
+    the termination message. Owned by the ModelDeployment; gone by itself once finished."""
+    source_args, source_volumes, source_mounts = _source(spec)
+    connection = s3_connection(spec) if spec.model.scheme == "s3" else None
+    stager = spec.stager
+    job_labels = labels("resolve", owner.name)
+    command = ["modelstage", "resolve", *source_args]
+    if spec.model.revision is not None:
+        command.append(f"--revision={spec.model.revision}")
+    container: Manifest = {
+        "name": RESOLVE_CONTAINER,
+        "image": stager.image or default_image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": command + _s3_flags(connection),
+        "env": [
+            {"name": "HOME", "value": SCRATCH_DIR},
+            {"name": "TMPDIR", "value": SCRATCH_DIR},
+            {"name": "HF_HOME", "value": f"{SCRATCH_DIR}/hf"},
+            *_source_credentials_env(spec),
+        ],
+        "volumeMounts": [
+            {"name": VOLUME_SCRATCH, "mountPath": SCRATCH_DIR},
+            *source_mounts,
+            *ca_mount(connection),
+        ],
+        "securityContext": container_security_context(),
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        # A metadata request, a listing or the headers: a small pod whatever staging needs.
+        "resources": copy.deepcopy(RESOLVE_RESOURCES),
+    }
+    pod_spec: Manifest = {
+        "restartPolicy": "Never",
+        "automountServiceAccountToken": False,
+        "securityContext": pod_security_context(),
+        "containers": [container],
+        "volumes": [
+            {"name": VOLUME_SCRATCH, "emptyDir": {"sizeLimit": SCRATCH_DEFAULT}},
+            *source_volumes,
+            *ca_volume(connection),
+        ],
+    }
+    if stager.service_account_name:
+        pod_spec["serviceAccountName"] = stager.service_account_name
+    if stager.node_selector:
+        pod_spec["nodeSelector"] = dict(stager.node_selector)
+    if stager.tolerations:
+        pod_spec["tolerations"] = [t.wire() for t in stager.tolerations]
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {
+            "name": name,
+            "namespace": owner.namespace,
+            "labels": job_labels,
+            "annotations": {"modelstage.io/source-uri": spec.model.uri},
+            "ownerReferences": [owner.reference()],
+        },
+        "spec": {
+            "backoffLimit": 1,
+            "activeDeadlineSeconds": RESOLVE_DEADLINE_SECONDS,
+            "ttlSecondsAfterFinished": RESOLVE_TTL_SECONDS,
+            "template": {"metadata": {"labels": job_labels}, "spec": pod_spec},
+        },
+    }
+
+
+def _source_credentials_env(spec: ModelDeploymentSpec) -> list[Manifest]:
+    """What reading the source needs, no more: the stage Job's HF token or S3 credentials
+    for an hf:// or s3:// source, never the storage's for another kind of source."""
+    if spec.model.scheme == "pvc":
+        return []
+    if spec.model.scheme == "hf":
+        return [e for e in _credentials_env(spec) if e["name"] == "HF_TOKEN"]
+    return _credentials_env(spec)
 # --- the stager's scratch space (ephemeral storage) ------------------------------------------
 SCRATCH_DEFAULT = "2Gi"
 """The scratch volume's bound when nothing large lands there (HOME, temporary files): every

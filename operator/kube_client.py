@@ -98,6 +98,24 @@ class KubeClient:
         data: Manifest = json.loads(response.data or b"{}")
         return data
 
+    def text(self, path: str, query: Mapping[str, str] | None = None) -> str:
+        """A plain-text subresource (a pod's ``log``); errors raise ``ApiException``."""
+        if query:
+            path = f"{path}?{urlencode(dict(query))}"
+        headers = {"Accept": "text/plain"}
+        _, url, headers, _, _ = self.api.param_serialize(
+            "GET", path, header_params=headers, auth_settings=["BearerToken"]
+        )
+        response = self.api.call_api(
+            "GET", url, header_params=headers, _request_timeout=self.timeout
+        )
+        response.read()  # type: ignore[no-untyped-call]
+        if not 200 <= response.status < 300:
+            raise ApiException(
+                status=response.status, reason=_message(response.data) or response.reason
+            )
+        return bytes(response.data or b"").decode(errors="replace")
+
     def get(self, path: str) -> Manifest | None:
         """The object, or None when it does not exist."""
         try:

@@ -28,7 +28,9 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
+from kubernetes.client.exceptions import ApiException
 from modelstage.stager.errors import SpecError
+from modelstage.stager.layouts import layout_for
 from pydantic import ValidationError
 
 from . import metrics
@@ -36,9 +38,11 @@ from .api import API_VERSION, PLURAL, ModelDeploymentSpec, ModelDeploymentStatus
 from .artifact import Artifact, artifact_for, artifact_from_status
 from .claim_plan import check_claim_size, plan_claim
 from .job_plan import (
+    RESOLVE_CONTAINER,
     cleanup_job_name,
     finalize_job_name,
     plan_cleanup_job,
+    plan_resolve_job,
     stage_job_name,
     staging_jobs,
     staging_step,
@@ -46,6 +50,15 @@ from .job_plan import (
 from .kube import LABEL_DIGEST, Manifest, Owner, model_deployment_owners
 from .kube_client import Conflict, KubeClient, resource_path
 from .patch import merge_diff
+from .resolve_plan import (
+    SourceStep,
+    plan_source,
+    recorded_identity,
+    resolution_due,
+    resolve_job_name,
+    source_changed,
+    source_key,
+)
 from .retention import Holder, RetentionPlan, plan_release, plan_retention, remember
 from .rollout_plan import plan_rollout
 from .slots import StagerSlots
@@ -59,7 +72,9 @@ from .state import (
     observe_job,
     observe_workload,
     pod_failures,
+    progress_line,
     queued,
+    staging_progress,
     termination_message,
 )
 from .validation import (
@@ -75,6 +90,9 @@ JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
 """Set by the Job controller on its pods: tells the stage Job's pods from finalize's."""
 WORKLOAD_PLURALS = {"Deployment": "deployments", "StatefulSet": "statefulsets"}
 CONFLICT_ATTEMPTS = 3
+LOG_TAIL_LINES = 20
+"""Lines of a running stager's log read for its latest progress line."""
+LOG = logging.getLogger(__name__)
 EventFn = Callable[[Manifest, str, str, str], None]
 """``(object, type, reason, message)``: posts a Kubernetes Event about ``object``."""
 
@@ -106,7 +124,11 @@ class Outcome:
     @property
     def staging_failed(self) -> bool:
         staged = self.decision.status.condition("Staged")
-        return staged is not None and staged.reason in ("StagingFailed", "ArtifactMismatch")
+        return staged is not None and staged.reason in (
+            "StagingFailed",
+            "ArtifactMismatch",
+            "ResolveFailed",
+        )
 
 
 def _now() -> datetime:
@@ -125,6 +147,8 @@ class Reconciler:
         stager_image: str,
         post_event: EventFn,
         slots: StagerSlots | None = None,
+        resolve_interval: float = 0.0,
+        stager_logs: bool = False,
         allowed_images: Sequence[str] = (),
     ) -> None:
         self.kube = kube
@@ -133,6 +157,10 @@ class Reconciler:
         """Images a spec may name (``spec.stager.image``); the default first."""
         self.post_event = post_event
         self.slots = slots or StagerSlots(0)
+        self.resolve_interval = resolve_interval
+        """Seconds between resolutions of a moving source, when the spec does not say."""
+        self.stager_logs = stager_logs
+        """Read running stagers' log tails for their progress (needs ``get pods/log``)."""
         self._locks: dict[tuple[str, str], threading.Lock] = {}
         self._locks_guard = threading.Lock()
 
@@ -183,13 +211,24 @@ class Reconciler:
         job: JobObservation | None = None
         next_job: Manifest | None = None
         observed_workload: WorkloadObservation | None = None
+        source: SourceStep | None = None
+        now = _now()
         if spec is not None:
             findings += validate_spec(spec, allowed_images=self.images)
             if not any(f.blocks == "staging" for f in findings):
                 try:
-                    desired = artifact_for(spec, namespace=namespace, deployment_name=name)
+                    layout_for(spec.serving.vllm_version)
                 except SpecError as error:
                     findings.append(Finding("InvalidSpec", str(error), "staging"))
+            if not any(f.blocks == "staging" for f in findings):
+                source = self._resolve(spec, status, owner, now)
+                if source.source is not None:
+                    desired = artifact_for(
+                        spec,
+                        namespace=namespace,
+                        deployment_name=name,
+                        identity=source.source.identity,
+                    )
             blocking = [f for f in findings if f.blocks == "staging"]
             if blocking:
                 invalid = blocking[0].message
@@ -210,22 +249,51 @@ class Reconciler:
                 invalid = invalid or too_small.message
             if desired is not None:
                 jobs = staging_jobs(
-                    spec, owner=owner, digest=desired.digest, default_image=self.stager_image
+                    spec,
+                    owner=owner,
+                    digest=desired.digest,
+                    default_image=self.stager_image,
+                    source=source.source if source is not None else None,
                 )
                 job, next_job, foreign = self._observe_jobs(namespace, desired.digest, jobs, owner)
                 if foreign is not None:
                     findings.append(foreign)
+                elif source is not None and job is not None and source_changed(job, status.source):
+                    # The source changed between resolving and staging: resolve it again
+                    # now; a new identity is a new artifact with Jobs of its own.
+                    source = self._resolve(spec, status, owner, now, stale=True)
+                    if source.source is not None and source.source.identity != (
+                        status.source.identity if status.source else None
+                    ):
+                        desired = artifact_for(
+                            spec,
+                            namespace=namespace,
+                            deployment_name=name,
+                            identity=source.source.identity,
+                        )
+                        jobs = staging_jobs(
+                            spec,
+                            owner=owner,
+                            digest=desired.digest,
+                            default_image=self.stager_image,
+                            source=source.source,
+                        )
+                        job, next_job, foreign = self._observe_jobs(
+                            namespace, desired.digest, jobs, owner
+                        )
+                        if foreign is not None:
+                            findings.append(foreign)
             if workload is not None:
                 observed_workload = self._observe_workload(namespace, workload)
 
         observed = Observed(
             generation=int(meta.get("generation", 1)),
-            now=_now(),
+            now=now,
             job=job,
             workload=observed_workload,
             findings=tuple(findings),
         )
-        decision = decide(desired, status, observed)
+        decision = decide(desired, status, observed, source)
         if spec is not None:
             decision = self._retain(spec, namespace, name, desired, decision, body, logger)
         if decision.action is Action.CREATE_JOB and desired is not None and next_job is not None:
@@ -259,7 +327,10 @@ class Reconciler:
             )
 
         # 2. The action.
-        if decision.action is Action.CREATE_JOB and spec is not None and desired is not None:
+        if decision.action is Action.CREATE_RESOLVE_JOB and spec is not None:
+            assert source is not None
+            outcome.job_created = self._create_resolve_job(spec, owner, source, body, logger)
+        elif decision.action is Action.CREATE_JOB and spec is not None and desired is not None:
             assert next_job is not None
             outcome.job_created = self._create_job(spec, owner, desired, next_job, body, logger)
         elif decision.action in (Action.ROLL_OUT, Action.ROLL_BACK):
@@ -304,9 +375,17 @@ class Reconciler:
             status = ModelDeploymentStatus.model_validate(body.get("status") or {})
             try:
                 spec = ModelDeploymentSpec.model_validate(body.get("spec") or {})
-                wants = artifact_for(
-                    spec, namespace=namespace, deployment_name=body["metadata"]["name"]
-                ).location.uri
+                identity = recorded_identity(spec, status.source)
+                wants = (
+                    artifact_for(
+                        spec,
+                        namespace=namespace,
+                        deployment_name=body["metadata"]["name"],
+                        identity=identity,
+                    ).location.uri
+                    if identity is not None
+                    else None  # not resolved yet: it wants nothing staged so far
+                )
                 holders.append(Holder(status, spec.retention.keep, wants))
             except (ValidationError, SpecError):  # unknown intent: it keeps all it has
                 holders.append(Holder(status, len(status.artifacts)))
@@ -438,14 +517,15 @@ class Reconciler:
         assert step.follow is not None
         job = found[step.follow]
         state = observe_job(job).state
-        if state == "Running":
-            return observe_job(job), None, None
         pods = self.kube.list(
             resource_path("v1", "pods", namespace),
             label_selector={**STAGER_SELECTOR, LABEL_DIGEST: digest},
         )
         own = [p for p in pods if (p["metadata"].get("labels") or {}).get(JOB_NAME_LABEL)
                in (None, step.follow)]  # fmt: skip
+        if state == "Running":
+            progress = self._progress(namespace, job, own)
+            return replace(observe_job(job), progress=progress), None, None
         message = termination_message(own, success=state == "Succeeded")
         return observe_job(job, message), None, None
 
@@ -469,6 +549,90 @@ class Reconciler:
             "reports; delete it and modelstage creates its own",
             "staging",
         )
+
+    def _progress(self, namespace: str, job: Manifest, pods: list[Manifest]) -> str:
+        """What the cluster says about a running stage Job (``staging_progress``), and with
+        ``stager_logs`` the stager's own latest progress line from the tail of its log: the
+        stager holds no API credentials to report it any other way."""
+        tail = ""
+        running = [p for p in pods if (p.get("status") or {}).get("phase") == "Running"]
+        for pod in sorted(running, key=lambda p: str(p["metadata"].get("name"))):
+            if not self.stager_logs:
+                break
+            path = resource_path("v1", "pods", namespace, pod["metadata"]["name"], "log")
+            try:
+                tail = self.kube.text(
+                    path, {"container": "stager", "tailLines": str(LOG_TAIL_LINES)}
+                )
+            except (ApiException, OSError) as error:  # no kubelet, no rights: no line
+                LOG.debug("cannot read %s: %s", path, error)
+                continue
+            if progress_line(tail):
+                break
+        return staging_progress(job, pods, tail)
+
+    def _resolve(
+        self,
+        spec: ModelDeploymentSpec,
+        status: ModelDeploymentStatus,
+        owner: Owner,
+        now: datetime,
+        stale: bool = False,
+    ) -> SourceStep:
+        """The resolution step (``resolve_plan.plan_source``), with this round's resolve Job
+        observed: its state, and once it ended its pod's termination message. A Job of that
+        name this ModelDeployment does not own is not believed (its name is predictable)."""
+        namespace, name = owner.namespace, owner.name
+        spec_interval = spec.model.resolve_interval_seconds
+        interval = self.resolve_interval if spec_interval is None else float(spec_interval)
+        job_name = resolve_job_name(spec, status.source, name)
+        job: JobObservation | None = None
+        due = resolution_due(spec, status.source, now=now, interval=interval, stale=stale)
+        manifest = (
+            self.kube.get(resource_path("batch/v1", "jobs", namespace, job_name)) if due else None
+        )
+        if manifest is not None and owner.uid not in model_deployment_owners(manifest):
+            return SourceStep(
+                status.source if status.source and status.source.key == source_key(spec) else None,
+                "failed",
+                job_name,
+                f"Job {job_name} exists but this ModelDeployment does not own it: modelstage "
+                "did not create it and does not trust what it reports; delete it",
+            )
+        if manifest is not None:
+            job = observe_job(manifest)
+            if job.state != "Running":
+                pods = self.kube.list(
+                    resource_path("v1", "pods", namespace),
+                    label_selector={JOB_NAME_LABEL: job_name},
+                )
+                message = termination_message(
+                    pods, success=job.state == "Succeeded", container=RESOLVE_CONTAINER
+                )
+                job = observe_job(manifest, message)
+        return plan_source(
+            spec, status.source, owner=name, now=now, interval=interval, job=job, stale=stale
+        )
+
+    def _create_resolve_job(
+        self,
+        spec: ModelDeploymentSpec,
+        owner: Owner,
+        source: SourceStep,
+        body: Manifest,
+        logger: logging.Logger | logging.LoggerAdapter[Any],
+    ) -> bool:
+        job = plan_resolve_job(
+            spec, owner=owner, name=source.job_name, default_image=self.stager_image
+        )
+        created = self.kube.create(resource_path("batch/v1", "jobs", owner.namespace), job)
+        if created is None:
+            logger.info("resolve Job %s already exists: following it", source.job_name)
+            return False
+        message = f"created resolve Job {source.job_name} for {spec.model.uri}"
+        logger.info(message, extra={"job": source.job_name})
+        self.post_event(body, "Normal", "ResolveJobCreated", message)
+        return True
 
     def _observe_workload(self, namespace: str, workload: Manifest) -> WorkloadObservation:
         digest = observe_workload(workload).digest
@@ -538,6 +702,7 @@ class Reconciler:
             warning = (cond.type == "Degraded" and cond.status == "True") or cond.reason in (
                 "StagingFailed",
                 "ArtifactMismatch",
+                "ResolveFailed",
             )
             self.post_event(
                 body,

@@ -75,6 +75,12 @@ class OperatorConfig:
     peering_lifetime: float = 60.0
     """Seconds an instance's peering record stays valid without a keep-alive: how long a
     paused instance waits before it takes over from one that died without saying so."""
+    resolve_interval: float = 0.0
+    """Seconds between resolutions of a moving source (a branch, an S3 prefix, a folder) when
+    a spec sets no ``model.resolveIntervalSeconds``; 0: only when the spec changes."""
+    stager_logs: bool = False
+    """Read the tail of running stager pods' logs for their progress line (the ``Staged``
+    condition shows it); needs ``get`` on ``pods/log``, which the chart grants only then."""
     max_stager_jobs: int = 4
     """Stage Jobs at once across everything this operator serves; more wait in a queue
     (``slots.py``); 0: no limit."""
@@ -111,6 +117,9 @@ class OperatorConfig:
             max_stager_jobs_per_namespace=_int(
                 env, "MAX_STAGER_JOBS_PER_NAMESPACE", cls.max_stager_jobs_per_namespace
             ),
+            resolve_interval=_float(env, "RESOLVE_INTERVAL", cls.resolve_interval),
+            stager_logs=env.get(PREFIX + "STAGER_LOGS", "").strip().lower()
+            in ("1", "true", "yes", "on"),
             peering_lifetime=_float(env, "PEERING_LIFETIME", cls.peering_lifetime),
             posting_level=level,
         )

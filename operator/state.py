@@ -6,6 +6,11 @@ shell observed (the Job of the desired digest, the target workload's rollout, th
 findings); the shell executes the one action and writes the status. Conditions ``Staged``,
 ``Ready`` and ``Degraded`` carry the human-readable reasons.
 
+Resolution (``resolve_plan.py``): the desired artifact's digest is taken from the source's
+resolved identity. Until one is known the phase stays ``Pending`` with ``Staged=False/
+Resolving`` (the resolve Job's creation is this machine's action); a later resolution that
+finds a changed source gives a new desired digest, staged and rolled out like a spec change.
+
 Rollback: when pods on a new artifact fail, the workload goes back to ``previousArtifact``
 and the failed digest is remembered, so the same spec is not rolled out again (a spec change
 that alters the digest clears it).
@@ -18,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import Enum
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from .api import ArtifactStatus, Condition, ModelDeploymentStatus, Phase
 from .artifact import Artifact
@@ -26,10 +31,14 @@ from .conditions import condition, merge_conditions
 from .kube import DIGEST_ANNOTATION, Manifest
 from .validation import Finding, findings_condition
 
+if TYPE_CHECKING:
+    from .resolve_plan import SourceStep
+
 
 class Action(Enum):
     WAIT = "wait"
     CREATE_JOB = "create-job"
+    CREATE_RESOLVE_JOB = "create-resolve-job"
     ROLL_OUT = "roll-out"
     ROLL_BACK = "roll-back"
 
@@ -45,6 +54,10 @@ class JobObservation:
     message: str = ""
     """The stager's termination message: the JSON summary, or the failure reason."""
     finished_at: datetime | None = None
+    """When it succeeded (``completionTime``) or failed (its condition's transition)."""
+    name: str = ""
+    progress: str = ""
+    """While it runs: the stager's latest progress line (``progress_line``)."""
 
 
 @dataclass(frozen=True)
@@ -92,17 +105,57 @@ class Decision:
 def observe_job(job: Manifest, termination_message: str = "") -> JobObservation:
     """Reads a Job's conditions; the shell passes the termination message of its last pod."""
     status = job.get("status") or {}
+    name = str((job.get("metadata") or {}).get("name") or "")
     for cond in status.get("conditions") or []:
         if cond.get("status") != "True":
             continue
         if cond.get("type") in ("Complete", "SuccessCriteriaMet"):
             return JobObservation(
-                "Succeeded", termination_message, _time(status.get("completionTime"))
+                "Succeeded", termination_message, _time(status.get("completionTime")), name
             )
         if cond.get("type") in ("Failed", "FailureTarget"):
             message = termination_message or cond.get("message") or cond.get("reason") or ""
-            return JobObservation("Failed", message)
-    return JobObservation("Running", termination_message)
+            return JobObservation(
+                "Failed", message, _time(cond.get("lastTransitionTime")), name=name
+            )
+    return JobObservation("Running", termination_message, name=name)
+
+
+PROGRESS_CHARS = 240
+
+
+def staging_progress(job: Manifest, pods: Sequence[Manifest], log_tail: str = "") -> str:
+    """A running stage Job's progress in words: its workers done (an Indexed Job), since when
+    its first pod runs, and the stager's latest progress line when ``log_tail`` (the tail of
+    a running stager's log) holds one. Stable between reconciliations unless something moved,
+    so the status is not rewritten for nothing."""
+    parts = []
+    completions = int((job.get("spec") or {}).get("completions") or 1)
+    if completions > 1:
+        done = int((job.get("status") or {}).get("succeeded") or 0)
+        parts.append(f"{done}/{completions} workers done")
+    started = sorted(
+        str((p.get("status") or {}).get("startTime"))
+        for p in pods
+        if (p.get("status") or {}).get("phase") == "Running"
+        and (p.get("status") or {}).get("startTime")
+    )
+    if started:
+        parts.append(f"running since {started[0]}")
+    line = progress_line(log_tail)
+    if line:
+        parts.append(line)
+    return "; ".join(parts)
+
+
+def progress_line(log: str) -> str:
+    """The latest progress line of a stager's log tail (the last with a percentage): what
+    the ``Staged`` condition shows while the Job runs."""
+    for line in reversed(log.splitlines()):
+        line = line.strip().rsplit("\r", 1)[-1]
+        if "%" in line and not line.startswith(("{", "error:")):
+            return line[:PROGRESS_CHARS]
+    return ""
 
 
 def observe_workload(workload: Manifest, failing: Sequence[str] = ()) -> WorkloadObservation:
@@ -231,12 +284,18 @@ def _artifact_status(
         uri=artifact.location.uri,
         format=artifact.load_format,
         tensor_parallel_size=artifact.tensor_parallel,
-        source=str(summary["source"]) if summary.get("source") is not None else None,
+        source=_identity(summary),
         bytes=int(summary["bytes"]) if summary.get("bytes") is not None else None,
         files=int(summary["files"]) if summary.get("files") is not None else None,
         staged_at=at,
         stage_seconds=float(summary["seconds"]) if summary.get("seconds") is not None else None,
     )
+
+
+def _identity(summary: Mapping[str, Any]) -> str | None:
+    """The source identity the stager staged from (older stagers: the source URI)."""
+    value = summary.get("sourceIdentity") or summary.get("source")
+    return str(value) if value is not None else None
 
 
 def _ready(observed: Observed) -> tuple[Literal["True", "False"], str, str]:
@@ -271,17 +330,35 @@ class _Draft:
     updates: dict[str, Any] = field(default_factory=dict)
 
 
-def decide(desired: Artifact | None, status: ModelDeploymentStatus, observed: Observed) -> Decision:
+def decide(
+    desired: Artifact | None,
+    status: ModelDeploymentStatus,
+    observed: Observed,
+    source: SourceStep | None = None,
+) -> Decision:
     """The next action and the status to write. ``desired`` is None when the spec cannot be
-    turned into an artifact (the findings then say why)."""
+    turned into an artifact (the findings then say why) or while ``source`` (the resolution
+    step; None: not tracked) knows no identity yet."""
     findings = list(observed.findings)
     blocks_staging = [f for f in findings if f.blocks == "staging"]
     blocks_rollout = [f for f in findings if f.blocks == "rollout"]
     w = observed.workload
     action, target, details = Action.WAIT, None, ""
     current = status.artifact
+    unresolved = source is not None and source.source is None and not blocks_staging
 
-    if desired is None or blocks_staging:
+    if unresolved and desired is None:
+        assert source is not None
+        if source.state == "failed":
+            draft = _Draft(
+                "Failed", ("False", "ResolveFailed", source.message),
+                ("ResolveFailed", source.message),
+            )  # fmt: skip
+        else:
+            draft = _Draft("Pending", ("False", "Resolving", source.message))
+            if source.state == "create":
+                action, details = Action.CREATE_RESOLVE_JOB, source.message
+    elif desired is None or blocks_staging:
         first = blocks_staging[0] if blocks_staging else None
         draft = _Draft(
             "Failed",
@@ -364,7 +441,10 @@ def decide(desired: Artifact | None, status: ModelDeploymentStatus, observed: Ob
             draft = _Draft("Staging", ("False", "JobCreated", f"staging artifact {desired.digest}"))
             details = f"creating the stager Job for {desired.digest}"
         elif job.state == "Running":
-            draft = _Draft("Staging", ("False", "Staging", f"staging artifact {desired.digest}"))
+            progress = f": {job.progress}" if job.progress else ""
+            follow = f" (follow: kubectl logs -f job/{job.name})" if job.name else ""
+            message = f"staging artifact {desired.digest}{progress}{follow}"
+            draft = _Draft("Staging", ("False", "Staging", message))
         elif job.state == "Failed":
             message = (
                 job.message.strip().splitlines()[-1]
@@ -406,6 +486,13 @@ def decide(desired: Artifact | None, status: ModelDeploymentStatus, observed: Ob
                     }
                     details = f"artifact {desired.digest} staged: rolling the workload onto it"
 
+    if source is not None and not unresolved and not blocks_staging and source.state != "resolved":
+        if source.state == "failed" and draft.degraded is None:
+            # A periodic resolution failed: the recorded identity still holds; say so.
+            draft.degraded = ("ResolveFailed", source.message)
+        elif source.state == "create" and action is Action.WAIT:
+            action, details = Action.CREATE_RESOLVE_JOB, source.message
+
     now, gen = observed.now, observed.generation
     still_failed = desired is not None and status.failed_digest == desired.digest
     updates: list[Condition] = [
@@ -429,12 +516,15 @@ def decide(desired: Artifact | None, status: ModelDeploymentStatus, observed: Ob
         )
     else:
         updates.append(findings_condition(findings, now=now, generation=gen))
+    conditions = merge_conditions(status.conditions, updates)
     new_status = status.model_copy(
         update={
             "phase": draft.phase,
+            "reason": headline(conditions),
             "observed_generation": gen,
             "desired_digest": desired.digest if desired else None,
-            "conditions": merge_conditions(status.conditions, updates),
+            "source": source.source if source is not None else status.source,
+            "conditions": conditions,
             "failed_digest": status.failed_digest if still_failed else None,
             "failure_reason": status.failure_reason if still_failed else None,
             "queue_position": None,
@@ -460,14 +550,28 @@ def queued(
     update = condition(
         "Staged", "False", "Queued", message, now=observed.now, generation=observed.generation
     )
+    conditions = merge_conditions(decision.status.conditions, [update])
     status = decision.status.model_copy(
         update={
             "phase": "Pending",
+            "reason": headline(conditions),
             "queue_position": position,
-            "conditions": merge_conditions(decision.status.conditions, [update]),
+            "conditions": conditions,
         }
     )
     return Decision(Action.WAIT, status, details=message if position == 1 else "")
+
+
+def headline(conditions: Sequence[Condition]) -> str | None:
+    """The one reason ``kubectl get`` shows: ``Degraded``'s when true, else ``Staged``'s until
+    the artifact is staged, else ``Ready``'s."""
+    by_type = {c.type: c for c in conditions}
+    degraded, staged, ready = (by_type.get(t) for t in ("Degraded", "Staged", "Ready"))
+    if degraded is not None and degraded.status == "True":
+        return degraded.reason
+    if staged is not None and staged.status != "True":
+        return staged.reason
+    return ready.reason if ready is not None else None
 
 
 def _rolled_back_message(failed: str, reason: str | None, back_to: str) -> str:

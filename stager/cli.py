@@ -82,6 +82,8 @@ def _stage(args: argparse.Namespace) -> dict[str, Any]:
         max_part_bytes=parse_bytes(args.max_part_bytes, "--max-part-bytes")
         if args.max_part_bytes is not None else None,
         allow_pickle=args.allow_pickle,
+        expect_identity=args.expect_identity,
+        force=args.force,
     )
     if args.command == "finalize":
         return finalize(request)
@@ -236,6 +238,40 @@ def _prepare(args: argparse.Namespace) -> dict[str, Any]:
     )
 
 
+def _resolve(args: argparse.Namespace) -> dict[str, Any]:
+    """The source's identity now (resolve.py): the digest's source input."""
+    from .resolve import resolve
+    from .stage import StageRequest
+
+    request = StageRequest(
+        source=args.source, out="", tp=1, revision=args.revision, source_uri=args.source_uri,
+        hf_token_file=args.hf_token_file, cache_dir=args.cache_dir, s3=_s3_options(args),
+        allow_pickle=args.allow_pickle, timeouts=_timeouts(args),
+    )  # fmt: skip
+    resolved = resolve(request)
+    resolved.close()
+    return resolved.summary()
+
+
+def _add_resolve_parser(sub: Any) -> None:
+    re_ = sub.add_parser(
+        "resolve",
+        help="print a source's identity now (a Hub branch's commit, S3 ETags, a folder's "
+        "files): what the artifact digest is taken from",
+    )
+    re_.add_argument("source", help="a local directory, s3://BUCKET/PREFIX or hf://ORG/NAME")
+    re_.add_argument("--revision", help="hf:// sources: the branch, tag or commit to resolve")
+    re_.add_argument("--source-uri", help="logical source URI when SOURCE is a mount point")
+    re_.add_argument("--hf-token-file", help="hf:// sources: a file holding the Hub token")
+    re_.add_argument("--cache-dir", help="hf:// sources with HF_HUB_OFFLINE: the hub cache")
+    re_.add_argument(
+        "--allow-pickle", action="store_true", help="as for `stage`: pickle-only weights"
+    )
+    _add_s3_options(re_)
+    _add_network_options(re_)
+    re_.set_defaults(run=_resolve)
+
+
 def _add_prepare_parser(sub: Any) -> None:
     pr = sub.add_parser(
         "prepare", help="initContainer: verify the artifact and install the vLLM loader plugin"
@@ -334,9 +370,21 @@ def build_parser() -> argparse.ArgumentParser:
         "True), converted to safetensors, then staged as usual; unpickling untrusted files "
         "is a risk, so this is off by default",
     )  # fmt: skip
+    st.add_argument(
+        "--expect-identity", metavar="IDENTITY", type=_identity_arg,
+        help="refuse to stage unless the source still has this identity (`modelstage resolve` "
+        "printed it; the operator passes the one its resolve step found)",
+    )  # fmt: skip
+    st.add_argument(
+        "--force", action="store_true",
+        help="replace the artifact already at --out (another digest, e.g. of a source that "
+        "changed since, or the same one re-staged); it is deleted, manifest first, before "
+        "staging",
+    )  # fmt: skip
     _add_s3_options(st)
     _add_network_options(st)
     st.set_defaults(run=_stage)
+    _add_resolve_parser(sub)
     _add_finalize_parser(sub, st)
 
     ve = sub.add_parser("verify", help="re-check an artifact against its manifest")
@@ -478,7 +526,8 @@ def _plan(args: argparse.Namespace) -> int:
             workload = load_manifests(args.workload, ("Deployment", "StatefulSet"))[0]
         reports = [
             plan_deployment_report(m, namespace=args.namespace, workload=workload,
-                                   checkpoint=args.checkpoint, stager_image=image)
+                                   checkpoint=args.checkpoint, stager_image=image,
+                                   identity=args.identity)
             for m in load_manifests(target, ("ModelDeployment",))
         ]  # fmt: skip
     else:
@@ -496,7 +545,7 @@ def _plan(args: argparse.Namespace) -> int:
             max_part_bytes=parse_bytes(args.max_part_bytes, "--max-part-bytes")
             if args.max_part_bytes is not None else None,
         )  # fmt: skip
-        reports = [plan_stage_report(request, checkpoint=args.checkpoint)]
+        reports = [plan_stage_report(request, checkpoint=args.checkpoint, identity=args.identity)]
     if args.output == "json":
         doc: Any = reports[0] if len(reports) == 1 else reports
         print(json.dumps(doc, indent=2, sort_keys=True))
@@ -512,6 +561,17 @@ def _default_stager_image() -> str:
     return DEFAULT_STAGER_IMAGE
 
 
+def _identity_arg(value: str) -> str:
+    from .digest import IDENTITY_KEY
+
+    if not IDENTITY_KEY.fullmatch(value):
+        raise argparse.ArgumentTypeError(
+            f"{value!r}: expected commit:<40 hex> or sha256:<64 hex>, as `modelstage resolve` "
+            "prints it"
+        )
+    return value
+
+
 def _add_plan_parser(sub: Any) -> None:
     pl = sub.add_parser(
         "plan",
@@ -525,6 +585,10 @@ def _add_plan_parser(sub: Any) -> None:
     pl.add_argument("target", metavar="FILE|SOURCE",
                     help="a ModelDeployment YAML file (- for stdin), or a stage SOURCE")
     pl.add_argument("-o", "--output", choices=["text", "json"], default="text")
+    pl.add_argument("--identity", type=_identity_arg,
+                    help="the source's resolved identity, as `modelstage resolve` prints it: "
+                    "the digest is taken from it (default: a pinned commit's, a local "
+                    "SOURCE's; otherwise the plan shows the resolve step)")  # fmt: skip
     pl.add_argument("--checkpoint", metavar="DIR",
                     help="a local copy of the checkpoint (config.json and safetensors headers "
                     "are read) to list the artifact's files and sizes")  # fmt: skip

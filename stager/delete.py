@@ -77,6 +77,14 @@ def _digest_of_named(artifact: str, digest: str | None, s3: S3Options | None) ->
     return manifest.digest
 
 
+def remove_artifact(location: str, digest: str, s3: S3Options | None = None) -> int:
+    """Delete the artifact of ``digest`` at any location, manifest first (``stage --force``:
+    a CLI ``--out`` is named by the user, not by the digest)."""
+    if location.startswith("s3://"):
+        return _delete_s3(location, digest, s3)
+    return _delete_local(Path(location.removeprefix("file://")), digest)
+
+
 def _delete_local(out: Path, digest: str) -> int:
     """Under the location's lock (a stager writing it makes this fail, to be retried)."""
     out = out.absolute()

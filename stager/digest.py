@@ -1,33 +1,61 @@
 """The artifact digest: a pure function of what changes the staged bytes.
 
-The operator computes it from the spec alone (it never sees the source), the stager records it
-in the manifest, and artifacts are stored under it, so equal requests share one artifact.
+The inputs are the request (URI, TP, PP, dtype, load format, layout version) and the
+*resolved* source identity (``identity_key``): a moving reference (a Hub branch, an S3 prefix,
+a folder) is resolved before the digest is taken, so a source that changed is a new artifact
+and is never answered with the old one. The stager records both in the manifest; the operator
+takes the identity from a short resolve step and computes the same digest. Artifacts are
+stored under it, so equal requests of equal content share one artifact.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
+from collections.abc import Mapping
+from typing import Any
 
 DIGEST_HEX_CHARS = 20
 """80 bits: collision-safe per namespace, short enough for Kubernetes names (<= 63 chars)."""
+IDENTITY_KEY = re.compile(r"^(commit:[0-9a-f]{40}|sha256:[0-9a-f]{64})$")
+"""``commit:<sha>`` for a Hub commit, ``sha256:<hex>`` over any other source's identity."""
+SOURCE_CHANGED = "changed since it was resolved"
+"""What the stager's refusal of ``--expect-identity`` says, followed by ``found <identity>``:
+the operator resolves the source again when a stage Job fails with it."""
+
+
+def identity_key(identity: Mapping[str, Any]) -> str:
+    """The short, stable form of a source identity that the digest takes: the commit for a
+    Hub source (it pins every byte), else sha256 over the identity's canonical JSON (ETags,
+    or path + size + header hash + modification time per file)."""
+    commit = identity.get("commit")
+    if commit:
+        return f"commit:{commit}"
+    canonical = json.dumps(identity, sort_keys=True, separators=(",", ":"))
+    return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
 
 
 def artifact_digest(
     *,
     uri: str,
-    revision: str | None,
+    source: str,
     tensor_parallel: int,
     pipeline_parallel: int,
     dtype: str,
     load_format: str,
     layout_version: str,
 ) -> str:
-    """Hex digest over the canonical JSON of the inputs; field order cannot change it."""
+    """Hex digest over the canonical JSON of the inputs; field order cannot change it.
+
+    ``source`` is the resolved identity (``identity_key``); the requested revision is not an
+    input: ``main`` and the commit it names are the same bytes."""
+    if not IDENTITY_KEY.fullmatch(source):
+        raise ValueError(f"not a resolved source identity: {source!r}")
     canonical = json.dumps(
         {
             "uri": uri.rstrip("/"),
-            "revision": revision or "",
+            "source": source,
             "tp": tensor_parallel,
             "pp": pipeline_parallel,
             "dtype": dtype,

@@ -40,6 +40,27 @@ def spool_dir_for(out: str) -> Path:
     return Path(tempfile.mkdtemp(prefix="modelstage-pickle-"))
 
 
+def converted_names(pickles: list[str]) -> dict[str, str]:
+    """``<stem>.safetensors`` -> the pickle file it is converted from."""
+    return {f"{Path(p).stem}.safetensors": p for p in pickles}
+
+
+def pickle_identity(source: Source) -> dict[str, Any] | None:
+    """The identity ``ConvertedPickleSource(source).identity`` of the converted checkpoint
+    would give, without converting anything (what the digest is taken from before the work);
+    None when ``source`` is not a pickle-only checkpoint."""
+    from .checkpoint import CARRIED_OVER
+
+    files = source.list_files()
+    pickles = pickle_weights(files)
+    if any(f.endswith(".safetensors") for f in files) or not pickles:
+        return None
+    converted = converted_names(pickles)
+    originals = [converted[name] for name in sorted(converted)]
+    carried = [f for f in CARRIED_OVER if f in files]
+    return {**source.identity([*originals, *carried]), "convertedFromPickle": True}
+
+
 class ConvertedPickleSource(Source):
     """``inner`` with each pickle weight file replaced by a converted ``<name>.safetensors``."""
 
@@ -47,7 +68,7 @@ class ConvertedPickleSource(Source):
         self.inner, self.spool, self.uri = inner, spool, inner.uri
         files = inner.list_files()
         self.pickles = pickle_weights(files)
-        self.converted = {f"{Path(p).stem}.safetensors": p for p in self.pickles}
+        self.converted = converted_names(self.pickles)
         try:
             for name, pickled in self.converted.items():
                 _convert(inner, pickled, spool / name)

@@ -10,9 +10,12 @@ file of the artifact with its size, from the same shard plan the stager writes. 
 contacted: no cluster, no Hub, no S3.
 
 Where ``prepare --digest`` comes from: it is this digest. The operator computes it from the
-spec (``operator/artifact.py``), names the artifact's folder or prefix and the stager Job
-after it, passes it to the stager as ``--digest`` and to the serving pod's ``modelstage
-prepare`` initContainer, which refuses an artifact whose manifest records another.
+spec and the source's resolved identity (``operator/artifact.py``; ``modelstage resolve``
+prints the identity, ``--identity`` gives it to the plan, a pinned commit is its own), names
+the artifact's folder or prefix and the stager Job after it, passes it to the stager as
+``--digest`` and to the serving pod's ``modelstage prepare`` initContainer, which refuses an
+artifact whose manifest records another. A local SOURCE is resolved here (its headers are
+read); any other source without ``--identity`` plans no digest.
 """
 
 from __future__ import annotations
@@ -113,8 +116,10 @@ def plan_deployment_report(
     workload: dict[str, Any] | None,
     checkpoint: str | None,
     stager_image: str,
+    identity: str | None = None,
 ) -> dict[str, Any]:
-    """The report for one ModelDeployment manifest (the operator's planners, plus files)."""
+    """The report for one ModelDeployment manifest (the operator's planners, plus files);
+    ``identity``: the source's resolved identity, when known."""
     from modelstage.operator.api import ModelDeploymentSpec
     from modelstage.operator.plan import plan_deployment
     from pydantic import ValidationError
@@ -134,7 +139,7 @@ def plan_deployment_report(
             f"{first.get('msg')}"
         ) from None
     plan = plan_deployment(spec, namespace=ns, name=name, workload=workload,
-                           stager_image=stager_image)  # fmt: skip
+                           stager_image=stager_image, identity=identity)  # fmt: skip
     checks = [dataclasses.asdict(f) for f in plan.findings]
     if workload is not None:
         ref = spec.serving.target_ref
@@ -163,7 +168,8 @@ def plan_deployment_report(
             "tensorParallelSize": spec.parallelism.tensor, "dtype": spec.dtype,
             "vllmVersion": spec.serving.vllm_version,
         },
-        "source": {"uri": spec.model.uri, "revision": spec.model.revision},
+        "source": {"uri": spec.model.uri, "revision": spec.model.revision,
+                   "identity": plan.identity},
         "jobs": [_job(j) for j in plan.jobs],
         "claim": plan.claim,
         "files": files,
@@ -222,8 +228,11 @@ def _files_or_finding(checkpoint: str, checks: list[dict[str, Any]], **kw: Any) 
 
 
 # --- the SOURCE form ---------------------------------------------------------------------------
-def plan_stage_report(req: Any, *, checkpoint: str | None) -> dict[str, Any]:
-    """What ``modelstage stage`` would do with ``req`` (a StageRequest)."""
+def plan_stage_report(
+    req: Any, *, checkpoint: str | None, identity: str | None = None
+) -> dict[str, Any]:
+    """What ``modelstage stage`` would do with ``req`` (a StageRequest); ``identity``: the
+    source's resolved identity, else resolved here for a local source (headers only)."""
     from .stage import check_request, open_destination, request_digest
 
     checks: list[dict[str, Any]] = []
@@ -247,16 +256,44 @@ def plan_stage_report(req: Any, *, checkpoint: str | None) -> dict[str, Any]:
                         ("--max-part-bytes", req.max_part_bytes)):  # fmt: skip
         if value is not None:
             command += [flag, str(value)]
+    identity = identity or _local_identity(req, checks)
+    if identity is None and req.digest is None:
+        checks.append({"reason": "Resolving", "blocks": "nothing",
+                       "message": f"the digest is taken from the identity of {req.source} when "
+                       "staging resolves it: plan with --identity (`modelstage resolve "
+                       f"{req.source}` prints it)"})  # fmt: skip
     return {
         "kind": "stage",
-        "digest": request_digest(req),
+        "digest": req.digest or (request_digest(req, identity) if identity else None),
         "artifact": {"uri": req.out, "format": req.format, "tensorParallelSize": req.tp,
                      "dtype": req.dtype},
-        "source": {"uri": req.source_uri or req.source, "revision": req.revision},
+        "source": {"uri": req.source_uri or req.source, "revision": req.revision,
+                   "identity": identity},
         "jobs": [{"name": "(this machine)", "pods": 1, "command": command}],
         "files": files,
         "checks": checks,
     }
+
+
+def _local_identity(req: Any, checks: list[dict[str, Any]]) -> str | None:
+    """A local source's identity (``stage`` resolves the same); a pinned Hub commit's; None
+    for any other source, which only staging (or ``modelstage resolve``) may contact."""
+    import re
+
+    from .resolve import resolve
+
+    if req.source.startswith("hf://") and re.fullmatch(r"[0-9a-f]{40}", req.revision or ""):
+        return f"commit:{req.revision}"
+    if "://" in req.source and not req.source.startswith("file://"):
+        return None
+    try:
+        resolved = resolve(req)
+    except ModelstageError as error:
+        checks.append({"reason": "StagingWouldFail", "message": " ".join(str(error).split()),
+                       "blocks": "staging"})  # fmt: skip
+        return None
+    resolved.close()
+    return resolved.identity
 
 
 # --- the human-readable report ----------------------------------------------------------------
@@ -269,6 +306,8 @@ def render(report: dict[str, Any]) -> str:
         add("modelstage stage (planned)")
     source = report["source"]
     add(f"  source:   {source['uri']}" + (f" @ {source['revision']}" if source["revision"] else ""))
+    if source.get("identity"):
+        add(f"  identity: {source['identity']}")
     art = report.get("artifact")
     add(f"  digest:   {report.get('digest') or '(none: see checks)'}")
     if art:

@@ -37,26 +37,27 @@ from typing import Any, TextIO
 
 from .checkpoint import Checkpoint, open_checkpoint
 from .destinations.base import Destination
+from .digest import identity_key
 from .errors import SpecError
 from .hf_layout import copy_small_file
 from .layouts import Layout
 from .progress import Progress
 from .rank_writer import PART_METADATA, plan_parts, rank_file_names, write_rank_files
+from .resolve import Resolved, check_expected, check_identity, resolve
 from .safetensors_format import encode_header
 from .shard_plan import ShardPlan, TargetTensor, plan_shards
-from .sources import open_source
+from .sources import Source, open_source
 from .stage import (
     PER_RANK_FORMATS,
     StageRequest,
     _summary,
     build_manifest,
+    existing_artifact,
     modelstage_version,
-    occupied,
     open_destination,
     request_digest,
     request_layout,
     run_key,
-    source_identity_digest,
 )
 
 WORKERS_ENV = "MODELSTAGE_WORKERS"
@@ -144,16 +145,32 @@ def _check_request(req: StageRequest) -> None:
         )
     if req.pp != 1:
         raise SpecError("pipeline parallel size > 1 is not supported yet; use --pp 1")
+    if req.force:
+        raise SpecError(
+            "--force replaces a whole artifact: use it with a one-pod `modelstage stage`, not "
+            "with --group workers or finalize"
+        )
 
 
-def _plan_run(req: StageRequest, checkpoint: Checkpoint, digest: str) -> _Run:
+def _open(req: StageRequest, resolved: Resolved) -> Source:
+    """The source staging reads: the one resolving opened (local, S3), or the Hub's files."""
+    source = resolved.source or open_source(req.source, revision=req.revision, s3=req.s3,
+                                            hf_token_file=req.hf_token_file,
+                                            cache_dir=req.cache_dir, timeouts=req.timeouts,
+                                            commit=resolved.commit)  # fmt: skip
+    resolved.source = None
+    return source
+
+
+def _plan_run(req: StageRequest, checkpoint: Checkpoint, digest: str, resolved: str) -> _Run:
     layout = request_layout(req)
     plan = plan_shards(checkpoint.model, checkpoint.source_tensors, req.tp, layout, req.dtype)
     identity = checkpoint.identity()
+    check_identity(resolved, identity, req.source_uri or req.source)
     key = run_key(digest, {**identity, "maxPartBytes": layout.max_part_bytes})
     params = {
         "maxPartBytes": layout.max_part_bytes, "modelstageVersion": modelstage_version(),
-        "source": source_identity_digest(identity), "digest": digest,
+        "source": identity_key(identity), "digest": digest,
     }  # fmt: skip
     return _Run(checkpoint, plan, identity, layout, key, plan_parts(plan, layout.max_part_bytes),
                 params)  # fmt: skip
@@ -165,18 +182,20 @@ def stage_group(
     """Write every rank's files of this worker's parts into the shared work area."""
     started = time.monotonic()
     _check_request(req)
-    digest = request_digest(req)
     dest = open_destination(req)
-    if (existing := dest.existing()) is not None:
-        if existing.digest != digest:
-            raise occupied(existing, dest.uri, req, digest)
-        return {**_summary(existing, dest.uri, time.monotonic() - started, already=True),
-                "group": str(group)}  # fmt: skip
-    source = open_source(req.source, revision=req.revision, s3=req.s3,
-                         hf_token_file=req.hf_token_file, cache_dir=req.cache_dir,
-                         timeouts=req.timeouts)  # fmt: skip
+    resolved = resolve(req)
     try:
-        run = _plan_run(req, open_checkpoint(source), digest)
+        check_expected(resolved, req.expect_identity)
+        digest = request_digest(req, resolved.identity)
+        if (existing := existing_artifact(dest, req, digest, resolved)) is not None:
+            return {**_summary(existing, dest.uri, time.monotonic() - started, already=True),
+                    "group": str(group)}  # fmt: skip
+        source = _open(req, resolved)
+    finally:
+        resolved.close()
+    try:
+        checkpoint = resolved.checkpoint or open_checkpoint(source)
+        run = _plan_run(req, checkpoint, digest, resolved.identity)
         mine = assign_parts(part_sizes(run.parts), group.count)[group.index]
         dest.begin_shared(run.key, params=run.params)
         try:
@@ -212,17 +231,19 @@ def finalize(req: StageRequest, *, progress_stream: TextIO | None = None) -> dic
     """Check that every part of every rank is there and whole, then publish the artifact."""
     started = time.monotonic()
     _check_request(req)
-    digest = request_digest(req)
     dest = open_destination(req)
-    if (existing := dest.existing()) is not None:
-        if existing.digest != digest:
-            raise occupied(existing, dest.uri, req, digest)
-        return _summary(existing, dest.uri, time.monotonic() - started, already=True)
-    source = open_source(req.source, revision=req.revision, s3=req.s3,
-                         hf_token_file=req.hf_token_file, cache_dir=req.cache_dir,
-                         timeouts=req.timeouts)  # fmt: skip
+    resolved = resolve(req)
     try:
-        run = _plan_run(req, open_checkpoint(source), digest)
+        check_expected(resolved, req.expect_identity)
+        digest = request_digest(req, resolved.identity)
+        if (existing := existing_artifact(dest, req, digest, resolved)) is not None:
+            return _summary(existing, dest.uri, time.monotonic() - started, already=True)
+        source = _open(req, resolved)
+    finally:
+        resolved.close()
+    try:
+        checkpoint = resolved.checkpoint or open_checkpoint(source)
+        run = _plan_run(req, checkpoint, digest, resolved.identity)
         dest.begin_shared(run.key, finalize=True, params=run.params)
         try:
             files = _check_parts(dest, run, progress_stream)

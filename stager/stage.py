@@ -14,7 +14,7 @@ from typing import Any, TextIO
 from .checkpoint import open_checkpoint
 from .destinations.base import Destination
 from .destinations.local import LocalDestination
-from .digest import artifact_digest
+from .digest import artifact_digest, identity_key
 from .errors import ArtifactError, SpecError
 from .hf_layout import copy_small_file, copy_weight_files, small_files
 from .layouts import Layout, layout_for
@@ -22,6 +22,7 @@ from .manifest import FileEntry, Manifest
 from .network import Timeouts
 from .progress import Progress
 from .rank_writer import write_rank_files
+from .resolve import Resolved, canonical_uri, check_expected, check_identity, resolve
 from .s3_client import S3Options
 from .shard_plan import plan_shards
 from .sources import Source, open_source
@@ -49,7 +50,8 @@ class StageRequest:
     format: str = "sharded_state"
     vllm_version: str | None = None
     digest: str | None = None
-    """The operator passes its own (computed from the spec); the CLI computes it otherwise."""
+    """The operator passes its own (computed from the spec and the resolved source identity);
+    the CLI computes it otherwise."""
     revision: str | None = None
     source_uri: str | None = None
     """The logical URI (e.g. ``pvc://claim/path``) when ``source`` is where it is mounted."""
@@ -69,6 +71,11 @@ class StageRequest:
     allow_pickle: bool = False
     """Accept a checkpoint with only pickle weights, loaded with ``torch.load(weights_only=
     True)`` and converted to safetensors first (pickle_source.py); refused by default."""
+    expect_identity: str | None = None
+    """The source identity resolved earlier (the operator's resolve step): a source that no
+    longer has it is refused instead of staged under a digest that does not describe it."""
+    force: bool = False
+    """Replace an artifact already at ``out`` (another digest, or the same one re-staged)."""
 
 
 def modelstage_version() -> str:
@@ -88,25 +95,17 @@ def request_layout(req: StageRequest) -> Layout:
     return dataclasses.replace(layout, max_part_bytes=req.max_part_bytes)
 
 
-def request_digest(req: StageRequest) -> str:
+def request_digest(req: StageRequest, identity: str) -> str:
+    """The artifact digest of ``req`` for the resolved source ``identity``."""
     return req.digest or artifact_digest(
-        uri=req.source_uri or open_source_uri(req.source),
-        revision=req.revision,
+        uri=req.source_uri or canonical_uri(req.source),
+        source=identity,
         tensor_parallel=req.tp,
         pipeline_parallel=req.pp,
         dtype=req.dtype,
         load_format=req.format,
         layout_version=layout_for(req.vllm_version).layout_version,
     )
-
-
-def open_source_uri(source: str) -> str:
-    """A canonical URI for digests: absolute paths for local sources."""
-    if "://" in source and not source.startswith("file://"):
-        return source
-    from pathlib import Path
-
-    return "file://" + str(Path(source.removeprefix("file://")).absolute())
 
 
 def open_destination(req: StageRequest) -> Destination:
@@ -153,24 +152,29 @@ def stage(req: StageRequest, *, progress_stream: TextIO | None = None) -> dict[s
     started = time.monotonic()
     check_request(req)
     layout = request_layout(req)
-    digest = request_digest(req)
     dest = open_destination(req)
-    existing = dest.existing()
-    if existing is not None:
-        if existing.digest != digest:
-            raise occupied(existing, dest.uri, req, digest)
-        return _summary(existing, dest.uri, time.monotonic() - started, already=True)
-
-    source = open_source(req.source, revision=req.revision, s3=req.s3,
-                         hf_token_file=req.hf_token_file, cache_dir=req.cache_dir,
-                         timeouts=req.timeouts)  # fmt: skip
+    resolved = resolve(req)
+    try:
+        check_expected(resolved, req.expect_identity)
+        digest = request_digest(req, resolved.identity)
+        existing = existing_artifact(dest, req, digest, resolved)
+        if existing is not None:
+            return _summary(existing, dest.uri, time.monotonic() - started, already=True)
+        source = resolved.source or open_source(req.source, revision=req.revision, s3=req.s3,
+                                                hf_token_file=req.hf_token_file,
+                                                cache_dir=req.cache_dir, timeouts=req.timeouts,
+                                                commit=resolved.commit)  # fmt: skip
+        resolved.source = None  # handed on: closed below, as ``source``
+    finally:
+        resolved.close()
     if req.allow_pickle:
         source = _with_pickles_converted(source, req.out)
     try:
-        checkpoint = open_checkpoint(source)
+        checkpoint = resolved.checkpoint or open_checkpoint(source)
         # Also for runai_streamer: a TP that cannot split this model fails here, not in vLLM.
         plan = plan_shards(checkpoint.model, checkpoint.source_tensors, req.tp, layout, req.dtype)
         identity = checkpoint.identity()
+        check_identity(resolved.identity, identity, resolved.uri)
         dest.begin(run_key(digest, identity))
         try:
             label = f"staging {req.format} tp={req.tp} to {dest.uri}"
@@ -212,6 +216,25 @@ def stage(req: StageRequest, *, progress_stream: TextIO | None = None) -> dict[s
     return _summary(manifest, dest.uri, time.monotonic() - started, already=False)
 
 
+def existing_artifact(
+    dest: Destination, req: StageRequest, digest: str, resolved: Resolved
+) -> Manifest | None:
+    """The artifact already at the destination when it is the one this run would write.
+
+    One of another digest (the source changed since it was staged, or another request) is
+    refused, saying what is there and what this run would write; ``--force`` deletes it
+    (manifest first) and the run stages anew."""
+    existing = dest.existing()
+    if existing is None or (existing.digest == digest and not req.force):
+        return existing
+    if not req.force:
+        raise occupied(existing, dest.uri, req, digest, resolved.identity)
+    from .delete import remove_artifact
+
+    remove_artifact(dest.uri, existing.digest, req.s3)
+    return None
+
+
 def _with_pickles_converted(source: Source, out: str) -> Source:
     """``--allow-pickle``: a source without safetensors but with pickle weights is read
     through their safetensors conversion; any other source is returned as it is."""
@@ -243,9 +266,10 @@ def build_manifest(
         dtype=req.dtype,
         digest=digest,
         source={
-            "uri": req.source_uri or open_source_uri(req.source),
+            "uri": req.source_uri or canonical_uri(req.source),
             "revision": req.revision,
             **identity,
+            "identity": identity_key(identity),
         },
         vllmVersion=layout.vllm_version,
         layoutVersion=layout.layout_version,
@@ -257,14 +281,6 @@ def build_manifest(
     )
 
 
-def source_identity_digest(identity: dict[str, Any]) -> str:
-    """A short, stable stand-in for a long identity (termination messages hold 4 KiB)."""
-    if identity.get("commit"):
-        return f"commit:{identity['commit']}"
-    canonical = json.dumps(identity, sort_keys=True, separators=(",", ":"))
-    return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
-
-
 def _summary(manifest: Manifest, uri: str, seconds: float, *, already: bool) -> dict[str, Any]:
     return {
         "digest": manifest.digest,
@@ -272,7 +288,7 @@ def _summary(manifest: Manifest, uri: str, seconds: float, *, already: bool) -> 
         "format": manifest.format,
         "tensorParallelSize": manifest.tensorParallelSize,
         "source": manifest.source.get("uri"),
-        "sourceIdentity": source_identity_digest(manifest.source),
+        "sourceIdentity": manifest.source.get("identity"),
         "bytes": manifest.bytes,
         "files": len(manifest.files),
         "seconds": round(seconds, 3),
@@ -296,28 +312,42 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def occupied(existing: Manifest, uri: str, req: StageRequest, digest: str) -> ArtifactError:
+def occupied(
+    existing: Manifest, uri: str, req: StageRequest, digest: str, identity: str
+) -> ArtifactError:
     """``--out`` holds another artifact: say what is there, what this run would write, and
-    what differs (an artifact is never overwritten)."""
-    source = req.source_uri or open_source_uri(req.source)
+    what differs (an artifact is never overwritten without ``--force``). ``identity``: the
+    source identity this run resolved; a changed source differs only in it."""
+    source = req.source_uri or canonical_uri(req.source)
     theirs = {
         "format": existing.format, "TP": existing.tensorParallelSize, "dtype": existing.dtype,
         "source": existing.source.get("uri"), "revision": existing.source.get("revision"),
         "layout": existing.layoutVersion,
+        "source identity": existing.source.get("identity") or "not recorded",
     }  # fmt: skip
     ours = {
         "format": req.format, "TP": req.tp, "dtype": req.dtype, "source": source,
         "revision": req.revision, "layout": request_layout(req).layout_version,
+        "source identity": identity,
     }  # fmt: skip
     differ = [k for k in ours if ours[k] != theirs[k]] or ["digest (--digest)"]
+    changed = (
+        " (the source changed since that artifact was staged)"
+        if differ == ["source identity"]
+        else ""
+    )
 
     def describe(d: dict[str, Any]) -> str:
         at = f"@{d['revision']}" if d["revision"] else ""
-        return f"{d['format']}, TP {d['TP']}, dtype {d['dtype']}, from {d['source']}{at}"
+        return (
+            f"{d['format']}, TP {d['TP']}, dtype {d['dtype']}, from {d['source']}{at}, "
+            f"source identity {d['source identity']}"
+        )
 
     return ArtifactError(
         f"{uri} already holds artifact {existing.digest} ({describe(theirs)}, staged "
         f"{existing.createdAt}); this run would write artifact {digest} ({describe(ours)}); "
-        f"they differ in {', '.join(differ)}. An artifact is never overwritten: choose another "
-        f"--out, or delete the old one first (`modelstage delete --artifact {uri}`)"
+        f"they differ in {', '.join(differ)}{changed}. An artifact is never overwritten: "
+        "choose another --out, pass --force to replace it, or delete the old one first "
+        f"(`modelstage delete --artifact {uri}`)"
     )

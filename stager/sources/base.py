@@ -82,7 +82,8 @@ def open_source(uri: str, **options: Any) -> Source:
     """The source for a URI: a local path (or ``file://``), or a scheme from ``SCHEMES``.
 
     ``options`` are the request's source settings (``revision``, ``s3``, ``hf_token_file``,
-    ``cache_dir``); each source takes the ones it understands and ignores the rest.
+    ``cache_dir``, the resolved hf ``commit``); each source takes the ones it understands and
+    ignores the rest.
     """
     from .local import LocalSource
 

@@ -114,14 +114,21 @@ class HfSource(LocalSource):
         token_file: str | None = None,
         cache_dir: str | None = None,
         endpoint: str | None = None,
+        commit: str | None = None,
+        fetch: bool = True,
         timeouts: Timeouts | None = None,
     ) -> None:
+        """``commit``: the one ``resolve`` found for ``revision`` (fetched, and recorded as the
+        revision's ref); ``fetch=False`` (``resolve``): the commit only, no source then."""
         from huggingface_hub import constants
         from huggingface_hub.file_download import repo_folder_name
 
         self.timeouts = timeouts or Timeouts.from_env()
         self.repo_id = parse_hf_uri(uri)
         self.revision = check_revision(revision or DEFAULT_REVISION)
+        if commit is not None and not _COMMIT.fullmatch(commit):
+            raise CheckpointError(f"{commit!r}: not a commit sha")
+        self.pinned = commit
         self._token = read_token(token_file)
         self.cache_dir = Path(cache_dir or constants.HF_HUB_CACHE).absolute()
         endpoint = endpoint or os.environ.get("HF_ENDPOINT") or constants.ENDPOINT
@@ -130,12 +137,17 @@ class HfSource(LocalSource):
         try:
             if hub_offline():
                 self.commit = self._from_cache()
+            elif not fetch:
+                pinned = _COMMIT.fullmatch(self.revision)  # a commit never moves: no request
+                self.commit = self.revision if pinned else str(self._model_info().sha)
             else:
                 self.commit = self._download()
         except CheckpointError as e:
             raise CheckpointError(self._redact(str(e))) from None
         except Exception as e:
             raise CheckpointError(self._redact(self._describe(e))) from None
+        if not fetch:
+            return
         super().__init__(str(self.storage / "snapshots" / self.commit), allowed_root=self.storage)
         self.uri = f"{SCHEME}{self.repo_id}"
 
@@ -148,15 +160,32 @@ class HfSource(LocalSource):
         hf_token_file: str | None = None,
         cache_dir: str | None = None,
         timeouts: Timeouts | None = None,
+        commit: str | None = None,
         **_: Any,
     ) -> HfSource:
         return cls(uri, revision=revision, token_file=hf_token_file, cache_dir=cache_dir,
-                   timeouts=timeouts)  # fmt: skip
+                   timeouts=timeouts, commit=commit)  # fmt: skip
+
+    @classmethod
+    def resolve(
+        cls,
+        uri: str,
+        *,
+        revision: str | None = None,
+        hf_token_file: str | None = None,
+        cache_dir: str | None = None,
+        timeouts: Timeouts | None = None,
+        **_: Any,
+    ) -> str:
+        """The commit ``revision`` names now, without fetching a file: the source identity the
+        digest is taken from, before any download (and for ``modelstage resolve``)."""
+        return cls(uri, revision=revision, token_file=hf_token_file, cache_dir=cache_dir,
+                   timeouts=timeouts, fetch=False).commit  # fmt: skip
 
     # --- resolving and fetching -------------------------------------------------------------
     def _from_cache(self) -> str:
         """Offline: the commit from ``refs/<revision>`` (or the revision itself, a sha)."""
-        commit = self.revision
+        commit = self.pinned or self.revision
         if not _COMMIT.fullmatch(commit):
             ref = self.storage / "refs" / self.revision
             commit = ref.read_text().strip() if ref.is_file() else ""
@@ -169,27 +198,15 @@ class HfSource(LocalSource):
         return commit
 
     def _download(self) -> str:
-        from huggingface_hub import HfApi, constants, hf_hub_download
+        from huggingface_hub import constants, hf_hub_download
         from huggingface_hub.utils.tqdm import disable_progress_bars
 
         disable_progress_bars()  # carriage-return bars garble pod logs; Progress reports below
-        # Telemetry makes huggingface_hub fetch a registry from the endpoint (and cache it
-        # under HF_HOME) to describe the caller in its User-Agent: a request the stager does
-        # not need, from pods whose egress may allow only the Hub's file endpoints.
-        constants.HF_HUB_DISABLE_TELEMETRY = True
         # Downloads read this at each request (a whole number of seconds, for its retries).
         constants.HF_HUB_DOWNLOAD_TIMEOUT = math.ceil(self.timeouts.read)
         timeout = self._http_timeout()
-        api = HfApi(endpoint=self.endpoint, token=self._token, library_name="modelstage")
-        info = self._retrying("the model info", lambda: api.model_info(
-            self.repo_id, revision=self.revision, files_metadata=True, timeout=timeout,
-        ))  # fmt: skip
-        commit = str(info.sha or "")
-        if not _COMMIT.fullmatch(commit):
-            raise CheckpointError(
-                f"{SCHEME}{self.repo_id}: the Hub answered without a commit sha for revision "
-                f"{self.revision!r}; is HF_ENDPOINT a Hugging Face Hub?"
-            )
+        info = self._model_info(files_metadata=True)
+        commit = str(info.sha)
         siblings = info.siblings or []
         files = sorted(s.rfilename for s in siblings)
         sizes = {s.rfilename: s.size for s in siblings if isinstance(s.size, int)}
@@ -230,6 +247,28 @@ class HfSource(LocalSource):
             progress.finish()
         self._write_ref(commit)
         return commit
+
+    def _model_info(self, *, files_metadata: bool = False) -> Any:
+        """The Hub's model info at the revision (or the commit ``resolve`` pinned), with its
+        commit sha checked: one request, retried on transient failures."""
+        from huggingface_hub import HfApi, constants
+
+        # Telemetry makes huggingface_hub fetch a registry from the endpoint (and cache it
+        # under HF_HOME) to describe the caller in its User-Agent: a request the stager does
+        # not need, from pods whose egress may allow only the Hub's file endpoints.
+        constants.HF_HUB_DISABLE_TELEMETRY = True
+        timeout = self._http_timeout()
+        api = HfApi(endpoint=self.endpoint, token=self._token, library_name="modelstage")
+        info = self._retrying("the model info", lambda: api.model_info(
+            self.repo_id, revision=self.pinned or self.revision, files_metadata=files_metadata,
+            timeout=timeout,
+        ))  # fmt: skip
+        if not _COMMIT.fullmatch(str(info.sha or "")):
+            raise CheckpointError(
+                f"{SCHEME}{self.repo_id}: the Hub answered without a commit sha for revision "
+                f"{self.revision!r}; is HF_ENDPOINT a Hugging Face Hub?"
+            )
+        return info
 
     def _http_timeout(self) -> float:
         """huggingface_hub hands its ``timeout`` arguments on to its httpx client, which takes

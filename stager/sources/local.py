@@ -16,7 +16,9 @@ HASH_CHUNK_BYTES = 8 * 1024 * 1024
 
 
 class LocalSource(Source):
-    """Files in one folder; identity = path + size + header hash per file (DESIGN section 3).
+    """Files in one folder; identity = path, and per file its size and header hash (safetensors,
+    with the modification time: a checkpoint rewritten in place keeps its header) or its
+    sha256 (small files).
 
     Symlinks may point anywhere inside ``allowed_root`` (default: the folder itself). Only the
     Hugging Face cache widens it, to the repository's cache folder: its snapshot files are
@@ -95,6 +97,10 @@ class LocalSource(Source):
         size = self.size(name)
         entry: dict[str, Any] = {"name": name, "size": size}
         if name.endswith(".safetensors") and size >= 8:
+            # Retrained weights have the same names, shapes and offsets, so the same header
+            # and size: the modification time is what tells a rewrite in place, without
+            # reading every byte (a copy that keeps times and header is taken as the same).
+            entry["mtimeNs"] = os.fstat(self.open_fd(name)).st_mtime_ns
             prefix = bytearray(8)
             self.read_range(name, 0, memoryview(prefix))
             (header_len,) = struct.unpack("<Q", prefix)

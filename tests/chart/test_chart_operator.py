@@ -15,7 +15,6 @@ import pytest
 import yaml
 from modelstage.operator import settings as operator_settings
 from modelstage.operator.__main__ import parse_args
-from modelstage.operator.kube import labels as child_labels
 from modelstage.operator.settings import OperatorConfig
 from support.charts import (
     CHART,
@@ -144,15 +143,35 @@ def test_metrics_service_and_service_monitor_reach_the_metrics_port() -> None:
     assert [e["port"] for e in monitor["spec"]["endpoints"]] == [port["name"]]
 
 
-def test_stager_pod_monitor_selects_the_labels_the_operator_puts_on_stager_pods() -> None:
-    docs = render("monitoring")
-    (monitor,) = [
-        m for m in of_kind(docs, "PodMonitor") if m["metadata"]["name"].endswith("-stager")
-    ]
-    wanted = child_labels("stager", "llama", "0123abcd")
-    assert monitor["spec"]["selector"]["matchLabels"].items() <= wanted.items()
-    assert set(monitor["spec"]["podTargetLabels"]) <= set(wanted)
-    assert monitor["spec"]["namespaceSelector"] == {"matchNames": [RELEASE_NAMESPACE]}  # watched
+def test_no_pod_monitor_scrapes_stager_pods_which_serve_no_metrics() -> None:
+    """A monitor of a port the stager never opens would only ever report targets down."""
+    from modelstage.operator.api import ModelDeploymentSpec
+    from modelstage.operator.job_plan import plan_stage_job
+    from modelstage.operator.kube import Owner
+
+    for scenario in ("monitoring", "namespaced-monitoring-no-peering"):
+        for monitor in of_kind(render(scenario), "PodMonitor"):
+            selector = monitor["spec"]["selector"].get("matchLabels") or {}
+            assert selector.get("app.kubernetes.io/component") != "stager"
+    spec = ModelDeploymentSpec.model_validate({
+        "model": {"uri": "hf://acme/llama"}, "storage": {"pvc": {"claimName": "models"}},
+        "serving": {"targetRef": {"name": "vllm"}},
+    })  # fmt: skip
+    job = plan_stage_job(spec, owner=Owner("llama", "ns", "uid"), digest="0" * 20)
+    assert all("ports" not in c for c in job["spec"]["template"]["spec"]["containers"])
+
+
+def test_resolve_interval_and_stager_logs_reach_the_operator() -> None:
+    env = {e["name"]: e.get("value") for e in
+           one(render("stager-progress-from-logs"), "Deployment")["spec"]["template"]["spec"][
+               "containers"][0]["env"]}  # fmt: skip
+    config = OperatorConfig.from_env({k: v for k, v in env.items() if v is not None})
+    assert (config.resolve_interval, config.stager_logs) == (3600.0, True)
+    default = {e["name"]: e.get("value") for e in
+               one(render("default"), "Deployment")["spec"]["template"]["spec"][
+                   "containers"][0]["env"]}  # fmt: skip
+    config = OperatorConfig.from_env({k: v for k, v in default.items() if v is not None})
+    assert (config.resolve_interval, config.stager_logs) == (0.0, False)
 
 
 def test_vllm_loader_pod_monitor_scrapes_one_port_per_rank() -> None:

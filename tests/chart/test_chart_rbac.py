@@ -24,7 +24,7 @@ from typing import Any
 
 from modelstage.operator import api as operator_api
 from modelstage.operator.kube import Owner
-from support.charts import ROOT, is_namespaced, of_kind, render
+from support.charts import ROOT, SCENARIOS, is_namespaced, of_kind, render
 
 Triple = tuple[str, str, str]
 """(API group, resource[/subresource], verb)."""
@@ -32,6 +32,7 @@ Triple = tuple[str, str, str]
 OPERATOR = ROOT / "operator"
 CLIENT_VERBS = {
     "get": "get",
+    "text": "get",
     "list": "list",
     "create": "create",
     "merge_patch": "patch",
@@ -40,6 +41,8 @@ CLIENT_VERBS = {
 WATCH_DECORATORS = {"event", "index", "create", "update", "resume", "delete", "field", "timer", "daemon"}  # fmt: skip
 CHANGE_HANDLERS = {"create", "update", "resume", "delete", "field", "timer", "daemon"}
 """kopf stores progress and the diff base in annotations of the object: it patches it."""
+OPT_IN: dict[Triple, str] = {("", "pods/log", "get"): "operator.stagerProgressFromLogs=true"}
+"""Calls the operator makes only when a chart value turns them on, which also grants them."""
 CONSTANTS = {
     "GROUP": operator_api.GROUP,
     "VERSION": operator_api.VERSION,
@@ -192,6 +195,8 @@ def test_rbac_has_no_wildcard_and_is_exactly_what_the_operator_uses(scenario: st
     assert not wildcards
     namespaced = is_namespaced(scenario)
     expected = operator_uses() | framework(namespaced, "no-peering" not in scenario)
+    args = " ".join(SCENARIOS[scenario])
+    expected -= {triple for triple, value in OPT_IN.items() if value not in args}
     missing, extra = expected - triples, triples - expected
     assert not missing, (
         f"{scenario}: the operator uses, the chart does not grant: {sorted(missing)}"
@@ -233,4 +238,7 @@ def test_rbac_rules_are_commented_in_the_template() -> None:
 
 def test_no_permission_on_secrets_anywhere(scenario: str) -> None:
     triples, _ = granted(render(scenario))
-    assert not [t for t in triples if t[1] in ("secrets", "pods/exec", "pods/log")]
+    assert not [t for t in triples if t[1] in ("secrets", "pods/exec")]
+    logs = [t for t in triples if t[1] == "pods/log"]
+    assert logs == ([("", "pods/log", "get")] if "stagerProgressFromLogs=true" in " ".join(
+        SCENARIOS[scenario]) else [])  # fmt: skip

@@ -121,13 +121,24 @@ def test_status_subresource_printer_columns_and_short_names(
     assert version["subresources"] == {"status": {}}
     assert document["spec"]["scope"] == "Namespaced"
     assert {"md", "mdep"} <= set(document["spec"]["names"]["shortNames"])
-    columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
-    assert list(columns) == ["Phase", "TP", "Format", "Digest", "Age"]
+    printed = version["additionalPrinterColumns"]
+    columns = {c["name"]: c["jsonPath"] for c in printed}
+    assert [c["name"] for c in printed if not c.get("priority")] == [
+        "Phase", "Ready", "Reason", "Model", "TP", "Age"
+    ]  # fmt: skip
+    assert [c["name"] for c in printed if c.get("priority") == 1] == [
+        "Target", "Format", "Digest", "Source"
+    ]  # fmt: skip
     for json_path in columns.values():
         node: dict[str, Any] = schema
-        for part in json_path.strip(".").split("."):
-            if part != "creationTimestamp":
+        path = json_path.replace('[?(@.type=="Ready")]', ".items")  # the filter selects items
+        for part in path.strip(".").split("."):
+            if part == "items":
+                node = node["items"]
+            elif part != "creationTimestamp":
                 node = node["properties"][part]
+        if not json_path.startswith(".metadata"):
+            assert node.get("type") in ("string", "integer"), json_path
 
 
 def test_status_keeps_kopf_fields_and_conditions_are_a_map(schema: dict[str, Any]) -> None:
@@ -207,6 +218,9 @@ CROSS_FIELD_CASES: list[dict[str, Any]] = [
     {"storage": {"pvc": {"claimName": None, "create": {}}}, "model": {"sizeHint": "70Gi"}},
     {"storage": {"pvc": {"path": "models/../etc"}}},
     {"storage": {"pvc": {"path": "models/..hidden/x"}}},
+    {"model": {"resolveIntervalSeconds": 0}},
+    {"model": {"resolveIntervalSeconds": 59}},
+    {"model": {"resolveIntervalSeconds": 60}},
     {"model": {"uri": "pvc://claim/../../../etc"}},
     {"model": {"uri": "pvc://claim/ckpt/.."}},
     {"model": {"uri": "pvc://claim/ckpt..v2/x"}},

@@ -7,16 +7,18 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 import kopf
 import pytest
 from modelstage.operator import handlers, metrics
-from modelstage.operator.api import ModelDeploymentSpec
+from modelstage.operator.api import ModelDeploymentSpec, SourceStatus
 from modelstage.operator.artifact import spec_digest
 from modelstage.operator.handlers import Ref
 from modelstage.operator.kube import DIGEST_ANNOTATION, LABEL_DIGEST
 from modelstage.operator.kube_client import Conflict
+from modelstage.operator.resolve_plan import resolve_job_name, source_key
 from modelstage.operator.settings import OperatorConfig
 from modelstage.operator.slots import StagerSlots
 
@@ -82,10 +84,21 @@ def index() -> dict[str | None, list[Ref]]:
 # -- the index -------------------------------------------------------------------------
 def test_the_index_routes_a_valid_spec_by_its_digest_status_artifact_and_target() -> None:
     spec = dict(BASE_SPEC)
-    status = {"artifact": {"digest": "abc"}}
+    parsed = ModelDeploymentSpec.model_validate(spec)
+    source = SourceStatus(uri=parsed.model.uri, identity="commit:" + "ab" * 20,
+                          resolved_at=datetime(2026, 3, 1, tzinfo=UTC), key=source_key(parsed))  # fmt: skip
+    status = {"artifact": {"digest": "abc"}, "source": source.wire()}
     refs = handlers.modeldeployment_refs(namespace=NS, name="m", spec=spec, status=status)
-    digest = spec_digest(ModelDeploymentSpec.model_validate(spec))
-    assert refs == {NS: Ref("m", digest, "abc", ("Deployment", "vllm-llama"))}
+    digest = spec_digest(parsed, source.identity)
+    resolve = resolve_job_name(parsed, source, "m")
+    assert refs == {NS: Ref("m", digest, "abc", ("Deployment", "vllm-llama"), resolve)}
+
+
+def test_the_index_routes_an_unresolved_spec_by_its_resolve_job_only() -> None:
+    spec = dict(BASE_SPEC)
+    refs = handlers.modeldeployment_refs(namespace=NS, name="m", spec=spec, status={})
+    resolve = resolve_job_name(ModelDeploymentSpec.model_validate(spec), None, "m")
+    assert refs == {NS: Ref("m", None, None, ("Deployment", "vllm-llama"), resolve)}
 
 
 def test_the_index_routes_nothing_by_digest_or_target_for_an_invalid_spec() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any
 
 import kubernetes_validate
@@ -21,6 +22,9 @@ from modelstage.operator.job_plan import (
 )
 from modelstage.operator.kube import Owner
 
+IDENTITY = "commit:" + "ab" * 20
+"""A resolved source identity (a Hub commit) for planner tests."""
+
 SpecFactory = Callable[..., ModelDeploymentSpec]
 OWNER = Owner(name="llama", namespace="llm", uid="5f1c0000-0000-4000-8000-000000000001")
 S3_STORAGE = {
@@ -36,7 +40,7 @@ S3_STORAGE = {
 
 
 def plan(spec: ModelDeploymentSpec, owner: Owner = OWNER) -> dict[str, Any]:
-    return plan_stage_job(spec, owner=owner, digest=spec_digest(spec))
+    return plan_stage_job(spec, owner=owner, digest=spec_digest(spec, IDENTITY))
 
 
 def container(job: dict[str, Any]) -> dict[str, Any]:
@@ -72,7 +76,7 @@ def test_every_label_value_fits_the_api_servers_63_characters(
 def test_job_is_named_from_the_digest_and_fits_a_label(make_spec: SpecFactory) -> None:
     spec = make_spec()
     job = plan(spec)
-    assert job["metadata"]["name"] == stage_job_name(spec_digest(spec))
+    assert job["metadata"]["name"] == stage_job_name(spec_digest(spec, IDENTITY))
     assert len(job["metadata"]["name"]) <= 63
     other_owner = Owner(name="llama-copy", namespace="llm", uid="another")
     assert plan(spec, other_owner)["metadata"]["name"] == job["metadata"]["name"]
@@ -84,7 +88,7 @@ def test_planning_twice_gives_the_same_manifest(make_spec: SpecFactory) -> None:
 
 def test_hf_source_to_pvc_runs_the_stager_cli_as_contracted(make_spec: SpecFactory) -> None:
     spec = make_spec(model={"revision": "main"}, dtype="bfloat16")
-    digest = spec_digest(spec)
+    digest = spec_digest(spec, IDENTITY)
     assert container(plan(spec))["command"] == [
         "modelstage", "stage", "hf://meta-llama/Meta-Llama-3-8B-Instruct",
         "--tp", "2", "--pp", "1", "--dtype", "bfloat16", "--format", "sharded_state",
@@ -145,7 +149,7 @@ def test_s3_storage_passes_connection_flags_ca_and_credentials(make_spec: SpecFa
     spec = make_spec(loadFormat="tensorizer", storage=S3_STORAGE)
     job = plan(spec)
     command = container(job)["command"]
-    digest = spec_digest(spec)
+    digest = spec_digest(spec, IDENTITY)
     assert command[command.index("--out") + 1] == f"s3://models/modelstage/llm/{digest}"
     assert command[-5:] == [
         "--s3-endpoint=https://minio.storage:9000", "--s3-region=eu-west-1",
@@ -217,7 +221,7 @@ def test_owner_reference_and_labels_tie_the_job_to_its_model_deployment(
         }
     ]
     assert job["metadata"]["namespace"] == "llm"
-    assert job["metadata"]["labels"]["modelstage.io/digest"] == spec_digest(spec)
+    assert job["metadata"]["labels"]["modelstage.io/digest"] == spec_digest(spec, IDENTITY)
     assert job["spec"]["template"]["metadata"]["labels"] == job["metadata"]["labels"]
 
 
@@ -279,12 +283,12 @@ def test_job_manifest_passes_kubernetes_schema(
 
 
 def jobs(spec: ModelDeploymentSpec) -> list[dict[str, Any]]:
-    return staging_jobs(spec, owner=OWNER, digest=spec_digest(spec))
+    return staging_jobs(spec, owner=OWNER, digest=spec_digest(spec, IDENTITY))
 
 
 def test_one_pod_staging_is_one_job(make_spec: SpecFactory) -> None:
     assert [j["metadata"]["name"] for j in jobs(make_spec())] == [
-        stage_job_name(spec_digest(make_spec()))
+        stage_job_name(spec_digest(make_spec(), IDENTITY))
     ]
 
 
@@ -292,7 +296,7 @@ def test_scaled_out_staging_is_the_indexed_job_then_a_finalize_job_with_its_argu
     make_spec: SpecFactory,
 ) -> None:
     spec = make_spec(stager={"parallelism": 4})
-    digest = spec_digest(spec)
+    digest = spec_digest(spec, IDENTITY)
     stage_job, final = jobs(spec)
     assert final["metadata"]["name"] == finalize_job_name(digest) == f"modelstage-finalize-{digest}"
     assert len(final["metadata"]["name"]) <= 63
@@ -322,7 +326,7 @@ def test_the_stager_cli_reads_the_indexed_jobs_command_and_environment(
     assert Group.from_env({**pod_env, "JOB_COMPLETION_INDEX": str(index)}) == Group(index, 4)
     for job in (stage_job, final):
         args = build_parser().parse_args(container(job)["command"][1:])
-        assert (args.tp, args.digest, args.group) == (2, spec_digest(spec), None)
+        assert (args.tp, args.digest, args.group) == (2, spec_digest(spec, IDENTITY), None)
     assert build_parser().parse_args(container(final)["command"][1:]).command == "finalize"
 
 
@@ -429,3 +433,37 @@ def test_a_service_account_lends_its_cloud_identity_never_an_api_token(
         assert pod["serviceAccountName"] == "s3-reader"
         assert pod["automountServiceAccountToken"] is False
     assert plan(spec)["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        {"model": {"uri": "hf://meta-llama/Meta-Llama-3-8B-Instruct", "revision": "main"}},
+        {"model": {"uri": "s3://ckpts/llama/", "credentialsSecret": None},
+         "storage": {"pvc": None, "s3": {"uri": "s3://bkt/p"}}, "loadFormat": "tensorizer"},
+        {"model": {"uri": "pvc://checkpoints/llama", "credentialsSecret": None}},
+    ],
+    ids=["hf", "s3", "pvc"],
+)
+def test_the_stager_takes_the_operators_digest_from_the_jobs_own_arguments(
+    make_spec: SpecFactory, source: dict[str, Any]
+) -> None:
+    """One canonical function: what the stager computes from the stage Job's command (without
+    the --digest the operator passes) and the resolved identity is the operator's digest."""
+    from modelstage.operator.api import SourceStatus
+    from modelstage.stager.cli import build_parser
+    from modelstage.stager.stage import StageRequest, request_digest
+
+    spec = make_spec(**source)
+    resolved = SourceStatus(uri=spec.model.uri, identity=IDENTITY, resolved_at=datetime.now(UTC),
+                            key="k", commit="ab" * 20 if spec.model.scheme == "hf" else None)  # fmt: skip
+    digest = spec_digest(spec, resolved.identity)
+    job = plan_stage_job(spec, owner=OWNER, digest=digest, source=resolved)
+    args = build_parser().parse_args(container(job)["command"][1:])
+    request = StageRequest(
+        source=args.source, out=args.out, tp=args.tp, pp=args.pp, dtype=args.dtype,
+        format=args.format, vllm_version=args.vllm_version, revision=args.revision,
+        source_uri=args.source_uri,
+    )  # fmt: skip
+    assert (args.digest, args.expect_identity) == (digest, IDENTITY)
+    assert request_digest(request, args.expect_identity) == digest

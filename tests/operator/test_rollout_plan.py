@@ -24,6 +24,9 @@ from modelstage.operator.patch import apply_merge_patch
 from modelstage.operator.rollout_plan import plan_rollout
 from modelstage.stager.errors import SpecError
 
+IDENTITY = "commit:" + "ab" * 20
+"""A resolved source identity (a Hub commit) for planner tests."""
+
 SpecFactory = Callable[..., ModelDeploymentSpec]
 S3 = {
     "pvc": None,
@@ -38,7 +41,7 @@ S3 = {
 
 
 def artifact(spec: ModelDeploymentSpec) -> Artifact:
-    return artifact_for(spec, namespace="llm", deployment_name="llama")
+    return artifact_for(spec, namespace="llm", deployment_name="llama", identity=IDENTITY)
 
 
 def roll(spec: ModelDeploymentSpec, workload: dict[str, Any]) -> dict[str, Any]:

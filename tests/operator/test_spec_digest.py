@@ -1,8 +1,10 @@
-"""``spec -> digest`` and ``spec -> location``: what changes the bytes changes the digest,
-nothing else does, and the artifact lands where the contract says."""
+"""``spec + resolved source identity -> digest`` and ``spec -> location``: what changes the
+bytes changes the digest, nothing else does, the canonical form is pinned by golden values,
+and the artifact lands where the contract says."""
 
 from __future__ import annotations
 
+import hashlib
 import random
 from collections.abc import Callable
 from typing import Any
@@ -25,6 +27,7 @@ from modelstage.stager.layouts import layout_for
 
 SpecDict = Callable[..., dict[str, Any]]
 SpecFactory = Callable[..., ModelDeploymentSpec]
+IDENTITY = "commit:" + "ab" * 20
 
 
 def shuffled(value: Any, rng: random.Random) -> Any:
@@ -38,9 +41,9 @@ def shuffled(value: Any, rng: random.Random) -> Any:
 
 def test_digest_is_the_stagers_function_of_the_byte_relevant_fields(make_spec: SpecFactory) -> None:
     spec = make_spec(model={"revision": "main"}, dtype="bfloat16")
-    assert spec_digest(spec) == artifact_digest(
+    assert spec_digest(spec, IDENTITY) == artifact_digest(
         uri="hf://meta-llama/Meta-Llama-3-8B-Instruct",
-        revision="main",
+        source=IDENTITY,
         tensor_parallel=2,
         pipeline_parallel=1,
         dtype="bfloat16",
@@ -62,8 +65,8 @@ def test_digest_does_not_depend_on_field_order(seed: int) -> None:
         "stager": {"parallelism": 2, "backoffLimit": 1},
     }
     reordered = shuffled(raw, random.Random(seed))
-    assert spec_digest(ModelDeploymentSpec.model_validate(reordered)) == spec_digest(
-        ModelDeploymentSpec.model_validate(raw)
+    assert spec_digest(ModelDeploymentSpec.model_validate(reordered), IDENTITY) == spec_digest(
+        ModelDeploymentSpec.model_validate(raw), IDENTITY
     )
 
 
@@ -71,7 +74,6 @@ def test_digest_does_not_depend_on_field_order(seed: int) -> None:
     "change",
     [
         {"model": {"uri": "hf://meta-llama/Meta-Llama-3-8B"}},
-        {"model": {"revision": "refs/pr/1"}},
         {"parallelism": {"tensor": 4}},
         {"dtype": "float16"},
         {"loadFormat": "tensorizer"},
@@ -81,7 +83,64 @@ def test_digest_does_not_depend_on_field_order(seed: int) -> None:
 def test_every_byte_relevant_change_changes_the_digest(
     make_spec: SpecFactory, change: dict[str, Any]
 ) -> None:
-    assert spec_digest(make_spec(**change)) != spec_digest(make_spec())
+    assert spec_digest(make_spec(**change), IDENTITY) != spec_digest(make_spec(), IDENTITY)
+
+
+def test_the_resolved_identity_changes_the_digest_and_the_revision_text_does_not(
+    make_spec: SpecFactory,
+) -> None:
+    """A moved branch is a new artifact; ``main`` and the commit it names are one."""
+    spec = make_spec(model={"revision": "main"})
+    moved = "commit:" + "cd" * 20
+    assert spec_digest(spec, moved) != spec_digest(spec, IDENTITY)
+    assert spec_digest(spec, IDENTITY) == spec_digest(
+        make_spec(model={"revision": "ab" * 20}), IDENTITY
+    )
+    files = "sha256:" + "0" * 64
+    assert spec_digest(spec, files) not in (spec_digest(spec, IDENTITY), spec_digest(spec, moved))
+
+
+@pytest.mark.parametrize("source", ["", "main", "sha:4a1b", "commit:ABC", "sha256:" + "0" * 63])
+def test_a_digest_is_never_taken_from_an_unresolved_source(source: str) -> None:
+    with pytest.raises(ValueError, match="not a resolved source identity"):
+        artifact_digest(uri="hf://a/b", source=source, tensor_parallel=1, pipeline_parallel=1,
+                        dtype="auto", load_format="sharded_state", layout_version="x")  # fmt: skip
+
+
+GOLDEN = [
+    # (spec overrides, source identity, digest, canonical JSON the digest is sha256[:20] of).
+    # Written down once; a change of the canonical form changes them, and would orphan every
+    # stored artifact (artifacts staged before this form are not reused either: docs/api.md).
+    ({}, IDENTITY, "2ce8075367dfc2c3697e",
+     '{"dtype":"auto","format":"sharded_state","layout":"vllm-0.32/1","pp":1,'
+     '"source":"commit:abababababababababababababababababababab","tp":2,'
+     '"uri":"hf://meta-llama/Meta-Llama-3-8B-Instruct"}'),
+    ({"dtype": "bfloat16", "parallelism": {"tensor": 8}, "model": {"revision": "main"}},
+     IDENTITY, "fc9dbad665cb1fee5040",
+     '{"dtype":"bfloat16","format":"sharded_state","layout":"vllm-0.32/1","pp":1,'
+     '"source":"commit:abababababababababababababababababababab","tp":8,'
+     '"uri":"hf://meta-llama/Meta-Llama-3-8B-Instruct"}'),
+    ({"model": {"uri": "s3://models/llama-3-8b", "credentialsSecret": None},
+      "loadFormat": "runai_streamer_sharded",
+      "storage": {"pvc": None, "s3": {"uri": "s3://artifacts/staged"}}},
+     "sha256:" + "5e" * 32, "abd32c5fb71cc6051ad6",
+     '{"dtype":"auto","format":"runai_streamer_sharded","layout":"vllm-0.32/1","pp":1,'
+     '"source":"sha256:' + "5e" * 32 + '","tp":2,"uri":"s3://models/llama-3-8b"}'),
+    ({"model": {"uri": "pvc://checkpoints/llama/", "credentialsSecret": None},
+      "loadFormat": "tensorizer"}, "sha256:" + "0f" * 32, "563635146a5b0f1f626b",
+     '{"dtype":"auto","format":"tensorizer","layout":"vllm-0.32/1","pp":1,'
+     '"source":"sha256:' + "0f" * 32 + '","tp":2,"uri":"pvc://checkpoints/llama"}'),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("change", "identity", "digest", "canonical"), GOLDEN, ids=["hf", "bf16", "s3", "pvc"]
+)
+def test_golden_digests_pin_the_canonical_form(
+    make_spec: SpecFactory, change: dict[str, Any], identity: str, digest: str, canonical: str
+) -> None:
+    assert hashlib.sha256(canonical.encode()).hexdigest()[:20] == digest  # the table itself
+    assert spec_digest(make_spec(**change), identity) == digest
 
 
 @pytest.mark.parametrize(
@@ -94,20 +153,22 @@ def test_every_byte_relevant_change_changes_the_digest(
         {"serving": {"vllmVersion": "0.32.4"}},
         {"retention": {"keep": 5}},
         {"model": {"uri": "hf://meta-llama/Meta-Llama-3-8B-Instruct/"}},
+        {"model": {"revision": "main"}},
+        {"model": {"resolveIntervalSeconds": 3600}},
     ],
     ids=lambda v: str(v)[:40],
 )
 def test_changes_that_keep_the_bytes_keep_the_digest(
     make_spec: SpecFactory, change: dict[str, Any]
 ) -> None:
-    assert spec_digest(make_spec(**change)) == spec_digest(make_spec())
+    assert spec_digest(make_spec(**change), IDENTITY) == spec_digest(make_spec(), IDENTITY)
 
 
 def test_unknown_vllm_version_is_a_spec_error_naming_the_supported_ones(
     make_spec: SpecFactory,
 ) -> None:
     with pytest.raises(SpecError, match=r"supported: 0\.32"):
-        spec_digest(make_spec(serving={"vllmVersion": "0.1"}))
+        spec_digest(make_spec(serving={"vllmVersion": "0.1"}), IDENTITY)
 
 
 @pytest.mark.parametrize(
@@ -150,7 +211,7 @@ def test_status_uri_leads_back_to_the_same_location(
     make_spec: SpecFactory, storage: dict[str, Any]
 ) -> None:
     spec = make_spec(loadFormat="tensorizer", storage=storage)
-    artifact = artifact_for(spec, namespace="llm", deployment_name="md")
+    artifact = artifact_for(spec, namespace="llm", deployment_name="md", identity=IDENTITY)
     assert location_from_uri(artifact.location.uri, artifact.digest) == artifact.location
     status = ArtifactStatus(
         digest=artifact.digest,

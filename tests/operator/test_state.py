@@ -30,6 +30,9 @@ from modelstage.operator.state import (
 )
 from modelstage.operator.validation import Finding
 
+IDENTITY = "commit:" + "ab" * 20
+"""A resolved source identity (a Hub commit) for planner tests."""
+
 SpecFactory = Callable[..., ModelDeploymentSpec]
 T0 = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
 CRD_FILE = Path(__file__).resolve().parents[2] / "crds" / "modelstage.io_modeldeployments.yaml"
@@ -50,7 +53,9 @@ NOT_OPTED_IN = Finding(
 
 @pytest.fixture
 def desired(make_spec: SpecFactory) -> Artifact:
-    return artifact_for(make_spec(), namespace="llm", deployment_name="llama")
+    return artifact_for(
+        make_spec(), namespace="llm", deployment_name="llama", identity=IDENTITY
+    )
 
 
 def summary(digest: str, **extra: Any) -> str:
@@ -249,7 +254,10 @@ def test_workload_changed_by_someone_else_is_reported_not_patched_back(desired: 
 def test_a_new_artifact_forgets_the_old_workload_generation(make_spec: SpecFactory) -> None:
     """Rolling a new artifact is not fought as someone else's change."""
     new = artifact_for(
-        make_spec(parallelism={"tensor": 4}), namespace="llm", deployment_name="llama"
+        make_spec(parallelism={"tensor": 4}),
+        namespace="llm",
+        deployment_name="llama",
+        identity=IDENTITY,
     )
     old = ArtifactStatus(digest=OLD.digest, uri="pvc://x", format="sharded_state",
                          tensor_parallel_size=2)  # fmt: skip
@@ -329,7 +337,9 @@ def test_a_spec_change_after_a_rollback_stages_again(
     make_spec: SpecFactory, desired: Artifact
 ) -> None:
     first = run(desired, rolled_out(desired), workload=on(desired.digest, failing=("crash",)))
-    changed = artifact_for(make_spec(dtype="float16"), namespace="llm", deployment_name="llama")
+    changed = artifact_for(
+        make_spec(dtype="float16"), namespace="llm", deployment_name="llama", identity=IDENTITY
+    )
     d = run(changed, first.status, workload=on(OLD.digest), generation=2)
     assert d.action is Action.CREATE_JOB and d.status.failed_digest is None
     assert d.status.failure_reason is None
@@ -361,7 +371,10 @@ def test_a_warning_degrades_but_does_not_stop_readiness(desired: Artifact) -> No
 
 def test_the_old_artifact_keeps_serving_while_a_new_one_stages(make_spec: SpecFactory) -> None:
     new = artifact_for(
-        make_spec(parallelism={"tensor": 4}), namespace="llm", deployment_name="llama"
+        make_spec(parallelism={"tensor": 4}),
+        namespace="llm",
+        deployment_name="llama",
+        identity=IDENTITY,
     )
     status = ModelDeploymentStatus(phase="Ready", artifact=OLD)
     d = run(new, status, workload=on(OLD.digest), generation=2)

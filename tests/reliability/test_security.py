@@ -33,7 +33,7 @@ import pytest
 import yaml
 from modelstage.operator.api import ModelDeploymentSpec
 from modelstage.operator.artifact import artifact_for, spec_digest
-from modelstage.operator.job_plan import plan_finalize_job, plan_stage_job
+from modelstage.operator.job_plan import plan_finalize_job, plan_resolve_job, plan_stage_job
 from modelstage.operator.kube import Owner
 from modelstage.operator.rollout_plan import plan_rollout
 from modelstage.stager import cli
@@ -42,6 +42,9 @@ from modelstage.stager.s3_client import S3Options
 from modelstage.stager.stage import StageRequest, stage
 from support.fault_proxy import fault_proxy
 from support.s3_server import S3Server
+
+IDENTITY = "commit:" + "ab" * 20
+"""A resolved source identity (a Hub commit) for planner tests."""
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -262,16 +265,17 @@ def assert_restricted(container: dict[str, Any], pod: dict[str, Any], what: str)
 def test_every_container_the_operator_creates_is_non_root_with_a_read_only_root() -> None:
     spec = ModelDeploymentSpec.model_validate(SPEC)
     owner = Owner(name="llama", namespace="llm", uid="5f1c0000-0000-4000-8000-000000000001")
-    digest = spec_digest(spec)
+    digest = spec_digest(spec, IDENTITY)
     for job in (plan_stage_job(spec, owner=owner, digest=digest),
-                plan_finalize_job(spec, owner=owner, digest=digest)):  # fmt: skip
+                plan_finalize_job(spec, owner=owner, digest=digest),
+                plan_resolve_job(spec, owner=owner, name="modelstage-resolve-0")):  # fmt: skip
         pod = job["spec"]["template"]["spec"]
         for c in pod.get("initContainers", []) + pod["containers"]:
             assert_restricted(c, pod, f"job {job['metadata']['name']} container {c['name']}")
 
     workload = yaml.safe_load((ROOT / "examples" / "vllm-deployment.yaml").read_text())
-    patch = plan_rollout(spec, artifact_for(spec, namespace="llm", deployment_name="llama"),
-                         workload).merge_patch  # fmt: skip
+    artifact = artifact_for(spec, namespace="llm", deployment_name="llama", identity=IDENTITY)
+    patch = plan_rollout(spec, artifact, workload).merge_patch
     pod = patch["spec"]["template"]["spec"]
     inits = pod.get("initContainers", [])
     assert inits, "the rollout adds the prepare initContainer"

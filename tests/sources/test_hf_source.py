@@ -94,7 +94,8 @@ def test_a_branch_is_resolved_to_its_commit_and_only_the_needed_files_are_fetche
     fetched = [name for name, _ in hub.content_gets()]
     assert sorted(fetched) == sorted(NEEDED), "each needed file exactly once, nothing else"
     resolved = [s.path for s in hub.seen if s.path.startswith("/api/")]
-    assert resolved == ["/api/models/acme/llama/revision/main"]
+    # the branch once (the identity the digest is taken from), then the listing at that commit
+    assert resolved == ["/api/models/acme/llama/revision/main", f"/api/models/acme/llama/revision/{COMMIT}"]
     assert all(f"/resolve/{COMMIT}/" in s.path for s in hub.seen if "/resolve/" in s.path)
     ref = tmp_path / "cache" / "models--acme--llama" / "refs" / "main"
     assert ref.read_text() == COMMIT  # an offline rerun by branch name finds this snapshot
@@ -109,7 +110,10 @@ def test_a_rerun_reads_finished_files_from_the_cache_without_fetching_them(
     hub.seen.clear()
     stage(hub_request(tmp_path / "b", tmp_path / "cache", revision="v1.0"))
     assert hub.content_gets() == []
-    assert [s.path for s in hub.seen] == ["/api/models/acme/llama/revision/v1.0"]
+    assert [s.path for s in hub.seen] == [
+        "/api/models/acme/llama/revision/v1.0",
+        f"/api/models/acme/llama/revision/{COMMIT}",
+    ]
     assert artifact_files(tmp_path / "a") == artifact_files(tmp_path / "b")
 
 
@@ -381,3 +385,50 @@ def test_a_snapshot_link_that_leaves_the_repository_cache_is_refused(
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(CheckpointError, match=r"tokenizer\.json: symlink escapes"):
         stage(hub_request(tmp_path / "out", tmp_path / "cache"))
+
+
+def test_a_moved_branch_is_resolved_anew_and_never_answered_with_the_stale_artifact(
+    hub: FakeHub, split_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from modelstage.stager.errors import ArtifactError
+
+    serve(hub, split_ckpt)
+    monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
+    first = stage(hub_request(tmp_path / "out", tmp_path / "cache"))
+    assert first["sourceIdentity"] == f"commit:{COMMIT}"
+
+    retrained = write_checkpoint(SyntheticModel(num_shards=3, split_fused=True, seed=5),
+                                 tmp_path / "retrained")  # fmt: skip
+    moved = hashlib.sha1(b"main, one commit later").hexdigest()
+    files = {p.name: p.read_bytes() for p in retrained.iterdir()}
+    hub.repos["acme/llama"] = HubRepo(files, moved, {"main": moved})
+    resolved = run_cli("resolve", "hf://acme/llama", "--revision", "main")
+    assert resolved.returncode == 0, resolved.stderr
+    answer = json.loads(resolved.stdout.strip().splitlines()[-1])
+    assert (answer["identity"], answer["commit"]) == (f"commit:{moved}", moved)
+    assert answer["digestInputs"] == {"uri": "hf://acme/llama", "source": f"commit:{moved}"}
+
+    with pytest.raises(ArtifactError, match=f"would write artifact .* source identity commit:{moved}"):
+        stage(hub_request(tmp_path / "out", tmp_path / "cache"))
+    second = stage(hub_request(tmp_path / "new", tmp_path / "cache"))
+    assert second["digest"] != first["digest"]
+    assert second["sourceIdentity"] == f"commit:{moved}"
+    manifest = json.loads((tmp_path / "new" / MANIFEST).read_text())
+    assert manifest["source"]["commit"] == moved and manifest["source"]["revision"] == "main"
+
+
+def test_a_pinned_commit_resolves_without_asking_the_hub(
+    hub: FakeHub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
+    done = run_cli("resolve", "hf://acme/llama", "--revision", COMMIT)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["identity"] == f"commit:{COMMIT}"
+    assert hub.seen == []
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """The CLI with this process's environment (HF_ENDPOINT as the test set it)."""
+    env = {**os.environ, "PYTHONSAFEPATH": "1"}
+    return subprocess.run([sys.executable, "-m", "modelstage.stager.cli", *args],
+                          capture_output=True, text=True, env=env, cwd="/", check=False)  # fmt: skip

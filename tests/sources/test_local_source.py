@@ -95,3 +95,24 @@ def test_a_malformed_hub_uri_is_refused_without_echoing_a_credential(uri: str) -
     with pytest.raises(CheckpointError, match="expected hf://ORG/NAME") as err:
         open_source(uri)
     assert "hf_secret" not in str(err.value)
+
+
+def test_identity_changes_when_weights_are_rewritten_in_place_with_the_same_header(
+    split_ckpt: Path, tmp_path: Path
+) -> None:
+    """Retrained weights keep names, shapes and offsets: the header and the size stay, the
+    modification time tells the rewrite."""
+    import os
+
+    copy = tmp_path / "copy"
+    shutil.copytree(split_ckpt, copy)
+    before = entry(identity(copy, [WEIGHTS]), WEIGHTS)
+    data = bytearray((copy / WEIGHTS).read_bytes())
+    data[-1] ^= 0xFF  # one weight byte; the header is untouched
+    with open(copy / WEIGHTS, "r+b") as f:
+        f.write(data)
+    stat = (copy / WEIGHTS).stat()
+    os.utime(copy / WEIGHTS, ns=(stat.st_atime_ns, before["mtimeNs"] + 1))  # type: ignore[operator]
+    after = entry(identity(copy, [WEIGHTS]), WEIGHTS)
+    assert (after["size"], after["headerSha256"]) == (before["size"], before["headerSha256"])
+    assert after != before

@@ -164,3 +164,26 @@ def test_cli_stages_from_s3_and_reports_the_source_identity_without_leaking_cred
     assert summary["sourceIdentity"].startswith("sha256:") and manifest["source"]["kind"] == "s3"
     for text in (result.stdout, result.stderr, (out / MANIFEST).read_text()):
         assert SECRET_KEY not in text and ACCESS_KEY not in text
+
+
+def test_an_object_replaced_under_the_same_key_is_a_new_artifact(
+    s3: S3Server, bucket: str, split_ckpt: Path, tmp_path: Path
+) -> None:
+    """Retrained weights uploaded over the old keys: same names and sizes, new ETags."""
+    from modelstage.stager.errors import ArtifactError
+    from modelstage.stager.synthetic import SyntheticModel, write_checkpoint
+
+    upload(s3, bucket, "moving", split_ckpt)
+    request = StageRequest(source=f"s3://{bucket}/moving", out=str(tmp_path / "art"), tp=2,
+                           s3=s3.options())  # fmt: skip
+    first = stage(request)
+    assert stage(request)["alreadyStaged"] is True
+    retrained = write_checkpoint(SyntheticModel(num_shards=3, split_fused=True, seed=9),
+                                 tmp_path / "retrained")  # fmt: skip
+    upload(s3, bucket, "moving", retrained)
+    with pytest.raises(ArtifactError, match="the source changed since that artifact was staged"):
+        stage(request)
+    second = stage(StageRequest(source=f"s3://{bucket}/moving", out=str(tmp_path / "new"),
+                                tp=2, s3=s3.options()))  # fmt: skip
+    assert second["digest"] != first["digest"]
+    assert second["sourceIdentity"] != first["sourceIdentity"]

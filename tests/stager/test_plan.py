@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from modelstage.operator.claim_plan import plan_claim
 from modelstage.operator.job_plan import staging_jobs
 from modelstage.operator.kube import Owner
 from modelstage.operator.plan import OFFLINE_UID
+from modelstage.operator.resolve_plan import resolve_job_name, source_status
 from modelstage.operator.rollout_plan import plan_rollout
 from modelstage.stager.manifest import read_manifest
 from modelstage.stager.plan import plan_files
@@ -30,6 +32,8 @@ WORKLOAD = ROOT / "examples" / "vllm-deployment.yaml"
 OPT_IN = "modelstage.io/model-deployment"
 """The target's annotation that names the ModelDeployment allowed to patch it."""
 MODELSTAGE = str(Path(sys.executable).with_name("modelstage"))
+IDENTITY = "commit:" + "ab" * 20
+"""The resolved source identity the plans are given (``--identity``)."""
 
 
 def plan(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
@@ -97,18 +101,21 @@ def test_the_plan_of_each_example_is_the_operators_digest_jobs_claim_and_patch(
     spec = ModelDeploymentSpec.model_validate(doc["spec"])
     name, namespace = doc["metadata"]["name"], "team-a"
     workload, workload_file = workload_for(spec, tmp_path, name)
-    report = plan_json(str(example), "--namespace", namespace, "--workload", str(workload_file))
+    report = plan_json(str(example), "--namespace", namespace, "--workload", str(workload_file),
+                       "--identity", IDENTITY)  # fmt: skip
 
-    digest = spec_digest(spec)
+    digest = spec_digest(spec, IDENTITY)
     assert report["digest"] == digest
     owner = Owner(name=name, namespace=namespace, uid=OFFLINE_UID)
-    jobs = staging_jobs(spec, owner=owner, digest=digest, default_image=DEFAULT_STAGER_IMAGE)
+    source = source_status(spec, IDENTITY, now=datetime.now(UTC))
+    jobs = staging_jobs(spec, owner=owner, digest=digest, default_image=DEFAULT_STAGER_IMAGE,
+                        source=source)  # fmt: skip
     assert [j["manifest"] for j in report["jobs"]] == jobs
     assert [j["command"] for j in report["jobs"]] == [
         j["spec"]["template"]["spec"]["containers"][0]["command"] for j in jobs
     ]
     assert report["claim"] == plan_claim(spec, owner=owner)
-    artifact = artifact_for(spec, namespace=namespace, deployment_name=name)
+    artifact = artifact_for(spec, namespace=namespace, deployment_name=name, identity=IDENTITY)
     assert report["artifact"]["uri"] == artifact.location.uri
     assert report["vllm"]["mergePatch"] == plan_rollout(spec, artifact, workload).merge_patch
     assert report["checks"] == []
@@ -117,7 +124,8 @@ def test_the_plan_of_each_example_is_the_operators_digest_jobs_claim_and_patch(
 def test_the_digest_is_the_one_prepare_and_the_stager_are_given(tmp_path: Path) -> None:
     """Where ``prepare --digest`` comes from: the plan's digest, passed to the stager Job and
     to the serving pod's initContainer alike."""
-    report = plan_json(str(write_md(tmp_path, BASE)), "--workload", str(opted_in(tmp_path)))
+    report = plan_json(str(write_md(tmp_path, BASE)), "--workload", str(opted_in(tmp_path)),
+                       "--identity", IDENTITY)  # fmt: skip
     digest = report["digest"]
     stage_command = report["jobs"][0]["command"]
     assert stage_command[stage_command.index("--digest") + 1] == digest
@@ -137,9 +145,11 @@ def test_human_output_names_the_digest_jobs_commands_and_files(
     tmp_path: Path, llama_ckpt: Path
 ) -> None:
     md = write_md(tmp_path, {**BASE, "stager": {"parallelism": 2}})
-    done = plan(str(md), "--workload", str(opted_in(tmp_path)), "--checkpoint", str(llama_ckpt))
+    done = plan(str(md), "--workload", str(opted_in(tmp_path)), "--checkpoint", str(llama_ckpt),
+                "--identity", IDENTITY)  # fmt: skip
     assert done.returncode == 0, done.stderr
-    digest = spec_digest(ModelDeploymentSpec.model_validate({**BASE, "stager": {"parallelism": 2}}))
+    digest = spec_digest(ModelDeploymentSpec.model_validate({**BASE, "stager": {"parallelism": 2}}),
+                         IDENTITY)  # fmt: skip
     out = done.stdout
     assert out.startswith("ModelDeployment llm/llama (planned offline)\n")
     assert f"  digest:   {digest}\n" in out
@@ -183,7 +193,7 @@ def test_the_source_form_is_what_stage_then_does(llama_ckpt: Path, tmp_path: Pat
 # --- the checks that would refuse it -------------------------------------------------------------
 def test_a_tp_the_model_cannot_split_is_shown_and_exits_2(llama_ckpt: Path, tmp_path: Path) -> None:
     report = plan_json(str(write_md(tmp_path, {**BASE, "parallelism": {"tensor": 3}})),
-                       "--checkpoint", str(llama_ckpt), code=2)  # fmt: skip
+                       "--checkpoint", str(llama_ckpt), "--identity", IDENTITY, code=2)  # fmt: skip
     [check] = report["checks"]
     assert check["reason"] == "StagingWouldFail" and check["blocks"] == "staging"
     assert "does not divide the 8 attention heads" in check["message"]
@@ -199,7 +209,8 @@ def test_an_unknown_vllm_version_blocks_staging(tmp_path: Path) -> None:
 
 def test_a_workload_without_the_container_blocks_the_rollout_not_staging(tmp_path: Path) -> None:
     spec = {**BASE, "serving": {**BASE["serving"], "containerName": "nope"}}
-    report = plan_json(str(write_md(tmp_path, spec)), "--workload", str(opted_in(tmp_path)), code=2)
+    report = plan_json(str(write_md(tmp_path, spec)), "--workload", str(opted_in(tmp_path)),
+                       "--identity", IDENTITY, code=2)  # fmt: skip
     assert [(c["reason"], c["blocks"]) for c in report["checks"]] == [
         ("ContainerNotFound", "rollout")
     ]
@@ -210,7 +221,8 @@ def test_a_workload_without_the_container_blocks_the_rollout_not_staging(tmp_pat
 def test_a_workload_that_is_not_the_specs_target_is_pointed_out(tmp_path: Path) -> None:
     spec = {**BASE, "serving": {**BASE["serving"], "targetRef": {"kind": "Deployment",
                                                                   "name": "other"}}}  # fmt: skip
-    report = plan_json(str(write_md(tmp_path, spec)), "--workload", str(opted_in(tmp_path)))
+    report = plan_json(str(write_md(tmp_path, spec)), "--workload", str(opted_in(tmp_path)),
+                       "--identity", IDENTITY)  # fmt: skip
     [check] = report["checks"]
     assert check == {
         "reason": "WorkloadNotTheTarget", "blocks": "nothing",
@@ -264,3 +276,31 @@ def test_planning_a_model_deployment_imports_neither_torch_nor_the_operators_kop
                           cwd="/", capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert done.stderr.strip().splitlines()[-1] == "[]"
+
+
+# --- the source's identity ---------------------------------------------------------------------
+def test_without_an_identity_the_plan_is_the_resolve_job_the_operator_runs_first(
+    tmp_path: Path,
+) -> None:
+    report = plan_json(str(write_md(tmp_path, BASE)))
+    assert report["digest"] is None and report["artifact"] is None
+    spec = ModelDeploymentSpec.model_validate(BASE)
+    [job] = report["jobs"]
+    assert job["name"] == resolve_job_name(spec, None, "llama")
+    assert job["command"] == ["modelstage", "resolve", "hf://acme/llama", "--revision=main"]
+    [check] = report["checks"]
+    assert (check["reason"], check["blocks"]) == ("Resolving", "nothing")
+    assert "`modelstage resolve hf://acme/llama --revision main`" in check["message"]
+
+
+def test_a_pinned_commit_is_its_own_identity(tmp_path: Path) -> None:
+    pinned = {**BASE, "model": {"uri": "hf://acme/llama", "revision": "cd" * 20}}
+    report = plan_json(str(write_md(tmp_path, pinned)))
+    spec = ModelDeploymentSpec.model_validate(pinned)
+    assert report["digest"] == spec_digest(spec, "commit:" + "cd" * 20)
+    assert report["source"]["identity"] == "commit:" + "cd" * 20
+
+
+def test_an_identity_that_resolve_never_prints_is_refused(tmp_path: Path) -> None:
+    done = plan(str(write_md(tmp_path, BASE)), "--identity", "main")
+    assert done.returncode == 2 and "expected commit:<40 hex> or sha256:<64 hex>" in done.stderr

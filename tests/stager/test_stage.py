@@ -200,3 +200,96 @@ def test_cli_failure_ends_with_one_line_reason(tmp_path: Path) -> None:
     last = (done.stdout + done.stderr).strip().splitlines()[-1]
     assert last.startswith("error: ") and "does not divide the 8 attention heads" in last
     assert "Traceback" not in done.stderr
+
+
+def rewrite_in_place(src: Path, seed: int) -> None:
+    """New weights of the same shapes at the same path (a retrained checkpoint copied over the
+    old one): names, shapes and offsets, so headers and sizes, stay exactly as they were."""
+    fresh = write_checkpoint(SyntheticModel(num_shards=3, split_fused=True, seed=seed),
+                             src.parent / f"fresh-{seed}")  # fmt: skip
+    for path in sorted(fresh.glob("*.safetensors")):
+        assert path.stat().st_size == (src / path.name).stat().st_size
+        with open(src / path.name, "r+b") as f:  # in place: same inode, same path
+            f.write(path.read_bytes())
+
+
+def test_a_checkpoint_rewritten_in_place_is_a_new_artifact_never_the_stale_one(
+    tmp_path: Path,
+) -> None:
+    src = write_checkpoint(SyntheticModel(num_shards=3, split_fused=True), tmp_path / "src")
+    out = tmp_path / "a"
+    first = stage(StageRequest(source=str(src), out=str(out), tp=2))
+    again = stage(StageRequest(source=str(src), out=str(out), tp=2))
+    assert again["alreadyStaged"] is True and again["digest"] == first["digest"]
+
+    rewrite_in_place(src, seed=7)
+    elsewhere = stage(StageRequest(source=str(src), out=str(tmp_path / "b"), tp=2))
+    assert elsewhere["digest"] != first["digest"]
+    assert elsewhere["sourceIdentity"] != first["sourceIdentity"]
+    assert elsewhere["alreadyStaged"] is False
+    with pytest.raises(ArtifactError) as refused:
+        stage(StageRequest(source=str(src), out=str(out), tp=2))
+    message = str(refused.value)
+    assert f"already holds artifact {first['digest']}" in message
+    assert f"source identity {first['sourceIdentity']}" in message
+    assert f"would write artifact {elsewhere['digest']}" in message
+    assert f"source identity {elsewhere['sourceIdentity']}" in message
+    assert "they differ in source identity (the source changed since that artifact was staged)" in (
+        message
+    )
+    assert "--force" in message
+    verify_directory(out, digest=first["digest"])  # refused, untouched
+
+    forced = stage(StageRequest(source=str(src), out=str(out), tp=2, force=True))
+    assert forced["alreadyStaged"] is False and forced["digest"] == elsewhere["digest"]
+    verify_directory(out, digest=elsewhere["digest"])
+    hf, config = load_checkpoint_tensors(src), load_config(src)
+    want = expected_rank(hf, config, 2, 1)
+    got = rank_tensors(out, 1)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    assert not list(tmp_path.glob("a.tmp-*"))
+
+
+def test_the_manifest_records_the_identity_the_digest_was_taken_from(
+    llama_ckpt: Path, tmp_path: Path
+) -> None:
+    from modelstage.stager.digest import artifact_digest
+
+    summary = stage(StageRequest(source=str(llama_ckpt), out=str(tmp_path / "a"), tp=2))
+    source = json.loads((tmp_path / "a" / MANIFEST).read_text())["source"]
+    assert source["identity"] == summary["sourceIdentity"]
+    assert summary["digest"] == artifact_digest(
+        uri=f"file://{llama_ckpt}", source=source["identity"], tensor_parallel=2,
+        pipeline_parallel=1, dtype="auto", load_format="sharded_state",
+        layout_version=layouts.layout_for(None).layout_version,
+    )  # fmt: skip
+
+
+def test_cli_resolve_prints_the_identity_stage_takes_the_digest_from(
+    llama_ckpt: Path, tmp_path: Path
+) -> None:
+    done = run_cli("resolve", str(llama_ckpt))
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert len(lines) == 1 and len(lines[0]) < 4096
+    resolved = json.loads(lines[0])
+    staged = run_cli("stage", str(llama_ckpt), "--tp", "2", "--out", str(tmp_path / "a"))
+    assert staged.returncode == 0, staged.stderr
+    summary = json.loads(staged.stdout.strip().splitlines()[-1])
+    assert resolved["identity"] == summary["sourceIdentity"]
+    assert resolved["digestInputs"] == {"uri": f"file://{llama_ckpt}", "source": resolved["identity"]}
+    assert resolved["kind"] == "local" and resolved["files"] > 0 and resolved["bytes"] > 0
+
+
+def test_cli_stage_refuses_a_source_that_changed_since_it_was_resolved(
+    llama_ckpt: Path, tmp_path: Path
+) -> None:
+    stale = "sha256:" + "0" * 64
+    done = run_cli("stage", str(llama_ckpt), "--tp", "2", "--out", str(tmp_path / "a"),
+                   "--expect-identity", stale)  # fmt: skip
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and "changed since it was resolved" in last
+    assert f"expected source identity {stale}, found sha256:" in last
+    assert not (tmp_path / "a").exists()

@@ -41,7 +41,6 @@ SCENARIOS: dict[str, list[str]] = {
     "namespaced-release-namespace": ["--set", "watch.namespaced=true"],
     "monitoring": [
         "--set", "serviceMonitor.enabled=true",
-        "--set", "podMonitor.stager.enabled=true",
         "--set", "podMonitor.vllmLoader.enabled=true",
         "--set", "podMonitor.vllmLoader.maxRanks=4",
         "--set", "podMonitor.vllmLoader.namespaces={serving}",
@@ -50,9 +49,12 @@ SCENARIOS: dict[str, list[str]] = {
         "--set", "watch.namespaced=true",
         "--set", "peering.enabled=false",
         "--set", "serviceMonitor.enabled=true",
-        "--set", "podMonitor.stager.enabled=true",
         "--set", "podMonitor.vllmLoader.enabled=true",
         "--set", "grafanaDashboard.enabled=false",
+    ],
+    "stager-progress-from-logs": [
+        "--set", "operator.stagerProgressFromLogs=true",
+        "--set", "operator.resolveInterval=3600",
     ],
 }  # fmt: skip
 """``helm template`` value sets every rendering check runs over."""

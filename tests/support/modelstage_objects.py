@@ -13,12 +13,16 @@ from modelstage.operator.artifact import spec_digest
 from modelstage.operator.job_plan import stage_job_name
 from modelstage.operator.kube import DIGEST_ANNOTATION, OPT_IN_ANNOTATION
 from modelstage.operator.kube_client import resource_path
+from modelstage.operator.resolve_plan import pinned_identity
 
 from support.kube_cluster import KubeHTTP
 
 WORKLOAD = "vllm"
+COMMIT = "5d0f7a4e9c1b2a3948576f6e5d4c3b2a19080706"
 SPEC: dict[str, Any] = {
-    "model": {"uri": "hf://acme/tiny-llama", "revision": "main"},
+    # A pinned commit: its identity is known from the spec, no resolve Job runs (the resolve
+    # tests use a branch and play the resolve Job).
+    "model": {"uri": "hf://acme/tiny-llama", "revision": COMMIT},
     "parallelism": {"tensor": 1},
     "loadFormat": "sharded_state",
     "storage": {"pvc": {"claimName": "models", "path": "/artifacts"}},
@@ -36,8 +40,13 @@ def merged(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def digest_of(spec: dict[str, Any]) -> str:
-    return spec_digest(ModelDeploymentSpec.model_validate(spec))
+def digest_of(spec: dict[str, Any], identity: str | None = None) -> str:
+    """The digest the operator computes; ``identity``: the resolved one, for a spec that does
+    not pin a commit."""
+    parsed = ModelDeploymentSpec.model_validate(spec)
+    identity = identity or pinned_identity(parsed)
+    assert identity is not None, "a branch is resolved first: pass the identity"
+    return spec_digest(parsed, identity)
 
 
 def md_path(ns: str, name: str | None = None, sub: str | None = None) -> str:
@@ -114,10 +123,12 @@ async def finish_stage_job(
     succeeded: bool,
     pod_name: str | None = None,
     job_name: str | None = None,
+    container: str = "stager",
 ) -> None:
     """What the Job controller and the kubelet report when the stager pod ends: a terminated
     pod with the termination message, then the Job's conditions. ``job_name``: another of the
-    artifact's Jobs than the stage Job (the scale-out finalize Job)."""
+    artifact's Jobs than the stage Job (the scale-out finalize Job, a resolve Job, whose
+    ``container`` is ``resolve``)."""
     name = job_name or stage_job_name(digest)
     job = await client.get(job_path(ns, name))
     assert job is not None, f"Job {name} does not exist"
@@ -145,7 +156,7 @@ async def finish_stage_job(
         },
         "spec": {
             "restartPolicy": "Never",
-            "containers": [{"name": "stager", "image": "registry.test/modelstage/stager:test"}],
+            "containers": [{"name": container, "image": "registry.test/modelstage/stager:test"}],
         },
     }
     await client.create(pod_path(ns), pod)
@@ -164,7 +175,7 @@ async def finish_stage_job(
                 "phase": "Succeeded" if succeeded else "Failed",
                 "containerStatuses": [
                     {
-                        "name": "stager",
+                        "name": container,
                         "ready": False,
                         "restartCount": 0,
                         "image": "x",
