@@ -49,6 +49,7 @@ from support.operator_flow import (
     wait_job,
     wait_phase,
     wait_rolled,
+    workload_events_handled,
 )
 from support.operator_process import OperatorProcess
 
@@ -226,11 +227,10 @@ async def test_conflicting_spec_edits_resolve_to_the_latest_generation(
         d = job["metadata"]["labels"].get("modelstage.io/digest")
         await finish_stage_job(cluster.client, namespace, d, message=summary(d), succeeded=True)
     await wait_rolled(cluster, namespace, digest)
-    handled = operator.count(succeeded("deployment_event"))
     await complete_rollout(cluster.client, namespace)
     status = await wait_phase(cluster, namespace, "Ready")
     assert status["artifact"]["digest"] == digest
-    await logged_more(operator, succeeded("deployment_event"), handled)
+    await workload_events_handled(cluster, operator, namespace)
     assert template_digest(await cluster.client.get(deploy_path(namespace))) == digest
     if cluster.fake is not None:
         assert operator_writes(cluster, "PATCH", deploy_path(namespace)) == 1
@@ -316,10 +316,9 @@ async def test_a_workload_edited_by_someone_else_keeps_their_edit(
     assert workload is not None
     containers = workload["spec"]["template"]["spec"]["containers"]
     containers[0]["image"] = "vllm/vllm-openai:their-own-build"
-    handled = operator.count(succeeded("deployment_event"))
     await cluster.client.patch(deploy_path(namespace), {
         "spec": {"replicas": 3, "template": {"spec": {"containers": containers}}}})  # fmt: skip
-    await logged_more(operator, succeeded("deployment_event"), handled)
+    await workload_events_handled(cluster, operator, namespace)
     after = await cluster.client.get(deploy_path(namespace))
     assert after is not None and template_digest(after) == digest
     assert after["spec"]["replicas"] == 3
@@ -339,9 +338,8 @@ async def test_a_workload_whose_artifact_fields_are_reverted_is_reported_not_rep
         "modelstage.io/artifact-digest": None}}}}}  # fmt: skip
     sync = {"metadata": {"labels": {"synced": "2"}}}  # the tool's next sync touches it again
     for edit in (strip, sync):
-        handled = operator.count(succeeded("deployment_event"))
         await cluster.client.patch(deploy_path(namespace), edit)
-        await logged_more(operator, succeeded("deployment_event"), handled)
+        await workload_events_handled(cluster, operator, namespace)
     assert template_digest(await cluster.client.get(deploy_path(namespace))) is None
     status = (await cluster.client.get(md_path(namespace, MD)) or {}).get("status") or {}
     assert condition(status, "Degraded").get("status") == "True"

@@ -121,6 +121,16 @@ def succeeded(handler: str) -> str:
     return f"Handler '{handler}' succeeded."
 
 
+async def workload_events_handled(cluster: Cluster, operator: OperatorProcess, ns: str) -> None:
+    """Evidence that the operator has handled every event of the workload so far: kopf handles
+    one object's events in order, so once a label edit made now is handled, so are the
+    events before it (a count taken after them could already include them)."""
+    before = operator.count(succeeded("deployment_event"))
+    marker = str(before)
+    await cluster.client.patch(deploy_path(ns), {"metadata": {"labels": {"test-marker": marker}}})
+    await logged_more(operator, succeeded("deployment_event"), before)
+
+
 def operator_writes(cluster: Cluster, method: str, path: str) -> int | None:
     """Requests the operator sent (kmock tier); None on the real tier (no request log)."""
     if cluster.fake is None:
