@@ -1,12 +1,12 @@
 """GPU check: the loader plugin's pipelined reader vs vLLM's stock sharded-state path.
 
-For a machine with an NVIDIA GPU and no vLLM (DESIGN.md section 7): imports only torch,
-safetensors and this checkout's ``stager/`` source (loaded from the script's own checkout as
-``modelstage.stager``; nothing installed, nothing on PYTHONPATH, so the checkout's
-``operator/`` folder cannot shadow the standard library). It writes a synthetic per-rank
-artifact of a few GiB (bf16 matrices in vLLM's ``model-rank-0-part-N.safetensors`` naming),
-then moves it into device memory four ways, every one from a cold page cache (the files'
-pages are dropped with ``posix_fadvise(DONTNEED)``, which needs no root):
+For a machine with an NVIDIA GPU and no vLLM: imports only torch, safetensors and this
+checkout's core and plugin source (the ``core/`` and ``stager/`` source roots of the script's
+own checkout go on ``sys.path``; nothing installed, nothing on PYTHONPATH). It writes a
+synthetic per-rank artifact of a few GiB (bf16 matrices in vLLM's
+``model-rank-0-part-N.safetensors`` naming), then moves it into device memory four ways,
+every one from a cold page cache (the files' pages are dropped with
+``posix_fadvise(DONTNEED)``, which needs no root):
 
 - ``ceiling``: pinned host buffer -> device, no disk: the host-to-device copy ceiling;
 - ``raw_read``: a sequential ``readinto`` of the files (what ``cat`` does), no copy;
@@ -23,14 +23,12 @@ script is tested where no GPU is). Usage::
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
 import sys
 import tempfile
 import time
-import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -42,20 +40,10 @@ ROWS, COLS = 4096, 4096  # one bf16 matrix: 32 MiB
 PART_BYTES = 2 * 1024**3
 
 
-def import_project(source: Path) -> types.ModuleType:
-    """Load ``source`` (the checkout's ``stager/``) as the package ``modelstage.stager``."""
-    if "modelstage" not in sys.modules:
-        namespace = types.ModuleType("modelstage")
-        namespace.__path__ = []
-        sys.modules["modelstage"] = namespace
-    spec = importlib.util.spec_from_file_location(
-        "modelstage.stager", source / "__init__.py", submodule_search_locations=[str(source)]
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["modelstage.stager"] = module
-    spec.loader.exec_module(module)
-    return module
+def import_project(checkout: Path) -> None:
+    """Put the checkout's source roots first on ``sys.path``: ``modelstage`` is a namespace
+    package spread over them (``core/modelstage/core``, ``stager/modelstage/plugin``)."""
+    sys.path[:0] = [str(checkout / "core"), str(checkout / "stager")]
 
 
 def write_artifact(directory: Path, total_bytes: int, encode_header: Any) -> list[Path]:
@@ -112,12 +100,13 @@ def main() -> None:
     parser.add_argument("--dir", help="where to write the artifact (default: a temp dir)")
     parser.add_argument("--chunk-mib", type=int, default=16)
     parser.add_argument("--depth", type=int, default=4)
-    parser.add_argument("--source", default=str(Path(__file__).resolve().parents[1] / "stager"))
+    parser.add_argument("--source", default=str(Path(__file__).resolve().parents[1]),
+                        help="the modelstage checkout (default: this script's)")
     args = parser.parse_args()
 
     import_project(Path(args.source))
-    from modelstage.stager.plugin.reader import PipelinedReader, Target, flat_bytes
-    from modelstage.stager.safetensors_format import encode_header, read_local_header
+    from modelstage.core.safetensors_format import encode_header, read_local_header
+    from modelstage.plugin.reader import PipelinedReader, Target, flat_bytes
 
     device = torch.device("cuda" if cuda else "cpu")
     started = time.perf_counter()

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -87,7 +86,7 @@ def run_vllm(work: Path, model: Path, tp: int, load_format: str,
         [sys.executable, str(script), str(model), str(tp), load_format,
          json.dumps(extra) if extra else "-", json.dumps(PROMPTS), str(out)],
         cwd=work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900,
-        env={**os.environ, "PYTHONSAFEPATH": "1"}, check=False,
+        check=False,
     )  # fmt: skip
     if proc.returncode != 0 or not out.exists():
         tail = "\n".join(proc.stdout.splitlines()[-30:])
@@ -107,8 +106,8 @@ def main() -> None:
         sys.exit(2 if args.require else 0)
 
     import torch
+    from modelstage.devtools.synthetic import SyntheticModel, write_checkpoint
     from modelstage.stager.stage import StageRequest, stage
-    from modelstage.stager.synthetic import SyntheticModel, write_checkpoint
 
     tp = args.tp or min(2, torch.cuda.device_count())
     work = Path(args.dir or tempfile.mkdtemp(prefix="modelstage-tz-gpu-"))

@@ -29,7 +29,7 @@ from support.charts import ROOT, SCENARIOS, is_namespaced, of_kind, render
 Triple = tuple[str, str, str]
 """(API group, resource[/subresource], verb)."""
 
-OPERATOR = ROOT / "operator"
+OPERATOR = ROOT / "operator" / "modelstage" / "operator"
 CLIENT_VERBS = {
     "get": "get",
     "text": "get",

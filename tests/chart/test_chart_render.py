@@ -298,7 +298,8 @@ def _exported_metrics() -> set[str]:
     """Metric names as Prometheus sees them, from the prometheus-client calls in the source:
     a ``Counter("x")`` is exposed as ``x_total``."""
     names: set[str] = set()
-    for path in (ROOT / "stager" / "plugin" / "metrics.py", ROOT / "operator" / "metrics.py"):
+    for path in (ROOT / "stager" / "modelstage" / "plugin" / "metrics.py",
+                 ROOT / "operator" / "modelstage" / "operator" / "metrics.py"):
         source = path.read_text()
         for kind, name in re.findall(METRIC_DEFINITION, source):
             names.add(f"{name}_total" if kind == "Counter" else name)

@@ -102,6 +102,18 @@ def test_the_stager_user_is_the_one_the_operator_runs_pods_as() -> None:
     assert f"runAsUser: {NONROOT_UID}" in chart
 
 
+def source_file(module: str, name: str = "") -> Path:
+    """The file of ``module`` (or ``name`` in its package) under the source roots that
+    pyproject.toml's package discovery searches."""
+    roots = PYPROJECT["tool"]["setuptools"]["packages"]["find"]["where"]
+    path = Path(*module.split("."))
+    for root in roots:
+        found = ROOT / root / path / name if name else ROOT / root / path.with_suffix(".py")
+        if found.exists():
+            return found
+    raise AssertionError(f"{module}: not under the source roots {roots}")
+
+
 def _entrypoint(name: str) -> list[str]:
     (entry,) = [rest for keyword, rest in _instructions(name) if keyword == "ENTRYPOINT"]
     command: list[str] = json.loads(entry)
@@ -112,17 +124,15 @@ def test_stager_entrypoint_is_the_packages_console_script() -> None:
     (command,) = _entrypoint("Dockerfile.stager")
     target = PYPROJECT["project"]["scripts"][command]
     module, _, func = target.partition(":")
-    assert module == "modelstage.stager.cli" and (ROOT / "stager" / "cli.py").is_file()
-    assert re.search(rf"^def {func}\(", (ROOT / "stager" / "cli.py").read_text(), re.M)
+    assert module == "modelstage.stager.cli" and source_file(module).is_file()
+    assert re.search(rf"^def {func}\(", source_file(module).read_text(), re.M)
 
 
 def test_operator_entrypoint_is_a_module_of_the_package() -> None:
     command = _entrypoint("Dockerfile.operator")
     assert command[:2] == ["python", "-m"]
     module = command[2]
-    package_dir = PYPROJECT["tool"]["setuptools"]["package-dir"]
-    assert module in PYPROJECT["tool"]["setuptools"]["packages"]
-    main = ROOT / package_dir[module] / "__main__.py"
+    main = source_file(module, "__main__.py")
     assert main.is_file(), f"`python -m {module}` needs {main.relative_to(ROOT)}"
     assert 'if __name__ == "__main__":' in main.read_text()
 

@@ -13,6 +13,7 @@ import kubernetes_validate
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from modelstage.core.errors import SpecError
 from modelstage.operator.api import ArtifactStatus, ModelDeploymentSpec
 from modelstage.operator.artifact import (
     ARTIFACT_MOUNT,
@@ -22,7 +23,6 @@ from modelstage.operator.artifact import (
 )
 from modelstage.operator.patch import apply_merge_patch
 from modelstage.operator.rollout_plan import plan_rollout
-from modelstage.stager.errors import SpecError
 
 IDENTITY = "commit:" + "ab" * 20
 """A resolved source identity (a Hub commit) for planner tests."""

@@ -12,6 +12,9 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from modelstage.core.digest import artifact_digest
+from modelstage.core.errors import SpecError
+from modelstage.core.layouts import layout_for
 from modelstage.operator.api import ArtifactStatus, ModelDeploymentSpec
 from modelstage.operator.artifact import (
     ARTIFACT_MOUNT,
@@ -21,9 +24,6 @@ from modelstage.operator.artifact import (
     location_from_uri,
     spec_digest,
 )
-from modelstage.stager.digest import artifact_digest
-from modelstage.stager.errors import SpecError
-from modelstage.stager.layouts import layout_for
 
 SpecDict = Callable[..., dict[str, Any]]
 SpecFactory = Callable[..., ModelDeploymentSpec]

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from modelstage.core.errors import SpecError
 from modelstage.operator.vllm_args import VllmSettings, rewrite
-from modelstage.stager.errors import SpecError
 
 ART = "/mnt/modelstage/artifacts/llm/0123456789abcdef0123"
 SETTINGS = VllmSettings(model=ART, load_format="modelstage_sharded_state", tensor_parallel_size=4)
@@ -586,7 +586,7 @@ def test_vllms_own_parser_reads_the_rewritten_command_line_as_intended(
 ) -> None:  # fmt: skip
     from modelstage.operator.artifact import Artifact, location_from_uri
     from modelstage.operator.rollout_plan import vllm_settings
-    from modelstage.stager.plugin import LOAD_FORMATS as PLUGIN_FORMATS
+    from modelstage.plugin import LOAD_FORMATS as PLUGIN_FORMATS
 
     config_file = tmp_path / "config.yaml"
     config_file.write_text("max-model-len: 4096\n")

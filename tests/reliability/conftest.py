@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from modelstage.stager.synthetic import SyntheticModel, write_checkpoint
+from modelstage.devtools.synthetic import SyntheticModel, write_checkpoint
 
 
 @pytest.fixture(scope="session")

@@ -23,13 +23,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from modelstage.core.errors import ArtifactError, CheckpointError, DestinationError
+from modelstage.core.manifest import MANIFEST, MAX_MANIFEST_BYTES, Manifest, verify_directory
+from modelstage.core.safetensors_format import MAX_TENSORS_PER_HEADER
+from modelstage.devtools.synthetic import SyntheticModel, write_checkpoint
 from modelstage.stager.checkpoint import MAX_CARRIED_BYTES, MAX_TENSORS, open_checkpoint
-from modelstage.stager.errors import ArtifactError, CheckpointError, DestinationError
-from modelstage.stager.manifest import MANIFEST, MAX_MANIFEST_BYTES, Manifest, verify_directory
-from modelstage.stager.safetensors_format import MAX_TENSORS_PER_HEADER
 from modelstage.stager.sources.base import Source
 from modelstage.stager.sources.local import LocalSource
-from modelstage.stager.synthetic import SyntheticModel, write_checkpoint
 
 MiB = 1024 * 1024
 MAX_RSS = 300 * MiB
@@ -45,7 +45,7 @@ CLI = str(Path(sys.executable).with_name("modelstage"))
 
 
 def run_measured(*args: str) -> dict[str, Any]:
-    env = {**os.environ, "PYTHONSAFEPATH": "1"}
+    env = dict(os.environ)
     done = subprocess.run([sys.executable, "-I", "-c", WRAPPER, CLI, *args], env=env, cwd="/",
                           capture_output=True, text=True, timeout=600, check=True)  # fmt: skip
     result: dict[str, Any] = json.loads(done.stdout)
@@ -272,7 +272,7 @@ def test_the_names_the_stager_writes_pass(ckpt: Path, tmp_path: Path) -> None:
 
 
 def test_the_plugins_part_glob_stays_within_one_name() -> None:
-    from modelstage.stager.plugin.checks import _glob
+    from modelstage.plugin.checks import _glob
 
     glob = _glob("model-rank-0-part-*.safetensors")
     assert glob.fullmatch("model-rank-0-part-12.safetensors")
@@ -353,7 +353,7 @@ def test_allow_pickle_never_reads_a_pickle_whole(tmp_path: Path) -> None:
     """A remote pickle is copied to the spool in chunks and memory-mapped; a local one is
     mapped where it is. No read is sized by the file."""
     import torch
-    from modelstage.stager.pickle_source import SPOOL_CHUNK_BYTES, ConvertedPickleSource
+    from modelstage.stager.sources.pickled import SPOOL_CHUNK_BYTES, ConvertedPickleSource
     from safetensors.numpy import load_file
 
     folder = tmp_path / "pickled"
@@ -381,9 +381,9 @@ def test_an_oversized_s3_manifest_is_refused_after_reading_only_its_limit(
 ) -> None:
     """The object's listed size is not read whole: the destination and the plugin read at most
     one byte past the limit, and refuse."""
+    from modelstage.core.s3_client import S3Client, S3Location
+    from modelstage.plugin.checks import _s3_manifest
     from modelstage.stager.destinations.s3 import S3Destination
-    from modelstage.stager.plugin.checks import _s3_manifest
-    from modelstage.stager.s3_client import S3Client, S3Location
 
     s3.client().put_object(Bucket=bucket, Key=f"big/{MANIFEST}", Body=b" " * (MAX_MANIFEST_BYTES + 4096))
     with pytest.raises(ArtifactError, match="more than"):

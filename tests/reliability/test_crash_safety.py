@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from modelstage.core.errors import ModelstageError
+from modelstage.core.manifest import MANIFEST, TIMING_FIELDS, verify_directory
 from modelstage.stager import cli
 from modelstage.stager.destinations.s3 import S3Destination
-from modelstage.stager.errors import ModelstageError
-from modelstage.stager.manifest import MANIFEST, TIMING_FIELDS, verify_directory
 from modelstage.stager.prepare import verify_artifact
 from modelstage.stager.stage import StageRequest, stage
 from support.fault_proxy import fault_proxy
@@ -46,7 +46,7 @@ def modelstage_cmd(*args: str) -> list[str]:
 
 def child_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    return {**env, "PYTHONSAFEPATH": "1", "AWS_EC2_METADATA_DISABLED": "true"}
+    return {**env, "AWS_EC2_METADATA_DISABLED": "true"}
 
 
 def without_timing(manifest_json: bytes | str) -> dict[str, Any]:

@@ -18,12 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from modelstage.core.errors import ModelstageError
+from modelstage.core.manifest import MANIFEST, TIMING_FIELDS, verify_directory
+from modelstage.core.s3_client import S3Options
+from modelstage.devtools.synthetic import SyntheticModel, write_checkpoint
 from modelstage.stager.destinations.s3 import S3Destination
-from modelstage.stager.errors import ModelstageError
-from modelstage.stager.manifest import MANIFEST, TIMING_FIELDS, verify_directory
-from modelstage.stager.s3_client import S3Options
 from modelstage.stager.stage import StageRequest, stage
-from modelstage.stager.synthetic import SyntheticModel, write_checkpoint
 from support.fault_proxy import FaultProxy, fault_proxy
 from support.s3_server import S3Server
 

@@ -31,14 +31,14 @@ from typing import Any
 
 import pytest
 import yaml
+from modelstage.core.errors import CheckpointError, ModelstageError
+from modelstage.core.s3_client import S3Options
 from modelstage.operator.api import ModelDeploymentSpec
 from modelstage.operator.artifact import artifact_for, spec_digest
 from modelstage.operator.job_plan import plan_finalize_job, plan_resolve_job, plan_stage_job
 from modelstage.operator.kube import Owner
 from modelstage.operator.rollout_plan import plan_rollout
 from modelstage.stager import cli
-from modelstage.stager.errors import CheckpointError, ModelstageError
-from modelstage.stager.s3_client import S3Options
 from modelstage.stager.stage import StageRequest, stage
 from support.fault_proxy import fault_proxy
 from support.s3_server import S3Server
@@ -202,7 +202,7 @@ def test_credentials_never_reach_logs_errors_manifests_or_summaries(
     secrets = (s3.access_key, s3.secret_key)
     texts: list[str] = []
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    env.update(PYTHONSAFEPATH="1", AWS_ACCESS_KEY_ID=s3.access_key,
+    env.update(AWS_ACCESS_KEY_ID=s3.access_key,
                AWS_SECRET_ACCESS_KEY=s3.secret_key, AWS_EC2_METADATA_DISABLED="true")  # fmt: skip
     cli = str(Path(sys.executable).with_name("modelstage"))
     common = ["--tp", "2", "--format", "runai_streamer_sharded", "--s3-path-style",
@@ -303,7 +303,7 @@ def test_an_s3_endpoint_with_credentials_is_refused_without_repeating_them(
     cli = str(Path(sys.executable).with_name("modelstage"))
     args = [a.format(ckpt=small_ckpt, tmp=tmp_path) for a in argv]
     base = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    done = subprocess.run([cli, *args], env={**base, "PYTHONSAFEPATH": "1", **env}, cwd="/",
+    done = subprocess.run([cli, *args], env={**base, **env}, cwd="/",
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert done.returncode == 1, done.stderr
     last = done.stderr.strip().splitlines()[-1]

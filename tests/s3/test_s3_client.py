@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 from botocore.exceptions import ClientError, EndpointConnectionError
-from modelstage.stager.errors import SpecError
-from modelstage.stager.s3_client import S3Location, is_retryable, load_credentials, with_retries
+from modelstage.core.errors import SpecError
+from modelstage.core.s3_client import S3Location, is_retryable, load_credentials, with_retries
 
 
 def client_error(code: str, status: int) -> ClientError:

@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from modelstage.core.errors import SpecError
 from modelstage.stager.delete import delete_artifact
 from modelstage.stager.destinations.s3 import S3Destination
-from modelstage.stager.errors import SpecError
 from modelstage.stager.stage import StageRequest, stage
 from support.s3_server import S3Server
 

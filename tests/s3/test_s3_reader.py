@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from modelstage.stager.errors import ArtifactError
-from modelstage.stager.manifest import MANIFEST
-from modelstage.stager.plugin.checks import VerifiedArtifact, verify_s3
-from modelstage.stager.plugin.reader import TORCH_DTYPES, PipelinedReader, Target, flat_bytes
-from modelstage.stager.plugin.settings import PluginSettings, serving_s3_options
-from modelstage.stager.plugin.stores import S3Objects, store_for
-from modelstage.stager.s3_client import S3Client
+from modelstage.core.errors import ArtifactError
+from modelstage.core.manifest import MANIFEST
+from modelstage.core.s3_client import S3Client
+from modelstage.plugin.checks import VerifiedArtifact, verify_s3
+from modelstage.plugin.reader import TORCH_DTYPES, PipelinedReader, Target, flat_bytes
+from modelstage.plugin.settings import PluginSettings, serving_s3_options
+from modelstage.plugin.stores import S3Objects, store_for
 from modelstage.stager.stage import StageRequest, stage
 from safetensors.torch import load_file
 from support.fault_proxy import FaultProxy, fault_proxy

@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from modelstage.core.errors import ArtifactError
+from modelstage.core.manifest import MANIFEST, TIMING_FIELDS
 from modelstage.stager.destinations.s3 import S3Destination
-from modelstage.stager.errors import ArtifactError
-from modelstage.stager.manifest import MANIFEST, TIMING_FIELDS
 from modelstage.stager.scale_out import Group, finalize, stage_group
 from modelstage.stager.stage import StageRequest, stage
 from support.s3_server import S3Server

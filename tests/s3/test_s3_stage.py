@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from modelstage.core.errors import ArtifactError, SpecError
+from modelstage.core.manifest import MANIFEST
 from modelstage.stager import cli
 from modelstage.stager.destinations.s3 import S3Destination
-from modelstage.stager.errors import ArtifactError, SpecError
-from modelstage.stager.manifest import MANIFEST
 from modelstage.stager.stage import StageRequest, stage
 from support.s3_server import S3Server
 
@@ -51,7 +51,7 @@ def cli_stage(src: Path, out: str, s3: S3Server, fmt: str, env: dict[str, str],
 
 def clean_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    return {**env, "PYTHONSAFEPATH": "1", **extra}
+    return {**env, **extra}
 
 
 def test_rank_files_on_s3_equal_the_local_sharded_state_byte_for_byte(
@@ -250,7 +250,7 @@ def test_credentials_never_appear_in_outputs_manifest_or_errors(
 
 
 def test_credentials_file_errors_do_not_quote_the_file(tmp_path: Path) -> None:
-    from modelstage.stager.s3_client import load_credentials
+    from modelstage.core.s3_client import load_credentials
 
     secret = "ms-secret-in-a-broken-file/Walrus+77"
     broken = tmp_path / "credentials"
@@ -262,8 +262,8 @@ def test_credentials_file_errors_do_not_quote_the_file(tmp_path: Path) -> None:
 
 def test_many_objects_open_at_once_get_smaller_parts_down_to_s3s_minimum() -> None:
     """Each open object holds a part buffer: memory stays bounded at high TP."""
+    from modelstage.core.s3_client import S3Options
     from modelstage.stager.destinations.s3 import MIN_PART_BYTES, S3Destination
-    from modelstage.stager.s3_client import S3Options
 
     options = S3Options(endpoint_url="http://127.0.0.1:9", region="us-east-1")
     assert S3Destination("s3://b/p", options, open_files=8).part_bytes == options.part_bytes

@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from modelstage.stager.safetensors_format import parse_header
+from modelstage.core.safetensors_format import parse_header
+from modelstage.devtools.synthetic import SyntheticModel, write_checkpoint
 from modelstage.stager.stage import StageRequest, stage
-from modelstage.stager.synthetic import SyntheticModel, write_checkpoint
 from support.s3_server import S3Server
 from support.vllm_lock import vllm_lock as machine_vllm_lock
 

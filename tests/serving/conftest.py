@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from modelstage.stager.synthetic import SyntheticModel
+from modelstage.devtools.synthetic import SyntheticModel
 from support.serving import Artifact, stage_artifact, stock_run
 
 TIED = SyntheticModel(tie_word_embeddings=True, num_shards=2, split_fused=True)

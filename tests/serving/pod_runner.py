@@ -29,7 +29,7 @@ COMPLETED = "modelstage_load_completed_timestamp_seconds"
 
 
 def where_modelstage_comes_from() -> dict[str, Any]:
-    spec = importlib.util.find_spec("modelstage.stager")
+    spec = importlib.util.find_spec("modelstage.plugin")
     try:
         dist = importlib.metadata.distribution("modelstage")
         dist_path = str(dist.locate_file(""))
@@ -37,7 +37,7 @@ def where_modelstage_comes_from() -> dict[str, Any]:
     except importlib.metadata.PackageNotFoundError:
         dist_path, eps = None, []
     return {
-        "stager_origin": spec.origin if spec else None,
+        "plugin_origin": spec.origin if spec else None,
         "dist_path": dist_path,
         "entry_points": eps,
     }

@@ -7,12 +7,12 @@ import shutil
 from pathlib import Path
 
 import pytest
-from modelstage.stager.errors import ArtifactError, SpecError
-from modelstage.stager.manifest import MANIFEST
-from modelstage.stager.plugin import LOAD_FORMATS
-from modelstage.stager.plugin.checks import LOAD_FORMATS as CHECKED_FORMATS
-from modelstage.stager.plugin.checks import VerifiedArtifact, _part_key, verify_local
-from modelstage.stager.plugin.settings import S3_READER_FORMAT, PluginSettings
+from modelstage.core.errors import ArtifactError, SpecError
+from modelstage.core.manifest import MANIFEST
+from modelstage.plugin import LOAD_FORMATS
+from modelstage.plugin.checks import LOAD_FORMATS as CHECKED_FORMATS
+from modelstage.plugin.checks import VerifiedArtifact, _part_key, verify_local
+from modelstage.plugin.settings import S3_READER_FORMAT, PluginSettings
 from support.serving import Artifact
 
 RANK0 = "model-rank-0-part-*.safetensors"

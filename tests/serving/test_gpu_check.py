@@ -20,7 +20,7 @@ def test_gpu_check_runs_without_an_installed_modelstage_and_agrees_with_stock(
     pod_site: Path, tmp_path: Path
 ) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MODELSTAGE_", "PYTHON"))}
-    env |= {"PYTHONPATH": str(pod_site), "PYTHONSAFEPATH": "1"}
+    env |= {"PYTHONPATH": str(pod_site)}
     proc = subprocess.run(
         [sys.executable, "-S", str(SCRIPT), "--size-gib", "0.07", "--chunk-mib", "4",
          "--dir", str(tmp_path)],

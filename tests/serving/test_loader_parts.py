@@ -6,11 +6,11 @@ import urllib.request
 
 import pytest
 import torch
-from modelstage.stager.errors import ArtifactError
-from modelstage.stager.plugin.metrics import PHASES, LoadRecord, publish
-from modelstage.stager.plugin.reader import flat_bytes
-from modelstage.stager.plugin.sharded_state import check_keys, target_for
-from modelstage.stager.safetensors_format import TensorInfo
+from modelstage.core.errors import ArtifactError
+from modelstage.core.safetensors_format import TensorInfo
+from modelstage.plugin.metrics import PHASES, LoadRecord, publish
+from modelstage.plugin.reader import flat_bytes
+from modelstage.plugin.sharded_state import check_keys, target_for
 from prometheus_client.parser import text_string_to_metric_families
 from support.serving import free_ports
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from modelstage.stager.safetensors_format import read_local_header
+from modelstage.core.safetensors_format import read_local_header
 from prometheus_client.parser import text_string_to_metric_families
 from support.serving import (
     Artifact,
@@ -72,9 +72,9 @@ def test_pod_with_prepared_plugin_loads_like_stock_sharded_state_and_serves_metr
     assert proc.returncode == 0 and pod is not None, proc.stderr[-4000:]
 
     isolation = pod["isolation"]
-    assert isolation["stager_origin"].startswith(str(plugin_dir)), isolation
+    assert isolation["plugin_origin"].startswith(str(plugin_dir)), isolation
     assert isolation["dist_path"].startswith(str(plugin_dir)), isolation
-    assert "vllm.general_plugins:modelstage.stager.plugin:register" in isolation["entry_points"]
+    assert "vllm.general_plugins:modelstage.plugin:register" in isolation["entry_points"]
 
     got, want = pod["result"], reference
     assert got["load_format"] == "modelstage_sharded_state"

@@ -11,12 +11,13 @@ import ast
 import importlib.metadata
 import json
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
-from modelstage.stager.manifest import MANIFEST
-from modelstage.stager.prepare import PLUGIN_MODULES, install_plugin
-from support.serving import Artifact, last_line, prepare_cli
+from modelstage.core.manifest import MANIFEST
+from modelstage.stager.prepare import PLUGIN_PACKAGES, install_plugin
+from support.serving import Artifact, base_env, last_line, prepare_cli
 
 ALLOWED_IMPORTS = {"vllm", "torch", "prometheus_client", "pydantic", "boto3", "botocore"}
 """What a stock vLLM image provides (vllm/vllm-openai installs boto3 for its S3 loaders); the
@@ -49,7 +50,7 @@ def test_complete_artifact_is_verified_and_the_plugin_installed_with_its_entry_p
     dists = list(importlib.metadata.distributions(path=[str(plugin_dir)]))
     assert [d.metadata["Name"] for d in dists] == ["modelstage"]
     eps = [e for e in dists[0].entry_points if e.group == "vllm.general_plugins"]
-    assert [(e.name, e.value) for e in eps] == [("modelstage", "modelstage.stager.plugin:register")]
+    assert [(e.name, e.value) for e in eps] == [("modelstage", "modelstage.plugin:register")]
     for line_ in (dists[0].read_text("RECORD") or "").splitlines():
         name = line_.split(",")[0]
         assert (plugin_dir / name).is_file(), name
@@ -60,10 +61,10 @@ def test_prepare_twice_replaces_the_plugin_instead_of_failing(
 ) -> None:
     plugin_dir = tmp_path / "plugins"
     assert run_prepare(tied_tp1.path, tied_tp1.digest, 1, plugin_dir)[0] == 0
-    (plugin_dir / "modelstage" / "stager" / "stale.py").write_text("raise SystemExit\n")
+    (plugin_dir / "modelstage" / "plugin" / "stale.py").write_text("raise SystemExit\n")
     code, line = run_prepare(tied_tp1.path, tied_tp1.digest, 1, plugin_dir)
     assert code == 0, line
-    assert not (plugin_dir / "modelstage" / "stager" / "stale.py").exists()
+    assert not (plugin_dir / "modelstage" / "plugin" / "stale.py").exists()
     assert sorted(p.name for p in plugin_dir.iterdir()) == [
         "modelstage",
         "modelstage-0.1.0.dist-info",
@@ -163,36 +164,70 @@ def test_other_uri_schemes_are_refused_with_what_prepare_reads(tmp_path: Path) -
 def test_copied_plugin_imports_only_copied_modules_and_what_vllm_images_have(
     tmp_path: Path,
 ) -> None:
-    """The plugin must work where only the copied files exist: every relative import resolves
-    to a copied module, every absolute one is the standard library or a vLLM dependency."""
+    """The plugin must work where only the copied packages exist: every ``modelstage`` import
+    (lazy ones included) names the core or the plugin, every other one is the standard library
+    or a vLLM dependency."""
     install_plugin(tmp_path)
-    package = tmp_path / "modelstage" / "stager"
-    copied = {p.relative_to(package).with_suffix("").as_posix() for p in package.rglob("*.py")}
-    assert {m.removesuffix(".py") for m in PLUGIN_MODULES if m.endswith(".py")} <= copied
-    for path in package.rglob("*.py"):
-        here = path.parent.relative_to(package).as_posix()
+    root = tmp_path / "modelstage"
+    assert sorted(p.name for p in root.iterdir()) == sorted(PLUGIN_PACKAGES)
+    assert not (root / "__init__.py").exists()  # a namespace package, as in the images
+    for path in root.rglob("*.py"):
+        package = path.parent.relative_to(tmp_path).as_posix().split("/")
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.level:
-                base = Path(here)
-                for _ in range(node.level - 1):
-                    base = base.parent
-                target = (base / (node.module or "").replace(".", "/")).as_posix().lstrip("./")
-                names = (
-                    [target]
-                    if node.module
-                    else [f"{target}/{a.name}".lstrip("/") for a in node.names]
-                )
-                for name in names:
-                    assert name in copied or f"{name}/__init__" in copied, (path.name, name)
-            elif isinstance(node, ast.ImportFrom | ast.Import):
-                modules = (
-                    [node.module]
-                    if isinstance(node, ast.ImportFrom)
-                    else [a.name for a in node.names]
-                )
-                for module in modules:
-                    top = (module or "").split(".")[0]
-                    assert top in sys.stdlib_module_names or top in ALLOWED_IMPORTS, (
+                base = package[: len(package) - (node.level - 1)]
+                target = [*base, *(node.module or "").split(".")] if node.module else base
+                assert target[:2] in (["modelstage", p] for p in PLUGIN_PACKAGES), (path, target)
+                continue
+            if isinstance(node, ast.ImportFrom):
+                modules = [node.module or ""]
+            elif isinstance(node, ast.Import):
+                modules = [a.name for a in node.names]
+            else:
+                continue
+            for module in modules:
+                parts = module.split(".")
+                if parts[0] == "modelstage":
+                    assert parts[1:2] in ([p] for p in PLUGIN_PACKAGES), (path.name, module)
+                else:
+                    assert parts[0] in sys.stdlib_module_names or parts[0] in ALLOWED_IMPORTS, (
                         path.name,
                         module,
                     )
+
+
+def test_copied_plugin_imports_in_a_clean_interpreter_with_only_the_copy(
+    tmp_path: Path, pod_site: Path
+) -> None:
+    """Every module of the copy imports where only the copy and a stock vLLM image's packages
+    are on the path (``python -S``: no modelstage installation), and none of the stager does."""
+    plugin_dir = tmp_path / "plugins"
+    install_plugin(plugin_dir)
+    modules = sorted(
+        ".".join(p.relative_to(plugin_dir).with_suffix("").parts).removesuffix(".__init__")
+        for p in (plugin_dir / "modelstage").rglob("*.py")
+    )
+    code = (
+        "import importlib, json, sys\n"
+        f"for name in {modules!r}:\n"
+        "    importlib.import_module(name)\n"
+        "try:\n"
+        "    import modelstage.stager\n"
+        "    stager = True\n"
+        "except ImportError:\n"
+        "    stager = False\n"
+        "files = {n: getattr(m, '__file__', None) for n, m in sys.modules.items()\n"
+        "         if n.startswith('modelstage.')}\n"
+        "print(json.dumps({'stager': stager, 'files': files}))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-S", "-c", code],
+        env={**base_env(), "PYTHONPATH": f"{plugin_dir}:{pod_site}"},
+        cwd=tmp_path, capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["stager"] is False
+    assert set(result["files"]) >= set(modules)
+    for name, file in result["files"].items():
+        assert file is not None and file.startswith(str(plugin_dir)), (name, file)

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from modelstage.stager.errors import ArtifactError
-from modelstage.stager.plugin.reader import (
+from modelstage.core.errors import ArtifactError
+from modelstage.core.safetensors_format import SafetensorsHeader, TensorInfo, read_local_header
+from modelstage.plugin.reader import (
     SPARE_BUFFERS,
     TORCH_DTYPES,
     PipelinedReader,
@@ -17,7 +18,6 @@ from modelstage.stager.plugin.reader import (
     flat_bytes,
     staging_for,
 )
-from modelstage.stager.safetensors_format import SafetensorsHeader, TensorInfo, read_local_header
 from safetensors.torch import load_file
 from support.serving import Artifact
 
@@ -98,8 +98,8 @@ def test_a_file_truncated_after_verification_fails_with_the_file_named(
 
 
 def test_bench_entry_point_reads_rank_files_and_refuses_missing_ones(llama_tp2: Artifact) -> None:
-    from modelstage.stager.errors import CheckpointError
-    from modelstage.stager.plugin.reader import read_files_for_bench
+    from modelstage.core.errors import CheckpointError
+    from modelstage.plugin.reader import read_files_for_bench
 
     read_files_for_bench([p for p, _ in rank_files(llama_tp2, 0)])
     with pytest.raises(CheckpointError, match="cannot read"):

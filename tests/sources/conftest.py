@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from modelstage.stager.synthetic import SyntheticModel, write_checkpoint
+from modelstage.devtools.synthetic import SyntheticModel, write_checkpoint
 from support.hub_server import FakeHub, fake_hub
 
 HF_TOKEN = "hf_MsTestToken9Kestrel4Lantern2Fjord"

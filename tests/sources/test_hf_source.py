@@ -22,11 +22,11 @@ import threading
 from pathlib import Path
 
 import pytest
-from modelstage.stager.errors import CheckpointError
-from modelstage.stager.manifest import MANIFEST
+from modelstage.core.errors import CheckpointError
+from modelstage.core.manifest import MANIFEST
+from modelstage.devtools.synthetic import SyntheticModel, write_checkpoint
 from modelstage.stager.network import Timeouts
 from modelstage.stager.stage import StageRequest, stage
-from modelstage.stager.synthetic import SyntheticModel, write_checkpoint
 from support.hub_server import FakeHub, HubRepo, silent_server
 
 from .conftest import HF_TOKEN
@@ -204,7 +204,7 @@ def test_cli_sends_the_token_file_only_in_the_authorization_header(
     wrong_file = tmp_path / "wrong"
     wrong_file.write_text("hf_WrongTokenForTheCli7Heron\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
-    env.update(PYTHONSAFEPATH="1", HF_ENDPOINT=hub.endpoint)
+    env.update(HF_ENDPOINT=hub.endpoint)
 
     def run(out: str, token: Path) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
@@ -259,7 +259,7 @@ def test_an_endpoint_that_accepts_and_never_answers_fails_after_its_retries_in_o
 def test_cli_read_timeout_flag_ends_a_silent_hub_with_the_error_line(tmp_path: Path) -> None:
     with silent_server() as silent:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "MODELSTAGE_"))}
-        env.update(PYTHONSAFEPATH="1", HF_ENDPOINT=silent.endpoint)
+        env.update(HF_ENDPOINT=silent.endpoint)
         proc = subprocess.run(
             [str(Path(sys.executable).with_name("modelstage")), "stage", "hf://acme/llama",
              "--tp", "2", "--out", str(tmp_path / "out"), "--cache-dir", str(tmp_path / "c"),
@@ -324,7 +324,7 @@ def test_downloads_report_bytes_of_the_total_rate_and_files(
     needed = sum((split_ckpt / n).stat().st_size for n in NEEDED) - (
         split_ckpt / "model.safetensors.index.json"
     ).stat().st_size  # the index is fetched first, to learn the weight files
-    from modelstage.stager.progress import human_bytes
+    from modelstage.core.progress import human_bytes
 
     assert f"hf: fetching 8 of 9 files ({human_bytes(needed)})" in err
     final = [line for line in err.splitlines() if line.startswith("hf: downloading acme/llama:")]
@@ -390,7 +390,7 @@ def test_a_snapshot_link_that_leaves_the_repository_cache_is_refused(
 def test_a_moved_branch_is_resolved_anew_and_never_answered_with_the_stale_artifact(
     hub: FakeHub, split_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from modelstage.stager.errors import ArtifactError
+    from modelstage.core.errors import ArtifactError
 
     serve(hub, split_ckpt)
     monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
@@ -429,6 +429,6 @@ def test_a_pinned_commit_resolves_without_asking_the_hub(
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     """The CLI with this process's environment (HF_ENDPOINT as the test set it)."""
-    env = {**os.environ, "PYTHONSAFEPATH": "1"}
+    env = dict(os.environ)
     return subprocess.run([sys.executable, "-m", "modelstage.stager.cli", *args],
                           capture_output=True, text=True, env=env, cwd="/", check=False)  # fmt: skip

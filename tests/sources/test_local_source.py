@@ -9,7 +9,7 @@ import struct
 from pathlib import Path
 
 import pytest
-from modelstage.stager.errors import CheckpointError
+from modelstage.core.errors import CheckpointError
 from modelstage.stager.sources import open_source
 from modelstage.stager.sources.local import LocalSource
 

@@ -4,7 +4,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from modelstage.stager.synthetic import SyntheticModel, write_checkpoint
+from modelstage.devtools.synthetic import SyntheticModel, write_checkpoint
 
 
 @pytest.fixture(scope="session")

@@ -12,12 +12,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from modelstage.core.errors import SpecError
+from modelstage.core.manifest import verify_directory
+from modelstage.core.progress import Progress
 from modelstage.stager import cli
 from modelstage.stager.destinations import local
 from modelstage.stager.destinations.local import LocationLock
-from modelstage.stager.errors import SpecError
-from modelstage.stager.manifest import verify_directory
-from modelstage.stager.progress import Progress
 from modelstage.stager.stage import StageRequest, stage
 
 MODELSTAGE = str(Path(sys.executable).with_name("modelstage"))
@@ -25,7 +25,6 @@ MODELSTAGE = str(Path(sys.executable).with_name("modelstage"))
 
 def run(*args: str, cwd: str = "/") -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MODELSTAGE_")}
-    env["PYTHONSAFEPATH"] = "1"
     return subprocess.run([MODELSTAGE, *args], env=env, cwd=cwd, capture_output=True,
                           text=True, timeout=300, check=False)  # fmt: skip
 
@@ -320,7 +319,7 @@ def test_setup_run_again_on_a_current_checkout_prints_one_line() -> None:
     current it must not reinstall (setuptools' warnings filled ~40 lines)."""
     root = Path(__file__).resolve().parents[2]
     venv = os.path.realpath(sys.prefix)
-    env = {**os.environ, "MODELSTAGE_VENV": sys.prefix, "PYTHONSAFEPATH": "1"}
+    env = {**os.environ, "MODELSTAGE_VENV": sys.prefix}
     for _ in range(2):  # the first brings the install up to date, if it was not
         done = subprocess.run([str(root / "scripts" / "setup")], cwd=root, env=env,
                               capture_output=True, text=True, timeout=1200, check=False)  # fmt: skip

@@ -7,10 +7,10 @@ import json
 from pathlib import Path
 
 import pytest
+from modelstage.core.errors import ArtifactError, SpecError
+from modelstage.core.manifest import MANIFEST
 from modelstage.stager import cli
 from modelstage.stager.delete import delete_artifact
-from modelstage.stager.errors import ArtifactError, SpecError
-from modelstage.stager.manifest import MANIFEST
 from modelstage.stager.stage import StageRequest, stage
 
 DIGEST = "0123456789abcdef0123"

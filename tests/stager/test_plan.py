@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import yaml
+from modelstage.core.manifest import read_manifest
 from modelstage.operator.api import DEFAULT_STAGER_IMAGE, ModelDeploymentSpec
 from modelstage.operator.artifact import artifact_for, spec_digest
 from modelstage.operator.claim_plan import plan_claim
@@ -22,7 +23,6 @@ from modelstage.operator.kube import Owner
 from modelstage.operator.plan import OFFLINE_UID
 from modelstage.operator.resolve_plan import resolve_job_name, source_status
 from modelstage.operator.rollout_plan import plan_rollout
-from modelstage.stager.manifest import read_manifest
 from modelstage.stager.plan import plan_files
 from modelstage.stager.stage import StageRequest, stage
 
@@ -38,7 +38,6 @@ IDENTITY = "commit:" + "ab" * 20
 
 def plan(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MODELSTAGE_")}
-    env["PYTHONSAFEPATH"] = "1"
     return subprocess.run([MODELSTAGE, "plan", *args], env=env, cwd="/", input=stdin,
                           capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
 
@@ -272,7 +271,7 @@ def test_planning_a_model_deployment_imports_neither_torch_nor_the_operators_kop
         "heavy = {'torch', 'numpy', 'kopf', 'kubernetes', 'boto3', 'huggingface_hub'}\n"
         "print(sorted(heavy & set(sys.modules)), file=sys.stderr)\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONSAFEPATH": "1"},
+    done = subprocess.run([sys.executable, "-c", code], env=dict(os.environ),
                           cwd="/", capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert done.stderr.strip().splitlines()[-1] == "[]"

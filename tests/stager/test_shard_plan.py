@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from modelstage.stager.layouts import layout_for
+from modelstage.core.layouts import layout_for
+from modelstage.devtools.synthetic import SyntheticModel
 from modelstage.stager.model_config import ModelConfig
 from modelstage.stager.shard_plan import ShardPlan, SourceTensor, plan_shards
-from modelstage.stager.synthetic import SyntheticModel
 
 LAYOUT = layout_for("0.32")
 

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from modelstage.stager import layouts
-from modelstage.stager.errors import ArtifactError, SpecError
-from modelstage.stager.manifest import MANIFEST, verify_directory
+from modelstage.core import layouts
+from modelstage.core.errors import ArtifactError, SpecError
+from modelstage.core.manifest import MANIFEST, verify_directory
+from modelstage.devtools.synthetic import SyntheticModel, write_checkpoint
 from modelstage.stager.stage import StageRequest, stage
-from modelstage.stager.synthetic import SyntheticModel, write_checkpoint
 from safetensors import safe_open
 from safetensors.numpy import load_file
 from support.layout_reference import expected_rank, load_checkpoint_tensors, load_config
@@ -173,7 +173,7 @@ def test_verify_reports_a_corrupted_file(llama_ckpt: Path, tmp_path: Path) -> No
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONSAFEPATH": "1"}
+    env = dict(os.environ)
     return subprocess.run(
         [sys.executable, "-m", "modelstage.stager.cli", *args],
         capture_output=True, text=True, env=env, cwd="/", check=False,
@@ -254,7 +254,7 @@ def test_a_checkpoint_rewritten_in_place_is_a_new_artifact_never_the_stale_one(
 def test_the_manifest_records_the_identity_the_digest_was_taken_from(
     llama_ckpt: Path, tmp_path: Path
 ) -> None:
-    from modelstage.stager.digest import artifact_digest
+    from modelstage.core.digest import artifact_digest
 
     summary = stage(StageRequest(source=str(llama_ckpt), out=str(tmp_path / "a"), tp=2))
     source = json.loads((tmp_path / "a" / MANIFEST).read_text())["source"]

@@ -3,8 +3,8 @@
 ``helm`` and ``kubectl`` are the static binaries that ``scripts/tools`` installs (``scripts/setup``
 runs it); hadolint, yamllint, shellcheck and kubernetes-validate come from the ``dev`` extra. A
 missing tool is a failure with the command that installs it, not a skip: these checks are what
-``.ci/run`` promises. Every subprocess runs with a working directory outside the checkout (its
-``operator/`` folder would shadow the standard library for Python tools).
+``.ci/run`` promises. Every subprocess runs with a working directory outside the checkout, so
+that nothing a tool writes lands in it.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def run(
     args: Sequence[str], *, check: bool = True, **kwargs: Any
 ) -> subprocess.CompletedProcess[str]:
     """Runs a tool outside the checkout; on failure the message carries its output."""
-    env = {**os.environ, "PYTHONSAFEPATH": "1", "HELM_CACHE_HOME": "/tmp/modelstage-helm-cache"}
+    env = {**os.environ, "HELM_CACHE_HOME": "/tmp/modelstage-helm-cache"}
     result = subprocess.run(
         list(args), cwd="/", env=env, capture_output=True, text=True, timeout=300, **kwargs
     )

@@ -1,8 +1,7 @@
 """The operator as the tests run it: ``python -P -m modelstage.operator`` in a subprocess.
 
-The working directory is a temporary folder (never the repository root, whose ``operator``
-folder would shadow the standard library), ``PYTHONSAFEPATH=1``, the kubeconfig from the
-cluster fixture, kopf in standalone mode (no peering), and short watch timeouts. Waiting is
+The working directory is a temporary folder (where the operator's log goes), the kubeconfig
+from the cluster fixture, kopf in standalone mode (no peering), and short watch timeouts. Waiting is
 done with ``asyncio.sleep``: the kmock API server runs in the same event loop as the test.
 """
 
@@ -92,7 +91,6 @@ class OperatorProcess:
             **{k: v for k, v in os.environ.items() if not k.startswith("MODELSTAGE_OPERATOR_")},
             **TEST_SETTINGS,
             "KUBECONFIG": str(self.kubeconfig),
-            "PYTHONSAFEPATH": "1",
             # The log is evidence the tests wait for, and a SIGKILL must not lose its tail.
             "PYTHONUNBUFFERED": "1",
             "MODELSTAGE_OPERATOR_METRICS_PORT": str(self.metrics_port),

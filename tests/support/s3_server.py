@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from modelstage.stager.s3_client import S3Options
+from modelstage.core.s3_client import S3Options
 
 ACCESS_KEY = "MSTESTAKID7Q4ZX9PLUMBLINE"
 SECRET_KEY = "ms-test-secret/Zebra+Quokka+Halibut+0451"

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from modelstage.devtools.synthetic import SyntheticModel, write_checkpoint
 from modelstage.stager.stage import StageRequest, stage
-from modelstage.stager.synthetic import SyntheticModel, write_checkpoint
 
 from support.vllm_lock import vllm_lock
 
@@ -50,7 +50,6 @@ def base_env() -> dict[str, str]:
     """The caller's environment minus anything that would leak modelstage settings in."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MODELSTAGE_")}
     env.pop("PYTHONPATH", None)
-    env["PYTHONSAFEPATH"] = "1"
     return env
 
 

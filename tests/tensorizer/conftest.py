@@ -13,8 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from modelstage.devtools.synthetic import SyntheticModel, write_checkpoint
 from modelstage.stager.stage import StageRequest, stage
-from modelstage.stager.synthetic import SyntheticModel, write_checkpoint
 
 sys.path.insert(0, str(Path(__file__).parent))
 from vllm_model import VllmModel, describe_vllm_model

@@ -14,7 +14,7 @@ the accelerator): ``TensorDeserializer.load_into_module``, ``_check_tensors_on_m
 ``del model.vllm_tensorized_marker``; it reports a sha256 of every tensor's bytes and any
 tensor still on the meta device.
 
-Run as a subprocess with PYTHONSAFEPATH=1 and a cwd outside the checkout; the caller holds
+Run as a subprocess (a fresh interpreter per vLLM run); the caller holds
 the vLLM lock. Usage: probe_vllm_model.py --model DIR --tp N [--artifact DIR] --out FILE
 """
 

@@ -17,7 +17,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "e2e" / "gpu_tensorizer_check.py"
 
 def run(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, str(SCRIPT), *args], cwd=cwd, env={"PYTHONSAFEPATH": "1"},
+        [sys.executable, str(SCRIPT), *args], cwd=cwd, env={},
         capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
 

@@ -103,7 +103,7 @@ def _probe(checkpoint: Path, tp: int, artifact: Path | None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="vllm-probe-") as work:
         out = Path(work) / "model.json"
         # Stock vLLM: the installed modelstage plugin is kept out of the description.
-        env = dict(os.environ, PYTHONSAFEPATH="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_PLUGINS="")
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_PLUGINS="")
         if tp > 1:
             env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
                 str(r % (os.cpu_count() or 1)) for r in range(tp)

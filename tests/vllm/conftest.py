@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from modelstage.stager.synthetic import SyntheticModel, write_checkpoint
+from modelstage.devtools.synthetic import SyntheticModel, write_checkpoint
 
 # The tests import the oracle helpers as a top-level module: this folder cannot be imported
 # as a package from `tests/` on sys.path, its name would shadow the real `vllm`.

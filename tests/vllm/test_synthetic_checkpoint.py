@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from modelstage.stager.synthetic import (
+from modelstage.devtools.synthetic import (
     ARCHITECTURES,
     SyntheticModel,
     _encode,

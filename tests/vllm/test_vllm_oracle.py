@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from modelstage.stager.synthetic import SyntheticModel
+from modelstage.devtools.synthetic import SyntheticModel
 from vllm_oracle import (
     VllmRun,
     differences,

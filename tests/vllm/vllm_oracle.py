@@ -99,7 +99,7 @@ def run_vllm(
     settings, ``MODELSTAGE_*``)."""
     with tempfile.TemporaryDirectory(prefix="vllm-oracle-") as work, vllm_lock() as waited:
         out = Path(work) / "result.json"
-        run_env = dict(os.environ, PYTHONSAFEPATH="1", VLLM_CPU_KVCACHE_SPACE="1", **(env or {}))
+        run_env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", **(env or {}))
         if plugin:
             run_env.pop("VLLM_PLUGINS", None)
         else:
@@ -173,7 +173,7 @@ def stage(src: Path, out: Path, tp: int, *extra: str) -> subprocess.CompletedPro
     proc = subprocess.run(
         [str(cli), "stage", str(src), "--tp", str(tp), "--format", "sharded_state",
          "--out", str(out), *extra],
-        env=dict(os.environ, PYTHONSAFEPATH="1"),
+        env=dict(os.environ),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -214,7 +214,7 @@ def loader_warnings(log: str) -> list[str]:
 def weight_dtypes(artifact: Path) -> set[str]:
     """The safetensors dtypes of the artifact's weights (0-d attention scales left out: vLLM
     keeps them float32 whatever the model's dtype)."""
-    from modelstage.stager.safetensors_format import read_local_header
+    from modelstage.core.safetensors_format import read_local_header
 
     return {
         t.dtype

@@ -1,0 +1,735 @@
+"""One reconciliation of one ModelDeployment: read the cluster, ask ``decide``, execute.
+
+Plan, then execute (STYLE.md): everything this module decides comes from the planners
+(``decide``, ``staging_jobs``, ``plan_claim``, ``plan_rollout``); it only reads the objects they
+need and sends what they return. Nothing is kept in memory between calls, so a restarted
+operator continues from what the cluster says.
+
+Order of writes, chosen for restart safety:
+
+1. the status (with a ``resourceVersion`` precondition: a stale read is re-done, never written);
+2. then the action: create the Job (by its deterministic name: "already exists" is success),
+   or send the workload's merge patch (with the workload's ``resourceVersion`` precondition).
+
+Status first matters for a rollback: the status records ``failedDigest`` and the previous
+artifact as current before the workload is patched back, so an operator killed between the two
+writes redoes the rollback (``decide`` sees the workload off the current artifact) instead of
+rolling forward onto the failing artifact again. For a roll-out or a Job it is equally safe:
+the planners' plans are no-ops once applied (an empty merge patch is not sent, a Job of that
+name is not created twice).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+from typing import Any
+
+from kubernetes.client.exceptions import ApiException
+from modelstage.core.errors import SpecError
+from modelstage.core.layouts import layout_for
+from pydantic import ValidationError
+
+from . import metrics
+from .api import API_VERSION, PLURAL, ModelDeploymentSpec, ModelDeploymentStatus, TargetRef
+from .artifact import Artifact, artifact_for, artifact_from_status
+from .claim_plan import check_claim_size, plan_claim
+from .job_plan import (
+    RESOLVE_CONTAINER,
+    cleanup_job_name,
+    finalize_job_name,
+    plan_cleanup_job,
+    plan_resolve_job,
+    stage_job_name,
+    staging_jobs,
+    staging_step,
+)
+from .kube import LABEL_DIGEST, Manifest, Owner, model_deployment_owners
+from .kube_client import Conflict, KubeClient, resource_path
+from .patch import merge_diff
+from .resolve_plan import (
+    SourceStep,
+    plan_source,
+    recorded_identity,
+    resolution_due,
+    resolve_job_name,
+    source_changed,
+    source_key,
+)
+from .retention import Holder, RetentionPlan, plan_release, plan_retention, remember
+from .rollout_plan import plan_rollout
+from .slots import StagerSlots
+from .state import (
+    Action,
+    Decision,
+    JobObservation,
+    Observed,
+    WorkloadObservation,
+    decide,
+    observe_job,
+    observe_workload,
+    pod_failures,
+    progress_line,
+    queued,
+    staging_progress,
+    termination_message,
+)
+from .validation import (
+    Finding,
+    image_allowed,
+    opt_in_problem,
+    validate_spec,
+    validate_workload,
+)
+
+STAGER_SELECTOR = {"app.kubernetes.io/component": "stager"}
+JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
+"""Set by the Job controller on its pods: tells the stage Job's pods from finalize's."""
+WORKLOAD_PLURALS = {"Deployment": "deployments", "StatefulSet": "statefulsets"}
+CONFLICT_ATTEMPTS = 3
+LOG_TAIL_LINES = 20
+"""Lines of a running stager's log read for its latest progress line."""
+LOG = logging.getLogger(__name__)
+EventFn = Callable[[Manifest, str, str, str], None]
+"""``(object, type, reason, message)``: posts a Kubernetes Event about ``object``."""
+
+
+def md_path(namespace: str, name: str | None = None, subresource: str | None = None) -> str:
+    return resource_path(API_VERSION, PLURAL, namespace, name, subresource)
+
+
+def workload_path(namespace: str, ref: TargetRef) -> str:
+    return resource_path("apps/v1", WORKLOAD_PLURALS[ref.kind], namespace, ref.name)
+
+
+def status_wire(status: ModelDeploymentStatus) -> Manifest:
+    return status.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+@dataclass
+class Outcome:
+    """What one reconciliation did; the kopf handlers turn it into their result."""
+
+    decision: Decision
+    invalid: str | None = None
+    """Why the spec can never work (for ``kopf.PermanentError``)."""
+    status_written: bool = False
+    job_created: bool = False
+    workload_patched: bool = False
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def staging_failed(self) -> bool:
+        staged = self.decision.status.condition("Staged")
+        return staged is not None and staged.reason in (
+            "StagingFailed",
+            "ArtifactMismatch",
+            "ResolveFailed",
+        )
+
+
+def _now() -> datetime:
+    """Whole seconds: the status round-trips through the API server unchanged."""
+    return datetime.now(UTC).replace(microsecond=0)
+
+
+class Reconciler:
+    """Reconciles ModelDeployments; one at a time per object (a lock per name), any number
+    of objects in parallel (kopf's worker threads)."""
+
+    def __init__(
+        self,
+        kube: KubeClient,
+        *,
+        stager_image: str,
+        post_event: EventFn,
+        slots: StagerSlots | None = None,
+        resolve_interval: float = 0.0,
+        stager_logs: bool = False,
+        allowed_images: Sequence[str] = (),
+    ) -> None:
+        self.kube = kube
+        self.stager_image = stager_image
+        self.images = (stager_image, *allowed_images)
+        """Images a spec may name (``spec.stager.image``); the default first."""
+        self.post_event = post_event
+        self.slots = slots or StagerSlots(0)
+        self.resolve_interval = resolve_interval
+        """Seconds between resolutions of a moving source, when the spec does not say."""
+        self.stager_logs = stager_logs
+        """Read running stagers' log tails for their progress (needs ``get pods/log``)."""
+        self._locks: dict[tuple[str, str], threading.Lock] = {}
+        self._locks_guard = threading.Lock()
+
+    def _lock(self, namespace: str, name: str) -> threading.Lock:
+        with self._locks_guard:
+            return self._locks.setdefault((namespace, name), threading.Lock())
+
+    def reconcile(
+        self, namespace: str, name: str, logger: logging.Logger | logging.LoggerAdapter[Any]
+    ) -> Outcome | None:
+        """Reads, decides, writes; re-reads and re-decides when a write meets a newer object.
+        None when the ModelDeployment is gone. ``Conflict`` when it kept changing."""
+        with self._lock(namespace, name):
+            for attempt in range(CONFLICT_ATTEMPTS):
+                try:
+                    outcome = self._once(namespace, name, logger)
+                except Conflict as error:
+                    if attempt + 1 == CONFLICT_ATTEMPTS:
+                        metrics.RECONCILES.labels("conflict").inc()
+                        raise
+                    logger.debug("write conflict, re-reading: %s", error)
+                    continue
+                if outcome is not None:
+                    metrics.RECONCILES.labels(_result(outcome)).inc()
+                return outcome
+        raise AssertionError("unreachable")
+
+    def _once(
+        self, namespace: str, name: str, logger: logging.Logger | logging.LoggerAdapter[Any]
+    ) -> Outcome | None:
+        body = self.kube.get(md_path(namespace, name))
+        if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
+            return None
+        meta = body["metadata"]
+        owner = Owner(name=name, namespace=namespace, uid=meta["uid"])
+        status = ModelDeploymentStatus.model_validate(body.get("status") or {})
+        findings: list[Finding] = []
+        invalid: str | None = None
+        spec: ModelDeploymentSpec | None = None
+        desired: Artifact | None = None
+        try:
+            spec = ModelDeploymentSpec.model_validate(body.get("spec") or {})
+        except ValidationError as error:
+            invalid = f"spec is invalid: {_first_error(error)}"
+            findings.append(Finding("InvalidSpec", invalid, "staging"))
+
+        workload: Manifest | None = None
+        job: JobObservation | None = None
+        next_job: Manifest | None = None
+        observed_workload: WorkloadObservation | None = None
+        source: SourceStep | None = None
+        now = _now()
+        if spec is not None:
+            findings += validate_spec(spec, allowed_images=self.images)
+            if not any(f.blocks == "staging" for f in findings):
+                try:
+                    layout_for(spec.serving.vllm_version)
+                except SpecError as error:
+                    findings.append(Finding("InvalidSpec", str(error), "staging"))
+            if not any(f.blocks == "staging" for f in findings):
+                source = self._resolve(spec, status, owner, now)
+                if source.source is not None:
+                    desired = artifact_for(
+                        spec,
+                        namespace=namespace,
+                        deployment_name=name,
+                        identity=source.source.identity,
+                    )
+            blocking = [f for f in findings if f.blocks == "staging"]
+            if blocking:
+                invalid = blocking[0].message
+            workload = self.kube.get(workload_path(namespace, spec.serving.target_ref))
+            claim = None
+            if spec.storage.pvc is not None and desired is not None and desired.location.claim_name:
+                claim = self.kube.get(
+                    resource_path(
+                        "v1", "persistentvolumeclaims", namespace, desired.location.claim_name
+                    )
+                )
+            findings += validate_workload(
+                spec, workload, namespace=namespace, deployment_name=name, claim=claim
+            )
+            too_small = check_claim_size(spec, claim)
+            if too_small is not None:  # before any Job starts (claim_plan.py: what is knowable)
+                findings.append(too_small)
+                invalid = invalid or too_small.message
+            if desired is not None:
+                jobs = staging_jobs(
+                    spec,
+                    owner=owner,
+                    digest=desired.digest,
+                    default_image=self.stager_image,
+                    source=source.source if source is not None else None,
+                )
+                job, next_job, foreign = self._observe_jobs(namespace, desired.digest, jobs, owner)
+                if foreign is not None:
+                    findings.append(foreign)
+                elif source is not None and job is not None and source_changed(job, status.source):
+                    # The source changed between resolving and staging: resolve it again
+                    # now; a new identity is a new artifact with Jobs of its own.
+                    source = self._resolve(spec, status, owner, now, stale=True)
+                    if source.source is not None and source.source.identity != (
+                        status.source.identity if status.source else None
+                    ):
+                        desired = artifact_for(
+                            spec,
+                            namespace=namespace,
+                            deployment_name=name,
+                            identity=source.source.identity,
+                        )
+                        jobs = staging_jobs(
+                            spec,
+                            owner=owner,
+                            digest=desired.digest,
+                            default_image=self.stager_image,
+                            source=source.source,
+                        )
+                        job, next_job, foreign = self._observe_jobs(
+                            namespace, desired.digest, jobs, owner
+                        )
+                        if foreign is not None:
+                            findings.append(foreign)
+            if workload is not None:
+                observed_workload = self._observe_workload(namespace, workload)
+
+        observed = Observed(
+            generation=int(meta.get("generation", 1)),
+            now=now,
+            job=job,
+            workload=observed_workload,
+            findings=tuple(findings),
+        )
+        decision = decide(desired, status, observed, source)
+        if spec is not None:
+            decision = self._retain(spec, namespace, name, desired, decision, body, logger)
+        if decision.action is Action.CREATE_JOB and desired is not None and next_job is not None:
+            job_name = next_job["metadata"]["name"]
+            if job_name == stage_job_name(desired.digest):
+                position = self.slots.acquire((namespace, job_name), (namespace, name))
+                if position:
+                    decision = queued(
+                        decision, position, self.slots.limit, observed, self.slots.per_namespace
+                    )
+        outcome = Outcome(decision, invalid=invalid)
+
+        # 1. The status, first (see the module docstring).
+        # Diff against what the server holds: a default (phase Pending) not yet written
+        # there must be written, not taken as already present.
+        raw = body.get("status") or {}
+        old = {k: v for k, v in status_wire(status).items() if k in raw}
+        new = status_wire(decision.status)
+        if old != new:
+            patch = {
+                "metadata": {"resourceVersion": meta["resourceVersion"]},
+                "status": merge_diff(old, new),
+            }
+            self.kube.merge_patch(md_path(namespace, name, "status"), patch)
+            outcome.status_written = True
+            self._post_transitions(body, status, decision)
+        if decision.details:
+            logger.info(
+                decision.details,
+                extra={"action": decision.action.value, "phase": decision.status.phase},
+            )
+
+        # 2. The action.
+        if decision.action is Action.CREATE_RESOLVE_JOB and spec is not None:
+            assert source is not None
+            outcome.job_created = self._create_resolve_job(spec, owner, source, body, logger)
+        elif decision.action is Action.CREATE_JOB and spec is not None and desired is not None:
+            assert next_job is not None
+            outcome.job_created = self._create_job(spec, owner, desired, next_job, body, logger)
+        elif decision.action in (Action.ROLL_OUT, Action.ROLL_BACK):
+            assert spec is not None and workload is not None and decision.artifact is not None
+            # ``decide`` never asks for this without the opt-in; checked again here, where
+            # the operator writes to a workload that is not its own.
+            refused = opt_in_problem(workload, namespace=namespace, deployment_name=name)
+            if refused is not None:
+                raise AssertionError(f"refusing to patch: {refused}")
+            plan = plan_rollout(
+                spec,
+                artifact_from_status(decision.artifact),
+                workload,
+                default_image=self.stager_image,
+            )
+            if plan.changed:
+                patch = dict(plan.merge_patch)
+                patch["metadata"] = {
+                    **(patch.get("metadata") or {}),
+                    "resourceVersion": plan.resource_version,
+                }
+                self.kube.merge_patch(workload_path(namespace, spec.serving.target_ref), patch)
+                outcome.workload_patched = True
+                metrics.WORKLOAD_PATCHES.labels(decision.action.value).inc()
+                rolled_back = decision.action is Action.ROLL_BACK
+                for detail in plan.details:
+                    logger.info(detail, extra={"action": decision.action.value})
+                    self.post_event(
+                        body,
+                        "Warning" if rolled_back else "Normal",
+                        "RolledBack" if rolled_back else "RolledOut",
+                        detail,
+                    )
+        return outcome
+
+    def _holders(self, namespace: str, exclude: str) -> list[Holder]:
+        """Every other ModelDeployment of the namespace, as retention counts references."""
+        holders = []
+        for body in self.kube.list(md_path(namespace)):
+            if body["metadata"]["name"] == exclude:
+                continue
+            status = ModelDeploymentStatus.model_validate(body.get("status") or {})
+            try:
+                spec = ModelDeploymentSpec.model_validate(body.get("spec") or {})
+                identity = recorded_identity(spec, status.source)
+                wants = (
+                    artifact_for(
+                        spec,
+                        namespace=namespace,
+                        deployment_name=body["metadata"]["name"],
+                        identity=identity,
+                    ).location.uri
+                    if identity is not None
+                    else None  # not resolved yet: it wants nothing staged so far
+                )
+                holders.append(Holder(status, spec.retention.keep, wants))
+            except (ValidationError, SpecError):  # unknown intent: it keeps all it has
+                holders.append(Holder(status, len(status.artifacts)))
+        return holders
+
+    def _retain(
+        self,
+        spec: ModelDeploymentSpec,
+        namespace: str,
+        name: str,
+        desired: Artifact | None,
+        decision: Decision,
+        body: Manifest,
+        logger: logging.Logger | logging.LoggerAdapter[Any],
+    ) -> Decision:
+        """Retention, before the status write: the clean-up Jobs first (by deterministic
+        names, so a rerun after a conflict or a crash finds them), then the trimmed history
+        goes out with the status."""
+        status = remember(decision.status)
+        wants = desired.location.uri if desired is not None else None
+        own = Holder(status, spec.retention.keep, wants)
+        if not status.artifacts[spec.retention.keep :]:
+            return replace(decision, status=status)
+        holders = self._holders(namespace, exclude=name)
+        plan = plan_retention(own, holders)
+        self._clean_up(spec, namespace, name, plan, [own, *holders], body, logger)
+        return replace(decision, status=status.model_copy(update={"artifacts": list(plan.history)}))
+
+    def release(
+        self,
+        namespace: str,
+        name: str,
+        body: Manifest,
+        logger: logging.Logger | logging.LoggerAdapter[Any],
+    ) -> RetentionPlan | None:
+        """The ModelDeployment is being deleted (its finalizer): clean up every artifact it
+        referenced that no other ModelDeployment references, unless ``onDelete: Retain``.
+        None when nothing is to be done."""
+        with self._lock(namespace, name):
+            status = ModelDeploymentStatus.model_validate(body.get("status") or {})
+            try:
+                spec = ModelDeploymentSpec.model_validate(body.get("spec") or {})
+            except ValidationError:
+                logger.info("invalid spec: artifacts of %s are retained", name)
+                return None
+            if spec.retention.on_delete == "Retain":
+                logger.info("retention.onDelete is Retain: artifacts stay on the storage")
+                return None
+            holders = self._holders(namespace, exclude=name)
+            plan = plan_release(Holder(status, 0), holders)
+            self._clean_up(spec, namespace, name, plan, holders, body, logger)
+            return plan
+
+    def _clean_up(
+        self,
+        spec: ModelDeploymentSpec,
+        namespace: str,
+        name: str,
+        plan: RetentionPlan,
+        holders: list[Holder],
+        body: Manifest,
+        logger: logging.Logger | logging.LoggerAdapter[Any],
+    ) -> None:
+        """A clean-up Job per artifact to delete; then the artifact's staging Jobs go, unless
+        some ModelDeployment still wants that digest (their names carry only the digest),
+        so that asking for it again stages it again instead of finding an old success."""
+        wanted = {h.wants.rstrip("/").rsplit("/", 1)[-1] for h in holders if h.wants}
+        for artifact in plan.delete:
+            connection = spec.storage.s3 if artifact.uri.startswith("s3://") else None
+            job = plan_cleanup_job(
+                artifact,
+                namespace=namespace,
+                owner_name=name,
+                connection=connection,
+                image=self._image(spec),
+            )
+            if job is None:
+                message = (
+                    f"artifact {artifact.digest} ({artifact.uri}) is let go, but the spec no "
+                    "longer names its S3 connection: delete it by hand"
+                )
+                logger.warning(message)
+                self.post_event(body, "Warning", "ArtifactLeft", message)
+                continue
+            if self.kube.create(resource_path("batch/v1", "jobs", namespace), job) is not None:
+                message = (
+                    f"deleting artifact {artifact.digest} ({artifact.uri}): Job "
+                    + (job["metadata"]["name"])
+                )
+                logger.info(message, extra={"digest": artifact.digest})
+                self.post_event(body, "Normal", "ArtifactDeleted", message)
+            if artifact.digest not in wanted:
+                for job_name in (
+                    stage_job_name(artifact.digest),
+                    finalize_job_name(artifact.digest),
+                ):
+                    self.kube.delete(resource_path("batch/v1", "jobs", namespace, job_name))
+        for artifact in plan.released:
+            logger.info("artifact %s let go; another ModelDeployment keeps it", artifact.digest)
+
+    def _image(self, spec: ModelDeploymentSpec) -> str:
+        """The spec's stager image when it is allowed, else the operator's default (the
+        clean-up runs on deletion too, where no validation stops an image)."""
+        wanted = spec.stager.image
+        return wanted if wanted and image_allowed(wanted, self.images) else self.stager_image
+
+    def _observe_jobs(
+        self, namespace: str, digest: str, planned: list[Manifest], owner: Owner
+    ) -> tuple[JobObservation | None, Manifest | None, Finding | None]:
+        """(the observation of the Job staging follows, the Job to create next, why an
+        existing Job is not followed); see ``staging_step``: the stage Job, then for a
+        scaled-out artifact its finalize Job."""
+        found: dict[str, Manifest] = {}
+        for manifest in planned:
+            name = manifest["metadata"]["name"]
+            job = self.kube.get(resource_path("batch/v1", "jobs", namespace, name))
+            if job is None:
+                break
+            foreign = self._foreign_job(namespace, job, owner)
+            if foreign is not None:
+                return None, None, foreign
+            found[name] = job
+        step = staging_step(
+            [j["metadata"]["name"] for j in planned],
+            {name: observe_job(job).state for name, job in found.items()},
+        )
+        if step.create is not None:
+            return None, next(j for j in planned if j["metadata"]["name"] == step.create), None
+        assert step.follow is not None
+        job = found[step.follow]
+        state = observe_job(job).state
+        pods = self.kube.list(
+            resource_path("v1", "pods", namespace),
+            label_selector={**STAGER_SELECTOR, LABEL_DIGEST: digest},
+        )
+        own = [p for p in pods if (p["metadata"].get("labels") or {}).get(JOB_NAME_LABEL)
+               in (None, step.follow)]  # fmt: skip
+        if state == "Running":
+            progress = self._progress(namespace, job, own)
+            return replace(observe_job(job), progress=progress), None, None
+        message = termination_message(own, success=state == "Succeeded")
+        return observe_job(job, message), None, None
+
+    def _foreign_job(self, namespace: str, job: Manifest, owner: Owner) -> Finding | None:
+        """Why a Job under a staging Job's name is not one to follow: the names are
+        predictable, so anyone who may create Jobs could plant one that reports a staged
+        artifact. Followed are Jobs controlled by this ModelDeployment or, for an artifact
+        two of them share, by another ModelDeployment of the namespace."""
+        uids = model_deployment_owners(job)
+        if owner.uid in uids:
+            return None
+        if uids and uids & {
+            str(md["metadata"].get("uid")) for md in self.kube.list(md_path(namespace))
+        }:
+            return None
+        name = job["metadata"]["name"]
+        return Finding(
+            "JobNotOwned",
+            f"Job {name} exists in namespace {namespace} but no ModelDeployment of the "
+            "namespace owns it: modelstage did not create it and does not trust what it "
+            "reports; delete it and modelstage creates its own",
+            "staging",
+        )
+
+    def _progress(self, namespace: str, job: Manifest, pods: list[Manifest]) -> str:
+        """What the cluster says about a running stage Job (``staging_progress``), and with
+        ``stager_logs`` the stager's own latest progress line from the tail of its log: the
+        stager holds no API credentials to report it any other way."""
+        tail = ""
+        running = [p for p in pods if (p.get("status") or {}).get("phase") == "Running"]
+        for pod in sorted(running, key=lambda p: str(p["metadata"].get("name"))):
+            if not self.stager_logs:
+                break
+            path = resource_path("v1", "pods", namespace, pod["metadata"]["name"], "log")
+            try:
+                tail = self.kube.text(
+                    path, {"container": "stager", "tailLines": str(LOG_TAIL_LINES)}
+                )
+            except (ApiException, OSError) as error:  # no kubelet, no rights: no line
+                LOG.debug("cannot read %s: %s", path, error)
+                continue
+            if progress_line(tail):
+                break
+        return staging_progress(job, pods, tail)
+
+    def _resolve(
+        self,
+        spec: ModelDeploymentSpec,
+        status: ModelDeploymentStatus,
+        owner: Owner,
+        now: datetime,
+        stale: bool = False,
+    ) -> SourceStep:
+        """The resolution step (``resolve_plan.plan_source``), with this round's resolve Job
+        observed: its state, and once it ended its pod's termination message. A Job of that
+        name this ModelDeployment does not own is not believed (its name is predictable)."""
+        namespace, name = owner.namespace, owner.name
+        spec_interval = spec.model.resolve_interval_seconds
+        interval = self.resolve_interval if spec_interval is None else float(spec_interval)
+        job_name = resolve_job_name(spec, status.source, name)
+        job: JobObservation | None = None
+        due = resolution_due(spec, status.source, now=now, interval=interval, stale=stale)
+        manifest = (
+            self.kube.get(resource_path("batch/v1", "jobs", namespace, job_name)) if due else None
+        )
+        if manifest is not None and owner.uid not in model_deployment_owners(manifest):
+            return SourceStep(
+                status.source if status.source and status.source.key == source_key(spec) else None,
+                "failed",
+                job_name,
+                f"Job {job_name} exists but this ModelDeployment does not own it: modelstage "
+                "did not create it and does not trust what it reports; delete it",
+            )
+        if manifest is not None:
+            job = observe_job(manifest)
+            if job.state != "Running":
+                pods = self.kube.list(
+                    resource_path("v1", "pods", namespace),
+                    label_selector={JOB_NAME_LABEL: job_name},
+                )
+                message = termination_message(
+                    pods, success=job.state == "Succeeded", container=RESOLVE_CONTAINER
+                )
+                job = observe_job(manifest, message)
+        return plan_source(
+            spec, status.source, owner=name, now=now, interval=interval, job=job, stale=stale
+        )
+
+    def _create_resolve_job(
+        self,
+        spec: ModelDeploymentSpec,
+        owner: Owner,
+        source: SourceStep,
+        body: Manifest,
+        logger: logging.Logger | logging.LoggerAdapter[Any],
+    ) -> bool:
+        job = plan_resolve_job(
+            spec, owner=owner, name=source.job_name, default_image=self.stager_image
+        )
+        created = self.kube.create(resource_path("batch/v1", "jobs", owner.namespace), job)
+        if created is None:
+            logger.info("resolve Job %s already exists: following it", source.job_name)
+            return False
+        message = f"created resolve Job {source.job_name} for {spec.model.uri}"
+        logger.info(message, extra={"job": source.job_name})
+        self.post_event(body, "Normal", "ResolveJobCreated", message)
+        return True
+
+    def _observe_workload(self, namespace: str, workload: Manifest) -> WorkloadObservation:
+        digest = observe_workload(workload).digest
+        failing: tuple[str, ...] = ()
+        if digest is not None:
+            selector = ((workload.get("spec") or {}).get("selector") or {}).get("matchLabels")
+            pods = self.kube.list(resource_path("v1", "pods", namespace), label_selector=selector)
+            failing = pod_failures(pods, digest)
+        return observe_workload(workload, failing)
+
+    def _create_job(
+        self,
+        spec: ModelDeploymentSpec,
+        owner: Owner,
+        desired: Artifact,
+        job: Manifest,
+        body: Manifest,
+        logger: logging.Logger | logging.LoggerAdapter[Any],
+    ) -> bool:
+        if job["metadata"]["name"] == stage_job_name(desired.digest):
+            cleanup_path = resource_path(
+                "batch/v1",
+                "jobs",
+                owner.namespace,
+                cleanup_job_name(desired.digest, desired.location.uri),
+            )
+            cleanup = self.kube.get(cleanup_path)
+            if cleanup is not None and observe_job(cleanup).state == "Running":
+                # Staging now would race the delete of the same location; the clean-up
+                # Job's events reconcile this ModelDeployment again when it ends.
+                logger.info("waiting for clean-up Job %s first", cleanup["metadata"]["name"])
+                self.slots.finished((owner.namespace, job["metadata"]["name"]))
+                return False
+            if cleanup is not None:
+                self.kube.delete(cleanup_path)
+        claim = plan_claim(spec, owner=owner)
+        if claim is not None:
+            path = resource_path("v1", "persistentvolumeclaims", owner.namespace)
+            if self.kube.create(path, claim) is not None:
+                logger.info("created PersistentVolumeClaim %s", claim["metadata"]["name"])
+        name = job["metadata"]["name"]
+        try:
+            created = self.kube.create(resource_path("batch/v1", "jobs", owner.namespace), job)
+        except BaseException:
+            self.slots.finished((owner.namespace, name))  # the reservation, if any
+            raise
+        if created is None:
+            logger.info("stager Job %s already exists: following it", name)
+            return False
+        metrics.JOBS_CREATED.inc()
+        message = f"created stager Job {name} for artifact {desired.digest}"
+        logger.info(message, extra={"job": name, "digest": desired.digest})
+        self.post_event(body, "Normal", "JobCreated", message)
+        return True
+
+    def _post_transitions(
+        self, body: Manifest, old: ModelDeploymentStatus, decision: Decision
+    ) -> None:
+        """An Event per phase change and per condition whose status or reason changed."""
+        new = decision.status
+        for cond in new.conditions:
+            before = old.condition(cond.type)
+            if before is not None and (before.status, before.reason) == (cond.status, cond.reason):
+                continue
+            if before is None and cond.status != "True" and cond.type == "Degraded":
+                continue  # "not degraded" on creation is no news
+            warning = (cond.type == "Degraded" and cond.status == "True") or cond.reason in (
+                "StagingFailed",
+                "ArtifactMismatch",
+                "ResolveFailed",
+            )
+            self.post_event(
+                body,
+                "Warning" if warning else "Normal",
+                cond.reason,
+                f"{cond.type}={cond.status}: {cond.message}"
+                if cond.message
+                else f"{cond.type}={cond.status}",
+            )
+        if old.phase != new.phase or old.observed_generation is None:
+            self.post_event(
+                body,
+                "Warning" if new.phase == "Failed" else "Normal",
+                f"Phase{new.phase}",
+                f"phase {old.phase} -> {new.phase}",
+            )
+
+
+def _result(outcome: Outcome) -> str:
+    if outcome.invalid is not None or outcome.staging_failed:
+        return "failed"
+    if outcome.decision.action is Action.WAIT and not outcome.status_written:
+        return "waiting"
+    return "ok"
+
+
+def _first_error(error: ValidationError) -> str:
+    first = error.errors()[0]
+    where = ".".join(str(p) for p in first.get("loc", ()))
+    return f"{where}: {first.get('msg', '')}" if where else str(first.get("msg", ""))

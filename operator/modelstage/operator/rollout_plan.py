@@ -1,0 +1,362 @@
+"""``spec + artifact + workload -> JSON merge patch`` of the workload's pod template.
+
+The plan edits a copy of the pod template the way DESIGN.md section 5 describes (vLLM args,
+``MODELSTAGE_*`` and S3 env, the artifact volume, the ``modelstage prepare`` initContainer
+with its plugin ``emptyDir`` on ``PYTHONPATH``, the digest annotation) and returns the merge
+patch from the current workload to that. Items the operator owns are named ``modelstage-*``
+and replaced in place, so planning against the patched workload yields an empty patch, and
+every container, volume, env var and argument the operator does not own is left alone.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from modelstage.core.errors import SpecError
+
+from .api import DEFAULT_STAGER_IMAGE, LoadFormat, ModelDeploymentSpec, S3Connection
+from .artifact import ARTIFACT_MOUNT, Artifact
+from .kube import (
+    DIGEST_ANNOTATION,
+    MANAGED_ENV_ANNOTATION,
+    OWNED_PREFIX,
+    PLUGIN_DIR,
+    TOKEN_DIR,
+    VOLUME_ARTIFACTS,
+    VOLUME_NO_TOKEN,
+    VOLUME_PLUGINS,
+    Manifest,
+    ca_file,
+    ca_mount,
+    ca_volume,
+    container_security_context,
+    s3_credentials_env,
+    secret_env,
+)
+from .patch import merge_diff
+from .vllm_args import VllmSettings, rewrite
+
+PREPARE_CONTAINER = "modelstage-prepare"
+TENSORIZER_RANK_FILE = "model-rank-%03d.tensors"
+
+
+@dataclass(frozen=True)
+class LoaderInfo:
+    """How vLLM loads one format: its stock and plugin names, and the extra-config keys of the
+    user's that are kept (file-naming keys such as ``pattern`` are dropped: the artifact's
+    layout is fixed; credentials never go on a command line)."""
+
+    stock: str
+    plugin: str
+    kept_extra_keys: frozenset[str]
+
+
+RUNAI_KEYS = frozenset({"distributed", "concurrency", "memory_limit"})
+LOADERS: dict[LoadFormat, LoaderInfo] = {
+    "sharded_state": LoaderInfo("sharded_state", "modelstage_sharded_state", frozenset()),
+    "runai_streamer": LoaderInfo("runai_streamer", "modelstage_runai_streamer", RUNAI_KEYS),
+    # vLLM serves runai_streamer_sharded with its ShardedStateLoader, which refuses every
+    # extra-config key but `pattern` (fixed by the layout): Run:ai tuning goes by RUNAI_* env.
+    "runai_streamer_sharded": LoaderInfo(
+        "runai_streamer_sharded", "modelstage_runai_streamer_sharded", frozenset()
+    ),
+    "tensorizer": LoaderInfo(
+        "tensorizer",
+        "tensorizer",
+        frozenset(
+            {
+                "verify_hash",
+                "num_readers",
+                "encryption_keyfile",
+                "stream_kwargs",
+                "deserialization_kwargs",
+            }
+        ),
+    ),
+}
+S3_READER_FORMATS = frozenset({"runai_streamer_sharded"})
+"""S3 formats the plugin reads itself when it is on (the others stay with vLLM's loaders)."""
+ACCELERATORS = ("nvidia.com/gpu", "amd.com/gpu")
+
+
+@dataclass(frozen=True)
+class RolloutPlan:
+    """What to send, and why. ``merge_patch`` is ``{}`` when the workload is already there."""
+
+    merge_patch: Manifest
+    template: Manifest
+    """The pod template after the patch."""
+    resource_version: str | None
+    """The workload version planned against: send it as a precondition (409 when stale)."""
+    details: tuple[str, ...]
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.merge_patch)
+
+
+def select_container(spec: ModelDeploymentSpec, pod_spec: Manifest) -> Manifest:
+    """The vLLM container; ``SpecError`` naming the choices when it cannot be told."""
+    containers: list[Manifest] = pod_spec.get("containers") or []
+    names = ", ".join(c.get("name", "?") for c in containers) or "none"
+    wanted = spec.serving.container_name
+    if wanted is None:
+        if len(containers) == 1:
+            return containers[0]
+        raise SpecError(
+            f"the pod has containers {names}: set spec.serving.containerName to the vLLM one"
+        )
+    for container in containers:
+        if container.get("name") == wanted:
+            return container
+    raise SpecError(
+        f"container {wanted!r} is not in the pod (containers: {names}): "
+        "fix spec.serving.containerName"
+    )
+
+
+def vllm_settings(
+    artifact: Artifact, plugin: bool, own_models: tuple[str, ...] = ()
+) -> VllmSettings:
+    loader = LOADERS[artifact.load_format]
+    extra: dict[str, Any] = {}
+    if artifact.load_format == "tensorizer":
+        extra["tensorizer_uri"] = f"{artifact.location.path}/{TENSORIZER_RANK_FILE}"
+    # vLLM 0.32 refuses `--model s3://...` with any load format but its own Run:ai names, before
+    # a plugin loader could run: S3 artifacts always get the stock names. With the plugin on,
+    # MODELSTAGE_S3_READER (see _modelstage_env) has the plugin take over the per-rank one.
+    use_plugin_name = plugin and artifact.location.on_pvc
+    return VllmSettings(
+        model=artifact.location.path,
+        load_format=loader.plugin if use_plugin_name else loader.stock,
+        tensor_parallel_size=artifact.tensor_parallel,
+        extra_config=extra,
+        kept_extra_keys=loader.kept_extra_keys,
+        own_models=(f"{ARTIFACT_MOUNT}/", *own_models),
+    )
+
+
+def _s3_serving_env(artifact: Artifact, connection: S3Connection | None) -> list[Manifest]:
+    """What vLLM's S3 readers (Run:ai streamer, boto3, tensorizer) need, by reference."""
+    if artifact.location.on_pvc:
+        return []
+    conn = connection or S3Connection()
+    env: list[Manifest] = []
+    if conn.endpoint:
+        env += [
+            {"name": "AWS_ENDPOINT_URL", "value": conn.endpoint},
+            {"name": "RUNAI_STREAMER_S3_ENDPOINT", "value": conn.endpoint},
+        ]
+    if not conn.virtual_addressing:
+        env.append({"name": "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING", "value": "0"})
+    if conn.region:
+        env.append({"name": "AWS_REGION", "value": conn.region})
+    ca = ca_file(conn)
+    if ca:
+        env.append({"name": "AWS_CA_BUNDLE", "value": ca})
+    env += s3_credentials_env(conn.credentials_secret)
+    if artifact.load_format == "tensorizer":
+        # vLLM's tensorizer reads S3 settings from its own variables (vllm/envs.py). vLLM 0.32
+        # does not hand those to tensorizer's open_stream, though: tensorizer then takes the
+        # endpoint from AWS_ENDPOINT_URL and boto3 the credentials from AWS_* (both above),
+        # and it downloads with the curl binary, which trusts a CA only via CURL_CA_BUNDLE.
+        if ca:
+            env.append({"name": "CURL_CA_BUNDLE", "value": ca})
+        if conn.endpoint:
+            env.append({"name": "S3_ENDPOINT_URL", "value": conn.endpoint})
+        if conn.credentials_secret:
+            env += [
+                secret_env("S3_ACCESS_KEY_ID", conn.credentials_secret, "AWS_ACCESS_KEY_ID"),
+                secret_env(
+                    "S3_SECRET_ACCESS_KEY", conn.credentials_secret, "AWS_SECRET_ACCESS_KEY"
+                ),
+            ]
+    return env
+
+
+def _modelstage_env(artifact: Artifact, plugin: bool) -> list[Manifest]:
+    env = [
+        {"name": "MODELSTAGE_DIGEST", "value": artifact.digest},
+        {"name": "MODELSTAGE_FORMAT", "value": artifact.load_format},
+        {"name": "MODELSTAGE_TP", "value": str(artifact.tensor_parallel)},
+        {"name": "MODELSTAGE_ARTIFACT", "value": artifact.location.path},
+    ]
+    if plugin and not artifact.location.on_pvc and artifact.load_format in S3_READER_FORMATS:
+        # The plugin's S3 reader takes over vLLM's runai_streamer_sharded name: the same
+        # checks as on a PVC, and ranged GETs at a fraction of the Run:ai streamer's CPU.
+        env.append({"name": "MODELSTAGE_S3_READER", "value": "1"})
+    return env
+
+
+def _upsert(
+    items: list[Manifest], wanted: Iterable[Manifest], owned: Callable[[str], bool]
+) -> list[Manifest]:
+    """Replace owned items in place, drop owned items no longer wanted, append new ones."""
+    by_name = {w["name"]: w for w in wanted}
+    out: list[Manifest] = []
+    for item in items:
+        name = item.get("name", "")
+        if name in by_name:
+            out.append(by_name.pop(name))
+        elif not owned(name):
+            out.append(item)
+    return out + list(by_name.values())
+
+
+def _owned_name(name: str) -> bool:
+    return name.startswith(OWNED_PREFIX)
+
+
+def _python_path(env: list[Manifest], plugin: bool) -> list[Manifest]:
+    """Prepend (or remove) the plugin folder on PYTHONPATH, keeping the user's entries."""
+    current = next((e for e in env if e.get("name") == "PYTHONPATH"), None)
+    entries = [p for p in str((current or {}).get("value", "")).split(":") if p and p != PLUGIN_DIR]
+    if plugin:
+        entries.insert(0, PLUGIN_DIR)
+    rest = [e for e in env if e.get("name") != "PYTHONPATH"]
+    if not entries:
+        return rest
+    value = {"name": "PYTHONPATH", "value": ":".join(entries)}
+    if current is None:
+        return [*rest, value]
+    return [value if e.get("name") == "PYTHONPATH" else e for e in env]
+
+
+def _prepare_container(
+    artifact: Artifact, image: str, s3_env: list[Manifest], connection: S3Connection | None
+) -> Manifest:
+    mounts: list[Manifest] = [
+        {"name": VOLUME_PLUGINS, "mountPath": PLUGIN_DIR},
+        {"name": VOLUME_NO_TOKEN, "mountPath": TOKEN_DIR, "readOnly": True},
+    ]
+    if artifact.location.on_pvc:
+        mounts.append({"name": VOLUME_ARTIFACTS, "mountPath": ARTIFACT_MOUNT, "readOnly": True})
+    container: Manifest = {
+        "name": PREPARE_CONTAINER,
+        "image": image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": [
+            "modelstage",
+            "prepare",
+            "--artifact",
+            artifact.location.path,
+            "--digest",
+            artifact.digest,
+            "--tp",
+            str(artifact.tensor_parallel),
+            "--plugin-dir",
+            PLUGIN_DIR,
+        ],
+        "volumeMounts": mounts + ca_mount(connection if not artifact.location.on_pvc else None),
+        "resources": {
+            "requests": {"cpu": "100m", "memory": "128Mi"},
+            "limits": {"memory": "512Mi"},
+        },
+        "securityContext": container_security_context(),
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    if s3_env:
+        container["env"] = s3_env
+    return container
+
+
+def plan_rollout(
+    spec: ModelDeploymentSpec,
+    artifact: Artifact,
+    workload: Manifest,
+    *,
+    default_image: str = DEFAULT_STAGER_IMAGE,
+) -> RolloutPlan:
+    """The merge patch that puts ``workload`` (a Deployment or StatefulSet) on ``artifact``.
+
+    ``spec`` supplies the serving choices (container, plugin, image, S3 connection);
+    ``artifact`` may be an older one (a rollback). Raises ``SpecError`` when the container or
+    its vLLM command cannot be found (``validation`` reports the same as a condition first).
+    """
+    template: Manifest = copy.deepcopy(workload.get("spec", {}).get("template", {}))
+    pod: Manifest = template.setdefault("spec", {})
+    metadata: Manifest = template.setdefault("metadata", {})
+    annotations: dict[str, str] = metadata.setdefault("annotations", {})
+    container = select_container(spec, pod)
+    plugin = spec.serving.plugin
+    on_s3 = not artifact.location.on_pvc
+    connection = spec.storage.s3 if on_s3 else None
+    details: list[str] = []
+
+    # The artifact the container is on now (if any) is ours, not a model name clients use.
+    previous = [
+        e.get("value", "")
+        for e in container.get("env") or []
+        if e.get("name") == "MODELSTAGE_ARTIFACT"
+    ]
+    settings = vllm_settings(artifact, plugin, tuple(p for p in previous if p))
+    command, args = rewrite(container.get("command"), container.get("args"), settings)
+    for key, value in (("command", command), ("args", args)):
+        if value is not None:
+            container[key] = value
+        else:
+            container.pop(key, None)
+
+    s3_env = _s3_serving_env(artifact, connection)
+    managed_env = _modelstage_env(artifact, plugin) + s3_env
+    previously = set(filter(None, annotations.get(MANAGED_ENV_ANNOTATION, "").split(",")))
+    env = _upsert(
+        container.get("env") or [],
+        managed_env,
+        lambda name: name in previously or name.startswith("MODELSTAGE_"),
+    )
+    env = _python_path(env, plugin)
+    container["env"] = env
+    annotations[MANAGED_ENV_ANNOTATION] = ",".join(sorted(e["name"] for e in managed_env))
+    annotations[DIGEST_ANNOTATION] = artifact.digest
+
+    volumes: list[Manifest] = []
+    mounts: list[Manifest] = []
+    if artifact.location.on_pvc:
+        claim = {"claimName": artifact.location.claim_name, "readOnly": True}
+        volumes.append({"name": VOLUME_ARTIFACTS, "persistentVolumeClaim": claim})
+        mounts.append({"name": VOLUME_ARTIFACTS, "mountPath": ARTIFACT_MOUNT, "readOnly": True})
+    if plugin:
+        volumes.append({"name": VOLUME_PLUGINS, "emptyDir": {}})
+        # Shadows the service-account token in the initContainer (see kube.TOKEN_DIR).
+        volumes.append({"name": VOLUME_NO_TOKEN, "emptyDir": {"sizeLimit": "1Mi"}})
+        mounts.append({"name": VOLUME_PLUGINS, "mountPath": PLUGIN_DIR, "readOnly": True})
+    volumes += ca_volume(connection)
+    mounts += ca_mount(connection)
+    container["volumeMounts"] = _upsert(container.get("volumeMounts") or [], mounts, _owned_name)
+    pod["volumes"] = _upsert(pod.get("volumes") or [], volumes, _owned_name)
+
+    prepare = (
+        [_prepare_container(artifact, spec.stager.image or default_image, s3_env, connection)]
+        if plugin
+        else []
+    )
+    pod["initContainers"] = _upsert(pod.get("initContainers") or [], prepare, _owned_name)
+    for key in ("initContainers", "volumes"):
+        if not pod[key]:
+            del pod[key]
+    if not container["volumeMounts"]:
+        del container["volumeMounts"]
+    if not container["env"]:
+        del container["env"]
+
+    new_workload = {**workload, "spec": {**workload.get("spec", {}), "template": template}}
+    patch = merge_diff(workload, new_workload)
+    old_digest = (
+        workload.get("spec", {}).get("template", {}).get("metadata", {}).get("annotations", {})
+    ).get(DIGEST_ANNOTATION)
+    if patch:
+        details.append(
+            f"{workload.get('kind', 'workload')} {workload.get('metadata', {}).get('name')}: "
+            f"artifact {old_digest or 'none'} -> {artifact.digest} "
+            f"({settings.load_format}, TP {artifact.tensor_parallel})"
+        )
+    return RolloutPlan(
+        merge_patch=patch,
+        template=template,
+        resource_version=workload.get("metadata", {}).get("resourceVersion"),
+        details=tuple(details),
+    )

@@ -1,0 +1,233 @@
+"""Checks beyond the CRD schema, returned as findings (and a condition), never raised.
+
+The schema and its CEL rules refuse what is wrong in the spec alone. What needs the cluster's
+objects (the target workload, its container and GPUs, the artifact PVC's access modes) or
+the project's tables (known vLLM layouts) is checked here; each finding says what blocks
+(staging, or only the rollout, so that staging ahead of a workload still works) and what a
+person should change.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Literal
+
+from modelstage.core.errors import SpecError
+from modelstage.core.layouts import layout_for
+
+from .api import Condition, ModelDeploymentSpec
+from .artifact import claim_name
+from .conditions import condition
+from .kube import OPT_IN_ANNOTATION, Manifest
+from .rollout_plan import ACCELERATORS, select_container
+from .vllm_args import VllmSettings, rewrite
+
+Blocks = Literal["staging", "rollout", "nothing"]
+MULTI_NODE_SAFE = frozenset({"ReadWriteMany", "ReadOnlyMany"})
+HOST_LABEL = "kubernetes.io/hostname"
+
+
+@dataclass(frozen=True)
+class Finding:
+    reason: str
+    """CamelCase, for the condition's reason."""
+    message: str
+    blocks: Blocks
+
+
+TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
+DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
+
+
+def image_allowed(image: str, allowed: Sequence[str]) -> bool:
+    """Whether ``image`` is one of ``allowed``: equal to an entry; an entry that names a
+    repository with any tag and/or digest (``repo:tag``, ``repo@sha256:...``); an entry with a
+    tag pinned by digest (``repo:tag@sha256:...``). Never a longer repository (``repo-evil``,
+    ``repo/evil``)."""
+    for entry in allowed:
+        if image == entry:
+            return True
+        if not image.startswith(entry) or "@" in entry:
+            continue
+        rest = image[len(entry) :]
+        tagged = ":" in entry.rsplit("/", 1)[-1]
+        tag, at, digest = rest.partition("@")
+        if tag and (tagged or not tag.startswith(":") or not TAG.match(tag[1:])):
+            continue
+        if (at or not tag) and not DIGEST.match(digest):
+            continue
+        return True
+    return False
+
+
+def validate_spec(
+    spec: ModelDeploymentSpec, *, allowed_images: Sequence[str] = ()
+) -> list[Finding]:
+    """What the spec alone cannot do, beyond what the schema refuses. ``allowed_images``:
+    the images ``spec.stager.image`` may name (the operator's default comes first)."""
+    findings: list[Finding] = []
+    image = spec.stager.image
+    if image is not None and not image_allowed(image, allowed_images):
+        default = f"the operator's default {allowed_images[0]}" if allowed_images else "the default"
+        findings.append(
+            Finding(
+                "StagerImageNotAllowed",
+                f"spec.stager.image {image!r} is not one of the stager images this operator "
+                f"allows ({', '.join(allowed_images) or 'none'}): it would run in the stager "
+                f"Jobs and in the workload's pods; remove spec.stager.image to use {default}, "
+                "or ask the operator's administrator to allow it (chart value "
+                "stagerImage.allowed)",
+                "staging",
+            )
+        )
+    try:
+        layout_for(spec.serving.vllm_version)
+    except SpecError as error:
+        findings.append(
+            Finding("UnsupportedVllmVersion", f"spec.serving.vllmVersion: {error}", "staging")
+        )
+    return findings
+
+
+def opt_in_problem(workload: Manifest, *, namespace: str, deployment_name: str) -> str | None:
+    """Why ``workload`` may not be patched for ModelDeployment ``deployment_name``, or None
+    when its metadata names it in the opt-in annotation. Whoever may create ModelDeployments
+    must not thereby gain the right to change every workload of the namespace: the workload's
+    owner consents, on the workload."""
+    meta = workload.get("metadata") or {}
+    kind, name = workload.get("kind", "workload"), meta.get("name", "?")
+    named = (meta.get("annotations") or {}).get(OPT_IN_ANNOTATION)
+    if named == deployment_name:
+        return None
+    how = (
+        f"add the annotation {OPT_IN_ANNOTATION}: {deployment_name} to the metadata of {kind} "
+        f"{name} (namespace {namespace}) to let this ModelDeployment patch its pod template"
+    )
+    if named is None:
+        return f"{kind} {name} has not opted in to modelstage: {how}"
+    return f"{kind} {name} opted in for ModelDeployment {named!r}, not {deployment_name!r}: {how}"
+
+
+def _gpus(container: Manifest) -> tuple[str, int] | None:
+    resources = container.get("resources") or {}
+    for kind in ("limits", "requests"):
+        amounts = resources.get(kind) or {}
+        for name in ACCELERATORS:
+            if name in amounts:
+                try:
+                    return name, int(str(amounts[name]))
+                except ValueError:
+                    return None
+    return None
+
+
+def _one_node(pod_spec: Manifest) -> bool:
+    return bool(pod_spec.get("nodeName")) or HOST_LABEL in (pod_spec.get("nodeSelector") or {})
+
+
+def _access_modes(spec: ModelDeploymentSpec, claim: Manifest | None) -> list[str] | None:
+    pvc = spec.storage.pvc
+    if pvc is None:
+        return None
+    if claim is not None:
+        modes = (claim.get("status") or {}).get("accessModes") or (claim.get("spec") or {}).get(
+            "accessModes"
+        )
+        return list(modes or [])
+    return list(pvc.create.access_modes) if pvc.create else None
+
+
+def validate_workload(
+    spec: ModelDeploymentSpec,
+    workload: Manifest | None,
+    *,
+    namespace: str,
+    deployment_name: str,
+    claim: Manifest | None = None,
+) -> list[Finding]:
+    """Whether the target workload can be rolled onto the artifact; ``claim`` is the observed
+    artifact PVC (None when absent or not yet created)."""
+    ref = spec.serving.target_ref
+    target = f"{ref.kind} {ref.name}"
+    if workload is None:
+        return [
+            Finding(
+                "TargetNotFound",
+                f"{target} not found in namespace {namespace}: create it or fix "
+                "spec.serving.targetRef (staging goes on; the rollout waits for it)",
+                "rollout",
+            )
+        ]
+    refused = opt_in_problem(workload, namespace=namespace, deployment_name=deployment_name)
+    if refused is not None:  # nothing more is read from a workload that did not consent
+        return [Finding("TargetNotOptedIn", refused, "rollout")]
+    pod_spec: Manifest = (workload.get("spec") or {}).get("template", {}).get("spec") or {}
+    try:
+        container = select_container(spec, pod_spec)
+    except SpecError as error:
+        return [Finding("ContainerNotFound", f"{target}: {error}", "rollout")]
+    findings: list[Finding] = []
+    name = container.get("name")
+    probe = VllmSettings(model="m", load_format="f", tensor_parallel_size=1)
+    try:
+        rewrite(container.get("command"), container.get("args"), probe)
+    except SpecError as error:
+        findings.append(
+            Finding("VllmCommandNotRecognized", f"{target}, container {name}: {error}", "rollout")
+        )
+    tp = spec.parallelism.tensor
+    gpus = _gpus(container)
+    if gpus is not None and gpus[1] < tp:
+        resource, count = gpus
+        findings.append(
+            Finding(
+                "InsufficientGPUs",
+                f"spec.parallelism.tensor is {tp} but container {name} of {target} requests "
+                f"{count} {resource}: set its resources.limits[{resource!r}] to {tp}, or lower "
+                "the tensor-parallel size",
+                "rollout",
+            )
+        )
+    modes = _access_modes(spec, claim)
+    replicas = int((workload.get("spec") or {}).get("replicas", 1))
+    if modes is not None and not MULTI_NODE_SAFE.intersection(modes):
+        claim_ = claim_name(spec, deployment_name)
+        if "ReadWriteOncePod" in modes:
+            findings.append(
+                Finding(
+                    "AccessModeTooNarrow",
+                    f"PVC {claim_} is ReadWriteOncePod: the stager and every vLLM pod of "
+                    f"{target} must mount it; use ReadWriteMany or ReadOnlyMany, or storage.s3",
+                    "rollout",
+                )
+            )
+        elif replicas > 1 and not _one_node(pod_spec):
+            findings.append(
+                Finding(
+                    "ReadWriteOnceMultiNode",
+                    f"PVC {claim_} is ReadWriteOnce but {target} has {replicas} replicas that "
+                    "can land on different nodes, where they cannot mount it: use a "
+                    "ReadWriteMany or ReadOnlyMany claim, storage.s3, or pin the pods to one node",
+                    "nothing",
+                )
+            )
+    return findings
+
+
+def findings_condition(
+    findings: list[Finding], *, now: datetime, generation: int | None = None
+) -> Condition:
+    """The ``Degraded`` condition the findings amount to (False with ``AsExpected`` if none)."""
+    if not findings:
+        return condition("Degraded", "False", "AsExpected", "", now=now, generation=generation)
+    return condition(
+        "Degraded",
+        "True",
+        findings[0].reason,
+        "; ".join(f.message for f in findings),
+        now=now,
+        generation=generation,
+    )

@@ -1,0 +1,305 @@
+"""``modelstage bench``: ratios measured in one run on the same files, never absolute targets.
+
+Staging is compared with ``cp`` + ``sync`` of the same source files to the same disk (the
+stager fsyncs and hashes, so the baseline syncs too); peak RSS comes from the kernel's
+accounting of the child process (``wait4``), at two checkpoint sizes to show it is flat.
+Loading is compared with a raw sequential read of the same rank files and with vLLM's stock
+sharded-state read path (``safe_open`` + ``get_tensor`` + ``copy_`` into preallocated tensors).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from modelstage.core.progress import human_bytes
+from modelstage.core.s3_client import S3Options
+
+from .synthetic import SyntheticModel, write_checkpoint
+
+GIB = 1024**3
+
+
+def llama70b_scaled(size_bytes: int, *, shards: int = 4) -> SyntheticModel:
+    """Llama-3-70B's shapes halved in width (head_dim 128, GQA 8:1), bf16, layers to fit."""
+    hidden, inter, heads, kv, vocab = 4096, 14336, 32, 8, 32064
+    per_layer = 2 * (2 * hidden * hidden + 2 * hidden * kv * 128 + 3 * hidden * inter)
+    edges = 2 * 2 * vocab * hidden
+    layers = max(1, round((size_bytes - edges) / per_layer))
+    return SyntheticModel(
+        hidden_size=hidden, intermediate_size=inter, num_layers=layers, num_heads=heads,
+        num_kv_heads=kv, vocab_size=vocab, dtype="bfloat16", num_shards=shards,
+    )  # fmt: skip
+
+
+@dataclass
+class Measurement:
+    name: str
+    seconds: list[float] = field(default_factory=list)
+    nbytes: int = 0
+    peak_rss: int = 0
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.seconds)
+
+    @property
+    def throughput(self) -> float:
+        return self.nbytes / self.median if self.seconds else 0.0
+
+
+def drop_page_cache() -> bool:
+    """Drop the page cache where permitted (root on a host that allows it)."""
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def run_child(argv: list[str], env: dict[str, str] | None = None) -> tuple[float, int]:
+    """Wall seconds and peak RSS (bytes) of a child process.
+
+    The stager reports its own peak (``peakRssBytes`` in its summary line, from VmHWM): the
+    kernel's ``ru_maxrss`` of a child also counts this large parent's memory at fork.
+    """
+    start = time.perf_counter()
+    done = subprocess.run(argv, capture_output=True, text=True, env=env, check=False)
+    seconds = time.perf_counter() - start
+    if done.returncode:
+        raise RuntimeError(f"{argv[0]} failed: {done.stderr.strip().splitlines()[-1:]}")
+    lines = done.stdout.strip().splitlines()
+    try:
+        peak = int(json.loads(lines[-1]).get("peakRssBytes", 0)) if lines else 0
+    except (ValueError, AttributeError):
+        peak = 0
+    return seconds, peak
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
+
+
+def stager_argv(source: Path, out: Path | str, tp: int, *flags: str) -> list[str]:
+    return [sys.executable, "-P", "-m", "modelstage.stager.cli", "stage", str(source),
+            "--tp", str(tp), "--out", str(out), *flags]  # fmt: skip
+
+
+def bench_staging(source: Path, work: Path, tps: list[int], repeats: int) -> list[Measurement]:
+    size = dir_bytes(source)
+    cp = Measurement("cp + sync", nbytes=size)
+    results = [cp]
+    staged = {tp: Measurement(f"stage tp={tp}", nbytes=size) for tp in tps}
+    results += staged.values()
+    _read_all(source)  # both read the source from the page cache: what `cp` gets at best
+    for _ in range(repeats):  # interleaved, so drift of the machine hits every row alike
+        for tp, m in staged.items():
+            _settle(source, work)
+            secs, _ = run_child(["sh", "-c", f"cp -r '{source}' '{work / 'cp'}' && sync"])
+            cp.seconds.append(secs)
+            shutil.rmtree(work / "cp")
+            _settle(source, work)
+            secs, rss = run_child(stager_argv(source, work / f"tp{tp}", tp))
+            m.seconds.append(secs)
+            m.peak_rss = max(m.peak_rss, rss)
+            shutil.rmtree(work / f"tp{tp}")
+    return results
+
+
+def _settle(source: Path, work: Path) -> None:
+    """Start every timed run from the same disk state: right after an untimed `cp` of the
+    source, synced and deleted. (On the thin-provisioned disk measured here, whatever ran
+    before matters: any writer is up to 40% slower right after the stager's preallocated
+    output was deleted than right after a `cp` copy was.)"""
+    os.sync()
+    subprocess.run(["cp", "-r", str(source), str(work / "settle")], check=True)
+    os.sync()
+    shutil.rmtree(work / "settle")
+    os.sync()
+
+
+def _read_all(directory: Path) -> None:
+    _raw_read(sorted(p for p in directory.iterdir() if p.is_file()))
+
+
+def bench_rss(sizes: list[int], work: Path, tp: int) -> list[Measurement]:
+    rows = []
+    for size in sizes:
+        src = write_checkpoint(llama70b_scaled(size), work / f"rss-{size}")
+        m = Measurement(f"peak RSS, {human_bytes(dir_bytes(src))} source", nbytes=dir_bytes(src))
+        secs, m.peak_rss = run_child(stager_argv(src, work / f"rss-{size}-out", tp))
+        m.seconds.append(secs)
+        rows.append(m)
+        shutil.rmtree(src)
+        shutil.rmtree(work / f"rss-{size}-out")
+    return rows
+
+
+def bench_loading(artifact: Path, rank: int, repeats: int, cold: bool) -> list[Measurement]:
+    """Rank files into CPU tensors: raw read vs stock path vs the plugin's reader.
+
+    Like vLLM's model before ``load_weights``, the parameters exist (and are touched) before
+    the clock starts, so every row measures moving the bytes, not allocating memory."""
+    files = sorted(artifact.glob(f"model-rank-{rank}-part-*.safetensors"))
+    size = sum(f.stat().st_size for f in files)
+    params = _parameters(files)
+    readers: dict[str, Callable[[list[Path], dict[str, Any]], None]] = {
+        "raw sequential read": lambda fs, _: _raw_read(fs),
+        "vLLM stock path": _stock_read,
+    }
+    plugin = _plugin_read()
+    if plugin is not None:
+        readers["modelstage reader"] = plugin
+    rows = {name: Measurement(f"load rank {rank}: {name}", nbytes=size) for name in readers}
+    if not cold:
+        _raw_read(files)  # the stager wrote them with O_DIRECT: not in the page cache yet
+    for _ in range(repeats):
+        for name, read in readers.items():
+            if cold:
+                drop_page_cache()
+            start = time.perf_counter()
+            read(files, params)
+            rows[name].seconds.append(time.perf_counter() - start)
+    return list(rows.values())
+
+
+def _parameters(files: list[Path]) -> dict[str, Any]:
+    """One touched host tensor per tensor in ``files``, shaped and typed as stored."""
+    import torch
+    from modelstage.core.safetensors_format import read_local_header
+    from modelstage.plugin.reader import TORCH_DTYPES
+
+    params = {}
+    for f in files:
+        for name, info in read_local_header(f).tensors.items():
+            params[name] = torch.zeros(info.shape, dtype=TORCH_DTYPES[info.dtype])
+    return params
+
+
+def _raw_read(files: list[Path]) -> None:
+    buf = bytearray(16 * 1024 * 1024)
+    view = memoryview(buf)
+    for f in files:
+        with open(f, "rb", buffering=0) as fh:
+            while fh.readinto(view):
+                pass
+
+
+def _stock_read(files: list[Path], params: dict[str, Any]) -> None:
+    from safetensors import safe_open
+
+    for f in files:
+        with safe_open(f, framework="pt") as st:
+            for key in st.keys():  # noqa: SIM118 - safe_open has no __iter__
+                params[key].copy_(st.get_tensor(key))
+
+
+def _plugin_read() -> Callable[[list[Path], dict[str, Any]], None] | None:
+    """The loader plugin's pipelined reader, when the serving side is installed."""
+    try:
+        from modelstage.plugin.reader import read_files_for_bench
+    except ImportError:
+        return None
+    return read_files_for_bench
+
+
+def table(rows: list[Measurement], baseline: Measurement) -> str:
+    lines = [f"{'measurement':44} {'median s':>9} {'GB/s':>7} {'x base':>7} {'peak RSS':>10}"]
+    for m in rows:
+        ratio = m.throughput / baseline.throughput if baseline.throughput else 0.0
+        rss = human_bytes(m.peak_rss) if m.peak_rss else "-"
+        lines.append(
+            f"{m.name:44} {m.median:9.3f} {m.throughput / 1e9:7.3f} {ratio:7.2f} {rss:>10}"
+        )
+    return "\n".join(lines)
+
+
+RSS_SECTION = "peak RSS"
+
+
+def chart(sections: dict[str, list[Measurement]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(sections), 1, figsize=(8, 2.2 * len(sections) + 0.5))
+    axes_list = axes if len(sections) > 1 else [axes]
+    for ax, (title, rows) in zip(axes_list, sections.items(), strict=True):
+        rss = title == RSS_SECTION
+        values = [m.peak_rss / 2**20 if rss else m.throughput / 1e9 for m in rows]
+        ax.barh([m.name for m in rows], values, color="#4878a8")
+        ax.set_title(title)
+        ax.set_xlabel("peak RSS (MiB)" if rss else "GB/s (median)")
+        ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def run_bench(
+    *,
+    size_gib: float,
+    tps: list[int],
+    load_tp: int,
+    repeats: int,
+    workdir: Path,
+    rss_gib: list[float],
+    cold: bool,
+    out: Path,
+    s3: str | None = None,
+    s3_options: S3Options | None = None,
+    s3_flags: Sequence[str] = (),
+) -> dict[str, Any]:
+    """``s3_options``/``s3_flags``: how this process and a stager child reach ``s3``."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    log = sys.stderr
+    src = write_checkpoint(llama70b_scaled(int(size_gib * GIB)), workdir / "source")
+    print(f"bench: source {human_bytes(dir_bytes(src))} in {src}", file=log)
+    sections: dict[str, list[Measurement]] = {}
+
+    def section(title: str, rows: list[Measurement]) -> None:
+        sections[title] = rows
+        print(f"\n{title}\n{table(rows, rows[0])}", file=log)
+
+    staging = bench_staging(src, workdir, tps, repeats)
+    section("staging vs cp + sync (source in page cache)", staging)
+    artifact = workdir / "artifact"
+    run_child(stager_argv(src, artifact, load_tp))
+    cache = "dropped before each read" if cold and drop_page_cache() else "not dropped (warm)"
+    if cache.startswith("dropped"):
+        section(f"loading rank 0 of TP={load_tp}, page cache dropped",
+                bench_loading(artifact, 0, repeats, cold=True))  # fmt: skip
+    section(f"loading rank 0 of TP={load_tp}, page cache warm",
+            bench_loading(artifact, 0, repeats, cold=False))  # fmt: skip
+    shutil.rmtree(artifact)
+    if s3:
+        from .bench_s3 import bench_s3
+
+        options = s3_options or S3Options()
+        for title, rows in bench_s3(src, s3, load_tp, repeats, options, list(s3_flags)).items():
+            section(title, rows)
+    if rss_gib:
+        section(RSS_SECTION, bench_rss([int(g * GIB) for g in rss_gib], workdir, load_tp))
+    out.mkdir(parents=True, exist_ok=True)
+    result = {
+        "source_bytes": dir_bytes(src),
+        "page_cache": cache,
+        "repeats": repeats,
+        "sections": {k: [asdict(m) | {"median": m.median, "throughput": m.throughput}
+                         for m in v] for k, v in sections.items()},
+    }  # fmt: skip
+    (out / "bench.json").write_text(json.dumps(result, indent=2) + "\n")
+    chart(sections, out / "bench.png")
+    shutil.rmtree(src)
+    return {"json": str(out / "bench.json"), "png": str(out / "bench.png"),
+            "page_cache": cache}  # fmt: skip

@@ -1,0 +1,373 @@
+"""The loader's "verify" phase: is this the artifact the operator rolled out, for this vLLM?
+
+Runs in every rank before the model is allocated on the device, so a wrong artifact costs
+seconds, not a GPU's worth of allocation followed by a KeyError deep inside vLLM. Checks, in
+order: the manifest exists (the artifact is complete), its digest and TP are the ones the pod
+was given, its format suits the load format, its layout version is the running vLLM's, and
+this rank's files are exactly those the manifest lists, with the listed sizes and valid
+safetensors headers. Hashing content is opt-in (``MODELSTAGE_VERIFY_HASH=1``): the
+initContainer verified the artifact already, and hashing reads every byte twice.
+
+Torch-free and vLLM-free, so the refusals are unit-tested without starting vLLM.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from collections.abc import Callable, Iterable
+from contextlib import closing
+from dataclasses import dataclass
+from pathlib import Path
+
+from modelstage.core.errors import ArtifactError, CheckpointError, SpecError
+from modelstage.core.layouts import layout_for
+from modelstage.core.manifest import (
+    MANIFEST,
+    MAX_MANIFEST_BYTES,
+    Manifest,
+    read_manifest,
+    sha256_file,
+)
+from modelstage.core.s3_client import S3Client, S3Location
+from modelstage.core.safetensors_format import SafetensorsHeader, read_header, read_local_header
+
+from .settings import S3_READER_FORMAT, PluginSettings
+
+LOAD_FORMATS: dict[str, tuple[str, ...]] = {
+    "modelstage_sharded_state": ("sharded_state", "runai_streamer_sharded"),
+    "modelstage_runai_streamer_sharded": ("sharded_state", "runai_streamer_sharded"),
+    "modelstage_runai_streamer": ("runai_streamer",),
+    S3_READER_FORMAT: ("sharded_state", "runai_streamer_sharded"),
+}
+"""Plugin load format -> artifact formats (manifest ``format``) it can load. The per-rank
+formats share one file layout, so either loader reads either artifact. ``runai_streamer_sharded``
+is the stock name the S3 reader takes over (``s3_sharded_state.py``)."""
+
+
+@dataclass(frozen=True)
+class RankFile:
+    name: str
+    """The name in the manifest."""
+    location: str
+    """Its path, or its s3:// URI."""
+    size: int
+    header: SafetensorsHeader
+    etag: str | None = None
+    """For objects: the ETag seen when verifying; every read is conditional on it."""
+
+    @property
+    def path(self) -> Path:
+        """A local file's path."""
+        return Path(self.location)
+
+
+@dataclass(frozen=True)
+class VerifiedArtifact:
+    location: str
+    """The directory, or the s3:// prefix URI (with its trailing slash)."""
+    manifest: Manifest
+    files: tuple[RankFile, ...]
+    """The files this rank reads, in load order (part number for per-rank formats)."""
+    s3: S3Client | None = None
+    """For S3 artifacts: the client that verified it, to read with the same settings."""
+
+    @property
+    def bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    @property
+    def tensor_names(self) -> set[str]:
+        return {name for f in self.files for name in f.header.tensors}
+
+
+def refuse(where: str, reason: str) -> ArtifactError:
+    """The one shape of every refusal, so that operators can grep pod logs for it."""
+    return ArtifactError(f"modelstage: refusing to load {where}: {reason}")
+
+
+def check_manifest(
+    manifest: Manifest,
+    where: str,
+    *,
+    load_format: str,
+    settings: PluginSettings,
+    running_tp: int,
+    vllm_version: str,
+) -> None:
+    """Refuse a manifest that is not the one this pod was told to load, with what to do."""
+    try:
+        manifest.check_expected(where, digest=settings.digest, tp=running_tp)
+    except ArtifactError as e:
+        raise refuse(where, str(e).removeprefix(f"{where}: ")) from None
+    if settings.tp is not None and settings.tp != running_tp:
+        raise refuse(
+            where,
+            f"{settings.tp} is the tensor parallel size in MODELSTAGE_TP, but vLLM runs "
+            f"{running_tp}; set --tensor-parallel-size {settings.tp} or re-stage",
+        )
+    accepted = LOAD_FORMATS.get(load_format, ())
+    if manifest.format not in accepted:
+        raise refuse(
+            where,
+            f"artifact format {manifest.format!r} cannot be loaded with --load-format "
+            f"{load_format}; it loads {', '.join(accepted) or 'nothing'}",
+        )
+    if settings.format is not None and settings.format != manifest.format:
+        raise refuse(
+            where,
+            f"artifact format is {manifest.format!r}, but MODELSTAGE_FORMAT says "
+            f"{settings.format!r}; point --model at the artifact the operator staged",
+        )
+    try:
+        layout = layout_for(vllm_version)
+    except SpecError as e:
+        raise refuse(where, f"{e}; run a vLLM version modelstage supports") from None
+    if manifest.layoutVersion != layout.layout_version:
+        raise refuse(
+            where,
+            f"artifact layout is {manifest.layoutVersion} (staged for vLLM "
+            f"{manifest.vllmVersion}), but vLLM {vllm_version} needs "
+            f"{layout.layout_version}; re-stage with --vllm-version {layout.vllm_version}",
+        )
+
+
+def verify_local(
+    directory: Path,
+    *,
+    load_format: str,
+    settings: PluginSettings,
+    running_tp: int,
+    vllm_version: str,
+    rank_glob: str | None,
+) -> VerifiedArtifact:
+    """Verify a local artifact for one rank; ``rank_glob`` None means every safetensors file
+    (the Hugging Face layout of ``runai_streamer``, split by vLLM at load)."""
+    where = str(directory)
+    if not directory.is_dir():
+        raise refuse(where, "no such artifact directory; check --model and the volume mount")
+    try:
+        manifest = read_manifest(directory)
+    except ArtifactError as e:
+        raise refuse(where, str(e)) from None
+    manifest = _expected(manifest, where, load_format, settings, running_tp, vllm_version)
+    pattern = rank_glob or "*.safetensors"
+    names = _rank_names(where, manifest, (p.name for p in directory.glob(pattern)), pattern)
+    files = tuple(_verify_file(directory / n, manifest, settings.verify_hash) for n in names)
+    return VerifiedArtifact(where, manifest, _no_duplicates(where, files))
+
+
+def verify_s3(
+    uri: str,
+    s3: S3Client,
+    *,
+    load_format: str,
+    settings: PluginSettings,
+    running_tp: int,
+    vllm_version: str,
+    rank_glob: str,
+) -> VerifiedArtifact:
+    """Verify this rank's objects of an S3 artifact: the manifest object first, one listing
+    for sizes, ETags and unlisted objects, then each object's header (one small ranged GET).
+    The ETags pin what was verified: the reader's GETs are conditional on them."""
+    try:
+        location = S3Location.parse(uri)
+    except SpecError as e:
+        raise refuse(uri, str(e)) from None
+    where = location.uri
+    try:
+        manifest = _s3_manifest(s3, location)
+        present = _s3_listing(s3, location)
+    except ArtifactError:
+        raise
+    except Exception as e:
+        raise _s3_refusal(s3, e, where) from None
+    manifest = _expected(manifest, where, load_format, settings, running_tp, vllm_version)
+    names = _rank_names(where, manifest, (n for n in present if n != MANIFEST), rank_glob)
+    files = tuple(
+        _verify_object(s3, location, n, manifest, present, settings.verify_hash) for n in names
+    )
+    return VerifiedArtifact(where, manifest, _no_duplicates(where, files), s3)
+
+
+def _expected(
+    manifest: Manifest | None,
+    where: str,
+    load_format: str,
+    settings: PluginSettings,
+    running_tp: int,
+    vllm_version: str,
+) -> Manifest:
+    if manifest is None:
+        raise refuse(
+            where,
+            f"no {MANIFEST}: the artifact is incomplete or was not staged by modelstage; "
+            "wait for staging to finish or run `modelstage prepare` to find out why",
+        )
+    check_manifest(
+        manifest,
+        where,
+        load_format=load_format,
+        settings=settings,
+        running_tp=running_tp,
+        vllm_version=vllm_version,
+    )
+    return manifest
+
+
+def _rank_names(where: str, manifest: Manifest, present: Iterable[str], pattern: str) -> list[str]:
+    """The manifest's files this rank loads, in part order; refuse files the glob would also
+    match that the manifest does not list (vLLM's stock loaders would load them)."""
+    glob = _glob(pattern)
+    listed = (n for n in manifest.files if glob.fullmatch(n))
+    names = sorted(listed, key=_part_key(pattern))
+    if not names:
+        raise refuse(where, f"the manifest lists no file matching {pattern!r}")
+    matching = (n for n in present if glob.fullmatch(n))
+    unlisted = sorted(n for n in matching if n not in manifest.files)
+    if unlisted:
+        raise refuse(
+            where,
+            f"{', '.join(unlisted[:3])} match {pattern!r} but are not in the manifest; "
+            "vLLM would load them; remove them or re-stage",
+        )
+    return names
+
+
+def _no_duplicates(where: str, files: tuple[RankFile, ...]) -> tuple[RankFile, ...]:
+    seen: dict[str, str] = {}
+    for f in files:
+        for tensor in f.header.tensors:
+            if tensor in seen:
+                raise refuse(where, f"tensor {tensor!r} is in both {seen[tensor]} and "
+                             f"{f.name}; re-stage the artifact")  # fmt: skip
+            seen[tensor] = f.name
+    return files
+
+
+def _verify_file(path: Path, manifest: Manifest, hash_content: bool) -> RankFile:
+    entry = manifest.files[path.name]
+    try:
+        size = os.stat(path).st_size
+    except FileNotFoundError:
+        raise refuse(str(path), "listed in the manifest but missing; re-stage") from None
+    if size != entry.size:
+        raise refuse(str(path), f"{size} bytes, the manifest says {entry.size}; re-stage")
+    try:
+        header = read_local_header(path)
+    except CheckpointError as e:
+        raise refuse(str(path), f"{e}; re-stage") from None
+    if hash_content and sha256_file(path) != entry.sha256:
+        raise refuse(str(path), "sha256 differs from the manifest; the file is corrupt")
+    return RankFile(path.name, str(path), size, header)
+
+
+HEADER_PREFIX_BYTES = 256 * 1024
+"""Bytes fetched by the first GET of an object's header: a rank file's header is smaller, so
+the length and the JSON come in one request."""
+
+
+def _s3_manifest(s3: S3Client, location: S3Location) -> Manifest | None:
+    from botocore.exceptions import ClientError
+
+    key = location.key(MANIFEST)
+    try:
+        body = s3.client.get_object(Bucket=location.bucket, Key=key)["Body"]
+    except ClientError as e:
+        if str(e.response.get("Error", {}).get("Code")) in ("NoSuchKey", "404"):
+            return None
+        raise
+    with closing(body):  # at most one byte past the limit: from_json refuses longer ones
+        return Manifest.from_json(body.read(MAX_MANIFEST_BYTES + 1), f"{location.uri}{MANIFEST}")
+
+
+def _s3_listing(s3: S3Client, location: S3Location) -> dict[str, tuple[int, str]]:
+    """Name -> (size, ETag) of the objects directly under the artifact's prefix."""
+    prefix = location.key("")
+    found: dict[str, tuple[int, str]] = {}
+    pages = s3.client.get_paginator("list_objects_v2").paginate(
+        Bucket=location.bucket, Prefix=prefix, Delimiter="/"
+    )
+    for page in pages:
+        for obj in page.get("Contents", []):
+            name = obj["Key"][len(prefix) :]
+            if name:
+                found[name] = (int(obj["Size"]), str(obj["ETag"]).strip('"'))
+    return found
+
+
+def _verify_object(
+    s3: S3Client,
+    location: S3Location,
+    name: str,
+    manifest: Manifest,
+    present: dict[str, tuple[int, str]],
+    hash_content: bool,
+) -> RankFile:
+    uri, entry = f"{location.uri}{name}", manifest.files[name]
+    if name not in present:
+        raise refuse(uri, "listed in the manifest but missing; re-stage")
+    size, etag = present[name]
+    if size != entry.size:
+        raise refuse(uri, f"{size} bytes, the manifest says {entry.size}; re-stage")
+
+    def get(offset: int, length: int) -> bytes:
+        rng = f"bytes={offset}-{offset + length - 1}"
+        body = s3.client.get_object(
+            Bucket=location.bucket, Key=location.key(name), IfMatch=etag, Range=rng
+        )["Body"]
+        with closing(body):
+            data: bytes = body.read()
+        return data
+
+    try:
+        prefix = get(0, min(size, HEADER_PREFIX_BYTES)) if size else b""
+
+        def read(offset: int, length: int) -> bytes:
+            if offset + length <= len(prefix):
+                return prefix[offset : offset + length]
+            return get(offset, length)
+
+        header = read_header(uri, size, read)
+        if hash_content and _s3_sha256(s3, location, name, etag) != entry.sha256:
+            raise refuse(uri, "sha256 differs from the manifest; the object is corrupt")
+    except CheckpointError as e:
+        raise refuse(uri, f"{e}; re-stage") from None
+    except ArtifactError:
+        raise
+    except Exception as e:
+        raise _s3_refusal(s3, e, uri) from None
+    return RankFile(name, uri, size, header, etag)
+
+
+def _s3_refusal(s3: S3Client, e: BaseException, where: str) -> ArtifactError:
+    """The S3 client's one credential-free line about ``where``, as a refusal."""
+    return refuse(where, str(s3.error(e, where)).removeprefix(f"{where}: "))
+
+
+def _s3_sha256(s3: S3Client, location: S3Location, name: str, etag: str) -> str:
+    h = hashlib.sha256()
+    body = s3.client.get_object(Bucket=location.bucket, Key=location.key(name), IfMatch=etag)
+    with closing(body["Body"]) as stream:
+        for block in stream.iter_chunks(8 * 1024 * 1024):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _glob(pattern: str) -> re.Pattern[str]:
+    """vLLM's part-file glob as a regex whose ``*`` stays within one name (``fnmatch``'s
+    ``*`` would also match ``/``: ``model-rank-0-part-*`` would take ``../x/part-0``)."""
+    return re.compile(re.escape(pattern).replace(r"\*", "([^/]*)"))
+
+
+def _part_key(pattern: str) -> Callable[[str], tuple[int, str]]:
+    """Sort part files by the number the glob's ``*`` matched (part 10 after part 9)."""
+    regex = _glob(pattern)
+
+    def key(name: str) -> tuple[int, str]:
+        m = regex.fullmatch(name)
+        captured = m.group(1) if m and m.groups() else name
+        return (int(captured), name) if captured.isdigit() else (-1, name)
+
+    return key

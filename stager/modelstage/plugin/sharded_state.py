@@ -1,0 +1,131 @@
+"""``modelstage_sharded_state``: vLLM's sharded-state format, read by the pipelined reader.
+
+Same files, same key and shape semantics as the stock ``sharded_state`` loader (every key
+must exist in the model, every parameter must be loaded, a smaller tensor is narrowed into
+its parameter with a warning); what differs is how bytes move (``reader.py``) and that a
+key mismatch is refused, naming the keys, before the first data byte is read.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import ClassVar
+
+import torch
+from modelstage.core.s3_client import S3Client
+from modelstage.core.safetensors_format import TensorInfo
+from torch import nn
+from vllm.config import ModelConfig
+from vllm.model_executor.model_loader.sharded_state_loader import ShardedStateLoader
+
+from .base import ModelstageLoader, Transfer
+from .checks import VerifiedArtifact, refuse, verify_local, verify_s3
+from .reader import TORCH_DTYPES, PipelinedReader, Target, flat_bytes, staging_for
+from .settings import serving_s3_options
+from .stores import S3Objects, store_for
+
+LOG = logging.getLogger("vllm.modelstage")
+
+
+def verify_rank_files(
+    loader: ModelstageLoader, location: str, running_tp: int, vllm_version: str
+) -> VerifiedArtifact:
+    """Checks of a per-rank artifact whose stock loader is a ``ShardedStateLoader``: local,
+    or on S3 where the loader reads object storage itself."""
+    assert isinstance(loader.stock, ShardedStateLoader)
+    rank_glob = ShardedStateLoader._render_default_pattern(loader.stock.pattern, part="*")
+    settings, load_format = loader.settings, loader.load_format
+    if loader.reads_s3 and location.startswith("s3://"):
+        try:
+            s3 = S3Client(serving_s3_options(), concurrency=settings.s3_depth)
+        except ImportError as e:
+            reason = f"the S3 reader needs boto3 ({e}); vLLM's images ship it: install it, "
+            raise refuse(location, reason + "or unset MODELSTAGE_S3_READER to use Run:ai") from None
+        return verify_s3(
+            location,
+            s3,
+            load_format=load_format,
+            settings=settings,
+            running_tp=running_tp,
+            vllm_version=vllm_version,
+            rank_glob=rank_glob,
+        )
+    return verify_local(
+        loader.verify_local_location(location),
+        load_format=load_format,
+        settings=settings,
+        running_tp=running_tp,
+        vllm_version=vllm_version,
+        rank_glob=rank_glob,
+    )
+
+
+class ModelstageShardedStateLoader(ModelstageLoader):
+    load_format: ClassVar[str] = "modelstage_sharded_state"
+    stock_format: ClassVar[str] = "sharded_state"
+    stock_class = ShardedStateLoader
+    per_rank: ClassVar[bool] = True
+
+    def verify(self, location: str, running_tp: int, vllm_version: str) -> VerifiedArtifact:
+        return verify_rank_files(self, location, running_tp, vllm_version)
+
+    def transfer(
+        self, model: nn.Module, model_config: ModelConfig, verified: VerifiedArtifact
+    ) -> Transfer:
+        state_dict = ShardedStateLoader._filter_subtensors(model.state_dict())
+        check_keys(verified.location, verified.tensor_names, set(state_dict))
+        device = next(iter(state_dict.values())).device
+        store = store_for(verified)
+        on_s3 = isinstance(store, S3Objects)
+        reader = PipelinedReader(
+            chunk_bytes=self.settings.s3_chunk_bytes if on_s3 else self.settings.chunk_bytes,
+            depth=self.settings.s3_depth if on_s3 else self.settings.depth,
+            device=device,
+        )
+        stats = reader.read(store, lambda info: target_for(info, state_dict[info.name]))
+        LOG.info("modelstage: read %d bytes of %s with the %s reader in %.2f s",
+                 stats.bytes, verified.location, "S3" if on_s3 else "local",
+                 stats.read_seconds)  # fmt: skip
+        return Transfer(
+            bytes=stats.bytes,
+            files=stats.files,
+            read_seconds=stats.read_seconds,
+            copy_seconds=stats.copy_seconds,
+            read_wait_seconds=stats.wait_seconds,
+        )
+
+
+def check_keys(where: str, in_files: set[str], in_model: set[str]) -> None:
+    """The stock loader's KeyError / "Missing keys", before any read, naming the keys."""
+    unknown, missing = sorted(in_files - in_model), sorted(in_model - in_files)
+    if unknown:
+        raise refuse(where, f"the model has no parameter {', '.join(unknown[:5])}; the artifact "
+                     "was staged for another architecture or layout; re-stage")  # fmt: skip
+    if missing:
+        raise refuse(where, f"the artifact lacks {', '.join(missing[:5])}; re-stage it for "
+                     "this model and vLLM version")  # fmt: skip
+
+
+def target_for(info: TensorInfo, param: torch.Tensor) -> Target:
+    """Where ``info``'s bytes go in ``param``: straight into its memory when the bytes fit as
+    they are, else through a staging tensor and ``copy_`` (the stock loader's semantics)."""
+    data = param.data
+    dtype = TORCH_DTYPES[info.dtype]
+    if dtype != data.dtype:
+        LOG.warning("Attempted to load weight %s with dtype %s into parameter with dtype %s",
+                    info.name, dtype, data.dtype)  # fmt: skip
+    if len(info.shape) != data.dim():
+        raise refuse(info.file, f"tensor {info.name!r} has shape {list(info.shape)}, the "
+                     f"parameter {list(data.shape)}; re-stage")  # fmt: skip
+    for dim, size in enumerate(info.shape):
+        if size < data.shape[dim]:
+            data = data.narrow(dim, 0, size)
+    if tuple(info.shape) != tuple(param.shape):
+        LOG.warning("loading tensor of shape %s into parameter '%s' of shape %s",
+                    list(info.shape), info.name, list(param.shape))  # fmt: skip
+    if tuple(data.shape) != tuple(info.shape):
+        raise refuse(info.file, f"tensor {info.name!r} of shape {list(info.shape)} is larger "
+                     f"than its parameter {list(param.shape)}; re-stage")  # fmt: skip
+    if dtype == data.dtype and data.is_contiguous():
+        return Target(flat_bytes(data))
+    return staging_for(info, data)

@@ -1,0 +1,142 @@
+"""The architecture registry: per Hugging Face parameter name, vLLM's name and how it splits.
+
+Read it like vLLM's ``stacked_params_mapping``: a table, not branches. ``{L}`` stands for the
+decoder layer index. The shard math for each split kind lives once, in ``shard_plan``.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from modelstage.core.errors import SpecError
+
+from .model_config import ModelConfig
+
+
+class Split(enum.Enum):
+    REPLICATED = "replicated"  # whole on every rank (norms, row-parallel biases)
+    COLUMN = "column"  # dim 0 in equal blocks (column-parallel outputs)
+    ROW = "row"  # dim 1 in equal blocks (row-parallel inputs)
+    VOCAB = "vocab"  # dim 0 padded with zero rows to the layout's multiple, then equal blocks
+    QKV = "qkv"  # fused q/k/v along dim 0, head-aligned; KV heads replicated when tp > kv
+    MERGED = "merged"  # fused column-parallel slots (gate, up) along dim 0
+
+
+class When(enum.Enum):
+    """Which config flag makes a (bias) parameter exist."""
+
+    ALWAYS = "always"
+    NEVER = "never"
+    ATTENTION_BIAS = "attention_bias"
+    MLP_BIAS = "mlp_bias"
+    UNTIED = "untied"  # a separate lm_head exists only without tied embeddings
+
+    def holds(self, config: ModelConfig) -> bool:
+        return {
+            When.ALWAYS: True,
+            When.NEVER: False,
+            When.ATTENTION_BIAS: config.attention_bias,
+            When.MLP_BIAS: config.mlp_bias,
+            When.UNTIED: not config.tie_word_embeddings,
+        }[self]
+
+
+@dataclass(frozen=True)
+class Rule:
+    source: str
+    target: str
+    split: Split
+    shape: tuple[str, ...]
+    """The source's expected shape in symbols of ``ModelConfig.symbols`` (checked before I/O)."""
+    slot: str | int | None = None  # "q"/"k"/"v" for QKV, 0/1 for MERGED
+    when: When = When.ALWAYS
+
+
+ATTN = "model.layers.{L}.self_attn"
+MLP = "model.layers.{L}.mlp"
+
+
+def _attention(bias: When) -> tuple[Rule, ...]:
+    """q, k and v (weights, then optional biases) fused into ``qkv_proj``, slot by slot."""
+    rows = {"q": "q", "k": "kv", "v": "kv"}
+    weights = [
+        Rule(
+            f"{ATTN}.{x}_proj.weight", f"{ATTN}.qkv_proj.weight", Split.QKV, (rows[x], "hidden"), x
+        )
+        for x in "qkv"
+    ]
+    biases = [
+        Rule(f"{ATTN}.{x}_proj.bias", f"{ATTN}.qkv_proj.bias", Split.QKV, (rows[x],), x, bias)
+        for x in "qkv"
+    ]
+    return (*weights, *biases)
+
+
+def _llama_like(*, qkv_bias: When, o_bias: When) -> tuple[Rule, ...]:
+    return (
+        Rule("model.embed_tokens.weight", "model.embed_tokens.weight", Split.VOCAB,
+             ("vocab", "hidden")),
+        *_attention(qkv_bias),
+        Rule(f"{ATTN}.o_proj.weight", f"{ATTN}.o_proj.weight", Split.ROW, ("hidden", "q")),
+        Rule(f"{ATTN}.o_proj.bias", f"{ATTN}.o_proj.bias", Split.REPLICATED, ("hidden",),
+             when=o_bias),
+        Rule(f"{MLP}.gate_proj.weight", f"{MLP}.gate_up_proj.weight", Split.MERGED,
+             ("inter", "hidden"), 0),
+        Rule(f"{MLP}.up_proj.weight", f"{MLP}.gate_up_proj.weight", Split.MERGED,
+             ("inter", "hidden"), 1),
+        Rule(f"{MLP}.gate_proj.bias", f"{MLP}.gate_up_proj.bias", Split.MERGED, ("inter",), 0,
+             When.MLP_BIAS),
+        Rule(f"{MLP}.up_proj.bias", f"{MLP}.gate_up_proj.bias", Split.MERGED, ("inter",), 1,
+             When.MLP_BIAS),
+        Rule(f"{MLP}.down_proj.weight", f"{MLP}.down_proj.weight", Split.ROW, ("hidden", "inter")),
+        Rule(f"{MLP}.down_proj.bias", f"{MLP}.down_proj.bias", Split.REPLICATED, ("hidden",),
+             when=When.MLP_BIAS),
+        Rule("model.layers.{L}.input_layernorm.weight", "model.layers.{L}.input_layernorm.weight",
+             Split.REPLICATED, ("hidden",)),
+        Rule("model.layers.{L}.post_attention_layernorm.weight",
+             "model.layers.{L}.post_attention_layernorm.weight", Split.REPLICATED, ("hidden",)),
+        Rule("model.norm.weight", "model.norm.weight", Split.REPLICATED, ("hidden",)),
+        Rule("lm_head.weight", "lm_head.weight", Split.VOCAB, ("vocab", "hidden"),
+             when=When.UNTIED),
+    )  # fmt: skip
+
+
+_QK_NORM = tuple(
+    Rule(f"{ATTN}.{x}_norm.weight", f"{ATTN}.{x}_norm.weight", Split.REPLICATED, ("head_dim",))
+    for x in "qk"
+)
+
+
+@dataclass(frozen=True)
+class Architecture:
+    name: str
+    rules: tuple[Rule, ...]
+    ignored: tuple[str, ...] = ("model.layers.{L}.self_attn.rotary_emb.inv_freq",)
+    """Source tensors vLLM skips (recomputed buffers); anything else unknown is refused."""
+
+
+_LLAMA = _llama_like(qkv_bias=When.ATTENTION_BIAS, o_bias=When.ATTENTION_BIAS)
+
+ARCHITECTURES: dict[str, Architecture] = {
+    a.name: a
+    for a in (
+        Architecture("LlamaForCausalLM", _LLAMA),
+        Architecture("MistralForCausalLM", _LLAMA),
+        Architecture("Qwen2ForCausalLM", _llama_like(qkv_bias=When.ALWAYS, o_bias=When.NEVER)),
+        Architecture(
+            "Qwen3ForCausalLM",
+            _llama_like(qkv_bias=When.ATTENTION_BIAS, o_bias=When.ATTENTION_BIAS) + _QK_NORM,
+        ),
+    )
+}
+
+
+def architecture_for(config: ModelConfig) -> Architecture:
+    try:
+        return ARCHITECTURES[config.architecture]
+    except KeyError:
+        raise SpecError(
+            f"architecture {config.architecture!r} is not supported; supported: "
+            + ", ".join(sorted(ARCHITECTURES))
+        ) from None

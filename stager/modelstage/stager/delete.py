@@ -1,0 +1,157 @@
+"""``modelstage delete``: remove one artifact, manifest first, so it never looks complete
+while half-deleted.
+
+The operator runs this in a small clean-up Job (it mounts no PVC and holds no S3
+credentials itself) for artifacts that retention or a ModelDeployment's deletion let go.
+Deleting is idempotent: an artifact already gone is success, and a rerun finishes what a
+killed run left. The manifest goes first (and, locally, the directory is renamed aside
+before the tree is removed), so a reader that races the delete sees "incomplete", never a
+complete artifact with files missing. Only artifacts are touched: a location named by its
+digest (the operator's layout; a manifest there must carry that digest), or any folder or
+prefix holding a manifest (what ``stage --out DIR`` makes), whose digest ``--digest``, when
+given, must match.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import uuid
+from pathlib import Path
+from typing import Any
+
+from modelstage.core.digest import DIGEST_HEX_CHARS
+from modelstage.core.errors import ArtifactError, DestinationError, SpecError
+from modelstage.core.manifest import MANIFEST, read_manifest
+from modelstage.core.s3_client import S3Options
+
+from .destinations.local import LocationLock, fsync_dir, remove_leftover
+
+DIGEST_NAME = re.compile(rf"^[0-9a-f]{{{DIGEST_HEX_CHARS}}}$")
+DELETE_BATCH = 1000
+"""S3's DeleteObjects limit per request."""
+
+
+def delete_artifact(
+    artifact: str, *, digest: str | None = None, s3: S3Options | None = None
+) -> dict[str, Any]:
+    """Delete the artifact at ``artifact`` (a directory or an ``s3://bucket/prefix``)."""
+    name = artifact.rstrip("/").rsplit("/", 1)[-1]
+    if DIGEST_NAME.match(name):
+        if digest is not None and digest != name:
+            raise SpecError(f"{artifact}: the location is artifact {name}, not {digest}")
+        expected = name
+    else:
+        named = _digest_of_named(artifact, digest, s3)
+        if named is None:
+            return {"deleted": artifact, "digest": digest, "removed": 0}
+        expected = named
+    if artifact.startswith("s3://"):
+        removed = _delete_s3(artifact, expected, s3)
+    else:
+        removed = _delete_local(Path(artifact.removeprefix("file://")), expected)
+    return {"deleted": artifact, "digest": expected, "removed": removed}
+
+
+def _digest_of_named(artifact: str, digest: str | None, s3: S3Options | None) -> str | None:
+    """A location not named by a digest is an artifact only if it holds a manifest: its
+    digest then stands for the name (None: nothing is there, nothing to do)."""
+    if artifact.startswith("s3://"):
+        from .destinations.s3 import S3Destination
+
+        dest = S3Destination(artifact, s3)
+        manifest, present = dest.existing(), bool(dest._list())
+    else:
+        path = Path(artifact.removeprefix("file://"))
+        manifest = read_manifest(path) if path.is_dir() else None
+        present = path.exists()
+    if manifest is None:
+        if not present:
+            return None
+        raise SpecError(
+            f"{artifact}: not an artifact (it holds no {MANIFEST}, and its name is not a "
+            f"{DIGEST_HEX_CHARS}-character digest); refusing to delete it. An interrupted "
+            "stage or delete leaves no manifest: remove such a folder or prefix by hand"
+        )
+    if digest is not None and digest != manifest.digest:
+        raise SpecError(f"{artifact}: its manifest says artifact {manifest.digest}, not {digest}")
+    return manifest.digest
+
+
+def remove_artifact(location: str, digest: str, s3: S3Options | None = None) -> int:
+    """Delete the artifact of ``digest`` at any location, manifest first (``stage --force``:
+    a CLI ``--out`` is named by the user, not by the digest)."""
+    if location.startswith("s3://"):
+        return _delete_s3(location, digest, s3)
+    return _delete_local(Path(location.removeprefix("file://")), digest)
+
+
+def _delete_local(out: Path, digest: str) -> int:
+    """Under the location's lock (a stager writing it makes this fail, to be retried)."""
+    out = out.absolute()
+    if not out.parent.is_dir():
+        return 0
+    lock = LocationLock(out)
+    if not lock.acquire(exclusive=True):
+        raise DestinationError(f"{out}: a stager is writing it right now; retry")
+    try:
+        return _remove_tree(out, digest)
+    finally:
+        lock.release()
+
+
+def _remove_tree(out: Path, digest: str) -> int:
+    removed = 0
+    if out.is_symlink():  # not an artifact the stager wrote: the link goes, never its target
+        out.unlink()
+        fsync_dir(out.parent)
+        removed += 1
+    elif out.is_dir():
+        manifest = read_manifest(out) if (out / MANIFEST).exists() else None
+        if manifest is not None and manifest.digest != digest:
+            raise ArtifactError(
+                f"{out}: its manifest says artifact {manifest.digest}, not {digest}; not deleted"
+            )
+        if manifest is not None:
+            (out / MANIFEST).unlink()
+            fsync_dir(out)
+            removed += 1
+        aside = out.parent / f"{out.name}.tmp-delete-{uuid.uuid4().hex[:8]}"
+        os.rename(out, aside)  # the location is free at once; the tree goes below
+        fsync_dir(out.parent)
+    elif out.exists():
+        raise ArtifactError(f"{out} is not a directory; not deleted")
+    for stale in out.parent.glob(f"{out.name}.tmp-*"):
+        removed += remove_leftover(stale)
+    return removed
+
+
+def _delete_s3(uri: str, digest: str, options: S3Options | None) -> int:
+    from .destinations.s3 import S3Destination
+
+    dest = S3Destination(uri, options)
+    manifest = dest.existing()
+    if manifest is not None and manifest.digest != digest:
+        raise ArtifactError(f"{uri}: its manifest says artifact {manifest.digest}, not {digest}")
+    client, bucket = dest.s3.client, dest.location.bucket
+    removed = 0
+    if manifest is not None:
+        key = dest.location.key(MANIFEST)
+        dest.call(lambda: client.delete_object(Bucket=bucket, Key=key), key)
+        removed += 1
+    prefix = dest.location.prefix + "/"
+    uploads = dest.call(lambda: client.list_multipart_uploads(Bucket=bucket, Prefix=prefix), prefix)
+    for upload in uploads.get("Uploads", []):
+        dest.call(lambda u=upload: client.abort_multipart_upload(
+            Bucket=bucket, Key=u["Key"], UploadId=u["UploadId"]), upload["Key"])  # fmt: skip
+    keys = [prefix + name for name in dest._list()]
+    for start in range(0, len(keys), DELETE_BATCH):
+        batch = [{"Key": k} for k in keys[start : start + DELETE_BATCH]]
+        result = dest.call(lambda b=batch: client.delete_objects(
+            Bucket=bucket, Delete={"Objects": b, "Quiet": True}), prefix)  # fmt: skip
+        if result.get("Errors"):
+            first = result["Errors"][0]
+            raise ArtifactError(f"s3://{bucket}/{first.get('Key')}: not deleted: "
+                                f"{first.get('Code')} {first.get('Message')}")  # fmt: skip
+        removed += len(batch)
+    return removed

@@ -1,0 +1,548 @@
+"""An S3 prefix as the artifact location: parallel multipart uploads, the manifest as commit.
+
+S3 has no rename, so objects are written under the artifact prefix itself and the manifest
+object ``modelstage.json`` is written last: without it nothing there counts as an artifact
+(``existing()`` and every reader look for the manifest first).
+
+**sha256 per object.** Every object carries ``x-amz-meta-sha256``. A rank file's hash is
+known only once its last byte has streamed through, but a multipart upload fixes its
+metadata at ``CreateMultipartUpload``. Objects that fit one part are buffered anyway, so
+they are hashed first and sent with one ``PutObject`` holding the hash. Larger objects are
+hashed while streaming and, once complete, get the hash by a server-side ``CopyObject`` onto
+themselves with ``MetadataDirective=REPLACE`` (guarded by ``CopySourceIfMatch`` on the
+ETag just returned, and done as a multipart ``UploadPartCopy`` above 5 GiB). That costs one
+request and server-side copying, never a second pass over the source or the network.
+Rejected alternatives: hashing every object before uploading it (reads the source twice)
+and keeping hashes only in the manifest (a rerun could not tell a finished object from a
+foreign one, and the issue asks for the metadata).
+
+**Reruns.** Each object also carries ``x-amz-meta-modelstage-run``, the *run key*: a hash
+of the artifact digest, the resolved source identity, the layout and the stager version,
+known before any byte is written. The stager is deterministic, so two runs with the same
+key write identical bytes. A rerun lists the prefix once and, for each object it is about
+to write, reuses it when the run key and the size match and a sha256 is stored (S3 makes
+an object visible only once complete, and the sha256 was computed from the bytes that made
+it). Objects written by hand (small files such as ``config.json``) are compared on their
+sha256 directly. Objects without a run key are foreign and never overwritten. Stale
+multipart uploads of a killed run are aborted at ``begin``; one stager per location (the
+operator's Job names are deterministic).
+
+**Retries.** botocore's ``standard`` mode retries each request with exponential backoff
+and jitter on throttling, 5xx and connection errors; part uploads get an outer retry loop
+(``with_retries``) so that one part outlasting botocore's attempts does not lose the
+upload. Memory is bounded: one part buffer per open object plus ``concurrency`` parts in
+flight, whatever the checkpoint's size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import re
+import sys
+import threading
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+from modelstage.core.errors import ArtifactError, DestinationError, SpecError
+from modelstage.core.manifest import MANIFEST, MAX_MANIFEST_BYTES, Manifest, check_ranks_present
+from modelstage.core.progress import Progress
+from modelstage.core.s3_client import S3Client, S3Location, S3Options, with_retries
+
+from ..pieces import Piece, copy_piece, piece_nbytes
+from .base import Destination
+
+MiB = 1024 * 1024
+MIN_PART_BYTES = 5 * MiB
+"""S3's smallest part (all but the last)."""
+MAX_PARTS = 10_000
+PART_BUFFER_BUDGET = 256 * MiB
+"""Part buffers of one run: one filling per open object plus ``concurrency`` in flight
+(16 MiB parts up to TP=8 with 8 in flight; smaller, down to S3's 5 MiB, beyond)."""
+COPY_LIMIT = 5 * 1024 * MiB
+"""The largest object one ``CopyObject`` may copy; larger ones are copied part by part."""
+SHA256_KEY, RUN_KEY = "sha256", "modelstage-run"
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+CONTENT_TYPE = "application/octet-stream"
+
+
+class _ViewReader(io.RawIOBase):
+    """A seekable read-only file over a memoryview: botocore rewinds it on retries."""
+
+    def __init__(self, view: memoryview) -> None:
+        self.view, self.pos = view, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        n = min(len(b), len(self.view) - self.pos)
+        b[:n] = self.view[self.pos : self.pos + n]
+        self.pos += n
+        return n
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: len(self.view)}[whence]
+        self.pos = max(0, base + offset)
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+
+class S3ObjectSink:
+    """One object written front to back: a single PUT if it fits one part, else multipart."""
+
+    def __init__(self, dest: S3Destination, name: str, size: int) -> None:
+        self.dest, self.name, self.size = dest, name, size
+        self.key = dest.location.key(name)
+        per_part = -(-size // MAX_PARTS)  # S3 allows 10,000 parts: larger objects, larger parts
+        self.part_bytes = max(dest.part_bytes, -(-per_part // MiB) * MiB)
+        self.multipart = size > self.part_bytes
+        self.hash = hashlib.sha256()
+        self.written = self.fill = 0
+        self.buf: bytearray | None = None
+        self.upload_id: str | None = None
+        self.parts: list[Future[dict[str, Any]]] = []
+        self.failed: BaseException | None = None
+
+    def write(self, data: Piece) -> None:
+        if self.failed is not None:
+            raise self.failed
+        total = piece_nbytes(data)
+        if self.written + total > self.size:
+            raise AssertionError(f"{self.key}: more than the announced {self.size} bytes")
+        done = 0
+        while done < total:
+            if self.buf is None:
+                self.buf = self.dest.take_buffer(min(self.part_bytes, self.size))
+                self.fill = 0
+            space = np.frombuffer(self.buf, dtype=np.uint8)[self.fill :]
+            n = copy_piece(data, done, space)
+            self.hash.update(space[:n].data)  # hashed from our copy, still in cache
+            self.fill, done = self.fill + n, done + n
+            if self.fill == len(self.buf) and self.multipart:
+                self._flush_part()
+        self.written += total
+
+    def _flush_part(self) -> None:
+        assert self.buf is not None
+        client = self.dest.s3.client
+        if self.upload_id is None:
+            created = self.dest.call(
+                lambda: client.create_multipart_upload(
+                    Bucket=self.dest.location.bucket, Key=self.key, ContentType=CONTENT_TYPE,
+                    Metadata={RUN_KEY: self.dest.run_key},
+                ), self.key,
+            )  # fmt: skip
+            self.upload_id = created["UploadId"]
+        number, buf, fill = len(self.parts) + 1, self.buf, self.fill
+        self.buf = None
+        self.dest.inflight.acquire()  # backpressure: at most `concurrency` parts in flight
+        try:
+            self.parts.append(self.dest.pool.submit(self._upload_part, number, buf, fill))
+        except BaseException:
+            self.dest.inflight.release()
+            raise
+
+    def _upload_part(self, number: int, buf: bytearray, fill: int) -> dict[str, Any]:
+        client = self.dest.s3.client
+        try:
+            if self.failed is not None:
+                raise self.failed
+            body = memoryview(buf)[:fill]
+            response = with_retries(
+                lambda: client.upload_part(
+                    Bucket=self.dest.location.bucket, Key=self.key, UploadId=self.upload_id,
+                    PartNumber=number, Body=_ViewReader(body), ContentLength=fill,
+                )
+            )  # fmt: skip
+            return {"PartNumber": number, "ETag": response["ETag"]}
+        except BaseException as e:
+            self.failed = self.failed or self.dest.s3.error(e, self.dest.uri_of(self.name))
+            raise self.failed from None
+        finally:
+            self.dest.give_back(buf)
+            self.dest.inflight.release()
+
+    def close(self) -> tuple[int, str]:
+        if self.written != self.size:
+            raise AssertionError(f"{self.key}: wrote {self.written} of {self.size} bytes")
+        sha256 = self.hash.hexdigest()
+        client, bucket = self.dest.s3.client, self.dest.location.bucket
+        if not self.multipart:
+            body = memoryview(self.buf or b"")[: self.fill]
+            self.dest.call(
+                lambda: client.put_object(
+                    Bucket=bucket, Key=self.key, Body=_ViewReader(body), ContentLength=self.fill,
+                    ContentType=CONTENT_TYPE,
+                    Metadata={SHA256_KEY: sha256, RUN_KEY: self.dest.run_key},
+                ), self.key,
+            )  # fmt: skip
+            if self.buf is not None:
+                self.dest.give_back(self.buf)
+                self.buf = None
+            return self.size, sha256
+        if self.fill:
+            self._flush_part()
+        parts = [f.result() for f in self.parts]
+        done = self.dest.call(
+            lambda: client.complete_multipart_upload(
+                Bucket=bucket, Key=self.key, UploadId=self.upload_id,
+                MultipartUpload={"Parts": parts},
+            ), self.key,
+        )  # fmt: skip
+        self.upload_id = None
+        self.dest.set_metadata(self.key, self.size, done["ETag"], {SHA256_KEY: sha256})
+        return self.size, sha256
+
+    def abort(self) -> None:
+        """Stop: wait for parts in flight and abort the multipart upload, ignoring errors."""
+        self.failed = self.failed or DestinationError(f"{self.key}: aborted")
+        for f in self.parts:
+            f.cancel()
+        for f in self.parts:
+            if not f.cancelled():
+                f.exception()
+        if self.buf is not None:
+            self.dest.give_back(self.buf)
+            self.buf = None
+        if self.upload_id is not None:
+            with contextlib.suppress(Exception):  # the next run's begin() aborts it too
+                self.dest.s3.client.abort_multipart_upload(
+                    Bucket=self.dest.location.bucket, Key=self.key, UploadId=self.upload_id
+                )
+            self.upload_id = None
+
+
+class S3Destination(Destination):
+    def __init__(
+        self,
+        uri: str,
+        options: S3Options | None = None,
+        *,
+        open_files: int = 1,
+    ) -> None:
+        """``open_files``: objects written at once (one per rank for per-rank formats); each
+        holds a part buffer while it fills, so many of them get smaller parts."""
+        options = options or S3Options()
+        part_bytes, concurrency = options.part_bytes, options.concurrency
+        if part_bytes < MIN_PART_BYTES:
+            raise SpecError(f"S3 part size must be at least {MIN_PART_BYTES} bytes (5 MiB)")
+        fit = PART_BUFFER_BUDGET // (open_files + concurrency) // MiB * MiB
+        part_bytes = max(MIN_PART_BYTES, min(part_bytes, fit))
+        self.location = S3Location.parse(uri)
+        if not self.location.prefix:
+            raise ArtifactError(f"{uri}: an artifact needs a prefix (s3://BUCKET/PREFIX/)")
+        self.uri = self.location.uri
+        self.s3 = S3Client(options, concurrency=concurrency)
+        self.part_bytes, self.concurrency = part_bytes, concurrency
+        self.run_key = ""
+        self.inflight = threading.BoundedSemaphore(concurrency)
+        self._free: list[bytearray] = []
+        self._free_lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._present: dict[str, int] = {}
+        self.reused: list[str] = []
+        """Names of objects this run found complete and did not upload again."""
+
+    # -- plumbing shared with the sinks ---------------------------------------------------
+
+    @property
+    def pool(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.concurrency, "s3-part")
+        return self._pool
+
+    def take_buffer(self, size: int) -> bytearray:
+        with self._free_lock:
+            for i, buf in enumerate(self._free):
+                if len(buf) == size:
+                    return self._free.pop(i)
+        return bytearray(size)
+
+    def give_back(self, buf: bytearray) -> None:
+        with self._free_lock:
+            if len(self._free) < self.concurrency:
+                self._free.append(buf)
+
+    def uri_of(self, name: str) -> str:
+        return f"s3://{self.location.bucket}/{self.location.key(name)}"
+
+    def call(self, fn: Any, key: str) -> Any:
+        """One API call; botocore retries it, failures become one safe DestinationError."""
+        try:
+            return fn()
+        except Exception as e:
+            if isinstance(e, DestinationError | ArtifactError):
+                raise
+            raise self.s3.error(e, f"s3://{self.location.bucket}/{key}") from None
+
+    def set_metadata(self, key: str, size: int, etag: str, extra: dict[str, str]) -> None:
+        """Add metadata to a complete object by copying it onto itself (server side)."""
+        client, bucket = self.s3.client, self.location.bucket
+        metadata = {RUN_KEY: self.run_key, **extra}
+        source = {"Bucket": bucket, "Key": key}
+        if size <= COPY_LIMIT:
+            self.call(
+                lambda: client.copy_object(
+                    Bucket=bucket, Key=key, CopySource=source, CopySourceIfMatch=etag,
+                    MetadataDirective="REPLACE", Metadata=metadata, ContentType=CONTENT_TYPE,
+                ), key,
+            )  # fmt: skip
+            return
+        self._copy_in_parts(key, size, etag, metadata)
+
+    def _copy_in_parts(self, key: str, size: int, etag: str, metadata: dict[str, str]) -> None:
+        client, bucket = self.s3.client, self.location.bucket
+        upload = self.call(
+            lambda: client.create_multipart_upload(
+                Bucket=bucket, Key=key, Metadata=metadata, ContentType=CONTENT_TYPE
+            ), key,
+        )  # fmt: skip
+        upload_id, step = upload["UploadId"], COPY_LIMIT
+
+        def copy_part(number: int, start: int) -> dict[str, Any]:
+            end = min(size, start + step) - 1
+            got = with_retries(
+                lambda: client.upload_part_copy(
+                    Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number,
+                    CopySource={"Bucket": bucket, "Key": key}, CopySourceIfMatch=etag,
+                    CopySourceRange=f"bytes={start}-{end}",
+                )
+            )  # fmt: skip
+            return {"PartNumber": number, "ETag": got["CopyPartResult"]["ETag"]}
+
+        try:
+            futures = [self.pool.submit(copy_part, i + 1, start)
+                       for i, start in enumerate(range(0, size, step))]  # fmt: skip
+            parts = [self.call(f.result, key) for f in futures]
+            self.call(
+                lambda: client.complete_multipart_upload(
+                    Bucket=bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts}
+                ), key,
+            )  # fmt: skip
+        except BaseException:
+            with contextlib.suppress(Exception):
+                client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload_id)
+            raise
+
+    def _list(self) -> dict[str, int]:
+        """{relative name: size} of every object under the prefix."""
+        client, prefix = self.s3.client, self.location.prefix + "/"
+        found: dict[str, int] = {}
+        pages = client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.location.bucket, Prefix=prefix
+        )
+        try:
+            for page in pages:
+                for obj in page.get("Contents", []):
+                    found[obj["Key"][len(prefix) :]] = int(obj["Size"])
+        except Exception as e:
+            raise self.s3.error(e, self.uri) from None
+        return found
+
+    def _head(self, name: str) -> dict[str, Any]:
+        key = self.location.key(name)
+        return dict(self.call(lambda: self.s3.client.head_object(
+            Bucket=self.location.bucket, Key=key), key))  # fmt: skip
+
+    def _get(self, name: str) -> bytes | None:
+        """A small object (the manifest), at most MAX_MANIFEST_BYTES + 1 of it: enough for
+        ``Manifest.from_json`` to refuse a longer one, never the whole of a huge one."""
+        from botocore.exceptions import ClientError
+
+        key = self.location.key(name)
+        try:
+            body = self.s3.client.get_object(Bucket=self.location.bucket, Key=key)["Body"]
+            try:
+                return bytes(body.read(MAX_MANIFEST_BYTES + 1))
+            finally:
+                body.close()
+        except ClientError as e:
+            if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
+                return None
+            raise self.s3.error(e, self.uri_of(name)) from None
+        except Exception as e:
+            raise self.s3.error(e, self.uri_of(name)) from None
+
+    # -- the Destination interface --------------------------------------------------------
+
+    def existing(self) -> Manifest | None:
+        """The committed manifest, if any. Objects without one are a run to resume, not an
+        artifact; they are reused or replaced object by object (see the module docstring)."""
+        raw = self._get(MANIFEST)
+        return None if raw is None else Manifest.from_json(raw, self.uri_of(MANIFEST))
+
+    def begin(self, run_key: str = "") -> None:
+        self.run_key = run_key
+        self._present = self._list()
+        client, bucket = self.s3.client, self.location.bucket
+        stale = self.call(lambda: client.list_multipart_uploads(
+            Bucket=bucket, Prefix=self.location.prefix + "/"), self.location.prefix)  # fmt: skip
+        for upload in stale.get("Uploads", []):
+            self.call(lambda u=upload: client.abort_multipart_upload(
+                Bucket=bucket, Key=u["Key"], UploadId=u["UploadId"]), upload["Key"])  # fmt: skip
+
+    def begin_shared(
+        self, run_key: str, *, finalize: bool = False, params: Mapping[str, Any] | None = None
+    ) -> None:
+        """Workers write their objects under the prefix itself, like one stager does; unlike
+        ``begin`` a worker must not abort multipart uploads, which may be another worker's.
+        The finalize step runs when every worker is done, so it aborts leftovers."""
+        if finalize:
+            self.begin(run_key)
+            return
+        self.run_key = run_key
+        self._present = self._list()
+
+    def check_part(self, name: str, size: int) -> tuple[int, str]:
+        """A part is complete when its object has this run's key, the size and a sha256
+        (S3 shows an object only once whole; the sha256 was computed from its bytes)."""
+        found = self.completed(name, size)
+        if found is None:
+            state = "has the wrong size or run" if name in self._present else "is missing"
+            raise ArtifactError(
+                f"{self.uri_of(name)} {state} (expected {size} bytes from this run: workers and "
+                "finalize must run the same stager with the same arguments, --max-part-bytes "
+                "included); rerun the worker that owns it (`modelstage stage --group i/n`), "
+                "then finalize again"
+            )
+        return found
+
+    def release(self) -> None:
+        self._shutdown()
+
+    def completed(self, name: str, size: int) -> tuple[int, str] | None:
+        """(size, sha256) of an object an earlier run of this run key finished, else None."""
+        if self._present.get(name) != size:
+            self._refuse_foreign(name)
+            return None
+        meta = self._head(name).get("Metadata", {})
+        self._refuse_foreign(name, meta)
+        sha256 = str(meta.get(SHA256_KEY, ""))
+        if meta.get(RUN_KEY) == self.run_key and _HEX64.match(sha256):
+            self.reused.append(name)
+            return size, sha256
+        return None
+
+    def _refuse_foreign(self, name: str, meta: dict[str, str] | None = None) -> None:
+        if name not in self._present:
+            return
+        if meta is None:
+            meta = self._head(name).get("Metadata", {})
+        if RUN_KEY not in meta:
+            raise ArtifactError(
+                f"{self.uri_of(name)} exists and was not written by modelstage; it is never "
+                "overwritten: remove it or choose another --out"
+            )
+
+    def open_sink(self, name: str, size: int) -> S3ObjectSink:
+        return S3ObjectSink(self, name, size)
+
+    def write_small(self, name: str, data: bytes) -> tuple[int, str]:
+        sha256 = hashlib.sha256(data).hexdigest()
+        if self._present.get(name) == len(data):
+            meta = self._head(name).get("Metadata", {})
+            self._refuse_foreign(name, meta)
+            if meta.get(SHA256_KEY) == sha256:
+                self.reused.append(name)
+                return len(data), sha256
+        else:
+            self._refuse_foreign(name)
+        return super().write_small(name, data)
+
+    def commit(self, manifest: Manifest) -> None:
+        present = self._list()
+        missing = sorted(n for n in manifest.files if n not in present)
+        stray = sorted(n for n in present if n not in manifest.files and n != MANIFEST)
+        if missing:
+            raise DestinationError(f"{self.uri}: objects vanished while staging: {missing[:5]}")
+        if stray:
+            raise ArtifactError(
+                f"{self.uri} holds objects that are not part of this artifact "
+                f"({', '.join(stray[:5])}); remove them or choose another --out"
+            )
+        data = manifest.to_json().encode()
+        sha256 = hashlib.sha256(data).hexdigest()
+        self.call(lambda: self.s3.client.put_object(
+            Bucket=self.location.bucket, Key=self.location.key(MANIFEST), Body=data,
+            ContentType="application/json", Metadata={SHA256_KEY: sha256, RUN_KEY: self.run_key},
+        ), self.location.key(MANIFEST))  # fmt: skip
+        self._shutdown()
+        if self.reused:
+            print(f"s3: reused {len(self.reused)} complete object(s) of an earlier run",
+                  file=sys.stderr)  # fmt: skip
+
+    def abort(self) -> None:
+        """Stop writing. Complete objects stay: invisible without the manifest, a rerun of
+        the same run key reuses them instead of uploading them again."""
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+        self._free.clear()
+
+    # -- reading an artifact back ---------------------------------------------------------
+
+    def verify(
+        self,
+        *,
+        digest: str | None = None,
+        tp: int | None = None,
+        hash_content: bool = True,
+        show_progress: bool = False,
+    ) -> Manifest:
+        """Check the artifact against its manifest: every object present with its size (and,
+        when hashing, its sha256), no object that the manifest does not list.
+        ``show_progress``: report the hashing (bytes, rate, ETA) on stderr."""
+        manifest = self.existing()
+        if manifest is None:
+            raise ArtifactError(f"{self.uri}: no {MANIFEST}; the artifact is incomplete")
+        manifest.check_expected(self.uri, digest=digest, tp=tp)
+        check_ranks_present(self.uri, manifest)
+        present = self._list()
+        progress = None
+        if hash_content and show_progress:
+            progress = Progress(manifest.bytes, len(manifest.files), label=f"hashing {self.uri}",
+                                items="files")  # fmt: skip
+        for name, entry in sorted(manifest.files.items()):
+            if name not in present:
+                raise ArtifactError(f"{self.uri_of(name)}: listed in the manifest but missing")
+            if present[name] != entry.size:
+                raise ArtifactError(
+                    f"{self.uri_of(name)}: {present[name]} bytes, the manifest says {entry.size}"
+                )
+            if hash_content and self._hash_object(name, progress) != entry.sha256:
+                raise ArtifactError(
+                    f"{self.uri_of(name)}: sha256 differs from the manifest; the object is corrupt"
+                )
+            if progress is not None:
+                progress.tensor_done()
+        if progress is not None:
+            progress.finish()
+        extra = sorted(n for n in present if n not in manifest.files and n != MANIFEST)
+        if extra:
+            raise ArtifactError(f"{self.uri}: objects not in the manifest: {', '.join(extra[:5])}")
+        return manifest
+
+    def _hash_object(self, name: str, progress: Progress | None = None) -> str:
+        key, h = self.location.key(name), hashlib.sha256()
+        body = self.call(lambda: self.s3.client.get_object(
+            Bucket=self.location.bucket, Key=key)["Body"], key)  # fmt: skip
+        try:
+            for block in body.iter_chunks(8 * MiB):
+                h.update(block)
+                if progress is not None:
+                    progress.advance(len(block))
+        except Exception as e:
+            raise self.s3.error(e, self.uri_of(name)) from None
+        return h.hexdigest()

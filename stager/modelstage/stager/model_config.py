@@ -1,0 +1,105 @@
+"""The few facts of a Hugging Face ``config.json`` that decide how a checkpoint is split."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from modelstage.core.errors import CheckpointError, SpecError
+
+MAX_DIM = 1 << 24
+"""Far above any real model dimension; a config beyond it is corrupt, not big."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+    torch_dtype: str | None
+
+    @staticmethod
+    def from_dict(config: Mapping[str, Any], *, where: str = "config.json") -> ModelConfig:
+        """Parse and sanity-check; refuses what this version cannot stage, with the reason."""
+        if "quantization_config" in config:
+            raise SpecError(
+                f"{where}: quantized checkpoints (quantization_config) are not supported yet; "
+                "stage the unquantized checkpoint"
+            )
+        archs = config.get("architectures")
+        if not isinstance(archs, list) or len(archs) != 1 or not isinstance(archs[0], str):
+            raise CheckpointError(f"{where}: 'architectures' must list exactly one architecture")
+
+        def dim(key: str, default: int | None = None) -> int:
+            value = config.get(key, default)
+            if type(value) is not int or not 0 < value <= MAX_DIM:
+                raise CheckpointError(
+                    f"{where}: {key!r} must be a positive integer up to {MAX_DIM}, got {value!r}"
+                )
+            return value
+
+        hidden, heads = dim("hidden_size"), dim("num_attention_heads")
+        if config.get("head_dim") is not None:
+            head_dim = dim("head_dim")
+        elif hidden % heads == 0:
+            head_dim = hidden // heads
+        else:
+            raise CheckpointError(
+                f"{where}: hidden_size {hidden} is not a multiple of num_attention_heads "
+                f"{heads} and no head_dim is given"
+            )
+        dtype = config.get("torch_dtype", config.get("dtype"))
+        return ModelConfig(
+            architecture=archs[0],
+            hidden_size=hidden,
+            intermediate_size=dim("intermediate_size"),
+            num_layers=dim("num_hidden_layers"),
+            num_heads=heads,
+            num_kv_heads=dim("num_key_value_heads", heads),
+            head_dim=head_dim,
+            vocab_size=dim("vocab_size"),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            attention_bias=bool(config.get("attention_bias", False)),
+            mlp_bias=bool(config.get("mlp_bias", False)),
+            torch_dtype=dtype if isinstance(dtype, str) else None,
+        )
+
+    @property
+    def symbols(self) -> dict[str, int]:
+        """Values of the shape symbols that the architecture table uses."""
+        return {
+            "hidden": self.hidden_size,
+            "inter": self.intermediate_size,
+            "vocab": self.vocab_size,
+            "q": self.num_heads * self.head_dim,
+            "kv": self.num_kv_heads * self.head_dim,
+            "head_dim": self.head_dim,
+        }
+
+    def check_tensor_parallel(self, tp: int) -> None:
+        """vLLM's own constraints on TP, checked before any byte is read."""
+        if tp < 1:
+            raise SpecError(f"tensor parallel size must be >= 1, got {tp}")
+        if self.num_heads % tp:
+            raise SpecError(
+                f"tensor parallel size {tp} does not divide the {self.num_heads} attention heads"
+            )
+        if self.num_kv_heads % tp and tp % self.num_kv_heads:
+            raise SpecError(
+                f"tensor parallel size {tp} and the {self.num_kv_heads} KV heads must divide "
+                "one another"
+            )
+        if self.intermediate_size % tp:
+            raise SpecError(
+                f"tensor parallel size {tp} does not divide the intermediate size "
+                f"{self.intermediate_size}"
+            )

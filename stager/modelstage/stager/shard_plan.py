@@ -1,0 +1,274 @@
+"""The shard plan: which rows and columns of which source tensor become which rank's tensor.
+
+A pure function of the model config, the source tensors' dtypes and shapes, the TP size and
+the layout; no I/O. Every rank's tensor is a concatenation along dim 0 of *slots*; a slot is
+one source tensor (or zero rows, for vocab padding) with a per-rank ``Slice``. Because every
+rank has the same slots in the same order, the writer can stream each source tensor once and
+append each rank's slice to that rank's file, keeping every rank file sequential.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from modelstage.core.errors import CheckpointError, SpecError
+from modelstage.core.layouts import Layout
+from modelstage.core.safetensors_format import DTYPE_SIZES
+
+from .architectures import Architecture, Rule, Split, architecture_for
+from .model_config import ModelConfig
+
+DTYPE_NAMES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+TIED_EMBEDDING_TARGET = "lm_head.weight"
+"""With tied embeddings vLLM writes the shared matrix once, under the head's name."""
+NON_LAYER_GROUP = -1
+
+
+@dataclass(frozen=True)
+class Slice:
+    """Rows ``[rows[0], rows[1])`` of the source, and columns ``cols`` (None: every column)."""
+
+    rows: tuple[int, int]
+    cols: tuple[int, int] | None = None
+
+    @property
+    def num_rows(self) -> int:
+        return self.rows[1] - self.rows[0]
+
+
+@dataclass(frozen=True)
+class Slot:
+    source: str | None
+    """Source tensor name; None means zero rows (``per_rank[r].num_rows`` of them)."""
+    per_rank: tuple[Slice, ...]
+
+
+@dataclass(frozen=True)
+class TargetTensor:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    """The per-rank shape (equal on every rank)."""
+    slots: tuple[Slot, ...]
+    group: int
+    """Decoder layer index, or NON_LAYER_GROUP for embeddings, final norm and head."""
+    constant: float | None = None
+    """For 0-d buffers: every rank holds this value (``slots`` is empty)."""
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPE_SIZES[self.dtype]
+
+
+@dataclass(frozen=True)
+class SourceTensor:
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    tp: int
+    targets: tuple[TargetTensor, ...]
+    ignored_sources: tuple[str, ...]
+
+    @property
+    def rank_bytes(self) -> int:
+        """Tensor bytes per rank (headers excluded)."""
+        return sum(t.nbytes for t in self.targets)
+
+
+def plan_shards(
+    config: ModelConfig,
+    sources: Mapping[str, SourceTensor],
+    tp: int,
+    layout: Layout,
+    dtype: str = "auto",
+) -> ShardPlan:
+    """Map every source tensor to its per-rank slices; refuse missing or unknown tensors."""
+    config.check_tensor_parallel(tp)
+    arch = architecture_for(config)
+    _check_layer_count(arch, config, sources)
+    active = _expand_rules(arch, config)
+    _check_sources(arch, config, active, sources)
+    out_dtype = _resolve_dtype(dtype)
+
+    by_target: dict[str, list[tuple[Rule, str, int]]] = {}
+    for rule, source, group in active:
+        target = rule.target.replace("{L}", str(group)) if group >= 0 else rule.target
+        if rule.split is Split.VOCAB and config.tie_word_embeddings:
+            target = TIED_EMBEDDING_TARGET
+        by_target.setdefault(target, []).append((rule, source, group))
+
+    targets: list[TargetTensor] = []
+    for name, members in by_target.items():
+        targets.append(_target(name, members, sources, config, tp, layout, out_dtype))
+        if name.endswith(".self_attn.qkv_proj.weight"):
+            targets.extend(_attention_buffers(name, members[0][2], layout))
+    ignored = tuple(sorted(set(sources) - {s for _, s, _ in active}))
+    return ShardPlan(tp, tuple(targets), ignored)
+
+
+def _expand_rules(arch: Architecture, config: ModelConfig) -> list[tuple[Rule, str, int]]:
+    """Active rules with ``{L}`` expanded, in output order: pre-layer, layers, post-layer."""
+    rules = [r for r in arch.rules if r.when.holds(config)]
+    first_layer_rule = next(i for i, r in enumerate(arch.rules) if "{L}" in r.source)
+    before = [r for r in rules if "{L}" not in r.source and arch.rules.index(r) < first_layer_rule]
+    after = [r for r in rules if "{L}" not in r.source and arch.rules.index(r) > first_layer_rule]
+    layer_rules = [r for r in rules if "{L}" in r.source]
+    expanded = [(r, r.source, NON_LAYER_GROUP) for r in before]
+    for layer in range(config.num_layers):
+        expanded += [(r, r.source.replace("{L}", str(layer)), layer) for r in layer_rules]
+    expanded += [(r, r.source, NON_LAYER_GROUP) for r in after]
+    return expanded
+
+
+def _check_layer_count(
+    arch: Architecture, config: ModelConfig, sources: Mapping[str, SourceTensor]
+) -> None:
+    """Refuse a config that claims more decoder layers than the checkpoint has tensors for
+    before the rules are expanded per layer: that costs time and memory per claimed layer
+    (``num_hidden_layers`` may be up to 2**24), whereas the checkpoint's headers bound the
+    number of tensors."""
+    per_layer = sum(1 for r in arch.rules if "{L}" in r.source and r.when.holds(config))
+    if config.num_layers * per_layer > len(sources):
+        raise CheckpointError(
+            f"config.json has {config.num_layers} layers, but the checkpoint holds only "
+            f"{len(sources)} tensors ({arch.name} needs {per_layer} per layer)"
+        )
+
+
+def _check_sources(
+    arch: Architecture,
+    config: ModelConfig,
+    active: list[tuple[Rule, str, int]],
+    sources: Mapping[str, SourceTensor],
+) -> None:
+    missing = [s for _, s, _ in active if s not in sources]
+    if missing:
+        raise CheckpointError(
+            f"checkpoint lacks {len(missing)} tensor(s) that {arch.name} needs, e.g. "
+            + ", ".join(missing[:5])
+        )
+    wanted = {s for _, s, _ in active}
+    ignore = [re.compile(re.escape(p).replace(r"\{L\}", r"\d+") + "$") for p in arch.ignored]
+    if config.tie_word_embeddings:
+        ignore.append(re.compile(re.escape("lm_head.weight") + "$"))
+    unknown = sorted(n for n in sources if n not in wanted and not any(p.match(n) for p in ignore))
+    if unknown:
+        raise CheckpointError(
+            f"checkpoint has {len(unknown)} tensor(s) that {arch.name} with this config does not "
+            "use (vLLM would refuse them), e.g. " + ", ".join(unknown[:5])
+        )
+    symbols = config.symbols
+    for rule, source, _ in active:
+        expected = tuple(symbols[s] for s in rule.shape)
+        actual = sources[source].shape
+        if actual != expected:
+            raise CheckpointError(
+                f"tensor {source!r} has shape {list(actual)}, but config.json implies "
+                f"{list(expected)} ({' x '.join(rule.shape)})"
+            )
+
+
+def _resolve_dtype(dtype: str) -> str | None:
+    if dtype == "auto":
+        return None
+    try:
+        return DTYPE_NAMES[dtype]
+    except KeyError:
+        raise SpecError(
+            f"dtype {dtype!r} is not supported; use auto, " + ", ".join(DTYPE_NAMES)
+        ) from None
+
+
+def _target(
+    name: str,
+    members: list[tuple[Rule, str, int]],
+    sources: Mapping[str, SourceTensor],
+    config: ModelConfig,
+    tp: int,
+    layout: Layout,
+    out_dtype: str | None,
+) -> TargetTensor:
+    dtypes = {sources[s].dtype for _, s, _ in members}
+    if out_dtype is None and len(dtypes) > 1:
+        raise CheckpointError(
+            f"tensors fused into {name!r} have different dtypes {sorted(dtypes)}; "
+            "pass --dtype to convert them"
+        )
+    dtype = out_dtype or dtypes.pop()
+    slots: list[Slot] = []
+    for rule, source, _ in members:
+        slots.extend(_slots(rule, source, sources[source].shape, config, tp, layout))
+    first_shape = sources[members[0][1]].shape
+    rows = sum(slot.per_rank[0].num_rows for slot in slots)
+    cols = slots[0].per_rank[0].cols
+    rest = first_shape[1:]
+    if cols is not None:
+        rest = (cols[1] - cols[0], *rest[1:])
+    return TargetTensor(name, dtype, (rows, *rest), tuple(slots), members[0][2])
+
+
+def _slots(
+    rule: Rule,
+    source: str,
+    shape: tuple[int, ...],
+    config: ModelConfig,
+    tp: int,
+    layout: Layout,
+) -> list[Slot]:
+    """The per-rank slices of one source tensor; the shard math lives here, once per kind."""
+    n = shape[0]
+    split = rule.split
+    if split is Split.REPLICATED:
+        return [Slot(source, tuple(Slice((0, n)) for _ in range(tp)))]
+    if split in (Split.COLUMN, Split.MERGED):
+        return [Slot(source, tuple(Slice(_block(n, tp, r)) for r in range(tp)))]
+    if split is Split.ROW:
+        cols = shape[1]
+        if cols % tp:
+            raise SpecError(f"tensor parallel size {tp} does not divide dim 1 of {source!r}")
+        return [Slot(source, tuple(Slice((0, n), _block(cols, tp, r)) for r in range(tp)))]
+    if split is Split.VOCAB:
+        padded = -(-n // layout.vocab_padding) * layout.vocab_padding
+        if padded % tp:
+            raise SpecError(f"tensor parallel size {tp} does not divide the padded vocab {padded}")
+        per = padded // tp
+        real = [(min(r * per, n), min((r + 1) * per, n)) for r in range(tp)]
+        data = Slot(source, tuple(Slice(rows) for rows in real))
+        zeros = Slot(None, tuple(Slice((0, per - (b - a))) for a, b in real))
+        return [data, zeros] if padded != n else [data]
+    if split is Split.QKV:
+        heads = config.num_heads if rule.slot == "q" else config.num_kv_heads
+        return [
+            Slot(source, tuple(Slice(_head_rows(heads, tp, r, config.head_dim)) for r in range(tp)))
+        ]
+    raise AssertionError(split)
+
+
+def _block(n: int, tp: int, rank: int) -> tuple[int, int]:
+    if n % tp:
+        raise SpecError(f"tensor parallel size {tp} does not divide a dimension of size {n}")
+    size = n // tp
+    return rank * size, (rank + 1) * size
+
+
+def _head_rows(heads: int, tp: int, rank: int, head_dim: int) -> tuple[int, int]:
+    """Rank's rows of a head-major projection; with fewer heads than ranks, heads replicate."""
+    if heads >= tp:
+        first, count = rank * (heads // tp), heads // tp
+    else:
+        first, count = rank // (tp // heads), 1
+    return first * head_dim, (first + count) * head_dim
+
+
+def _attention_buffers(qkv_name: str, layer: int, layout: Layout) -> list[TargetTensor]:
+    prefix = qkv_name.removesuffix("qkv_proj.weight") + "attn."
+    return [
+        TargetTensor(prefix + buffer, "F32", (), (), layer, constant=1.0)
+        for buffer in layout.attention_scale_buffers
+    ]

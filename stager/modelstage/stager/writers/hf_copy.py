@@ -1,0 +1,92 @@
+"""The ``runai_streamer`` writer: the checkpoint's own Hugging Face layout, copied as is.
+
+vLLM's Run:ai loader splits tensors per rank at load time, so the artifact is the source's
+safetensors files, their index and the files vLLM reads beside them (config, tokenizer,
+generation defaults), streamed through the destination's sinks (multipart uploads for S3)
+in fixed-size chunks: memory stays bounded whatever the file sizes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from modelstage.core.progress import Progress
+
+from ..checkpoint import INDEX, Checkpoint
+from ..destinations.base import Destination
+from ..sources.base import Source
+from .rank_files import Completed, OpenSink
+
+COPY_CHUNK_BYTES = 8 * 1024 * 1024
+INLINE_BYTES = 8 * 1024 * 1024
+"""Carried files up to this size are read in one piece (``Destination.write_small``)."""
+
+
+def copy_weight_files(
+    checkpoint: Checkpoint,
+    open_sink: OpenSink,
+    progress: Progress,
+    completed: Completed | None = None,
+) -> dict[str, tuple[int, str]]:
+    """Copy every safetensors file byte for byte; returns {file name: (size, sha256)}.
+
+    Small files (index, config, tokenizer) go through the destination's ``write_small``.
+    """
+    source = checkpoint.source
+    results: dict[str, tuple[int, str]] = {}
+    buf = bytearray(COPY_CHUNK_BYTES)
+    for name in checkpoint.weight_files:
+        size = source.size(name)
+        done = completed(name, size) if completed else None
+        if done is not None:
+            results[name] = done
+            progress.tensor_done()
+            continue
+        results[name] = _stream(source, name, size, open_sink, buf, progress.advance)
+        progress.tensor_done()
+    return results
+
+
+def _stream(
+    source: Source,
+    name: str,
+    size: int,
+    open_sink: OpenSink,
+    buf: bytearray,
+    advance: Callable[[int], None] | None = None,
+) -> tuple[int, str]:
+    """Copy one file through a sink in ``buf``-sized chunks: memory stays at the buffer."""
+    sink = open_sink(name, size)
+    try:
+        offset = 0
+        while offset < size:
+            n = min(len(buf), size - offset)
+            view = memoryview(buf)[:n]
+            source.read_range(name, offset, view)
+            sink.write(view)  # sinks copy or write before returning: the buffer is reused
+            if advance is not None:
+                advance(n)
+            offset += n
+        return sink.close()
+    except BaseException:
+        sink.abort()
+        raise
+
+
+def copy_small_file(source: Source, name: str, dest: Destination) -> tuple[int, str]:
+    """One file carried beside the weights (config, tokenizer, index): in one piece when it
+    is small (the destination may find it already there by its hash), streamed otherwise.
+    Never read whole: its size is whatever the source says (``checkpoint`` caps it)."""
+    size = source.size(name)
+    if size <= INLINE_BYTES:
+        return dest.write_small(name, source.read_bytes(name, max_bytes=INLINE_BYTES))
+    done = dest.completed(name, size)
+    if done is not None:
+        return done
+    return _stream(source, name, size, dest.open_sink, bytearray(COPY_CHUNK_BYTES))
+
+
+def small_files(checkpoint: Checkpoint) -> tuple[str, ...]:
+    """The files copied whole beside the weights: the index (when any) and the carried ones."""
+    files = checkpoint.source.list_files()
+    return ((INDEX,) if INDEX in files else ()) + checkpoint.carried_over
