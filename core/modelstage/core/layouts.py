@@ -20,8 +20,6 @@ class Layout:
     """Vocab rows are padded with zeros to a multiple of this before the per-rank split."""
     attention_scale_buffers: tuple[str, ...]
     """0-d float32 buffers (value 1.0) that vLLM keeps under ``self_attn.attn`` per layer."""
-    rank_file_pattern: str
-    """``str.format`` pattern of a rank's part files (vLLM's ShardedStateLoader default)."""
     max_part_bytes: int = 5 * 1024**3
 
 
@@ -31,7 +29,6 @@ LAYOUTS: dict[str, Layout] = {
         layout_version="vllm-0.32/1",
         vocab_padding=64,
         attention_scale_buffers=("_k_scale", "_v_scale", "_q_scale", "_prob_scale"),
-        rank_file_pattern="model-rank-{rank}-part-{part}.safetensors",
     ),
 }
 DEFAULT_VLLM_VERSION = "0.32"

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import ArtifactError
+from .formats import FORMATS
 
 if TYPE_CHECKING:
     from .progress import Progress
@@ -32,16 +33,6 @@ CARRIED_OVER = (
 """Files vLLM reads beside the weights (config, tokenizer, generation defaults)."""
 SAFE_FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}$")
 """An artifact's files sit at its top level: a plain name, no path, no leading dot."""
-FORMAT_FILES = {
-    "sharded_state": re.compile(r"^model-(rank-\d+|pp-\d+-tp-\d+)-part-\d+\.safetensors$"),
-    "runai_streamer_sharded": re.compile(
-        r"^model-(rank-\d+|pp-\d+-tp-\d+)-part-\d+\.safetensors$"
-    ),
-    "tensorizer": re.compile(r"^model-rank-\d+\.tensors$"),
-    "runai_streamer": re.compile(r"^.+\.safetensors$"),
-}
-"""The weight files each format has; besides them an artifact holds only CARRIED_OVER files
-and (runai_streamer) the index."""
 SCHEMA_VERSION = 1
 TIMING_FIELDS = ("createdAt", "stageSeconds")
 """Fields that differ between two runs producing the same bytes."""
@@ -157,15 +148,15 @@ def _parse(doc: object) -> Manifest:
 def _check_file_name(name: str, format: str) -> None:
     """Only names the format writes: a manifest naming ``/etc/hostname`` or ``../x`` is not
     one modelstage wrote, and no reader may stat, hash or load what it names."""
-    weights = FORMAT_FILES.get(format)
+    known = FORMATS.get(format)
     if (
         not SAFE_FILE_NAME.match(name)
         or name == MANIFEST
         or (
-            weights is not None
-            and not weights.match(name)
+            known is not None
+            and not known.weight_files.match(name)
             and name not in CARRIED_OVER
-            and not (name == INDEX and format == "runai_streamer")
+            and not (name == INDEX and known.index_file)
         )
     ):
         raise _Invalid(f"files.{name[:100]!r}", f"not a file name a {format} artifact has")
@@ -257,9 +248,9 @@ def verify_directory(
 
 def check_ranks_present(directory: Path | str, manifest: Manifest) -> None:
     """Refuse a per-rank artifact whose manifest lacks some rank's files."""
-    if manifest.format not in ("sharded_state", "runai_streamer_sharded", "tensorizer"):
+    known = FORMATS.get(manifest.format)
+    if known is None or not known.per_rank:
         return
     for rank in range(manifest.tensorParallelSize):
-        marker = f"-rank-{rank}-" if manifest.format != "tensorizer" else f"-rank-{rank:03d}."
-        if not any(marker in name for name in manifest.files):
+        if not any(known.is_rank_file(name, rank) for name in manifest.files):
             raise ArtifactError(f"{directory}: the manifest lists no file for rank {rank}")

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Annotated, Any, ClassVar, Final, Literal
 
+from modelstage.core.formats import FORMATS
 from modelstage.core.layouts import DEFAULT_VLLM_VERSION
 from pydantic import (
     BaseModel,
@@ -39,8 +40,27 @@ DEFAULT_STAGER_IMAGE = "ghcr.io/modelstage/stager:0.1.0"
 """The stager image when ``spec.stager.image`` is unset; the operator may override it."""
 
 LoadFormat = Literal["sharded_state", "runai_streamer", "runai_streamer_sharded", "tensorizer"]
-S3_ONLY_FORMATS: tuple[LoadFormat, ...] = ("runai_streamer", "runai_streamer_sharded")
-PVC_ONLY_FORMATS: tuple[LoadFormat, ...] = ("sharded_state",)
+"""The format table's names (``modelstage.core.formats``; a test holds the two equal)."""
+S3_ONLY_FORMATS = sorted(f.name for f in FORMATS.values() if f.storage == ("s3",))
+PVC_ONLY_FORMATS = sorted(f.name for f in FORMATS.values() if f.storage == ("pvc",))
+
+
+def _storing(kind: str) -> list[str]:
+    """The formats a ModelDeployment may keep on ``kind`` of storage."""
+    return sorted(f.name for f in FORMATS.values() if kind in f.storage)
+
+
+def _same_files_on(kind: str, names: list[str]) -> list[str]:
+    """The formats of the same files as ``names`` that ``kind`` of storage may keep."""
+    loads = {FORMATS[n].loads for n in names}
+    return sorted(f.name for f in FORMATS.values() if kind in f.storage and f.loads in loads)
+
+
+def _format_not_in(names: list[str]) -> str:
+    """CEL: ``spec.loadFormat`` is none of ``names``."""
+    if len(names) == 1:
+        return f"self.loadFormat != '{names[0]}'"
+    return f"!(self.loadFormat in {names})"
 Dtype = Literal["auto", "bfloat16", "float16", "float32"]
 Phase = Literal["Pending", "Staging", "Staged", "RollingOut", "Ready", "Failed"]
 ConditionType = Literal["Staged", "Ready", "Degraded"]
@@ -356,10 +376,9 @@ class ModelDeploymentSpec(Model):
 
     rules: ClassVar[tuple[Rule, ...]] = (
         Rule(
-            cel="!(self.loadFormat in ['runai_streamer', 'runai_streamer_sharded']) "
-            "|| has(self.storage.s3)",
-            message="loadFormat runai_streamer and runai_streamer_sharded stream from S3: "
-            "set storage.s3, or use sharded_state or tensorizer with storage.pvc",
+            cel=f"{_format_not_in(S3_ONLY_FORMATS)} || has(self.storage.s3)",
+            message=f"loadFormat {' and '.join(S3_ONLY_FORMATS)} stream from S3: set storage.s3, "
+            f"or use {' or '.join(_storing('pvc'))} with storage.pvc",
             check=lambda s: s.load_format not in S3_ONLY_FORMATS or s.storage.s3 is not None,
         ),
         Rule(
@@ -374,9 +393,10 @@ class ModelDeploymentSpec(Model):
             ),
         ),
         Rule(
-            cel="self.loadFormat != 'sharded_state' || has(self.storage.pvc)",
-            message="loadFormat sharded_state reads local files: set storage.pvc, or use "
-            "runai_streamer_sharded with storage.s3",
+            cel=f"{_format_not_in(PVC_ONLY_FORMATS)} || has(self.storage.pvc)",
+            message=f"loadFormat {' and '.join(PVC_ONLY_FORMATS)} reads local files: set "
+            f"storage.pvc, or use {' or '.join(_same_files_on('s3', PVC_ONLY_FORMATS))} with "
+            "storage.s3",
             check=lambda s: s.load_format not in PVC_ONLY_FORMATS or s.storage.pvc is not None,
         ),
         Rule(

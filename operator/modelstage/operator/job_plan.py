@@ -16,6 +16,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from modelstage.core.formats import FORMATS
+
 from .api import (
     DEFAULT_STAGER_IMAGE,
     ArtifactStatus,
@@ -55,8 +57,6 @@ CLEANUP_RESOURCES: Manifest = {
     "requests": {"cpu": "100m", "memory": "128Mi"},
     "limits": {"memory": "512Mi"},
 }
-SCALE_OUT_FORMATS = frozenset({"sharded_state", "runai_streamer_sharded"})
-"""Formats whose rank files an Indexed Job can write in parallel (tensor groups per pod)."""
 HF_TOKEN_KEY = "HF_TOKEN"
 
 
@@ -71,8 +71,9 @@ def finalize_job_name(digest: str) -> str:
 
 
 def scale_out_workers(spec: ModelDeploymentSpec) -> int:
-    """Pods of the stage Job: ``stager.parallelism`` for the per-rank formats, else 1."""
-    return spec.stager.parallelism if spec.load_format in SCALE_OUT_FORMATS else 1
+    """Pods of the stage Job: ``stager.parallelism`` for the formats whose files an Indexed
+    Job can write in parallel (tensor groups per pod), else 1."""
+    return spec.stager.parallelism if FORMATS[spec.load_format].scale_out else 1
 
 
 @dataclass(frozen=True)

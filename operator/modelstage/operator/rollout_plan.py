@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from modelstage.core.errors import SpecError
+from modelstage.core.formats import FORMATS, S3_READER_FORMAT
 
-from .api import DEFAULT_STAGER_IMAGE, LoadFormat, ModelDeploymentSpec, S3Connection
+from .api import DEFAULT_STAGER_IMAGE, ModelDeploymentSpec, S3Connection
 from .artifact import ARTIFACT_MOUNT, Artifact
 from .kube import (
     DIGEST_ANNOTATION,
@@ -40,45 +41,6 @@ from .patch import merge_diff
 from .vllm_args import VllmSettings, rewrite
 
 PREPARE_CONTAINER = "modelstage-prepare"
-TENSORIZER_RANK_FILE = "model-rank-%03d.tensors"
-
-
-@dataclass(frozen=True)
-class LoaderInfo:
-    """How vLLM loads one format: its stock and plugin names, and the extra-config keys of the
-    user's that are kept (file-naming keys such as ``pattern`` are dropped: the artifact's
-    layout is fixed; credentials never go on a command line)."""
-
-    stock: str
-    plugin: str
-    kept_extra_keys: frozenset[str]
-
-
-RUNAI_KEYS = frozenset({"distributed", "concurrency", "memory_limit"})
-LOADERS: dict[LoadFormat, LoaderInfo] = {
-    "sharded_state": LoaderInfo("sharded_state", "modelstage_sharded_state", frozenset()),
-    "runai_streamer": LoaderInfo("runai_streamer", "modelstage_runai_streamer", RUNAI_KEYS),
-    # vLLM serves runai_streamer_sharded with its ShardedStateLoader, which refuses every
-    # extra-config key but `pattern` (fixed by the layout): Run:ai tuning goes by RUNAI_* env.
-    "runai_streamer_sharded": LoaderInfo(
-        "runai_streamer_sharded", "modelstage_runai_streamer_sharded", frozenset()
-    ),
-    "tensorizer": LoaderInfo(
-        "tensorizer",
-        "tensorizer",
-        frozenset(
-            {
-                "verify_hash",
-                "num_readers",
-                "encryption_keyfile",
-                "stream_kwargs",
-                "deserialization_kwargs",
-            }
-        ),
-    ),
-}
-S3_READER_FORMATS = frozenset({"runai_streamer_sharded"})
-"""S3 formats the plugin reads itself when it is on (the others stay with vLLM's loaders)."""
 ACCELERATORS = ("nvidia.com/gpu", "amd.com/gpu")
 
 
@@ -121,20 +83,20 @@ def select_container(spec: ModelDeploymentSpec, pod_spec: Manifest) -> Manifest:
 def vllm_settings(
     artifact: Artifact, plugin: bool, own_models: tuple[str, ...] = ()
 ) -> VllmSettings:
-    loader = LOADERS[artifact.load_format]
-    extra: dict[str, Any] = {}
-    if artifact.load_format == "tensorizer":
-        extra["tensorizer_uri"] = f"{artifact.location.path}/{TENSORIZER_RANK_FILE}"
+    fmt = FORMATS[artifact.load_format]
+    extra: dict[str, Any] = {
+        key: value.format(artifact=artifact.location.path) for key, value in fmt.vllm_extra_config
+    }
     # vLLM 0.32 refuses `--model s3://...` with any load format but its own Run:ai names, before
     # a plugin loader could run: S3 artifacts always get the stock names. With the plugin on,
     # MODELSTAGE_S3_READER (see _modelstage_env) has the plugin take over the per-rank one.
-    use_plugin_name = plugin and artifact.location.on_pvc
+    plugin_loader = fmt.plugin_loader if plugin and artifact.location.on_pvc else None
     return VllmSettings(
         model=artifact.location.path,
-        load_format=loader.plugin if use_plugin_name else loader.stock,
+        load_format=plugin_loader or fmt.stock_loader,
         tensor_parallel_size=artifact.tensor_parallel,
         extra_config=extra,
-        kept_extra_keys=loader.kept_extra_keys,
+        kept_extra_keys=fmt.extra_config_keys,
         own_models=(f"{ARTIFACT_MOUNT}/", *own_models),
     )
 
@@ -158,7 +120,7 @@ def _s3_serving_env(artifact: Artifact, connection: S3Connection | None) -> list
     if ca:
         env.append({"name": "AWS_CA_BUNDLE", "value": ca})
     env += s3_credentials_env(conn.credentials_secret)
-    if artifact.load_format == "tensorizer":
+    if FORMATS[artifact.load_format].stock_loader == "tensorizer":
         # vLLM's tensorizer reads S3 settings from its own variables (vllm/envs.py). vLLM 0.32
         # does not hand those to tensorizer's open_stream, though: tensorizer then takes the
         # endpoint from AWS_ENDPOINT_URL and boto3 the credentials from AWS_* (both above),
@@ -184,7 +146,7 @@ def _modelstage_env(artifact: Artifact, plugin: bool) -> list[Manifest]:
         {"name": "MODELSTAGE_TP", "value": str(artifact.tensor_parallel)},
         {"name": "MODELSTAGE_ARTIFACT", "value": artifact.location.path},
     ]
-    if plugin and not artifact.location.on_pvc and artifact.load_format in S3_READER_FORMATS:
+    if plugin and not artifact.location.on_pvc and artifact.load_format == S3_READER_FORMAT:
         # The plugin's S3 reader takes over vLLM's runai_streamer_sharded name: the same
         # checks as on a PVC, and ranged GETs at a fraction of the Run:ai streamer's CPU.
         env.append({"name": "MODELSTAGE_S3_READER", "value": "1"})

@@ -1,12 +1,13 @@
 """The vLLM loader plugin: ``modelstage_*`` load formats that check the artifact and export
-load-phase metrics (DESIGN.md section 5).
+load-phase metrics (docs/architecture.md).
 
 vLLM runs ``register()`` (entry-point group ``vllm.general_plugins``) in every one of its
 processes: the front end, the engine core and each worker. So importing this package imports
-nothing, and ``register()`` imports only vLLM's loader registry and the loader modules (torch
-and vLLM are loaded by then anyway); ``prometheus_client`` waits for the first load. The
-package and the stager modules it uses are pure Python, so ``modelstage prepare`` can copy
-them into a folder that a stock vLLM image gets on ``PYTHONPATH``.
+only the format table, and ``register()`` imports only vLLM's loader registry and the loader
+modules (torch and vLLM are loaded by then anyway); ``prometheus_client`` waits for the first
+load. The
+package and the core it uses are pure Python, so ``modelstage prepare`` can copy them into a
+folder that a stock vLLM image gets on ``PYTHONPATH``.
 """
 
 from __future__ import annotations
@@ -14,17 +15,16 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from modelstage.core.formats import FORMATS
+
 if TYPE_CHECKING:
     from .base import ModelstageLoader
 
 ENTRY_POINT_GROUP = "vllm.general_plugins"
 ENTRY_POINT_NAME = "modelstage"
 ENTRY_POINT = f"{__name__}:register"
-LOAD_FORMATS = (
-    "modelstage_sharded_state",
-    "modelstage_runai_streamer_sharded",
-    "modelstage_runai_streamer",
-)
+LOAD_FORMATS = tuple(f.plugin_loader for f in FORMATS.values() if f.plugin_loader)
+"""The ``modelstage_*`` load formats ``register()`` adds (the format table's plugin loaders)."""
 
 _registered = False
 

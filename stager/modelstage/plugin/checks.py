@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from modelstage.core.errors import ArtifactError, CheckpointError, SpecError
+from modelstage.core.formats import plugin_load_formats
 from modelstage.core.layouts import layout_for
 from modelstage.core.manifest import (
     MANIFEST,
@@ -33,17 +34,12 @@ from modelstage.core.manifest import (
 from modelstage.core.s3_client import S3Client, S3Location
 from modelstage.core.safetensors_format import SafetensorsHeader, read_header, read_local_header
 
-from .settings import S3_READER_FORMAT, PluginSettings
+from .settings import PluginSettings
 
-LOAD_FORMATS: dict[str, tuple[str, ...]] = {
-    "modelstage_sharded_state": ("sharded_state", "runai_streamer_sharded"),
-    "modelstage_runai_streamer_sharded": ("sharded_state", "runai_streamer_sharded"),
-    "modelstage_runai_streamer": ("runai_streamer",),
-    S3_READER_FORMAT: ("sharded_state", "runai_streamer_sharded"),
-}
-"""Plugin load format -> artifact formats (manifest ``format``) it can load. The per-rank
-formats share one file layout, so either loader reads either artifact. ``runai_streamer_sharded``
-is the stock name the S3 reader takes over (``s3_sharded_state.py``)."""
+LOAD_FORMATS = plugin_load_formats()
+"""Plugin load format -> artifact formats (manifest ``format``) it can load (the format
+table's ``loads``). ``runai_streamer_sharded`` is the stock name the S3 reader takes over
+(``s3_sharded_state.py``)."""
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from modelstage.core.errors import SpecError
+from modelstage.core.formats import S3_READER_FORMAT as S3_READER_FORMAT
 from modelstage.core.s3_client import S3Options
 
 ENV_DIGEST = "MODELSTAGE_DIGEST"
@@ -39,8 +40,6 @@ ENV_S3_READER = "MODELSTAGE_S3_READER"
 """``1``: the plugin also registers its loader under vLLM's ``runai_streamer_sharded`` name and
 reads S3 artifacts with its own ranged GETs (the only name vLLM accepts with ``--model s3://``
 besides plain ``runai_streamer``). The operator sets it for S3 per-rank artifacts."""
-S3_READER_FORMAT = "runai_streamer_sharded"
-"""vLLM's name that the S3 reader takes over when ``MODELSTAGE_S3_READER=1``."""
 ENV_S3_READ_CHUNK_MIB = "MODELSTAGE_S3_READ_CHUNK_MIB"
 """Size of one ranged GET of the S3 reader, MiB (default 32: botocore spends a few ms of CPU per
 request, so on a loopback SeaweedFS 8 MiB GETs reach 0.7x of what 32 MiB ones do; CUDA ranks

@@ -20,6 +20,7 @@ from typing import Any
 
 from modelstage.core.digest import DIGEST_HEX_CHARS
 from modelstage.core.errors import ModelstageError, SpecError
+from modelstage.core.formats import FORMATS
 from modelstage.core.layouts import DEFAULT_VLLM_VERSION
 
 DIGEST_PATTERN = re.compile(rf"[0-9a-f]{{{DIGEST_HEX_CHARS}}}")
@@ -49,9 +50,8 @@ TERMINATION_LOG = "/dev/termination-log"
 
 def _stage(args: argparse.Namespace) -> dict[str, Any]:
     from .scale_out import Group, finalize, stage_group
-    from .stage import FORMATS, StageRequest, stage
+    from .stage import StageRequest, stage
 
-    assert args.format in FORMATS
     if args.command == "finalize":
         group = None
         if args.group:  # "finalize with the workers' arguments" may well include theirs
@@ -342,8 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--pp", type=int, default=1, help="pipeline parallel size (1 only, for now)")
     st.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     st.add_argument(
-        "--format", default="sharded_state",
-        choices=["sharded_state", "runai_streamer_sharded", "runai_streamer", "tensorizer"],
+        "--format", default="sharded_state", choices=list(FORMATS),
         help="the vLLM load format; sharded_state needs a local --out",
     )  # fmt: skip
     st.add_argument("--vllm-version", default=DEFAULT_VLLM_VERSION, help="layout to produce")
@@ -612,9 +611,7 @@ def _add_plan_parser(sub: Any) -> None:
                     "MODELSTAGE_OPERATOR_STAGER_IMAGE, else the release's)")  # fmt: skip
     so = pl.add_argument_group("SOURCE form (as for `modelstage stage`)")
     so.add_argument("--tp", type=int)
-    so.add_argument("--format", default="sharded_state",
-                    choices=["sharded_state", "runai_streamer_sharded", "runai_streamer",
-                             "tensorizer"])  # fmt: skip
+    so.add_argument("--format", default="sharded_state", choices=list(FORMATS))
     so.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     so.add_argument("--out")
     so.add_argument("--vllm-version", default=DEFAULT_VLLM_VERSION)

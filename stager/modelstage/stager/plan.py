@@ -30,8 +30,6 @@ import yaml
 from modelstage.core.errors import ModelstageError, SpecError
 from modelstage.core.progress import human_bytes
 
-PER_RANK = ("sharded_state", "runai_streamer_sharded")
-
 
 @dataclass(frozen=True)
 class PlannedFile:
@@ -53,6 +51,7 @@ def plan_files(
     """The artifact's files and sizes, exactly as ``stage`` would write them (manifest aside).
     Raises the stager's own error where staging would fail (a TP that cannot split the model,
     an unsupported architecture)."""
+    from modelstage.core.formats import format_for
     from modelstage.core.layouts import layout_for
 
     from .checkpoint import open_checkpoint
@@ -71,17 +70,18 @@ def plan_files(
         plan = plan_shards(ckpt.model, ckpt.source_tensors, tp, layout, dtype)
         files: list[PlannedFile] = []
         carried = ckpt.carried_over
-        if load_format in PER_RANK:
+        fmt = format_for(load_format)
+        if fmt.writer == "rank_files":
             parts = plan_parts(plan, layout.max_part_bytes)
-            names, sizes = rank_file_names(layout, tp, len(parts)), part_sizes(parts)
+            names, sizes = rank_file_names(fmt, tp, len(parts)), part_sizes(parts)
             files = [PlannedFile(names[r][p], sizes[p], r) for r in range(tp)
                      for p in range(len(parts))]  # fmt: skip
-        elif load_format == "tensorizer":
-            from .writers.tensorizer import file_entries, predict_layout, rank_file_name
+        elif fmt.writer == "tensorizer":
+            from .writers.tensorizer import file_entries, predict_layout
 
             tied = ckpt.model.tie_word_embeddings
             size = predict_layout(plan, file_entries(plan, tied)).size
-            files = [PlannedFile(rank_file_name(r), size, r) for r in range(tp)]
+            files = [PlannedFile(fmt.rank_file_name(r), size, r) for r in range(tp)]
         else:  # runai_streamer: the Hugging Face layout, copied as it is
             files = [PlannedFile(n, source.size(n), None) for n in ckpt.weight_files]
             carried = small_files(ckpt)

@@ -37,6 +37,7 @@ from typing import Any, TextIO
 
 from modelstage.core.digest import identity_key
 from modelstage.core.errors import SpecError
+from modelstage.core.formats import FORMATS, Format, format_for
 from modelstage.core.layouts import Layout
 from modelstage.core.progress import Progress
 from modelstage.core.safetensors_format import encode_header
@@ -47,7 +48,6 @@ from .resolve import Resolved, check_expected, check_identity, resolve
 from .shard_plan import ShardPlan, TargetTensor, plan_shards
 from .sources import Source, open_source
 from .stage import (
-    PER_RANK_FORMATS,
     StageRequest,
     _summary,
     build_manifest,
@@ -132,6 +132,7 @@ class _Run:
     plan: ShardPlan
     identity: dict[str, Any]
     layout: Layout
+    format: Format
     key: str
     parts: list[list[TargetTensor]]
     params: dict[str, Any]
@@ -139,10 +140,11 @@ class _Run:
 
 
 def _check_request(req: StageRequest) -> None:
-    if req.format not in PER_RANK_FORMATS:
+    if not format_for(req.format).scale_out:
+        scaled = ", ".join(f.name for f in FORMATS.values() if f.scale_out)
         raise SpecError(
             f"format {req.format!r} has one writer per artifact; scale-out staging (--group, "
-            f"finalize) applies to {', '.join(PER_RANK_FORMATS)}"
+            f"finalize) applies to {scaled}"
         )
     if req.pp != 1:
         raise SpecError("pipeline parallel size > 1 is not supported yet; use --pp 1")
@@ -173,8 +175,8 @@ def _plan_run(req: StageRequest, checkpoint: Checkpoint, digest: str, resolved: 
         "maxPartBytes": layout.max_part_bytes, "modelstageVersion": modelstage_version(),
         "source": identity_key(identity), "digest": digest,
     }  # fmt: skip
-    return _Run(checkpoint, plan, identity, layout, key, plan_parts(plan, layout.max_part_bytes),
-                params)  # fmt: skip
+    parts = plan_parts(plan, layout.max_part_bytes)
+    return _Run(checkpoint, plan, identity, layout, FORMATS[req.format], key, parts, params)
 
 
 def stage_group(
@@ -207,8 +209,10 @@ def stage_group(
                        else "no parts to stage") + f" (group {group}) to {dest.uri}",
                 stream=progress_stream,
             )  # fmt: skip
-            files = write_rank_files(run.plan, run.checkpoint, run.layout, dest.open_sink,
-                                     progress, dest.completed, only=mine)  # fmt: skip
+            files = write_rank_files(
+                run.plan, run.checkpoint, run.layout, run.format, dest.open_sink, progress,
+                dest.completed, only=mine,
+            )
             progress.finish()
         except BaseException:
             dest.abort()
@@ -266,7 +270,7 @@ def _check_parts(
     """Every rank's every part, checked in parallel (locally: re-hashed, which takes minutes
     for a large artifact, so each checked part is reported); the first problem in file order
     wins."""
-    names = rank_file_names(run.layout, run.plan.tp, len(run.parts))
+    names = rank_file_names(run.format, run.plan.tp, len(run.parts))
     sizes = part_sizes(run.parts)
     wanted = [(names[r][p], sizes[p]) for r in range(run.plan.tp) for p in range(len(sizes))]
     progress = Progress(sum(s for _, s in wanted), len(wanted),

@@ -19,8 +19,10 @@ import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 from modelstage.core.errors import SpecError
+from modelstage.core.formats import FORMATS
 from modelstage.core.manifest import verify_directory
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -45,7 +47,7 @@ def serve_command(
     """The vLLM server command for a local artifact, after checking it against its manifest."""
     from modelstage.operator.api import LoadFormat
     from modelstage.operator.artifact import Artifact, ArtifactLocation
-    from modelstage.operator.rollout_plan import LOADERS, vllm_settings
+    from modelstage.operator.rollout_plan import vllm_settings
 
     if artifact.startswith("s3://"):
         raise SpecError(
@@ -54,10 +56,10 @@ def serve_command(
         )
     path = str(Path(artifact).absolute())
     manifest = verify_directory(Path(path), hash_content=hash_content)
-    if manifest.format not in LOADERS:
+    if manifest.format not in FORMATS:
         raise SpecError(f"{path}: format {manifest.format!r} has no vLLM load format here")
     location = ArtifactLocation(digest=manifest.digest, uri=path, path=path, claim_name="local")
-    load_format: LoadFormat = manifest.format  # narrowed by the LOADERS check
+    load_format = cast(LoadFormat, manifest.format)  # one of FORMATS, checked above
     settings = vllm_settings(Artifact(location, load_format, manifest.tensorParallelSize), plugin)
     argv = [
         sys.executable, "-m", SERVER_MODULE, "--model", path,

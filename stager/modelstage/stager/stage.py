@@ -13,6 +13,7 @@ from typing import Any, TextIO
 
 from modelstage.core.digest import artifact_digest, identity_key
 from modelstage.core.errors import ArtifactError, SpecError
+from modelstage.core.formats import FORMATS, S3, format_for
 from modelstage.core.layouts import Layout, layout_for
 from modelstage.core.manifest import FileEntry, Manifest
 from modelstage.core.progress import Progress
@@ -27,18 +28,6 @@ from .shard_plan import plan_shards
 from .sources import Source, open_source
 from .writers.hf_copy import copy_small_file, copy_weight_files, small_files
 from .writers.rank_files import write_rank_files
-
-FORMATS = ("sharded_state", "runai_streamer_sharded", "runai_streamer", "tensorizer")
-"""Formats this stager can write; ``tensorizer`` (one file per rank) is tensorizer_writer.py.
-
-The format names the vLLM loader, the ``--out`` URI the destination: ``s3://`` is an S3
-prefix, anything else a local directory (a mounted PVC). ``runai_streamer_sharded`` writes
-the same per-rank files as ``sharded_state``; ``runai_streamer`` copies the Hugging Face
-layout and lets vLLM split per rank at load. Both Run:ai formats load from S3 and from a
-local directory. ``sharded_state`` to S3 is refused: vLLM's ShardedStateLoader reads local
-directories only, and the same bytes on S3 are ``runai_streamer_sharded``.
-"""
-PER_RANK_FORMATS = ("sharded_state", "runai_streamer_sharded")
 
 
 @dataclass(frozen=True)
@@ -111,16 +100,13 @@ def request_digest(req: StageRequest, identity: str) -> str:
 
 def open_destination(req: StageRequest) -> Destination:
     """The destination strategy for ``--out``: an S3 prefix or a local directory."""
+    fmt = format_for(req.format)
     if req.out.startswith("s3://"):
-        if req.format == "sharded_state":
-            raise SpecError(
-                "format sharded_state is read from local directories only; stage to S3 with "
-                "--format runai_streamer_sharded (the same per-rank files) or runai_streamer"
-            )
+        fmt.check_destination(S3)
         from .destinations.s3 import S3Destination
 
-        per_rank = req.format != "runai_streamer"  # every rank's file is open at once
-        return S3Destination(req.out, req.s3, open_files=req.tp if per_rank else 1)
+        # A per-rank writer has every rank's file open at once.
+        return S3Destination(req.out, req.s3, open_files=req.tp if fmt.per_rank else 1)
     if "://" in req.out and not req.out.startswith("file://"):
         raise SpecError(f"--out {req.out!r}: only s3:// URIs and local paths are supported")
     return LocalDestination(req.out.removeprefix("file://"))
@@ -137,13 +123,12 @@ def run_key(digest: str, identity: dict[str, Any]) -> str:
 
 def check_request(req: StageRequest) -> None:
     """What refuses a request before any source is read (``modelstage plan`` shows it)."""
-    if req.format not in FORMATS:
-        raise SpecError(f"format {req.format!r} is not supported; supported: {', '.join(FORMATS)}")
+    fmt = format_for(req.format)
     if req.pp != 1:
         raise SpecError("pipeline parallel size > 1 is not supported yet; use --pp 1")
-    if req.format == "runai_streamer" and req.dtype != "auto":
+    if not fmt.casts and req.dtype != "auto":
         raise SpecError(
-            "runai_streamer copies the checkpoint as it is; use --dtype auto (vLLM casts at "
+            f"{fmt.name} copies the checkpoint as it is; use --dtype auto (vLLM casts at "
             "load time with its own --dtype) or a per-rank format"
         )
 
@@ -179,14 +164,15 @@ def stage(req: StageRequest, *, progress_stream: TextIO | None = None) -> dict[s
         dest.begin(run_key(digest, identity))
         try:
             label = f"staging {req.format} tp={req.tp} to {dest.uri}"
-            if req.format in PER_RANK_FORMATS:
+            if FORMATS[req.format].writer == "rank_files":
                 progress = Progress(checkpoint.weight_bytes, len(plan.targets), label=label,
                                     stream=progress_stream)  # fmt: skip
                 files = write_rank_files(
-                    plan, checkpoint, layout, dest.open_sink, progress, dest.completed
+                    plan, checkpoint, layout, FORMATS[req.format], dest.open_sink, progress,
+                    dest.completed,
                 )
                 carried = checkpoint.carried_over
-            elif req.format == "tensorizer":
+            elif FORMATS[req.format].writer == "tensorizer":
                 from .writers.tensorizer import write_tensorizer_files
 
                 progress = Progress(checkpoint.weight_bytes, len(plan.targets), label=label,

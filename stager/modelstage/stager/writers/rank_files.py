@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
+from modelstage.core.formats import Format
 from modelstage.core.layouts import Layout
 from modelstage.core.progress import Progress
 from modelstage.core.safetensors_format import encode_header
@@ -80,16 +81,16 @@ def plan_parts(plan: ShardPlan, max_part_bytes: int) -> list[list[TargetTensor]]
     return [[plan.targets[i] for i in sorted(part)] for part in parts]
 
 
-def rank_file_names(layout: Layout, tp: int, parts: int) -> list[list[str]]:
-    return [
-        [layout.rank_file_pattern.format(rank=r, part=p) for p in range(parts)] for r in range(tp)
-    ]
+def rank_file_names(fmt: Format, tp: int, parts: int) -> list[list[str]]:
+    """``names[rank][part]``: every rank's part files, named by the format table."""
+    return [[fmt.rank_file_name(r, p) for p in range(parts)] for r in range(tp)]
 
 
 def write_rank_files(
     plan: ShardPlan,
     checkpoint: Checkpoint,
     layout: Layout,
+    fmt: Format,
     open_sink: OpenSink,
     progress: Progress,
     completed: Completed | None = None,
@@ -103,7 +104,7 @@ def write_rank_files(
     part indices (a scale-out worker's share, see ``scale_out.py``).
     """
     parts = plan_parts(plan, layout.max_part_bytes)
-    names = rank_file_names(layout, plan.tp, len(parts))
+    names = rank_file_names(fmt, plan.tp, len(parts))
     results: dict[str, tuple[int, str]] = {}
     for p, part in enumerate(parts):
         if only is not None and p not in only:

@@ -52,6 +52,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from modelstage.core.formats import FORMATS
 from modelstage.core.progress import Progress
 
 from ..checkpoint import Checkpoint
@@ -59,8 +60,6 @@ from ..pieces import Piece, copy_piece, piece_nbytes
 from ..shard_plan import TIED_EMBEDDING_TARGET, ShardPlan, TargetTensor
 from .rank_files import Completed, OpenSink, Sink, _DoneSink, _RankStreams, _stream_part
 
-RANK_FILE_PATTERN = "model-rank-{rank:03d}.tensors"
-"""``tensorizer_uri`` for vLLM is ``<dir>/model-rank-%03d.tensors``: it formats ``% rank``."""
 MARKER = ".vllm_tensorized_marker"
 TIED_EMBEDDING_ALIASES = ("model.embed_tokens.weight",)
 """Where vLLM's module tree holds the tied head's parameter a second time."""
@@ -69,10 +68,6 @@ METADATA_BYTES = 256 * 1024
 COPY_BELOW_BYTES = 1024 * 1024
 
 _TORCH_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
-
-
-def rank_file_name(rank: int) -> str:
-    return RANK_FILE_PATTERN.format(rank=rank)
 
 
 @dataclass(frozen=True)
@@ -436,7 +431,7 @@ def write_tensorizer_files(
     ``completed`` skips a rank file an earlier run with the same run key finished
     (tensorizer's output is deterministic for the same plan): nothing is serialised for it."""
     layout = predict_layout(plan, file_entries(plan, tied))
-    names = [rank_file_name(r) for r in range(plan.tp)]
+    names = [FORMATS["tensorizer"].rank_file_name(r) for r in range(plan.tp)]
     done = [completed(n, layout.size) if completed else None for n in names]
     results = {n: d for n, d in zip(names, done, strict=True) if d is not None}
     if len(results) == plan.tp:

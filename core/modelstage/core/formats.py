@@ -1,0 +1,186 @@
+"""The format table: everything modelstage knows about each artifact format, in one place.
+
+A format is what ``--format`` (the stager), ``spec.loadFormat`` (the operator) and the
+manifest's ``format`` name: which files the artifact holds, where it may be staged, which
+writer produces it and which vLLM load format reads it. Every other module reads this table;
+none decides by a format's name. Adding a format is a row here, a writer (if no existing one
+fits) and its tests (docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from .errors import SpecError
+
+LOCAL, S3 = "local", "s3"
+"""Where an artifact lives: a directory (a mounted PVC) or an S3 prefix."""
+PER_RANK_SAFETENSORS = re.compile(r"^model-(rank-\d+|pp-\d+-tp-\d+)-part-\d+\.safetensors$")
+"""vLLM's ``ShardedStateLoader`` names (the pipeline-parallel spelling included)."""
+
+
+@dataclass(frozen=True)
+class Format:
+    name: str
+    per_rank: bool
+    """Each tensor-parallel rank reads files of its own, split here (else vLLM splits the
+    checkpoint's own files at load)."""
+    writer: str
+    """The stager writer that produces it (``modelstage.stager.writers``)."""
+    rank_file: str | None
+    """``str.format`` pattern (``rank``, ``part``) of a rank's files; None: not per rank."""
+    weight_files: re.Pattern[str]
+    """The weight files a manifest of this format may list (besides the carried-over files)."""
+    destinations: tuple[str, ...]
+    """Where ``modelstage stage --out`` may write it (``LOCAL``, ``S3``)."""
+    storage: tuple[str, ...]
+    """Where a ModelDeployment may keep it (``pvc``, ``s3``): where vLLM can load it from in
+    a pod (vLLM 0.32 refuses ``--model s3://`` but for its Run:ai formats; the Run:ai formats
+    are offered for S3 only, where they pay off)."""
+    scale_out: bool
+    """An Indexed Job's workers can write its files in parallel (``stage --group i/n``)."""
+    casts: bool
+    """The bytes can be cast to another dtype while staging (``--dtype``); else ``auto``."""
+    stock_loader: str
+    """vLLM's ``--load-format`` name for it."""
+    plugin_loader: str | None
+    """The modelstage plugin's load format for it (None: served by vLLM's own loader)."""
+    loads: tuple[str, ...]
+    """Artifact formats its loaders read (the per-rank safetensors formats share one layout)."""
+    extra_config_keys: frozenset[str] = frozenset()
+    """The user's ``--model-loader-extra-config`` keys kept on rollout (file-naming keys such as
+    ``pattern`` are dropped: the artifact's layout is fixed; credentials never go on a command
+    line)."""
+    vllm_extra_config: tuple[tuple[str, str], ...] = ()
+    """Loader extra-config the rollout sets, ``{artifact}`` replaced by the artifact's path."""
+    index_file: bool = False
+    """The artifact carries the checkpoint's ``model.safetensors.index.json``."""
+
+    def rank_file_name(self, rank: int, part: int = 0) -> str:
+        """The one naming function of rank files."""
+        if self.rank_file is None:
+            raise ValueError(f"format {self.name} has no per-rank files")
+        return self.rank_file.format(rank=rank, part=part)
+
+    def is_rank_file(self, name: str, rank: int) -> bool:
+        """Whether ``name`` is one of ``rank``'s files (any part)."""
+        if self.rank_file is None:
+            return False
+        marker = "\0part\0"
+        pattern = re.escape(self.rank_file.format(rank=rank, part=marker))
+        return re.fullmatch(pattern.replace(re.escape(marker), r"\d+"), name) is not None
+
+    def check_destination(self, kind: str) -> None:
+        """Refuse a destination this format cannot be staged to, saying what would work."""
+        if kind in self.destinations:
+            return
+        same = [f"{f.name} (the same per-rank files)" for f in FORMATS.values()
+                if kind in f.destinations and f.loads == self.loads]  # fmt: skip
+        copies = [f.name for f in FORMATS.values() if kind in f.destinations and not f.per_rank]
+        where = "local directories" if self.destinations == (LOCAL,) else "S3"
+        raise SpecError(
+            f"format {self.name} is read from {where} only; stage to {kind.upper()} with "
+            f"--format {' or '.join(same + copies)}"
+        )
+
+
+RUNAI_KEYS = frozenset({"distributed", "concurrency", "memory_limit"})
+
+FORMATS: dict[str, Format] = {
+    f.name: f
+    for f in (
+        Format(
+            name="sharded_state",
+            per_rank=True,
+            writer="rank_files",
+            rank_file="model-rank-{rank}-part-{part}.safetensors",
+            weight_files=PER_RANK_SAFETENSORS,
+            destinations=(LOCAL,),  # vLLM's ShardedStateLoader reads local directories only
+            storage=("pvc",),
+            scale_out=True,
+            casts=True,
+            stock_loader="sharded_state",
+            plugin_loader="modelstage_sharded_state",
+            loads=("sharded_state", "runai_streamer_sharded"),
+        ),
+        Format(
+            name="runai_streamer_sharded",
+            per_rank=True,
+            writer="rank_files",
+            rank_file="model-rank-{rank}-part-{part}.safetensors",
+            weight_files=PER_RANK_SAFETENSORS,
+            destinations=(LOCAL, S3),
+            storage=("s3",),
+            scale_out=True,
+            casts=True,
+            stock_loader="runai_streamer_sharded",
+            plugin_loader="modelstage_runai_streamer_sharded",
+            loads=("sharded_state", "runai_streamer_sharded"),
+            # vLLM serves it with its ShardedStateLoader, which refuses every extra-config key
+            # but `pattern` (fixed by the layout): Run:ai tuning goes by RUNAI_* env.
+        ),
+        Format(
+            name="runai_streamer",
+            per_rank=False,
+            writer="hf_copy",
+            rank_file=None,
+            weight_files=re.compile(r"^.+\.safetensors$"),
+            destinations=(LOCAL, S3),
+            storage=("s3",),
+            scale_out=False,
+            casts=False,  # the checkpoint as it is; vLLM casts at load with its own --dtype
+            stock_loader="runai_streamer",
+            plugin_loader="modelstage_runai_streamer",
+            loads=("runai_streamer",),
+            extra_config_keys=RUNAI_KEYS,
+            index_file=True,
+        ),
+        Format(
+            name="tensorizer",
+            per_rank=True,
+            writer="tensorizer",
+            rank_file="model-rank-{rank:03d}.tensors",
+            weight_files=re.compile(r"^model-rank-\d+\.tensors$"),
+            destinations=(LOCAL, S3),
+            storage=("pvc", "s3"),
+            scale_out=False,
+            casts=True,
+            stock_loader="tensorizer",
+            plugin_loader=None,
+            loads=("tensorizer",),
+            extra_config_keys=frozenset(
+                {
+                    "verify_hash",
+                    "num_readers",
+                    "encryption_keyfile",
+                    "stream_kwargs",
+                    "deserialization_kwargs",
+                }
+            ),
+            # vLLM formats `% rank` into the URI it is given.
+            vllm_extra_config=(("tensorizer_uri", "{artifact}/model-rank-%03d.tensors"),),
+        ),
+    )
+}
+"""Every format, in the order ``--format`` and the CRD list them."""
+S3_READER_FORMAT = "runai_streamer_sharded"
+"""The stock load format the plugin's own S3 reader takes over (``MODELSTAGE_S3_READER=1``):
+vLLM 0.32 accepts ``--model s3://`` only with its Run:ai names, so the plugin registers its
+reader under this one."""
+
+
+def format_for(name: str) -> Format:
+    """The format called ``name``; ``SpecError`` naming the supported ones otherwise."""
+    try:
+        return FORMATS[name]
+    except KeyError:
+        raise SpecError(
+            f"format {name!r} is not supported; supported: {', '.join(FORMATS)}"
+        ) from None
+
+
+def plugin_load_formats() -> dict[str, tuple[str, ...]]:
+    """Each load format the plugin registers -> the artifact formats it can load."""
+    found = {f.plugin_loader: f.loads for f in FORMATS.values() if f.plugin_loader}
+    return {**found, S3_READER_FORMAT: FORMATS[S3_READER_FORMAT].loads}
