@@ -18,6 +18,13 @@ from modelstage.operator.job_plan import (
     stage_job_name,
 )
 from modelstage.operator.kube import Owner
+from modelstage.operator.observe import (
+    JobObservation,
+    Observed,
+    WorkloadObservation,
+    progress_line,
+    staging_progress,
+)
 from modelstage.operator.resolve_plan import (
     RESOLVE_TTL_SECONDS,
     SourceStep,
@@ -30,13 +37,8 @@ from modelstage.operator.resolve_plan import (
 )
 from modelstage.operator.state import (
     Action,
-    JobObservation,
-    Observed,
-    WorkloadObservation,
     decide,
     headline,
-    progress_line,
-    staging_progress,
 )
 from modelstage.stager.cli import build_parser
 

@@ -14,19 +14,21 @@ import yaml
 from modelstage.operator.api import ArtifactStatus, ModelDeploymentSpec, ModelDeploymentStatus
 from modelstage.operator.artifact import Artifact, artifact_for
 from modelstage.operator.kube import DIGEST_ANNOTATION
-from modelstage.operator.state import (
-    Action,
-    Decision,
+from modelstage.operator.observe import (
     JobObservation,
     Observed,
     WorkloadObservation,
-    decide,
     observe_job,
     observe_workload,
     parse_summary,
     pod_failures,
-    queued,
     termination_message,
+)
+from modelstage.operator.state import (
+    Action,
+    Decision,
+    decide,
+    queued,
 )
 from modelstage.operator.validation import Finding
 

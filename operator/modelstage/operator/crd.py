@@ -29,13 +29,9 @@ def _is_null(schema: Any) -> bool:
     return isinstance(schema, dict) and schema.get("type") == "null"
 
 
-def _structural(node: Any, defs: dict[str, Any]) -> Any:
-    """Inline refs, drop null branches and titles, turn consts into enums, recursively."""
-    if isinstance(node, list):
-        return [_structural(item, defs) for item in node]
-    if not isinstance(node, dict):
-        return node
-    node = dict(node)
+def _flatten(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    """One schema node: its ref inlined, its one non-null ``anyOf`` branch merged in, a null
+    default dropped, a const as an enum, nested object defaults emptied."""
     if "$ref" in node:
         target = defs[node.pop("$ref").rsplit("/", 1)[-1]]
         node = {**target, **node}
@@ -56,6 +52,16 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
     if node.get("type") == "object" and isinstance(node.get("default"), dict):
         # Nested defaults are applied by the API server from an empty object.
         node["default"] = {}
+    return node
+
+
+def _structural(node: Any, defs: dict[str, Any]) -> Any:
+    """Inline refs, drop null branches and titles, turn consts into enums, recursively."""
+    if isinstance(node, list):
+        return [_structural(item, defs) for item in node]
+    if not isinstance(node, dict):
+        return node
+    node = _flatten(dict(node), defs)
     out: dict[str, Any] = {}
     for key, value in node.items():
         if key in DROPPED_KEYS:

@@ -33,11 +33,11 @@ from .artifact import spec_digest
 from .job_plan import stage_job_name
 from .kube import DIGEST_ANNOTATION, LABEL_DIGEST, Manifest, model_deployment_owners
 from .kube_client import Conflict, KubeClient
+from .observe import observe_job, pod_failures
 from .reconcile import JOB_NAME_LABEL, Outcome, Reconciler
 from .resolve_plan import recorded_identity, resolve_job_name
 from .settings import OperatorConfig, configure
 from .slots import StagerSlots
-from .state import observe_job, pod_failures
 
 MD = (GROUP, VERSION, PLURAL)
 MANAGED = {"app.kubernetes.io/managed-by": "modelstage-operator"}

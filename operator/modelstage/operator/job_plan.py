@@ -24,6 +24,7 @@ from .api import (
     ModelDeploymentSpec,
     S3Connection,
     SourceStatus,
+    Stager,
 )
 from .artifact import ARTIFACT_MOUNT, ArtifactLocation, locate, location_from_uri
 from .kube import (
@@ -43,8 +44,8 @@ from .kube import (
     s3_credentials_env,
     secret_env,
 )
+from .observe import JobState
 from .resolve_plan import RESOLVE_TTL_SECONDS
-from .state import JobState
 
 DEFAULT_RESOURCES: Manifest = {
     "requests": {"cpu": "1", "memory": "1Gi"},
@@ -269,57 +270,21 @@ def _plan_job(
     connection = s3_connection(spec)
     stager = spec.stager
     workers = 1 if finalize else scale_out_workers(spec)
-    job_labels = labels("stager", owner.name, digest)
-
-    env: list[Manifest] = [
-        {"name": "HOME", "value": SCRATCH_DIR},
-        {"name": "TMPDIR", "value": SCRATCH_DIR},
-        {"name": "HF_HOME", "value": f"{SCRATCH_DIR}/hf"},
-        *_credentials_env(spec),
-    ]
+    env = [*_scratch_env(), *_credentials_env(spec)]
     if workers > 1:
         # Each pod of the Indexed Job takes the tensor groups of its JOB_COMPLETION_INDEX.
         env.append({"name": "MODELSTAGE_WORKERS", "value": str(workers)})
-    container: Manifest = {
-        "name": "stager",
-        "image": stager.image or default_image,
-        "imagePullPolicy": "IfNotPresent",
-        "command": stager_command(
-            spec, location, "finalize" if finalize else "stage", source=source
-        ),
-        "env": env,
-        "volumeMounts": [
-            {"name": VOLUME_SCRATCH, "mountPath": SCRATCH_DIR},
-            *dest_mounts,
-            *source_mounts,
-            *ca_mount(connection),
-        ],
-        "securityContext": container_security_context(),
-        "terminationMessagePolicy": "FallbackToLogsOnError",
-    }
+    command = stager_command(spec, location, "finalize" if finalize else "stage", source=source)
+    mounts = [*dest_mounts, *source_mounts, *ca_mount(connection)]
+    container = _container("stager", stager.image or default_image, command, env, mounts)
     resources = stager.resources
     container["resources"] = resources.wire() if resources else copy.deepcopy(DEFAULT_RESOURCES)
     scratch = scratch_bound(spec)
     if scratch.request is not None:
         _request_ephemeral_storage(container, scratch.request)
-    pod_spec: Manifest = {
-        "restartPolicy": "Never",
-        "automountServiceAccountToken": False,
-        "securityContext": pod_security_context(),
-        "containers": [container],
-        "volumes": [
-            {"name": VOLUME_SCRATCH, "emptyDir": {"sizeLimit": scratch.size_limit}},
-            *dest_volumes,
-            *source_volumes,
-            *ca_volume(connection),
-        ],
-    }
-    if stager.service_account_name:
-        pod_spec["serviceAccountName"] = stager.service_account_name
-    if stager.node_selector:
-        pod_spec["nodeSelector"] = dict(stager.node_selector)
-    if stager.tolerations:
-        pod_spec["tolerations"] = [t.wire() for t in stager.tolerations]
+    volumes = [*dest_volumes, *source_volumes, *ca_volume(connection)]
+    pod_spec = _pod_spec(container, scratch.size_limit, volumes, stager)
+    job_labels = labels("stager", owner.name, digest)
     job_spec: dict[str, Any] = {
         "backoffLimit": stager.backoff_limit,
         "activeDeadlineSeconds": stager.active_deadline_seconds,
@@ -327,22 +292,81 @@ def _plan_job(
     }
     if workers > 1:
         job_spec.update(completionMode="Indexed", completions=workers, parallelism=workers)
-    return {
-        "apiVersion": "batch/v1",
-        "kind": "Job",
-        "metadata": {
-            "name": finalize_job_name(digest) if finalize else stage_job_name(digest),
-            "namespace": owner.namespace,
-            "labels": job_labels,
-            "annotations": {
-                "modelstage.io/source-uri": spec.model.uri,
-                "modelstage.io/artifact-uri": location.uri,
-                **({"modelstage.io/source-identity": source.identity} if source else {}),
-            },
-            "ownerReferences": [owner.reference()],
-        },
-        "spec": job_spec,
+    annotations = {
+        "modelstage.io/source-uri": spec.model.uri,
+        "modelstage.io/artifact-uri": location.uri,
+        **({"modelstage.io/source-identity": source.identity} if source else {}),
     }
+    name = finalize_job_name(digest) if finalize else stage_job_name(digest)
+    return _job(name, owner.namespace, job_labels, annotations, job_spec, owner)
+
+
+def _scratch_env() -> list[Manifest]:
+    """HOME, temporary files and the hub cache on the scratch volume."""
+    return [
+        {"name": "HOME", "value": SCRATCH_DIR},
+        {"name": "TMPDIR", "value": SCRATCH_DIR},
+        {"name": "HF_HOME", "value": f"{SCRATCH_DIR}/hf"},
+    ]
+
+
+def _container(
+    name: str, image: str, command: list[str], env: list[Manifest], mounts: list[Manifest]
+) -> Manifest:
+    """A container of the stager image: restricted, its last line the termination message,
+    the scratch volume mounted first."""
+    return {
+        "name": name,
+        "image": image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": command,
+        "env": env,
+        "volumeMounts": [{"name": VOLUME_SCRATCH, "mountPath": SCRATCH_DIR}, *mounts],
+        "securityContext": container_security_context(),
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+
+
+def _pod_spec(
+    container: Manifest, scratch_limit: str | None, volumes: list[Manifest], stager: Stager | None
+) -> Manifest:
+    """One pod, never restarted in place, no API token; the scratch volume (bounded to
+    ``scratch_limit``) first; the spec's scheduling choices when ``stager`` is given."""
+    scratch: Manifest = {"sizeLimit": scratch_limit} if scratch_limit is not None else {}
+    pod_spec: Manifest = {
+        "restartPolicy": "Never",
+        "automountServiceAccountToken": False,
+        "securityContext": pod_security_context(),
+        "containers": [container],
+        "volumes": [{"name": VOLUME_SCRATCH, "emptyDir": scratch}, *volumes],
+    }
+    if stager is not None and stager.service_account_name:
+        pod_spec["serviceAccountName"] = stager.service_account_name
+    if stager is not None and stager.node_selector:
+        pod_spec["nodeSelector"] = dict(stager.node_selector)
+    if stager is not None and stager.tolerations:
+        pod_spec["tolerations"] = [t.wire() for t in stager.tolerations]
+    return pod_spec
+
+
+def _job(
+    name: str,
+    namespace: str,
+    job_labels: Manifest,
+    annotations: Manifest,
+    spec: Manifest,
+    owner: Owner | None = None,
+) -> Manifest:
+    """A batch/v1 Job; owned by the ModelDeployment when ``owner`` is given."""
+    metadata: Manifest = {
+        "name": name,
+        "namespace": namespace,
+        "labels": job_labels,
+        "annotations": annotations,
+    }
+    if owner is not None:
+        metadata["ownerReferences"] = [owner.reference()]
+    return {"apiVersion": "batch/v1", "kind": "Job", "metadata": metadata, "spec": spec}
 
 
 CLEANUP_TTL_SECONDS = 600
@@ -376,48 +400,19 @@ def plan_cleanup_job(
     s3 = None if location.on_pvc else connection
     job_labels = labels("cleanup", owner_name, artifact.digest)
     command = ["modelstage", "delete", "--artifact", location.path, "--digest", artifact.digest]
-    container: Manifest = {
-        "name": "cleanup",
-        "image": image,
-        "imagePullPolicy": "IfNotPresent",
-        "command": command + _s3_flags(s3),
-        "env": [
-            {"name": "HOME", "value": SCRATCH_DIR},
-            *(s3_credentials_env(s3.credentials_secret) if s3 else []),
-        ],
-        "volumeMounts": [
-            {"name": VOLUME_SCRATCH, "mountPath": SCRATCH_DIR},
-            *mounts,
-            *ca_mount(s3),
-        ],
-        "resources": copy.deepcopy(CLEANUP_RESOURCES),
-        "securityContext": container_security_context(),
-        "terminationMessagePolicy": "FallbackToLogsOnError",
+    env = [{"name": "HOME", "value": SCRATCH_DIR}]
+    env += s3_credentials_env(s3.credentials_secret) if s3 else []
+    container = _container("cleanup", image, command + _s3_flags(s3), env, mounts + ca_mount(s3))
+    container["resources"] = copy.deepcopy(CLEANUP_RESOURCES)
+    pod_spec = _pod_spec(container, None, [*volumes, *ca_volume(s3)], None)
+    job_spec = {
+        "backoffLimit": 3,
+        "ttlSecondsAfterFinished": CLEANUP_TTL_SECONDS,
+        "template": {"metadata": {"labels": job_labels}, "spec": pod_spec},
     }
-    return {
-        "apiVersion": "batch/v1",
-        "kind": "Job",
-        "metadata": {
-            "name": cleanup_job_name(artifact.digest, artifact.uri),
-            "namespace": namespace,
-            "labels": job_labels,
-            "annotations": {"modelstage.io/artifact-uri": artifact.uri},
-        },
-        "spec": {
-            "backoffLimit": 3,
-            "ttlSecondsAfterFinished": CLEANUP_TTL_SECONDS,
-            "template": {
-                "metadata": {"labels": job_labels},
-                "spec": {
-                    "restartPolicy": "Never",
-                    "automountServiceAccountToken": False,
-                    "securityContext": pod_security_context(),
-                    "containers": [container],
-                    "volumes": [{"name": VOLUME_SCRATCH, "emptyDir": {}}, *volumes, *ca_volume(s3)],
-                },
-            },
-        },
-    }
+    name = cleanup_job_name(artifact.digest, artifact.uri)
+    annotations = {"modelstage.io/artifact-uri": artifact.uri}
+    return _job(name, namespace, job_labels, annotations, job_spec)
 
 
 RESOLVE_CONTAINER = "resolve"
@@ -447,61 +442,23 @@ def plan_resolve_job(
     command = ["modelstage", "resolve", *source_args]
     if spec.model.revision is not None:
         command.append(f"--revision={spec.model.revision}")
-    container: Manifest = {
-        "name": RESOLVE_CONTAINER,
-        "image": stager.image or default_image,
-        "imagePullPolicy": "IfNotPresent",
-        "command": command + _s3_flags(connection),
-        "env": [
-            {"name": "HOME", "value": SCRATCH_DIR},
-            {"name": "TMPDIR", "value": SCRATCH_DIR},
-            {"name": "HF_HOME", "value": f"{SCRATCH_DIR}/hf"},
-            *_source_credentials_env(spec),
-        ],
-        "volumeMounts": [
-            {"name": VOLUME_SCRATCH, "mountPath": SCRATCH_DIR},
-            *source_mounts,
-            *ca_mount(connection),
-        ],
-        "securityContext": container_security_context(),
-        "terminationMessagePolicy": "FallbackToLogsOnError",
-        # A metadata request, a listing or the headers: a small pod whatever staging needs.
-        "resources": copy.deepcopy(RESOLVE_RESOURCES),
+    env = [*_scratch_env(), *_source_credentials_env(spec)]
+    container = _container(
+        RESOLVE_CONTAINER, stager.image or default_image, command + _s3_flags(connection), env,
+        [*source_mounts, *ca_mount(connection)],
+    )  # fmt: skip
+    # A metadata request, a listing or the headers: a small pod whatever staging needs.
+    container["resources"] = copy.deepcopy(RESOLVE_RESOURCES)
+    volumes = [*source_volumes, *ca_volume(connection)]
+    pod_spec = _pod_spec(container, SCRATCH_DEFAULT, volumes, stager)
+    job_spec = {
+        "backoffLimit": 1,
+        "activeDeadlineSeconds": RESOLVE_DEADLINE_SECONDS,
+        "ttlSecondsAfterFinished": RESOLVE_TTL_SECONDS,
+        "template": {"metadata": {"labels": job_labels}, "spec": pod_spec},
     }
-    pod_spec: Manifest = {
-        "restartPolicy": "Never",
-        "automountServiceAccountToken": False,
-        "securityContext": pod_security_context(),
-        "containers": [container],
-        "volumes": [
-            {"name": VOLUME_SCRATCH, "emptyDir": {"sizeLimit": SCRATCH_DEFAULT}},
-            *source_volumes,
-            *ca_volume(connection),
-        ],
-    }
-    if stager.service_account_name:
-        pod_spec["serviceAccountName"] = stager.service_account_name
-    if stager.node_selector:
-        pod_spec["nodeSelector"] = dict(stager.node_selector)
-    if stager.tolerations:
-        pod_spec["tolerations"] = [t.wire() for t in stager.tolerations]
-    return {
-        "apiVersion": "batch/v1",
-        "kind": "Job",
-        "metadata": {
-            "name": name,
-            "namespace": owner.namespace,
-            "labels": job_labels,
-            "annotations": {"modelstage.io/source-uri": spec.model.uri},
-            "ownerReferences": [owner.reference()],
-        },
-        "spec": {
-            "backoffLimit": 1,
-            "activeDeadlineSeconds": RESOLVE_DEADLINE_SECONDS,
-            "ttlSecondsAfterFinished": RESOLVE_TTL_SECONDS,
-            "template": {"metadata": {"labels": job_labels}, "spec": pod_spec},
-        },
-    }
+    annotations = {"modelstage.io/source-uri": spec.model.uri}
+    return _job(name, owner.namespace, job_labels, annotations, job_spec, owner)
 
 
 def _source_credentials_env(spec: ModelDeploymentSpec) -> list[Manifest]:

@@ -55,6 +55,23 @@ class DeploymentPlan:
         return [f for f in self.findings if f.blocks == what]
 
 
+def _resolve_first(
+    spec: ModelDeploymentSpec, owner: Owner, stager_image: str
+) -> tuple[Manifest, Finding]:
+    """No identity is known: the resolve Job the operator would run first, and why the plan
+    shows no digest."""
+    job_name = resolve_job_name(spec, None, owner.name)
+    job = plan_resolve_job(spec, owner=owner, name=job_name, default_image=stager_image)
+    revision = f" --revision {spec.model.revision}" if spec.model.revision else ""
+    return job, Finding(
+        "Resolving",
+        f"the operator first resolves {describe(spec)} (Job {job_name}); the digest and the "
+        "staging Jobs follow from the identity it finds: plan with --identity "
+        f"(`modelstage resolve {spec.model.uri}{revision}` prints it) to see them",
+        "nothing",
+    )
+
+
 def plan_deployment(
     spec: ModelDeploymentSpec,
     *,
@@ -82,19 +99,8 @@ def plan_deployment(
         except SpecError as error:
             findings.append(Finding("InvalidSpec", str(error), "staging"))
     if identity is None and not any(f.blocks == "staging" for f in findings):
-        job_name = resolve_job_name(spec, None, name)
-        resolve_job = plan_resolve_job(
-            spec, owner=owner, name=job_name, default_image=stager_image
-        )
-        findings.append(Finding(
-            "Resolving",
-            f"the operator first resolves {describe(spec)} (Job {job_name}); the digest and "
-            "the staging Jobs follow from the identity it finds: plan with --identity "
-            f"(`modelstage resolve {spec.model.uri}"
-            + (f" --revision {spec.model.revision}" if spec.model.revision else "")
-            + "` prints it) to see them",
-            "nothing",
-        ))  # fmt: skip
+        resolve_job, resolving = _resolve_first(spec, owner, stager_image)
+        findings.append(resolving)
     if workload is not None:
         findings += validate_workload(spec, workload, namespace=namespace, deployment_name=name)
     too_small = check_claim_size(spec, None)

@@ -1,9 +1,13 @@
-"""One reconciliation of one ModelDeployment: read the cluster, ask ``decide``, execute.
+"""One reconciliation of one ModelDeployment: observe, decide, write the status, act.
 
-Plan, then execute (STYLE.md): everything this module decides comes from the planners
-(``decide``, ``staging_jobs``, ``plan_claim``, ``plan_rollout``); it only reads the objects they
-need and sends what they return. Nothing is kept in memory between calls, so a restarted
-operator continues from what the cluster says.
+``_once`` is those four phases: ``_observe`` reads what the planners need (the spec's
+findings, the source's resolution, the workload and its claim, the staging Jobs, turned into
+observations by ``observe.py``), ``_decide`` asks ``state.decide`` (plus retention and a
+stager slot), ``_write_status`` writes the status, ``_act`` executes the one action.
+Everything decided comes from the planners (``decide``, ``staging_jobs``, ``plan_claim``,
+``plan_rollout``); this module only reads the objects they need and sends what they return.
+Nothing is kept in memory between calls, so a restarted operator continues from what the
+cluster says.
 
 Order of writes, chosen for restart safety:
 
@@ -49,6 +53,17 @@ from .job_plan import (
 )
 from .kube import LABEL_DIGEST, Manifest, Owner, model_deployment_owners
 from .kube_client import Conflict, KubeClient, resource_path
+from .observe import (
+    JobObservation,
+    Observed,
+    WorkloadObservation,
+    observe_job,
+    observe_workload,
+    pod_failures,
+    progress_line,
+    staging_progress,
+    termination_message,
+)
 from .patch import merge_diff
 from .resolve_plan import (
     SourceStep,
@@ -62,21 +77,7 @@ from .resolve_plan import (
 from .retention import Holder, RetentionPlan, plan_release, plan_retention, remember
 from .rollout_plan import plan_rollout
 from .slots import StagerSlots
-from .state import (
-    Action,
-    Decision,
-    JobObservation,
-    Observed,
-    WorkloadObservation,
-    decide,
-    observe_job,
-    observe_workload,
-    pod_failures,
-    progress_line,
-    queued,
-    staging_progress,
-    termination_message,
-)
+from .state import Action, Decision, decide, queued
 from .validation import (
     Finding,
     image_allowed,
@@ -105,10 +106,6 @@ def workload_path(namespace: str, ref: TargetRef) -> str:
     return resource_path("apps/v1", WORKLOAD_PLURALS[ref.kind], namespace, ref.name)
 
 
-def status_wire(status: ModelDeploymentStatus) -> Manifest:
-    return status.model_dump(by_alias=True, exclude_none=True, mode="json")
-
-
 @dataclass
 class Outcome:
     """What one reconciliation did; the kopf handlers turn it into their result."""
@@ -117,9 +114,6 @@ class Outcome:
     invalid: str | None = None
     """Why the spec can never work (for ``kopf.PermanentError``)."""
     status_written: bool = False
-    job_created: bool = False
-    workload_patched: bool = False
-    notes: list[str] = field(default_factory=list)
 
     @property
     def staging_failed(self) -> bool:
@@ -129,6 +123,42 @@ class Outcome:
             "ArtifactMismatch",
             "ResolveFailed",
         )
+
+
+@dataclass
+class _World:
+    """What one reconciliation read: the ModelDeployment, and what ``decide`` and the actions
+    need to know about the cluster."""
+
+    body: Manifest
+    owner: Owner
+    status: ModelDeploymentStatus
+    now: datetime
+    spec: ModelDeploymentSpec | None = None
+    invalid: str | None = None
+    """Why the spec can never work."""
+    findings: list[Finding] = field(default_factory=list)
+    source: SourceStep | None = None
+    desired: Artifact | None = None
+    workload: Manifest | None = None
+    observed_workload: WorkloadObservation | None = None
+    job: JobObservation | None = None
+    """The staging Job followed (``staging_step``)."""
+    next_job: Manifest | None = None
+    """The staging Job to create next."""
+
+
+def _blocks_staging(findings: Sequence[Finding]) -> list[Finding]:
+    return [f for f in findings if f.blocks == "staging"]
+
+
+def _desired(spec: ModelDeploymentSpec, owner: Owner, source: SourceStep) -> Artifact | None:
+    """The artifact the spec asks for, once its source's identity is known."""
+    if source.source is None:
+        return None
+    return artifact_for(
+        spec, namespace=owner.namespace, deployment_name=owner.name, identity=source.source.identity
+    )
 
 
 def _now() -> datetime:
@@ -191,111 +221,128 @@ class Reconciler:
     def _once(
         self, namespace: str, name: str, logger: logging.Logger | logging.LoggerAdapter[Any]
     ) -> Outcome | None:
+        """Observe, decide, write the status, act (the order the module docstring explains)."""
         body = self.kube.get(md_path(namespace, name))
         if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
             return None
-        meta = body["metadata"]
-        owner = Owner(name=name, namespace=namespace, uid=meta["uid"])
-        status = ModelDeploymentStatus.model_validate(body.get("status") or {})
-        findings: list[Finding] = []
-        invalid: str | None = None
-        spec: ModelDeploymentSpec | None = None
-        desired: Artifact | None = None
-        try:
-            spec = ModelDeploymentSpec.model_validate(body.get("spec") or {})
-        except ValidationError as error:
-            invalid = f"spec is invalid: {_first_error(error)}"
-            findings.append(Finding("InvalidSpec", invalid, "staging"))
-
-        workload: Manifest | None = None
-        job: JobObservation | None = None
-        next_job: Manifest | None = None
-        observed_workload: WorkloadObservation | None = None
-        source: SourceStep | None = None
-        now = _now()
-        if spec is not None:
-            findings += validate_spec(spec, allowed_images=self.images)
-            if not any(f.blocks == "staging" for f in findings):
-                try:
-                    layout_for(spec.serving.vllm_version)
-                except SpecError as error:
-                    findings.append(Finding("InvalidSpec", str(error), "staging"))
-            if not any(f.blocks == "staging" for f in findings):
-                source = self._resolve(spec, status, owner, now)
-                if source.source is not None:
-                    desired = artifact_for(
-                        spec,
-                        namespace=namespace,
-                        deployment_name=name,
-                        identity=source.source.identity,
-                    )
-            blocking = [f for f in findings if f.blocks == "staging"]
-            if blocking:
-                invalid = blocking[0].message
-            workload = self.kube.get(workload_path(namespace, spec.serving.target_ref))
-            claim = None
-            if spec.storage.pvc is not None and desired is not None and desired.location.claim_name:
-                claim = self.kube.get(
-                    resource_path(
-                        "v1", "persistentvolumeclaims", namespace, desired.location.claim_name
-                    )
-                )
-            findings += validate_workload(
-                spec, workload, namespace=namespace, deployment_name=name, claim=claim
+        world = self._observe(namespace, name, body)
+        decision = self._decide(world, logger)
+        outcome = Outcome(decision, invalid=world.invalid)
+        outcome.status_written = self._write_status(world, decision)
+        if decision.details:
+            logger.info(
+                decision.details,
+                extra={"action": decision.action.value, "phase": decision.status.phase},
             )
-            too_small = check_claim_size(spec, claim)
-            if too_small is not None:  # before any Job starts (claim_plan.py: what is knowable)
-                findings.append(too_small)
-                invalid = invalid or too_small.message
-            if desired is not None:
-                jobs = staging_jobs(
-                    spec,
-                    owner=owner,
-                    digest=desired.digest,
-                    default_image=self.stager_image,
-                    source=source.source if source is not None else None,
-                )
-                job, next_job, foreign = self._observe_jobs(namespace, desired.digest, jobs, owner)
-                if foreign is not None:
-                    findings.append(foreign)
-                elif source is not None and job is not None and source_changed(job, status.source):
-                    # The source changed between resolving and staging: resolve it again
-                    # now; a new identity is a new artifact with Jobs of its own.
-                    source = self._resolve(spec, status, owner, now, stale=True)
-                    if source.source is not None and source.source.identity != (
-                        status.source.identity if status.source else None
-                    ):
-                        desired = artifact_for(
-                            spec,
-                            namespace=namespace,
-                            deployment_name=name,
-                            identity=source.source.identity,
-                        )
-                        jobs = staging_jobs(
-                            spec,
-                            owner=owner,
-                            digest=desired.digest,
-                            default_image=self.stager_image,
-                            source=source.source,
-                        )
-                        job, next_job, foreign = self._observe_jobs(
-                            namespace, desired.digest, jobs, owner
-                        )
-                        if foreign is not None:
-                            findings.append(foreign)
-            if workload is not None:
-                observed_workload = self._observe_workload(namespace, workload)
+        self._act(world, decision, logger)
+        return outcome
 
-        observed = Observed(
-            generation=int(meta.get("generation", 1)),
-            now=now,
-            job=job,
-            workload=observed_workload,
-            findings=tuple(findings),
+    # -- observe -----------------------------------------------------------------------------
+
+    def _observe(self, namespace: str, name: str, body: Manifest) -> _World:
+        """Everything ``decide`` and the actions need, read from the cluster."""
+        meta = body["metadata"]
+        world = _World(
+            body=body,
+            owner=Owner(name=name, namespace=namespace, uid=meta["uid"]),
+            status=ModelDeploymentStatus.model_validate(body.get("status") or {}),
+            now=_now(),
         )
-        decision = decide(desired, status, observed, source)
-        if spec is not None:
-            decision = self._retain(spec, namespace, name, desired, decision, body, logger)
+        try:
+            world.spec = ModelDeploymentSpec.model_validate(body.get("spec") or {})
+        except ValidationError as error:
+            world.invalid = f"spec is invalid: {_first_error(error)}"
+            world.findings.append(Finding("InvalidSpec", world.invalid, "staging"))
+        if world.spec is not None:
+            self._observe_spec(world, world.spec)
+        return world
+
+    def _observe_spec(self, world: _World, spec: ModelDeploymentSpec) -> None:
+        """A valid spec: its findings, its source's resolution and desired artifact, the
+        target workload and its claim, and the staging Jobs of that artifact."""
+        namespace, name = world.owner.namespace, world.owner.name
+        world.findings += validate_spec(spec, allowed_images=self.images)
+        if not _blocks_staging(world.findings):
+            try:
+                layout_for(spec.serving.vllm_version)
+            except SpecError as error:
+                world.findings.append(Finding("InvalidSpec", str(error), "staging"))
+        if not _blocks_staging(world.findings):
+            world.source = self._resolve(spec, world.status, world.owner, world.now)
+            world.desired = _desired(spec, world.owner, world.source)
+        blocking = _blocks_staging(world.findings)
+        if blocking:
+            world.invalid = blocking[0].message
+        world.workload = self.kube.get(workload_path(namespace, spec.serving.target_ref))
+        claim = None
+        if spec.storage.pvc is not None and world.desired and world.desired.location.claim_name:
+            claim_path = resource_path(
+                "v1", "persistentvolumeclaims", namespace, world.desired.location.claim_name
+            )
+            claim = self.kube.get(claim_path)
+        world.findings += validate_workload(
+            spec, world.workload, namespace=namespace, deployment_name=name, claim=claim
+        )
+        too_small = check_claim_size(spec, claim)
+        if too_small is not None:  # before any Job starts (claim_plan.py: what is knowable)
+            world.findings.append(too_small)
+            world.invalid = world.invalid or too_small.message
+        if world.desired is not None:
+            self._observe_staging(world, spec)
+        if world.workload is not None:
+            world.observed_workload = self._observe_workload(namespace, world.workload)
+
+    def _observe_staging(self, world: _World, spec: ModelDeploymentSpec) -> None:
+        """The staging Jobs of the desired artifact; a source that changed between resolving
+        and staging is resolved again at once: a new identity is a new artifact, with Jobs of
+        its own."""
+        self._follow_jobs(world, spec)
+        if world.source is None or world.job is None:
+            return
+        if not source_changed(world.job, world.status.source):
+            return
+        world.source = self._resolve(spec, world.status, world.owner, world.now, stale=True)
+        recorded = world.status.source.identity if world.status.source else None
+        if world.source.source is None or world.source.source.identity == recorded:
+            return
+        world.desired = _desired(spec, world.owner, world.source)
+        self._follow_jobs(world, spec)
+
+    def _follow_jobs(self, world: _World, spec: ModelDeploymentSpec) -> None:
+        assert world.desired is not None
+        jobs = staging_jobs(
+            spec,
+            owner=world.owner,
+            digest=world.desired.digest,
+            default_image=self.stager_image,
+            source=world.source.source if world.source is not None else None,
+        )
+        world.job, world.next_job, foreign = self._observe_jobs(
+            world.owner.namespace, world.desired.digest, jobs, world.owner
+        )
+        if foreign is not None:
+            world.findings.append(foreign)
+
+    # -- decide ------------------------------------------------------------------------------
+
+    def _decide(
+        self, world: _World, logger: logging.Logger | logging.LoggerAdapter[Any]
+    ) -> Decision:
+        """``decide``, then retention's trimmed history, then a stager slot for a new Job."""
+        namespace, name = world.owner.namespace, world.owner.name
+        observed = Observed(
+            generation=int(world.body["metadata"].get("generation", 1)),
+            now=world.now,
+            job=world.job,
+            workload=world.observed_workload,
+            findings=tuple(world.findings),
+        )
+        decision = decide(world.desired, world.status, observed, world.source)
+        if world.spec is not None:
+            decision = self._retain(
+                world.spec, namespace, name, world.desired, decision, world.body, logger
+            )
+        desired, next_job = world.desired, world.next_job
         if decision.action is Action.CREATE_JOB and desired is not None and next_job is not None:
             job_name = next_job["metadata"]["name"]
             if job_name == stage_job_name(desired.digest):
@@ -304,67 +351,83 @@ class Reconciler:
                     decision = queued(
                         decision, position, self.slots.limit, observed, self.slots.per_namespace
                     )
-        outcome = Outcome(decision, invalid=invalid)
+        return decision
 
-        # 1. The status, first (see the module docstring).
-        # Diff against what the server holds: a default (phase Pending) not yet written
-        # there must be written, not taken as already present.
-        raw = body.get("status") or {}
-        old = {k: v for k, v in status_wire(status).items() if k in raw}
-        new = status_wire(decision.status)
-        if old != new:
-            patch = {
-                "metadata": {"resourceVersion": meta["resourceVersion"]},
-                "status": merge_diff(old, new),
-            }
-            self.kube.merge_patch(md_path(namespace, name, "status"), patch)
-            outcome.status_written = True
-            self._post_transitions(body, status, decision)
-        if decision.details:
-            logger.info(
-                decision.details,
-                extra={"action": decision.action.value, "phase": decision.status.phase},
-            )
+    # -- write the status --------------------------------------------------------------------
 
-        # 2. The action.
+    def _write_status(self, world: _World, decision: Decision) -> bool:
+        """The status, before any action; whether it was written (it had changed). Diffed
+        against what the server holds: a default (phase Pending) not yet written there must
+        be written, not taken as already present."""
+        raw = world.body.get("status") or {}
+        old = {k: v for k, v in world.status.wire().items() if k in raw}
+        new = decision.status.wire()
+        if old == new:
+            return False
+        patch = {
+            "metadata": {"resourceVersion": world.body["metadata"]["resourceVersion"]},
+            "status": merge_diff(old, new),
+        }
+        self.kube.merge_patch(md_path(world.owner.namespace, world.owner.name, "status"), patch)
+        self._post_transitions(world.body, world.status, decision)
+        return True
+
+    # -- act ---------------------------------------------------------------------------------
+
+    def _act(
+        self,
+        world: _World,
+        decision: Decision,
+        logger: logging.Logger | logging.LoggerAdapter[Any],
+    ) -> None:
+        """The one action ``decide`` asked for."""
+        spec = world.spec
         if decision.action is Action.CREATE_RESOLVE_JOB and spec is not None:
-            assert source is not None
-            outcome.job_created = self._create_resolve_job(spec, owner, source, body, logger)
-        elif decision.action is Action.CREATE_JOB and spec is not None and desired is not None:
-            assert next_job is not None
-            outcome.job_created = self._create_job(spec, owner, desired, next_job, body, logger)
+            assert world.source is not None
+            self._create_resolve_job(spec, world.owner, world.source, world.body, logger)
+        elif decision.action is Action.CREATE_JOB and spec is not None and world.desired:
+            assert world.next_job is not None
+            self._create_job(spec, world.owner, world.desired, world.next_job, world.body, logger)
         elif decision.action in (Action.ROLL_OUT, Action.ROLL_BACK):
-            assert spec is not None and workload is not None and decision.artifact is not None
-            # ``decide`` never asks for this without the opt-in; checked again here, where
-            # the operator writes to a workload that is not its own.
-            refused = opt_in_problem(workload, namespace=namespace, deployment_name=name)
-            if refused is not None:
-                raise AssertionError(f"refusing to patch: {refused}")
-            plan = plan_rollout(
-                spec,
-                artifact_from_status(decision.artifact),
-                workload,
-                default_image=self.stager_image,
+            assert spec is not None and world.workload is not None
+            self._roll(spec, world, decision, logger)
+
+    def _roll(
+        self,
+        spec: ModelDeploymentSpec,
+        world: _World,
+        decision: Decision,
+        logger: logging.Logger | logging.LoggerAdapter[Any],
+    ) -> None:
+        """Patch the workload onto (or back to) the decision's artifact."""
+        namespace, workload = world.owner.namespace, world.workload
+        assert workload is not None and decision.artifact is not None
+        # ``decide`` never asks for this without the opt-in; checked again here, where the
+        # operator writes to a workload that is not its own.
+        refused = opt_in_problem(workload, namespace=namespace, deployment_name=world.owner.name)
+        if refused is not None:
+            raise AssertionError(f"refusing to patch: {refused}")
+        plan = plan_rollout(
+            spec, artifact_from_status(decision.artifact), workload, default_image=self.stager_image
+        )
+        if not plan.changed:
+            return
+        patch = dict(plan.merge_patch)
+        patch["metadata"] = {
+            **(patch.get("metadata") or {}),
+            "resourceVersion": plan.resource_version,
+        }
+        self.kube.merge_patch(workload_path(namespace, spec.serving.target_ref), patch)
+        metrics.WORKLOAD_PATCHES.labels(decision.action.value).inc()
+        rolled_back = decision.action is Action.ROLL_BACK
+        for detail in plan.details:
+            logger.info(detail, extra={"action": decision.action.value})
+            self.post_event(
+                world.body,
+                "Warning" if rolled_back else "Normal",
+                "RolledBack" if rolled_back else "RolledOut",
+                detail,
             )
-            if plan.changed:
-                patch = dict(plan.merge_patch)
-                patch["metadata"] = {
-                    **(patch.get("metadata") or {}),
-                    "resourceVersion": plan.resource_version,
-                }
-                self.kube.merge_patch(workload_path(namespace, spec.serving.target_ref), patch)
-                outcome.workload_patched = True
-                metrics.WORKLOAD_PATCHES.labels(decision.action.value).inc()
-                rolled_back = decision.action is Action.ROLL_BACK
-                for detail in plan.details:
-                    logger.info(detail, extra={"action": decision.action.value})
-                    self.post_event(
-                        body,
-                        "Warning" if rolled_back else "Normal",
-                        "RolledBack" if rolled_back else "RolledOut",
-                        detail,
-                    )
-        return outcome
 
     def _holders(self, namespace: str, exclude: str) -> list[Holder]:
         """Every other ModelDeployment of the namespace, as retention counts references."""
@@ -621,18 +684,17 @@ class Reconciler:
         source: SourceStep,
         body: Manifest,
         logger: logging.Logger | logging.LoggerAdapter[Any],
-    ) -> bool:
+    ) -> None:
         job = plan_resolve_job(
             spec, owner=owner, name=source.job_name, default_image=self.stager_image
         )
         created = self.kube.create(resource_path("batch/v1", "jobs", owner.namespace), job)
         if created is None:
             logger.info("resolve Job %s already exists: following it", source.job_name)
-            return False
+            return
         message = f"created resolve Job {source.job_name} for {spec.model.uri}"
         logger.info(message, extra={"job": source.job_name})
         self.post_event(body, "Normal", "ResolveJobCreated", message)
-        return True
 
     def _observe_workload(self, namespace: str, workload: Manifest) -> WorkloadObservation:
         digest = observe_workload(workload).digest
@@ -651,7 +713,7 @@ class Reconciler:
         job: Manifest,
         body: Manifest,
         logger: logging.Logger | logging.LoggerAdapter[Any],
-    ) -> bool:
+    ) -> None:
         if job["metadata"]["name"] == stage_job_name(desired.digest):
             cleanup_path = resource_path(
                 "batch/v1",
@@ -665,7 +727,7 @@ class Reconciler:
                 # Job's events reconcile this ModelDeployment again when it ends.
                 logger.info("waiting for clean-up Job %s first", cleanup["metadata"]["name"])
                 self.slots.finished((owner.namespace, job["metadata"]["name"]))
-                return False
+                return
             if cleanup is not None:
                 self.kube.delete(cleanup_path)
         claim = plan_claim(spec, owner=owner)
@@ -681,12 +743,11 @@ class Reconciler:
             raise
         if created is None:
             logger.info("stager Job %s already exists: following it", name)
-            return False
+            return
         metrics.JOBS_CREATED.inc()
         message = f"created stager Job {name} for artifact {desired.digest}"
         logger.info(message, extra={"job": name, "digest": desired.digest})
         self.post_event(body, "Normal", "JobCreated", message)
-        return True
 
     def _post_transitions(
         self, body: Manifest, old: ModelDeploymentStatus, decision: Decision

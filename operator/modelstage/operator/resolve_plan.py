@@ -37,7 +37,7 @@ from typing import Any, Literal
 from modelstage.core.digest import IDENTITY_KEY, SOURCE_CHANGED
 
 from .api import ModelDeploymentSpec, SourceStatus
-from .state import JobObservation
+from .observe import JobObservation
 
 HF_COMMIT = re.compile(r"^[0-9a-f]{40}$")
 RESOLVE_TTL_SECONDS = 300

@@ -240,14 +240,55 @@ def plan_rollout(
     """
     template: Manifest = copy.deepcopy(workload.get("spec", {}).get("template", {}))
     pod: Manifest = template.setdefault("spec", {})
-    metadata: Manifest = template.setdefault("metadata", {})
-    annotations: dict[str, str] = metadata.setdefault("annotations", {})
+    annotations: dict[str, str] = template.setdefault("metadata", {}).setdefault(
+        "annotations", {}
+    )
     container = select_container(spec, pod)
-    plugin = spec.serving.plugin
-    on_s3 = not artifact.location.on_pvc
-    connection = spec.storage.s3 if on_s3 else None
-    details: list[str] = []
+    connection = spec.storage.s3 if not artifact.location.on_pvc else None
+    settings = _serve_artifact(container, annotations, artifact, spec.serving.plugin, connection)
+    _mount_artifact(pod, container, artifact, spec.serving.plugin, connection)
+    prepare = (
+        [_prepare_container(artifact, spec.stager.image or default_image,
+                            _s3_serving_env(artifact, connection), connection)]
+        if spec.serving.plugin
+        else []
+    )  # fmt: skip
+    pod["initContainers"] = _upsert(pod.get("initContainers") or [], prepare, _owned_name)
+    for key in ("initContainers", "volumes"):
+        if not pod[key]:
+            del pod[key]
+    for key in ("volumeMounts", "env"):
+        if not container[key]:
+            del container[key]
 
+    new_workload = {**workload, "spec": {**workload.get("spec", {}), "template": template}}
+    patch = merge_diff(workload, new_workload)
+    old_digest = (
+        workload.get("spec", {}).get("template", {}).get("metadata", {}).get("annotations", {})
+    ).get(DIGEST_ANNOTATION)
+    details = []
+    if patch:
+        details.append(
+            f"{workload.get('kind', 'workload')} {workload.get('metadata', {}).get('name')}: "
+            f"artifact {old_digest or 'none'} -> {artifact.digest} "
+            f"({settings.load_format}, TP {artifact.tensor_parallel})"
+        )
+    return RolloutPlan(
+        merge_patch=patch,
+        template=template,
+        resource_version=workload.get("metadata", {}).get("resourceVersion"),
+        details=tuple(details),
+    )
+
+
+def _serve_artifact(
+    container: Manifest,
+    annotations: dict[str, str],
+    artifact: Artifact,
+    plugin: bool,
+    connection: S3Connection | None,
+) -> VllmSettings:
+    """Point the vLLM container's command and environment at ``artifact``."""
     # The artifact the container is on now (if any) is ours, not a model name clients use.
     previous = [
         e.get("value", "")
@@ -261,20 +302,27 @@ def plan_rollout(
             container[key] = value
         else:
             container.pop(key, None)
-
-    s3_env = _s3_serving_env(artifact, connection)
-    managed_env = _modelstage_env(artifact, plugin) + s3_env
+    managed_env = _modelstage_env(artifact, plugin) + _s3_serving_env(artifact, connection)
     previously = set(filter(None, annotations.get(MANAGED_ENV_ANNOTATION, "").split(",")))
     env = _upsert(
         container.get("env") or [],
         managed_env,
         lambda name: name in previously or name.startswith("MODELSTAGE_"),
     )
-    env = _python_path(env, plugin)
-    container["env"] = env
+    container["env"] = _python_path(env, plugin)
     annotations[MANAGED_ENV_ANNOTATION] = ",".join(sorted(e["name"] for e in managed_env))
     annotations[DIGEST_ANNOTATION] = artifact.digest
+    return settings
 
+
+def _mount_artifact(
+    pod: Manifest,
+    container: Manifest,
+    artifact: Artifact,
+    plugin: bool,
+    connection: S3Connection | None,
+) -> None:
+    """The artifact's claim, the plugin's folder and the CA bundle, as volumes and mounts."""
     volumes: list[Manifest] = []
     mounts: list[Manifest] = []
     if artifact.location.on_pvc:
@@ -290,35 +338,3 @@ def plan_rollout(
     mounts += ca_mount(connection)
     container["volumeMounts"] = _upsert(container.get("volumeMounts") or [], mounts, _owned_name)
     pod["volumes"] = _upsert(pod.get("volumes") or [], volumes, _owned_name)
-
-    prepare = (
-        [_prepare_container(artifact, spec.stager.image or default_image, s3_env, connection)]
-        if plugin
-        else []
-    )
-    pod["initContainers"] = _upsert(pod.get("initContainers") or [], prepare, _owned_name)
-    for key in ("initContainers", "volumes"):
-        if not pod[key]:
-            del pod[key]
-    if not container["volumeMounts"]:
-        del container["volumeMounts"]
-    if not container["env"]:
-        del container["env"]
-
-    new_workload = {**workload, "spec": {**workload.get("spec", {}), "template": template}}
-    patch = merge_diff(workload, new_workload)
-    old_digest = (
-        workload.get("spec", {}).get("template", {}).get("metadata", {}).get("annotations", {})
-    ).get(DIGEST_ANNOTATION)
-    if patch:
-        details.append(
-            f"{workload.get('kind', 'workload')} {workload.get('metadata', {}).get('name')}: "
-            f"artifact {old_digest or 'none'} -> {artifact.digest} "
-            f"({settings.load_format}, TP {artifact.tensor_parallel})"
-        )
-    return RolloutPlan(
-        merge_patch=patch,
-        template=template,
-        resource_version=workload.get("metadata", {}).get("resourceVersion"),
-        details=tuple(details),
-    )

@@ -2,9 +2,12 @@
 
 Phases: Pending -> Staging -> Staged -> RollingOut -> Ready, and Failed from any of them.
 The decision is a pure function of the desired artifact, the last status and what the kopf
-shell observed (the Job of the desired digest, the target workload's rollout, the validation
-findings); the shell executes the one action and writes the status. Conditions ``Staged``,
-``Ready`` and ``Degraded`` carry the human-readable reasons.
+shell observed (``observe.py``: the Job of the desired digest, the target workload's rollout,
+the validation findings); the shell writes the status and executes the one action.
+``decide`` tells the situation apart (resolving, invalid, rolled back, staged and rolling out,
+staging) and one small function per situation drafts the phase, the ``Staged`` condition and
+the action; ``_new_status`` turns the draft into the status. Conditions ``Staged``, ``Ready``
+and ``Degraded`` carry the human-readable reasons.
 
 Resolution (``resolve_plan.py``): the desired artifact's digest is taken from the source's
 resolved identity. Until one is known the phase stays ``Pending`` with ``Staged=False/
@@ -18,17 +21,16 @@ that alters the digest clears it).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Literal
 
 from .api import ArtifactStatus, Condition, ModelDeploymentStatus, Phase
 from .artifact import Artifact
 from .conditions import condition, merge_conditions
-from .kube import DIGEST_ANNOTATION, Manifest
+from .observe import JobObservation, Observed, WorkloadObservation, parse_summary
 from .validation import Finding, findings_condition
 
 if TYPE_CHECKING:
@@ -43,56 +45,6 @@ class Action(Enum):
     ROLL_BACK = "roll-back"
 
 
-JobState = Literal["Running", "Succeeded", "Failed"]
-
-
-@dataclass(frozen=True)
-class JobObservation:
-    """The stager Job of the desired digest."""
-
-    state: JobState
-    message: str = ""
-    """The stager's termination message: the JSON summary, or the failure reason."""
-    finished_at: datetime | None = None
-    """When it succeeded (``completionTime``) or failed (its condition's transition)."""
-    name: str = ""
-    progress: str = ""
-    """While it runs: the stager's latest progress line (``progress_line``)."""
-
-
-@dataclass(frozen=True)
-class WorkloadObservation:
-    """The target Deployment or StatefulSet, reduced to what the rollout decision needs."""
-
-    digest: str | None
-    generation: int = 1
-    observed_generation: int = 1
-    replicas: int = 1
-    updated: int = 1
-    available: int = 1
-    failing: tuple[str, ...] = ()
-    """Why pods of the current template fail (crash loops, image pulls, init errors)."""
-    stalled: bool = False
-    """The workload controller gave up (Deployment ``ProgressDeadlineExceeded``)."""
-
-    @property
-    def complete(self) -> bool:
-        return (
-            self.observed_generation >= self.generation
-            and self.updated >= self.replicas
-            and self.available >= self.replicas
-        )
-
-
-@dataclass(frozen=True)
-class Observed:
-    generation: int
-    now: datetime
-    job: JobObservation | None = None
-    workload: WorkloadObservation | None = None
-    findings: Sequence[Finding] = field(default_factory=tuple)
-
-
 @dataclass(frozen=True)
 class Decision:
     action: Action
@@ -100,180 +52,6 @@ class Decision:
     artifact: ArtifactStatus | None = None
     """The artifact to roll out or back to (for those actions)."""
     details: str = ""
-
-
-def observe_job(job: Manifest, termination_message: str = "") -> JobObservation:
-    """Reads a Job's conditions; the shell passes the termination message of its last pod."""
-    status = job.get("status") or {}
-    name = str((job.get("metadata") or {}).get("name") or "")
-    for cond in status.get("conditions") or []:
-        if cond.get("status") != "True":
-            continue
-        if cond.get("type") in ("Complete", "SuccessCriteriaMet"):
-            return JobObservation(
-                "Succeeded", termination_message, _time(status.get("completionTime")), name
-            )
-        if cond.get("type") in ("Failed", "FailureTarget"):
-            message = termination_message or cond.get("message") or cond.get("reason") or ""
-            return JobObservation(
-                "Failed", message, _time(cond.get("lastTransitionTime")), name=name
-            )
-    return JobObservation("Running", termination_message, name=name)
-
-
-PROGRESS_CHARS = 240
-
-
-def staging_progress(job: Manifest, pods: Sequence[Manifest], log_tail: str = "") -> str:
-    """A running stage Job's progress in words: its workers done (an Indexed Job), since when
-    its first pod runs, and the stager's latest progress line when ``log_tail`` (the tail of
-    a running stager's log) holds one. Stable between reconciliations unless something moved,
-    so the status is not rewritten for nothing."""
-    parts = []
-    completions = int((job.get("spec") or {}).get("completions") or 1)
-    if completions > 1:
-        done = int((job.get("status") or {}).get("succeeded") or 0)
-        parts.append(f"{done}/{completions} workers done")
-    started = sorted(
-        str((p.get("status") or {}).get("startTime"))
-        for p in pods
-        if (p.get("status") or {}).get("phase") == "Running"
-        and (p.get("status") or {}).get("startTime")
-    )
-    if started:
-        parts.append(f"running since {started[0]}")
-    line = progress_line(log_tail)
-    if line:
-        parts.append(line)
-    return "; ".join(parts)
-
-
-def progress_line(log: str) -> str:
-    """The latest progress line of a stager's log tail (the last with a percentage): what
-    the ``Staged`` condition shows while the Job runs."""
-    for line in reversed(log.splitlines()):
-        line = line.strip().rsplit("\r", 1)[-1]
-        if "%" in line and not line.startswith(("{", "error:")):
-            return line[:PROGRESS_CHARS]
-    return ""
-
-
-def observe_workload(workload: Manifest, failing: Sequence[str] = ()) -> WorkloadObservation:
-    """Reads a Deployment's or StatefulSet's rollout progress from its status."""
-    spec = workload.get("spec") or {}
-    status = workload.get("status") or {}
-    annotations = ((spec.get("template") or {}).get("metadata") or {}).get("annotations") or {}
-    stalled = any(
-        c.get("type") == "Progressing" and c.get("reason") == "ProgressDeadlineExceeded"
-        for c in status.get("conditions") or []
-    )
-    return WorkloadObservation(
-        digest=annotations.get(DIGEST_ANNOTATION),
-        generation=int((workload.get("metadata") or {}).get("generation", 1)),
-        observed_generation=int(status.get("observedGeneration", 0)),
-        replicas=int(spec.get("replicas", 1)),
-        updated=int(status.get("updatedReplicas", 0)),
-        available=int(status.get("availableReplicas", status.get("readyReplicas", 0))),
-        failing=tuple(failing),
-        stalled=stalled,
-    )
-
-
-STAGER_CONTAINER = "stager"
-WAITING_FAILURES = frozenset(
-    {
-        "CrashLoopBackOff",
-        "ImagePullBackOff",
-        "ErrImagePull",
-        "InvalidImageName",
-        "CreateContainerConfigError",
-        "CreateContainerError",
-        "RunContainerError",
-    }
-)
-"""Waiting reasons of a container that will not start without a change to the pod."""
-
-
-def _terminations(pod: Manifest, container: str) -> list[Manifest]:
-    status = pod.get("status") or {}
-    out: list[Manifest] = []
-    for cs in status.get("containerStatuses") or []:
-        if cs.get("name") != container:
-            continue
-        for key in ("state", "lastState"):
-            terminated = (cs.get(key) or {}).get("terminated")
-            if terminated:
-                out.append(terminated)
-    return out
-
-
-def termination_message(
-    pods: Sequence[Manifest], *, success: bool, container: str = STAGER_CONTAINER
-) -> str:
-    """The stager's termination message from its Job's pods: on success the latest summary
-    (a message that parses as one, else the latest of exit code 0), on failure the latest
-    message of a non-zero exit."""
-    found = [
-        t
-        for pod in pods
-        for t in _terminations(pod, container)
-        if (t.get("exitCode", 0) == 0) == success
-    ]
-    found.sort(key=lambda t: str(t.get("finishedAt") or ""))
-    messages = [str(t.get("message") or "") for t in found]
-    if success:
-        summaries = [m for m in messages if parse_summary(m) is not None]
-        messages = summaries or messages
-    return messages[-1] if messages else ""
-
-
-def pod_failures(pods: Sequence[Manifest], digest: str | None) -> tuple[str, ...]:
-    """Why pods of artifact ``digest`` (their template's digest annotation) fail: containers or
-    initContainers stuck in a crash loop or image pull, or pods that failed outright. Each
-    reason names the pod, the container and, when there is one, its last termination message."""
-    reasons: set[str] = set()
-    for pod in pods:
-        meta = pod.get("metadata") or {}
-        if digest is None or (meta.get("annotations") or {}).get(DIGEST_ANNOTATION) != digest:
-            continue
-        if meta.get("deletionTimestamp"):
-            continue
-        name = meta.get("name", "?")
-        status = pod.get("status") or {}
-        for cs in [
-            *(status.get("initContainerStatuses") or []),
-            *(status.get("containerStatuses") or []),
-        ]:
-            waiting = (cs.get("state") or {}).get("waiting") or {}
-            reason = waiting.get("reason")
-            if reason not in WAITING_FAILURES:
-                continue
-            last = ((cs.get("lastState") or {}).get("terminated") or {}).get("message") or ""
-            last = last.strip().splitlines()[-1][:200] if last.strip() else ""
-            detail = f": {last}" if last else ""
-            reasons.add(f"pod {name}, container {cs.get('name', '?')}: {reason}{detail}")
-        if status.get("phase") == "Failed":
-            why = status.get("reason") or status.get("message") or "failed"
-            reasons.add(f"pod {name}: {why}")
-    return tuple(sorted(reasons))
-
-
-def parse_summary(message: str) -> Mapping[str, Any] | None:
-    """The stager's one-line JSON summary (its last line), or None."""
-    lines = [line for line in message.strip().splitlines() if line.strip()]
-    if not lines:
-        return None
-    try:
-        summary = json.loads(lines[-1])
-    except (ValueError, RecursionError):  # whatever a pod wrote: not a summary
-        return None
-    return summary if isinstance(summary, dict) and "digest" in summary else None
-
-
-def _time(value: Any) -> datetime | None:
-    if not isinstance(value, str):
-        return None
-    return datetime.fromisoformat(value.replace("Z", "+00:00")).astimezone(UTC)
 
 
 def _artifact_status(
@@ -321,13 +99,18 @@ def _changed_by_someone_else(w: WorkloadObservation, status: ModelDeploymentStat
 
 @dataclass
 class _Draft:
-    """The status under construction inside ``decide``."""
+    """The decision under construction: the phase, the ``Staged`` condition, a failure to
+    report beside the validation findings, status fields to update, and the action."""
 
     phase: Phase
     staged: tuple[Literal["True", "False", "Unknown"], str, str]
     degraded: tuple[str, str] | None = None
     """(reason, message) of a failure to report beside the validation findings."""
     updates: dict[str, Any] = field(default_factory=dict)
+    action: Action = Action.WAIT
+    target: ArtifactStatus | None = None
+    """The artifact to roll out or back to."""
+    details: str = ""
 
 
 def decide(
@@ -339,185 +122,227 @@ def decide(
     """The next action and the status to write. ``desired`` is None when the spec cannot be
     turned into an artifact (the findings then say why) or while ``source`` (the resolution
     step; None: not tracked) knows no identity yet."""
-    findings = list(observed.findings)
-    blocks_staging = [f for f in findings if f.blocks == "staging"]
-    blocks_rollout = [f for f in findings if f.blocks == "rollout"]
-    w = observed.workload
-    action, target, details = Action.WAIT, None, ""
-    current = status.artifact
+    blocks_staging = [f for f in observed.findings if f.blocks == "staging"]
     unresolved = source is not None and source.source is None and not blocks_staging
-
     if unresolved and desired is None:
         assert source is not None
-        if source.state == "failed":
-            draft = _Draft(
-                "Failed", ("False", "ResolveFailed", source.message),
-                ("ResolveFailed", source.message),
-            )  # fmt: skip
-        else:
-            draft = _Draft("Pending", ("False", "Resolving", source.message))
-            if source.state == "create":
-                action, details = Action.CREATE_RESOLVE_JOB, source.message
+        draft = _resolving(source)
     elif desired is None or blocks_staging:
-        first = blocks_staging[0] if blocks_staging else None
-        draft = _Draft(
+        draft = _invalid(blocks_staging)
+    else:
+        draft = _situation(desired, status, observed)
+    if source is not None and not unresolved and not blocks_staging:
+        _resolution_beside(draft, source)
+    new_status = _new_status(draft, desired, status, observed, source)
+    return Decision(draft.action, new_status, draft.target, draft.details)
+
+
+def _situation(desired: Artifact, status: ModelDeploymentStatus, observed: Observed) -> _Draft:
+    """Where a stageable artifact stands: rolled back from, staged (rolling out), or not yet."""
+    blocks_rollout = any(f.blocks == "rollout" for f in observed.findings)
+    current = status.artifact
+    if status.failed_digest == desired.digest:
+        return _rolled_back(desired, status, observed.workload, blocks_rollout)
+    if current is not None and current.digest == desired.digest:
+        return _rolling_out(desired, status, observed.workload, blocks_rollout)
+    return _staging(desired, status, observed, blocks_rollout)
+
+
+def _resolving(source: SourceStep) -> _Draft:
+    """No identity is known for the spec's source yet: the resolution runs, or failed."""
+    if source.state == "failed":
+        return _Draft(
+            "Failed", ("False", "ResolveFailed", source.message),
+            ("ResolveFailed", source.message),
+        )  # fmt: skip
+    draft = _Draft("Pending", ("False", "Resolving", source.message))
+    if source.state == "create":
+        draft.action, draft.details = Action.CREATE_RESOLVE_JOB, source.message
+    return draft
+
+
+def _invalid(blocks_staging: Sequence[Finding]) -> _Draft:
+    """The spec cannot be staged: the first blocking finding says why."""
+    first = blocks_staging[0] if blocks_staging else None
+    reason = first.reason if first else "InvalidSpec"
+    message = first.message if first else "the spec does not name a stageable artifact"
+    return _Draft("Failed", ("False", reason, message))
+
+
+def _rolled_back(
+    desired: Artifact,
+    status: ModelDeploymentStatus,
+    w: WorkloadObservation | None,
+    blocks_rollout: bool,
+) -> _Draft:
+    """The desired artifact's pods failed and the workload went back: stay there; redo a
+    rollback that was decided but not applied (the shell stopped in between)."""
+    current = status.artifact
+    back_to = current.digest if current else "its previous artifact"
+    draft = _Draft(
+        "Failed",
+        ("True", "Staged", f"artifact {desired.digest} is staged"),
+        ("RolledBack", _rolled_back_message(desired.digest, status.failure_reason, back_to)),
+    )
+    if current is not None and w is not None and w.digest != current.digest and not blocks_rollout:
+        draft.action, draft.target = Action.ROLL_BACK, current
+        draft.details = f"rolling back to {current.digest}"
+    return draft
+
+
+def _rolling_out(
+    desired: Artifact,
+    status: ModelDeploymentStatus,
+    w: WorkloadObservation | None,
+    blocks_rollout: bool,
+) -> _Draft:
+    """The desired artifact is staged: patch the workload onto it, follow its rollout, and
+    roll back when its pods fail."""
+    draft = _Draft("RollingOut", ("True", "Staged", f"artifact {desired.digest} is staged"))
+    if w is not None and w.digest == desired.digest:
+        draft.updates["workload_generation"] = w.generation
+    if w is None or blocks_rollout:
+        draft.phase = "Staged"
+    elif w.digest != desired.digest and _changed_by_someone_else(w, status):
+        draft.phase = "Staged"
+        draft.degraded = (
+            "WorkloadChanged",
+            f"the workload was changed by someone else (generation {w.generation}) and no "
+            f"longer runs artifact {desired.digest}; modelstage does not patch it back: keep "
+            "the modelstage fields in its manifest, or change the ModelDeployment spec to "
+            "roll out again",
+        )
+    elif w.digest != desired.digest:
+        draft.action, draft.target = Action.ROLL_OUT, status.artifact
+        draft.details = f"the workload is not on artifact {desired.digest}: patching it"
+    elif w.failing or w.stalled:
+        _rollout_failed(draft, desired, status, w)
+    elif w.complete:
+        draft.phase = "Ready"
+    return draft
+
+
+def _rollout_failed(
+    draft: _Draft, desired: Artifact, status: ModelDeploymentStatus, w: WorkloadObservation
+) -> None:
+    """Pods on the desired artifact fail: back to the previous artifact, if there is one."""
+    reason = "; ".join(w.failing) or "the rollout exceeded its progress deadline"
+    draft.phase = "Failed"
+    previous = status.previous_artifact
+    if previous is None:
+        draft.degraded = (
+            "RolloutFailed",
+            f"pods on artifact {desired.digest} fail ({reason}) and there is no "
+            "previous artifact to roll back to: fix the workload or the spec",
+        )
+        return
+    draft.action, draft.target = Action.ROLL_BACK, previous
+    draft.degraded = ("RolledBack", _rolled_back_message(desired.digest, reason, previous.digest))
+    draft.updates = {
+        "artifact": previous,
+        "previous_artifact": None,
+        "failed_digest": desired.digest,
+        "failure_reason": reason,
+        "workload_generation": None,
+    }
+    draft.details = f"rolling back to {previous.digest}: {reason}"
+
+
+def _staging(
+    desired: Artifact, status: ModelDeploymentStatus, observed: Observed, blocks_rollout: bool
+) -> _Draft:
+    """The desired artifact is not staged yet: create its Job, follow it, report its end."""
+    job = observed.job
+    if job is None:
+        draft = _Draft("Staging", ("False", "JobCreated", f"staging artifact {desired.digest}"))
+        draft.action = Action.CREATE_JOB
+        draft.details = f"creating the stager Job for {desired.digest}"
+        return draft
+    if job.state == "Running":
+        progress = f": {job.progress}" if job.progress else ""
+        follow = f" (follow: kubectl logs -f job/{job.name})" if job.name else ""
+        message = f"staging artifact {desired.digest}{progress}{follow}"
+        return _Draft("Staging", ("False", "Staging", message))
+    if job.state == "Failed":
+        lines = job.message.strip().splitlines()
+        message = lines[-1] if lines else "the stager Job failed"
+        return _Draft(
+            "Failed",
+            ("False", "StagingFailed", message),
+            ("StagingFailed", f"staging artifact {desired.digest} failed: {message}"),
+        )
+    return _staged(desired, status, observed, job, blocks_rollout)
+
+
+def _staged(
+    desired: Artifact,
+    status: ModelDeploymentStatus,
+    observed: Observed,
+    job: JobObservation,
+    blocks_rollout: bool,
+) -> _Draft:
+    """The stager Job succeeded: record the artifact and roll the workload onto it."""
+    summary = parse_summary(job.message) or {"digest": desired.digest}
+    if summary.get("digest") != desired.digest:
+        return _Draft(
             "Failed",
             (
                 "False",
-                first.reason if first else "InvalidSpec",
-                first.message if first else "the spec does not name a stageable artifact",
+                "ArtifactMismatch",
+                f"the stager reported digest {summary.get('digest')}, expected {desired.digest}",
             ),
-        )
-    elif status.failed_digest == desired.digest:
-        draft = _Draft(
-            "Failed",
-            ("True", "Staged", f"artifact {desired.digest} is staged"),
             (
-                "RolledBack",
-                _rolled_back_message(
-                    desired.digest,
-                    status.failure_reason,
-                    current.digest if current else "its previous artifact",
-                ),
+                "ArtifactMismatch",
+                "the stager image does not compute the operator's digest: use matching "
+                "operator and stager versions",
             ),
         )
-        if (
-            current is not None
-            and w is not None
-            and w.digest != current.digest
-            and not blocks_rollout
-        ):
-            # The rollback was decided but not applied (the shell stopped in between): redo it.
-            action, target = Action.ROLL_BACK, current
-            details = f"rolling back to {current.digest}"
-    elif current is not None and current.digest == desired.digest:
-        draft = _Draft("RollingOut", ("True", "Staged", f"artifact {desired.digest} is staged"))
-        if w is not None and w.digest == desired.digest:
-            draft.updates["workload_generation"] = w.generation
-        if w is None or blocks_rollout:
-            draft.phase = "Staged"
-        elif w.digest != desired.digest and _changed_by_someone_else(w, status):
-            draft.phase = "Staged"
-            draft.degraded = (
-                "WorkloadChanged",
-                f"the workload was changed by someone else (generation {w.generation}) and no "
-                f"longer runs artifact {desired.digest}; modelstage does not patch it back: keep "
-                "the modelstage fields in its manifest, or change the ModelDeployment spec to "
-                "roll out again",
-            )
-        elif w.digest != desired.digest:
-            action, target = Action.ROLL_OUT, current
-            details = f"the workload is not on artifact {desired.digest}: patching it"
-        elif w.failing or w.stalled:
-            reason = "; ".join(w.failing) or "the rollout exceeded its progress deadline"
-            if status.previous_artifact is not None:
-                action, target = Action.ROLL_BACK, status.previous_artifact
-                draft.phase = "Failed"
-                draft.degraded = (
-                    "RolledBack",
-                    _rolled_back_message(desired.digest, reason, status.previous_artifact.digest),
-                )
-                draft.updates = {
-                    "artifact": status.previous_artifact,
-                    "previous_artifact": None,
-                    "failed_digest": desired.digest,
-                    "failure_reason": reason,
-                    "workload_generation": None,
-                }
-                details = f"rolling back to {status.previous_artifact.digest}: {reason}"
-            else:
-                draft.phase = "Failed"
-                draft.degraded = (
-                    "RolloutFailed",
-                    f"pods on artifact {desired.digest} fail ({reason}) and there is no "
-                    "previous artifact to roll back to: fix the workload or the spec",
-                )
-        elif w.complete:
-            draft.phase = "Ready"
-    else:
-        job = observed.job
-        if job is None:
-            action = Action.CREATE_JOB
-            draft = _Draft("Staging", ("False", "JobCreated", f"staging artifact {desired.digest}"))
-            details = f"creating the stager Job for {desired.digest}"
-        elif job.state == "Running":
-            progress = f": {job.progress}" if job.progress else ""
-            follow = f" (follow: kubectl logs -f job/{job.name})" if job.name else ""
-            message = f"staging artifact {desired.digest}{progress}{follow}"
-            draft = _Draft("Staging", ("False", "Staging", message))
-        elif job.state == "Failed":
-            message = (
-                job.message.strip().splitlines()[-1]
-                if job.message.strip()
-                else "the stager Job failed"
-            )
-            draft = _Draft(
-                "Failed",
-                ("False", "StagingFailed", message),
-                ("StagingFailed", f"staging artifact {desired.digest} failed: {message}"),
-            )
-        else:
-            summary = parse_summary(job.message) or {"digest": desired.digest}
-            if summary.get("digest") != desired.digest:
-                draft = _Draft(
-                    "Failed",
-                    (
-                        "False",
-                        "ArtifactMismatch",
-                        f"the stager reported digest {summary.get('digest')}, "
-                        f"expected {desired.digest}",
-                    ),
-                    (
-                        "ArtifactMismatch",
-                        "the stager image does not compute the operator's "
-                        "digest: use matching operator and stager versions",
-                    ),
-                )
-            else:
-                staged = _artifact_status(desired, summary, job.finished_at or observed.now)
-                draft = _Draft("Staged", ("True", "Staged", _staged_message(staged)))
-                if w is not None and not blocks_rollout:
-                    action, target = Action.ROLL_OUT, staged
-                    draft.phase = "RollingOut"
-                    draft.updates = {
-                        "artifact": staged,
-                        "previous_artifact": current or status.previous_artifact,
-                        "workload_generation": None,
-                    }
-                    details = f"artifact {desired.digest} staged: rolling the workload onto it"
+    staged = _artifact_status(desired, summary, job.finished_at or observed.now)
+    draft = _Draft("Staged", ("True", "Staged", _staged_message(staged)))
+    if observed.workload is not None and not blocks_rollout:
+        draft.action, draft.target, draft.phase = Action.ROLL_OUT, staged, "RollingOut"
+        draft.updates = {
+            "artifact": staged,
+            "previous_artifact": status.artifact or status.previous_artifact,
+            "workload_generation": None,
+        }
+        draft.details = f"artifact {desired.digest} staged: rolling the workload onto it"
+    return draft
 
-    if source is not None and not unresolved and not blocks_staging and source.state != "resolved":
-        if source.state == "failed" and draft.degraded is None:
-            # A periodic resolution failed: the recorded identity still holds; say so.
-            draft.degraded = ("ResolveFailed", source.message)
-        elif source.state == "create" and action is Action.WAIT:
-            action, details = Action.CREATE_RESOLVE_JOB, source.message
 
+def _resolution_beside(draft: _Draft, source: SourceStep) -> None:
+    """A periodic resolution of a source whose identity is known: a failure is reported (the
+    recorded identity still holds), a due one is started when nothing else is to be done."""
+    if source.state == "failed" and draft.degraded is None:
+        draft.degraded = ("ResolveFailed", source.message)
+    elif source.state == "create" and draft.action is Action.WAIT:
+        draft.action, draft.details = Action.CREATE_RESOLVE_JOB, source.message
+
+
+def _new_status(
+    draft: _Draft,
+    desired: Artifact | None,
+    status: ModelDeploymentStatus,
+    observed: Observed,
+    source: SourceStep | None,
+) -> ModelDeploymentStatus:
+    """The status to write: the draft's phase and conditions, merged into the last ones."""
     now, gen = observed.now, observed.generation
+    findings = list(observed.findings)
     still_failed = desired is not None and status.failed_digest == desired.digest
     updates: list[Condition] = [
-        condition(
-            "Staged", draft.staged[0], draft.staged[1], draft.staged[2], now=now, generation=gen
-        ),
+        condition("Staged", *draft.staged, now=now, generation=gen),
         condition("Ready", *_ready(observed), now=now, generation=gen),
     ]
     if draft.degraded is not None:
         reason, message = draft.degraded
         extra = "; ".join(f.message for f in findings)
-        updates.append(
-            condition(
-                "Degraded",
-                "True",
-                reason,
-                f"{message}; {extra}" if extra else message,
-                now=now,
-                generation=gen,
-            )
-        )
+        message = f"{message}; {extra}" if extra else message
+        updates.append(condition("Degraded", "True", reason, message, now=now, generation=gen))
     else:
         updates.append(findings_condition(findings, now=now, generation=gen))
     conditions = merge_conditions(status.conditions, updates)
-    new_status = status.model_copy(
+    return status.model_copy(
         update={
             "phase": draft.phase,
             "reason": headline(conditions),
@@ -531,7 +356,6 @@ def decide(
             **draft.updates,
         }
     )
-    return Decision(action=action, status=new_status, artifact=target, details=details)
 
 
 def queued(

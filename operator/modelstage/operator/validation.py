@@ -169,6 +169,15 @@ def validate_workload(
         container = select_container(spec, pod_spec)
     except SpecError as error:
         return [Finding("ContainerNotFound", f"{target}: {error}", "rollout")]
+    findings = _container_findings(spec, container, target)
+    findings += _access_findings(spec, workload, claim, deployment_name, target)
+    return findings
+
+
+def _container_findings(
+    spec: ModelDeploymentSpec, container: Manifest, target: str
+) -> list[Finding]:
+    """Whether the vLLM container's command can be rewritten and it has GPUs for the TP."""
     findings: list[Finding] = []
     name = container.get("name")
     probe = VllmSettings(model="m", load_format="f", tensor_parallel_size=1)
@@ -191,30 +200,43 @@ def validate_workload(
                 "rollout",
             )
         )
-    modes = _access_modes(spec, claim)
-    replicas = int((workload.get("spec") or {}).get("replicas", 1))
-    if modes is not None and not MULTI_NODE_SAFE.intersection(modes):
-        claim_ = claim_name(spec, deployment_name)
-        if "ReadWriteOncePod" in modes:
-            findings.append(
-                Finding(
-                    "AccessModeTooNarrow",
-                    f"PVC {claim_} is ReadWriteOncePod: the stager and every vLLM pod of "
-                    f"{target} must mount it; use ReadWriteMany or ReadOnlyMany, or storage.s3",
-                    "rollout",
-                )
-            )
-        elif replicas > 1 and not _one_node(pod_spec):
-            findings.append(
-                Finding(
-                    "ReadWriteOnceMultiNode",
-                    f"PVC {claim_} is ReadWriteOnce but {target} has {replicas} replicas that "
-                    "can land on different nodes, where they cannot mount it: use a "
-                    "ReadWriteMany or ReadOnlyMany claim, storage.s3, or pin the pods to one node",
-                    "nothing",
-                )
-            )
     return findings
+
+
+def _access_findings(
+    spec: ModelDeploymentSpec,
+    workload: Manifest,
+    claim: Manifest | None,
+    deployment_name: str,
+    target: str,
+) -> list[Finding]:
+    """Whether every pod of the workload can mount the artifact's claim."""
+    modes = _access_modes(spec, claim)
+    if modes is None or MULTI_NODE_SAFE.intersection(modes):
+        return []
+    replicas = int((workload.get("spec") or {}).get("replicas", 1))
+    pod_spec: Manifest = (workload.get("spec") or {}).get("template", {}).get("spec") or {}
+    claim_ = claim_name(spec, deployment_name)
+    if "ReadWriteOncePod" in modes:
+        return [
+            Finding(
+                "AccessModeTooNarrow",
+                f"PVC {claim_} is ReadWriteOncePod: the stager and every vLLM pod of "
+                f"{target} must mount it; use ReadWriteMany or ReadOnlyMany, or storage.s3",
+                "rollout",
+            )
+        ]
+    if replicas > 1 and not _one_node(pod_spec):
+        return [
+            Finding(
+                "ReadWriteOnceMultiNode",
+                f"PVC {claim_} is ReadWriteOnce but {target} has {replicas} replicas that "
+                "can land on different nodes, where they cannot mount it: use a "
+                "ReadWriteMany or ReadOnlyMany claim, storage.s3, or pin the pods to one node",
+                "nothing",
+            )
+        ]
+    return []
 
 
 def findings_condition(

@@ -162,6 +162,30 @@ def _extra_config(argv: list[str], flags: list[Flag], settings: VllmSettings) ->
     return {**kept, **settings.extra_config}
 
 
+def _set_flags(
+    tokens: list[Token],
+    by_name: dict[str, list[Flag]],
+    wanted: dict[str, str | None],
+    *,
+    skip_model: bool,
+) -> tuple[set[int], list[str]]:
+    """Set each wanted flag in place (every occurrence); returns the token indices to remove
+    (flags wanted away: value None) and the flags to add (wanted but absent; not ``--model``
+    when ``skip_model``: the positional model was replaced instead)."""
+    removals: set[int] = set()
+    additions: list[str] = []
+    for name, value in wanted.items():
+        found = by_name.get(name, [])
+        for flag in found:
+            if value is None:
+                removals.update({flag.at, flag.value_at})
+            else:
+                _set(tokens, flag, value)
+        if not found and value is not None and not (name == MODEL and skip_model):
+            additions += [name, value]
+    return removals, additions
+
+
 def rewrite(
     command: list[str] | None, args: list[str] | None, settings: VllmSettings
 ) -> tuple[list[str] | None, list[str] | None]:
@@ -181,7 +205,6 @@ def rewrite(
 
     # Edit in place first (indices stay valid), then remove, then add at the end.
     tail_origin = tokens[-1][1] if tokens else ARGS
-    additions: list[str] = []
     if has_positional:
         tokens[start] = (settings.model, tokens[start][1])
     extra = _extra_config(argv, flags, settings)
@@ -191,16 +214,7 @@ def rewrite(
         TP: str(settings.tensor_parallel_size),
         EXTRA_CONFIG: json.dumps(extra, sort_keys=True, separators=(",", ":")) if extra else None,
     }
-    removals: set[int] = set()
-    for name, value in wanted.items():
-        found = by_name.get(name, [])
-        for flag in found:
-            if value is None:
-                removals.update({flag.at, flag.value_at})
-            else:
-                _set(tokens, flag, value)
-        if not found and value is not None and not (name == MODEL and has_positional):
-            additions += [name, value]
+    removals, additions = _set_flags(tokens, by_name, wanted, skip_model=has_positional)
     if (
         SERVED_NAME not in by_name
         and original_model is not None
