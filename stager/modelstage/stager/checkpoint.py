@@ -7,7 +7,6 @@ when loaded, so a source with nothing else is refused with a hint on how to conv
 from __future__ import annotations
 
 import fnmatch
-import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -20,20 +19,16 @@ from modelstage.core.safetensors_format import TensorInfo, read_header
 from .model_config import ModelConfig
 from .shard_plan import SourceTensor
 from .sources import Source
-from .sources.base import safe_name
+from .sources.base import INDEX_VALUES as INDEX_VALUES
+from .sources.base import MAX_JSON_BYTES as MAX_JSON_BYTES
+from .sources.base import MAX_TENSORS as MAX_TENSORS
+from .sources.base import parse_json, safe_name
 
 CONFIG = "config.json"
 PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 MiB = 1024 * 1024
 MAX_CONFIG_BYTES = 1 * MiB
 """config.json files take a few KiB; anything near this is not a model config."""
-MAX_JSON_BYTES = 32 * MiB
-"""The weight index: about 100 bytes per tensor, so room for MAX_TENSORS and long names."""
-MAX_TENSORS = 262_144
-"""Tensors in a checkpoint: several times the largest published mixture-of-experts models;
-what a header or an index claims beyond it is refused before it is expanded."""
-INDEX_VALUES = MAX_TENSORS + 1024
-"""JSON values an index may hold: one per tensor, and its metadata."""
 MAX_CARRIED_BYTES = 256 * MiB
 """Each file carried beside the weights (tokenizer, vocabulary, config): the largest real
 tokenizers take tens of MiB. They are streamed, never read whole."""
@@ -58,25 +53,6 @@ class Checkpoint:
 
     def identity(self) -> dict[str, Any]:
         return self.source.identity([*self.weight_files, *self.carried_over])
-
-
-def parse_json(raw: bytes, name: str, *, max_values: int | None = None) -> Any:
-    """JSON from an untrusted file, as a ``CheckpointError`` on any fault: invalid, nested
-    past the parser's depth, numbers past Python's digit limit, or (``max_values``) more
-    values than the file may hold, counted on the raw bytes before anything is built."""
-    if max_values is not None:
-        values = raw.count(b",") + raw.count(b"[") + raw.count(b"{")
-        if values > max_values:
-            raise CheckpointError(
-                f"{name}: holds about {values} JSON values, more than the {max_values} it may "
-                "have; refusing it"
-            )
-    try:
-        return json.loads(raw)
-    except RecursionError:
-        raise CheckpointError(f"{name}: invalid JSON: nested too deeply") from None
-    except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError, digit limits
-        raise CheckpointError(f"{name}: invalid JSON: {str(e).splitlines()[0][:200]}") from None
 
 
 def read_json(

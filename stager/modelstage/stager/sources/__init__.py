@@ -1,5 +1,48 @@
-"""Where a checkpoint's bytes come from: one strategy per file behind ``Source``."""
+"""Where a checkpoint's bytes come from: one strategy per file behind ``Source``, and the
+URI -> source registry (a new source is a module here and a line in ``SCHEMES``)."""
 
-from .base import Source, open_source
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from modelstage.core.errors import CheckpointError
+
+from .base import Source
+from .local import LocalSource
 
 __all__ = ["Source", "open_source"]
+
+SCHEMES: dict[str, str] = {
+    "hf": ".hf:HfSource",
+    "s3": ".s3:S3Source",
+}
+"""URI scheme -> ``module:class`` in this package; each class has ``from_uri(uri, **options)``.
+Imported lazily, so that a local stage never imports boto3 or huggingface_hub."""
+
+
+def open_source(uri: str, **options: Any) -> Source:
+    """The source for a URI: a local path (or ``file://``), or a scheme from ``SCHEMES``.
+
+    ``options`` are the request's source settings (``revision``, ``s3``, ``hf_token_file``,
+    ``cache_dir``, the resolved hf ``commit``); each source takes the ones it understands and
+    ignores the rest.
+    """
+    if "://" not in uri or uri.startswith("file://"):
+        return LocalSource(uri.removeprefix("file://"))
+    scheme = uri.split("://", 1)[0]
+    if scheme == "pvc":
+        raise CheckpointError(
+            f"{uri}: pvc:// sources are read where the claim is mounted; pass the mount path as "
+            "SOURCE and the pvc:// URI as --source-uri (the operator does this)"
+        )
+    target = SCHEMES.get(scheme)
+    if target is None:
+        raise CheckpointError(
+            f"source scheme {scheme}:// is not supported by this stager; supported: a local "
+            f"path, file://, {', '.join(s + '://' for s in SCHEMES)}"
+        )
+    module, _, name = target.partition(":")
+    cls = getattr(importlib.import_module(module, __package__), name)
+    source: Source = cls.from_uri(uri, **options)
+    return source

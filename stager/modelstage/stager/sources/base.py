@@ -1,9 +1,10 @@
-"""The small interface every checkpoint source implements, and the URI -> source registry."""
+"""The small interface every checkpoint source implements, and the guards every source applies
+to what it reads (file names, JSON sizes)."""
 
 from __future__ import annotations
 
 import abc
-import importlib
+import json
 import posixpath
 from typing import Any
 
@@ -70,38 +71,30 @@ def safe_name(name: str, where: str) -> str:
     return name
 
 
-SCHEMES: dict[str, str] = {
-    "hf": ".hf:HfSource",
-    "s3": ".s3:S3Source",
-}
-"""URI scheme -> ``module:class`` in this package; each class has ``from_uri(uri, **options)``.
-Imported lazily, so that a local stage never imports boto3 or huggingface_hub."""
+MiB = 1024 * 1024
+MAX_JSON_BYTES = 32 * MiB
+"""The weight index: about 100 bytes per tensor, so room for MAX_TENSORS and long names."""
+MAX_TENSORS = 262_144
+"""Tensors in a checkpoint: several times the largest published mixture-of-experts models;
+what a header or an index claims beyond it is refused before it is expanded."""
+INDEX_VALUES = MAX_TENSORS + 1024
+"""JSON values an index may hold: one per tensor, and its metadata."""
 
 
-def open_source(uri: str, **options: Any) -> Source:
-    """The source for a URI: a local path (or ``file://``), or a scheme from ``SCHEMES``.
-
-    ``options`` are the request's source settings (``revision``, ``s3``, ``hf_token_file``,
-    ``cache_dir``, the resolved hf ``commit``); each source takes the ones it understands and
-    ignores the rest.
-    """
-    from .local import LocalSource
-
-    if "://" not in uri or uri.startswith("file://"):
-        return LocalSource(uri.removeprefix("file://"))
-    scheme = uri.split("://", 1)[0]
-    if scheme == "pvc":
-        raise CheckpointError(
-            f"{uri}: pvc:// sources are read where the claim is mounted; pass the mount path as "
-            "SOURCE and the pvc:// URI as --source-uri (the operator does this)"
-        )
-    target = SCHEMES.get(scheme)
-    if target is None:
-        raise CheckpointError(
-            f"source scheme {scheme}:// is not supported by this stager; supported: a local "
-            f"path, file://, {', '.join(s + '://' for s in SCHEMES)}"
-        )
-    module, _, name = target.partition(":")
-    cls = getattr(importlib.import_module(module, __package__), name)
-    source: Source = cls.from_uri(uri, **options)
-    return source
+def parse_json(raw: bytes, name: str, *, max_values: int | None = None) -> Any:
+    """JSON from an untrusted file, as a ``CheckpointError`` on any fault: invalid, nested
+    past the parser's depth, numbers past Python's digit limit, or (``max_values``) more
+    values than the file may hold, counted on the raw bytes before anything is built."""
+    if max_values is not None:
+        values = raw.count(b",") + raw.count(b"[") + raw.count(b"{")
+        if values > max_values:
+            raise CheckpointError(
+                f"{name}: holds about {values} JSON values, more than the {max_values} it may "
+                "have; refusing it"
+            )
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise CheckpointError(f"{name}: invalid JSON: nested too deeply") from None
+    except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError, digit limits
+        raise CheckpointError(f"{name}: invalid JSON: {str(e).splitlines()[0][:200]}") from None

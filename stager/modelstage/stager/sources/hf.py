@@ -43,11 +43,11 @@ from pathlib import Path
 from typing import Any, TypeVar, cast
 
 from modelstage.core.errors import CheckpointError
+from modelstage.core.manifest import CARRIED_OVER, INDEX
 from modelstage.core.progress import Progress, human_bytes
 
-from ..checkpoint import CARRIED_OVER, INDEX, INDEX_VALUES, MAX_JSON_BYTES, parse_json
 from ..network import Timeouts
-from .base import safe_name
+from .base import INDEX_VALUES, MAX_JSON_BYTES, parse_json, safe_name
 from .local import LocalSource
 
 SCHEME = "hf://"

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from modelstage.core.errors import CheckpointError
+from modelstage.core.manifest import CARRIED_OVER
 from modelstage.core.safetensors_format import encode_header
 
 from .base import Source
@@ -50,8 +51,6 @@ def pickle_identity(source: Source) -> dict[str, Any] | None:
     """The identity ``ConvertedPickleSource(source).identity`` of the converted checkpoint
     would give, without converting anything (what the digest is taken from before the work);
     None when ``source`` is not a pickle-only checkpoint."""
-    from ..checkpoint import CARRIED_OVER
-
     files = source.list_files()
     pickles = pickle_weights(files)
     if any(f.endswith(".safetensors") for f in files) or not pickles:
