@@ -25,6 +25,8 @@ DTYPE_SIZES: dict[str, int] = {
     "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
     "F8_E4M3": 1, "F8_E5M2": 1,
 }  # fmt: skip
+DTYPE_CODES: dict[str, str] = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+"""A float dtype's name (``--dtype``, ``torch_dtype``) -> its safetensors code."""
 MAX_HEADER_BYTES = 32 * 1024 * 1024
 """A header takes about 100 bytes per tensor, so MAX_TENSORS_PER_HEADER with long names fits
 (the reference implementation allows 100 MiB; parsing that much JSON takes several times

@@ -7,9 +7,11 @@ that the same spec always yields the same bytes (the vLLM oracle caches referenc
 a hash of the files), and scaled (std ~ 1/sqrt(hidden)) so that log-probabilities are
 informative: a wrongly split matrix changes them.
 
-Files are written tensor by tensor with a hand-built safetensors header, so memory stays at
-one row block whatever the checkpoint's size. numpy only: bfloat16 is produced by rounding
-float32 bits (round to nearest even, as torch does), so torch is never imported.
+Files are written tensor by tensor after a header from the product's own encoder
+(``safetensors_format.encode_header``), so memory stays at one row block whatever the
+checkpoint's size. numpy only: bfloat16 is produced by rounding float32 bits (round to nearest
+even, as torch does), so torch is never imported. The architectures are the stager's table's
+(``architectures.ARCHITECTURES``); what each writes in ``config.json`` is here.
 """
 
 from __future__ import annotations
@@ -24,26 +26,20 @@ from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
+from modelstage.core.safetensors_format import DTYPE_CODES, DTYPE_SIZES, encode_header
+from modelstage.stager.architectures import ARCHITECTURES
 
 Architecture = Literal[
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"
 ]
 DType = Literal["float32", "bfloat16", "float16"]
 
-ARCHITECTURES: tuple[str, ...] = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-)
 _MODEL_TYPES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
 }
-_SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
-_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 _SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>")
 _CHUNK_ELEMENTS = 8 * 1024 * 1024
 """Elements generated per step (32 MiB of float32): bounds memory for large tensors."""
@@ -79,12 +75,12 @@ class SyntheticModel:
     """Extra ``config.json`` entries (e.g. a ``quantization_config`` a test wants refused)."""
 
     def __post_init__(self) -> None:
-        if self.architecture not in ARCHITECTURES:
+        if self.architecture not in ARCHITECTURES or self.architecture not in _MODEL_TYPES:
             raise ValueError(
-                f"architecture {self.architecture!r} unsupported; one of {ARCHITECTURES}"
+                f"architecture {self.architecture!r} unsupported; one of {tuple(_MODEL_TYPES)}"
             )
-        if self.dtype not in _SAFETENSORS_DTYPES:
-            raise ValueError(f"dtype {self.dtype!r} unsupported; one of {tuple(_ITEMSIZE)}")
+        if self.dtype not in DTYPE_CODES:
+            raise ValueError(f"dtype {self.dtype!r} unsupported; one of {tuple(DTYPE_CODES)}")
         for name in (
             "hidden_size",
             "intermediate_size",
@@ -202,7 +198,7 @@ class SyntheticModel:
 
 
 def llama_demo() -> SyntheticModel:
-    """The model ``modelstage demo`` stages: the Llama shape DESIGN.md section 4 was checked on."""
+    """The model ``modelstage demo`` stages: a small Llama."""
     return SyntheticModel(
         architecture="LlamaForCausalLM",
         hidden_size=256,
@@ -244,7 +240,7 @@ def write_checkpoint(spec: SyntheticModel, out_dir: Path | str) -> Path:
         members = [(name, shape) for name, shape in tensors if assignment[name] == k]
         _write_safetensors(spec, out / file_name, members)
     if n > 1:
-        itemsize = _ITEMSIZE[spec.dtype]
+        itemsize = _itemsize(spec.dtype)
         total = sum(math.prod(shape) * itemsize for _, shape in tensors)
         weight_map = {name: names[assignment[name]] for name, _ in tensors}
         _write_json(
@@ -284,26 +280,18 @@ def _assign_shards(
     return assignment
 
 
+def _itemsize(dtype: str) -> int:
+    return DTYPE_SIZES[DTYPE_CODES[dtype]]
+
+
 def _write_safetensors(
     spec: SyntheticModel, path: Path, members: list[tuple[str, tuple[int, ...]]]
 ) -> None:
     """Header first (shapes are known up front), then each tensor's bytes, chunk by chunk."""
-    itemsize = _ITEMSIZE[spec.dtype]
-    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name, shape in members:
-        size = math.prod(shape) * itemsize
-        header[name] = {
-            "dtype": _SAFETENSORS_DTYPES[spec.dtype],
-            "shape": list(shape),
-            "data_offsets": [offset, offset + size],
-        }
-        offset += size
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # safetensors pads the header to 8 bytes with spaces
+    code = DTYPE_CODES[spec.dtype]
+    header, _ = encode_header([(name, code, shape) for name, shape in members], {"format": "pt"})
     with path.open("wb") as f:
-        f.write(len(raw).to_bytes(8, "little"))
-        f.write(raw)
+        f.write(header)
         for name, shape in members:
             for chunk in _generate(spec, name, shape):
                 f.write(_encode(chunk, spec.dtype))

@@ -327,12 +327,26 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="modelstage")
     parser.add_argument("--version", action="version", version=f"modelstage {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
+    stage_parser = _add_stage_parser(sub)
+    _add_resolve_parser(sub)
+    _add_finalize_parser(sub, stage_parser)
+    _add_verify_parser(sub)
+    _add_demo_parser(sub)
+    _add_prepare_parser(sub)
+    _add_delete_parser(sub)
+    _add_bench_parser(sub)
+    _add_plan_parser(sub)
+    _add_serve_local_parser(sub)
+    _describe_commands(parser, sub)
+    return parser
 
-    st = sub.add_parser(
+
+def _add_stage_parser(sub: Any) -> argparse.ArgumentParser:
+    st: argparse.ArgumentParser = sub.add_parser(
         "stage",
         help="pre-shard a checkpoint per tensor-parallel rank (scale-out: `--group i/n` "
         "workers, then `finalize`)",
-    )  # fmt: skip
+    )
     st.add_argument(
         "source",
         help="checkpoint in Hugging Face layout: a local directory, s3://BUCKET/PREFIX or "
@@ -362,6 +376,14 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument(
         "--cache-dir", help="hf:// sources: the hub cache to download into (default: HF_HUB_CACHE)"
     )
+    _add_stage_options(st)
+    st.set_defaults(run=_stage)
+    return st
+
+
+def _add_stage_options(st: argparse.ArgumentParser) -> None:
+    """``stage``'s options beyond what and where: scale-out, part size, pickles, the expected
+    identity, replacing, S3 and the network."""
     st.add_argument(
         "--group", metavar="I/N",
         help="scale-out worker I of N: write every rank's files of this worker's parts, no "
@@ -392,10 +414,9 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     _add_s3_options(st)
     _add_network_options(st)
-    st.set_defaults(run=_stage)
-    _add_resolve_parser(sub)
-    _add_finalize_parser(sub, st)
 
+
+def _add_verify_parser(sub: Any) -> None:
     ve = sub.add_parser("verify", help="re-check an artifact against its manifest")
     ve.add_argument("artifact", help="artifact directory or s3://BUCKET/PREFIX/")
     ve.add_argument("--digest", help="fail unless the artifact has this digest")
@@ -405,18 +426,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_network_options(ve)
     ve.set_defaults(run=_verify)
 
+
+def _add_demo_parser(sub: Any) -> None:
     de = sub.add_parser("demo", help="generate a small checkpoint, stage it at TP=2, verify it")
     de.add_argument("--tp", type=int, default=2)
     de.add_argument("--workdir", help="where to put the checkpoint and artifact (default: temp)")
     de.set_defaults(run=_demo)
-
-    _add_prepare_parser(sub)  # issue 9
-    _add_delete_parser(sub)  # issue 5
-    _add_bench_parser(sub)
-    _add_plan_parser(sub)
-    _add_serve_local_parser(sub)
-    _describe_commands(parser, sub)
-    return parser
 
 
 def _version() -> str:

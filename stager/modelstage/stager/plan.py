@@ -22,13 +22,17 @@ from __future__ import annotations
 
 import dataclasses
 import shlex
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 from modelstage.core.errors import ModelstageError, SpecError
 from modelstage.core.progress import human_bytes
+
+if TYPE_CHECKING:
+    from modelstage.operator.api import ModelDeploymentSpec
 
 
 @dataclass(frozen=True)
@@ -109,19 +113,12 @@ def load_manifests(path: str, kinds: tuple[str, ...]) -> list[dict[str, Any]]:
     return found
 
 
-def plan_deployment_report(
-    manifest: dict[str, Any],
-    *,
-    namespace: str | None,
-    workload: dict[str, Any] | None,
-    checkpoint: str | None,
-    stager_image: str,
-    identity: str | None = None,
-) -> dict[str, Any]:
-    """The report for one ModelDeployment manifest (the operator's planners, plus files);
-    ``identity``: the source's resolved identity, when known."""
+def _deployment(
+    manifest: dict[str, Any], namespace: str | None
+) -> tuple[str, str, ModelDeploymentSpec]:
+    """(namespace, name, spec) of a ModelDeployment manifest, refused as the API server
+    would refuse it."""
     from modelstage.operator.api import ModelDeploymentSpec
-    from modelstage.operator.plan import plan_deployment
     from pydantic import ValidationError
 
     meta = manifest.get("metadata") or {}
@@ -138,6 +135,23 @@ def plan_deployment_report(
             f"ModelDeployment {ns}/{name}: the API server would refuse it: spec.{where}: "
             f"{first.get('msg')}"
         ) from None
+    return ns, name, spec
+
+
+def plan_deployment_report(
+    manifest: dict[str, Any],
+    *,
+    namespace: str | None,
+    workload: dict[str, Any] | None,
+    checkpoint: str | None,
+    stager_image: str,
+    identity: str | None = None,
+) -> dict[str, Any]:
+    """The report for one ModelDeployment manifest (the operator's planners, plus files);
+    ``identity``: the source's resolved identity, when known."""
+    from modelstage.operator.plan import plan_deployment
+
+    ns, name, spec = _deployment(manifest, namespace)
     plan = plan_deployment(spec, namespace=ns, name=name, workload=workload,
                            stager_image=stager_image, identity=identity)  # fmt: skip
     checks = [dataclasses.asdict(f) for f in plan.findings]
@@ -299,7 +313,18 @@ def _local_identity(req: Any, checks: list[dict[str, Any]]) -> str | None:
 # --- the human-readable report ----------------------------------------------------------------
 def render(report: dict[str, Any]) -> str:
     lines: list[str] = []
-    add = lines.append
+    _render_artifact(report, lines.append)
+    _render_jobs(report, lines.append)
+    _render_files(report, lines.append)
+    _render_vllm(report, lines.append)
+    _render_checks(report, lines.append)
+    return "\n".join(lines)
+
+
+Add = Callable[[str], None]
+
+
+def _render_artifact(report: dict[str, Any], add: Add) -> None:
     if report["kind"] == "ModelDeployment":
         add(f"ModelDeployment {report['namespace']}/{report['name']} (planned offline)")
     else:
@@ -316,19 +341,25 @@ def render(report: dict[str, Any]) -> str:
             add(f"            (in pods: {art['path']}, claim {art['claimName']})")
         layout = f", vLLM {art['vllmVersion']} layout" if art.get("vllmVersion") else ""
         add(f"  format:   {art['format']}, TP {art['tensorParallelSize']}, dtype {art['dtype']}"
-            f"{layout}")
+            f"{layout}")  # fmt: skip
     if report.get("claim"):
         claim = report["claim"]
         size = claim["spec"]["resources"]["requests"]["storage"]
         add(f"  claim:    creates PersistentVolumeClaim {claim['metadata']['name']} ({size})")
+
+
+def _render_jobs(report: dict[str, Any], add: Add) -> None:
     if report["kind"] == "stage":
         add(f"  command:  {shlex.join(report['jobs'][0]['command'])}")
-    else:
-        add("  staging:" if report["jobs"] else "  staging:  nothing (see checks)")
-    for job in report["jobs"] if report["kind"] != "stage" else []:
+        return
+    add("  staging:" if report["jobs"] else "  staging:  nothing (see checks)")
+    for job in report["jobs"]:
         pods = f"{job['pods']} pods, Indexed" if job["pods"] > 1 else "1 pod"
         add(f"    {job['name']} ({pods})")
         add(f"      {shlex.join(job['command'])}")
+
+
+def _render_files(report: dict[str, Any], add: Add) -> None:
     files = report.get("files")
     if files:
         add(f"  files:    {len(files['list'])} files, {human_bytes(files['bytes'])} "
@@ -341,6 +372,9 @@ def render(report: dict[str, Any]) -> str:
         add("  files:    none (staging would be refused: see checks)")
     else:
         add("  files:    (give a local copy of the checkpoint with --checkpoint DIR to list them)")
+
+
+def _render_vllm(report: dict[str, Any], add: Add) -> None:
     vllm = report.get("vllm")
     if vllm is None and report["kind"] == "ModelDeployment":
         add("  vLLM:     (give the workload's manifest with --workload FILE to plan its patch)")
@@ -352,13 +386,15 @@ def render(report: dict[str, Any]) -> str:
         for init in vllm["initContainers"]:
             add(f"    initContainer {init['name']}: {shlex.join(init['command'] or [])}")
         add(f"    env: {', '.join(vllm['env'])}")
-    if report["checks"]:
-        add("  checks:")
-        for c in report["checks"]:
-            what = {"staging": "blocks staging", "rollout": "blocks the rollout"}.get(
-                c["blocks"], "warning"
-            )
-            add(f"    {c['reason']} ({what}): {c['message']}")
-    else:
+
+
+def _render_checks(report: dict[str, Any], add: Add) -> None:
+    if not report["checks"]:
         add("  checks:   nothing would refuse it")
-    return "\n".join(lines)
+        return
+    add("  checks:")
+    for c in report["checks"]:
+        what = {"staging": "blocks staging", "rollout": "blocks the rollout"}.get(
+            c["blocks"], "warning"
+        )
+        add(f"    {c['reason']} ({what}): {c['message']}")

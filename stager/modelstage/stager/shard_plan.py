@@ -16,12 +16,11 @@ from dataclasses import dataclass
 
 from modelstage.core.errors import CheckpointError, SpecError
 from modelstage.core.layouts import Layout
-from modelstage.core.safetensors_format import DTYPE_SIZES
+from modelstage.core.safetensors_format import DTYPE_CODES, DTYPE_SIZES
 
 from .architectures import Architecture, Rule, Split, architecture_for
 from .model_config import ModelConfig
 
-DTYPE_NAMES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 TIED_EMBEDDING_TARGET = "lm_head.weight"
 """With tied embeddings vLLM writes the shared matrix once, under the head's name."""
 NON_LAYER_GROUP = -1
@@ -178,10 +177,10 @@ def _resolve_dtype(dtype: str) -> str | None:
     if dtype == "auto":
         return None
     try:
-        return DTYPE_NAMES[dtype]
+        return DTYPE_CODES[dtype]
     except KeyError:
         raise SpecError(
-            f"dtype {dtype!r} is not supported; use auto, " + ", ".join(DTYPE_NAMES)
+            f"dtype {dtype!r} is not supported; use auto, " + ", ".join(DTYPE_CODES)
         ) from None
 
 
