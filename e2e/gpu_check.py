@@ -93,6 +93,61 @@ def timed(fn: Callable[[], None], device: torch.device) -> float:
     return time.perf_counter() - start
 
 
+def measure(
+    files: list[tuple[Path, Any]], chunk: int, depth: int, device: torch.device
+) -> tuple[dict[str, float], bool]:
+    """GB/s of each way into device memory (cold cache), and whether the plugin's reader put
+    the same values as vLLM's stock path."""
+    from modelstage.plugin.reader import PipelinedReader, Target, flat_bytes
+
+    cuda = device.type == "cuda"
+    paths = [p for p, _ in files]
+    infos = [t for _, h in files for t in h.tensors.values()]
+    nbytes = sum(t.nbytes for t in infos)
+    size = sum(p.stat().st_size for p in paths)
+
+    def params() -> dict[str, torch.Tensor]:
+        return {t.name: torch.empty(t.shape, dtype=torch.bfloat16, device=device)
+                for t in infos}  # fmt: skip
+
+    pinned = torch.empty(chunk, dtype=torch.uint8, pin_memory=cuda)
+    sink = torch.empty(chunk, dtype=torch.uint8, device=device)
+
+    def ceiling() -> None:
+        for _ in range(math.ceil(nbytes / chunk)):
+            sink.copy_(pinned, non_blocking=True)
+
+    def raw_read() -> None:
+        buf = bytearray(chunk)
+        for p in paths:
+            with open(p, "rb", buffering=0) as f:
+                while f.readinto(buf):
+                    pass
+
+    stock_params = params()
+
+    def stock() -> None:
+        for p in paths:
+            with safe_open(str(p), framework="pt") as f:
+                for key in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
+                    stock_params[key].copy_(f.get_tensor(key))
+
+    plugin_params = params()
+    reader = PipelinedReader(chunk_bytes=chunk, depth=depth, device=device)
+
+    def plugin() -> None:
+        reader.read(files, lambda info: Target(flat_bytes(plugin_params[info.name])))
+
+    results: dict[str, float] = {}
+    for name, fn in (("ceiling", ceiling), ("raw_read", raw_read), ("stock", stock),
+                     ("plugin", plugin)):  # fmt: skip
+        drop_cache(paths)
+        seconds = timed(fn, device)
+        results[name] = round((size if name == "raw_read" else nbytes) / seconds / 1e9, 3)
+    equal = all(torch.equal(stock_params[k], plugin_params[k]) for k in stock_params)
+    return results, equal
+
+
 def main() -> None:
     cuda = torch.cuda.is_available()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -101,68 +156,24 @@ def main() -> None:
     parser.add_argument("--chunk-mib", type=int, default=16)
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--source", default=str(Path(__file__).resolve().parents[1]),
-                        help="the modelstage checkout (default: this script's)")
+                        help="the modelstage checkout (default: this script's)")  # fmt: skip
     args = parser.parse_args()
 
     import_project(Path(args.source))
     from modelstage.core.safetensors_format import encode_header, read_local_header
-    from modelstage.plugin.reader import PipelinedReader, Target, flat_bytes
 
     device = torch.device("cuda" if cuda else "cpu")
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="modelstage-gpu-check-", dir=args.dir) as tmp:
         paths = write_artifact(Path(tmp), int(args.size_gib * 1024**3), encode_header)
         files = [(p, read_local_header(p)) for p in paths]
-        infos = [t for _, h in files for t in h.tensors.values()]
-        nbytes = sum(t.nbytes for t in infos)
-        size = sum(p.stat().st_size for p in paths)
-
-        def params() -> dict[str, torch.Tensor]:
-            return {t.name: torch.empty(t.shape, dtype=torch.bfloat16, device=device)
-                    for t in infos}  # fmt: skip
-
-        chunk = args.chunk_mib * 1024 * 1024
-        pinned = torch.empty(chunk, dtype=torch.uint8, pin_memory=cuda)
-        sink = torch.empty(chunk, dtype=torch.uint8, device=device)
-
-        def ceiling() -> None:
-            for _ in range(math.ceil(nbytes / chunk)):
-                sink.copy_(pinned, non_blocking=True)
-
-        def raw_read() -> None:
-            buf = bytearray(chunk)
-            for p in paths:
-                with open(p, "rb", buffering=0) as f:
-                    while f.readinto(buf):
-                        pass
-
-        stock_params = params()
-
-        def stock() -> None:
-            for p in paths:
-                with safe_open(str(p), framework="pt") as f:
-                    for key in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
-                        stock_params[key].copy_(f.get_tensor(key))
-
-        plugin_params = params()
-        reader = PipelinedReader(chunk_bytes=chunk, depth=args.depth, device=device)
-
-        def plugin() -> None:
-            reader.read(files, lambda info: Target(flat_bytes(plugin_params[info.name])))
-
-        results: dict[str, float] = {}
-        for name, fn in (("ceiling", ceiling), ("raw_read", raw_read), ("stock", stock),
-                         ("plugin", plugin)):  # fmt: skip
-            drop_cache(paths)
-            seconds = timed(fn, device)
-            results[name] = round((size if name == "raw_read" else nbytes) / seconds / 1e9, 3)
-        equal = all(torch.equal(stock_params[k], plugin_params[k]) for k in stock_params)
-
+        nbytes = sum(t.nbytes for _, h in files for t in h.tensors.values())
+        results, equal = measure(files, args.chunk_mib * 1024 * 1024, args.depth, device)
     summary = {
         "device": torch.cuda.get_device_name(device) if cuda else "cpu (reduced mode)",
         "torch": torch.__version__,
         "bytes": nbytes,
-        "files": len(paths),
+        "files": len(files),
         "chunk_mib": args.chunk_mib,
         "depth": args.depth,
         "gb_per_s": results,

@@ -120,20 +120,7 @@ def _parse(doc: object) -> Manifest:
     for name in required:
         if name not in doc:
             raise _Invalid(name, "field required")
-    values = dict(doc)
-    for name in ("tensorParallelSize", "pipelineParallelSize", "schemaVersion", "bytes"):
-        if name in values:
-            low = 0 if name == "bytes" else 1
-            values[name] = _int(name, values[name], low)
-    for name in ("format", "dtype", "digest", "vllmVersion", "layoutVersion",
-                 "modelstageVersion", "createdAt"):  # fmt: skip
-        if not isinstance(values[name], str):
-            raise _Invalid(name, "must be a string")
-    if isinstance(values["stageSeconds"], bool) or not isinstance(
-        values["stageSeconds"], int | float
-    ):
-        raise _Invalid("stageSeconds", "must be a number")
-    values["stageSeconds"] = float(values["stageSeconds"])
+    values = _scalars(dict(doc))
     if not isinstance(values["source"], dict):
         raise _Invalid("source", "must be an object")
     files = values["files"]
@@ -143,6 +130,23 @@ def _parse(doc: object) -> Manifest:
     for name in values["files"]:
         _check_file_name(name, values["format"])
     return Manifest(**values)
+
+
+def _scalars(values: dict[str, Any]) -> dict[str, Any]:
+    """The scalar fields checked: integers, strings and the one number."""
+    for name in ("tensorParallelSize", "pipelineParallelSize", "schemaVersion", "bytes"):
+        if name in values:
+            low = 0 if name == "bytes" else 1
+            values[name] = _int(name, values[name], low)
+    for name in ("format", "dtype", "digest", "vllmVersion", "layoutVersion",
+                 "modelstageVersion", "createdAt"):  # fmt: skip
+        if not isinstance(values[name], str):
+            raise _Invalid(name, "must be a string")
+    seconds = values["stageSeconds"]
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+        raise _Invalid("stageSeconds", "must be a number")
+    values["stageSeconds"] = float(seconds)
+    return values
 
 
 def _check_file_name(name: str, format: str) -> None:

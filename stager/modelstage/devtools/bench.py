@@ -12,18 +12,18 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from modelstage.core.progress import human_bytes
 from modelstage.core.s3_client import S3Options
 
+from .measure import Measurement, drop_page_cache, run_child, stager_argv
 from .synthetic import SyntheticModel, write_checkpoint
 
 GIB = 1024**3
@@ -41,58 +41,8 @@ def llama70b_scaled(size_bytes: int, *, shards: int = 4) -> SyntheticModel:
     )  # fmt: skip
 
 
-@dataclass
-class Measurement:
-    name: str
-    seconds: list[float] = field(default_factory=list)
-    nbytes: int = 0
-    peak_rss: int = 0
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.seconds)
-
-    @property
-    def throughput(self) -> float:
-        return self.nbytes / self.median if self.seconds else 0.0
-
-
-def drop_page_cache() -> bool:
-    """Drop the page cache where permitted (root on a host that allows it)."""
-    try:
-        os.sync()
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return True
-    except OSError:
-        return False
-
-
-def run_child(argv: list[str], env: dict[str, str] | None = None) -> tuple[float, int]:
-    """Wall seconds and peak RSS (bytes) of a child process.
-
-    The stager reports its own peak (``peakRssBytes`` in its summary line, from VmHWM): the
-    kernel's ``ru_maxrss`` of a child also counts this large parent's memory at fork.
-    """
-    start = time.perf_counter()
-    done = subprocess.run(argv, capture_output=True, text=True, env=env, check=False)
-    seconds = time.perf_counter() - start
-    if done.returncode:
-        raise RuntimeError(f"{argv[0]} failed: {done.stderr.strip().splitlines()[-1:]}")
-    lines = done.stdout.strip().splitlines()
-    try:
-        peak = int(json.loads(lines[-1]).get("peakRssBytes", 0)) if lines else 0
-    except (ValueError, AttributeError):
-        peak = 0
-    return seconds, peak
-
-
 def dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
-
-
-def stager_argv(source: Path, out: Path | str, tp: int, *flags: str) -> list[str]:
-    return [sys.executable, "-P", "-m", "modelstage.stager.cli", "stage", str(source),
-            "--tp", str(tp), "--out", str(out), *flags]  # fmt: skip
 
 
 def bench_staging(source: Path, work: Path, tps: list[int], repeats: int) -> list[Measurement]:

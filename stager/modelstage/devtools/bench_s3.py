@@ -27,7 +27,7 @@ from modelstage.plugin.reader import TORCH_DTYPES, PipelinedReader, Target, flat
 from modelstage.plugin.settings import PluginSettings
 from modelstage.plugin.stores import store_for
 
-from .bench import Measurement, run_child, stager_argv
+from .measure import Measurement, run_child, stager_argv
 
 WAYS = 8
 GET_BYTES = 8 * 1024 * 1024

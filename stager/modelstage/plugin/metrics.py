@@ -57,9 +57,8 @@ class _Metrics:
     """The process's metric objects, created on first use (one registry per process)."""
 
     def __init__(self) -> None:
-        from prometheus_client import REGISTRY, Counter, Gauge
+        from prometheus_client import Counter, Gauge
 
-        self.registry = REGISTRY
         labels = ("rank", "load_format")
         self.bytes = Counter(
             "modelstage_load_bytes", "Bytes of the artifact read by this rank's loads.", labels

@@ -57,7 +57,7 @@ class RankBytes(ABC):
         return self
 
     def __exit__(
-        self, kind: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+        self, kind: type[BaseException] | None, e: BaseException | None, _tb: TracebackType | None
     ) -> None:
         self.close()
 

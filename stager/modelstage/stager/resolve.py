@@ -30,7 +30,7 @@ from .checkpoint import Checkpoint, open_checkpoint
 from .sources import Source, open_source
 
 if TYPE_CHECKING:
-    from .stage import StageRequest
+    from .request import StageRequest
 
 
 @dataclass

@@ -74,11 +74,6 @@ class ShardPlan:
     targets: tuple[TargetTensor, ...]
     ignored_sources: tuple[str, ...]
 
-    @property
-    def rank_bytes(self) -> int:
-        """Tensor bytes per rank (headers excluded)."""
-        return sum(t.nbytes for t in self.targets)
-
 
 def plan_shards(
     config: ModelConfig,

@@ -7,7 +7,6 @@ import datetime
 import hashlib
 import json
 import time
-from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, TextIO
 
@@ -17,55 +16,16 @@ from modelstage.core.formats import FORMATS, S3, format_for
 from modelstage.core.layouts import Layout, layout_for
 from modelstage.core.manifest import FileEntry, Manifest
 from modelstage.core.progress import Progress
-from modelstage.core.s3_client import S3Options
 
 from .checkpoint import open_checkpoint
 from .destinations.base import Destination
 from .destinations.local import LocalDestination
-from .network import Timeouts
+from .request import StageRequest as StageRequest
 from .resolve import Resolved, canonical_uri, check_expected, check_identity, resolve
 from .shard_plan import plan_shards
 from .sources import Source, open_source
 from .writers.hf_copy import copy_small_file, copy_weight_files, small_files
 from .writers.rank_files import write_rank_files
-
-
-@dataclass(frozen=True)
-class StageRequest:
-    source: str
-    out: str
-    tp: int
-    pp: int = 1
-    dtype: str = "auto"
-    format: str = "sharded_state"
-    vllm_version: str | None = None
-    digest: str | None = None
-    """The operator passes its own (computed from the spec and the resolved source identity);
-    the CLI computes it otherwise."""
-    revision: str | None = None
-    source_uri: str | None = None
-    """The logical URI (e.g. ``pvc://claim/path``) when ``source`` is where it is mounted."""
-    s3: S3Options | None = None
-    """How to reach ``s3://`` sources and destinations (endpoint, region, addressing, CA,
-    credentials)."""
-    hf_token_file: str | None = None
-    """A mounted Secret holding a Hub token for ``hf://`` sources (default: ``HF_TOKEN``)."""
-    cache_dir: str | None = None
-    """The hub cache ``hf://`` sources download into (default: ``HF_HUB_CACHE``)."""
-    timeouts: Timeouts | None = None
-    """Connect/read timeouts and retries of Hub requests (default: ``MODELSTAGE_*`` or
-    network.py's defaults); S3 takes its own from ``s3``."""
-    max_part_bytes: int | None = None
-    """Largest part file per rank (default: the layout's). It shapes the bytes: every
-    worker and the finalize step of one artifact must use the same value."""
-    allow_pickle: bool = False
-    """Accept a checkpoint with only pickle weights, loaded with ``torch.load(weights_only=
-    True)`` and converted to safetensors first (pickle_source.py); refused by default."""
-    expect_identity: str | None = None
-    """The source identity resolved earlier (the operator's resolve step): a source that no
-    longer has it is refused instead of staged under a digest that does not describe it."""
-    force: bool = False
-    """Replace an artifact already at ``out`` (another digest, or the same one re-staged)."""
 
 
 def modelstage_version() -> str:

@@ -1,15 +1,37 @@
-"""The interface of an artifact destination: sinks, a commit point, and a way to abort."""
+"""The interface of an artifact destination: sinks, a commit point, and a way to abort.
+
+Writers (``writers/``) write through ``Sink``s a destination opens; they know nothing else of
+where the bytes go.
+"""
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
 from modelstage.core.errors import SpecError
 from modelstage.core.manifest import Manifest
 
-from ..writers.rank_files import Sink
+from ..pieces import Piece
+
+
+class Sink(Protocol):
+    """One output file being written front to back (a local file, an S3 multipart upload)."""
+
+    def write(self, data: Piece) -> None: ...
+
+    def close(self) -> tuple[int, str]:
+        """Finish durably; returns (size, sha256 hex)."""
+        ...
+
+    def abort(self) -> None: ...
+
+
+OpenSink = Callable[[str, int], Sink]
+"""(file name, exact final size) -> Sink."""
+Completed = Callable[[str, int], tuple[int, str] | None]
+"""(file name, exact final size) -> (size, sha256) of a file already complete, else None."""
 
 
 class Destination(abc.ABC):

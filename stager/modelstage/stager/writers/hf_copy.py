@@ -13,9 +13,8 @@ from collections.abc import Callable
 from modelstage.core.progress import Progress
 
 from ..checkpoint import INDEX, Checkpoint
-from ..destinations.base import Destination
+from ..destinations.base import Completed, Destination, OpenSink
 from ..sources.base import Source
-from .rank_files import Completed, OpenSink
 
 COPY_CHUNK_BYTES = 8 * 1024 * 1024
 INLINE_BYTES = 8 * 1024 * 1024

@@ -19,7 +19,6 @@ import threading
 from collections.abc import Callable, Container, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 from modelstage.core.formats import Format
@@ -28,6 +27,7 @@ from modelstage.core.progress import Progress
 from modelstage.core.safetensors_format import encode_header
 
 from ..checkpoint import Checkpoint
+from ..destinations.base import Completed, OpenSink, Sink
 from ..pieces import Piece, SourceBytes
 from ..shard_plan import NON_LAYER_GROUP, ShardPlan, Slot, TargetTensor
 
@@ -35,24 +35,6 @@ CHUNK_BYTES = 32 * 1024 * 1024
 POOL_BUFFERS = 4
 ZEROS = bytes(4 * 1024 * 1024)
 PART_METADATA = {"format": "pt"}
-
-
-class Sink(Protocol):
-    """One output file being written front to back (a local file, an S3 multipart upload)."""
-
-    def write(self, data: Piece) -> None: ...
-
-    def close(self) -> tuple[int, str]:
-        """Finish durably; returns (size, sha256 hex)."""
-        ...
-
-    def abort(self) -> None: ...
-
-
-OpenSink = Callable[[str, int], Sink]
-"""(file name, exact final size) -> Sink."""
-Completed = Callable[[str, int], tuple[int, str] | None]
-"""(file name, exact final size) -> (size, sha256) of a file already complete, else None."""
 
 
 def plan_parts(plan: ShardPlan, max_part_bytes: int) -> list[list[TargetTensor]]:

@@ -56,9 +56,10 @@ from modelstage.core.formats import FORMATS
 from modelstage.core.progress import Progress
 
 from ..checkpoint import Checkpoint
+from ..destinations.base import Completed, OpenSink, Sink
 from ..pieces import Piece, copy_piece, piece_nbytes
 from ..shard_plan import TIED_EMBEDDING_TARGET, ShardPlan, TargetTensor
-from .rank_files import Completed, OpenSink, Sink, _DoneSink, _RankStreams, _stream_part
+from .rank_files import _DoneSink, _RankStreams, _stream_part
 
 MARKER = ".vllm_tensorized_marker"
 TIED_EMBEDDING_ALIASES = ("model.embed_tokens.weight",)
@@ -377,12 +378,6 @@ def serialize_ranks(
 
     entries = file_entries(plan, tied)
     serializers = [TensorSerializer(f) if f is not None else None for f in files]
-
-    def abort_all() -> None:
-        for f in files:
-            if isinstance(f, _StreamingFile):
-                f.abort()
-
     try:
         marker = torch.empty((1,), dtype=torch.int64, device="meta")
         sinks: list[Sink] = []
@@ -400,22 +395,32 @@ def serialize_ranks(
         for c in sinks:
             c.close()
     except BaseException:
-        abort_all()
+        _abort_all(files)
         raise
     finally:
-        # Every serializer is closed (closing its file and stopping its thread pools), also
-        # when one of them fails its close: then the others' files are aborted first.
-        failure: BaseException | None = None
-        for s in serializers:
-            if s is None:
-                continue
-            try:
-                s.close()
-            except BaseException as e:
-                abort_all()
-                failure = failure or e
-        if failure is not None:
-            raise failure
+        _close_all(serializers, files)
+
+
+def _abort_all(files: Sequence[Any]) -> None:
+    for f in files:
+        if isinstance(f, _StreamingFile):
+            f.abort()
+
+
+def _close_all(serializers: Sequence[Any], files: Sequence[Any]) -> None:
+    """Close every serializer (closing its file and stopping its thread pools), also when one
+    of them fails its close: then the others' files are aborted first."""
+    failure: BaseException | None = None
+    for s in serializers:
+        if s is None:
+            continue
+        try:
+            s.close()
+        except BaseException as e:
+            _abort_all(files)
+            failure = failure or e
+    if failure is not None:
+        raise failure
 
 
 def write_tensorizer_files(
