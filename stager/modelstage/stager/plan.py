@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import shlex
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,13 +33,7 @@ from modelstage.core.progress import human_bytes
 if TYPE_CHECKING:
     from modelstage.operator.api import ModelDeploymentSpec
 
-
-@dataclass(frozen=True)
-class PlannedFile:
-    name: str
-    size: int
-    rank: int | None
-    """The tensor-parallel rank whose file it is; None for files every rank reads."""
+    from .writers import PlannedFile
 
 
 def plan_files(
@@ -59,37 +52,21 @@ def plan_files(
     from modelstage.core.layouts import layout_for
 
     from .checkpoint import open_checkpoint
-    from .scale_out import part_sizes
     from .shard_plan import plan_shards
     from .sources.local import LocalSource
-    from .writers.hf_copy import small_files
-    from .writers.rank_files import plan_parts, rank_file_names
+    from .writers import PlannedFile, WriteJob, writer_for
 
     layout = layout_for(vllm_version)
     if max_part_bytes is not None:
         layout = dataclasses.replace(layout, max_part_bytes=max_part_bytes)
+    fmt = format_for(load_format)
     source = LocalSource(checkpoint_dir)
     try:
         ckpt = open_checkpoint(source)
         plan = plan_shards(ckpt.model, ckpt.source_tensors, tp, layout, dtype)
-        files: list[PlannedFile] = []
-        carried = ckpt.carried_over
-        fmt = format_for(load_format)
-        if fmt.writer == "rank_files":
-            parts = plan_parts(plan, layout.max_part_bytes)
-            names, sizes = rank_file_names(fmt, tp, len(parts)), part_sizes(parts)
-            files = [PlannedFile(names[r][p], sizes[p], r) for r in range(tp)
-                     for p in range(len(parts))]  # fmt: skip
-        elif fmt.writer == "tensorizer":
-            from .writers.tensorizer import file_entries, predict_layout
-
-            tied = ckpt.model.tie_word_embeddings
-            size = predict_layout(plan, file_entries(plan, tied)).size
-            files = [PlannedFile(fmt.rank_file_name(r), size, r) for r in range(tp)]
-        else:  # runai_streamer: the Hugging Face layout, copied as it is
-            files = [PlannedFile(n, source.size(n), None) for n in ckpt.weight_files]
-            carried = small_files(ckpt)
-        files += [PlannedFile(n, source.size(n), None) for n in carried]
+        writer = writer_for(fmt)
+        files = writer.planned(WriteJob(ckpt, plan, layout, fmt))
+        files += [PlannedFile(n, source.size(n), None) for n in writer.carried(ckpt)]
     finally:
         source.close()
     return files
@@ -247,12 +224,12 @@ def plan_stage_report(
 ) -> dict[str, Any]:
     """What ``modelstage stage`` would do with ``req`` (a StageRequest); ``identity``: the
     source's resolved identity, else resolved here for a local source (headers only)."""
-    from .stage import check_request, open_destination, request_digest
+    from .stage import check_request, request_destination, request_digest
 
     checks: list[dict[str, Any]] = []
     try:
         check_request(req)
-        open_destination(req)
+        request_destination(req)
     except ModelstageError as error:
         checks.append({"reason": "StageRefused", "message": " ".join(str(error).split()),
                        "blocks": "staging"})  # fmt: skip

@@ -40,26 +40,31 @@ from modelstage.core.errors import SpecError
 from modelstage.core.formats import FORMATS, Format, format_for
 from modelstage.core.layouts import Layout
 from modelstage.core.progress import Progress
-from modelstage.core.safetensors_format import encode_header
 
 from .checkpoint import Checkpoint, open_checkpoint
 from .destinations.base import Destination
-from .resolve import Resolved, check_expected, check_identity, resolve
+from .resolve import check_identity
 from .shard_plan import ShardPlan, TargetTensor, plan_shards
-from .sources import Source, open_source
 from .stage import (
     StageRequest,
     _summary,
+    aborted_on_failure,
     build_manifest,
-    existing_artifact,
     modelstage_version,
-    open_destination,
-    request_digest,
+    open_run,
+    request_destination,
     request_layout,
     run_key,
 )
 from .writers.hf_copy import copy_small_file
-from .writers.rank_files import PART_METADATA, plan_parts, rank_file_names, write_rank_files
+from .writers.rank_files import (
+    part_sizes as part_sizes,
+)
+from .writers.rank_files import (
+    plan_parts,
+    rank_file_names,
+    write_rank_files,
+)
 
 WORKERS_ENV = "MODELSTAGE_WORKERS"
 INDEX_ENV = "JOB_COMPLETION_INDEX"
@@ -97,15 +102,6 @@ class Group:
         if INDEX_ENV not in env:
             raise SpecError(f"{WORKERS_ENV} is set but {INDEX_ENV} is not: not an Indexed Job pod")
         return Group.parse(f"{env[INDEX_ENV]}/{env[WORKERS_ENV]}")
-
-
-def part_sizes(parts: Sequence[Sequence[TargetTensor]]) -> list[int]:
-    """Each part file's exact size (header + data); equal on every rank."""
-    sizes = []
-    for part in parts:
-        header, _ = encode_header([(t.name, t.dtype, t.shape) for t in part], PART_METADATA)
-        sizes.append(len(header) + sum(t.nbytes for t in part))
-    return sizes
 
 
 def assign_parts(sizes: Sequence[int], workers: int) -> list[range]:
@@ -155,16 +151,6 @@ def _check_request(req: StageRequest) -> None:
         )
 
 
-def _open(req: StageRequest, resolved: Resolved) -> Source:
-    """The source staging reads: the one resolving opened (local, S3), or the Hub's files."""
-    source = resolved.source or open_source(req.source, revision=req.revision, s3=req.s3,
-                                            hf_token_file=req.hf_token_file,
-                                            cache_dir=req.cache_dir, timeouts=req.timeouts,
-                                            commit=resolved.commit)  # fmt: skip
-    resolved.source = None
-    return source
-
-
 def _plan_run(req: StageRequest, checkpoint: Checkpoint, digest: str, resolved: str) -> _Run:
     layout = request_layout(req)
     plan = plan_shards(checkpoint.model, checkpoint.source_tensors, req.tp, layout, req.dtype)
@@ -185,23 +171,19 @@ def stage_group(
     """Write every rank's files of this worker's parts into the shared work area."""
     started = time.monotonic()
     _check_request(req)
-    dest = open_destination(req)
-    resolved = resolve(req)
+    dest = request_destination(req)
+    opened = open_run(req, dest)
+    if opened.existing is not None or opened.source is None:
+        assert opened.existing is not None
+        return {**_summary(opened.existing, dest.uri, time.monotonic() - started, already=True),
+                "group": str(group)}  # fmt: skip
+    source = opened.source
     try:
-        check_expected(resolved, req.expect_identity)
-        digest = request_digest(req, resolved.identity)
-        if (existing := existing_artifact(dest, req, digest, resolved)) is not None:
-            return {**_summary(existing, dest.uri, time.monotonic() - started, already=True),
-                    "group": str(group)}  # fmt: skip
-        source = _open(req, resolved)
-    finally:
-        resolved.close()
-    try:
-        checkpoint = resolved.checkpoint or open_checkpoint(source)
-        run = _plan_run(req, checkpoint, digest, resolved.identity)
+        checkpoint = opened.resolved.checkpoint or open_checkpoint(source)
+        run = _plan_run(req, checkpoint, opened.digest, opened.resolved.identity)
         mine = assign_parts(part_sizes(run.parts), group.count)[group.index]
         dest.begin_shared(run.key, params=run.params)
-        try:
+        with aborted_on_failure(dest):
             progress = Progress(
                 sum(t.nbytes for p in mine for t in run.parts[p]) * run.plan.tp,
                 sum(len(run.parts[p]) for p in mine),
@@ -214,14 +196,11 @@ def stage_group(
                 dest.completed, only=mine,
             )
             progress.finish()
-        except BaseException:
-            dest.abort()
-            raise
         dest.release()
     finally:
         source.close()
     return {
-        "digest": digest,
+        "digest": opened.digest,
         "uri": dest.uri,
         "group": str(group),
         "parts": [mine.start, mine.stop] if mine else [],
@@ -236,29 +215,22 @@ def finalize(req: StageRequest, *, progress_stream: TextIO | None = None) -> dic
     """Check that every part of every rank is there and whole, then publish the artifact."""
     started = time.monotonic()
     _check_request(req)
-    dest = open_destination(req)
-    resolved = resolve(req)
+    dest = request_destination(req)
+    opened = open_run(req, dest)
+    if opened.existing is not None or opened.source is None:
+        assert opened.existing is not None
+        return _summary(opened.existing, dest.uri, time.monotonic() - started, already=True)
+    source = opened.source
     try:
-        check_expected(resolved, req.expect_identity)
-        digest = request_digest(req, resolved.identity)
-        if (existing := existing_artifact(dest, req, digest, resolved)) is not None:
-            return _summary(existing, dest.uri, time.monotonic() - started, already=True)
-        source = _open(req, resolved)
-    finally:
-        resolved.close()
-    try:
-        checkpoint = resolved.checkpoint or open_checkpoint(source)
-        run = _plan_run(req, checkpoint, digest, resolved.identity)
+        checkpoint = opened.resolved.checkpoint or open_checkpoint(source)
+        run = _plan_run(req, checkpoint, opened.digest, opened.resolved.identity)
         dest.begin_shared(run.key, finalize=True, params=run.params)
-        try:
+        with aborted_on_failure(dest):
             files = _check_parts(dest, run, progress_stream)
             for name in run.checkpoint.carried_over:
                 files[name] = copy_small_file(source, name, dest)
-            manifest = build_manifest(req, digest, run.layout, run.identity, files, started)
+            manifest = build_manifest(req, opened.digest, run.layout, run.identity, files, started)
             dest.commit(manifest)
-        except BaseException:
-            dest.abort()
-            raise
     finally:
         source.close()
     return _summary(manifest, dest.uri, time.monotonic() - started, already=False)

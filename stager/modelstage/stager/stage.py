@@ -2,30 +2,31 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import hashlib
 import json
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, TextIO
 
 from modelstage.core.digest import artifact_digest, identity_key
 from modelstage.core.errors import ArtifactError, SpecError
-from modelstage.core.formats import FORMATS, S3, format_for
+from modelstage.core.formats import format_for
 from modelstage.core.layouts import Layout, layout_for
 from modelstage.core.manifest import FileEntry, Manifest
-from modelstage.core.progress import Progress
 
 from .checkpoint import open_checkpoint
-from .destinations.base import Destination
-from .destinations.local import LocalDestination
+from .destinations import Destination, open_destination
 from .request import StageRequest as StageRequest
 from .resolve import Resolved, canonical_uri, check_expected, check_identity, resolve
 from .shard_plan import plan_shards
 from .sources import Source, open_source
-from .writers.hf_copy import copy_small_file, copy_weight_files, small_files
-from .writers.rank_files import write_rank_files
+from .writers import WriteJob, writer_for
+from .writers.hf_copy import copy_small_file
 
 
 def modelstage_version() -> str:
@@ -58,18 +59,9 @@ def request_digest(req: StageRequest, identity: str) -> str:
     )
 
 
-def open_destination(req: StageRequest) -> Destination:
-    """The destination strategy for ``--out``: an S3 prefix or a local directory."""
-    fmt = format_for(req.format)
-    if req.out.startswith("s3://"):
-        fmt.check_destination(S3)
-        from .destinations.s3 import S3Destination
-
-        # A per-rank writer has every rank's file open at once.
-        return S3Destination(req.out, req.s3, open_files=req.tp if fmt.per_rank else 1)
-    if "://" in req.out and not req.out.startswith("file://"):
-        raise SpecError(f"--out {req.out!r}: only s3:// URIs and local paths are supported")
-    return LocalDestination(req.out.removeprefix("file://"))
+def request_destination(req: StageRequest) -> Destination:
+    """Where ``req`` writes (``--out``), as its format allows."""
+    return open_destination(req.out, format_for(req.format), s3=req.s3, tp=req.tp)
 
 
 def run_key(digest: str, identity: dict[str, Any]) -> str:
@@ -97,70 +89,77 @@ def stage(req: StageRequest, *, progress_stream: TextIO | None = None) -> dict[s
     """Stage one artifact; returns the one-line summary. Idempotent for a complete artifact."""
     started = time.monotonic()
     check_request(req)
+    fmt = format_for(req.format)
     layout = request_layout(req)
-    dest = open_destination(req)
+    dest = request_destination(req)
+    run = open_run(req, dest)
+    if run.existing is not None or run.source is None:
+        assert run.existing is not None
+        return _summary(run.existing, dest.uri, time.monotonic() - started, already=True)
+    source = _with_pickles_converted(run.source, req.out) if req.allow_pickle else run.source
+    try:
+        checkpoint = run.resolved.checkpoint or open_checkpoint(source)
+        # Also for runai_streamer: a TP that cannot split this model fails here, not in vLLM.
+        plan = plan_shards(checkpoint.model, checkpoint.source_tensors, req.tp, layout, req.dtype)
+        identity = checkpoint.identity()
+        check_identity(run.resolved.identity, identity, run.resolved.uri)
+        dest.begin(run_key(run.digest, identity))
+        with aborted_on_failure(dest):
+            writer = writer_for(fmt)
+            job = WriteJob(checkpoint, plan, layout, fmt)
+            label = f"staging {req.format} tp={req.tp} to {dest.uri}"
+            progress = writer.progress(job, label, progress_stream)
+            files = writer.write(job, dest, progress)
+            for name in writer.carried(checkpoint):
+                files[name] = copy_small_file(source, name, dest)
+            progress.finish()
+            manifest = build_manifest(req, run.digest, layout, identity, files, started)
+            dest.commit(manifest)
+    finally:
+        source.close()
+    return _summary(manifest, dest.uri, time.monotonic() - started, already=False)
+
+
+@dataclass
+class OpenRun:
+    """A run's start: its source resolved and checked, its digest, and either the artifact
+    already there (nothing was opened) or the source opened to read."""
+
+    resolved: Resolved
+    digest: str
+    existing: Manifest | None = None
+    source: Source | None = None
+
+
+def open_run(req: StageRequest, dest: Destination) -> OpenRun:
+    """What ``stage``, ``stage --group`` and ``finalize`` start with: resolve the source and
+    check it is the one expected, take the digest, look at the destination; then open the
+    source (the one resolving opened, for a local or S3 source)."""
     resolved = resolve(req)
     try:
         check_expected(resolved, req.expect_identity)
         digest = request_digest(req, resolved.identity)
         existing = existing_artifact(dest, req, digest, resolved)
         if existing is not None:
-            return _summary(existing, dest.uri, time.monotonic() - started, already=True)
+            return OpenRun(resolved, digest, existing)
         source = resolved.source or open_source(req.source, revision=req.revision, s3=req.s3,
                                                 hf_token_file=req.hf_token_file,
                                                 cache_dir=req.cache_dir, timeouts=req.timeouts,
                                                 commit=resolved.commit)  # fmt: skip
-        resolved.source = None  # handed on: closed below, as ``source``
+        resolved.source = None  # handed on: the caller closes it
     finally:
         resolved.close()
-    if req.allow_pickle:
-        source = _with_pickles_converted(source, req.out)
-    try:
-        checkpoint = resolved.checkpoint or open_checkpoint(source)
-        # Also for runai_streamer: a TP that cannot split this model fails here, not in vLLM.
-        plan = plan_shards(checkpoint.model, checkpoint.source_tensors, req.tp, layout, req.dtype)
-        identity = checkpoint.identity()
-        check_identity(resolved.identity, identity, resolved.uri)
-        dest.begin(run_key(digest, identity))
-        try:
-            label = f"staging {req.format} tp={req.tp} to {dest.uri}"
-            if FORMATS[req.format].writer == "rank_files":
-                progress = Progress(checkpoint.weight_bytes, len(plan.targets), label=label,
-                                    stream=progress_stream)  # fmt: skip
-                files = write_rank_files(
-                    plan, checkpoint, layout, FORMATS[req.format], dest.open_sink, progress,
-                    dest.completed,
-                )
-                carried = checkpoint.carried_over
-            elif FORMATS[req.format].writer == "tensorizer":
-                from .writers.tensorizer import write_tensorizer_files
+    return OpenRun(resolved, digest, source=source)
 
-                progress = Progress(checkpoint.weight_bytes, len(plan.targets), label=label,
-                                    stream=progress_stream)  # fmt: skip
-                files = write_tensorizer_files(
-                    plan, checkpoint, dest.open_sink, progress, dest.completed,
-                    tied=checkpoint.model.tie_word_embeddings,
-                )  # fmt: skip
-                carried = checkpoint.carried_over
-            else:
-                progress = Progress(
-                    sum(source.size(f) for f in checkpoint.weight_files),
-                    len(checkpoint.weight_files), label=label, stream=progress_stream,
-                    items="files",
-                )  # fmt: skip
-                files = copy_weight_files(checkpoint, dest.open_sink, progress, dest.completed)
-                carried = small_files(checkpoint)
-            for name in carried:
-                files[name] = copy_small_file(source, name, dest)
-            progress.finish()
-            manifest = build_manifest(req, digest, layout, identity, files, started)
-            dest.commit(manifest)
-        except BaseException:
-            dest.abort()
-            raise
-    finally:
-        source.close()
-    return _summary(manifest, dest.uri, time.monotonic() - started, already=False)
+
+@contextlib.contextmanager
+def aborted_on_failure(dest: Destination) -> Iterator[None]:
+    """Nothing of a failed (or interrupted) run stays visible: the work area goes."""
+    try:
+        yield
+    except BaseException:
+        dest.abort()
+        raise
 
 
 def existing_artifact(

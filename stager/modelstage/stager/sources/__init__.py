@@ -7,6 +7,8 @@ import importlib
 from typing import Any
 
 from modelstage.core.errors import CheckpointError
+from modelstage.core.formats import LOCAL
+from modelstage.core.location import parse_location
 
 from .base import Source
 from .local import LocalSource
@@ -28,9 +30,10 @@ def open_source(uri: str, **options: Any) -> Source:
     ``cache_dir``, the resolved hf ``commit``); each source takes the ones it understands and
     ignores the rest.
     """
-    if "://" not in uri or uri.startswith("file://"):
-        return LocalSource(uri.removeprefix("file://"))
-    scheme = uri.split("://", 1)[0]
+    location = parse_location(uri)
+    if location.kind == LOCAL:
+        return LocalSource(str(location.path))
+    scheme = location.kind
     if scheme == "pvc":
         raise CheckpointError(
             f"{uri}: pvc:// sources are read where the claim is mounted; pass the mount path as "

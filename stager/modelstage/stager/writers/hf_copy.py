@@ -9,16 +9,39 @@ in fixed-size chunks: memory stays bounded whatever the file sizes.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TextIO
 
 from modelstage.core.progress import Progress
 
 from ..checkpoint import INDEX, Checkpoint
 from ..destinations.base import Completed, Destination, OpenSink
 from ..sources.base import Source
+from .base import PlannedFile, WriteJob, Writer
 
 COPY_CHUNK_BYTES = 8 * 1024 * 1024
 INLINE_BYTES = 8 * 1024 * 1024
 """Carried files up to this size are read in one piece (``Destination.write_small``)."""
+
+
+class HfCopyWriter(Writer):
+    """The checkpoint's own safetensors files, byte for byte; its index travels with them."""
+
+    def progress(self, job: WriteJob, label: str, stream: TextIO | None = None) -> Progress:
+        files = job.checkpoint.weight_files
+        total = sum(job.checkpoint.source.size(f) for f in files)
+        return Progress(total, len(files), label=label, stream=stream, items="files")
+
+    def write(
+        self, job: WriteJob, dest: Destination, progress: Progress
+    ) -> dict[str, tuple[int, str]]:
+        return copy_weight_files(job.checkpoint, dest.open_sink, progress, dest.completed)
+
+    def carried(self, checkpoint: Checkpoint) -> tuple[str, ...]:
+        return small_files(checkpoint)
+
+    def planned(self, job: WriteJob) -> list[PlannedFile]:
+        source = job.checkpoint.source
+        return [PlannedFile(n, source.size(n), None) for n in job.checkpoint.weight_files]
 
 
 def copy_weight_files(

@@ -27,9 +27,10 @@ from modelstage.core.progress import Progress
 from modelstage.core.safetensors_format import encode_header
 
 from ..checkpoint import Checkpoint
-from ..destinations.base import Completed, OpenSink, Sink
+from ..destinations.base import Completed, Destination, OpenSink, Sink
 from ..pieces import Piece, SourceBytes
 from ..shard_plan import NON_LAYER_GROUP, ShardPlan, Slot, TargetTensor
+from .base import PlannedFile, WriteJob, Writer
 
 CHUNK_BYTES = 32 * 1024 * 1024
 POOL_BUFFERS = 4
@@ -66,6 +67,31 @@ def plan_parts(plan: ShardPlan, max_part_bytes: int) -> list[list[TargetTensor]]
 def rank_file_names(fmt: Format, tp: int, parts: int) -> list[list[str]]:
     """``names[rank][part]``: every rank's part files, named by the format table."""
     return [[fmt.rank_file_name(r, p) for p in range(parts)] for r in range(tp)]
+
+
+def part_sizes(parts: Sequence[Sequence[TargetTensor]]) -> list[int]:
+    """Each part file's exact size (header + data); equal on every rank."""
+    sizes = []
+    for part in parts:
+        header, _ = encode_header([(t.name, t.dtype, t.shape) for t in part], PART_METADATA)
+        sizes.append(len(header) + sum(t.nbytes for t in part))
+    return sizes
+
+
+class RankFilesWriter(Writer):
+    """Each rank's part files of the shard plan, in vLLM's sharded-state layout."""
+
+    def write(
+        self, job: WriteJob, dest: Destination, progress: Progress
+    ) -> dict[str, tuple[int, str]]:
+        return write_rank_files(job.plan, job.checkpoint, job.layout, job.format,
+                                dest.open_sink, progress, dest.completed)  # fmt: skip
+
+    def planned(self, job: WriteJob) -> list[PlannedFile]:
+        parts = plan_parts(job.plan, job.layout.max_part_bytes)
+        tp = job.plan.tp
+        names, sizes = rank_file_names(job.format, tp, len(parts)), part_sizes(parts)
+        return [PlannedFile(names[r][p], sizes[p], r) for r in range(tp) for p in range(len(parts))]
 
 
 def write_rank_files(

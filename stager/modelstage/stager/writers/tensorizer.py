@@ -56,9 +56,10 @@ from modelstage.core.formats import FORMATS
 from modelstage.core.progress import Progress
 
 from ..checkpoint import Checkpoint
-from ..destinations.base import Completed, OpenSink, Sink
+from ..destinations.base import Completed, Destination, OpenSink, Sink
 from ..pieces import Piece, copy_piece, piece_nbytes
 from ..shard_plan import TIED_EMBEDDING_TARGET, ShardPlan, TargetTensor
+from .base import PlannedFile, WriteJob, Writer
 from .rank_files import _DoneSink, _RankStreams, _stream_part
 
 MARKER = ".vllm_tensorized_marker"
@@ -421,6 +422,22 @@ def _close_all(serializers: Sequence[Any], files: Sequence[Any]) -> None:
             failure = failure or e
     if failure is not None:
         raise failure
+
+
+class TensorizerWriter(Writer):
+    """One tensorized file per rank, in vLLM's ``serialize_vllm_model`` layout."""
+
+    def write(
+        self, job: WriteJob, dest: Destination, progress: Progress
+    ) -> dict[str, tuple[int, str]]:
+        tied = job.checkpoint.model.tie_word_embeddings
+        return write_tensorizer_files(job.plan, job.checkpoint, dest.open_sink, progress,
+                                      dest.completed, tied=tied)  # fmt: skip
+
+    def planned(self, job: WriteJob) -> list[PlannedFile]:
+        tied = job.checkpoint.model.tie_word_embeddings
+        size = predict_layout(job.plan, file_entries(job.plan, tied)).size
+        return [PlannedFile(job.format.rank_file_name(r), size, r) for r in range(job.plan.tp)]
 
 
 def write_tensorizer_files(
