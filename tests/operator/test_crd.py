@@ -76,7 +76,7 @@ def cel_failures(schema: dict[str, Any], obj: Any) -> list[str]:
 
 def test_committed_crd_is_what_the_models_generate() -> None:
     assert CRD_FILE.read_text() == crd.render(), (
-        "crds/ is stale: run `python -P -m modelstage.operator.crd > "
+        "crds/ is stale: run `python -m modelstage.operator.crd > "
         + str(CRD_FILE.relative_to(ROOT))
         + "`"
     )
