@@ -52,7 +52,7 @@ app.kubernetes.io/component: operator
 {{- toJson $namespaces -}}
 {{- end -}}
 
-{{/* kopf's peering object: the name modelstage/operator/settings.py gives kopf (PEERING_NAME). */}}
+{{/* kopf's peering object: the name modelstage.operator.settings gives kopf (PEERING_NAME). */}}
 {{- define "modelstage.peeringName" -}}
 modelstage
 {{- end -}}
