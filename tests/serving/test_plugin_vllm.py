@@ -112,7 +112,7 @@ def test_runai_formats_load_local_artifacts_like_stock_and_time_their_phases(
     tmp_path: Path,
 ) -> None:
     """Same checkpoint, other artifact format: the log-probabilities of stock sharded_state
-    on ``tied_tp1`` are the oracle (DESIGN.md 5: every format loads exactly)."""
+    on ``tied_tp1`` are the oracle (every format loads exactly)."""
     artifact = tied_runai[load_format]
     plugin_dir = prepared(artifact, tmp_path)
     settings = {"digest": artifact.digest, "format": artifact.format}

@@ -1,4 +1,4 @@
-"""An independent, deliberately naive statement of vLLM 0.32's per-rank layout (DESIGN.md 4).
+"""An independent, deliberately naive statement of vLLM 0.32's per-rank layout.
 
 Written from the documented facts, not from the planner, so the stager's output can be
 checked against it byte for byte without vLLM. The vLLM oracle tier checks both against vLLM.

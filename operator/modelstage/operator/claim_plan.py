@@ -4,7 +4,7 @@ The claim carries no owner reference on purpose: it may hold artifacts that othe
 ModelDeployments of the namespace share, and deleting one ModelDeployment must not garbage-
 collect them (artifact clean-up follows the retention policy, in the operator's finalizer).
 
-**Size.** The operator never reads the source (DESIGN.md section 3), so what it knows of the
+**Size.** The operator never reads the source (it holds no credentials), so what it knows of the
 checkpoint's size is what the spec says: ``model.sizeHint``. From it, the room the
 artifacts need is ``sizeHint x dtype factor x (retention.keep + 1) x (1 + HEADROOM)``: the
 kept artifacts plus the next one being staged while the current one serves; a per-rank

@@ -71,7 +71,7 @@ def _post_event(obj: Manifest, type_: str, reason: str, message: str) -> None:
 
 @kopf.on.startup()
 def startup(settings: kopf.OperatorSettings, memo: Any, logger: Logger, **_: Any) -> None:
-    """All operator settings in one place (STYLE.md), then the metrics endpoint and the
+    """All operator settings in one place (``settings.py``), then the metrics endpoint and the
     client the handlers share."""
     config = OperatorConfig.from_env()
     configure(settings, config)

@@ -3,7 +3,7 @@
 kopf runs synchronous handlers in worker threads; they talk to the API server through the
 ``kubernetes`` package's configuration loading (kubeconfig, in-cluster service account, token
 refresh) and its HTTP layer, but with explicit content types: only JSON merge patches are sent
-(DESIGN.md section 2: never strategic merge). Idempotence lives here too: "already exists" on
+(never strategic merge: CRDs do not support it). Idempotence lives here too: "already exists" on
 create and "not found" on read are answers, not errors.
 """
 

@@ -1,6 +1,6 @@
 """``statuses of a namespace -> artifacts to delete``: retention with shared artifacts.
 
-Artifacts are content-addressed per namespace (DESIGN.md section 3): two ModelDeployments
+Artifacts are content-addressed per namespace (``artifact.py``): two ModelDeployments
 that ask for the same bytes on the same storage share one location. So an artifact is
 *referenced* by every ModelDeployment that keeps it (the newest ``retention.keep`` of its
 history, its current artifact, its rollback target while a rollout may still need it) or

@@ -1,6 +1,6 @@
 """``spec + artifact + workload -> JSON merge patch`` of the workload's pod template.
 
-The plan edits a copy of the pod template the way DESIGN.md section 5 describes (vLLM args,
+The plan edits a copy of the pod template (docs/architecture.md, the serving side: vLLM args,
 ``MODELSTAGE_*`` and S3 env, the artifact volume, the ``modelstage prepare`` initContainer
 with its plugin ``emptyDir`` on ``PYTHONPATH``, the digest annotation) and returns the merge
 patch from the current workload to that. Items the operator owns are named ``modelstage-*``

@@ -68,7 +68,7 @@ def bench_staging(source: Path, work: Path, tps: list[int], repeats: int) -> lis
 
 def _settle(source: Path, work: Path) -> None:
     """Start every timed run from the same disk state: right after an untimed `cp` of the
-    source, synced and deleted. (On the thin-provisioned disk measured here, whatever ran
+    source, synced and deleted. (On a thin-provisioned disk, whatever ran
     before matters: any writer is up to 40% slower right after the stager's preallocated
     output was deleted than right after a `cp` copy was.)"""
     os.sync()

@@ -1,6 +1,6 @@
 """What the serving pod tells the loader plugin, read from ``MODELSTAGE_*`` environment variables.
 
-vLLM's stock loaders refuse unknown ``--model-loader-extra-config`` keys (DESIGN.md section 5),
+vLLM's stock loaders refuse unknown ``--model-loader-extra-config`` keys (``formats.py``),
 so everything the plugin needs beyond vLLM's own arguments arrives by environment, set by the
 operator's pod-template patch. Parsing is strict: a malformed value is a deployment bug, and a
 loader that guessed would load an artifact nobody asked for. Torch-free.

@@ -233,7 +233,7 @@ def _demo(args: argparse.Namespace) -> dict[str, Any]:
     return {**summary, "verified": True}
 
 
-# --- prepare (issue 9: the serving pod's initContainer) --------------------------------------
+# --- prepare (the serving pod's initContainer) -----------------------------------------------
 def _prepare(args: argparse.Namespace) -> dict[str, Any]:
     """Check the artifact, then copy the loader plugin where vLLM finds it (prepare.py)."""
     from .prepare import prepare
@@ -301,7 +301,7 @@ def _add_prepare_parser(sub: Any) -> None:
 # --- end prepare -----------------------------------------------------------------------------
 
 
-# --- delete (issue 5: the operator's clean-up Job) -------------------------------------------
+# --- delete (the operator's clean-up Job) ----------------------------------------------------
 def _delete(args: argparse.Namespace) -> dict[str, Any]:
     """Remove one artifact, manifest first (delete.py)."""
     from .delete import delete_artifact

@@ -2,9 +2,9 @@
 
 A large checkpoint is staged by n workers (the pods of an Indexed Job) that each write every
 rank's files of some *parts*, then by one finalize step that checks every part and commits
-the manifest (DESIGN.md sections 1 and 3). Why it is cut this way:
+the manifest. Why it is cut this way:
 
-- **The part layout never depends on n.** ``rank_writer.plan_parts`` cuts parts at group
+- **The part layout never depends on n.** ``writers.rank_files.plan_parts`` cuts parts at group
   boundaries (whole decoder layers; embeddings + final norm + head together) from the plan
   and the part size alone, and a worker writes whole parts, so the rank files of an n-way
   run are byte for byte those of a one-pod run. Cutting by source file instead would put

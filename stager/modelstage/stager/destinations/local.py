@@ -65,8 +65,8 @@ class LocalFileSink:
 
     Bytes are gathered into page-aligned buffers and written with ``O_DIRECT`` where the
     filesystem allows it: the disk reads them straight from our buffer, so the kernel spends
-    no CPU copying them into the page cache (measured here: a buffered write + fsync of 4 GiB
-    costs 2.7 s of system time, a direct one 0.5 s), the staged artifact does not crowd the
+    no CPU copying them into the page cache (a buffered write + fsync of 4 GiB costs 2.7 s of
+    system time, a direct one 0.5 s: docs/performance.md), the staged artifact does not crowd the
     node's page cache (and the Job's memory cgroup), and the CPU is left for sha256, which the
     manifest needs for every byte. While one buffer is being written, this thread hashes and
     fills the next. Without ``O_DIRECT`` (tmpfs, some FUSE mounts) the same buffers go
