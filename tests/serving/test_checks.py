@@ -13,7 +13,9 @@ from modelstage.plugin import LOAD_FORMATS
 from modelstage.plugin.checks import LOAD_FORMATS as CHECKED_FORMATS
 from modelstage.plugin.checks import VerifiedArtifact, _part_key, verify_local
 from modelstage.plugin.settings import S3_READER_FORMAT, PluginSettings
-from support.serving import Artifact
+from support.serving import Artifact, stage_artifact
+
+from .conftest import TIED
 
 RANK0 = "model-rank-0-part-*.safetensors"
 
@@ -184,3 +186,26 @@ def test_settings_parse_strictly() -> None:
         PluginSettings.from_env({"MODELSTAGE_METRICS_PORT": "70000"})
     with pytest.raises(SpecError, match=r"MODELSTAGE_VERIFY_HASH='maybe' must be 1 or 0"):
         PluginSettings.from_env({"MODELSTAGE_VERIFY_HASH": "maybe"})
+
+
+def test_the_safetensors_loader_checks_every_file_of_the_hugging_face_layout(
+    tied_root: Path, tmp_path: Path
+) -> None:
+    staged = stage_artifact(tied_root, TIED, 1, "safetensors")
+    artifact = Path(shutil.copytree(staged.path, tmp_path / "a"))
+    settings = PluginSettings(digest=staged.digest, format="safetensors", verify_hash=True)
+    verified = verify(artifact, tp=1, settings=settings, load_format="modelstage_safetensors",
+                      rank_glob=None)  # fmt: skip
+    weights = sorted(p.name for p in artifact.glob("*.safetensors"))
+    assert len(weights) == 2 and sorted(f.path.name for f in verified.files) == weights
+    victim = artifact / weights[-1]
+    data = bytearray(victim.read_bytes())
+    data[-3] ^= 0x01  # one bit of the last tensor's data: headers and sizes stay valid
+    victim.write_bytes(bytes(data))
+    with pytest.raises(ArtifactError, match=rf"refusing to load .*{weights[-1]}.*sha256 differs"):
+        verify(artifact, tp=1, settings=settings, load_format="modelstage_safetensors",
+               rank_glob=None)  # fmt: skip
+    runai = stage_artifact(tied_root, TIED, 1, "runai_streamer")
+    with pytest.raises(ArtifactError, match=r"'runai_streamer' cannot be loaded with --load-format "
+                       r"modelstage_safetensors; it loads safetensors"):  # fmt: skip
+        verify(runai.path, tp=1, load_format="modelstage_safetensors", rank_glob=None)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -425,6 +426,30 @@ def test_a_pinned_commit_resolves_without_asking_the_hub(
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["identity"] == f"commit:{COMMIT}"
     assert hub.seen == []
+
+
+def test_resolve_describe_reports_the_architecture_and_quantization_of_the_commit(
+    hub: FakeHub, split_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``loadFormat: auto`` decides by what ``resolve --describe`` reports: config.json at the
+    resolved commit, fetched alone (no weight file)."""
+    quantized = tmp_path / "quantized"
+    shutil.copytree(split_ckpt, quantized)
+    config = json.loads((quantized / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8"}
+    (quantized / "config.json").write_text(json.dumps(config))
+    serve(hub, quantized)
+    monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    plain = run_cli("resolve", "hf://acme/llama", "--revision", "main")
+    assert plain.returncode == 0, plain.stderr
+    assert "architecture" not in json.loads(plain.stdout) and hub.content_gets() == []
+    done = run_cli("resolve", "hf://acme/llama", "--revision", "main", "--describe")
+    assert done.returncode == 0, done.stderr
+    answer = json.loads(done.stdout)
+    assert (answer["architecture"], answer["quantization"]) == ("LlamaForCausalLM", "fp8")
+    assert answer["identity"] == f"commit:{COMMIT}"
+    assert [name for name, _ in hub.content_gets()] == ["config.json"]
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:

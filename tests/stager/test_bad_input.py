@@ -141,7 +141,7 @@ BAD_INPUTS: list[tuple[Mutation, int, str]] = [
     (index_path_traversal, 2, "unsafe file name '../../etc/passwd'"),
     (missing_tensor, 2, "model.layers.1.mlp.up_proj.weight"),
     (pickle_only, 2, "only pickle weights"),
-    (unsupported_architecture, 2, "'GPT2LMHeadModel' is not supported; supported:"),
+    (unsupported_architecture, 2, "'GPT2LMHeadModel' is not supported per rank; supported:"),
     (quantized, 2, "quantization_config"),
     (lambda ckpt: None, 3, "does not divide the 8 attention heads"),
     (lambda ckpt: None, 16, "does not divide the 8 attention heads"),

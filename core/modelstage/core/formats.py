@@ -137,6 +137,21 @@ FORMATS: dict[str, Format] = {
             index_file=True,
         ),
         Format(
+            name="safetensors",
+            per_rank=False,
+            writer="hf_copy",
+            rank_file=None,
+            weight_files=re.compile(r"^.+\.safetensors$"),
+            destinations=(LOCAL,),  # vLLM's default loader reads local directories only
+            storage=("pvc",),
+            scale_out=False,
+            casts=False,  # the checkpoint as it is; vLLM casts at load with its own --dtype
+            stock_loader="safetensors",
+            plugin_loader="modelstage_safetensors",
+            loads=("safetensors",),
+            index_file=True,
+        ),
+        Format(
             name="tensorizer",
             per_rank=True,
             writer="tensorizer",
@@ -184,3 +199,51 @@ def plugin_load_formats() -> dict[str, tuple[str, ...]]:
     """Each load format the plugin registers -> the artifact formats it can load."""
     found = {f.plugin_loader: f.loads for f in FORMATS.values() if f.plugin_loader}
     return {**found, S3_READER_FORMAT: FORMATS[S3_READER_FORMAT].loads}
+
+
+PER_RANK_ARCHITECTURES = frozenset(
+    {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+)
+"""The architectures the stager splits per rank (the names of ``modelstage.stager.
+architectures.ARCHITECTURES``, which a test holds equal): ``loadFormat: auto`` decides by them
+where the stager's rules are not at hand (the operator)."""
+AUTO = "auto"
+"""``loadFormat: auto``: per-rank staging where the stager can split the checkpoint, the
+Hugging Face layout otherwise (``choose_format``)."""
+AUTO_FORMATS = {
+    ("pvc", True): "sharded_state",
+    ("pvc", False): "safetensors",
+    ("s3", True): "runai_streamer_sharded",
+    ("s3", False): "runai_streamer",
+}
+"""(storage, per rank) -> the format ``auto`` picks."""
+HF_LAYOUT_HINT = (
+    "stage it in the Hugging Face layout with --format safetensors (a directory) or "
+    "runai_streamer (S3), which vLLM splits itself at load"
+)
+"""What a per-rank format's refusal of a checkpoint it cannot split points to."""
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The format ``auto`` picked and why, in words for the status."""
+
+    format: str
+    reason: str
+
+
+def choose_format(storage: str, architecture: str | None, quantization: str | None) -> Choice:
+    """``loadFormat: auto`` for a checkpoint of ``architecture`` (config.json's), quantized
+    by ``quantization`` (its ``quant_method``; None: unquantized) kept on ``storage`` (``pvc``
+    or ``s3``): per rank when the stager has rules for it, the Hugging Face layout otherwise."""
+    if architecture is None:
+        why = "config.json names no single architecture"
+    elif quantization is not None:
+        why = f"the checkpoint is quantized ({quantization}), which is not split per rank"
+    elif architecture not in PER_RANK_ARCHITECTURES:
+        why = f"architecture {architecture} has no per-rank rules"
+    else:
+        name = AUTO_FORMATS[(storage, True)]
+        return Choice(name, f"architecture {architecture} is split per rank: staged as {name}")
+    name = AUTO_FORMATS[(storage, False)]
+    return Choice(name, f"{why}: cached in the Hugging Face layout ({name})")

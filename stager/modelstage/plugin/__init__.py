@@ -41,6 +41,7 @@ def register() -> None:
     from .runai_streamer import ModelstageRunaiStreamerLoader
     from .runai_streamer_sharded import ModelstageRunaiStreamerShardedLoader
     from .s3_sharded_state import ModelstageS3ShardedStateLoader
+    from .safetensors import ModelstageSafetensorsLoader
     from .settings import ENV_S3_READER, PluginSettings
     from .sharded_state import ModelstageShardedStateLoader
 
@@ -48,6 +49,7 @@ def register() -> None:
         ModelstageShardedStateLoader,
         ModelstageRunaiStreamerShardedLoader,
         ModelstageRunaiStreamerLoader,
+        ModelstageSafetensorsLoader,
     ]
     if PluginSettings.from_env().s3_reader:
         logging.getLogger("vllm.modelstage").info(

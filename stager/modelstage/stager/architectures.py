@@ -10,6 +10,7 @@ import enum
 from dataclasses import dataclass
 
 from modelstage.core.errors import SpecError
+from modelstage.core.formats import HF_LAYOUT_HINT
 
 from .model_config import ModelConfig
 
@@ -133,10 +134,18 @@ ARCHITECTURES: dict[str, Architecture] = {
 
 
 def architecture_for(config: ModelConfig) -> Architecture:
+    """The rules that split ``config``'s checkpoint per rank; a checkpoint no rules describe
+    (another architecture, or quantized) is refused, naming the formats that take it."""
+    if config.quantization is not None:
+        raise SpecError(
+            f"config.json: quantized checkpoints (quantization_config: {config.quantization}) "
+            f"are not split per rank; {HF_LAYOUT_HINT}"
+        )
     try:
         return ARCHITECTURES[config.architecture]
     except KeyError:
         raise SpecError(
-            f"architecture {config.architecture!r} is not supported; supported: "
+            f"architecture {config.architecture!r} is not supported per rank; supported: "
             + ", ".join(sorted(ARCHITECTURES))
+            + f"; {HF_LAYOUT_HINT}"
         ) from None

@@ -12,12 +12,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from modelstage.core.errors import CheckpointError
+from modelstage.core.formats import Format
+from modelstage.core.layouts import Layout
 from modelstage.core.manifest import CARRIED_OVER as CARRIED_OVER
 from modelstage.core.manifest import INDEX as INDEX
 from modelstage.core.safetensors_format import TensorInfo, read_header
 
-from .model_config import ModelConfig
-from .shard_plan import SourceTensor
+from .model_config import ModelConfig, check_heads
+from .shard_plan import ShardPlan, SourceTensor, plan_shards
 from .sources import Source
 from .sources.base import INDEX_VALUES as INDEX_VALUES
 from .sources.base import MAX_JSON_BYTES as MAX_JSON_BYTES
@@ -38,10 +40,15 @@ tokenizers take tens of MiB. They are streamed, never read whole."""
 class Checkpoint:
     source: Source
     config: Mapping[str, Any]
-    model: ModelConfig
     weight_files: tuple[str, ...]
     tensors: Mapping[str, TensorInfo]
     carried_over: tuple[str, ...]
+
+    @property
+    def model(self) -> ModelConfig:
+        """What splitting per rank reads of the config, parsed when a per-rank format asks
+        (a copy of the Hugging Face layout takes any config vLLM takes)."""
+        return ModelConfig.from_dict(self.config)
 
     @property
     def source_tensors(self) -> dict[str, SourceTensor]:
@@ -72,7 +79,6 @@ def open_checkpoint(source: Source) -> Checkpoint:
     config = read_json(source, CONFIG, max_bytes=MAX_CONFIG_BYTES)
     if not isinstance(config, dict):
         raise CheckpointError(f"{CONFIG}: not a JSON object")
-    model = ModelConfig.from_dict(config)
     weight_files = _weight_files(source, files)
     tensors: dict[str, TensorInfo] = {}
     for name in weight_files:
@@ -97,7 +103,7 @@ def open_checkpoint(source: Source) -> Checkpoint:
                 f"{source.uri}: {name} holds {size} bytes, more than the {MAX_CARRIED_BYTES} "
                 "a file carried beside the weights may have; refusing it"
             )
-    return Checkpoint(source, config, model, tuple(weight_files), tensors, carried)
+    return Checkpoint(source, config, tuple(weight_files), tensors, carried)
 
 
 def _reader(source: Source, name: str) -> Callable[[int, int], bytes]:
@@ -149,3 +155,14 @@ def _check_index(source: Source, tensors: Mapping[str, TensorInfo]) -> None:
             raise CheckpointError(
                 f"{INDEX} maps tensor {name!r} to {file}, but it is in {found.file}"
             )
+
+
+def plan_for(checkpoint: Checkpoint, fmt: Format, tp: int, layout: Layout, dtype: str) -> ShardPlan:
+    """What ``fmt``'s writer needs: each rank's slices for a per-rank format (which refuses a
+    checkpoint its rules do not describe); none for a copy of the Hugging Face layout, which
+    vLLM splits at load whatever the architecture or quantization (its TP rule checked here,
+    so a TP it cannot run fails before the copy)."""
+    if fmt.per_rank:
+        return plan_shards(checkpoint.model, checkpoint.source_tensors, tp, layout, dtype)
+    check_heads(checkpoint.config, tp)
+    return ShardPlan(tp, (), ())

@@ -258,7 +258,7 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
         hf_token_file=args.hf_token_file, cache_dir=args.cache_dir, s3=_s3_options(args),
         allow_pickle=args.allow_pickle, timeouts=_timeouts(args),
     )  # fmt: skip
-    resolved = resolve(request)
+    resolved = resolve(request, config=args.describe)
     resolved.close()
     return resolved.summary()
 
@@ -277,6 +277,11 @@ def _add_resolve_parser(sub: Any) -> None:
     re_.add_argument(
         "--allow-pickle", action="store_true", help="as for `stage`: pickle-only weights"
     )
+    re_.add_argument(
+        "--describe", action="store_true",
+        help="hf:// sources: also fetch config.json and report its architecture and "
+        "quantization (what loadFormat auto decides by; other sources report them anyway)",
+    )  # fmt: skip
     _add_s3_options(re_)
     _add_network_options(re_)
     re_.set_defaults(run=_resolve)

@@ -10,6 +10,8 @@ from modelstage.core.errors import CheckpointError, SpecError
 
 MAX_DIM = 1 << 24
 """Far above any real model dimension; a config beyond it is corrupt, not big."""
+MAX_NAME = 200
+"""Architecture and quantization names are short identifiers (they reach the status)."""
 
 
 @dataclass(frozen=True)
@@ -26,17 +28,14 @@ class ModelConfig:
     attention_bias: bool
     mlp_bias: bool
     torch_dtype: str | None
+    quantization: str | None = None
+    """``quantization_config``'s method; None: unquantized."""
 
     @staticmethod
     def from_dict(config: Mapping[str, Any], *, where: str = "config.json") -> ModelConfig:
-        """Parse and sanity-check; refuses what this version cannot stage, with the reason."""
-        if "quantization_config" in config:
-            raise SpecError(
-                f"{where}: quantized checkpoints (quantization_config) are not supported yet; "
-                "stage the unquantized checkpoint"
-            )
-        archs = config.get("architectures")
-        if not isinstance(archs, list) or len(archs) != 1 or not isinstance(archs[0], str):
+        """Parse and sanity-check what splitting per rank reads, with the reason."""
+        architecture = architecture_of(config)
+        if architecture is None:
             raise CheckpointError(f"{where}: 'architectures' must list exactly one architecture")
 
         def dim(key: str, default: int | None = None) -> int:
@@ -59,7 +58,7 @@ class ModelConfig:
             )
         dtype = config.get("torch_dtype", config.get("dtype"))
         return ModelConfig(
-            architecture=archs[0],
+            architecture=architecture,
             hidden_size=hidden,
             intermediate_size=dim("intermediate_size"),
             num_layers=dim("num_hidden_layers"),
@@ -71,6 +70,7 @@ class ModelConfig:
             attention_bias=bool(config.get("attention_bias", False)),
             mlp_bias=bool(config.get("mlp_bias", False)),
             torch_dtype=dtype if isinstance(dtype, str) else None,
+            quantization=quantization_of(config),
         )
 
     @property
@@ -103,3 +103,32 @@ class ModelConfig:
                 f"tensor parallel size {tp} does not divide the intermediate size "
                 f"{self.intermediate_size}"
             )
+
+
+def architecture_of(config: Mapping[str, Any]) -> str | None:
+    """The one architecture ``config.json`` names, or None."""
+    archs = config.get("architectures")
+    if not isinstance(archs, list) or len(archs) != 1 or not isinstance(archs[0], str):
+        return None
+    return archs[0] if 0 < len(archs[0]) <= MAX_NAME and archs[0].isprintable() else None
+
+
+def quantization_of(config: Mapping[str, Any]) -> str | None:
+    """``quantization_config``'s ``quant_method`` (None: unquantized)."""
+    if config.get("quantization_config") is None:
+        return None
+    quant = config["quantization_config"]
+    method = quant.get("quant_method") if isinstance(quant, Mapping) else None
+    if isinstance(method, str) and 0 < len(method) <= MAX_NAME and method.isprintable():
+        return method
+    return "unknown method"
+
+
+def check_heads(config: Mapping[str, Any], tp: int) -> None:
+    """vLLM's rule for every architecture: TP divides the attention heads (checked before a
+    copy of a checkpoint no per-rank rules describe, when its config names them)."""
+    if tp < 1:
+        raise SpecError(f"tensor parallel size must be >= 1, got {tp}")
+    heads = config.get("num_attention_heads")
+    if type(heads) is int and heads > 0 and heads % tp:
+        raise SpecError(f"tensor parallel size {tp} does not divide the {heads} attention heads")

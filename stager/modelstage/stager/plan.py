@@ -51,8 +51,7 @@ def plan_files(
     from modelstage.core.formats import format_for
     from modelstage.core.layouts import layout_for
 
-    from .checkpoint import open_checkpoint
-    from .shard_plan import plan_shards
+    from .checkpoint import open_checkpoint, plan_for
     from .sources.local import LocalSource
     from .writers import PlannedFile, WriteJob, writer_for
 
@@ -63,7 +62,7 @@ def plan_files(
     source = LocalSource(checkpoint_dir)
     try:
         ckpt = open_checkpoint(source)
-        plan = plan_shards(ckpt.model, ckpt.source_tensors, tp, layout, dtype)
+        plan = plan_for(ckpt, fmt, tp, layout, dtype)
         writer = writer_for(fmt)
         files = writer.planned(WriteJob(ckpt, plan, layout, fmt))
         files += [PlannedFile(n, source.size(n), None) for n in writer.carried(ckpt)]

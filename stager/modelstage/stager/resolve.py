@@ -20,6 +20,7 @@ once.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +28,7 @@ from modelstage.core.digest import SOURCE_CHANGED, identity_key
 from modelstage.core.errors import CheckpointError
 
 from .checkpoint import Checkpoint, open_checkpoint
+from .model_config import architecture_of, quantization_of
 from .sources import Source, open_source
 
 if TYPE_CHECKING:
@@ -49,6 +51,8 @@ class Resolved:
     source: Source | None = field(default=None, repr=False)
     """Open, for staging to read on (None for ``hf://``: fetched at ``commit`` later)."""
     checkpoint: Checkpoint | None = field(default=None, repr=False)
+    config: Mapping[str, Any] | None = field(default=None, repr=False)
+    """The checkpoint's ``config.json`` when read (``loadFormat: auto`` decides by it)."""
 
     def summary(self) -> dict[str, Any]:
         """``modelstage resolve``'s one-line answer (also the resolve Job's termination
@@ -66,6 +70,9 @@ class Resolved:
             out["files"] = self.files
         if self.bytes is not None:
             out["bytes"] = self.bytes
+        if self.config is not None:
+            out["architecture"] = architecture_of(self.config)
+            out["quantization"] = quantization_of(self.config)
         return out
 
     def close(self) -> None:
@@ -83,17 +90,21 @@ def canonical_uri(source: str) -> str:
     return "file://" + str(Path(source.removeprefix("file://")).absolute())
 
 
-def resolve(req: StageRequest) -> Resolved:
-    """The source identity of ``req`` now; the caller closes the result."""
+def resolve(req: StageRequest, *, config: bool = False) -> Resolved:
+    """The source identity of ``req`` now; the caller closes the result. ``config``: read
+    ``config.json`` also from the Hub (a local or S3 source's is read anyway)."""
     uri = req.source_uri or canonical_uri(req.source)
     if req.source.startswith("hf://"):
         from .sources.hf import HfSource
 
-        commit = HfSource.resolve(
-            req.source, revision=req.revision, hf_token_file=req.hf_token_file,
-            cache_dir=req.cache_dir, timeouts=req.timeouts,
-        )  # fmt: skip
-        return Resolved(uri, req.revision, f"commit:{commit}", "hf", commit=commit)
+        options: dict[str, Any] = dict(revision=req.revision, hf_token_file=req.hf_token_file,
+                                       cache_dir=req.cache_dir, timeouts=req.timeouts)  # fmt: skip
+        if not config:
+            commit = HfSource.resolve(req.source, **options)
+            return Resolved(uri, req.revision, f"commit:{commit}", "hf", commit=commit)
+        commit, found = HfSource.resolve_config(req.source, **options)
+        return Resolved(uri, req.revision, f"commit:{commit}", "hf", commit=commit,
+                        config=found if isinstance(found, dict) else {})  # fmt: skip
     source = open_source(req.source, revision=req.revision, s3=req.s3,
                          hf_token_file=req.hf_token_file, cache_dir=req.cache_dir,
                          timeouts=req.timeouts)  # fmt: skip
@@ -112,6 +123,7 @@ def resolve(req: StageRequest) -> Resolved:
             uri, req.revision, identity_key(identity), str(identity.get("kind", "local")),
             files=len(files), bytes=sum(int(f.get("size", 0)) for f in files),
             source=source, checkpoint=checkpoint,
+            config=checkpoint.config if checkpoint is not None else None,
         )  # fmt: skip
     except BaseException:
         source.close()

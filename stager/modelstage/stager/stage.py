@@ -19,11 +19,10 @@ from modelstage.core.formats import format_for
 from modelstage.core.layouts import Layout, layout_for
 from modelstage.core.manifest import FileEntry, Manifest
 
-from .checkpoint import open_checkpoint
+from .checkpoint import open_checkpoint, plan_for
 from .destinations import Destination, open_destination
 from .request import StageRequest as StageRequest
 from .resolve import Resolved, canonical_uri, check_expected, check_identity, resolve
-from .shard_plan import plan_shards
 from .sources import Source, open_source
 from .writers import WriteJob, writer_for
 from .writers.hf_copy import copy_small_file
@@ -99,8 +98,7 @@ def stage(req: StageRequest, *, progress_stream: TextIO | None = None) -> dict[s
     source = _with_pickles_converted(run.source, req.out) if req.allow_pickle else run.source
     try:
         checkpoint = run.resolved.checkpoint or open_checkpoint(source)
-        # Also for runai_streamer: a TP that cannot split this model fails here, not in vLLM.
-        plan = plan_shards(checkpoint.model, checkpoint.source_tensors, req.tp, layout, req.dtype)
+        plan = plan_for(checkpoint, fmt, req.tp, layout, req.dtype)
         identity = checkpoint.identity()
         check_identity(run.resolved.identity, identity, run.resolved.uri)
         dest.begin(run_key(run.digest, identity))

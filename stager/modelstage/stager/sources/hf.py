@@ -183,6 +183,41 @@ class HfSource(LocalSource):
         return cls(uri, revision=revision, token_file=hf_token_file, cache_dir=cache_dir,
                    timeouts=timeouts, fetch=False).commit  # fmt: skip
 
+    @classmethod
+    def resolve_config(
+        cls,
+        uri: str,
+        *,
+        revision: str | None = None,
+        hf_token_file: str | None = None,
+        cache_dir: str | None = None,
+        timeouts: Timeouts | None = None,
+        **_: Any,
+    ) -> tuple[str, Any]:
+        """The commit ``revision`` names now and ``config.json`` at it (one small file, into the
+        hub cache): ``modelstage resolve`` reports the architecture and quantization it names."""
+        hub = cls(uri, revision=revision, token_file=hf_token_file, cache_dir=cache_dir,
+                  timeouts=timeouts, fetch=False)  # fmt: skip
+        try:
+            return hub.commit, hub._config()
+        except CheckpointError as e:
+            raise CheckpointError(hub._redact(str(e))) from None
+        except Exception as e:
+            raise CheckpointError(hub._redact(hub._describe(e))) from None
+
+    def _config(self) -> Any:
+        from huggingface_hub import hf_hub_download
+
+        timeout = self._http_timeout()
+        path = Path(self._retrying("config.json", lambda: hf_hub_download(
+            self.repo_id, "config.json", revision=self.commit, cache_dir=self.cache_dir,
+            endpoint=self.endpoint, token=self._token, library_name="modelstage",
+            etag_timeout=timeout,
+        )))  # fmt: skip
+        if path.stat().st_size > MAX_JSON_BYTES:
+            raise CheckpointError(f"{SCHEME}{self.repo_id}: config.json is too large")
+        return parse_json(path.read_bytes(), "config.json")
+
     # --- resolving and fetching -------------------------------------------------------------
     def _from_cache(self) -> str:
         """Offline: the commit from ``refs/<revision>`` (or the revision itself, a sha)."""

@@ -1,0 +1,115 @@
+"""The Hugging Face layout cache for a family outside the per-rank table: a Gemma 2 checkpoint
+staged as ``safetensors`` and loaded through the plugin's checking loader
+(``modelstage_safetensors``) gives exactly the token ids and log-probabilities of stock vLLM
+on the original checkpoint (bf16, TP 2); the same artifact with one flipped bit is refused
+before vLLM serves.
+
+Three vLLM starts (the reference is cached on disk): the reference, the staged artifact, the
+corrupt control.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from vllm_oracle import STAGE_TIMEOUT_S, VllmRun, differences, reference, run_vllm
+
+pytestmark = pytest.mark.vllm
+
+Timings = list[tuple[str, VllmRun]]
+TP = 2
+DTYPE = "bfloat16"
+VOCAB = 512
+PROMPTS = [[2, 5, 100, 255, 256, 300, 511, 42, 7, 64], [2, 511, 510, 3, 400], [2, 250]]
+
+
+def write_gemma2(out: Path) -> Path:
+    """A tiny random Gemma 2 checkpoint in bf16, saved by transformers in two safetensors files
+    with their index (weights of std 1/sqrt(hidden), so log-probabilities are far from flat)."""
+    import torch
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(7)
+    hidden = 128
+    config = Gemma2Config(
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=32,
+        max_position_embeddings=256, sliding_window=64, initializer_range=hidden**-0.5,
+        bos_token_id=2, eos_token_id=1, pad_token_id=0, dtype="bfloat16",
+    )  # fmt: skip
+    model = Gemma2ForCausalLM(config).to(torch.bfloat16)
+    with torch.no_grad():  # Gemma stores norms as offsets from 1: make them matter too
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.normal_(0.0, 0.1)
+    model.save_pretrained(out, max_shard_size="200KB")
+    assert len(list(out.glob("*.safetensors"))) >= 2 and (out / "config.json").exists()
+    return out
+
+
+def stage_safetensors(src: Path, out: Path) -> dict[str, object]:
+    cli = Path(sys.executable).with_name("modelstage")
+    proc = subprocess.run(
+        [str(cli), "stage", str(src), "--tp", str(TP), "--format", "safetensors", "--out",
+         str(out)],
+        capture_output=True, text=True, timeout=STAGE_TIMEOUT_S, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary: dict[str, object] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return summary
+
+
+@pytest.fixture(scope="module")
+def gemma2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, str]:
+    """(checkpoint, its safetensors artifact, the artifact's digest)."""
+    root = tmp_path_factory.mktemp("gemma2")
+    src = write_gemma2(root / "ckpt")
+    summary = stage_safetensors(src, root / "artifact")
+    return src, root / "artifact", str(summary["digest"])
+
+
+def plugin_env(digest: str) -> dict[str, str]:
+    """What the operator sets on a serving pod, with content hashing on."""
+    return {"MODELSTAGE_DIGEST": digest, "MODELSTAGE_FORMAT": "safetensors",
+            "MODELSTAGE_TP": str(TP), "MODELSTAGE_VERIFY_HASH": "1"}  # fmt: skip
+
+
+def test_gemma2_cached_as_safetensors_gives_exactly_the_reference_logprobs(
+    gemma2: tuple[Path, Path, str], timings: Timings
+) -> None:
+    src, artifact, digest = gemma2
+    config = json.loads((artifact / "config.json").read_text())
+    assert config["architectures"] == ["Gemma2ForCausalLM"]
+    ref = reference(src, TP, PROMPTS, DTYPE)
+    timings.append((f"reference gemma2 tp{TP} {DTYPE}", ref))
+    assert ref.output["plugin_load_formats"] == [] and ref.output["dtype"] == DTYPE
+    got = run_vllm(artifact, TP, "modelstage_safetensors", PROMPTS, DTYPE,
+                   env=plugin_env(digest), plugin=True)  # fmt: skip
+    timings.append((f"staged    gemma2 tp{TP} modelstage_safetensors", got))
+    assert "modelstage_safetensors" in got.output["plugin_load_formats"]
+    assert got.output["load_format"] == "modelstage_safetensors"
+    assert f'"digest":"{digest}"' in got.log, "the checking loader did not load it"
+    found = differences(ref.output, got.output)
+    assert not found, "the cached artifact differs from the checkpoint:\n" + "\n".join(found)
+
+
+def test_a_flipped_bit_in_the_cached_checkpoint_is_refused_before_serving(
+    gemma2: tuple[Path, Path, str], tmp_path: Path, timings: Timings
+) -> None:
+    _, staged, digest = gemma2
+    artifact = Path(shutil.copytree(staged, tmp_path / "artifact"))
+    victim = sorted(artifact.glob("*.safetensors"))[-1]
+    data = bytearray(victim.read_bytes())
+    data[-2] ^= 0x01  # tensor data: the header and the size stay valid
+    victim.write_bytes(bytes(data))
+    with pytest.raises(AssertionError) as failed:
+        run_vllm(artifact, TP, "modelstage_safetensors", PROMPTS, DTYPE,
+                 env=plugin_env(digest), plugin=True)  # fmt: skip
+    log = str(failed.value)
+    refusal = f"modelstage: refusing to load {victim}: sha256 differs from the manifest"
+    assert refusal in log, log[-3000:]
