@@ -24,7 +24,11 @@ RULE_VIOLATIONS: list[tuple[dict[str, Any], str]] = [
     ({"loadFormat": "runai_streamer_sharded"}, "stream from S3"),
     (
         {"loadFormat": "sharded_state", "storage": {"pvc": None, "s3": {"uri": "s3://bkt/p"}}},
-        "sharded_state reads local files",
+        "safetensors and sharded_state read local files",
+    ),
+    (
+        {"loadFormat": "safetensors", "storage": {"pvc": None, "s3": {"uri": "s3://bkt/p"}}},
+        "use runai_streamer or runai_streamer_sharded with storage.s3",
     ),
     ({"model": {"uri": "s3://bucket/ckpt", "revision": "main"}}, "revision applies to hf://"),
     ({"model": {"s3": {"endpoint": "http://s3:9000"}}}, "model.s3 applies to s3:// sources"),
@@ -97,7 +101,7 @@ def test_minimal_spec_gets_the_documented_defaults() -> None:
     wire = spec.wire()
     assert wire["parallelism"] == {"tensor": 1, "pipeline": 1}
     assert wire["dtype"] == "auto"
-    assert wire["loadFormat"] == "sharded_state"
+    assert wire["loadFormat"] == "auto"
     assert wire["storage"]["pvc"]["path"] == "/"
     assert wire["serving"] == {
         "targetRef": {"kind": "Deployment", "name": "vllm"},
@@ -150,7 +154,7 @@ def test_a_credential_in_an_s3_endpoint_is_refused_without_being_repeated(
         {"parallelism": {"pipeline": 2}},
         {"parallelism": {"tensor": 0}},
         {"dtype": "int8"},
-        {"loadFormat": "safetensors"},
+        {"loadFormat": "pytorch"},
         {"model": {"uri": "https://huggingface.co/org/name"}},
         {"storage": {"pvc": {"claimName": "Models_With_Caps"}}},
         {"serving": {"targetRef": {"kind": "DaemonSet"}}},

@@ -162,7 +162,7 @@ SCHEMA_REJECTS: list[dict[str, Any]] = [
     {"parallelism": {"tensor": 65}},
     {"parallelism": {"pipeline": 2}},
     {"dtype": "fp8"},
-    {"loadFormat": "safetensors"},
+    {"loadFormat": "pytorch"},
     {"model": {"uri": "meta-llama/Meta-Llama-3-8B"}},
     {"model": {"uri": "gs://bucket/model"}},
     {"model": {"credentialsSecret": "Not_A_Name"}},

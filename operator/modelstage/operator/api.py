@@ -39,8 +39,16 @@ API_VERSION: Final = "modelstage.io/v1alpha1"
 DEFAULT_STAGER_IMAGE = "ghcr.io/modelstage/stager:0.1.0"
 """The stager image when ``spec.stager.image`` is unset; the operator may override it."""
 
-LoadFormat = Literal["sharded_state", "runai_streamer", "runai_streamer_sharded", "tensorizer"]
+LoadFormat = Literal[
+    "sharded_state", "runai_streamer", "runai_streamer_sharded", "safetensors", "tensorizer"
+]
 """The format table's names (``modelstage.core.formats``; a test holds the two equal)."""
+SpecLoadFormat = Literal[
+    "auto", "sharded_state", "runai_streamer", "runai_streamer_sharded", "safetensors",
+    "tensorizer",
+]
+"""``spec.loadFormat``: a format, or ``auto`` (``core.formats.choose_format``: per rank where
+the stager splits the checkpoint's architecture, the Hugging Face layout otherwise)."""
 S3_ONLY_FORMATS = sorted(f.name for f in FORMATS.values() if f.storage == ("s3",))
 PVC_ONLY_FORMATS = sorted(f.name for f in FORMATS.values() if f.storage == ("pvc",))
 
@@ -52,8 +60,10 @@ def _storing(kind: str) -> list[str]:
 
 def _same_files_on(kind: str, names: list[str]) -> list[str]:
     """The formats of the same files as ``names`` that ``kind`` of storage may keep."""
-    loads = {FORMATS[n].loads for n in names}
-    return sorted(f.name for f in FORMATS.values() if kind in f.storage and f.loads in loads)
+    files = {FORMATS[n].weight_files.pattern for n in names}
+    return sorted(
+        f.name for f in FORMATS.values() if kind in f.storage and f.weight_files.pattern in files
+    )
 
 
 def _format_not_in(names: list[str]) -> str:
@@ -368,7 +378,8 @@ class ModelDeploymentSpec(Model):
     parallelism: Parallelism = Parallelism()
     dtype: Dtype = "auto"
     """Weights dtype of the artifact; ``auto`` keeps the checkpoint's."""
-    load_format: LoadFormat = "sharded_state"
+    load_format: SpecLoadFormat = "auto"
+    """``auto``: chosen once the source is resolved, recorded in ``status.format``."""
     storage: Storage
     stager: Stager = Stager()
     serving: Serving
@@ -394,7 +405,7 @@ class ModelDeploymentSpec(Model):
         ),
         Rule(
             cel=f"{_format_not_in(PVC_ONLY_FORMATS)} || has(self.storage.pvc)",
-            message=f"loadFormat {' and '.join(PVC_ONLY_FORMATS)} reads local files: set "
+            message=f"loadFormat {' and '.join(PVC_ONLY_FORMATS)} read local files: set "
             f"storage.pvc, or use {' or '.join(_same_files_on('s3', PVC_ONLY_FORMATS))} with "
             "storage.s3",
             check=lambda s: s.load_format not in PVC_ONLY_FORMATS or s.storage.pvc is not None,
@@ -439,6 +450,19 @@ class SourceStatus(Model):
     change of them resolves again."""
     job: str | None = None
     """The resolve Job that reported it; unset for a pinned commit (known from the spec)."""
+    architecture: str | None = None
+    """The architecture config.json names (``""``: none), when the resolve Job read it: what
+    ``loadFormat: auto`` decides by."""
+    quantization: str | None = None
+    """config.json's ``quantization_config`` method; unset: unquantized."""
+
+
+class FormatStatus(Model):
+    """The format the spec's artifact is staged in, and why (``loadFormat: auto`` chooses)."""
+
+    model_config = ConfigDict(extra="ignore", strict=False)
+    name: LoadFormat
+    reason: str
 
 
 class ArtifactStatus(Model):
@@ -483,6 +507,8 @@ class ModelDeploymentStatus(Model):
     """The digest the current spec asks for (of the resolved source identity)."""
     source: SourceStatus | None = None
     """The source identity last resolved for the spec, and when."""
+    format: FormatStatus | None = None
+    """The format of the desired artifact and why: the spec's, or the one ``auto`` chose."""
     artifact: ArtifactStatus | None = None
     """The artifact the workload is rolled (or rolling) onto."""
     previous_artifact: ArtifactStatus | None = None

@@ -32,9 +32,17 @@ def spec_digest(spec: ModelDeploymentSpec, identity: str) -> str:
         tensor_parallel=spec.parallelism.tensor,
         pipeline_parallel=spec.parallelism.pipeline,
         dtype=spec.dtype,
-        load_format=spec.load_format,
+        load_format=spec_format(spec),
         layout_version=layout_for(spec.serving.vllm_version).layout_version,
     )
+
+
+def spec_format(spec: ModelDeploymentSpec) -> LoadFormat:
+    """The spec's format; ``auto`` must have been decided first (``resolve_plan.
+    concrete_spec``): an artifact is always of one format."""
+    if spec.load_format == "auto":
+        raise ValueError("loadFormat auto is decided once the source is resolved")
+    return spec.load_format
 
 
 @dataclass(frozen=True)
@@ -97,6 +105,8 @@ class Artifact:
     location: ArtifactLocation
     load_format: LoadFormat
     tensor_parallel: int
+    format_reason: str = ""
+    """Why this format (``status.format``): the spec names it, or ``auto`` chose it."""
 
     @property
     def digest(self) -> str:
@@ -114,7 +124,7 @@ def artifact_for(
         deployment_name=deployment_name,
         digest=spec_digest(spec, identity),
     )
-    return Artifact(location, spec.load_format, spec.parallelism.tensor)
+    return Artifact(location, spec_format(spec), spec.parallelism.tensor)
 
 
 def location_from_uri(uri: str, digest: str) -> ArtifactLocation:

@@ -35,7 +35,7 @@ from .kube import DIGEST_ANNOTATION, LABEL_DIGEST, Manifest, model_deployment_ow
 from .kube_client import Conflict, KubeClient
 from .observe import observe_job, pod_failures
 from .reconcile import JOB_NAME_LABEL, Outcome, Reconciler
-from .resolve_plan import recorded_identity, resolve_job_name
+from .resolve_plan import chosen_format, concrete_spec, recorded_identity, resolve_job_name
 from .settings import OperatorConfig, configure
 from .slots import StagerSlots
 
@@ -105,7 +105,12 @@ def modeldeployment_refs(
         raw_source = status.get("source")
         source = SourceStatus.model_validate(raw_source) if raw_source else None
         identity = recorded_identity(parsed, source)
-        digest = spec_digest(parsed, identity) if identity is not None else None
+        chosen = chosen_format(parsed, source)
+        digest = (
+            spec_digest(concrete_spec(parsed, chosen), identity)
+            if identity is not None and chosen is not None
+            else None
+        )
         target = (parsed.serving.target_ref.kind, parsed.serving.target_ref.name)
         resolve_job = resolve_job_name(parsed, source, name)
     except Exception:  # an invalid spec routes nothing; its own handlers report it

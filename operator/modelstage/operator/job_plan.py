@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from modelstage.core.formats import FORMATS
+from modelstage.core.formats import AUTO, FORMATS
 
 from .api import (
     DEFAULT_STAGER_IMAGE,
@@ -442,6 +442,8 @@ def plan_resolve_job(
     command = ["modelstage", "resolve", *source_args]
     if spec.model.revision is not None:
         command.append(f"--revision={spec.model.revision}")
+    if spec.load_format == AUTO:  # the architecture and quantization auto decides by
+        command.append("--describe")
     env = [*_scratch_env(), *_source_credentials_env(spec)]
     container = _container(
         RESOLVE_CONTAINER, stager.image or default_image, command + _s3_flags(connection), env,

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from modelstage.core.errors import SpecError
+from modelstage.core.formats import AUTO
 from modelstage.core.layouts import layout_for
 
 from .api import DEFAULT_STAGER_IMAGE, ModelDeploymentSpec
@@ -88,6 +89,8 @@ def plan_deployment(
     findings = list(validate_spec(spec))
     artifact: Artifact | None = None
     identity = identity or pinned_identity(spec)
+    if spec.load_format == AUTO:
+        identity = None  # auto's format needs the resolve Job's reading of the config
     resolve_job: Manifest | None = None
     if not any(f.blocks == "staging" for f in findings):
         try:

@@ -34,6 +34,7 @@ from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 from modelstage.core.errors import SpecError
+from modelstage.core.formats import AUTO
 from modelstage.core.layouts import layout_for
 from pydantic import ValidationError
 
@@ -67,6 +68,8 @@ from .observe import (
 from .patch import merge_diff
 from .resolve_plan import (
     SourceStep,
+    chosen_format,
+    concrete_spec,
     plan_source,
     recorded_identity,
     resolution_due,
@@ -153,12 +156,22 @@ def _blocks_staging(findings: Sequence[Finding]) -> list[Finding]:
 
 
 def _desired(spec: ModelDeploymentSpec, owner: Owner, source: SourceStep) -> Artifact | None:
-    """The artifact the spec asks for, once its source's identity is known."""
-    if source.source is None:
+    """The artifact the spec asks for, once its source's identity is known (and, for
+    ``loadFormat: auto``, its format chosen: ``spec`` is the concrete spec then)."""
+    chosen = chosen_format(spec, source.source)
+    if source.source is None or chosen is None or spec.load_format == AUTO:
         return None
-    return artifact_for(
+    artifact = artifact_for(
         spec, namespace=owner.namespace, deployment_name=owner.name, identity=source.source.identity
     )
+    return replace(artifact, format_reason=chosen.reason)
+
+
+def _concrete(spec: ModelDeploymentSpec, source: SourceStep | None) -> ModelDeploymentSpec:
+    """The spec with ``loadFormat: auto`` decided, once the resolution tells how; the spec
+    as it is otherwise."""
+    chosen = chosen_format(spec, source.source if source is not None else None)
+    return concrete_spec(spec, chosen) if chosen is not None else spec
 
 
 def _now() -> datetime:
@@ -269,6 +282,7 @@ class Reconciler:
                 world.findings.append(Finding("InvalidSpec", str(error), "staging"))
         if not _blocks_staging(world.findings):
             world.source = self._resolve(spec, world.status, world.owner, world.now)
+            world.spec = spec = _concrete(spec, world.source)
             world.desired = _desired(spec, world.owner, world.source)
         blocking = _blocks_staging(world.findings)
         if blocking:
@@ -439,14 +453,15 @@ class Reconciler:
             try:
                 spec = ModelDeploymentSpec.model_validate(body.get("spec") or {})
                 identity = recorded_identity(spec, status.source)
+                chosen = chosen_format(spec, status.source)
                 wants = (
                     artifact_for(
-                        spec,
+                        concrete_spec(spec, chosen),
                         namespace=namespace,
                         deployment_name=body["metadata"]["name"],
                         identity=identity,
                     ).location.uri
-                    if identity is not None
+                    if identity is not None and chosen is not None
                     else None  # not resolved yet: it wants nothing staged so far
                 )
                 holders.append(Holder(status, spec.retention.keep, wants))

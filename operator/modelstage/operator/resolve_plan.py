@@ -35,14 +35,18 @@ from datetime import datetime, timedelta
 from typing import Any, Literal
 
 from modelstage.core.digest import IDENTITY_KEY, SOURCE_CHANGED
+from modelstage.core.formats import AUTO, choose_format
 
-from .api import ModelDeploymentSpec, SourceStatus
+from .api import FormatStatus, ModelDeploymentSpec, SourceStatus
+from .artifact import spec_format
 from .observe import JobObservation
 
 HF_COMMIT = re.compile(r"^[0-9a-f]{40}$")
 RESOLVE_TTL_SECONDS = 300
 """A finished resolve Job goes away after this long; a failed one is then retried."""
 RESOLVE_JOB_PREFIX = "modelstage-resolve-"
+MAX_NAME = 200
+"""Architecture and quantization names are short; a longer report is cut for the status."""
 
 
 def source_key(spec: ModelDeploymentSpec) -> str:
@@ -61,11 +65,38 @@ def source_key(spec: ModelDeploymentSpec) -> str:
 
 
 def pinned_identity(spec: ModelDeploymentSpec) -> str | None:
-    """The identity a spec names by itself: an hf:// source at a full commit sha."""
+    """The identity a spec names by itself: an hf:// source at a full commit sha (with
+    ``loadFormat: auto`` the resolve Job still runs, to read the architecture)."""
+    return None if spec.load_format == AUTO else _commit(spec)
+
+
+def _commit(spec: ModelDeploymentSpec) -> str | None:
     revision = spec.model.revision
     if spec.model.scheme == "hf" and revision is not None and HF_COMMIT.fullmatch(revision):
         return f"commit:{revision}"
     return None
+
+
+def _described(spec: ModelDeploymentSpec, recorded: SourceStatus) -> bool:
+    """Whether ``recorded`` tells ``auto`` what it decides by (or the spec names a format)."""
+    return spec.load_format != AUTO or recorded.architecture is not None
+
+
+def chosen_format(spec: ModelDeploymentSpec, source: SourceStatus | None) -> FormatStatus | None:
+    """The format the spec's artifact is staged in, and why: the spec's, or the one ``auto``
+    picks by the architecture and quantization the resolve Job read (None until it has)."""
+    if spec.load_format != AUTO:
+        return FormatStatus(name=spec_format(spec), reason="set in spec.loadFormat")
+    if source is None or source.key != source_key(spec) or source.architecture is None:
+        return None
+    storage = "s3" if spec.storage.s3 is not None else "pvc"
+    choice = choose_format(storage, source.architecture or None, source.quantization)
+    return FormatStatus.model_validate({"name": choice.format, "reason": choice.reason})
+
+
+def concrete_spec(spec: ModelDeploymentSpec, chosen: FormatStatus) -> ModelDeploymentSpec:
+    """``spec`` with ``loadFormat`` set to the chosen format: what every planner reads."""
+    return spec.model_copy(update={"load_format": chosen.name})
 
 
 def recorded_identity(spec: ModelDeploymentSpec, recorded: SourceStatus | None) -> str | None:
@@ -74,7 +105,7 @@ def recorded_identity(spec: ModelDeploymentSpec, recorded: SourceStatus | None) 
     pinned = pinned_identity(spec)
     if pinned is not None:
         return pinned
-    if recorded is not None and recorded.key == source_key(spec):
+    if recorded is not None and recorded.key == source_key(spec) and _described(spec, recorded):
         return recorded.identity
     return None
 
@@ -144,6 +175,10 @@ def resolution_due(
         return False
     if recorded is None or recorded.key != source_key(spec) or stale:
         return True
+    if not _described(spec, recorded):
+        return True
+    if _commit(spec) is not None:
+        return False  # a commit never moves: read once, for auto
     return interval > 0 and now >= recorded.resolved_at + timedelta(seconds=interval)
 
 
@@ -183,6 +218,8 @@ def plan_source(
         at = recorded.resolved_at if same and recorded is not None else now
         return SourceStep(source_status(spec, pinned, now=at), "resolved")
     current = recorded if recorded is not None and recorded.key == key else None
+    if current is not None and not _described(spec, current):
+        current = None  # auto cannot choose a format from it: resolving, as for a new source
     if not resolution_due(spec, recorded, now=now, interval=interval, stale=stale):
         return SourceStep(current, "resolved")
     name = resolve_job_name(spec, recorded, owner)
@@ -202,6 +239,7 @@ def plan_source(
     if result is None:  # running, or done with its termination message not yet seen
         return SourceStep(current, "resolving", name, f"{what} (Job {name})")
     found_commit = result.get("commit")
+    quantization = result.get("quantization")
     resolved = SourceStatus(
         uri=spec.model.uri,
         revision=spec.model.revision,
@@ -210,5 +248,9 @@ def plan_source(
         resolved_at=now,  # the operator's clock: the interval is measured on it
         key=key,
         job=name,
+        # "" when it names none (or an older stager did not say): auto then caches the
+        # Hugging Face layout, which vLLM loads for any architecture.
+        architecture=str(result.get("architecture") or "")[:MAX_NAME],
+        quantization=str(quantization)[:MAX_NAME] if quantization is not None else None,
     )
     return SourceStep(resolved, "resolved", name)

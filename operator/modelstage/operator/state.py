@@ -27,7 +27,7 @@ from datetime import datetime
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Literal
 
-from .api import ArtifactStatus, Condition, ModelDeploymentStatus, Phase
+from .api import ArtifactStatus, Condition, FormatStatus, ModelDeploymentStatus, Phase
 from .artifact import Artifact
 from .conditions import condition, merge_conditions
 from .observe import JobObservation, Observed, WorkloadObservation, parse_summary
@@ -348,6 +348,7 @@ def _new_status(
             "reason": headline(conditions),
             "observed_generation": gen,
             "desired_digest": desired.digest if desired else None,
+            "format": _format(desired) if desired else status.format,
             "source": source.source if source is not None else status.source,
             "conditions": conditions,
             "failed_digest": status.failed_digest if still_failed else None,
@@ -356,6 +357,10 @@ def _new_status(
             **draft.updates,
         }
     )
+
+
+def _format(desired: Artifact) -> FormatStatus:
+    return FormatStatus(name=desired.load_format, reason=desired.format_reason)
 
 
 def queued(
