@@ -138,6 +138,9 @@ class _World:
     status: ModelDeploymentStatus
     now: datetime
     spec: ModelDeploymentSpec | None = None
+    """The spec the planners read: ``loadFormat: auto`` decided once the source is known."""
+    requested: ModelDeploymentSpec | None = None
+    """The spec as written (``auto`` undecided): what resolving reads."""
     invalid: str | None = None
     """Why the spec can never work."""
     findings: list[Finding] = field(default_factory=list)
@@ -155,23 +158,29 @@ def _blocks_staging(findings: Sequence[Finding]) -> list[Finding]:
     return [f for f in findings if f.blocks == "staging"]
 
 
-def _desired(spec: ModelDeploymentSpec, owner: Owner, source: SourceStep) -> Artifact | None:
-    """The artifact the spec asks for, once its source's identity is known (and, for
-    ``loadFormat: auto``, its format chosen: ``spec`` is the concrete spec then)."""
-    chosen = chosen_format(spec, source.source)
-    if source.source is None or chosen is None or spec.load_format == AUTO:
+def _desired(
+    spec: ModelDeploymentSpec, owner: Owner, source: SourceStep, why: str
+) -> Artifact | None:
+    """The artifact the spec asks for, once its source's identity is known and, for
+    ``loadFormat: auto``, its format chosen (``spec`` is the concrete spec then, chosen
+    because ``why``)."""
+    if source.source is None or spec.load_format == AUTO:
         return None
     artifact = artifact_for(
         spec, namespace=owner.namespace, deployment_name=owner.name, identity=source.source.identity
     )
-    return replace(artifact, format_reason=chosen.reason)
+    return replace(artifact, format_reason=why)
 
 
-def _concrete(spec: ModelDeploymentSpec, source: SourceStep | None) -> ModelDeploymentSpec:
-    """The spec with ``loadFormat: auto`` decided, once the resolution tells how; the spec
-    as it is otherwise."""
-    chosen = chosen_format(spec, source.source if source is not None else None)
-    return concrete_spec(spec, chosen) if chosen is not None else spec
+def _plan_artifact(world: _World, requested: ModelDeploymentSpec) -> ModelDeploymentSpec:
+    """``loadFormat: auto`` decided by the resolution (every planner reads the concrete
+    spec), then the desired artifact; returns the spec the planners read."""
+    assert world.source is not None
+    chosen = chosen_format(requested, world.source.source)
+    world.spec = spec = concrete_spec(requested, chosen) if chosen is not None else requested
+    why = chosen.reason if chosen is not None else ""
+    world.desired = _desired(spec, world.owner, world.source, why)
+    return spec
 
 
 def _now() -> datetime:
@@ -262,7 +271,9 @@ class Reconciler:
             now=_now(),
         )
         try:
-            world.spec = ModelDeploymentSpec.model_validate(body.get("spec") or {})
+            world.spec = world.requested = ModelDeploymentSpec.model_validate(
+                body.get("spec") or {}
+            )
         except ValidationError as error:
             world.invalid = f"spec is invalid: {_first_error(error)}"
             world.findings.append(Finding("InvalidSpec", world.invalid, "staging"))
@@ -282,8 +293,7 @@ class Reconciler:
                 world.findings.append(Finding("InvalidSpec", str(error), "staging"))
         if not _blocks_staging(world.findings):
             world.source = self._resolve(spec, world.status, world.owner, world.now)
-            world.spec = spec = _concrete(spec, world.source)
-            world.desired = _desired(spec, world.owner, world.source)
+            spec = _plan_artifact(world, spec)
         blocking = _blocks_staging(world.findings)
         if blocking:
             world.invalid = blocking[0].message
@@ -315,12 +325,16 @@ class Reconciler:
             return
         if not source_changed(world.job, world.status.source):
             return
-        world.source = self._resolve(spec, world.status, world.owner, world.now, stale=True)
+        assert world.requested is not None
+        world.source = self._resolve(
+            world.requested, world.status, world.owner, world.now, stale=True
+        )
         recorded = world.status.source.identity if world.status.source else None
         if world.source.source is None or world.source.source.identity == recorded:
             return
-        world.desired = _desired(spec, world.owner, world.source)
-        self._follow_jobs(world, spec)
+        spec = _plan_artifact(world, world.requested)
+        if world.desired is not None:
+            self._follow_jobs(world, spec)
 
     def _follow_jobs(self, world: _World, spec: ModelDeploymentSpec) -> None:
         assert world.desired is not None
@@ -398,7 +412,8 @@ class Reconciler:
         spec = world.spec
         if decision.action is Action.CREATE_RESOLVE_JOB and spec is not None:
             assert world.source is not None
-            self._create_resolve_job(spec, world.owner, world.source, world.body, logger)
+            assert world.requested is not None  # auto's resolve Job describes the source
+            self._create_resolve_job(world.requested, world.owner, world.source, world.body, logger)
         elif decision.action is Action.CREATE_JOB and spec is not None and world.desired:
             assert world.next_job is not None
             self._create_job(spec, world.owner, world.desired, world.next_job, world.body, logger)
