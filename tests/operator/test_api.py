@@ -5,12 +5,17 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import kubernetes_validate
 import pytest
 import yaml
-from modelstage.operator.api import ModelDeployment, ModelDeploymentSpec, ModelDeploymentStatus
+from modelstage.operator.api import (
+    ModelDeployment,
+    ModelDeploymentSpec,
+    ModelDeploymentStatus,
+    SpecLoadFormat,
+)
 from pydantic import ValidationError
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -87,7 +92,7 @@ def test_examples_cover_every_load_format() -> None:
         ModelDeployment.model_validate(yaml.safe_load(p.read_text())).spec.load_format
         for p in EXAMPLES.glob("modeldeployment-*.yaml")
     }
-    assert formats == {"sharded_state", "runai_streamer", "runai_streamer_sharded", "tensorizer"}
+    assert formats == set(get_args(SpecLoadFormat))
 
 
 def test_minimal_spec_gets_the_documented_defaults() -> None:

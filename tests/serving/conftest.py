@@ -27,10 +27,11 @@ def tied_tp1(tied_root: Path) -> Artifact:
 
 @pytest.fixture(scope="session")
 def tied_runai(tied_root: Path) -> dict[str, Artifact]:
-    """The same checkpoint as ``tied_tp1`` in the Run:ai formats, by plugin load format."""
+    """The same checkpoint as ``tied_tp1`` in the Run:ai formats and the Hugging Face layout
+    copy (``safetensors``), by plugin load format."""
     return {
         f"modelstage_{fmt}": stage_artifact(tied_root, TIED, 1, fmt)
-        for fmt in ("runai_streamer_sharded", "runai_streamer")
+        for fmt in ("runai_streamer_sharded", "runai_streamer", "safetensors")
     }
 
 

@@ -101,7 +101,8 @@ def test_pod_with_prepared_plugin_loads_like_stock_sharded_state_and_serves_metr
 
 
 @pytest.mark.parametrize(
-    "load_format", ["modelstage_runai_streamer_sharded", "modelstage_runai_streamer"]
+    "load_format",
+    ["modelstage_runai_streamer_sharded", "modelstage_runai_streamer", "modelstage_safetensors"],
 )
 def test_runai_formats_load_local_artifacts_like_stock_and_time_their_phases(
     load_format: str,

@@ -28,6 +28,8 @@ from modelstage.stager.stage import StageRequest, stage
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("modeldeployment-*.yaml"))
+EXPLICIT = [p for p in EXAMPLES if yaml.safe_load(p.read_text())["spec"].get("loadFormat")]
+"""The examples that name their format (``auto``'s plan is its resolve Job: a test below)."""
 WORKLOAD = ROOT / "examples" / "vllm-deployment.yaml"
 OPT_IN = "modelstage.io/model-deployment"
 """The target's annotation that names the ModelDeployment allowed to patch it."""
@@ -60,6 +62,7 @@ def write_md(tmp_path: Path, spec: dict[str, Any], name: str = "llama") -> Path:
 BASE: dict[str, Any] = {
     "model": {"uri": "hf://acme/llama", "revision": "main"},
     "parallelism": {"tensor": 2},
+    "loadFormat": "sharded_state",
     "storage": {"pvc": {"claimName": "models", "path": "/artifacts"}},
     "serving": {"targetRef": {"kind": "Deployment", "name": "vllm-llama"},
                 "containerName": "vllm"},
@@ -92,7 +95,7 @@ def workload_for(
     return workload, path
 
 
-@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("example", EXPLICIT, ids=lambda p: p.stem)
 def test_the_plan_of_each_example_is_the_operators_digest_jobs_claim_and_patch(
     example: Path, tmp_path: Path
 ) -> None:
@@ -164,7 +167,7 @@ def test_human_output_names_the_digest_jobs_commands_and_files(
 # --- files and sizes -----------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("fmt", "part"), [("sharded_state", 2**20), ("runai_streamer_sharded", None),
-                      ("tensorizer", None), ("runai_streamer", None)],
+                      ("tensorizer", None), ("runai_streamer", None), ("safetensors", None)],
 )  # fmt: skip
 def test_planned_files_and_sizes_are_what_stage_writes(
     llama_ckpt: Path, tmp_path: Path, fmt: str, part: int | None
@@ -175,7 +178,7 @@ def test_planned_files_and_sizes_are_what_stage_writes(
     manifest = read_manifest(tmp_path / "a")
     assert manifest is not None
     assert {f.name: f.size for f in planned} == {n: e.size for n, e in manifest.files.items()}
-    if fmt != "runai_streamer":
+    if fmt not in ("runai_streamer", "safetensors"):
         assert {f.rank for f in planned if f.name.startswith("model-rank")} == {0, 1}
 
 
@@ -303,3 +306,13 @@ def test_a_pinned_commit_is_its_own_identity(tmp_path: Path) -> None:
 def test_an_identity_that_resolve_never_prints_is_refused(tmp_path: Path) -> None:
     done = plan(str(write_md(tmp_path, BASE)), "--identity", "main")
     assert done.returncode == 2 and "expected commit:<40 hex> or sha256:<64 hex>" in done.stderr
+
+
+def test_the_plan_of_auto_is_the_resolve_job_that_reads_the_architecture() -> None:
+    (example,) = [p for p in EXAMPLES if p not in EXPLICIT]
+    report = plan_json(str(example), "--identity", IDENTITY)
+    assert report["digest"] is None and report["artifact"] is None
+    (job,) = report["jobs"]
+    assert job["command"][:2] == ["modelstage", "resolve"] and "--describe" in job["command"]
+    (check,) = report["checks"]
+    assert check["reason"] == "Resolving" and "with loadFormat auto the format" in check["message"]

@@ -122,7 +122,10 @@ def run_vllm(
         seconds = time.monotonic() - started
         _remove_shared_memory(proc.stdout)
         if proc.returncode != 0 or not out.exists():
-            tail = "\n".join(proc.stdout.splitlines()[-40:])
+            lines = proc.stdout.splitlines()
+            # A rank worker's refusal sits above the engine's traceback: keep it in view.
+            refusals = [line for line in lines if "modelstage: refusing to load" in line]
+            tail = "\n".join(refusals[:3] + lines[-40:])
             raise AssertionError(
                 f"vLLM failed on {model} (tp={tp}, load_format={load_format}, dtype={dtype}, "
                 f"exit {proc.returncode}):\n{tail}"

@@ -64,11 +64,20 @@ def _resolve_first(
     job_name = resolve_job_name(spec, None, owner.name)
     job = plan_resolve_job(spec, owner=owner, name=job_name, default_image=stager_image)
     revision = f" --revision {spec.model.revision}" if spec.model.revision else ""
+    first = f"the operator first resolves {describe(spec)} (Job {job_name}); "
+    if spec.load_format == AUTO:
+        return job, Finding(
+            "Resolving",
+            first + "with loadFormat auto the format, the digest and the staging Jobs follow "
+            "from the architecture and quantization it reads (`modelstage resolve "
+            f"{spec.model.uri}{revision} --describe` prints them): plan with the loadFormat "
+            "it picks (status.format) to see them",
+            "nothing",
+        )
     return job, Finding(
         "Resolving",
-        f"the operator first resolves {describe(spec)} (Job {job_name}); the digest and the "
-        "staging Jobs follow from the identity it finds: plan with --identity "
-        f"(`modelstage resolve {spec.model.uri}{revision}` prints it) to see them",
+        first + "the digest and the staging Jobs follow from the identity it finds: plan with "
+        f"--identity (`modelstage resolve {spec.model.uri}{revision}` prints it) to see them",
         "nothing",
     )
 
