@@ -155,7 +155,7 @@ def test_no_pod_monitor_scrapes_stager_pods_which_serve_no_metrics() -> None:
             assert selector.get("app.kubernetes.io/component") != "stager"
     spec = ModelDeploymentSpec.model_validate({
         "model": {"uri": "hf://acme/llama"}, "storage": {"pvc": {"claimName": "models"}},
-        "serving": {"targetRef": {"name": "vllm"}},
+        "serving": {"targetRef": {"name": "vllm"}}, "loadFormat": "sharded_state",
     })  # fmt: skip
     job = plan_stage_job(spec, owner=Owner("llama", "ns", "uid"), digest="0" * 20)
     assert all("ports" not in c for c in job["spec"]["template"]["spec"]["containers"])

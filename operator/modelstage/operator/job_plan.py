@@ -26,7 +26,7 @@ from .api import (
     SourceStatus,
     Stager,
 )
-from .artifact import ARTIFACT_MOUNT, ArtifactLocation, locate, location_from_uri
+from .artifact import ARTIFACT_MOUNT, ArtifactLocation, locate, location_from_uri, spec_format
 from .kube import (
     SCRATCH_DIR,
     SOURCE_MOUNT,
@@ -74,7 +74,7 @@ def finalize_job_name(digest: str) -> str:
 def scale_out_workers(spec: ModelDeploymentSpec) -> int:
     """Pods of the stage Job: ``stager.parallelism`` for the formats whose files an Indexed
     Job can write in parallel (tensor groups per pod), else 1."""
-    return spec.stager.parallelism if FORMATS[spec.load_format].scale_out else 1
+    return spec.stager.parallelism if FORMATS[spec_format(spec)].scale_out else 1
 
 
 @dataclass(frozen=True)
@@ -212,7 +212,7 @@ def stager_command(
         "--dtype",
         spec.dtype,
         "--format",
-        spec.load_format,
+        spec_format(spec),
         "--vllm-version",
         spec.serving.vllm_version,
         "--digest",
