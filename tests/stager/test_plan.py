@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from datetime import UTC, datetime
@@ -316,3 +317,24 @@ def test_the_plan_of_auto_is_the_resolve_job_that_reads_the_architecture() -> No
     assert job["command"][:2] == ["modelstage", "resolve"] and "--describe" in job["command"]
     (check,) = report["checks"]
     assert check["reason"] == "Resolving" and "with loadFormat auto the format" in check["message"]
+
+
+def test_auto_with_a_local_checkpoint_is_planned_as_the_operator_will_decide_it(
+    tmp_path: Path, llama_ckpt: Path
+) -> None:
+    gemma = tmp_path / "gemma"
+    shutil.copytree(llama_ckpt, gemma)
+    config = json.loads((gemma / "config.json").read_text())
+    config["architectures"] = ["Gemma2ForCausalLM"]
+    (gemma / "config.json").write_text(json.dumps(config))
+    auto = {k: v for k, v in BASE.items() if k != "loadFormat"}
+    for ckpt, fmt in ((llama_ckpt, "sharded_state"), (gemma, "safetensors")):
+        report = plan_json(str(write_md(tmp_path, auto)), "--checkpoint", str(ckpt),
+                           "--identity", IDENTITY)  # fmt: skip
+        explicit = ModelDeploymentSpec.model_validate({**auto, "loadFormat": fmt})
+        assert report["digest"] == spec_digest(explicit, IDENTITY)
+        assert report["artifact"]["format"] == fmt
+        assert report["checks"][0]["reason"] == "FormatChosen"
+        command = report["jobs"][0]["command"]
+        assert command[command.index("--format") + 1] == fmt
+    assert "Gemma2ForCausalLM has no per-rank rules" in report["checks"][0]["message"]

@@ -128,9 +128,12 @@ def plan_deployment_report(
     from modelstage.operator.plan import plan_deployment
 
     ns, name, spec = _deployment(manifest, namespace)
+    chosen: list[dict[str, Any]] = []
+    if spec.load_format == "auto" and checkpoint is not None:
+        spec, chosen = _auto_from(spec, checkpoint)
     plan = plan_deployment(spec, namespace=ns, name=name, workload=workload,
                            stager_image=stager_image, identity=identity)  # fmt: skip
-    checks = [dataclasses.asdict(f) for f in plan.findings]
+    checks = chosen + [dataclasses.asdict(f) for f in plan.findings]
     if workload is not None:
         ref = spec.serving.target_ref
         given = (workload.get("kind"), (workload.get("metadata") or {}).get("name"))
@@ -167,6 +170,30 @@ def plan_deployment_report(
         "checks": checks,
     }
     return report
+
+
+def _auto_from(
+    spec: ModelDeploymentSpec, checkpoint: str
+) -> tuple[ModelDeploymentSpec, list[dict[str, Any]]]:
+    """``loadFormat: auto`` decided as the operator will, from the local checkpoint's
+    ``config.json`` (what the resolve Job reads of the source), and the check that says so."""
+    from modelstage.core.formats import choose_format
+
+    from .checkpoint import CONFIG, MAX_CONFIG_BYTES, read_json
+    from .model_config import architecture_of, quantization_of
+    from .sources.local import LocalSource
+
+    source = LocalSource(checkpoint)
+    try:
+        config = read_json(source, CONFIG, max_bytes=MAX_CONFIG_BYTES)
+    finally:
+        source.close()
+    config = config if isinstance(config, dict) else {}
+    storage = "s3" if spec.storage.s3 is not None else "pvc"
+    choice = choose_format(storage, architecture_of(config), quantization_of(config))
+    message = f"loadFormat auto, from {checkpoint}/{CONFIG}: {choice.reason}"
+    check = {"reason": "FormatChosen", "blocks": "nothing", "message": message}
+    return spec.model_copy(update={"load_format": choice.format}), [check]
 
 
 def _job(manifest: dict[str, Any]) -> dict[str, Any]:
