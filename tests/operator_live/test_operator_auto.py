@@ -8,10 +8,13 @@ The tests play the Job controller and the kubelet."""
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
-from modelstage.operator.api import ModelDeploymentSpec
+import pytest_asyncio
+from modelstage.operator.api import ModelDeploymentSpec, SourceStatus
 from modelstage.operator.resolve_plan import resolve_job_name
 from support.kube_cluster import Cluster
 from support.modelstage_objects import (
@@ -120,3 +123,67 @@ async def test_auto_caches_anything_else_in_the_hugging_face_layout_and_says_why
     status = await wait_phase(cluster, namespace, "Ready")
     assert status["artifact"]["format"] == "safetensors"
     assert status["format"]["reason"] == why
+
+
+BRANCH = merged(AUTO, {"model": {"revision": "main"}})
+COMMIT_B = "b2" * 20
+
+
+@pytest_asyncio.fixture
+async def resolving(cluster: Cluster, namespace: str, tmp_path: Path) -> AsyncIterator[None]:
+    """An operator that resolves moving sources every 2 s and re-reads every second."""
+    process = OperatorProcess(cluster.kubeconfig, namespace, tmp_path, extra_env={
+        "MODELSTAGE_OPERATOR_RESOLVE_INTERVAL": "2",
+        "MODELSTAGE_OPERATOR_RESYNC_INTERVAL": "1",
+    })  # fmt: skip
+    await process.start()
+    try:
+        yield
+    finally:
+        await process.stop(graceful=False)
+
+
+async def branch_resolve_job(cluster: Cluster, ns: str) -> dict[str, Any]:
+    status = await status_of(cluster, ns)
+    recorded = SourceStatus.model_validate(status["source"]) if status.get("source") else None
+    name = resolve_job_name(ModelDeploymentSpec.model_validate(BRANCH), recorded, MD)
+    job = await wait_named_job(cluster, ns, name)
+    assert "--describe" in command_of(job)  # every round reads the architecture again
+    return job
+
+
+def moved(commit: str, architecture: str) -> str:
+    return json.dumps({"uri": BRANCH["model"]["uri"], "revision": "main", "kind": "hf",
+                       "identity": f"commit:{commit}", "commit": commit,
+                       "architecture": architecture, "quantization": None})  # fmt: skip
+
+
+async def test_a_branch_that_moves_to_another_architecture_is_restaged_in_its_format(
+    cluster: Cluster, namespace: str, resolving: None
+) -> None:
+    await apply(cluster, namespace, BRANCH)
+    job = await branch_resolve_job(cluster, namespace)
+    await finish_stage_job(cluster.client, namespace, "", message=moved(COMMIT, "LlamaForCausalLM"),
+                           succeeded=True, job_name=job["metadata"]["name"], container="resolve")  # fmt: skip
+    old = digest_of(merged(BRANCH, {"loadFormat": "sharded_state"}), f"commit:{COMMIT}")
+    await wait_job(cluster, namespace, old)
+    await finish_stage_job(cluster.client, namespace, old, message=summary(old), succeeded=True)
+    await wait_rolled(cluster, namespace, old)
+    await complete_rollout(cluster.client, namespace)
+    await wait_phase(cluster, namespace, "Ready")
+
+    # main moves to a Gemma 2 checkpoint: the next round reads it, auto picks safetensors.
+    job = await branch_resolve_job(cluster, namespace)
+    await finish_stage_job(cluster.client, namespace, "", message=moved(COMMIT_B, "Gemma2ForCausalLM"),
+                           succeeded=True, job_name=job["metadata"]["name"], container="resolve")  # fmt: skip
+    new = digest_of(merged(BRANCH, {"loadFormat": "safetensors"}), f"commit:{COMMIT_B}")
+    stage = await wait_job(cluster, namespace, new)
+    command = command_of(stage)
+    assert command[command.index("--format") + 1] == "safetensors"
+    status = await status_of(cluster, namespace)
+    assert status["format"]["name"] == "safetensors"
+    assert status["artifact"]["digest"] == old  # stage before roll: the old one serves
+    await finish_stage_job(cluster.client, namespace, new, message=summary(new), succeeded=True)
+    workload = await wait_rolled(cluster, namespace, new)
+    args = workload["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--load-format") + 1] == "modelstage_safetensors"
