@@ -187,3 +187,31 @@ def test_an_object_replaced_under_the_same_key_is_a_new_artifact(
                                 tp=2, s3=s3.options()))  # fmt: skip
     assert second["digest"] != first["digest"]
     assert second["sourceIdentity"] != first["sourceIdentity"]
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "runai_streamer"])
+def test_a_quantized_gemma2_from_s3_is_cached_in_the_hugging_face_layout(
+    s3: S3Server, bucket: str, split_ckpt: Path, tmp_path: Path, fmt: str
+) -> None:
+    """Any architecture and quantization, read from an S3 source as from a folder: the
+    artifact is its objects byte for byte, config.json with its quantization_config included."""
+    src = tmp_path / "gemma"
+    src.mkdir()
+    for path in split_ckpt.iterdir():
+        (src / path.name).write_bytes(path.read_bytes())
+    config = json.loads((src / "config.json").read_text())
+    config.update(architectures=["Gemma2ForCausalLM"], model_type="gemma2",
+                  quantization_config={"quant_method": "fp8", "activation_scheme": "dynamic"})  # fmt: skip
+    (src / "config.json").write_text(json.dumps(config))
+    upload(s3, bucket, "gemma", src)
+    out = f"s3://{bucket}/out-{fmt}/" if fmt == "runai_streamer" else str(tmp_path / "out")
+    summary = stage(StageRequest(source=f"s3://{bucket}/gemma", out=out, tp=2, format=fmt,
+                                 s3=s3.options()))  # fmt: skip
+    assert summary["format"] == fmt and summary["sourceIdentity"].startswith("sha256:")
+    if fmt == "runai_streamer":
+        client = s3.client()
+        got = {name: client.get_object(Bucket=bucket, Key=f"out-{fmt}/{name}")["Body"].read()
+               for name in (p.name for p in src.iterdir())}  # fmt: skip
+    else:
+        got = artifact_files(tmp_path / "out")
+    assert got == {p.name: p.read_bytes() for p in src.iterdir()}
