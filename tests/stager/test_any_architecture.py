@@ -137,3 +137,13 @@ def test_auto_picks_per_rank_for_the_table_and_the_hf_layout_otherwise(storage: 
     quantized = choose_format(storage, "LlamaForCausalLM", "fp8")
     assert quantized.format == copy and "quantized (fp8)" in quantized.reason
     assert choose_format(storage, None, None).format == copy
+
+
+def test_a_multimodal_config_has_its_language_models_heads_checked(
+    base_ckpt: Path, tmp_path: Path
+) -> None:
+    src = variant(base_ckpt, tmp_path / "src", architectures=["SomeVisionForConditionalGeneration"],
+                  num_attention_heads=None, text_config={"num_attention_heads": 6})  # fmt: skip
+    with pytest.raises(SpecError, match="tensor parallel size 4 does not divide the 6 attention"):
+        stage(StageRequest(source=str(src), out=str(tmp_path / "out"), tp=4, format="safetensors"))
+    stage(StageRequest(source=str(src), out=str(tmp_path / "ok"), tp=2, format="safetensors"))

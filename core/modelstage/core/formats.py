@@ -149,6 +149,10 @@ FORMATS: dict[str, Format] = {
             stock_loader="safetensors",
             plugin_loader="modelstage_safetensors",
             loads=("safetensors",),
+            # What vLLM's default loader accepts (it refuses any other key).
+            extra_config_keys=frozenset(
+                {"enable_multithread_load", "num_threads", "enable_weights_track"}
+            ),
             index_file=True,
         ),
         Format(

@@ -130,5 +130,8 @@ def check_heads(config: Mapping[str, Any], tp: int) -> None:
     if tp < 1:
         raise SpecError(f"tensor parallel size must be >= 1, got {tp}")
     heads = config.get("num_attention_heads")
+    text = config.get("text_config")  # multimodal checkpoints: the language model's
+    if heads is None and isinstance(text, Mapping):
+        heads = text.get("num_attention_heads")
     if type(heads) is int and heads > 0 and heads % tp:
         raise SpecError(f"tensor parallel size {tp} does not divide the {heads} attention heads")

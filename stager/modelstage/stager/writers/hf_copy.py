@@ -1,6 +1,8 @@
-"""The ``runai_streamer`` writer: the checkpoint's own Hugging Face layout, copied as is.
+"""The ``runai_streamer`` and ``safetensors`` writer: the checkpoint's own Hugging Face
+layout, copied as is, whatever its architecture or quantization.
 
-vLLM's Run:ai loader splits tensors per rank at load time, so the artifact is the source's
+vLLM's loaders (Run:ai's, the default one) split tensors per rank at load time with the model's
+own ``load_weights``, so the artifact is the source's
 safetensors files, their index and the files vLLM reads beside them (config, tokenizer,
 generation defaults), streamed through the destination's sinks (multipart uploads for S3)
 in fixed-size chunks: memory stays bounded whatever the file sizes.
