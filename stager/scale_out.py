@@ -15,14 +15,15 @@ the manifest (DESIGN.md sections 1 and 3). Why it is cut this way:
   source files hold them.
 - **A shared work area, parts atomic.** Locally the workers share ``<out>.tmp-shared-<key>``
   (the key pins digest, source identity, stager version and part size); each part appears
-  under its name only once fsynced, beside a sidecar with its size and sha256. On S3 the
-  parts are objects under the prefix, each with its run key and sha256. Either way a rerun
+  under its name only once fsynced, beside a sidecar with its size and chunk hashes. On S3 the
+  parts are objects under the prefix, each with its run key and content hash (root). Either way a rerun
   of a worker reuses the parts it finished, and nothing counts as an artifact before the
   manifest.
 - **Finalize trusts nothing it has not checked.** It recomputes the expected part names and
   sizes from the plan, requires each part to be present, of this run and of that size, and
-  re-hashes local parts against their sidecars (S3 objects carry the sha256 of the bytes
-  that made them, and S3 shows an object only once whole); then it copies the small files,
+  re-hashes every part: local ones against their sidecars, S3 objects against the root
+  their metadata records (``integrity.py``; chunks read in parallel, at the disk's or the
+  network's pace); then it copies the small files,
   writes the manifest last and publishes (rename, or the manifest object).
 """
 
@@ -38,6 +39,7 @@ from typing import Any, TextIO
 from .checkpoint import Checkpoint, open_checkpoint
 from .destinations.base import Destination
 from .errors import SpecError
+from .integrity import FileDigest
 from .layouts import Layout
 from .progress import Progress
 from .rank_writer import PART_METADATA, plan_parts, rank_file_names, write_rank_files
@@ -188,7 +190,7 @@ def stage_group(
         "group": str(group),
         "parts": [mine.start, mine.stop] if mine else [],
         "files": len(files),
-        "bytes": sum(s for s, _ in files.values()),
+        "bytes": sum(d.size for d in files.values()),
         "seconds": round(time.monotonic() - started, 3),
         "alreadyStaged": False,
     }
@@ -222,7 +224,7 @@ def finalize(req: StageRequest) -> dict[str, Any]:
     return _summary(manifest, dest.uri, time.monotonic() - started, already=False)
 
 
-def _check_parts(dest: Destination, run: _Run) -> dict[str, tuple[int, str]]:
+def _check_parts(dest: Destination, run: _Run) -> dict[str, FileDigest]:
     """Every rank's every part, checked in parallel; the first problem in file order wins."""
     names = rank_file_names(run.layout, run.plan.tp, len(run.parts))
     sizes = part_sizes(run.parts)

@@ -36,7 +36,7 @@ the file header at ``close``), so each rank file is serialised into a local spoo
 then streamed through the destination's sink (hashing it on the way), which is exactly what
 tensorizer's own ``open_stream("s3://...", "wb")`` does (a ``NamedTemporaryFile`` uploaded by
 boto3 on close) -- except that the upload uses this stager's S3 client: endpoint, path-style
-addressing, CA bundle, credentials files, retries, sha256 and run-key metadata, resuming.
+addressing, CA bundle, credentials files, retries, content-hash and run-key metadata, resuming.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ from typing import IO, Any
 import numpy as np
 
 from .checkpoint import Checkpoint
+from .integrity import FileDigest
 from .pieces import Piece, copy_piece, piece_nbytes
 from .progress import Progress
 from .rank_writer import Completed, OpenSink, _RankStreams, _stream_part
@@ -149,10 +150,10 @@ class _TensorCollector:
             self.serializer.write_tensor(e.module_idx, e.label, kind, tensor)
         self._next()
 
-    def close(self) -> tuple[int, str]:
+    def close(self) -> FileDigest:
         if self.current is not None:
             raise AssertionError(f"stream ended inside {self.current.name}")
-        return 0, ""
+        return FileDigest(0, 1, ())
 
     def abort(self) -> None:
         pass
@@ -196,9 +197,9 @@ def write_tensorizer_files(
     *,
     tied: bool,
     spool_dir: Path,
-) -> dict[str, tuple[int, str]]:
+) -> dict[str, FileDigest]:
     """Serialise every rank into ``spool_dir``, then stream each file into its sink; returns
-    {file name: (size, sha256)}. ``completed`` skips the upload of a file an earlier run with
+    {file name: its digest}. ``completed`` skips the upload of a file an earlier run with
     the same run key finished (tensorizer's output is deterministic for the same plan).
     ``spool_dir`` is removed afterwards, also on failure."""
     spool_dir.mkdir(parents=True, exist_ok=True)
@@ -207,7 +208,7 @@ def write_tensorizer_files(
         with contextlib.ExitStack() as stack:
             files = [stack.enter_context(open(p, "wb+")) for p in paths]
             serialize_ranks(plan, checkpoint, files, progress, tied=tied)
-        results: dict[str, tuple[int, str]] = {}
+        results: dict[str, FileDigest] = {}
         for rank, path in enumerate(paths):
             name, size = rank_file_name(rank), path.stat().st_size
             done = completed(name, size) if completed else None
@@ -218,13 +219,13 @@ def write_tensorizer_files(
         shutil.rmtree(spool_dir, ignore_errors=True)
 
 
-def _copy_into(path: Path, sink: Any) -> tuple[int, str]:
+def _copy_into(path: Path, sink: Any) -> FileDigest:
     buf = bytearray(SPOOL_COPY_BYTES)
     try:
         with open(path, "rb", buffering=0) as f:
             while n := f.readinto(buf):
                 sink.write(memoryview(buf)[:n])  # sinks copy or write before returning
-        result: tuple[int, str] = sink.close()
+        result: FileDigest = sink.close()
         return result
     except BaseException:
         sink.abort()
