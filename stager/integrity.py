@@ -206,6 +206,11 @@ class ChunkChecker:
         self.files = list(files)
         self.stats = HashStats()
 
+    def read_bytes(self, wanted: int) -> int:
+        """A reader's read size: ``wanted``, or the largest chunk when that is larger (a read
+        must hold at least one whole chunk)."""
+        return max([wanted, *(d.chunk_bytes for _, d in self.files)])
+
     def unit(self, file: int, read_bytes: int) -> int:
         """The largest whole number of ``file``'s chunks in ``read_bytes`` (at least one):
         how much one read takes so that it holds whole chunks only."""
@@ -235,7 +240,8 @@ class ChunkChecker:
                     pending[0] = v[want:]
                     want = 0
             if want:
-                raise ValueError(f"{where}: chunk {index} given {hi - lo - want} of {hi - lo} bytes")
+                got = hi - lo - want
+                raise ValueError(f"{where}: chunk {index} given {got} of {hi - lo} bytes")
             actual = hash_views(piece)
             total += hi - lo
             if actual != digest.chunks[index]:
@@ -310,9 +316,7 @@ def hash_files(
                 futures.pop(0).result()
         for future in futures:
             future.result()
-    digests = [
-        FileDigest(f.size, f.chunk_bytes, tuple(results[i])) for i, f in enumerate(files)
-    ]
+    digests = [FileDigest(f.size, f.chunk_bytes, tuple(results[i])) for i, f in enumerate(files)]
     for f, d in zip(files, digests, strict=True):
         if f.expected_root is not None and d.root != f.expected_root:
             raise ArtifactError(

@@ -7,7 +7,8 @@ reader thread into reused buffers (only the rows some rank needs), and the main 
 each chunk into per-rank pieces without copying (shared rows, or a column cut as a strided
 view; only dtype casts copy here). One writer thread per rank hands its pieces to its sink
 in order, and the sink's one copy into its own buffer also gathers column cuts and feeds
-the chunk hashes (``pieces.py``, ``integrity.py``). Memory is bounded by the buffer pools, not by the checkpoint's size.
+the chunk hashes (``pieces.py``, ``integrity.py``). Memory is bounded by the buffer pools,
+not by the checkpoint's size.
 """
 
 from __future__ import annotations

@@ -15,10 +15,10 @@ the manifest (DESIGN.md sections 1 and 3). Why it is cut this way:
   source files hold them.
 - **A shared work area, parts atomic.** Locally the workers share ``<out>.tmp-shared-<key>``
   (the key pins digest, source identity, stager version and part size); each part appears
-  under its name only once fsynced, beside a sidecar with its size and chunk hashes. On S3 the
-  parts are objects under the prefix, each with its run key and content hash (root). Either way a rerun
-  of a worker reuses the parts it finished, and nothing counts as an artifact before the
-  manifest.
+  under its name only once fsynced, beside a sidecar with its size and chunk hashes. On S3
+  the parts are objects under the prefix, each with its run key and content hash (root).
+  Either way a rerun of a worker reuses the parts it finished, and nothing counts as an
+  artifact before the manifest.
 - **Finalize trusts nothing it has not checked.** It recomputes the expected part names and
   sizes from the plan, requires each part to be present, of this run and of that size, and
   re-hashes every part: local ones against their sidecars, S3 objects against the root

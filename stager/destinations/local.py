@@ -16,7 +16,13 @@ from pathlib import Path
 
 from ..aligned_io import DIRECT_MIN_BYTES, AlignedWriter, buffer_bytes_for
 from ..errors import ArtifactError, DestinationError
-from ..integrity import DEFAULT_CHUNK_BYTES, ChunkedHasher, ChunkMismatch, FileDigest, hash_local_files
+from ..integrity import (
+    DEFAULT_CHUNK_BYTES,
+    ChunkedHasher,
+    ChunkMismatch,
+    FileDigest,
+    hash_local_files,
+)
 from ..manifest import MANIFEST, Manifest, read_manifest
 from ..pieces import Piece
 from .base import Destination
@@ -38,9 +44,9 @@ class LocalFileSink:
     no CPU copying them into the page cache (measured here: a buffered write + fsync of 4 GiB
     costs 2.7 s of system time, a direct one 0.5 s), the staged artifact does not crowd the
     node's page cache (and the Job's memory cgroup), and the CPU is left for the chunk hashes
-    (BLAKE3), which the manifest needs for every byte. While one buffer is being written, this thread hashes and
-    fills the next. Without ``O_DIRECT`` (tmpfs, some FUSE mounts) the same buffers go
-    through the page cache.
+    (BLAKE3), which the manifest needs for every byte. While one buffer is being written,
+    this thread hashes and fills the next. Without ``O_DIRECT`` (tmpfs, some FUSE mounts)
+    the same buffers go through the page cache.
     """
 
     def __init__(self, path: Path, size: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:

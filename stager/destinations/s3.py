@@ -504,7 +504,8 @@ class S3Destination(Destination):
                 f"({', '.join(stray[:5])}); remove them or choose another --out"
             )
         data = manifest.to_json().encode()
-        meta = {HASH_KEY: digest_bytes(data, self.chunk_bytes).root, CHUNK_KEY: str(self.chunk_bytes)}
+        root = digest_bytes(data, self.chunk_bytes).root
+        meta = {HASH_KEY: root, CHUNK_KEY: str(self.chunk_bytes)}
         self.call(lambda: self.s3.client.put_object(
             Bucket=self.location.bucket, Key=self.location.key(MANIFEST), Body=data,
             ContentType="application/json", Metadata={**meta, RUN_KEY: self.run_key},

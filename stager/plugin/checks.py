@@ -5,8 +5,14 @@ seconds, not a GPU's worth of allocation followed by a KeyError deep inside vLLM
 order: the manifest exists (the artifact is complete), its digest and TP are the ones the pod
 was given, its format suits the load format, its layout version is the running vLLM's, and
 this rank's files are exactly those the manifest lists, with the listed sizes and valid
-safetensors headers. Hashing content is opt-in (``MODELSTAGE_VERIFY_HASH=1``): the
-initContainer verified the artifact already, and hashing reads every byte twice.
+safetensors headers.
+
+Content: every byte a rank loads is hashed against the manifest (``MODELSTAGE_VERIFY``, on by
+default). The plugin's own reader checks each hash chunk as it lands (``content_checker``);
+where bytes move through a reader the plugin does not own (vLLM's Run:ai streamer), or the
+artifact predates chunk hashes (schema 1: one sha256 per file), ``verify_content`` hashes the
+files in a pass before loading. Either way a mismatch refuses the load before the engine
+serves, naming the file, the chunk and both hashes.
 
 Torch-free and vLLM-free, so the refusals are unit-tested without starting vLLM.
 """
@@ -18,14 +24,15 @@ import hashlib
 import os
 import re
 from collections.abc import Callable, Iterable
-from contextlib import closing
+from contextlib import ExitStack, closing
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ArtifactError, CheckpointError, SpecError
+from ..integrity import ChunkChecker, ChunkMismatch, FileToHash, HashStats, LocalFile, hash_files
 from ..layouts import layout_for
-from ..manifest import MANIFEST, Manifest, read_manifest, sha256_file
-from ..s3_client import S3Client, S3Location
+from ..manifest import MANIFEST, FileEntry, Manifest, read_manifest, sha256_file
+from ..s3_client import S3Client, S3Location, get_range_into
 from ..safetensors_format import SafetensorsHeader, read_header, read_local_header
 from .settings import S3_READER_FORMAT, PluginSettings
 
@@ -48,6 +55,8 @@ class RankFile:
     """Its path, or its s3:// URI."""
     size: int
     header: SafetensorsHeader
+    entry: FileEntry
+    """What the manifest says of it: size and content hashes."""
     etag: str | None = None
     """For objects: the ETag seen when verifying; every read is conditional on it."""
 
@@ -148,7 +157,7 @@ def verify_local(
     manifest = _expected(manifest, where, load_format, settings, running_tp, vllm_version)
     pattern = rank_glob or "*.safetensors"
     names = _rank_names(where, manifest, (p.name for p in directory.glob(pattern)), pattern)
-    files = tuple(_verify_file(directory / n, manifest, settings.verify_hash) for n in names)
+    files = tuple(_verify_file(directory / n, manifest) for n in names)
     return VerifiedArtifact(where, manifest, _no_duplicates(where, files))
 
 
@@ -179,9 +188,7 @@ def verify_s3(
         raise _s3_refusal(s3, e, where) from None
     manifest = _expected(manifest, where, load_format, settings, running_tp, vllm_version)
     names = _rank_names(where, manifest, (n for n in present if n != MANIFEST), rank_glob)
-    files = tuple(
-        _verify_object(s3, location, n, manifest, present, settings.verify_hash) for n in names
-    )
+    files = tuple(_verify_object(s3, location, n, manifest, present) for n in names)
     return VerifiedArtifact(where, manifest, _no_duplicates(where, files), s3)
 
 
@@ -239,7 +246,7 @@ def _no_duplicates(where: str, files: tuple[RankFile, ...]) -> tuple[RankFile, .
     return files
 
 
-def _verify_file(path: Path, manifest: Manifest, hash_content: bool) -> RankFile:
+def _verify_file(path: Path, manifest: Manifest) -> RankFile:
     entry = manifest.files[path.name]
     try:
         size = os.stat(path).st_size
@@ -251,9 +258,7 @@ def _verify_file(path: Path, manifest: Manifest, hash_content: bool) -> RankFile
         header = read_local_header(path)
     except CheckpointError as e:
         raise refuse(str(path), f"{e}; re-stage") from None
-    if hash_content and sha256_file(path) != entry.sha256:
-        raise refuse(str(path), "sha256 differs from the manifest; the file is corrupt")
-    return RankFile(path.name, str(path), size, header)
+    return RankFile(path.name, str(path), size, header, entry)
 
 
 HEADER_PREFIX_BYTES = 256 * 1024
@@ -296,7 +301,6 @@ def _verify_object(
     name: str,
     manifest: Manifest,
     present: dict[str, tuple[int, str]],
-    hash_content: bool,
 ) -> RankFile:
     uri, entry = f"{location.uri}{name}", manifest.files[name]
     if name not in present:
@@ -323,15 +327,13 @@ def _verify_object(
             return get(offset, length)
 
         header = read_header(uri, size, read)
-        if hash_content and _s3_sha256(s3, location, name, etag) != entry.sha256:
-            raise refuse(uri, "sha256 differs from the manifest; the object is corrupt")
     except CheckpointError as e:
         raise refuse(uri, f"{e}; re-stage") from None
     except ArtifactError:
         raise
     except Exception as e:
         raise _s3_refusal(s3, e, uri) from None
-    return RankFile(name, uri, size, header, etag)
+    return RankFile(name, uri, size, header, entry, etag)
 
 
 def _s3_refusal(s3: S3Client, e: BaseException, where: str) -> ArtifactError:
@@ -346,6 +348,74 @@ def _s3_sha256(s3: S3Client, location: S3Location, name: str, etag: str) -> str:
         for block in stream.iter_chunks(8 * 1024 * 1024):
             h.update(block)
     return h.hexdigest()
+
+
+def content_checker(verified: VerifiedArtifact) -> ChunkChecker | None:
+    """The checker of this rank's files for the plugin's reader, in load order; None when some
+    file has no chunk hashes (a schema-1 artifact: ``verify_content`` hashes it instead)."""
+    files = []
+    for f in verified.files:
+        digest = f.entry.digest
+        if digest is None:
+            return None
+        files.append((f.location, digest))
+    return ChunkChecker(files)
+
+
+def verify_content(verified: VerifiedArtifact, *, workers: int = 2) -> HashStats:
+    """Hash every byte of this rank's files against the manifest, in a pass of its own: for
+    loads whose bytes the plugin's reader does not move, and for schema-1 artifacts (sha256).
+    Chunked files are read in parallel chunks (``workers`` at once), each checked as it lands.
+    Refuses at the first mismatch."""
+    stats = HashStats()
+    chunked = [f for f in verified.files if f.entry.digest is not None]
+    try:
+        with ExitStack() as stack:
+            jobs = []
+            for f in chunked:
+                digest = f.entry.digest
+                assert digest is not None
+                read_into = (
+                    _object_reader(verified, f)
+                    if verified.s3 is not None
+                    else stack.enter_context(LocalFile(f.path)).read_into
+                )
+                jobs.append(FileToHash(f.location, f.size, read_into, digest.chunk_bytes, digest))
+            stats = hash_files(jobs, workers=workers)[1]
+        for f in verified.files:
+            if f.entry.digest is not None:
+                continue
+            actual = (
+                _s3_sha256(verified.s3, S3Location.parse(verified.location), f.name, f.etag or "")
+                if verified.s3 is not None
+                else sha256_file(f.path)
+            )
+            if actual != f.entry.sha256:
+                raise refuse(f.location, f"sha256 is {actual}, the manifest says "
+                             f"{f.entry.sha256}; the file is corrupt: re-stage it")  # fmt: skip
+            stats.add(f.size, 0.0)
+    except ChunkMismatch as e:
+        raise refuse(e.where, f"{e.reason}: re-stage it") from None
+    except ArtifactError as e:
+        if str(e).startswith("modelstage: refusing"):
+            raise
+        raise refuse(verified.location, str(e)) from None
+    except OSError as e:
+        raise refuse(verified.location, f"cannot read: {e}") from None
+    return stats
+
+
+def _object_reader(verified: VerifiedArtifact, f: RankFile) -> Callable[[int, memoryview], None]:
+    s3, location = verified.s3, S3Location.parse(verified.location)
+    assert s3 is not None and f.etag is not None
+
+    def read_into(offset: int, view: memoryview) -> None:
+        try:
+            get_range_into(s3, location.bucket, location.key(f.name), f.etag or "", offset, [view])
+        except Exception as e:
+            raise _s3_refusal(s3, e, f.location) from None
+
+    return read_into
 
 
 def _part_key(pattern: str) -> Callable[[str], tuple[int, str]]:

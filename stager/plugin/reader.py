@@ -15,6 +15,14 @@ gets a host staging tensor of its own size and vLLM's ``copy_`` semantics once c
 
 Headers come from the verify phase (``checks.py``), so the reader never parses JSON and knows
 every tensor's byte range before the first read.
+
+Verification while streaming: given a ``ChunkChecker`` (``integrity.py``), the reader reads
+every byte of every file, from offset 0 to the end (the header and any hole between tensors
+too, into a scratch buffer), in reads that each hold whole hash chunks of the manifest, and
+the thread that did a read hashes it right away, while the bytes are in the CPU's cache and
+the other threads read and copy: a chunk is checked as it lands, in whatever order reads
+complete, and a mismatch fails the read naming the file, the chunk and both hashes. The
+hashes release the GIL, so they run beside the reads and the copies.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from ..integrity import ChunkChecker
 from ..safetensors_format import SafetensorsHeader, TensorInfo
 from .stores import LocalFiles, RankBytes
 
@@ -91,16 +100,27 @@ class _Chunk:
     """The tensors with at least one byte in ``[begin, end)``, in file order."""
 
 
-def chunks(headers: Sequence[SafetensorsHeader], chunk_bytes: int) -> Iterator[_Chunk]:
-    """Cut every file's data section into chunks of at most ``chunk_bytes``; pure."""
+def chunks(
+    headers: Sequence[SafetensorsHeader],
+    chunk_bytes: int,
+    whole: Sequence[tuple[int, int]] | None = None,
+) -> Iterator[_Chunk]:
+    """Cut every file's data section into chunks of at most ``chunk_bytes``; pure.
+
+    ``whole``: per file its (size, read size): cut the whole file, from offset 0, into reads
+    of exactly that size (the last one shorter), so that every byte is read; what verifying
+    needs (``ChunkChecker.unit`` gives read sizes that hold whole hash chunks)."""
     for file, header in enumerate(headers):
         tensors = sorted((t for t in header.tensors.values() if t.nbytes), key=lambda t: t.begin)
-        if not tensors:
+        if whole is not None:
+            (start, stop), step = (0, whole[file][0]), whole[file][1]
+        elif not tensors:
             continue
-        start, stop = tensors[0].begin, max(t.end for t in tensors)
+        else:
+            start, stop, step = tensors[0].begin, max(t.end for t in tensors), chunk_bytes
         first = 0
-        for begin in range(start, stop, chunk_bytes):
-            end = min(begin + chunk_bytes, stop)
+        for begin in range(start, stop, step):
+            end = min(begin + step, stop)
             while first < len(tensors) and tensors[first].end <= begin:
                 first += 1
             last = first
@@ -141,26 +161,47 @@ class PipelinedReader:
         )
 
     def read(
-        self, files: RankBytes | Sequence[tuple[Path, SafetensorsHeader]], target_for: TargetFor
+        self,
+        files: RankBytes | Sequence[tuple[Path, SafetensorsHeader]],
+        target_for: TargetFor,
+        checker: ChunkChecker | None = None,
     ) -> ReadStats:
-        """Read every tensor of ``files`` (a store, or local files with their headers)."""
+        """Read every tensor of ``files`` (a store, or local files with their headers); with
+        ``checker`` (its files in the store's order), every byte of every file, each hash
+        chunk checked as it lands (``ChunkMismatch`` otherwise)."""
         store = files if isinstance(files, RankBytes) else LocalFiles(files)
         stats = ReadStats(files=len(store.headers))
+        whole = None
+        if checker is not None:
+            if len(checker.files) != len(store.headers):
+                raise ValueError("the checker must list the store's files, in order")
+            whole = [(d.size, checker.unit(i, self.chunk_bytes))
+                     for i, (_, d) in enumerate(checker.files)]  # fmt: skip
+            if any(unit > self.chunk_bytes for _, unit in whole):
+                raise ValueError(
+                    f"reads of {self.chunk_bytes} bytes cannot hold a whole hash chunk; "
+                    "size the reader with ChunkChecker.read_bytes"
+                )
         with store:
             for header in store.headers:  # zero-byte tensors get no chunk; finish them now
                 for info in header.tensors.values():
                     if not info.nbytes:
                         _finish(target_for(info))
-            work = chunks(store.headers, self.chunk_bytes)
+            work = chunks(store.headers, self.chunk_bytes, whole)
             if self.direct:
-                self._direct(store, work, target_for, stats)
+                self._direct(store, work, target_for, stats, checker)
             else:
-                self._pipeline(store, work, target_for, stats)
+                self._pipeline(store, work, target_for, stats, checker)
         stats._close()
         return stats
 
     def _direct(
-        self, store: RankBytes, work: Iterator[_Chunk], target_for: TargetFor, stats: ReadStats
+        self,
+        store: RankBytes,
+        work: Iterator[_Chunk],
+        target_for: TargetFor,
+        stats: ReadStats,
+        checker: ChunkChecker | None,
     ) -> None:
         """Read every chunk of the files with one vectored read straight into the targets'
         memory (``preadv``: one iovec per tensor piece), ``depth`` reads in flight; a target
@@ -185,18 +226,24 @@ class PipelinedReader:
             for chunk in work:
                 segments: list[tuple[int, memoryview]] = []
                 finished: list[Target] = []
+                at = chunk.begin
                 for info in chunk.tensors:
                     entry = open_targets.get(info.name)
                     if entry is None:
                         target = target_for(info)
                         entry = open_targets[info.name] = (target, target.flat.numpy().data)
                     lo, hi = max(info.begin, chunk.begin), min(info.end, chunk.end)
+                    if checker is not None and lo > at:  # header or hole: read, hashed, dropped
+                        segments.append((at, memoryview(bytearray(lo - at))))
                     segments.append((lo, entry[1][lo - info.begin : hi - info.begin]))
+                    at = hi
                     if hi == info.end:
                         finished.append(open_targets.pop(info.name)[0])
+                if checker is not None and at < chunk.end:
+                    segments.append((at, memoryview(bytearray(chunk.end - at))))
                 while len(pending) >= 2 * self.depth:
                     complete()
-                future = pool.submit(_read_segments, store, chunk, segments, stats)
+                future = pool.submit(_read_segments, store, chunk, segments, stats, checker)
                 pending.append((future, finished))
             while pending:
                 complete()
@@ -207,7 +254,12 @@ class PipelinedReader:
         stats.copy_seconds += stats.read_seconds
 
     def _pipeline(
-        self, store: RankBytes, work: Iterator[_Chunk], target_for: TargetFor, stats: ReadStats
+        self,
+        store: RankBytes,
+        work: Iterator[_Chunk],
+        target_for: TargetFor,
+        stats: ReadStats,
+        checker: ChunkChecker | None,
     ) -> None:
         free: collections.deque[tuple[torch.Tensor, torch.cuda.Event | None]] = collections.deque(
             (b, None) for b in self.buffers
@@ -224,7 +276,8 @@ class PipelinedReader:
             buf, copied = free.popleft()
             if copied is not None:
                 copied.synchronize()  # the buffer's last copy must be done before reuse
-            pending.append((chunk, buf, pool.submit(_read_chunk, store, chunk, buf, stats)))
+            future = pool.submit(_read_chunk, store, chunk, buf, stats, checker)
+            pending.append((chunk, buf, future))
 
         try:
             if self.stream is not None:
@@ -283,10 +336,15 @@ class PipelinedReader:
 
 
 def _read_segments(
-    store: RankBytes, chunk: _Chunk, segments: list[tuple[int, memoryview]], stats: ReadStats
+    store: RankBytes,
+    chunk: _Chunk,
+    segments: list[tuple[int, memoryview]],
+    stats: ReadStats,
+    checker: ChunkChecker | None = None,
 ) -> None:
     """Fill ``(file offset, view)`` segments (in file order): back-to-back ones with one
-    store read each, a hole between tensors starts another."""
+    store read each, a hole between tensors starts another; then, with ``checker``, hash
+    what was read (segments then cover the chunk without a hole)."""
     start, i = time.perf_counter(), 0
     while i < len(segments):
         offset, first = segments[i]
@@ -297,11 +355,19 @@ def _read_segments(
             i += 1
         store.read_into(chunk.file, offset, run)
     stats._read_done(start, time.perf_counter(), sum(len(v) for _, v in segments))
+    if checker is not None:
+        checker.check(chunk.file, chunk.begin, [v for _, v in segments])
 
 
-def _read_chunk(store: RankBytes, chunk: _Chunk, buf: torch.Tensor, stats: ReadStats) -> None:
+def _read_chunk(
+    store: RankBytes,
+    chunk: _Chunk,
+    buf: torch.Tensor,
+    stats: ReadStats,
+    checker: ChunkChecker | None = None,
+) -> None:
     view = buf.numpy().data[: chunk.end - chunk.begin]
-    _read_segments(store, chunk, [(chunk.begin, view)], stats)
+    _read_segments(store, chunk, [(chunk.begin, view)], stats, checker)
 
 
 def _finish(target: Target) -> None:

@@ -27,8 +27,11 @@ ENV_METRICS_PORT = "MODELSTAGE_METRICS_PORT"
 """Base port of the per-rank metrics endpoints (rank r serves on base + r); unset: none."""
 ENV_METRICS_ADDR = "MODELSTAGE_METRICS_ADDR"
 """Address the metrics endpoints bind (default ``0.0.0.0``)."""
-ENV_VERIFY_HASH = "MODELSTAGE_VERIFY_HASH"
-"""``1``: also sha256 the rank's files against the manifest before loading (slow, opt-in)."""
+ENV_VERIFY = "MODELSTAGE_VERIFY"
+"""Content verification, on unless ``0``: every byte the rank loads is hashed against the
+manifest's chunk hashes as it streams in (or in a pass before loading where the bytes move
+through a reader the plugin does not own). ``0`` loads unverified, and says so in a warning
+and in the ``modelstage_load_verification`` metric."""
 ENV_READ_CHUNK_MIB = "MODELSTAGE_READ_CHUNK_MIB"
 """Size of one read of the pipelined reader, MiB (default 16)."""
 ENV_READ_DEPTH = "MODELSTAGE_READ_DEPTH"
@@ -63,7 +66,7 @@ class PluginSettings:
     artifact: str | None = None
     metrics_port: int | None = None
     metrics_addr: str = "0.0.0.0"
-    verify_hash: bool = False
+    verify: bool = True
     chunk_bytes: int = DEFAULT_CHUNK_MIB * MiB
     depth: int = DEFAULT_DEPTH
     s3_reader: bool = False
@@ -80,7 +83,7 @@ class PluginSettings:
             artifact=env.get(ENV_ARTIFACT) or None,
             metrics_port=_int(env, ENV_METRICS_PORT, minimum=1, maximum=65535),
             metrics_addr=env.get(ENV_METRICS_ADDR) or "0.0.0.0",
-            verify_hash=_flag(env, ENV_VERIFY_HASH),
+            verify=_flag(env, ENV_VERIFY, default=True),
             chunk_bytes=(_int(env, ENV_READ_CHUNK_MIB, minimum=1) or DEFAULT_CHUNK_MIB) * MiB,
             depth=_int(env, ENV_READ_DEPTH, minimum=1, maximum=64) or DEFAULT_DEPTH,
             s3_reader=_flag(env, ENV_S3_READER),
@@ -127,9 +130,11 @@ def _int(
     return value
 
 
-def _flag(env: Mapping[str, str], name: str) -> bool:
+def _flag(env: Mapping[str, str], name: str, *, default: bool = False) -> bool:
     raw = env.get(name, "").strip().lower()
-    if raw in ("", "0", "false", "no"):
+    if not raw:
+        return default
+    if raw in ("0", "false", "no"):
         return False
     if raw in ("1", "true", "yes"):
         return True
