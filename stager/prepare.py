@@ -94,8 +94,7 @@ def _verify_s3(
 
     dest = S3Destination(artifact, s3)
     if hash_content:
-        manifest = dest.verify(digest=digest, tp=tp, hash_content=True)
-        return _summary(dest.uri, manifest, hashed=True)
+        return _summary(dest.uri, dest.verify(digest=digest, tp=tp), hashed=True)
     manifest = dest.existing()
     if manifest is None:
         raise ArtifactError(f"{dest.uri}: no {MANIFEST}; the artifact is incomplete")

@@ -29,11 +29,24 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ArtifactError, CheckpointError, SpecError
-from ..integrity import ChunkChecker, ChunkMismatch, FileToHash, HashStats, LocalFile, hash_files
+from ..integrity import (
+    ChunkChecker,
+    ChunkMismatch,
+    FileDigest,
+    FileToHash,
+    HashStats,
+    LocalFile,
+    hash_files,
+)
 from ..layouts import layout_for
 from ..manifest import MANIFEST, FileEntry, Manifest, read_manifest, sha256_file
 from ..s3_client import S3Client, S3Location, get_range_into
-from ..safetensors_format import SafetensorsHeader, read_header, read_local_header
+from ..safetensors_format import (
+    MAX_HEADER_BYTES,
+    SafetensorsHeader,
+    read_header,
+    read_local_header,
+)
 from .settings import S3_READER_FORMAT, PluginSettings
 
 LOAD_FORMATS: dict[str, tuple[str, ...]] = {
@@ -157,7 +170,7 @@ def verify_local(
     manifest = _expected(manifest, where, load_format, settings, running_tp, vllm_version)
     pattern = rank_glob or "*.safetensors"
     names = _rank_names(where, manifest, (p.name for p in directory.glob(pattern)), pattern)
-    files = tuple(_verify_file(directory / n, manifest) for n in names)
+    files = tuple(_verify_file(directory / n, manifest, settings.verify) for n in names)
     return VerifiedArtifact(where, manifest, _no_duplicates(where, files))
 
 
@@ -188,7 +201,9 @@ def verify_s3(
         raise _s3_refusal(s3, e, where) from None
     manifest = _expected(manifest, where, load_format, settings, running_tp, vllm_version)
     names = _rank_names(where, manifest, (n for n in present if n != MANIFEST), rank_glob)
-    files = tuple(_verify_object(s3, location, n, manifest, present) for n in names)
+    files = tuple(
+        _verify_object(s3, location, n, manifest, present, settings.verify) for n in names
+    )
     return VerifiedArtifact(where, manifest, _no_duplicates(where, files), s3)
 
 
@@ -246,7 +261,7 @@ def _no_duplicates(where: str, files: tuple[RankFile, ...]) -> tuple[RankFile, .
     return files
 
 
-def _verify_file(path: Path, manifest: Manifest) -> RankFile:
+def _verify_file(path: Path, manifest: Manifest, check_content: bool) -> RankFile:
     entry = manifest.files[path.name]
     try:
         size = os.stat(path).st_size
@@ -255,9 +270,24 @@ def _verify_file(path: Path, manifest: Manifest) -> RankFile:
     if size != entry.size:
         raise refuse(str(path), f"{size} bytes, the manifest says {entry.size}; re-stage")
     try:
-        header = read_local_header(path)
+        digest = entry.digest if check_content else None
+        if digest is None:
+            header = read_local_header(path)
+        else:
+            with LocalFile(path) as f:
+
+                def read(offset: int, length: int) -> bytes:
+                    buf = bytearray(length)
+                    f.read_into(offset, memoryview(buf))
+                    return bytes(buf)
+
+                header = checked_header(str(path), digest, read)
+    except ChunkMismatch as e:
+        raise refuse(str(path), f"{e.reason}: re-stage it") from None
     except CheckpointError as e:
         raise refuse(str(path), f"{e}; re-stage") from None
+    except OSError as e:
+        raise refuse(str(path), f"cannot read: {e.strerror or e}") from None
     return RankFile(path.name, str(path), size, header, entry)
 
 
@@ -301,6 +331,7 @@ def _verify_object(
     name: str,
     manifest: Manifest,
     present: dict[str, tuple[int, str]],
+    check_content: bool,
 ) -> RankFile:
     uri, entry = f"{location.uri}{name}", manifest.files[name]
     if name not in present:
@@ -319,14 +350,20 @@ def _verify_object(
         return data
 
     try:
-        prefix = get(0, min(size, HEADER_PREFIX_BYTES)) if size else b""
+        digest = entry.digest if check_content else None
+        if digest is not None:
+            header = checked_header(uri, digest, get)
+        else:
+            prefix = get(0, min(size, HEADER_PREFIX_BYTES)) if size else b""
 
-        def read(offset: int, length: int) -> bytes:
-            if offset + length <= len(prefix):
-                return prefix[offset : offset + length]
-            return get(offset, length)
+            def read(offset: int, length: int) -> bytes:
+                if offset + length <= len(prefix):
+                    return prefix[offset : offset + length]
+                return get(offset, length)
 
-        header = read_header(uri, size, read)
+            header = read_header(uri, size, read)
+    except ChunkMismatch as e:
+        raise refuse(uri, f"{e.reason}: re-stage it") from None
     except CheckpointError as e:
         raise refuse(uri, f"{e}; re-stage") from None
     except ArtifactError:
@@ -348,6 +385,33 @@ def _s3_sha256(s3: S3Client, location: S3Location, name: str, etag: str) -> str:
         for block in stream.iter_chunks(8 * 1024 * 1024):
             h.update(block)
     return h.hexdigest()
+
+
+def checked_header(
+    where: str, digest: FileDigest, read: Callable[[int, int], bytes]
+) -> SafetensorsHeader:
+    """Parse a file's header from bytes checked against its chunk hashes first: the header
+    plans every read, so a corrupt one is refused as corrupt (naming the chunk), never
+    followed. Reads the whole chunks that hold the header (one, for any usual header), which
+    the reader reads again with the rest."""
+    checker = ChunkChecker([(where, digest)])
+    data = bytearray()
+    needed = min(8, digest.size)
+    for index in range(len(digest.chunks)):
+        if len(data) >= needed:
+            break
+        lo, hi = digest.range(index)
+        piece = read(lo, hi - lo)
+        checker.check(0, lo, [memoryview(piece)])
+        data += piece
+        if len(data) >= 8:
+            length = int.from_bytes(data[:8], "little")
+            needed = min(8 + min(length, MAX_HEADER_BYTES), digest.size)
+
+    def served(offset: int, length: int) -> bytes:
+        return bytes(data[offset : offset + length])
+
+    return read_header(where, digest.size, served)
 
 
 def content_checker(verified: VerifiedArtifact) -> ChunkChecker | None:
