@@ -24,7 +24,7 @@ from modelstage.stager.plugin.reader import TORCH_DTYPES, PipelinedReader, Targe
 from modelstage.stager.plugin.runai_streamer_sharded import ModelstageRunaiStreamerShardedLoader
 from modelstage.stager.plugin.settings import PluginSettings
 from modelstage.stager.plugin.sharded_state import ModelstageShardedStateLoader
-from modelstage.stager.safetensors_format import read_local_header
+from modelstage.stager.safetensors_format import TensorInfo, read_local_header
 from modelstage.stager.stage import StageRequest, stage
 from modelstage.stager.synthetic import SyntheticModel, write_checkpoint
 from prometheus_client.parser import text_string_to_metric_families
@@ -175,14 +175,18 @@ def test_holes_between_tensors_and_bytes_after_the_last_are_read_and_hashed(
                 flip(path, bad)
             checker = ChunkChecker([(str(path), digest)])
             dest = {n: torch.empty(3) for n in entries}
+
+            def into(i: TensorInfo, dest: dict[str, torch.Tensor] = dest) -> Target:
+                return Target(flat_bytes(dest[i.name]))
+
             reader = PipelinedReader(chunk_bytes=checker.read_bytes(8192), depth=2, device=CPU,
                                      direct=direct)  # fmt: skip
             if bad is None:
-                reader.read([(path, header)], lambda i: Target(flat_bytes(dest[i.name])), checker)
+                reader.read([(path, header)], into, checker)
                 assert checker.stats.bytes == len(blob)
                 continue
             with pytest.raises(ChunkMismatch, match=rf"chunk {bad // 4096} "):
-                reader.read([(path, header)], lambda i: Target(flat_bytes(dest[i.name])), checker)
+                reader.read([(path, header)], into, checker)
 
 
 def test_a_schema_1_artifact_has_no_streaming_checker_and_fails_the_pass(artifact: Path) -> None:
