@@ -392,17 +392,32 @@ def staging_for(info: TensorInfo, dest: torch.Tensor) -> Target:
 
 
 def read_files_for_bench(
-    files: Sequence[Path], params: Mapping[str, torch.Tensor] | None = None
+    files: Sequence[Path], params: Mapping[str, torch.Tensor] | None = None, verify: bool = False
 ) -> None:
-    """``modelstage bench``'s plugin row: the rank files into ``params`` (name -> tensor, as
+    """``modelstage bench``'s plugin rows: the rank files into ``params`` (name -> tensor, as
     vLLM's model holds them before loading; fresh host tensors when None), through the
-    reader with its default settings; what the stock row does with ``safe_open``."""
+    reader with its default settings; what the stock row does with ``safe_open``. ``verify``:
+    every byte checked against the chunk hashes of the manifest beside the files, as the
+    plugin does by default (the manifest is read first, as in the verify phase)."""
+    from ..errors import ArtifactError
+    from ..manifest import read_manifest
     from ..safetensors_format import read_local_header
     from .settings import DEFAULT_CHUNK_MIB, DEFAULT_DEPTH
 
     headers = [(Path(f), read_local_header(Path(f))) for f in files]
+    checker = None
+    if verify:
+        manifest = read_manifest(Path(files[0]).parent) if files else None
+        digests = [manifest.files[p.name].digest if manifest else None for p, _ in headers]
+        if any(d is None for d in digests):
+            raise ArtifactError("verified reads need a schema-2 manifest beside the files")
+        checker = ChunkChecker([(str(p), d) for (p, _), d in zip(headers, digests, strict=True)
+                                if d is not None])  # fmt: skip
+    chunk_bytes = DEFAULT_CHUNK_MIB * 1024 * 1024
     reader = PipelinedReader(
-        chunk_bytes=DEFAULT_CHUNK_MIB * 1024 * 1024, depth=DEFAULT_DEPTH, device=torch.device("cpu")
+        chunk_bytes=checker.read_bytes(chunk_bytes) if checker else chunk_bytes,
+        depth=DEFAULT_DEPTH,
+        device=torch.device("cpu"),
     )
 
     def into(info: TensorInfo) -> Target:
@@ -410,4 +425,4 @@ def read_files_for_bench(
             return Target(flat_bytes(params[info.name]))
         return Target(flat_bytes(torch.empty(info.shape, dtype=TORCH_DTYPES[info.dtype])))
 
-    reader.read(headers, into)
+    reader.read(headers, into, checker)
