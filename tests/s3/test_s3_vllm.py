@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from modelstage.stager.integrity import digest_bytes
 from modelstage.stager.stage import StageRequest, stage
 from modelstage.stager.synthetic import SyntheticModel, write_checkpoint
 from support.s3_server import S3Server
@@ -61,7 +62,10 @@ def vllm_lock() -> Iterator[None]:
         yield
 
 
-def run_vllm_s3(model: str, tp: int, load_format: str, env: dict[str, str]) -> dict[str, Any]:
+def run_vllm_s3(
+    model: str, tp: int, load_format: str, env: dict[str, str], *, check: bool = True
+) -> dict[str, Any]:
+    """vLLM on ``model``; ``check=False`` returns a failed run's whole log instead of raising."""
     with tempfile.TemporaryDirectory(prefix="vllm-s3-oracle-") as work:
         out = Path(work) / "result.json"
         proc = subprocess.run(
@@ -71,6 +75,8 @@ def run_vllm_s3(model: str, tp: int, load_format: str, env: dict[str, str]) -> d
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600,
             check=False,
         )  # fmt: skip
+        if not check and (proc.returncode != 0 or not out.exists()):
+            return {"output": None, "log": proc.stdout}
         if proc.returncode != 0 or not out.exists():
             tail = "\n".join(proc.stdout.splitlines()[-40:])
             raise AssertionError(f"vLLM failed on {model} ({load_format}, tp={tp}):\n{tail}")
@@ -127,3 +133,32 @@ def test_vllm_loads_through_the_plugins_s3_reader_with_exactly_the_reference_log
             run_vllm_s3(
                 uri, tp, "runai_streamer_sharded", {**pod_env, "MODELSTAGE_DIGEST": "f" * 20}
             )
+
+
+def test_a_corrupt_rank_object_is_refused_by_the_plugins_s3_reader_before_serving(
+    llama: Path, s3: S3Server, vllm_bucket: str, vllm_lock: None
+) -> None:
+    """The last byte of the rank object flipped in place, size and metadata unchanged: the S3
+    reader checks each chunk as its GET lands and vLLM never serves, the refusal naming the
+    object, the chunk and both hashes (the first byte and a middle chunk: ``test_s3_verify``)."""
+    chunk = 256 * 1024
+    uri = f"s3://{vllm_bucket}/corrupt/tp1/"
+    summary = stage(StageRequest(source=str(llama), out=uri, tp=1, format="runai_streamer_sharded",
+                                 s3=s3.options(), chunk_bytes=chunk))  # fmt: skip
+    name = "model-rank-0-part-0.safetensors"
+    raw, key = s3.client(), f"corrupt/tp1/{name}"
+    got = raw.get_object(Bucket=vllm_bucket, Key=key)
+    data = bytearray(got["Body"].read())
+    data[-1] ^= 0x01
+    raw.put_object(Bucket=vllm_bucket, Key=key, Body=bytes(data), Metadata=got["Metadata"])
+    index = (len(data) - 1) // chunk
+    lo = index * chunk
+    actual = digest_bytes(bytes(data[lo:]), chunk).chunks[0]
+    pod_env = {**s3.env(), "MODELSTAGE_S3_READER": "1", "MODELSTAGE_DIGEST": summary["digest"],
+               "MODELSTAGE_TP": "1", "MODELSTAGE_FORMAT": "runai_streamer_sharded"}  # fmt: skip
+    got = run_vllm_s3(uri, 1, "runai_streamer_sharded", pod_env, check=False)
+    assert got["output"] is None, "vLLM served a corrupt artifact"
+    assert (
+        f"modelstage: refusing to load {uri}{name}: chunk {index} (bytes {lo}-{len(data) - 1}) "
+        f"has BLAKE3 {actual}, the manifest says "
+    ) in got["log"], got["log"][-4000:]
