@@ -193,8 +193,7 @@ def _plugin_read(uri: str, tp: int, params: dict[str, Any], s3: S3Client, verify
                          running_tp=tp, vllm_version=DEFAULT_VLLM_VERSION,
                          rank_glob="model-rank-0-part-*.safetensors")  # fmt: skip
     checker = content_checker(verified) if verify else None
-    chunk = checker.read_bytes(settings.s3_chunk_bytes) if checker else settings.s3_chunk_bytes
-    reader = PipelinedReader(chunk_bytes=chunk, depth=settings.s3_depth,
+    reader = PipelinedReader(chunk_bytes=settings.s3_chunk_bytes, depth=settings.s3_depth,
                              device=torch.device("cpu"))  # fmt: skip
     reader.read(store_for(verified), lambda info: Target(flat_bytes(params[info.name])), checker)
 

@@ -42,6 +42,9 @@ MAX_CHUNKS_PER_FILE = 1_000_000
 ROOT_CONTEXT = "modelstage.io 2025 chunked-file root v1"
 """BLAKE3 key-derivation context of the root: a root can never equal any chunk's hash or any
 plain BLAKE3 of the same bytes."""
+HASH_THREADS = max(1, min(4, os.cpu_count() or 1))
+"""Threads that hash what the loader's reads brought in, beside the read threads: a read
+thread is free for the next read as soon as its bytes are in."""
 VERIFY_WORKERS = 2
 """Chunks read and hashed at once by ``hash_files``: one reads while the other hashes."""
 
@@ -207,47 +210,62 @@ class ChunkChecker:
         self.stats = HashStats()
 
     def read_bytes(self, wanted: int) -> int:
-        """A reader's read size: ``wanted``, or the largest chunk when that is larger (a read
-        must hold at least one whole chunk)."""
+        """A buffered reader's read size: ``wanted``, or the largest chunk when that is
+        larger (a buffer must hold whole chunks: it is reused once they are checked)."""
         return max([wanted, *(d.chunk_bytes for _, d in self.files)])
 
-    def unit(self, file: int, read_bytes: int) -> int:
-        """The largest whole number of ``file``'s chunks in ``read_bytes`` (at least one):
-        how much one read takes so that it holds whole chunks only."""
-        chunk = self.files[file][1].chunk_bytes
-        return max(1, read_bytes // chunk) * chunk
-
     def check(self, file: int, begin: int, views: Sequence[memoryview]) -> None:
-        where, digest = self.files[file]
+        stream = self.stream(file, begin)
+        for view in views:
+            stream.update(view)
+        stream.close()
+
+    def stream(self, file: int, begin: int) -> ChunkStream:
+        """Check ``file``'s bytes from ``begin`` (a chunk boundary) on, fed in order by one
+        thread as they land, so each piece is hashed while it is still in the CPU's cache."""
+        return ChunkStream(self, file, begin)
+
+
+class ChunkStream:
+    """A file's bytes from a chunk boundary on, fed in order; each chunk is compared the
+    moment its last byte is in (``ChunkMismatch``), ``close`` checks that the bytes ended on a
+    chunk boundary or at the end of the file. One thread."""
+
+    def __init__(self, checker: ChunkChecker, file: int, begin: int) -> None:
+        self.checker = checker
+        self.where, self.digest = checker.files[file]
+        if begin % self.digest.chunk_bytes:
+            raise ValueError(f"{self.where}: a check must start on a chunk boundary, not {begin}")
+        self.index = begin // self.digest.chunk_bytes
+        self.fill, self.total, self.seconds = 0, 0, 0.0
+        self._blake3 = blake3_module().blake3
+        self.hasher = self._blake3()
+
+    def update(self, view: memoryview) -> None:
         started = time.perf_counter()
-        if begin % digest.chunk_bytes:
-            raise ValueError(f"{where}: a check must start on a chunk boundary, not {begin}")
-        index, pending = begin // digest.chunk_bytes, list(views)
-        total = 0
-        while pending:
-            if index >= len(digest.chunks):
-                raise ValueError(f"{where}: bytes beyond the last chunk at {begin + total}")
-            lo, hi = digest.range(index)
-            want, piece = hi - lo, []
-            while want and pending:
-                v = pending[0]
-                if len(v) <= want:
-                    piece.append(v)
-                    want -= len(v)
-                    pending.pop(0)
-                else:
-                    piece.append(v[:want])
-                    pending[0] = v[want:]
-                    want = 0
-            if want:
-                got = hi - lo - want
-                raise ValueError(f"{where}: chunk {index} given {got} of {hi - lo} bytes")
-            actual = hash_views(piece)
-            total += hi - lo
-            if actual != digest.chunks[index]:
-                raise ChunkMismatch(where, digest, index, actual)
-            index += 1
-        self.stats.add(total, time.perf_counter() - started)
+        while len(view):
+            if self.index >= len(self.digest.chunks):
+                raise ValueError(f"{self.where}: bytes beyond the end at {self.digest.size}")
+            lo, hi = self.digest.range(self.index)
+            n = min(len(view), hi - lo - self.fill)
+            self.hasher.update(view[:n])
+            self.fill += n
+            view = view[n:]
+            if self.fill == hi - lo:
+                actual = self.hasher.hexdigest()
+                if actual != self.digest.chunks[self.index]:
+                    raise ChunkMismatch(self.where, self.digest, self.index, actual)
+                self.total += hi - lo
+                self.index, self.fill, self.hasher = self.index + 1, 0, self._blake3()
+        self.seconds += time.perf_counter() - started
+
+    def close(self) -> None:
+        if self.fill:
+            lo, hi = self.digest.range(self.index)
+            raise ValueError(
+                f"{self.where}: chunk {self.index} given {self.fill} of {hi - lo} bytes"
+            )
+        self.checker.stats.add(self.total, self.seconds)
 
 
 @dataclass(frozen=True)
@@ -284,6 +302,7 @@ def hash_files(
     local = threading.local()
     failed = threading.Event()
     largest = max((f.chunk_bytes for f in files), default=0)
+    new = blake3_module().blake3
 
     def run(job: tuple[int, int]) -> None:
         if failed.is_set():
@@ -298,7 +317,7 @@ def hash_files(
         try:
             f.read_into(lo, view)
             started = time.perf_counter()
-            actual = hash_views([view])
+            actual = new(view).hexdigest()
             stats.add(hi - lo, time.perf_counter() - started)
             if f.expected is not None and actual != f.expected.chunks[index]:
                 raise ChunkMismatch(f.where, f.expected, index, actual, recorded=f.recorded)
@@ -321,7 +340,7 @@ def hash_files(
         if f.expected_root is not None and d.root != f.expected_root:
             raise ArtifactError(
                 f"{f.where}: content hash {d.root} differs from the recorded {f.expected_root}; "
-                "the file is corrupt"
+                f"the file or {f.recorded} is corrupt"
             )
     return digests, stats
 

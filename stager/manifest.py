@@ -192,9 +192,8 @@ def _chunked_entry(loc: str, entry: object) -> FileEntry:
     root = entry["blake3"]
     if not isinstance(root, str) or not _SHA256.match(root):
         raise _Invalid(f"{loc}.blake3", "must be 64 lower-case hex digits")
-    if root != digest.root:
-        raise _Invalid(f"{loc}.blake3", "is not the root of the listed chunk hashes")
-    return FileEntry.of(digest)
+    # The root is checked against the chunks where content is hashed: parsing needs no blake3.
+    return FileEntry(size, blake3=root, chunkBytes=chunk_bytes, chunks=digest.chunks)
 
 
 def read_manifest(directory: Path) -> Manifest | None:
@@ -254,8 +253,12 @@ def verify_local_content(files: list[tuple[Path, FileEntry]]) -> None:
     """Hash every byte of ``files`` against their entries; ``ArtifactError`` (for schema 2 a
     ``ChunkMismatch`` naming the chunk) at the first difference. Schema-2 files are read and
     hashed in parallel chunks at disk speed; schema-1 files get one sha256 pass each."""
-    chunked = [(p, e.digest) for p, e in files if e.digest is not None]
-    hash_local_files([p for p, _ in chunked], [d for _, d in chunked])
+    chunked = [(p, e) for p, e in files if e.digest is not None]
+    digests = hash_local_files([p for p, _ in chunked], [e.digest for _, e in chunked])
+    for (path, entry), digest in zip(chunked, digests, strict=True):
+        if digest.root != entry.blake3:
+            raise ArtifactError(f"{path}: the manifest's blake3 is not the root of its chunk "
+                                "hashes; the manifest is corrupt")  # fmt: skip
     for path, entry in files:
         if entry.digest is None and sha256_file(path) != entry.sha256:
             raise ArtifactError(f"{path}: sha256 differs from the manifest; the file is corrupt")

@@ -566,8 +566,9 @@ class S3Destination(Destination):
                     raise ArtifactError(f"{self.uri_of(name)}: sha256 differs from the "
                                         "manifest; the object is corrupt")  # fmt: skip
                 continue
-            jobs.append(self.to_hash(name, entry.size, listing[name][1],
-                                     chunk_bytes=want.chunk_bytes, expected=want))  # fmt: skip
+            etag = listing[name][1]
+            jobs.append(self.to_hash(name, entry.size, etag, chunk_bytes=want.chunk_bytes,
+                                     expected=want, expected_root=entry.blake3))  # fmt: skip
         hash_files(jobs, workers=self.concurrency)
 
     def _hash_object(self, name: str) -> str:

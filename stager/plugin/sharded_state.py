@@ -22,7 +22,7 @@ from ..safetensors_format import TensorInfo
 from .base import STREAM, ModelstageLoader, Transfer
 from .checks import VerifiedArtifact, content_checker, refuse, verify_local, verify_s3
 from .reader import TORCH_DTYPES, PipelinedReader, Target, flat_bytes, staging_for
-from .settings import serving_s3_options
+from .settings import local_reads, serving_s3_options
 from .stores import S3Objects, store_for
 
 LOG = logging.getLogger("vllm.modelstage")
@@ -80,10 +80,16 @@ class ModelstageShardedStateLoader(ModelstageLoader):
         store = store_for(verified)
         on_s3 = isinstance(store, S3Objects)
         checker = content_checker(verified) if self.verification == STREAM else None
-        chunk_bytes = self.settings.s3_chunk_bytes if on_s3 else self.settings.chunk_bytes
+        if on_s3:
+            chunk_bytes, depth = self.settings.s3_chunk_bytes, self.settings.s3_depth
+        else:
+            chunk_bytes, depth = local_reads(
+                self.settings, checker.read_bytes(1) if checker else None
+            )
+        buffered = device.type == "cuda"  # reads into reused buffers, which hold whole chunks
         reader = PipelinedReader(
-            chunk_bytes=checker.read_bytes(chunk_bytes) if checker else chunk_bytes,
-            depth=self.settings.s3_depth if on_s3 else self.settings.depth,
+            chunk_bytes=checker.read_bytes(chunk_bytes) if checker and buffered else chunk_bytes,
+            depth=depth,
             device=device,
         )
         try:

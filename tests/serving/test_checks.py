@@ -133,8 +133,10 @@ def test_size_mismatch_and_bad_header_are_refused(artifact: Path) -> None:
     rank_file = artifact / "model-rank-0-part-0.safetensors"
     with open(rank_file, "r+b") as f:
         f.write(b"\xff" * 8)  # header length 2**64-1
+    with pytest.raises(ArtifactError, match=r": chunk 0 \(bytes 0-\d+\) has BLAKE3 [0-9a-f]{64}, "):
+        verify(artifact)  # the header's chunk is checked before the header is trusted
     with pytest.raises(ArtifactError, match=r"exceeds the .*-byte limit; re-stage"):
-        verify(artifact)
+        verify(artifact, settings=PluginSettings(verify=False))
     with open(rank_file, "ab") as f:
         f.write(b"x")
     with pytest.raises(ArtifactError, match=r"bytes, the manifest says"):
@@ -148,10 +150,10 @@ def test_the_verify_phase_leaves_content_to_the_streaming_check_or_the_pass(
     ``content_checker``); ``verify_content``, the pass before loading, names the chunk."""
     rank_file = artifact / "model-rank-1-part-0.safetensors"
     size = rank_file.stat().st_size
-    with open(rank_file, "r+b") as f:
+    verified = verify(artifact, tp=2, rank_glob="model-rank-1-part-*.safetensors")
+    with open(rank_file, "r+b") as f:  # after the verify phase (which hashed the header's chunk)
         f.seek(-1, 2)
         f.write(b"\x01")
-    verified = verify(artifact, tp=2, rank_glob="model-rank-1-part-*.safetensors")
     checker = content_checker(verified)
     assert checker is not None and [w for w, _ in checker.files] == [str(rank_file)]
     with pytest.raises(ArtifactError) as e:

@@ -249,3 +249,17 @@ def test_the_manifest_of_the_fixture_is_schema_2_with_small_chunks(small_chunks:
     assert doc["schemaVersion"] == 2
     entry = doc["files"]["model-rank-1-part-0.safetensors"]
     assert entry["chunkBytes"] == CHUNK and len(entry["chunks"]) == -(-entry["size"] // CHUNK)
+
+
+def test_without_blake3_a_verifying_load_is_refused_saying_how_to_go_on(
+    small_chunks: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(__import__("sys").modules, "blake3", None)  # import fails
+    with pytest.raises(ArtifactError) as e:
+        verify(small_chunks)
+    assert str(e.value) == (
+        f"modelstage: refusing to load {small_chunks}: the blake3 package is not installed: it "
+        "is needed to verify artifact content (`pip install blake3`; vLLM images have it); or "
+        "set MODELSTAGE_VERIFY=0 to load it unverified"
+    )
+    assert verify(small_chunks, PluginSettings(verify=False)).files

@@ -101,7 +101,6 @@ def test_a_read_of_several_chunks_in_odd_views_is_checked_chunk_by_chunk() -> No
     cuts = [0, 7, 999, 1000, 1001, 2500, len(DATA)]
     views = [memoryview(DATA)[a:b] for a, b in itertools.pairwise(cuts)]
     checker.check(0, 0, views)  # all four chunks, views straddling chunk boundaries
-    assert checker.unit(0, 2500) == 2000 and checker.unit(0, 10) == CHUNK
     assert checker.read_bytes(10) == CHUNK and checker.read_bytes(5000) == 5000
     with pytest.raises(ValueError, match="chunk boundary"):
         checker.check(0, 10, [memoryview(DATA)[10:1000]])
@@ -191,7 +190,7 @@ def test_schema_2_round_trips_and_schema_1_still_reads() -> None:
         ({"schemaVersion": 3}, "schemaVersion: 3 is not one this modelstage reads"),
         ({"schemaVersion": 1}, 'files.a: must be {"size": bytes, "sha256": hex}'),
         ({"files": {"a": {"size": 3, "sha256": "0" * 64}}}, 'files.a: must be {"size"'),
-        ({"root": "0" * 64}, "files.a.blake3: is not the root of the listed chunk hashes"),
+        ({"root": "0" * 6}, "files.a.blake3: must be 64 lower-case hex digits"),
         ({"chunks": ["0" * 64]}, "files.a.chunks: 1 chunk hashes for 3217 bytes"),
         ({"chunks": ["X" * 64] * 4}, r"files.a.chunks\[0\]: must be 64 lower-case hex"),
         ({"chunkBytes": 0}, "files.a.chunkBytes: must be at least 1"),
@@ -209,3 +208,17 @@ def test_malformed_schema_2_entries_are_refused(change: dict[str, object], messa
     doc.update(change)
     with pytest.raises(ArtifactError, match=rf"^m: invalid manifest: {message}"):
         Manifest.from_json(json.dumps(doc), "m")
+
+
+def test_verify_checks_the_recorded_root_against_the_chunks(tmp_path: Path) -> None:
+    """Parsing takes the root as written (no blake3 needed to read a manifest); verifying
+    the content also checks that it is the root of the chunks."""
+    from modelstage.stager.manifest import verify_local_content
+
+    path = tmp_path / "f"
+    path.write_bytes(DATA)
+    entry = FileEntry.of(digest_bytes(DATA, CHUNK))
+    verify_local_content([(path, entry)])
+    wrong = FileEntry(entry.size, blake3="0" * 64, chunkBytes=CHUNK, chunks=entry.chunks)
+    with pytest.raises(ArtifactError, match=rf"^{path}: the manifest's blake3 is not the root"):
+        verify_local_content([(path, wrong)])
