@@ -166,14 +166,21 @@ def bench_loading(artifact: Path, rank: int, repeats: int, cold: bool) -> list[M
     rows = {name: Measurement(f"load rank {rank}: {name}", nbytes=size) for name in readers}
     if not cold:
         _raw_read(files)  # the stager wrote them with O_DIRECT: not in the page cache yet
-    for _ in range(repeats):
-        for name, read in readers.items():
+    for i in range(repeats):
+        for name in rotated(list(readers), i):
             if cold:
                 drop_page_cache()
             start = time.perf_counter()
-            read(files, params)
+            readers[name](files, params)
             rows[name].seconds.append(time.perf_counter() - start)
     return list(rows.values())
+
+
+def rotated(names: list[str], i: int) -> list[str]:
+    """Repetition ``i``'s order: each row goes first in turn, so that what one row leaves
+    behind (here: a virtual disk's host-side cache) does not favour the row after it."""
+    k = i % len(names) if names else 0
+    return names[k:] + names[:k]
 
 
 def _parameters(files: list[Path]) -> dict[str, Any]:
@@ -219,11 +226,13 @@ def bench_verify(artifact: Path, repeats: int, cold: bool) -> list[Measurement]:
     verify = Measurement("modelstage verify", nbytes=size)
     if not cold:
         _raw_read(files)
-    for _ in range(repeats):
-        for m, run in (
-            (raw, lambda: _raw_read(files)),
-            (verify, lambda: verify_directory(artifact)),
-        ):
+    runs: dict[str, tuple[Measurement, Callable[[], object]]] = {
+        "raw": (raw, lambda: _raw_read(files)),
+        "verify": (verify, lambda: verify_directory(artifact)),
+    }
+    for i in range(repeats):
+        for name in rotated(list(runs), i):
+            m, run = runs[name]
             if cold:
                 drop_page_cache()
             start = time.perf_counter()
