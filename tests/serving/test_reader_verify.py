@@ -263,3 +263,45 @@ def test_without_blake3_a_verifying_load_is_refused_saying_how_to_go_on(
         "set MODELSTAGE_VERIFY=0 to load it unverified"
     )
     assert verify(small_chunks, PluginSettings(verify=False)).files
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_no_target_is_finished_before_the_chunks_holding_it_are_checked(
+    small_chunks: Path, direct: bool
+) -> None:
+    """Reads smaller than a hash chunk (direct) or holding several (buffered): a tensor that
+    needs a conversion is finished (copied into its parameter) only once every chunk with a
+    byte of it hashed right."""
+    verified = verify(small_chunks)
+    checker = content_checker(verified)
+    assert checker is not None
+    checked: list[tuple[int, int]] = []
+    original = checker.check
+
+    def check(file: int, begin: int, views: list[memoryview]) -> None:
+        original(file, begin, views)
+        checked.append((begin, begin + sum(len(v) for v in views)))
+
+    checker.check = check  # type: ignore[method-assign]
+    late: list[str] = []
+
+    def target(info: TensorInfo) -> Target:
+        staging = torch.empty(info.nbytes, dtype=torch.uint8)
+
+        def finish() -> None:
+            covered = sorted(checked)
+            at = info.begin - info.begin % CHUNK
+            for lo, hi in covered:
+                if lo <= at < hi:
+                    at = hi
+            if at < info.end:
+                late.append(info.name)
+
+        return Target(staging, finish)
+
+    files = [(f.path, f.header) for f in verified.files]
+    read_bytes = 16 * 1024 if direct else checker.read_bytes(3 * CHUNK)
+    reader = PipelinedReader(chunk_bytes=read_bytes, depth=3, device=CPU, direct=direct)
+    reader.read(files, target, checker)
+    assert checker.stats.bytes == verified.bytes
+    assert not late, f"finished before their chunks were checked: {late[:3]}"
