@@ -73,6 +73,9 @@ class RankFile:
     """What the manifest says of it: size and content hashes."""
     etag: str | None = None
     """For objects: the ETag seen when verifying; every read is conditional on it."""
+    prefix: bytes | None = None
+    """For objects: the checked chunks that hold the header, kept so the reader need not
+    fetch them again."""
 
     @property
     def path(self) -> Path:
@@ -364,8 +367,10 @@ def _verify_object(
 
     try:
         digest = entry.digest if check_content else None
+        kept = None
         if digest is not None:
-            header = checked_header(uri, digest, get)
+            kept = checked_prefix(uri, digest, get)
+            header = read_header(uri, size, _served(kept))
         else:
             prefix = get(0, min(size, HEADER_PREFIX_BYTES)) if size else b""
 
@@ -383,7 +388,7 @@ def _verify_object(
         raise
     except Exception as e:
         raise _s3_refusal(s3, e, uri) from None
-    return RankFile(name, uri, size, header, entry, etag)
+    return RankFile(name, uri, size, header, entry, etag, kept)
 
 
 def _s3_refusal(s3: S3Client, e: BaseException, where: str) -> ArtifactError:
@@ -405,8 +410,20 @@ def checked_header(
 ) -> SafetensorsHeader:
     """Parse a file's header from bytes checked against its chunk hashes first: the header
     plans every read, so a corrupt one is refused as corrupt (naming the chunk), never
-    followed. Reads the whole chunks that hold the header (one, for any usual header), which
-    the reader reads again with the rest."""
+    followed."""
+    return read_header(where, digest.size, _served(checked_prefix(where, digest, read)))
+
+
+def _served(data: bytes) -> Callable[[int, int], bytes]:
+    def read(offset: int, length: int) -> bytes:
+        return data[offset : offset + length]
+
+    return read
+
+
+def checked_prefix(where: str, digest: FileDigest, read: Callable[[int, int], bytes]) -> bytes:
+    """The whole chunks that hold a file's header (one, for any usual header), read and
+    checked against their hashes (``ChunkMismatch``)."""
     checker = ChunkChecker([(where, digest)])
     data = bytearray()
     needed = min(8, digest.size)
@@ -420,11 +437,7 @@ def checked_header(
         if len(data) >= 8:
             length = int.from_bytes(data[:8], "little")
             needed = min(8 + min(length, MAX_HEADER_BYTES), digest.size)
-
-    def served(offset: int, length: int) -> bytes:
-        return bytes(data[offset : offset + length])
-
-    return read_header(where, digest.size, served)
+    return bytes(data)
 
 
 def content_checker(verified: VerifiedArtifact) -> ChunkChecker | None:

@@ -92,9 +92,24 @@ def read(verified: VerifiedArtifact, *, depth: int, direct: bool) -> dict[str, t
 
 @pytest.mark.parametrize(("depth", "direct"), [(8, True), (3, False)])
 def test_the_s3_reader_verifies_every_byte_and_fills_every_tensor(
-    staged: str, local: Path, depth: int, direct: bool
+    staged: str, local: Path, depth: int, direct: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    got = read(verify(staged), depth=depth, direct=direct)
+    import modelstage.stager.plugin.stores as stores
+
+    verified = verify(staged)
+    gets: list[int] = []
+    real = stores.get_range_into
+
+    def counted(
+        client: object, bucket: str, key: str, etag: str, offset: int, views: object
+    ) -> None:
+        gets.append(offset)
+        real(client, bucket, key, etag, offset, views)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(stores, "get_range_into", counted)
+    got = read(verified, depth=depth, direct=direct)
+    assert all(offset >= CHUNK for offset in gets), "the header's chunk is not fetched again"
+    assert sorted(gets) == sorted(set(gets)) and len(gets) >= 10
     for path in sorted(local.glob(RANK1)):
         for name, tensor in load_file(path).items():
             assert torch.equal(got[name], tensor), name
