@@ -21,12 +21,13 @@ the S3 destination and the loader plugin share this one code path.
 
 from __future__ import annotations
 
+import collections
 import os
 import struct
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,8 +46,9 @@ plain BLAKE3 of the same bytes."""
 HASH_THREADS = max(1, min(4, os.cpu_count() or 1))
 """Threads that hash what the loader's reads brought in, beside the read threads: a read
 thread is free for the next read as soon as its bytes are in."""
-VERIFY_WORKERS = 2
-"""Chunks read and hashed at once by ``hash_files``: one reads while the other hashes."""
+VERIFY_WORKERS = 1
+"""Reads in flight in ``hash_files`` on a local disk: one sequential reader, which the
+kernel's readahead follows, with the hashing on threads of its own (``docs/performance.md``)."""
 
 Bytes = bytes | bytearray | memoryview
 ReadInto = Callable[[int, memoryview], None]
@@ -286,10 +288,12 @@ class FileToHash:
 def hash_files(
     files: Sequence[FileToHash], *, workers: int = VERIFY_WORKERS
 ) -> tuple[list[FileDigest], HashStats]:
-    """Read and hash every chunk of ``files``, ``workers`` chunks at once, in file order,
-    each thread reading one chunk into its own buffer and hashing it straight away; stops at
-    the first mismatch (``ChunkMismatch`` against ``expected``; a root that differs from
-    ``expected_root`` names the file). Memory: ``workers`` chunk buffers."""
+    """Read and hash every chunk of ``files``, in file order: ``workers`` reads in flight,
+    each handing its chunk to the hashing threads (``HASH_THREADS``) and going on to the next
+    read; stops at the first mismatch (``ChunkMismatch`` against ``expected``; a root that
+    differs from ``expected_root`` names the file). One reader suits a local disk (its
+    readahead follows one sequential reader), several suit S3 (one GET per chunk). Memory:
+    ``workers + HASH_THREADS`` chunk buffers."""
     for f in files:
         if f.expected is not None and f.expected.size != f.size:
             raise ArtifactError(f"{f.where}: {f.size} bytes, the manifest says {f.expected.size}")
@@ -299,42 +303,59 @@ def hash_files(
     jobs = [(i, c) for i, f in enumerate(files) for c in range(chunk_count(f.size, f.chunk_bytes))]
     results: list[list[str]] = [[""] * chunk_count(f.size, f.chunk_bytes) for f in files]
     stats = HashStats()
-    local = threading.local()
     failed = threading.Event()
     largest = max((f.chunk_bytes for f in files), default=0)
     new = blake3_module().blake3
+    readers, hashing = max(1, workers), HASH_THREADS
+    free = [memoryview(bytearray(largest)) for _ in range(min(len(jobs), readers + hashing))]
 
-    def run(job: tuple[int, int]) -> None:
+    def hash_chunk(i: int, index: int, view: memoryview) -> None:
+        f = files[i]
+        started = time.perf_counter()
+        actual = new(view).hexdigest()
+        stats.add(len(view), time.perf_counter() - started)
+        if f.expected is not None and actual != f.expected.chunks[index]:
+            failed.set()
+            raise ChunkMismatch(f.where, f.expected, index, actual, recorded=f.recorded)
+        results[i][index] = actual
+
+    def read_chunk(i: int, index: int, buf: memoryview) -> Future[None] | None:
         if failed.is_set():
-            return
-        i, index = job
+            return None
         f = files[i]
         lo, hi = chunk_range(f.size, f.chunk_bytes, index)
-        buf = getattr(local, "buf", None)
-        if buf is None:
-            buf = local.buf = memoryview(bytearray(largest))
         view = buf[: hi - lo]
         try:
             f.read_into(lo, view)
-            started = time.perf_counter()
-            actual = new(view).hexdigest()
-            stats.add(hi - lo, time.perf_counter() - started)
-            if f.expected is not None and actual != f.expected.chunks[index]:
-                raise ChunkMismatch(f.where, f.expected, index, actual, recorded=f.recorded)
         except BaseException:
             failed.set()
             raise
-        results[i][index] = actual
+        return hashers.submit(hash_chunk, i, index, view)
 
-    with ThreadPoolExecutor(max(1, workers), thread_name_prefix="modelstage-hash") as pool:
-        window = max(1, workers) * 2
-        futures = []
-        for job in jobs:
-            futures.append(pool.submit(run, job))
-            if len(futures) >= window:
-                futures.pop(0).result()
-        for future in futures:
-            future.result()
+    def wait(read: Future[Future[None] | None], buf: memoryview) -> None:
+        hashed = read.result()
+        if hashed is not None:
+            hashed.result()
+        free.append(buf)
+
+    with (
+        ThreadPoolExecutor(readers, thread_name_prefix="modelstage-read") as pool,
+        ThreadPoolExecutor(hashing, thread_name_prefix="modelstage-hash") as hashers,
+    ):
+        pending: collections.deque[tuple[Future[Future[None] | None], memoryview]] = (
+            collections.deque()
+        )
+        try:
+            for i, index in jobs:
+                if not free:
+                    wait(*pending.popleft())
+                buf = free.pop()
+                pending.append((pool.submit(read_chunk, i, index, buf), buf))
+            while pending:
+                wait(*pending.popleft())
+        except BaseException:
+            failed.set()  # reads still queued return at once; the pools wait for the rest
+            raise
     digests = [FileDigest(f.size, f.chunk_bytes, tuple(results[i])) for i, f in enumerate(files)]
     for f, d in zip(files, digests, strict=True):
         if f.expected_root is not None and d.root != f.expected_root:

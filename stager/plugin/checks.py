@@ -30,6 +30,7 @@ from pathlib import Path
 
 from ..errors import ArtifactError, CheckpointError, SpecError
 from ..integrity import (
+    VERIFY_WORKERS,
     ChunkChecker,
     ChunkMismatch,
     FileDigest,
@@ -455,11 +456,11 @@ def content_checker(verified: VerifiedArtifact) -> ChunkChecker | None:
 def verify_content(verified: VerifiedArtifact, *, workers: int | None = None) -> HashStats:
     """Hash every byte of this rank's files against the manifest, in a pass of its own: for
     loads whose bytes the plugin's reader does not move, and for schema-1 artifacts (sha256).
-    Chunked files are read in parallel chunks (``workers`` at once: by default 2 on a local
-    disk, 8 GETs on S3), each checked as it lands. Refuses at the first mismatch."""
+    Chunked files are read chunk by chunk (``workers`` reads at once: by default one on a
+    local disk, 8 GETs on S3), each checked as it lands. Refuses at the first mismatch."""
     stats = HashStats()
     if workers is None:
-        workers = 8 if verified.s3 is not None else 2
+        workers = 8 if verified.s3 is not None else VERIFY_WORKERS
     chunked = [f for f in verified.files if f.entry.digest is not None]
     try:
         with ExitStack() as stack:
