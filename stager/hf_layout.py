@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from .checkpoint import INDEX, Checkpoint
 from .destinations.base import Destination
+from .integrity import FileDigest
 from .progress import Progress
 from .rank_writer import Completed, OpenSink
 from .sources.base import Source
@@ -26,13 +27,13 @@ def copy_weight_files(
     open_sink: OpenSink,
     progress: Progress,
     completed: Completed | None = None,
-) -> dict[str, tuple[int, str]]:
-    """Copy every safetensors file byte for byte; returns {file name: (size, sha256)}.
+) -> dict[str, FileDigest]:
+    """Copy every safetensors file byte for byte; returns {file name: its digest}.
 
     Small files (index, config, tokenizer) go through the destination's ``write_small``.
     """
     source = checkpoint.source
-    results: dict[str, tuple[int, str]] = {}
+    results: dict[str, FileDigest] = {}
     buf = bytearray(COPY_CHUNK_BYTES)
     for name in checkpoint.weight_files:
         size = source.size(name)

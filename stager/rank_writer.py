@@ -7,7 +7,8 @@ reader thread into reused buffers (only the rows some rank needs), and the main 
 each chunk into per-rank pieces without copying (shared rows, or a column cut as a strided
 view; only dtype casts copy here). One writer thread per rank hands its pieces to its sink
 in order, and the sink's one copy into its own buffer also gathers column cuts and feeds
-sha256 (``pieces.py``). Memory is bounded by the buffer pools, not by the checkpoint's size.
+the chunk hashes (``pieces.py``, ``integrity.py``). Memory is bounded by the buffer pools,
+not by the checkpoint's size.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Protocol
 import numpy as np
 
 from .checkpoint import Checkpoint
+from .integrity import FileDigest
 from .layouts import Layout
 from .pieces import Piece, SourceBytes
 from .progress import Progress
@@ -41,8 +43,8 @@ class Sink(Protocol):
 
     def write(self, data: Piece) -> None: ...
 
-    def close(self) -> tuple[int, str]:
-        """Finish durably; returns (size, sha256 hex)."""
+    def close(self) -> FileDigest:
+        """Finish durably; returns the file's size and chunk hashes."""
         ...
 
     def abort(self) -> None: ...
@@ -50,8 +52,8 @@ class Sink(Protocol):
 
 OpenSink = Callable[[str, int], Sink]
 """(file name, exact final size) -> Sink."""
-Completed = Callable[[str, int], tuple[int, str] | None]
-"""(file name, exact final size) -> (size, sha256) of a file already complete, else None."""
+Completed = Callable[[str, int], FileDigest | None]
+"""(file name, exact final size) -> the digest of a file already complete, else None."""
 
 
 def plan_parts(plan: ShardPlan, max_part_bytes: int) -> list[list[TargetTensor]]:
@@ -94,8 +96,8 @@ def write_rank_files(
     progress: Progress,
     completed: Completed | None = None,
     only: Container[int] | None = None,
-) -> dict[str, tuple[int, str]]:
-    """Write every rank's part files; returns {file name: (size, sha256)}.
+) -> dict[str, FileDigest]:
+    """Write every rank's part files; returns {file name: its digest}.
 
     ``completed`` names files an earlier run already wrote (a resumed S3 upload): a part
     whose files are all complete is not read at all; in a partly complete part the complete
@@ -104,7 +106,7 @@ def write_rank_files(
     """
     parts = plan_parts(plan, layout.max_part_bytes)
     names = rank_file_names(layout, plan.tp, len(parts))
-    results: dict[str, tuple[int, str]] = {}
+    results: dict[str, FileDigest] = {}
     for p, part in enumerate(parts):
         if only is not None and p not in only:
             continue
@@ -138,13 +140,13 @@ def write_rank_files(
 class _DoneSink:
     """Stands in for a file that is already complete: drops its bytes, returns its entry."""
 
-    def __init__(self, entry: tuple[int, str]) -> None:
+    def __init__(self, entry: FileDigest) -> None:
         self.entry = entry
 
     def write(self, data: Piece) -> None:
         pass
 
-    def close(self) -> tuple[int, str]:
+    def close(self) -> FileDigest:
         return self.entry
 
     def abort(self) -> None:

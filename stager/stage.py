@@ -17,6 +17,7 @@ from .destinations.local import LocalDestination
 from .digest import artifact_digest, identity_key
 from .errors import ArtifactError, SpecError
 from .hf_layout import copy_small_file, copy_weight_files, small_files
+from .integrity import FileDigest
 from .layouts import Layout, layout_for
 from .manifest import FileEntry, Manifest
 from .network import Timeouts
@@ -76,6 +77,8 @@ class StageRequest:
     longer has it is refused instead of staged under a digest that does not describe it."""
     force: bool = False
     """Replace an artifact already at ``out`` (another digest, or the same one re-staged)."""
+    chunk_bytes: int | None = None
+    """Chunk size of the files' content hashes (default ``integrity.DEFAULT_CHUNK_BYTES``)."""
 
 
 def modelstage_version() -> str:
@@ -110,6 +113,15 @@ def request_digest(req: StageRequest, identity: str) -> str:
 
 def open_destination(req: StageRequest) -> Destination:
     """The destination strategy for ``--out``: an S3 prefix or a local directory."""
+    dest = _destination(req)
+    if req.chunk_bytes is not None:
+        if req.chunk_bytes < 1:
+            raise SpecError(f"the hash chunk size must be positive, not {req.chunk_bytes}")
+        dest.chunk_bytes = req.chunk_bytes
+    return dest
+
+
+def _destination(req: StageRequest) -> Destination:
     if req.out.startswith("s3://"):
         if req.format == "sharded_state":
             raise SpecError(
@@ -255,7 +267,7 @@ def build_manifest(
     digest: str,
     layout: Layout,
     identity: dict[str, Any],
-    files: dict[str, tuple[int, str]],
+    files: dict[str, FileDigest],
     started: float,
 ) -> Manifest:
     """The manifest of a finished artifact: what it is, where it came from, every file."""
@@ -273,8 +285,8 @@ def build_manifest(
         },
         vllmVersion=layout.vllm_version,
         layoutVersion=layout.layout_version,
-        files={n: FileEntry(size=s, sha256=h) for n, (s, h) in sorted(files.items())},
-        bytes=sum(s for s, _ in files.values()),
+        files={n: FileEntry.of(d) for n, d in sorted(files.items())},
+        bytes=sum(d.size for d in files.values()),
         modelstageVersion=modelstage_version(),
         createdAt=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         stageSeconds=round(time.monotonic() - started, 3),

@@ -54,6 +54,7 @@ from typing import Any
 import numpy as np
 
 from .checkpoint import Checkpoint
+from .integrity import FileDigest
 from .pieces import Piece, copy_piece, piece_nbytes
 from .progress import Progress
 from .rank_writer import Completed, OpenSink, Sink, _DoneSink, _RankStreams, _stream_part
@@ -158,10 +159,10 @@ class _TensorCollector:
                 self.written()
         self._next()
 
-    def close(self) -> tuple[int, str]:
+    def close(self) -> FileDigest:
         if self.current is not None:
             raise AssertionError(f"stream ended inside {self.current.name}")
-        return 0, ""
+        return FileDigest(0, 1, ())
 
     def abort(self) -> None:
         pass
@@ -431,8 +432,8 @@ def write_tensorizer_files(
     completed: Completed | None = None,
     *,
     tied: bool,
-) -> dict[str, tuple[int, str]]:
-    """Stream every rank's file into its sink; returns {file name: (size, sha256)}.
+) -> dict[str, FileDigest]:
+    """Stream every rank's file into its sink; returns {file name: its digest}.
     ``completed`` skips a rank file an earlier run with the same run key finished
     (tensorizer's output is deterministic for the same plan): nothing is serialised for it."""
     layout = predict_layout(plan, file_entries(plan, tied))
