@@ -54,7 +54,7 @@ def _stream(
     open_sink: OpenSink,
     buf: bytearray,
     advance: Callable[[int], None] | None = None,
-) -> tuple[int, str]:
+) -> FileDigest:
     """Copy one file through a sink in ``buf``-sized chunks: memory stays at the buffer."""
     sink = open_sink(name, size)
     try:
@@ -73,7 +73,7 @@ def _stream(
         raise
 
 
-def copy_small_file(source: Source, name: str, dest: Destination) -> tuple[int, str]:
+def copy_small_file(source: Source, name: str, dest: Destination) -> FileDigest:
     """One file carried beside the weights (config, tokenizer, index): in one piece when it
     is small (the destination may find it already there by its hash), streamed otherwise.
     Never read whole: its size is whatever the source says (``checkpoint`` caps it)."""

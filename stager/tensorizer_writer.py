@@ -394,7 +394,7 @@ def serialize_ranks(
         sinks: list[Sink] = []
         for s, f in zip(serializers, files, strict=True):
             if s is None:
-                sinks.append(_DoneSink((0, "")))
+                sinks.append(_DoneSink(FileDigest(0, 1, ())))
                 continue
             s.write_tensor(0, MARKER, TensorType.PARAM, marker)
             commit = getattr(f, "commit", None)
