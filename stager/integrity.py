@@ -308,6 +308,8 @@ def hash_files(
                              f"{f.expected.chunk_bytes}")  # fmt: skip
     jobs = [(i, c) for i, f in enumerate(files) for c in range(chunk_count(f.size, f.chunk_bytes))]
     results: list[list[str]] = [[""] * chunk_count(f.size, f.chunk_bytes) for f in files]
+    remaining = [len(r) for r in results]
+    counted = threading.Lock()
     stats = HashStats()
     failed = threading.Event()
     largest = max((f.chunk_bytes for f in files), default=0)
@@ -326,6 +328,11 @@ def hash_files(
         results[i][index] = actual
         if progress is not None:
             progress.advance(len(view))
+            with counted:
+                remaining[i] -= 1
+                whole = remaining[i] == 0
+            if whole:
+                progress.tensor_done()
 
     def read_chunk(i: int, index: int, buf: memoryview) -> Future[None] | None:
         if failed.is_set():

@@ -327,8 +327,11 @@ def verify_local_content(
             raise ArtifactError(f"{path}: the manifest's blake3 is not the root of its chunk "
                                 "hashes; the manifest is corrupt")  # fmt: skip
     for path, entry in files:
-        if entry.digest is None and sha256_file(path, progress) != entry.sha256:
-            raise ArtifactError(f"{path}: sha256 differs from the manifest; the file is corrupt")
+        if entry.digest is None:
+            if sha256_file(path, progress) != entry.sha256:
+                raise ArtifactError(f"{path}: sha256 differs from the manifest; the file is corrupt")
+            if progress is not None:
+                progress.tensor_done()
 
 
 def check_ranks_present(directory: Path | str, manifest: Manifest) -> None:

@@ -589,6 +589,8 @@ class S3Destination(Destination):
                 if self._hash_object(name, progress) != entry.sha256:
                     raise ArtifactError(f"{self.uri_of(name)}: sha256 differs from the "
                                         "manifest; the object is corrupt")  # fmt: skip
+                if progress is not None:
+                    progress.tensor_done()
                 continue
             etag = listing[name][1]
             jobs.append(self.to_hash(name, entry.size, etag, chunk_bytes=want.chunk_bytes,
