@@ -1,10 +1,9 @@
 """Staging to S3 against a real S3 server (SeaweedFS on 127.0.0.1): byte-exact round trips,
-per-object sha256 metadata, the manifest as the commit point, reruns that finish what a
+per-object content-hash metadata, the manifest as the commit point, reruns that finish what a
 killed or failed run left, and credentials that never reach an output."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import signal
@@ -16,6 +15,7 @@ from typing import Any
 
 import pytest
 from modelstage.core.errors import ArtifactError, SpecError
+from modelstage.core.integrity import digest_bytes
 from modelstage.core.manifest import MANIFEST
 from modelstage.stager import cli
 from modelstage.stager.destinations.s3 import S3Destination
@@ -67,13 +67,16 @@ def test_rank_files_on_s3_equal_the_local_sharded_state_byte_for_byte(
     assert manifest["format"] == "runai_streamer_sharded" and manifest["tensorParallelSize"] == 2
     assert set(found) == {p.name for p in local.iterdir()}
     local_manifest = json.loads((local / MANIFEST).read_text())
-    assert manifest["files"] == local_manifest["files"]  # same sizes and sha256, file by file
+    assert manifest["files"] == local_manifest["files"]  # same sizes and hashes, file by file
     multipart = 0
     for name, entry in manifest["files"].items():
         data = body(s3, bucket, "art/" + name)
         assert data == (local / name).read_bytes(), name
         head = s3.client().head_object(Bucket=bucket, Key="art/" + name)
-        assert head["Metadata"]["sha256"] == entry["sha256"] == hashlib.sha256(data).hexdigest()
+        digest = digest_bytes(data, entry["chunkBytes"])
+        assert list(digest.chunks) == entry["chunks"]
+        assert head["Metadata"]["blake3"] == entry["blake3"] == digest.root
+        assert head["Metadata"]["blake3-chunk-bytes"] == str(entry["chunkBytes"])
         multipart += "-" in head["ETag"]
     assert multipart == 2, "each rank file (~20 MB) must have gone up as a multipart upload"
 

@@ -4,12 +4,12 @@ downloads) with the settings a serving pod has in its environment."""
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+from modelstage.core.integrity import digest_bytes
 from modelstage.stager.destinations.s3 import S3Destination
 from modelstage.stager.stage import StageRequest, stage
 from readback import MARKER, rank_file, sharded_state
@@ -50,7 +50,7 @@ def test_rank_objects_equal_the_local_tensorizer_files_byte_for_byte(
         body = obj["Body"].read()
         assert len(body) > 5 * MiB
         assert body == rank_file(local, rank).read_bytes()
-        assert obj["Metadata"]["sha256"] == hashlib.sha256(body).hexdigest()
+        assert obj["Metadata"]["blake3"] == digest_bytes(body).root
     manifest = S3Destination(f"s3://{bucket}/art/", s3.options()).verify(tp=2)
     assert manifest.format == "tensorizer"
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import ArtifactError
 from .formats import FORMATS
+from .integrity import MAX_CHUNKS_PER_FILE, FileDigest, hash_local_files
 
 if TYPE_CHECKING:
     from .progress import Progress
@@ -33,17 +34,43 @@ CARRIED_OVER = (
 """Files vLLM reads beside the weights (config, tokenizer, generation defaults)."""
 SAFE_FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}$")
 """An artifact's files sit at its top level: a plain name, no path, no leading dot."""
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""What writers produce. Schema 1 (still read): a sha256 per file. Schema 2: per file its
+BLAKE3 chunk hashes and their root (``integrity.py``), so readers verify as they stream."""
+SCHEMA_VERSIONS = (1, 2)
 TIMING_FIELDS = ("createdAt", "stageSeconds")
 """Fields that differ between two runs producing the same bytes."""
 HASH_BLOCK = 8 * 1024 * 1024
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
+"""Also the form of a BLAKE3 hash (32 bytes, hex)."""
 
 
 @dataclass(frozen=True)
 class FileEntry:
+    """One file: schema 1 has ``sha256``; schema 2 ``blake3`` (the root), ``chunkBytes`` and
+    ``chunks`` (``integrity.FileDigest``)."""
+
     size: int
-    sha256: str
+    sha256: str | None = None
+    blake3: str | None = None
+    chunkBytes: int | None = None
+    chunks: tuple[str, ...] | None = None
+
+    @staticmethod
+    def of(digest: FileDigest) -> FileEntry:
+        return FileEntry(digest.size, blake3=digest.root, chunkBytes=digest.chunk_bytes,
+                         chunks=digest.chunks)  # fmt: skip
+
+    @property
+    def digest(self) -> FileDigest | None:
+        """The chunk hashes (schema 2), None for a schema-1 entry."""
+        if self.chunkBytes is None or self.chunks is None:
+            return None
+        return FileDigest(self.size, self.chunkBytes, self.chunks)
+
+    def to_doc(self) -> dict[str, Any]:
+        return {k: list(v) if isinstance(v, tuple) else v
+                for k, v in asdict(self).items() if v is not None}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -67,7 +94,9 @@ class Manifest:
     schemaVersion: int = SCHEMA_VERSION
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
+        doc = asdict(self)
+        doc["files"] = {name: entry.to_doc() for name, entry in self.files.items()}
+        return json.dumps(doc, indent=2, sort_keys=True) + "\n"
 
     @staticmethod
     def from_json(raw: builtins.bytes | str, where: str) -> Manifest:
@@ -126,7 +155,12 @@ def _parse(doc: object) -> Manifest:
     files = values["files"]
     if not isinstance(files, dict):
         raise _Invalid("files", "must be an object")
-    values["files"] = {name: _entry(f"files.{name}", entry) for name, entry in files.items()}
+    version = values.setdefault("schemaVersion", 1)
+    if version not in SCHEMA_VERSIONS:
+        raise _Invalid("schemaVersion", f"{version} is not one this modelstage reads "
+                       f"({', '.join(map(str, SCHEMA_VERSIONS))}); upgrade modelstage")  # fmt: skip
+    entry = _entry if version == 1 else _chunked_entry
+    values["files"] = {name: entry(f"files.{name}", e) for name, e in files.items()}
     for name in values["files"]:
         _check_file_name(name, values["format"])
     return Manifest(**values)
@@ -183,6 +217,30 @@ def _entry(loc: str, entry: object) -> FileEntry:
     return FileEntry(_int(f"{loc}.size", entry["size"], 0), sha256)
 
 
+def _chunked_entry(loc: str, entry: object) -> FileEntry:
+    keys = {"size", "blake3", "chunkBytes", "chunks"}
+    if not isinstance(entry, dict) or set(entry) != keys:
+        raise _Invalid(loc, 'must be {"size": bytes, "blake3": hex, "chunkBytes": bytes, '
+                       '"chunks": [hex, ...]}')  # fmt: skip
+    size = _int(f"{loc}.size", entry["size"], 0)
+    chunk_bytes = _int(f"{loc}.chunkBytes", entry["chunkBytes"], 1)
+    chunks = entry["chunks"]
+    if not isinstance(chunks, list) or len(chunks) > MAX_CHUNKS_PER_FILE:
+        raise _Invalid(f"{loc}.chunks", "must be a list of hex hashes")
+    for i, chunk in enumerate(chunks):
+        if not isinstance(chunk, str) or not _SHA256.match(chunk):
+            raise _Invalid(f"{loc}.chunks[{i}]", "must be 64 lower-case hex digits")
+    try:
+        digest = FileDigest(size, chunk_bytes, tuple(chunks))
+    except ValueError as e:
+        raise _Invalid(f"{loc}.chunks", str(e)) from None
+    root = entry["blake3"]
+    if not isinstance(root, str) or not _SHA256.match(root):
+        raise _Invalid(f"{loc}.blake3", "must be 64 lower-case hex digits")
+    # The root is checked against the chunks where content is hashed: parsing needs no blake3.
+    return FileEntry(size, blake3=root, chunkBytes=chunk_bytes, chunks=digest.chunks)
+
+
 def read_manifest(directory: Path) -> Manifest | None:
     path = directory / MANIFEST
     try:
@@ -222,32 +280,53 @@ def verify_directory(
         raise ArtifactError(f"{directory}: no {MANIFEST}; the artifact is incomplete")
     manifest.check_expected(str(directory), digest=digest, tp=tp)
     check_ranks_present(directory, manifest)
-    progress = None
-    if hash_content and show_progress:
-        from .progress import Progress
-
-        progress = Progress(manifest.bytes, len(manifest.files), label=f"hashing {directory}",
-                            items="files")  # fmt: skip
-    for name, entry in sorted(manifest.files.items()):
-        path = directory / name
+    names = sorted(manifest.files)
+    for name in names:
+        path, entry = directory / name, manifest.files[name]
         try:
             size = os.stat(path).st_size
         except FileNotFoundError:
             raise ArtifactError(f"{path}: listed in the manifest but missing") from None
         if size != entry.size:
             raise ArtifactError(f"{path}: {size} bytes, the manifest says {entry.size}")
-        if hash_content and sha256_file(path, progress) != entry.sha256:
-            raise ArtifactError(f"{path}: sha256 differs from the manifest; the file is corrupt")
+    if hash_content:
+        progress = None
+        if show_progress:
+            from .progress import Progress
+
+            progress = Progress(manifest.bytes, len(names), label=f"hashing {directory}",
+                                items="files")  # fmt: skip
+        verify_local_content([(directory / n, manifest.files[n]) for n in names], progress)
         if progress is not None:
-            progress.tensor_done()
-    if progress is not None:
-        progress.finish()
+            progress.finish()
     extra = sorted(
         p.name for p in directory.iterdir() if p.name not in manifest.files and p.name != MANIFEST
     )
     if extra:
         raise ArtifactError(f"{directory}: files not in the manifest: {', '.join(extra[:5])}")
     return manifest
+
+
+def verify_local_content(
+    files: list[tuple[Path, FileEntry]], progress: Progress | None = None
+) -> None:
+    """Hash every byte of ``files`` against their entries; ``ArtifactError`` (for schema 2 a
+    ``ChunkMismatch`` naming the chunk) at the first difference. Schema-2 files are read and
+    hashed in parallel chunks at disk speed; schema-1 files get one sha256 pass each."""
+    chunked = [(p, e) for p, e in files if e.digest is not None]
+    digests = hash_local_files(
+        [p for p, _ in chunked], [e.digest for _, e in chunked], progress=progress
+    )
+    for (path, entry), digest in zip(chunked, digests, strict=True):
+        if digest.root != entry.blake3:
+            raise ArtifactError(f"{path}: the manifest's blake3 is not the root of its chunk "
+                                "hashes; the manifest is corrupt")  # fmt: skip
+    for path, entry in files:
+        if entry.digest is None:
+            if sha256_file(path, progress) != entry.sha256:
+                raise ArtifactError(f"{path}: sha256 differs from the manifest; the file is corrupt")
+            if progress is not None:
+                progress.tensor_done()
 
 
 def check_ranks_present(directory: Path | str, manifest: Manifest) -> None:

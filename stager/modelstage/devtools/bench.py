@@ -4,7 +4,10 @@ Staging is compared with ``cp`` + ``sync`` of the same source files to the same 
 stager fsyncs and hashes, so the baseline syncs too); peak RSS comes from the kernel's
 accounting of the child process (``wait4``), at two checkpoint sizes to show it is flat.
 Loading is compared with a raw sequential read of the same rank files and with vLLM's stock
-sharded-state read path (``safe_open`` + ``get_tensor`` + ``copy_`` into preallocated tensors).
+sharded-state read path (``safe_open`` + ``get_tensor`` + ``copy_`` into preallocated tensors);
+the plugin's reader runs twice, verifying every byte as it streams (its default) and not
+(``MODELSTAGE_VERIFY=0``). ``modelstage verify`` of the whole artifact (every byte hashed against
+the manifest) is compared with a raw read of the same files.
 """
 
 from __future__ import annotations
@@ -109,18 +112,26 @@ def bench_loading(artifact: Path, rank: int, repeats: int, cold: bool) -> list[M
     }
     plugin = _plugin_read()
     if plugin is not None:
-        readers["modelstage reader"] = plugin
+        readers["modelstage reader, unverified"] = lambda fs, ps: plugin(fs, ps, False)
+        readers["modelstage reader, verified"] = lambda fs, ps: plugin(fs, ps, True)
     rows = {name: Measurement(f"load rank {rank}: {name}", nbytes=size) for name in readers}
     if not cold:
         _raw_read(files)  # the stager wrote them with O_DIRECT: not in the page cache yet
-    for _ in range(repeats):
-        for name, read in readers.items():
+    for i in range(repeats):
+        for name in rotated(list(readers), i):
             if cold:
                 drop_page_cache()
             start = time.perf_counter()
-            read(files, params)
+            readers[name](files, params)
             rows[name].seconds.append(time.perf_counter() - start)
     return list(rows.values())
+
+
+def rotated(names: list[str], i: int) -> list[str]:
+    """Repetition ``i``'s order: each row goes first in turn, so that what one row leaves
+    behind (here: a virtual disk's host-side cache) does not favour the row after it."""
+    k = i % len(names) if names else 0
+    return names[k:] + names[:k]
 
 
 def _parameters(files: list[Path]) -> dict[str, Any]:
@@ -154,7 +165,33 @@ def _stock_read(files: list[Path], params: dict[str, Any]) -> None:
                 params[key].copy_(st.get_tensor(key))
 
 
-def _plugin_read() -> Callable[[list[Path], dict[str, Any]], None] | None:
+def bench_verify(artifact: Path, repeats: int, cold: bool) -> list[Measurement]:
+    """``modelstage verify`` of the whole artifact (sizes, then every byte against its chunk
+    hashes) vs a raw sequential read of the same files, interleaved."""
+    from modelstage.core.manifest import verify_directory
+
+    files = sorted(p for p in artifact.iterdir() if p.is_file() and p.name != "modelstage.json")
+    size = sum(f.stat().st_size for f in files)
+    raw = Measurement("raw sequential read, every file", nbytes=size)
+    verify = Measurement("modelstage verify", nbytes=size)
+    if not cold:
+        _raw_read(files)
+    runs: dict[str, tuple[Measurement, Callable[[], object]]] = {
+        "raw": (raw, lambda: _raw_read(files)),
+        "verify": (verify, lambda: verify_directory(artifact)),
+    }
+    for i in range(repeats):
+        for name in rotated(list(runs), i):
+            m, run = runs[name]
+            if cold:
+                drop_page_cache()
+            start = time.perf_counter()
+            run()
+            m.seconds.append(time.perf_counter() - start)
+    return [raw, verify]
+
+
+def _plugin_read() -> Callable[[list[Path], dict[str, Any], bool], None] | None:
     """The loader plugin's pipelined reader, when the serving side is installed."""
     try:
         from modelstage.plugin.reader import read_files_for_bench
@@ -231,6 +268,11 @@ def run_bench(
                 bench_loading(artifact, 0, repeats, cold=True))  # fmt: skip
     section(f"loading rank 0 of TP={load_tp}, page cache warm",
             bench_loading(artifact, 0, repeats, cold=False))  # fmt: skip
+    if cache.startswith("dropped"):
+        section(f"verify TP={load_tp} artifact, page cache dropped",
+                bench_verify(artifact, repeats, cold=True))  # fmt: skip
+    section(f"verify TP={load_tp} artifact, page cache warm",
+            bench_verify(artifact, repeats, cold=False))  # fmt: skip
     shutil.rmtree(artifact)
     if s3:
         from .bench_s3 import bench_s3

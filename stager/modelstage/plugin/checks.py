@@ -5,8 +5,14 @@ seconds, not a GPU's worth of allocation followed by a KeyError deep inside vLLM
 order: the manifest exists (the artifact is complete), its digest and TP are the ones the pod
 was given, its format suits the load format, its layout version is the running vLLM's, and
 this rank's files are exactly those the manifest lists, with the listed sizes and valid
-safetensors headers. Hashing content is opt-in (``MODELSTAGE_VERIFY_HASH=1``): the
-initContainer verified the artifact already, and hashing reads every byte twice.
+safetensors headers.
+
+Content: every byte a rank loads is hashed against the manifest (``MODELSTAGE_VERIFY``, on by
+default). The plugin's own reader checks each hash chunk as it lands (``content_checker``);
+where bytes move through a reader the plugin does not own (vLLM's Run:ai streamer), or the
+artifact predates chunk hashes (schema 1: one sha256 per file), ``verify_content`` hashes the
+files in a pass before loading. Either way a mismatch refuses the load before the engine
+serves, naming the file, the chunk and both hashes.
 
 Torch-free and vLLM-free, so the refusals are unit-tested without starting vLLM.
 """
@@ -17,24 +23,41 @@ import hashlib
 import os
 import re
 from collections.abc import Callable, Iterable
-from contextlib import closing
+from contextlib import ExitStack, closing
 from dataclasses import dataclass
 from pathlib import Path
 
 from modelstage.core.errors import ArtifactError, CheckpointError, SpecError
 from modelstage.core.formats import plugin_load_formats
+from modelstage.core.integrity import (
+    VERIFY_WORKERS,
+    ChunkChecker,
+    ChunkMismatch,
+    FileDigest,
+    FileToHash,
+    HashStats,
+    LocalFile,
+    blake3_module,
+    hash_files,
+)
 from modelstage.core.layouts import layout_for
 from modelstage.core.manifest import (
     MANIFEST,
     MAX_MANIFEST_BYTES,
+    FileEntry,
     Manifest,
     read_manifest,
     sha256_file,
 )
-from modelstage.core.s3_client import S3Client, S3Location
-from modelstage.core.safetensors_format import SafetensorsHeader, read_header, read_local_header
+from modelstage.core.s3_client import S3Client, S3Location, get_range_into
+from modelstage.core.safetensors_format import (
+    MAX_HEADER_BYTES,
+    SafetensorsHeader,
+    read_header,
+    read_local_header,
+)
 
-from .settings import PluginSettings
+from .settings import ENV_VERIFY, PluginSettings
 
 LOAD_FORMATS = plugin_load_formats()
 """Plugin load format -> artifact formats (manifest ``format``) it can load (the format
@@ -50,8 +73,13 @@ class RankFile:
     """Its path, or its s3:// URI."""
     size: int
     header: SafetensorsHeader
+    entry: FileEntry
+    """What the manifest says of it: size and content hashes."""
     etag: str | None = None
     """For objects: the ETag seen when verifying; every read is conditional on it."""
+    prefix: bytes | None = None
+    """For objects: the checked chunks that hold the header, kept so the reader need not
+    fetch them again."""
 
     @property
     def path(self) -> Path:
@@ -148,9 +176,10 @@ def verify_local(
     except ArtifactError as e:
         raise refuse(where, str(e)) from None
     manifest = _expected(manifest, where, load_format, settings, running_tp, vllm_version)
+    _hash_available(where, settings)
     pattern = rank_glob or "*.safetensors"
     names = _rank_names(where, manifest, (p.name for p in directory.glob(pattern)), pattern)
-    files = tuple(_verify_file(directory / n, manifest, settings.verify_hash) for n in names)
+    files = tuple(_verify_file(directory / n, manifest, settings.verify) for n in names)
     return VerifiedArtifact(where, manifest, _no_duplicates(where, files))
 
 
@@ -180,9 +209,10 @@ def verify_s3(
     except Exception as e:
         raise _s3_refusal(s3, e, where) from None
     manifest = _expected(manifest, where, load_format, settings, running_tp, vllm_version)
+    _hash_available(where, settings)
     names = _rank_names(where, manifest, (n for n in present if n != MANIFEST), rank_glob)
     files = tuple(
-        _verify_object(s3, location, n, manifest, present, settings.verify_hash) for n in names
+        _verify_object(s3, location, n, manifest, present, settings.verify) for n in names
     )
     return VerifiedArtifact(where, manifest, _no_duplicates(where, files), s3)
 
@@ -210,6 +240,16 @@ def _expected(
         vllm_version=vllm_version,
     )
     return manifest
+
+
+def _hash_available(where: str, settings: PluginSettings) -> None:
+    """Verifying needs the ``blake3`` package: refuse up front, saying how to go on."""
+    if not settings.verify:
+        return
+    try:
+        blake3_module()
+    except ArtifactError as e:
+        raise refuse(where, f"{e}; or set {ENV_VERIFY}=0 to load it unverified") from None
 
 
 def _rank_names(where: str, manifest: Manifest, present: Iterable[str], pattern: str) -> list[str]:
@@ -242,7 +282,7 @@ def _no_duplicates(where: str, files: tuple[RankFile, ...]) -> tuple[RankFile, .
     return files
 
 
-def _verify_file(path: Path, manifest: Manifest, hash_content: bool) -> RankFile:
+def _verify_file(path: Path, manifest: Manifest, check_content: bool) -> RankFile:
     entry = manifest.files[path.name]
     try:
         size = os.stat(path).st_size
@@ -251,12 +291,25 @@ def _verify_file(path: Path, manifest: Manifest, hash_content: bool) -> RankFile
     if size != entry.size:
         raise refuse(str(path), f"{size} bytes, the manifest says {entry.size}; re-stage")
     try:
-        header = read_local_header(path)
+        digest = entry.digest if check_content else None
+        if digest is None:
+            header = read_local_header(path)
+        else:
+            with LocalFile(path) as f:
+
+                def read(offset: int, length: int) -> bytes:
+                    buf = bytearray(length)
+                    f.read_into(offset, memoryview(buf))
+                    return bytes(buf)
+
+                header = checked_header(str(path), digest, read)
+    except ChunkMismatch as e:
+        raise refuse(str(path), f"{e.reason}: re-stage it") from None
     except CheckpointError as e:
         raise refuse(str(path), f"{e}; re-stage") from None
-    if hash_content and sha256_file(path) != entry.sha256:
-        raise refuse(str(path), "sha256 differs from the manifest; the file is corrupt")
-    return RankFile(path.name, str(path), size, header)
+    except OSError as e:
+        raise refuse(str(path), f"cannot read: {e.strerror or e}") from None
+    return RankFile(path.name, str(path), size, header, entry)
 
 
 HEADER_PREFIX_BYTES = 256 * 1024
@@ -299,7 +352,7 @@ def _verify_object(
     name: str,
     manifest: Manifest,
     present: dict[str, tuple[int, str]],
-    hash_content: bool,
+    check_content: bool,
 ) -> RankFile:
     uri, entry = f"{location.uri}{name}", manifest.files[name]
     if name not in present:
@@ -318,23 +371,29 @@ def _verify_object(
         return data
 
     try:
-        prefix = get(0, min(size, HEADER_PREFIX_BYTES)) if size else b""
+        digest = entry.digest if check_content else None
+        kept = None
+        if digest is not None:
+            kept = checked_prefix(uri, digest, get)
+            header = read_header(uri, size, _served(kept))
+        else:
+            prefix = get(0, min(size, HEADER_PREFIX_BYTES)) if size else b""
 
-        def read(offset: int, length: int) -> bytes:
-            if offset + length <= len(prefix):
-                return prefix[offset : offset + length]
-            return get(offset, length)
+            def read(offset: int, length: int) -> bytes:
+                if offset + length <= len(prefix):
+                    return prefix[offset : offset + length]
+                return get(offset, length)
 
-        header = read_header(uri, size, read)
-        if hash_content and _s3_sha256(s3, location, name, etag) != entry.sha256:
-            raise refuse(uri, "sha256 differs from the manifest; the object is corrupt")
+            header = read_header(uri, size, read)
+    except ChunkMismatch as e:
+        raise refuse(uri, f"{e.reason}: re-stage it") from None
     except CheckpointError as e:
         raise refuse(uri, f"{e}; re-stage") from None
     except ArtifactError:
         raise
     except Exception as e:
         raise _s3_refusal(s3, e, uri) from None
-    return RankFile(name, uri, size, header, etag)
+    return RankFile(name, uri, size, header, entry, etag, kept)
 
 
 def _s3_refusal(s3: S3Client, e: BaseException, where: str) -> ArtifactError:
@@ -355,6 +414,111 @@ def _glob(pattern: str) -> re.Pattern[str]:
     """vLLM's part-file glob as a regex whose ``*`` stays within one name (``fnmatch``'s
     ``*`` would also match ``/``: ``model-rank-0-part-*`` would take ``../x/part-0``)."""
     return re.compile(re.escape(pattern).replace(r"\*", "([^/]*)"))
+
+
+def checked_header(
+    where: str, digest: FileDigest, read: Callable[[int, int], bytes]
+) -> SafetensorsHeader:
+    """Parse a file's header from bytes checked against its chunk hashes first: the header
+    plans every read, so a corrupt one is refused as corrupt (naming the chunk), never
+    followed."""
+    return read_header(where, digest.size, _served(checked_prefix(where, digest, read)))
+
+
+def _served(data: bytes) -> Callable[[int, int], bytes]:
+    def read(offset: int, length: int) -> bytes:
+        return data[offset : offset + length]
+
+    return read
+
+
+def checked_prefix(where: str, digest: FileDigest, read: Callable[[int, int], bytes]) -> bytes:
+    """The whole chunks that hold a file's header (one, for any usual header), read and
+    checked against their hashes (``ChunkMismatch``)."""
+    checker = ChunkChecker([(where, digest)])
+    data = bytearray()
+    needed = min(8, digest.size)
+    for index in range(len(digest.chunks)):
+        if len(data) >= needed:
+            break
+        lo, hi = digest.range(index)
+        piece = read(lo, hi - lo)
+        checker.check(0, lo, [memoryview(piece)])
+        data += piece
+        if len(data) >= 8:
+            length = int.from_bytes(data[:8], "little")
+            needed = min(8 + min(length, MAX_HEADER_BYTES), digest.size)
+    return bytes(data)
+
+
+def content_checker(verified: VerifiedArtifact) -> ChunkChecker | None:
+    """The checker of this rank's files for the plugin's reader, in load order; None when some
+    file has no chunk hashes (a schema-1 artifact: ``verify_content`` hashes it instead)."""
+    files = []
+    for f in verified.files:
+        digest = f.entry.digest
+        if digest is None:
+            return None
+        files.append((f.location, digest))
+    return ChunkChecker(files)
+
+
+def verify_content(verified: VerifiedArtifact, *, workers: int | None = None) -> HashStats:
+    """Hash every byte of this rank's files against the manifest, in a pass of its own: for
+    loads whose bytes the plugin's reader does not move, and for schema-1 artifacts (sha256).
+    Chunked files are read chunk by chunk (``workers`` reads at once: by default one on a
+    local disk, 8 GETs on S3), each checked as it lands. Refuses at the first mismatch."""
+    stats = HashStats()
+    if workers is None:
+        workers = 8 if verified.s3 is not None else VERIFY_WORKERS
+    chunked = [f for f in verified.files if f.entry.digest is not None]
+    try:
+        with ExitStack() as stack:
+            jobs = []
+            for f in chunked:
+                digest = f.entry.digest
+                assert digest is not None
+                read_into = (
+                    _object_reader(verified, f)
+                    if verified.s3 is not None
+                    else stack.enter_context(LocalFile(f.path)).read_into
+                )
+                jobs.append(FileToHash(f.location, f.size, read_into, digest.chunk_bytes, digest))
+            stats = hash_files(jobs, workers=workers)[1]
+        for f in verified.files:
+            if f.entry.digest is not None:
+                continue
+            actual = (
+                _s3_sha256(verified.s3, S3Location.parse(verified.location), f.name, f.etag or "")
+                if verified.s3 is not None
+                else sha256_file(f.path)
+            )
+            if actual != f.entry.sha256:
+                raise refuse(f.location, f"sha256 is {actual}, the manifest says "
+                             f"{f.entry.sha256}; the file is corrupt: re-stage it")  # fmt: skip
+            stats.add(f.size, 0.0)
+    except ChunkMismatch as e:
+        raise refuse(e.where, f"{e.reason}: re-stage it") from None
+    except ArtifactError as e:
+        if str(e).startswith("modelstage: refusing"):
+            raise
+        raise refuse(verified.location, str(e)) from None
+    except OSError as e:
+        raise refuse(verified.location, f"cannot read: {e}") from None
+    return stats
+
+
+def _object_reader(verified: VerifiedArtifact, f: RankFile) -> Callable[[int, memoryview], None]:
+    s3, location = verified.s3, S3Location.parse(verified.location)
+    assert s3 is not None and f.etag is not None
+
+    def read_into(offset: int, view: memoryview) -> None:
+        try:
+            get_range_into(s3, location.bucket, location.key(f.name), f.etag or "", offset, [view])
+        except Exception as e:
+            raise _s3_refusal(s3, e, f.location) from None
+
+    return read_into
 
 
 def _part_key(pattern: str) -> Callable[[str], tuple[int, str]]:

@@ -12,16 +12,17 @@ import logging
 from typing import ClassVar
 
 import torch
+from modelstage.core.integrity import ChunkMismatch
 from modelstage.core.s3_client import S3Client
 from modelstage.core.safetensors_format import TensorInfo
 from torch import nn
 from vllm.config import ModelConfig
 from vllm.model_executor.model_loader.sharded_state_loader import ShardedStateLoader
 
-from .base import ModelstageLoader, Transfer
-from .checks import VerifiedArtifact, refuse, verify_local, verify_s3
+from .base import STREAM, ModelstageLoader, Transfer
+from .checks import VerifiedArtifact, content_checker, refuse, verify_local, verify_s3
 from .reader import TORCH_DTYPES, PipelinedReader, Target, flat_bytes, staging_for
-from .settings import serving_s3_options
+from .settings import local_reads, serving_s3_options
 from .stores import S3Objects, store_for
 
 LOG = logging.getLogger("vllm.modelstage")
@@ -65,6 +66,7 @@ class ModelstageShardedStateLoader(ModelstageLoader):
     stock_format: ClassVar[str] = "sharded_state"
     stock_class = ShardedStateLoader
     per_rank: ClassVar[bool] = True
+    streams_verification: ClassVar[bool] = True
 
     def verify(self, location: str, running_tp: int, vllm_version: str) -> VerifiedArtifact:
         return verify_rank_files(self, location, running_tp, vllm_version)
@@ -77,21 +79,38 @@ class ModelstageShardedStateLoader(ModelstageLoader):
         device = next(iter(state_dict.values())).device
         store = store_for(verified)
         on_s3 = isinstance(store, S3Objects)
+        checker = content_checker(verified) if self.verification == STREAM else None
+        if on_s3:
+            chunk_bytes, depth = self.settings.s3_chunk_bytes, self.settings.s3_depth
+        else:
+            chunk_bytes, depth = local_reads(
+                self.settings, checker.read_bytes(1) if checker else None
+            )
+        buffered = device.type == "cuda"  # reads into reused buffers, which hold whole chunks
         reader = PipelinedReader(
-            chunk_bytes=self.settings.s3_chunk_bytes if on_s3 else self.settings.chunk_bytes,
-            depth=self.settings.s3_depth if on_s3 else self.settings.depth,
+            chunk_bytes=checker.read_bytes(chunk_bytes) if checker and buffered else chunk_bytes,
+            depth=depth,
             device=device,
         )
-        stats = reader.read(store, lambda info: target_for(info, state_dict[info.name]))
-        LOG.info("modelstage: read %d bytes of %s with the %s reader in %.2f s",
+        try:
+            stats = reader.read(
+                store, lambda info: target_for(info, state_dict[info.name]), checker
+            )
+        except ChunkMismatch as e:
+            raise refuse(e.where, f"{e.reason}: re-stage it") from None
+        verified_note = (f", every byte verified ({checker.stats.seconds:.2f} s of hashing)"
+                         if checker else "")  # fmt: skip
+        LOG.info("modelstage: read %d bytes of %s with the %s reader in %.2f s%s",
                  stats.bytes, verified.location, "S3" if on_s3 else "local",
-                 stats.read_seconds)  # fmt: skip
+                 stats.read_seconds, verified_note)  # fmt: skip
         return Transfer(
             bytes=stats.bytes,
             files=stats.files,
             read_seconds=stats.read_seconds,
             copy_seconds=stats.copy_seconds,
             read_wait_seconds=stats.wait_seconds,
+            verified_bytes=checker.stats.bytes if checker else 0,
+            hash_seconds=checker.stats.seconds if checker else 0.0,
         )
 
 

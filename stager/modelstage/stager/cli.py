@@ -291,8 +291,10 @@ def _add_prepare_parser(sub: Any) -> None:
     pr.add_argument("--tp", type=int, required=True, help="the workload's tensor parallel size")
     pr.add_argument("--plugin-dir", required=True, help="where to copy the plugin (PYTHONPATH)")
     pr.add_argument(
-        "--hash", action="store_true", help="also sha256 every local file (reads every byte)"
-    )
+        "--hash", action="store_true",
+        help="also hash every byte against the manifest (reads every file; the loader plugin "
+        "verifies what each rank reads as it streams in anyway)",
+    )  # fmt: skip
     _add_s3_options(pr)
     _add_network_options(pr)
     pr.set_defaults(run=_prepare)

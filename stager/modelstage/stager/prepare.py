@@ -2,7 +2,9 @@
 
 Two jobs, in this order, so that vLLM never starts on a wrong artifact: (1) check the
 artifact's manifest (complete, the expected digest, the workload's TP; for local artifacts
-also every file's size, and content hashes on request); (2) copy the loader plugin into the
+also every file's size; with ``--hash`` every byte against the manifest's chunk hashes, the
+same chunked verification as ``modelstage verify``: the loader plugin verifies what each rank
+reads as it streams in anyway); (2) copy the loader plugin into the
 plugin directory (an ``emptyDir`` the vLLM container gets on ``PYTHONPATH``).
 
 How the plugin travels: the two packages it consists of, ``modelstage.core`` and
@@ -57,7 +59,7 @@ def verify_artifact(
     artifact: str, *, digest: str, tp: int, hash_content: bool, s3: S3Options | None = None
 ) -> dict[str, Any]:
     if artifact.startswith("s3://"):
-        return _verify_s3(artifact, digest=digest, tp=tp, s3=s3)
+        return _verify_s3(artifact, digest=digest, tp=tp, s3=s3, hash_content=hash_content)
     if "://" in artifact and not artifact.startswith("file://"):
         scheme = artifact.split("://", 1)[0]
         raise ArtifactError(
@@ -70,12 +72,17 @@ def verify_artifact(
     return _summary(str(directory), manifest, hashed=hash_content)
 
 
-def _verify_s3(artifact: str, *, digest: str, tp: int, s3: S3Options | None) -> dict[str, Any]:
-    """S3 artifacts: the manifest object only. vLLM is given ``--model s3://...`` and fetches
-    the files itself; listing or hashing every object here would delay every pod start."""
+def _verify_s3(
+    artifact: str, *, digest: str, tp: int, s3: S3Options | None, hash_content: bool
+) -> dict[str, Any]:
+    """S3 artifacts: the manifest object only, unless ``hash_content``. vLLM is given
+    ``--model s3://...`` and fetches the files itself (the plugin's S3 reader verifying them
+    as they stream in); listing or hashing every object here would delay every pod start."""
     from .destinations.s3 import S3Destination
 
     dest = S3Destination(artifact, s3)
+    if hash_content:
+        return _summary(dest.uri, dest.verify(digest=digest, tp=tp), hashed=True)
     manifest = dest.existing()
     if manifest is None:
         raise ArtifactError(f"{dest.uri}: no {MANIFEST}; the artifact is incomplete")

@@ -15,14 +15,15 @@ the manifest. Why it is cut this way:
   source files hold them.
 - **A shared work area, parts atomic.** Locally the workers share ``<out>.tmp-shared-<key>``
   (the key pins digest, source identity, stager version and part size); each part appears
-  under its name only once fsynced, beside a sidecar with its size and sha256. On S3 the
-  parts are objects under the prefix, each with its run key and sha256. Either way a rerun
-  of a worker reuses the parts it finished, and nothing counts as an artifact before the
-  manifest.
+  under its name only once fsynced, beside a sidecar with its size and chunk hashes. On S3
+  the parts are objects under the prefix, each with its run key and content hash (root).
+  Either way a rerun of a worker reuses the parts it finished, and nothing counts as an
+  artifact before the manifest.
 - **Finalize trusts nothing it has not checked.** It recomputes the expected part names and
   sizes from the plan, requires each part to be present, of this run and of that size, and
-  re-hashes local parts against their sidecars (S3 objects carry the sha256 of the bytes
-  that made them, and S3 shows an object only once whole); then it copies the small files,
+  re-hashes every part: local ones against their sidecars, S3 objects against the root
+  their metadata records (``integrity.py``; chunks read in parallel, at the disk's or the
+  network's pace); then it copies the small files,
   writes the manifest last and publishes (rename, or the manifest object).
 """
 
@@ -38,6 +39,7 @@ from typing import Any, TextIO
 from modelstage.core.digest import identity_key
 from modelstage.core.errors import SpecError
 from modelstage.core.formats import FORMATS, Format, format_for
+from modelstage.core.integrity import FileDigest
 from modelstage.core.layouts import Layout
 from modelstage.core.progress import Progress
 
@@ -205,7 +207,7 @@ def stage_group(
         "group": str(group),
         "parts": [mine.start, mine.stop] if mine else [],
         "files": len(files),
-        "bytes": sum(s for s, _ in files.values()),
+        "bytes": sum(d.size for d in files.values()),
         "seconds": round(time.monotonic() - started, 3),
         "alreadyStaged": False,
     }
@@ -238,7 +240,7 @@ def finalize(req: StageRequest, *, progress_stream: TextIO | None = None) -> dic
 
 def _check_parts(
     dest: Destination, run: _Run, progress_stream: TextIO | None = None
-) -> dict[str, tuple[int, str]]:
+) -> dict[str, FileDigest]:
     """Every rank's every part, checked in parallel (locally: re-hashed, which takes minutes
     for a large artifact, so each checked part is reported); the first problem in file order
     wins."""
@@ -249,7 +251,7 @@ def _check_parts(
                         label=f"checking parts of {dest.uri}", stream=progress_stream,
                         items="parts")  # fmt: skip
 
-    def check(name: str, size: int) -> tuple[int, str]:
+    def check(name: str, size: int) -> FileDigest:
         found = dest.check_part(name, size)
         progress.advance(size)
         progress.tensor_done()

@@ -16,6 +16,7 @@ from typing import Any, TextIO
 from modelstage.core.digest import artifact_digest, identity_key
 from modelstage.core.errors import ArtifactError, SpecError
 from modelstage.core.formats import format_for
+from modelstage.core.integrity import FileDigest
 from modelstage.core.layouts import Layout, layout_for
 from modelstage.core.manifest import FileEntry, Manifest
 
@@ -60,8 +61,14 @@ def request_digest(req: StageRequest, identity: str) -> str:
 
 
 def request_destination(req: StageRequest) -> Destination:
-    """Where ``req`` writes (``--out``), as its format allows."""
-    return open_destination(req.out, format_for(req.format), s3=req.s3, tp=req.tp)
+    """Where ``req`` writes (``--out``), as its format allows, hashing in the request's chunk
+    size when it sets one."""
+    dest = open_destination(req.out, format_for(req.format), s3=req.s3, tp=req.tp)
+    if req.chunk_bytes is not None:
+        if req.chunk_bytes < 1:
+            raise SpecError(f"the hash chunk size must be positive, not {req.chunk_bytes}")
+        dest.chunk_bytes = req.chunk_bytes
+    return dest
 
 
 def run_key(digest: str, identity: dict[str, Any]) -> str:
@@ -201,7 +208,7 @@ def build_manifest(
     digest: str,
     layout: Layout,
     identity: dict[str, Any],
-    files: dict[str, tuple[int, str]],
+    files: dict[str, FileDigest],
     started: float,
 ) -> Manifest:
     """The manifest of a finished artifact: what it is, where it came from, every file."""
@@ -219,8 +226,8 @@ def build_manifest(
         },
         vllmVersion=layout.vllm_version,
         layoutVersion=layout.layout_version,
-        files={n: FileEntry(size=s, sha256=h) for n, (s, h) in sorted(files.items())},
-        bytes=sum(s for s, _ in files.values()),
+        files={n: FileEntry.of(d) for n, d in sorted(files.items())},
+        bytes=sum(d.size for d in files.values()),
         modelstageVersion=modelstage_version(),
         createdAt=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         stageSeconds=round(time.monotonic() - started, 3),

@@ -4,14 +4,16 @@ S3 has no rename, so objects are written under the artifact prefix itself and th
 object ``modelstage.json`` is written last: without it nothing there counts as an artifact
 (``existing()`` and every reader look for the manifest first).
 
-**sha256 per object.** Every object carries ``x-amz-meta-sha256``. A rank file's hash is
-known only once its last byte has streamed through, but a multipart upload fixes its
-metadata at ``CreateMultipartUpload``. Objects that fit one part are buffered anyway, so
-they are hashed first and sent with one ``PutObject`` holding the hash. Larger objects are
-hashed while streaming and, once complete, get the hash by a server-side ``CopyObject`` onto
-themselves with ``MetadataDirective=REPLACE`` (guarded by ``CopySourceIfMatch`` on the
-ETag just returned, and done as a multipart ``UploadPartCopy`` above 5 GiB). That costs one
-request and server-side copying, never a second pass over the source or the network.
+**A content hash per object.** Every object carries ``x-amz-meta-blake3``, the root of its
+chunk hashes (``integrity.py``; the chunk hashes themselves go into the manifest: S3 metadata
+holds 2 KB). A rank file's hash is known only once its last byte has streamed through, but a
+multipart upload fixes its metadata at ``CreateMultipartUpload``. Objects that fit one part
+are buffered anyway, so they are hashed first and sent with one ``PutObject`` holding the
+hash. Larger objects are hashed while streaming and, once complete, get the hash by a
+server-side ``CopyObject`` onto themselves with ``MetadataDirective=REPLACE`` (guarded by
+``CopySourceIfMatch`` on the ETag just returned, and done as a multipart ``UploadPartCopy``
+above 5 GiB). That costs one request and server-side copying, never a second pass over the
+source or the network.
 Rejected alternatives: hashing every object before uploading it (reads the source twice)
 and keeping hashes only in the manifest (a rerun could not tell a finished object from a
 foreign one, and the issue asks for the metadata).
@@ -20,10 +22,11 @@ foreign one, and the issue asks for the metadata).
 of the artifact digest, the resolved source identity, the layout and the stager version,
 known before any byte is written. The stager is deterministic, so two runs with the same
 key write identical bytes. A rerun lists the prefix once and, for each object it is about
-to write, reuses it when the run key and the size match and a sha256 is stored (S3 makes
-an object visible only once complete, and the sha256 was computed from the bytes that made
-it). Objects written by hand (small files such as ``config.json``) are compared on their
-sha256 directly. Objects without a run key are foreign and never overwritten. Stale
+to write, reuses it when the run key and the size match and a content hash is stored, and
+its bytes, read back in parallel ranged GETs, hash to it (the chunk hashes the manifest needs
+are recomputed on the way: the completion check is the same chunked verification as
+``verify``). Small files (``config.json``, tokenizer files) are compared on their hash
+directly. Objects without a run key are foreign and never overwritten. Stale
 multipart uploads of a killed run are aborted at ``begin``; one stager per location (the
 operator's Job names are deterministic).
 
@@ -37,7 +40,6 @@ flight, whatever the checkpoint's size.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 import re
 import sys
@@ -48,9 +50,22 @@ from typing import Any
 
 import numpy as np
 from modelstage.core.errors import ArtifactError, DestinationError, SpecError
-from modelstage.core.manifest import MANIFEST, MAX_MANIFEST_BYTES, Manifest, check_ranks_present
+from modelstage.core.integrity import (
+    ChunkedHasher,
+    FileDigest,
+    FileToHash,
+    digest_bytes,
+    hash_files,
+)
+from modelstage.core.manifest import (
+    MANIFEST,
+    MAX_MANIFEST_BYTES,
+    FileEntry,
+    Manifest,
+    check_ranks_present,
+)
 from modelstage.core.progress import Progress
-from modelstage.core.s3_client import S3Client, S3Location, S3Options, with_retries
+from modelstage.core.s3_client import S3Client, S3Location, S3Options, get_range_into, with_retries
 
 from ..pieces import Piece, copy_piece, piece_nbytes
 from .base import Destination
@@ -64,7 +79,8 @@ PART_BUFFER_BUDGET = 256 * MiB
 (16 MiB parts up to TP=8 with 8 in flight; smaller, down to S3's 5 MiB, beyond)."""
 COPY_LIMIT = 5 * 1024 * MiB
 """The largest object one ``CopyObject`` may copy; larger ones are copied part by part."""
-SHA256_KEY, RUN_KEY = "sha256", "modelstage-run"
+HASH_KEY, CHUNK_KEY, RUN_KEY = "blake3", "blake3-chunk-bytes", "modelstage-run"
+"""Metadata: the content hash (root of the chunk hashes), its chunk size, the run key."""
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 CONTENT_TYPE = "application/octet-stream"
 
@@ -105,7 +121,7 @@ class S3ObjectSink:
         per_part = -(-size // MAX_PARTS)  # S3 allows 10,000 parts: larger objects, larger parts
         self.part_bytes = max(dest.part_bytes, -(-per_part // MiB) * MiB)
         self.multipart = size > self.part_bytes
-        self.hash = hashlib.sha256()
+        self.hash = ChunkedHasher(dest.chunk_bytes)
         self.written = self.fill = 0
         self.buf: bytearray | None = None
         self.upload_id: str | None = None
@@ -171,10 +187,11 @@ class S3ObjectSink:
             self.dest.give_back(buf)
             self.dest.inflight.release()
 
-    def close(self) -> tuple[int, str]:
+    def close(self) -> FileDigest:
         if self.written != self.size:
             raise AssertionError(f"{self.key}: wrote {self.written} of {self.size} bytes")
-        sha256 = self.hash.hexdigest()
+        digest = self.hash.finish()
+        meta = {HASH_KEY: digest.root, CHUNK_KEY: str(digest.chunk_bytes)}
         client, bucket = self.dest.s3.client, self.dest.location.bucket
         if not self.multipart:
             body = memoryview(self.buf or b"")[: self.fill]
@@ -182,13 +199,13 @@ class S3ObjectSink:
                 lambda: client.put_object(
                     Bucket=bucket, Key=self.key, Body=_ViewReader(body), ContentLength=self.fill,
                     ContentType=CONTENT_TYPE,
-                    Metadata={SHA256_KEY: sha256, RUN_KEY: self.dest.run_key},
+                    Metadata={**meta, RUN_KEY: self.dest.run_key},
                 ), self.key,
             )  # fmt: skip
             if self.buf is not None:
                 self.dest.give_back(self.buf)
                 self.buf = None
-            return self.size, sha256
+            return digest
         if self.fill:
             self._flush_part()
         parts = [f.result() for f in self.parts]
@@ -199,8 +216,8 @@ class S3ObjectSink:
             ), self.key,
         )  # fmt: skip
         self.upload_id = None
-        self.dest.set_metadata(self.key, self.size, done["ETag"], {SHA256_KEY: sha256})
-        return self.size, sha256
+        self.dest.set_metadata(self.key, self.size, done["ETag"], meta)
+        return digest
 
     def abort(self) -> None:
         """Stop: wait for parts in flight and abort the multipart upload, ignoring errors."""
@@ -335,18 +352,46 @@ class S3Destination(Destination):
 
     def _list(self) -> dict[str, int]:
         """{relative name: size} of every object under the prefix."""
+        return {name: size for name, (size, _) in self._listing().items()}
+
+    def _listing(self) -> dict[str, tuple[int, str]]:
+        """{relative name: (size, ETag)} of every object under the prefix."""
         client, prefix = self.s3.client, self.location.prefix + "/"
-        found: dict[str, int] = {}
+        found: dict[str, tuple[int, str]] = {}
         pages = client.get_paginator("list_objects_v2").paginate(
             Bucket=self.location.bucket, Prefix=prefix
         )
         try:
             for page in pages:
                 for obj in page.get("Contents", []):
-                    found[obj["Key"][len(prefix) :]] = int(obj["Size"])
+                    etag = str(obj.get("ETag", "")).strip('"')
+                    found[obj["Key"][len(prefix) :]] = (int(obj["Size"]), etag)
         except Exception as e:
             raise self.s3.error(e, self.uri) from None
         return found
+
+    def to_hash(
+        self,
+        name: str,
+        size: int,
+        etag: str,
+        *,
+        chunk_bytes: int,
+        expected: FileDigest | None = None,
+        expected_root: str | None = None,
+    ) -> FileToHash:
+        """``name`` for ``hash_files``: ranged GETs conditional on ``etag``, straight into
+        the hashing threads' buffers (a replaced object fails the read)."""
+        key, bucket = self.location.key(name), self.location.bucket
+
+        def read_into(offset: int, view: memoryview) -> None:
+            try:
+                get_range_into(self.s3, bucket, key, etag, offset, [view])
+            except Exception as e:
+                raise self.s3.error(e, self.uri_of(name)) from None
+
+        return FileToHash(self.uri_of(name), size, read_into, chunk_bytes, expected,
+                          expected_root)  # fmt: skip
 
     def _head(self, name: str) -> dict[str, Any]:
         key = self.location.key(name)
@@ -402,9 +447,9 @@ class S3Destination(Destination):
         self.run_key = run_key
         self._present = self._list()
 
-    def check_part(self, name: str, size: int) -> tuple[int, str]:
-        """A part is complete when its object has this run's key, the size and a sha256
-        (S3 shows an object only once whole; the sha256 was computed from its bytes)."""
+    def check_part(self, name: str, size: int) -> FileDigest:
+        """A part is complete when its object has this run's key, the size and a content
+        hash that its bytes, read back, hash to (``completed``)."""
         found = self.completed(name, size)
         if found is None:
             state = "has the wrong size or run" if name in self._present else "is missing"
@@ -419,18 +464,30 @@ class S3Destination(Destination):
     def release(self) -> None:
         self._shutdown()
 
-    def completed(self, name: str, size: int) -> tuple[int, str] | None:
-        """(size, sha256) of an object an earlier run of this run key finished, else None."""
+    def completed(self, name: str, size: int) -> FileDigest | None:
+        """The digest of an object an earlier run of this run key finished, else None: the
+        object is read back and must hash to the root its metadata records (an object that
+        does not is written again)."""
         if self._present.get(name) != size:
             self._refuse_foreign(name)
             return None
-        meta = self._head(name).get("Metadata", {})
+        head = self._head(name)
+        meta = head.get("Metadata", {})
         self._refuse_foreign(name, meta)
-        sha256 = str(meta.get(SHA256_KEY, ""))
-        if meta.get(RUN_KEY) == self.run_key and _HEX64.match(sha256):
-            self.reused.append(name)
-            return size, sha256
-        return None
+        root, chunk = str(meta.get(HASH_KEY, "")), str(meta.get(CHUNK_KEY, ""))
+        if meta.get(RUN_KEY) != self.run_key or not _HEX64.match(root) or not chunk.isdigit():
+            return None
+        if int(chunk) < 1:
+            return None
+        etag = str(head.get("ETag", "")).strip('"')
+        job = self.to_hash(name, size, etag, chunk_bytes=int(chunk))
+        digest = hash_files([job], workers=self.concurrency)[0][0]
+        if digest.root != root:
+            print(f"s3: {self.uri_of(name)} does not hash to its recorded content hash; "
+                  "writing it again", file=sys.stderr)  # fmt: skip
+            return None
+        self.reused.append(name)
+        return digest
 
     def _refuse_foreign(self, name: str, meta: dict[str, str] | None = None) -> None:
         if name not in self._present:
@@ -446,14 +503,14 @@ class S3Destination(Destination):
     def open_sink(self, name: str, size: int) -> S3ObjectSink:
         return S3ObjectSink(self, name, size)
 
-    def write_small(self, name: str, data: bytes) -> tuple[int, str]:
-        sha256 = hashlib.sha256(data).hexdigest()
+    def write_small(self, name: str, data: bytes) -> FileDigest:
+        digest = digest_bytes(data, self.chunk_bytes)
         if self._present.get(name) == len(data):
             meta = self._head(name).get("Metadata", {})
             self._refuse_foreign(name, meta)
-            if meta.get(SHA256_KEY) == sha256:
+            if meta.get(HASH_KEY) == digest.root and meta.get(CHUNK_KEY) == str(self.chunk_bytes):
                 self.reused.append(name)
-                return len(data), sha256
+                return digest
         else:
             self._refuse_foreign(name)
         return super().write_small(name, data)
@@ -470,10 +527,11 @@ class S3Destination(Destination):
                 f"({', '.join(stray[:5])}); remove them or choose another --out"
             )
         data = manifest.to_json().encode()
-        sha256 = hashlib.sha256(data).hexdigest()
+        root = digest_bytes(data, self.chunk_bytes).root
+        meta = {HASH_KEY: root, CHUNK_KEY: str(self.chunk_bytes)}
         self.call(lambda: self.s3.client.put_object(
             Bucket=self.location.bucket, Key=self.location.key(MANIFEST), Body=data,
-            ContentType="application/json", Metadata={SHA256_KEY: sha256, RUN_KEY: self.run_key},
+            ContentType="application/json", Metadata={**meta, RUN_KEY: self.run_key},
         ), self.location.key(MANIFEST))  # fmt: skip
         self._shutdown()
         if self.reused:
@@ -502,14 +560,16 @@ class S3Destination(Destination):
         show_progress: bool = False,
     ) -> Manifest:
         """Check the artifact against its manifest: every object present with its size (and,
-        when hashing, its sha256), no object that the manifest does not list.
+        when hashing, every byte against its chunk hashes: ranged GETs in parallel, each chunk
+        checked as it lands), no object that the manifest does not list.
         ``show_progress``: report the hashing (bytes, rate, ETA) on stderr."""
         manifest = self.existing()
         if manifest is None:
             raise ArtifactError(f"{self.uri}: no {MANIFEST}; the artifact is incomplete")
         manifest.check_expected(self.uri, digest=digest, tp=tp)
         check_ranks_present(self.uri, manifest)
-        present = self._list()
+        listing = self._listing()
+        present = {name: size for name, (size, _) in listing.items()}
         progress = None
         if hash_content and show_progress:
             progress = Progress(manifest.bytes, len(manifest.files), label=f"hashing {self.uri}",
@@ -521,20 +581,39 @@ class S3Destination(Destination):
                 raise ArtifactError(
                     f"{self.uri_of(name)}: {present[name]} bytes, the manifest says {entry.size}"
                 )
-            if hash_content and self._hash_object(name, progress) != entry.sha256:
-                raise ArtifactError(
-                    f"{self.uri_of(name)}: sha256 differs from the manifest; the object is corrupt"
-                )
-            if progress is not None:
-                progress.tensor_done()
-        if progress is not None:
-            progress.finish()
         extra = sorted(n for n in present if n not in manifest.files and n != MANIFEST)
         if extra:
             raise ArtifactError(f"{self.uri}: objects not in the manifest: {', '.join(extra[:5])}")
+        if hash_content:
+            self._verify_content(manifest.files, listing, progress)
         return manifest
 
+    def _verify_content(
+        self,
+        files: dict[str, FileEntry],
+        listing: dict[str, tuple[int, str]],
+        progress: Progress | None = None,
+    ) -> None:
+        jobs = []
+        for name, entry in sorted(files.items()):
+            want = entry.digest
+            if want is None:  # schema 1: one sha256 pass per object
+                if self._hash_object(name, progress) != entry.sha256:
+                    raise ArtifactError(f"{self.uri_of(name)}: sha256 differs from the "
+                                        "manifest; the object is corrupt")  # fmt: skip
+                if progress is not None:
+                    progress.tensor_done()
+                continue
+            etag = listing[name][1]
+            jobs.append(self.to_hash(name, entry.size, etag, chunk_bytes=want.chunk_bytes,
+                                     expected=want, expected_root=entry.blake3))  # fmt: skip
+        hash_files(jobs, workers=self.concurrency, progress=progress)
+        if progress is not None:
+            progress.finish()
+
     def _hash_object(self, name: str, progress: Progress | None = None) -> str:
+        import hashlib
+
         key, h = self.location.key(name), hashlib.sha256()
         body = self.call(lambda: self.s3.client.get_object(
             Bucket=self.location.bucket, Key=key)["Body"], key)  # fmt: skip

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import TextIO
 
 from modelstage.core.formats import Format
+from modelstage.core.integrity import FileDigest
 from modelstage.core.layouts import Layout
 from modelstage.core.progress import Progress
 
@@ -50,8 +51,8 @@ class Writer(abc.ABC):
     @abc.abstractmethod
     def write(
         self, job: WriteJob, dest: Destination, progress: Progress
-    ) -> dict[str, tuple[int, str]]:
-        """Write the weight files into ``dest``; returns {file name: (size, sha256)}. Files an
+    ) -> dict[str, FileDigest]:
+        """Write the weight files into ``dest``; returns {file name: its digest}. Files an
         earlier run with the same run key finished (``Destination.completed``) are not written
         again."""
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TextIO
 
+from modelstage.core.integrity import FileDigest
 from modelstage.core.progress import Progress
 
 from ..checkpoint import INDEX, Checkpoint
@@ -33,7 +34,7 @@ class HfCopyWriter(Writer):
 
     def write(
         self, job: WriteJob, dest: Destination, progress: Progress
-    ) -> dict[str, tuple[int, str]]:
+    ) -> dict[str, FileDigest]:
         return copy_weight_files(job.checkpoint, dest.open_sink, progress, dest.completed)
 
     def carried(self, checkpoint: Checkpoint) -> tuple[str, ...]:
@@ -49,13 +50,13 @@ def copy_weight_files(
     open_sink: OpenSink,
     progress: Progress,
     completed: Completed | None = None,
-) -> dict[str, tuple[int, str]]:
-    """Copy every safetensors file byte for byte; returns {file name: (size, sha256)}.
+) -> dict[str, FileDigest]:
+    """Copy every safetensors file byte for byte; returns {file name: its digest}.
 
     Small files (index, config, tokenizer) go through the destination's ``write_small``.
     """
     source = checkpoint.source
-    results: dict[str, tuple[int, str]] = {}
+    results: dict[str, FileDigest] = {}
     buf = bytearray(COPY_CHUNK_BYTES)
     for name in checkpoint.weight_files:
         size = source.size(name)
@@ -76,7 +77,7 @@ def _stream(
     open_sink: OpenSink,
     buf: bytearray,
     advance: Callable[[int], None] | None = None,
-) -> tuple[int, str]:
+) -> FileDigest:
     """Copy one file through a sink in ``buf``-sized chunks: memory stays at the buffer."""
     sink = open_sink(name, size)
     try:
@@ -95,7 +96,7 @@ def _stream(
         raise
 
 
-def copy_small_file(source: Source, name: str, dest: Destination) -> tuple[int, str]:
+def copy_small_file(source: Source, name: str, dest: Destination) -> FileDigest:
     """One file carried beside the weights (config, tokenizer, index): in one piece when it
     is small (the destination may find it already there by its hash), streamed otherwise.
     Never read whole: its size is whatever the source says (``checkpoint`` caps it)."""

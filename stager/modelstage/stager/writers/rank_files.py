@@ -7,7 +7,8 @@ reader thread into reused buffers (only the rows some rank needs), and the main 
 each chunk into per-rank pieces without copying (shared rows, or a column cut as a strided
 view; only dtype casts copy here). One writer thread per rank hands its pieces to its sink
 in order, and the sink's one copy into its own buffer also gathers column cuts and feeds
-sha256 (``pieces.py``). Memory is bounded by the buffer pools, not by the checkpoint's size.
+the chunk hashes (``pieces.py``, ``integrity.py``). Memory is bounded by the buffer pools,
+not by the checkpoint's size.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from modelstage.core.formats import Format
+from modelstage.core.integrity import FileDigest
 from modelstage.core.layouts import Layout
 from modelstage.core.progress import Progress
 from modelstage.core.safetensors_format import encode_header
@@ -83,7 +85,7 @@ class RankFilesWriter(Writer):
 
     def write(
         self, job: WriteJob, dest: Destination, progress: Progress
-    ) -> dict[str, tuple[int, str]]:
+    ) -> dict[str, FileDigest]:
         return write_rank_files(job.plan, job.checkpoint, job.layout, job.format,
                                 dest.open_sink, progress, dest.completed)  # fmt: skip
 
@@ -103,8 +105,8 @@ def write_rank_files(
     progress: Progress,
     completed: Completed | None = None,
     only: Container[int] | None = None,
-) -> dict[str, tuple[int, str]]:
-    """Write every rank's part files; returns {file name: (size, sha256)}.
+) -> dict[str, FileDigest]:
+    """Write every rank's part files; returns {file name: its digest}.
 
     ``completed`` names files an earlier run already wrote (a resumed S3 upload): a part
     whose files are all complete is not read at all; in a partly complete part the complete
@@ -113,7 +115,7 @@ def write_rank_files(
     """
     parts = plan_parts(plan, layout.max_part_bytes)
     names = rank_file_names(fmt, plan.tp, len(parts))
-    results: dict[str, tuple[int, str]] = {}
+    results: dict[str, FileDigest] = {}
     for p, part in enumerate(parts):
         if only is not None and p not in only:
             continue
@@ -147,13 +149,13 @@ def write_rank_files(
 class _DoneSink:
     """Stands in for a file that is already complete: drops its bytes, returns its entry."""
 
-    def __init__(self, entry: tuple[int, str]) -> None:
+    def __init__(self, entry: FileDigest) -> None:
         self.entry = entry
 
     def write(self, data: Piece) -> None:
         pass
 
-    def close(self) -> tuple[int, str]:
+    def close(self) -> FileDigest:
         return self.entry
 
     def abort(self) -> None:

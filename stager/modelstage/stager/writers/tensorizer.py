@@ -53,6 +53,7 @@ from typing import Any
 
 import numpy as np
 from modelstage.core.formats import FORMATS
+from modelstage.core.integrity import FileDigest
 from modelstage.core.progress import Progress
 
 from ..checkpoint import Checkpoint
@@ -155,10 +156,10 @@ class _TensorCollector:
                 self.written()
         self._next()
 
-    def close(self) -> tuple[int, str]:
+    def close(self) -> FileDigest:
         if self.current is not None:
             raise AssertionError(f"stream ended inside {self.current.name}")
-        return 0, ""
+        return FileDigest(0, 1, ())
 
     def abort(self) -> None:
         pass
@@ -384,7 +385,7 @@ def serialize_ranks(
         sinks: list[Sink] = []
         for s, f in zip(serializers, files, strict=True):
             if s is None:
-                sinks.append(_DoneSink((0, "")))
+                sinks.append(_DoneSink(FileDigest(0, 1, ())))
                 continue
             s.write_tensor(0, MARKER, TensorType.PARAM, marker)
             commit = getattr(f, "commit", None)
@@ -429,7 +430,7 @@ class TensorizerWriter(Writer):
 
     def write(
         self, job: WriteJob, dest: Destination, progress: Progress
-    ) -> dict[str, tuple[int, str]]:
+    ) -> dict[str, FileDigest]:
         tied = job.checkpoint.model.tie_word_embeddings
         return write_tensorizer_files(job.plan, job.checkpoint, dest.open_sink, progress,
                                       dest.completed, tied=tied)  # fmt: skip
@@ -448,8 +449,8 @@ def write_tensorizer_files(
     completed: Completed | None = None,
     *,
     tied: bool,
-) -> dict[str, tuple[int, str]]:
-    """Stream every rank's file into its sink; returns {file name: (size, sha256)}.
+) -> dict[str, FileDigest]:
+    """Stream every rank's file into its sink; returns {file name: its digest}.
     ``completed`` skips a rank file an earlier run with the same run key finished
     (tensorizer's output is deterministic for the same plan): nothing is serialised for it."""
     layout = predict_layout(plan, file_entries(plan, tied))
