@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from modelstage.core.errors import ArtifactError, SpecError
 from modelstage.core.integrity import digest_bytes
+from modelstage.core.location import open_artifact, verify
 from modelstage.core.manifest import MANIFEST
 from modelstage.stager import cli
 from modelstage.stager.destinations.s3 import S3Destination
@@ -122,7 +123,7 @@ def test_rerun_reuses_complete_objects_and_rewrites_the_missing_one(
     rewritten = {n for n in before if after[n]["LastModified"] != before[n]["LastModified"]}
     assert rewritten == {"model-rank-1-part-0.safetensors", MANIFEST}
     assert body(s3, bucket, "resume/model-rank-1-part-0.safetensors") == original
-    S3Destination(out, s3.options()).verify(hash_content=True)
+    verify(open_artifact(out, s3.options()), hash_content=True)
 
 
 def test_a_rerun_for_another_source_identity_rewrites_every_object(
@@ -141,7 +142,7 @@ def test_a_rerun_for_another_source_identity_rewrites_every_object(
     rewritten = {n for n in before if after[n]["LastModified"] != before[n]["LastModified"]}
     assert rewritten == {"model.safetensors", "generation_config.json"}
     assert body(s3, bucket, "moved/generation_config.json") == b'{"eos_token_id": 2}'
-    S3Destination(out, s3.options()).verify(hash_content=True)
+    verify(open_artifact(out, s3.options()), hash_content=True)
 
 
 def test_killed_upload_leaves_nothing_complete_and_a_rerun_finishes_it(
@@ -169,7 +170,7 @@ def test_killed_upload_leaves_nothing_complete_and_a_rerun_finishes_it(
     assert rerun.returncode == 0, stderr
     assert json.loads(stdout.splitlines()[-1])["alreadyStaged"] is False
     assert not client.list_multipart_uploads(Bucket=bucket).get("Uploads")
-    S3Destination(out, s3.options()).verify(hash_content=True)
+    verify(open_artifact(out, s3.options()), hash_content=True)
 
 
 def test_complete_artifact_is_not_staged_again(

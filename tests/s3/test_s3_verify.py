@@ -13,6 +13,8 @@ import pytest
 import torch
 from modelstage.core.errors import ArtifactError
 from modelstage.core.integrity import ChunkMismatch, digest_bytes
+from modelstage.core.location import open_artifact
+from modelstage.core.location import verify as verify_artifact
 from modelstage.core.manifest import MANIFEST, Manifest
 from modelstage.core.s3_client import S3Client
 from modelstage.plugin.checks import (
@@ -24,7 +26,6 @@ from modelstage.plugin.checks import (
 from modelstage.plugin.reader import TORCH_DTYPES, PipelinedReader, Target, flat_bytes
 from modelstage.plugin.settings import PluginSettings, serving_s3_options
 from modelstage.plugin.stores import store_for
-from modelstage.stager.destinations.s3 import S3Destination
 from modelstage.stager.stage import StageRequest, stage
 from safetensors.torch import load_file
 from support.s3_server import S3Server
@@ -160,15 +161,15 @@ def test_a_corrupt_first_byte_is_refused_by_the_verify_phase_naming_chunk_0(
 def test_verify_reads_every_object_in_parallel_chunks_and_names_the_bad_one(
     s3: S3Server, staged: str
 ) -> None:
-    dest = S3Destination(staged, s3.options())
-    manifest = dest.verify(hash_content=True)
+    dest = open_artifact(staged, s3.options())
+    manifest = verify_artifact(dest, hash_content=True)
     assert manifest.schemaVersion == 2
     name = "model-rank-0-part-0.safetensors"
     offset = 3 * CHUNK + 17
     data = corrupt(s3, staged, name, offset)
-    dest.verify(hash_content=False)  # sizes alone cannot see it
+    verify_artifact(dest, hash_content=False)  # sizes alone cannot see it
     with pytest.raises(ArtifactError) as e:
-        dest.verify(hash_content=True)
+        verify_artifact(dest, hash_content=True)
     assert re.fullmatch(
         re.escape(mismatch(staged, name, data, offset))
         + f"{HEX}; the file is corrupt: re-stage it",
@@ -193,5 +194,5 @@ def test_a_rerun_rehashes_finished_objects_and_writes_a_corrupt_one_again(
     err = capsys.readouterr().err
     assert f"s3: {staged}{name} does not hash to its recorded content hash; writing it again" in err
     assert "s3: reused" in err, "the intact objects were reused"
-    again = S3Destination(staged, s3.options()).verify(hash_content=True)
+    again = verify_artifact(open_artifact(staged, s3.options()), hash_content=True)
     assert again.files == manifest.files

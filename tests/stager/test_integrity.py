@@ -213,12 +213,12 @@ def test_malformed_schema_2_entries_are_refused(change: dict[str, object], messa
 def test_verify_checks_the_recorded_root_against_the_chunks(tmp_path: Path) -> None:
     """Parsing takes the root as written (no blake3 needed to read a manifest); verifying
     the content also checks that it is the root of the chunks."""
-    from modelstage.core.manifest import verify_local_content
+    from modelstage.core.location import Listed, LocalArtifact, verify_content
 
     path = tmp_path / "f"
     path.write_bytes(DATA)
     entry = FileEntry.of(digest_bytes(DATA, CHUNK))
-    verify_local_content([(path, entry)])
+    verify_content(LocalArtifact(tmp_path), [("f", entry, Listed(entry.size))])
     wrong = FileEntry(entry.size, blake3="0" * 64, chunkBytes=CHUNK, chunks=entry.chunks)
     with pytest.raises(ArtifactError, match=rf"^{path}: the manifest's blake3 is not the root"):
-        verify_local_content([(path, wrong)])
+        verify_content(LocalArtifact(tmp_path), [("f", wrong, Listed(wrong.size))])

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from modelstage.core import layouts
 from modelstage.core.errors import ArtifactError, SpecError
-from modelstage.core.manifest import MANIFEST, verify_directory
+from modelstage.core.location import verify_directory
+from modelstage.core.manifest import MANIFEST
 from modelstage.devtools.synthetic import SyntheticModel, write_checkpoint
 from modelstage.stager.stage import StageRequest, stage
 from safetensors import safe_open

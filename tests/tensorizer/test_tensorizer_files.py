@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from modelstage.core.manifest import verify_directory
+from modelstage.core.location import verify_directory
 from modelstage.stager.stage import StageRequest, stage
 from readback import MARKER, rank_file, read_entries, sharded_state
 from tensorizer import TensorDeserializer

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from modelstage.core.integrity import digest_bytes
-from modelstage.stager.destinations.s3 import S3Destination
+from modelstage.core.location import open_artifact, verify
 from modelstage.stager.stage import StageRequest, stage
 from readback import MARKER, rank_file, sharded_state
 from support.s3_server import S3Server
@@ -51,7 +51,7 @@ def test_rank_objects_equal_the_local_tensorizer_files_byte_for_byte(
         assert len(body) > 5 * MiB
         assert body == rank_file(local, rank).read_bytes()
         assert obj["Metadata"]["blake3"] == digest_bytes(body).root
-    manifest = S3Destination(f"s3://{bucket}/art/", s3.options()).verify(tp=2)
+    manifest = verify(open_artifact(f"s3://{bucket}/art/", s3.options()), tp=2)
     assert manifest.format == "tensorizer"
 
 
@@ -86,7 +86,7 @@ def test_a_rerun_reuses_the_finished_rank_objects(
     summary = stage(request(checkpoint("llama"), out, s3))
     assert summary["alreadyStaged"] is False
     assert "s3: reused" in capfd.readouterr().err
-    S3Destination(out, s3.options()).verify(tp=2, hash_content=True)
+    verify(open_artifact(out, s3.options()), tp=2, hash_content=True)
 
 
 def test_nothing_is_spooled_on_local_disk(

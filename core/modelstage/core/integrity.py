@@ -26,7 +26,7 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,7 +38,6 @@ if TYPE_CHECKING:
     from .progress import Progress
 
 MiB = 1024 * 1024
-ALGORITHM = "blake3"
 DEFAULT_CHUNK_BYTES = 32 * MiB
 """32 MiB: the S3 reader's GET size (a chunk is fetched, and checked, by one GET) and two of
 the local reader's reads; a 140 GB artifact lists about 4,200 chunks (some 300 KB of JSON)."""
@@ -78,14 +77,6 @@ def chunk_range(size: int, chunk_bytes: int, index: int) -> tuple[int, int]:
     """``[begin, end)`` of chunk ``index``."""
     begin = index * chunk_bytes
     return begin, min(begin + chunk_bytes, size)
-
-
-def hash_views(views: Iterable[Bytes]) -> str:
-    """BLAKE3 (hex) of the concatenation of ``views``."""
-    h = blake3_module().blake3()
-    for view in views:
-        h.update(view)
-    return str(h.hexdigest())
 
 
 def root_hash(size: int, chunk_bytes: int, chunks: Sequence[str]) -> str:

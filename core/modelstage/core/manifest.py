@@ -6,9 +6,7 @@ Torch-free: the operator, the initContainer and the loader plugin all read it.
 from __future__ import annotations
 
 import builtins
-import hashlib
 import json
-import os
 import re
 from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
@@ -16,10 +14,10 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import ArtifactError
 from .formats import FORMATS
-from .integrity import MAX_CHUNKS_PER_FILE, FileDigest, hash_local_files
+from .integrity import MAX_CHUNKS_PER_FILE, FileDigest
 
 if TYPE_CHECKING:
-    from .progress import Progress
+    pass
 
 MANIFEST = "modelstage.json"
 MAX_MANIFEST_BYTES = 16 * 1024 * 1024
@@ -40,7 +38,6 @@ BLAKE3 chunk hashes and their root (``integrity.py``), so readers verify as they
 SCHEMA_VERSIONS = (1, 2)
 TIMING_FIELDS = ("createdAt", "stageSeconds")
 """Fields that differ between two runs producing the same bytes."""
-HASH_BLOCK = 8 * 1024 * 1024
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 """Also the form of a BLAKE3 hash (32 bytes, hex)."""
 
@@ -251,82 +248,6 @@ def read_manifest(directory: Path) -> Manifest | None:
     except OSError as e:
         raise ArtifactError(f"{path}: cannot read: {e.strerror}") from None
     return Manifest.from_json(raw, str(path))
-
-
-def sha256_file(path: Path, progress: Progress | None = None) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(HASH_BLOCK):
-            h.update(block)
-            if progress is not None:
-                progress.advance(len(block))
-    return h.hexdigest()
-
-
-def verify_directory(
-    directory: Path,
-    *,
-    digest: str | None = None,
-    tp: int | None = None,
-    hash_content: bool = True,
-    show_progress: bool = False,
-) -> Manifest:
-    """Check a local artifact against its manifest; raise ArtifactError at the first problem.
-    ``show_progress``: report the hashing (bytes, rate, ETA) on stderr; 140 GB take minutes."""
-    if not directory.is_dir():
-        raise ArtifactError(f"{directory}: no such artifact directory")
-    manifest = read_manifest(directory)
-    if manifest is None:
-        raise ArtifactError(f"{directory}: no {MANIFEST}; the artifact is incomplete")
-    manifest.check_expected(str(directory), digest=digest, tp=tp)
-    check_ranks_present(directory, manifest)
-    names = sorted(manifest.files)
-    for name in names:
-        path, entry = directory / name, manifest.files[name]
-        try:
-            size = os.stat(path).st_size
-        except FileNotFoundError:
-            raise ArtifactError(f"{path}: listed in the manifest but missing") from None
-        if size != entry.size:
-            raise ArtifactError(f"{path}: {size} bytes, the manifest says {entry.size}")
-    if hash_content:
-        progress = None
-        if show_progress:
-            from .progress import Progress
-
-            progress = Progress(manifest.bytes, len(names), label=f"hashing {directory}",
-                                items="files")  # fmt: skip
-        verify_local_content([(directory / n, manifest.files[n]) for n in names], progress)
-        if progress is not None:
-            progress.finish()
-    extra = sorted(
-        p.name for p in directory.iterdir() if p.name not in manifest.files and p.name != MANIFEST
-    )
-    if extra:
-        raise ArtifactError(f"{directory}: files not in the manifest: {', '.join(extra[:5])}")
-    return manifest
-
-
-def verify_local_content(
-    files: list[tuple[Path, FileEntry]], progress: Progress | None = None
-) -> None:
-    """Hash every byte of ``files`` against their entries; ``ArtifactError`` (for schema 2 a
-    ``ChunkMismatch`` naming the chunk) at the first difference. Schema-2 files are read and
-    hashed in parallel chunks at disk speed; schema-1 files get one sha256 pass each."""
-    chunked = [(p, e) for p, e in files if e.digest is not None]
-    digests = hash_local_files(
-        [p for p, _ in chunked], [e.digest for _, e in chunked], progress=progress
-    )
-    for (path, entry), digest in zip(chunked, digests, strict=True):
-        if digest.root != entry.blake3:
-            raise ArtifactError(f"{path}: the manifest's blake3 is not the root of its chunk "
-                                "hashes; the manifest is corrupt")  # fmt: skip
-    for path, entry in files:
-        if entry.digest is None:
-            if sha256_file(path, progress) != entry.sha256:
-                raise ArtifactError(f"{path}: sha256 differs from the manifest; the file is corrupt")
-            if progress is not None:
-                progress.tensor_done()
 
 
 def check_ranks_present(directory: Path | str, manifest: Manifest) -> None:

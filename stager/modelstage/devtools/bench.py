@@ -168,7 +168,7 @@ def _stock_read(files: list[Path], params: dict[str, Any]) -> None:
 def bench_verify(artifact: Path, repeats: int, cold: bool) -> list[Measurement]:
     """``modelstage verify`` of the whole artifact (sizes, then every byte against its chunk
     hashes) vs a raw sequential read of the same files, interleaved."""
-    from modelstage.core.manifest import verify_directory
+    from modelstage.core.location import verify_directory
 
     files = sorted(p for p in artifact.iterdir() if p.is_file() and p.name != "modelstage.json")
     size = sum(f.stat().st_size for f in files)
@@ -194,7 +194,7 @@ def bench_verify(artifact: Path, repeats: int, cold: bool) -> list[Measurement]:
 def _plugin_read() -> Callable[[list[Path], dict[str, Any], bool], None] | None:
     """The loader plugin's pipelined reader, when the serving side is installed."""
     try:
-        from modelstage.plugin.reader import read_files_for_bench
+        from .plugin_reads import read_files_for_bench
     except ImportError:
         return None
     return read_files_for_bench

@@ -19,43 +19,29 @@ Torch-free and vLLM-free, so the refusals are unit-tested without starting vLLM.
 
 from __future__ import annotations
 
-import hashlib
-import os
 import re
 from collections.abc import Callable, Iterable
-from contextlib import ExitStack, closing
 from dataclasses import dataclass
 from pathlib import Path
 
-from modelstage.core.errors import ArtifactError, CheckpointError, SpecError
+from modelstage.core.errors import ArtifactError, CheckpointError, DestinationError, SpecError
 from modelstage.core.formats import plugin_load_formats
-from modelstage.core.integrity import (
-    VERIFY_WORKERS,
-    ChunkChecker,
-    ChunkMismatch,
-    FileDigest,
-    FileToHash,
-    HashStats,
-    LocalFile,
-    blake3_module,
-    hash_files,
-)
+from modelstage.core.integrity import ChunkChecker, ChunkMismatch, FileDigest, HashStats, ReadInto
+from modelstage.core.integrity import blake3_module as blake3_module
 from modelstage.core.layouts import layout_for
-from modelstage.core.manifest import (
-    MANIFEST,
-    MAX_MANIFEST_BYTES,
-    FileEntry,
-    Manifest,
-    read_manifest,
-    sha256_file,
+from modelstage.core.location import (
+    ArtifactLocation,
+    FileProblem,
+    Listed,
+    LocalArtifact,
+    S3Artifact,
+    Sha256Mismatch,
+    check_files,
 )
-from modelstage.core.s3_client import S3Client, S3Location, get_range_into
-from modelstage.core.safetensors_format import (
-    MAX_HEADER_BYTES,
-    SafetensorsHeader,
-    read_header,
-    read_local_header,
-)
+from modelstage.core.location import verify_content as location_verify_content
+from modelstage.core.manifest import MANIFEST, FileEntry, Manifest
+from modelstage.core.s3_client import S3Client, S3Location
+from modelstage.core.safetensors_format import MAX_HEADER_BYTES, SafetensorsHeader, read_header
 
 from .settings import ENV_VERIFY, PluginSettings
 
@@ -94,8 +80,13 @@ class VerifiedArtifact:
     manifest: Manifest
     files: tuple[RankFile, ...]
     """The files this rank reads, in load order (part number for per-rank formats)."""
-    s3: S3Client | None = None
-    """For S3 artifacts: the client that verified it, to read with the same settings."""
+    artifact: ArtifactLocation
+    """Where it is, to read it again the way it was verified."""
+
+    @property
+    def s3(self) -> S3Client | None:
+        """For S3 artifacts: the client that verified it, to read with the same settings."""
+        return self.artifact.s3 if isinstance(self.artifact, S3Artifact) else None
 
     @property
     def bytes(self) -> int:
@@ -171,16 +162,16 @@ def verify_local(
     where = str(directory)
     if not directory.is_dir():
         raise refuse(where, "no such artifact directory; check --model and the volume mount")
+    location = LocalArtifact(directory)
     try:
-        manifest = read_manifest(directory)
+        manifest = location.read_manifest()
+        listing = location.listing()
     except ArtifactError as e:
         raise refuse(where, str(e)) from None
-    manifest = _expected(manifest, where, load_format, settings, running_tp, vllm_version)
-    _hash_available(where, settings)
-    pattern = rank_glob or "*.safetensors"
-    names = _rank_names(where, manifest, (p.name for p in directory.glob(pattern)), pattern)
-    files = tuple(_verify_file(directory / n, manifest, settings.verify) for n in names)
-    return VerifiedArtifact(where, manifest, _no_duplicates(where, files))
+    return _verify_rank(
+        location, manifest, listing, load_format=load_format, settings=settings,
+        running_tp=running_tp, vllm_version=vllm_version, pattern=rank_glob or "*.safetensors",
+    )  # fmt: skip
 
 
 def verify_s3(
@@ -197,24 +188,40 @@ def verify_s3(
     for sizes, ETags and unlisted objects, then each object's header (one small ranged GET).
     The ETags pin what was verified: the reader's GETs are conditional on them."""
     try:
-        location = S3Location.parse(uri)
+        location = S3Artifact(S3Location.parse(uri), s3)
     except SpecError as e:
         raise refuse(uri, str(e)) from None
-    where = location.uri
     try:
-        manifest = _s3_manifest(s3, location)
-        present = _s3_listing(s3, location)
-    except ArtifactError:
-        raise
-    except Exception as e:
-        raise _s3_refusal(s3, e, where) from None
+        manifest = location.read_manifest()
+        listing = location.listing()
+    except DestinationError as e:
+        raise _s3_refusal(e, location.uri) from None
+    return _verify_rank(
+        location, manifest, listing, load_format=load_format, settings=settings,
+        running_tp=running_tp, vllm_version=vllm_version, pattern=rank_glob,
+    )  # fmt: skip
+
+
+def _verify_rank(
+    location: ArtifactLocation,
+    manifest: Manifest | None,
+    listing: dict[str, Listed],
+    *,
+    load_format: str,
+    settings: PluginSettings,
+    running_tp: int,
+    vllm_version: str,
+    pattern: str,
+) -> VerifiedArtifact:
+    """The manifest is the one expected, this rank's files are there, whole, with headers
+    that parse (and, when verifying, whose chunks hash right)."""
+    where = location.uri
     manifest = _expected(manifest, where, load_format, settings, running_tp, vllm_version)
     _hash_available(where, settings)
-    names = _rank_names(where, manifest, (n for n in present if n != MANIFEST), rank_glob)
-    files = tuple(
-        _verify_object(s3, location, n, manifest, present, settings.verify) for n in names
-    )
-    return VerifiedArtifact(where, manifest, _no_duplicates(where, files), s3)
+    present = (n for n in listing if n != MANIFEST)
+    names = _rank_names(where, manifest, present, pattern)
+    files = tuple(_verify_file(location, n, manifest, listing, settings.verify) for n in names)
+    return VerifiedArtifact(where, manifest, _no_duplicates(where, files), location)
 
 
 def _expected(
@@ -282,147 +289,81 @@ def _no_duplicates(where: str, files: tuple[RankFile, ...]) -> tuple[RankFile, .
     return files
 
 
-def _verify_file(path: Path, manifest: Manifest, check_content: bool) -> RankFile:
-    entry = manifest.files[path.name]
-    try:
-        size = os.stat(path).st_size
-    except FileNotFoundError:
-        raise refuse(str(path), "listed in the manifest but missing; re-stage") from None
-    if size != entry.size:
-        raise refuse(str(path), f"{size} bytes, the manifest says {entry.size}; re-stage")
-    try:
-        digest = entry.digest if check_content else None
-        if digest is None:
-            header = read_local_header(path)
-        else:
-            with LocalFile(path) as f:
-
-                def read(offset: int, length: int) -> bytes:
-                    buf = bytearray(length)
-                    f.read_into(offset, memoryview(buf))
-                    return bytes(buf)
-
-                header = checked_header(str(path), digest, read)
-    except ChunkMismatch as e:
-        raise refuse(str(path), f"{e.reason}: re-stage it") from None
-    except CheckpointError as e:
-        raise refuse(str(path), f"{e}; re-stage") from None
-    except OSError as e:
-        raise refuse(str(path), f"cannot read: {e.strerror or e}") from None
-    return RankFile(path.name, str(path), size, header, entry)
-
-
 HEADER_PREFIX_BYTES = 256 * 1024
-"""Bytes fetched by the first GET of an object's header: a rank file's header is smaller, so
+"""Bytes fetched by the first read of a file's header: a rank file's header is smaller, so
 the length and the JSON come in one request."""
 
 
-def _s3_manifest(s3: S3Client, location: S3Location) -> Manifest | None:
-    from botocore.exceptions import ClientError
-
-    key = location.key(MANIFEST)
-    try:
-        body = s3.client.get_object(Bucket=location.bucket, Key=key)["Body"]
-    except ClientError as e:
-        if str(e.response.get("Error", {}).get("Code")) in ("NoSuchKey", "404"):
-            return None
-        raise
-    with closing(body):  # at most one byte past the limit: from_json refuses longer ones
-        return Manifest.from_json(body.read(MAX_MANIFEST_BYTES + 1), f"{location.uri}{MANIFEST}")
-
-
-def _s3_listing(s3: S3Client, location: S3Location) -> dict[str, tuple[int, str]]:
-    """Name -> (size, ETag) of the objects directly under the artifact's prefix."""
-    prefix = location.key("")
-    found: dict[str, tuple[int, str]] = {}
-    pages = s3.client.get_paginator("list_objects_v2").paginate(
-        Bucket=location.bucket, Prefix=prefix, Delimiter="/"
-    )
-    for page in pages:
-        for obj in page.get("Contents", []):
-            name = obj["Key"][len(prefix) :]
-            if name:
-                found[name] = (int(obj["Size"]), str(obj["ETag"]).strip('"'))
-    return found
-
-
-def _verify_object(
-    s3: S3Client,
-    location: S3Location,
+def _verify_file(
+    location: ArtifactLocation,
     name: str,
     manifest: Manifest,
-    present: dict[str, tuple[int, str]],
+    listing: dict[str, Listed],
     check_content: bool,
 ) -> RankFile:
-    uri, entry = f"{location.uri}{name}", manifest.files[name]
-    if name not in present:
-        raise refuse(uri, "listed in the manifest but missing; re-stage")
-    size, etag = present[name]
-    if size != entry.size:
-        raise refuse(uri, f"{size} bytes, the manifest says {entry.size}; re-stage")
-
-    def get(offset: int, length: int) -> bytes:
-        rng = f"bytes={offset}-{offset + length - 1}"
-        body = s3.client.get_object(
-            Bucket=location.bucket, Key=location.key(name), IfMatch=etag, Range=rng
-        )["Body"]
-        with closing(body):
-            data: bytes = body.read()
-        return data
-
+    """One rank file: listed with its size, and its header parsed (from chunks checked
+    against their hashes first, when verifying)."""
+    where, entry = location.where(name), manifest.files[name]
     try:
-        digest = entry.digest if check_content else None
-        kept = None
-        if digest is not None:
-            kept = checked_prefix(uri, digest, get)
-            header = read_header(uri, size, _served(kept))
-        else:
-            prefix = get(0, min(size, HEADER_PREFIX_BYTES)) if size else b""
-
-            def read(offset: int, length: int) -> bytes:
-                if offset + length <= len(prefix):
-                    return prefix[offset : offset + length]
-                return get(offset, length)
-
-            header = read_header(uri, size, read)
+        check_files(location, manifest, [name], listing)
+    except FileProblem as e:
+        raise refuse(e.where, f"{e.reason}; re-stage") from None
+    listed = listing[name]
+    kept = None
+    try:
+        with location.reader(name, listed) as read_into:
+            read = _reads(read_into)
+            digest = entry.digest if check_content else None
+            if digest is not None:
+                kept = checked_prefix(where, digest, read)
+                header = read_header(where, entry.size, _served(kept))
+            else:
+                header = read_header(where, entry.size, _prefixed(read, entry.size))
     except ChunkMismatch as e:
-        raise refuse(uri, f"{e.reason}: re-stage it") from None
+        raise refuse(where, f"{e.reason}: re-stage it") from None
     except CheckpointError as e:
-        raise refuse(uri, f"{e}; re-stage") from None
+        raise refuse(where, f"{e}; re-stage") from None
+    except DestinationError as e:
+        raise _s3_refusal(e, where) from None
     except ArtifactError:
         raise
-    except Exception as e:
-        raise _s3_refusal(s3, e, uri) from None
-    return RankFile(name, uri, size, header, entry, etag, kept)
+    except OSError as e:
+        raise refuse(where, f"cannot read: {e.strerror or e}") from None
+    if not isinstance(location, S3Artifact):
+        kept = None  # a local reader reads the header again, from the page cache
+    return RankFile(name, where, entry.size, header, entry, listed.etag, kept)
 
 
-def _s3_refusal(s3: S3Client, e: BaseException, where: str) -> ArtifactError:
+def _reads(read_into: ReadInto) -> Callable[[int, int], bytes]:
+    def read(offset: int, length: int) -> bytes:
+        buf = bytearray(length)
+        read_into(offset, memoryview(buf))
+        return bytes(buf)
+
+    return read
+
+
+def _prefixed(read: Callable[[int, int], bytes], size: int) -> Callable[[int, int], bytes]:
+    """``read`` with the file's first ``HEADER_PREFIX_BYTES`` fetched once and served."""
+    prefix = read(0, min(size, HEADER_PREFIX_BYTES)) if size else b""
+
+    def served(offset: int, length: int) -> bytes:
+        if offset + length <= len(prefix):
+            return prefix[offset : offset + length]
+        return read(offset, length)
+
+    return served
+
+
+def _s3_refusal(e: DestinationError, where: str) -> ArtifactError:
     """The S3 client's one credential-free line about ``where``, as a refusal."""
-    return refuse(where, str(s3.error(e, where)).removeprefix(f"{where}: "))
-
-
-def _s3_sha256(s3: S3Client, location: S3Location, name: str, etag: str) -> str:
-    h = hashlib.sha256()
-    body = s3.client.get_object(Bucket=location.bucket, Key=location.key(name), IfMatch=etag)
-    with closing(body["Body"]) as stream:
-        for block in stream.iter_chunks(8 * 1024 * 1024):
-            h.update(block)
-    return h.hexdigest()
+    return refuse(where, str(e).removeprefix(f"{where}: "))
 
 
 def _glob(pattern: str) -> re.Pattern[str]:
     """vLLM's part-file glob as a regex whose ``*`` stays within one name (``fnmatch``'s
     ``*`` would also match ``/``: ``model-rank-0-part-*`` would take ``../x/part-0``)."""
     return re.compile(re.escape(pattern).replace(r"\*", "([^/]*)"))
-
-
-def checked_header(
-    where: str, digest: FileDigest, read: Callable[[int, int], bytes]
-) -> SafetensorsHeader:
-    """Parse a file's header from bytes checked against its chunk hashes first: the header
-    plans every read, so a corrupt one is refused as corrupt (naming the chunk), never
-    followed."""
-    return read_header(where, digest.size, _served(checked_prefix(where, digest, read)))
 
 
 def _served(data: bytes) -> Callable[[int, int], bytes]:
@@ -468,57 +409,21 @@ def verify_content(verified: VerifiedArtifact, *, workers: int | None = None) ->
     loads whose bytes the plugin's reader does not move, and for schema-1 artifacts (sha256).
     Chunked files are read chunk by chunk (``workers`` reads at once: by default one on a
     local disk, 8 GETs on S3), each checked as it lands. Refuses at the first mismatch."""
-    stats = HashStats()
-    if workers is None:
-        workers = 8 if verified.s3 is not None else VERIFY_WORKERS
-    chunked = [f for f in verified.files if f.entry.digest is not None]
+    files = [(f.name, f.entry, Listed(f.size, f.etag)) for f in verified.files]
     try:
-        with ExitStack() as stack:
-            jobs = []
-            for f in chunked:
-                digest = f.entry.digest
-                assert digest is not None
-                read_into = (
-                    _object_reader(verified, f)
-                    if verified.s3 is not None
-                    else stack.enter_context(LocalFile(f.path)).read_into
-                )
-                jobs.append(FileToHash(f.location, f.size, read_into, digest.chunk_bytes, digest))
-            stats = hash_files(jobs, workers=workers)[1]
-        for f in verified.files:
-            if f.entry.digest is not None:
-                continue
-            actual = (
-                _s3_sha256(verified.s3, S3Location.parse(verified.location), f.name, f.etag or "")
-                if verified.s3 is not None
-                else sha256_file(f.path)
-            )
-            if actual != f.entry.sha256:
-                raise refuse(f.location, f"sha256 is {actual}, the manifest says "
-                             f"{f.entry.sha256}; the file is corrupt: re-stage it")  # fmt: skip
-            stats.add(f.size, 0.0)
+        return location_verify_content(verified.artifact, files, workers=workers)
     except ChunkMismatch as e:
         raise refuse(e.where, f"{e.reason}: re-stage it") from None
+    except Sha256Mismatch as e:
+        raise refuse(e.where, f"sha256 is {e.actual}, the manifest says {e.expected}; the file "
+                     "is corrupt: re-stage it") from None  # fmt: skip
+    except DestinationError as e:
+        where, _, reason = str(e).partition(": ")  # the S3 client names the object it read
+        raise refuse(where, reason) from None
     except ArtifactError as e:
-        if str(e).startswith("modelstage: refusing"):
-            raise
         raise refuse(verified.location, str(e)) from None
     except OSError as e:
         raise refuse(verified.location, f"cannot read: {e}") from None
-    return stats
-
-
-def _object_reader(verified: VerifiedArtifact, f: RankFile) -> Callable[[int, memoryview], None]:
-    s3, location = verified.s3, S3Location.parse(verified.location)
-    assert s3 is not None and f.etag is not None
-
-    def read_into(offset: int, view: memoryview) -> None:
-        try:
-            get_range_into(s3, location.bucket, location.key(f.name), f.etag or "", offset, [view])
-        except Exception as e:
-            raise _s3_refusal(s3, e, f.location) from None
-
-    return read_into
 
 
 def _part_key(pattern: str) -> Callable[[str], tuple[int, str]]:

@@ -171,19 +171,12 @@ def _add_s3_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _verify(args: argparse.Namespace) -> dict[str, Any]:
-    from modelstage.core.manifest import verify_directory
+    from modelstage.core.location import open_artifact, verify
 
-    if args.artifact.startswith("s3://"):
-        from .destinations.s3 import S3Destination
-
-        manifest = S3Destination(args.artifact, _s3_options(args)).verify(
-            digest=args.digest, tp=args.tp, hash_content=not args.sizes_only, show_progress=True
-        )
-    else:
-        manifest = verify_directory(
-            Path(args.artifact), digest=args.digest, tp=args.tp,
-            hash_content=not args.sizes_only, show_progress=True,
-        )  # fmt: skip
+    manifest = verify(
+        open_artifact(args.artifact, _s3_options(args)), digest=args.digest, tp=args.tp,
+        hash_content=not args.sizes_only, show_progress=True,
+    )  # fmt: skip
     return {
         "verified": str(args.artifact),
         "digest": manifest.digest,
@@ -196,7 +189,7 @@ def _verify(args: argparse.Namespace) -> dict[str, Any]:
 
 def _demo(args: argparse.Namespace) -> dict[str, Any]:
     """The README's embedded default: generate, stage at TP=2, verify, summarise."""
-    from modelstage.core.manifest import verify_directory
+    from modelstage.core.location import verify_directory
     from modelstage.core.progress import human_bytes
     from modelstage.devtools.synthetic import llama_demo, write_checkpoint
 
@@ -244,7 +237,7 @@ def _prepare(args: argparse.Namespace) -> dict[str, Any]:
         tp=args.tp,
         plugin_dir=Path(args.plugin_dir),
         hash_content=args.hash,
-        s3=_s3_options(args) if args.artifact.startswith("s3://") else None,
+        s3=_s3_options(args),
     )
 
 
@@ -308,8 +301,7 @@ def _delete(args: argparse.Namespace) -> dict[str, Any]:
     """Remove one artifact, manifest first (delete.py)."""
     from .delete import delete_artifact
 
-    s3 = _s3_options(args) if args.artifact.startswith("s3://") else None
-    return delete_artifact(args.artifact, digest=args.digest, s3=s3)
+    return delete_artifact(args.artifact, digest=args.digest, s3=_s3_options(args))
 
 
 def _add_delete_parser(sub: Any) -> None:

@@ -23,7 +23,7 @@ from typing import cast
 
 from modelstage.core.errors import SpecError
 from modelstage.core.formats import FORMATS
-from modelstage.core.manifest import verify_directory
+from modelstage.core.location import verify_directory
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 

@@ -57,15 +57,12 @@ from modelstage.core.integrity import (
     digest_bytes,
     hash_files,
 )
+from modelstage.core.location import S3Artifact
 from modelstage.core.manifest import (
     MANIFEST,
-    MAX_MANIFEST_BYTES,
-    FileEntry,
     Manifest,
-    check_ranks_present,
 )
-from modelstage.core.progress import Progress
-from modelstage.core.s3_client import S3Client, S3Location, S3Options, get_range_into, with_retries
+from modelstage.core.s3_client import S3Client, S3Location, S3Options, with_retries
 
 from ..pieces import Piece, copy_piece, piece_nbytes
 from .base import Destination
@@ -259,6 +256,8 @@ class S3Destination(Destination):
             raise ArtifactError(f"{uri}: an artifact needs a prefix (s3://BUCKET/PREFIX/)")
         self.uri = self.location.uri
         self.s3 = S3Client(options, concurrency=concurrency)
+        self.artifact = S3Artifact(self.location, self.s3, workers=concurrency)
+        """What is already there, read the way every reader reads an artifact."""
         self.part_bytes, self.concurrency = part_bytes, concurrency
         self.run_key = ""
         self.inflight = threading.BoundedSemaphore(concurrency)
@@ -290,16 +289,11 @@ class S3Destination(Destination):
                 self._free.append(buf)
 
     def uri_of(self, name: str) -> str:
-        return f"s3://{self.location.bucket}/{self.location.key(name)}"
+        return self.artifact.where(name)
 
     def call(self, fn: Any, key: str) -> Any:
         """One API call; botocore retries it, failures become one safe DestinationError."""
-        try:
-            return fn()
-        except Exception as e:
-            if isinstance(e, DestinationError | ArtifactError):
-                raise
-            raise self.s3.error(e, f"s3://{self.location.bucket}/{key}") from None
+        return self.artifact.call(fn, key)
 
     def set_metadata(self, key: str, size: int, etag: str, extra: dict[str, str]) -> None:
         """Add metadata to a complete object by copying it onto itself (server side)."""
@@ -352,78 +346,19 @@ class S3Destination(Destination):
 
     def _list(self) -> dict[str, int]:
         """{relative name: size} of every object under the prefix."""
-        return {name: size for name, (size, _) in self._listing().items()}
-
-    def _listing(self) -> dict[str, tuple[int, str]]:
-        """{relative name: (size, ETag)} of every object under the prefix."""
-        client, prefix = self.s3.client, self.location.prefix + "/"
-        found: dict[str, tuple[int, str]] = {}
-        pages = client.get_paginator("list_objects_v2").paginate(
-            Bucket=self.location.bucket, Prefix=prefix
-        )
-        try:
-            for page in pages:
-                for obj in page.get("Contents", []):
-                    etag = str(obj.get("ETag", "")).strip('"')
-                    found[obj["Key"][len(prefix) :]] = (int(obj["Size"]), etag)
-        except Exception as e:
-            raise self.s3.error(e, self.uri) from None
-        return found
-
-    def to_hash(
-        self,
-        name: str,
-        size: int,
-        etag: str,
-        *,
-        chunk_bytes: int,
-        expected: FileDigest | None = None,
-        expected_root: str | None = None,
-    ) -> FileToHash:
-        """``name`` for ``hash_files``: ranged GETs conditional on ``etag``, straight into
-        the hashing threads' buffers (a replaced object fails the read)."""
-        key, bucket = self.location.key(name), self.location.bucket
-
-        def read_into(offset: int, view: memoryview) -> None:
-            try:
-                get_range_into(self.s3, bucket, key, etag, offset, [view])
-            except Exception as e:
-                raise self.s3.error(e, self.uri_of(name)) from None
-
-        return FileToHash(self.uri_of(name), size, read_into, chunk_bytes, expected,
-                          expected_root)  # fmt: skip
+        return {name: listed.size or 0 for name, listed in self.artifact.listing().items()}
 
     def _head(self, name: str) -> dict[str, Any]:
         key = self.location.key(name)
         return dict(self.call(lambda: self.s3.client.head_object(
             Bucket=self.location.bucket, Key=key), key))  # fmt: skip
 
-    def _get(self, name: str) -> bytes | None:
-        """A small object (the manifest), at most MAX_MANIFEST_BYTES + 1 of it: enough for
-        ``Manifest.from_json`` to refuse a longer one, never the whole of a huge one."""
-        from botocore.exceptions import ClientError
-
-        key = self.location.key(name)
-        try:
-            body = self.s3.client.get_object(Bucket=self.location.bucket, Key=key)["Body"]
-            try:
-                return bytes(body.read(MAX_MANIFEST_BYTES + 1))
-            finally:
-                body.close()
-        except ClientError as e:
-            if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
-                return None
-            raise self.s3.error(e, self.uri_of(name)) from None
-        except Exception as e:
-            raise self.s3.error(e, self.uri_of(name)) from None
-
     # -- the Destination interface --------------------------------------------------------
 
     def existing(self) -> Manifest | None:
         """The committed manifest, if any. Objects without one are a run to resume, not an
         artifact; they are reused or replaced object by object (see the module docstring)."""
-        raw = self._get(MANIFEST)
-        return None if raw is None else Manifest.from_json(raw, self.uri_of(MANIFEST))
+        return self.artifact.read_manifest()
 
     def begin(self, run_key: str = "") -> None:
         self.run_key = run_key
@@ -480,7 +415,8 @@ class S3Destination(Destination):
         if int(chunk) < 1:
             return None
         etag = str(head.get("ETag", "")).strip('"')
-        job = self.to_hash(name, size, etag, chunk_bytes=int(chunk))
+        read_into = self.artifact.read_into(name, etag)
+        job = FileToHash(self.uri_of(name), size, read_into, chunk_bytes=int(chunk))
         digest = hash_files([job], workers=self.concurrency)[0][0]
         if digest.root != root:
             print(f"s3: {self.uri_of(name)} does not hash to its recorded content hash; "
@@ -548,80 +484,3 @@ class S3Destination(Destination):
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
         self._free.clear()
-
-    # -- reading an artifact back ---------------------------------------------------------
-
-    def verify(
-        self,
-        *,
-        digest: str | None = None,
-        tp: int | None = None,
-        hash_content: bool = True,
-        show_progress: bool = False,
-    ) -> Manifest:
-        """Check the artifact against its manifest: every object present with its size (and,
-        when hashing, every byte against its chunk hashes: ranged GETs in parallel, each chunk
-        checked as it lands), no object that the manifest does not list.
-        ``show_progress``: report the hashing (bytes, rate, ETA) on stderr."""
-        manifest = self.existing()
-        if manifest is None:
-            raise ArtifactError(f"{self.uri}: no {MANIFEST}; the artifact is incomplete")
-        manifest.check_expected(self.uri, digest=digest, tp=tp)
-        check_ranks_present(self.uri, manifest)
-        listing = self._listing()
-        present = {name: size for name, (size, _) in listing.items()}
-        progress = None
-        if hash_content and show_progress:
-            progress = Progress(manifest.bytes, len(manifest.files), label=f"hashing {self.uri}",
-                                items="files")  # fmt: skip
-        for name, entry in sorted(manifest.files.items()):
-            if name not in present:
-                raise ArtifactError(f"{self.uri_of(name)}: listed in the manifest but missing")
-            if present[name] != entry.size:
-                raise ArtifactError(
-                    f"{self.uri_of(name)}: {present[name]} bytes, the manifest says {entry.size}"
-                )
-        extra = sorted(n for n in present if n not in manifest.files and n != MANIFEST)
-        if extra:
-            raise ArtifactError(f"{self.uri}: objects not in the manifest: {', '.join(extra[:5])}")
-        if hash_content:
-            self._verify_content(manifest.files, listing, progress)
-        return manifest
-
-    def _verify_content(
-        self,
-        files: dict[str, FileEntry],
-        listing: dict[str, tuple[int, str]],
-        progress: Progress | None = None,
-    ) -> None:
-        jobs = []
-        for name, entry in sorted(files.items()):
-            want = entry.digest
-            if want is None:  # schema 1: one sha256 pass per object
-                if self._hash_object(name, progress) != entry.sha256:
-                    raise ArtifactError(f"{self.uri_of(name)}: sha256 differs from the "
-                                        "manifest; the object is corrupt")  # fmt: skip
-                if progress is not None:
-                    progress.tensor_done()
-                continue
-            etag = listing[name][1]
-            jobs.append(self.to_hash(name, entry.size, etag, chunk_bytes=want.chunk_bytes,
-                                     expected=want, expected_root=entry.blake3))  # fmt: skip
-        hash_files(jobs, workers=self.concurrency, progress=progress)
-        if progress is not None:
-            progress.finish()
-
-    def _hash_object(self, name: str, progress: Progress | None = None) -> str:
-        import hashlib
-
-        key, h = self.location.key(name), hashlib.sha256()
-        body = self.call(lambda: self.s3.client.get_object(
-            Bucket=self.location.bucket, Key=key)["Body"], key)  # fmt: skip
-        try:
-            for block in body.iter_chunks(8 * MiB):
-                h.update(block)
-                if progress is not None:
-                    progress.advance(len(block))
-        except Exception as e:
-            raise self.s3.error(e, self.uri_of(name)) from None
-        return h.hexdigest()
