@@ -181,10 +181,10 @@ def _parse(doc: object) -> Manifest:
     if version not in SCHEMA_VERSIONS:
         raise _Invalid("schemaVersion", f"{version} is not one this modelstage reads "
                        f"({', '.join(map(str, SCHEMA_VERSIONS))}); upgrade modelstage")  # fmt: skip
+    for name in files:  # names first: nothing is read or reported under a name not ours
+        _check_file_name(name, values["format"])
     entry = _entry if version == 1 else _chunked_entry
     values["files"] = {name: entry(f"files.{name}", e) for name, e in files.items()}
-    for name in values["files"]:
-        _check_file_name(name, values["format"])
     return Manifest(**values)
 
 
@@ -329,7 +329,9 @@ def verify_local_content(
     for path, entry in files:
         if entry.digest is None:
             if sha256_file(path, progress) != entry.sha256:
-                raise ArtifactError(f"{path}: sha256 differs from the manifest; the file is corrupt")
+                raise ArtifactError(
+                    f"{path}: sha256 differs from the manifest; the file is corrupt"
+                )
             if progress is not None:
                 progress.tensor_done()
 
