@@ -362,6 +362,9 @@ def hash_files(
         except BaseException:
             failed.set()  # reads still queued return at once; the pools wait for the rest
             raise
+    if progress is not None:  # empty files have no chunk to report them
+        for _ in (r for r in results if not r):
+            progress.tensor_done()
     digests = [FileDigest(f.size, f.chunk_bytes, tuple(results[i])) for i, f in enumerate(files)]
     for f, d in zip(files, digests, strict=True):
         if f.expected_root is not None and d.root != f.expected_root:

@@ -156,10 +156,10 @@ def _parse(doc: object) -> Manifest:
     if version not in SCHEMA_VERSIONS:
         raise _Invalid("schemaVersion", f"{version} is not one this modelstage reads "
                        f"({', '.join(map(str, SCHEMA_VERSIONS))}); upgrade modelstage")  # fmt: skip
+    for name in files:  # names first: nothing is read or reported under a name not ours
+        _check_file_name(name, values["format"])
     entry = _entry if version == 1 else _chunked_entry
     values["files"] = {name: entry(f"files.{name}", e) for name, e in files.items()}
-    for name in values["files"]:
-        _check_file_name(name, values["format"])
     return Manifest(**values)
 
 
