@@ -29,6 +29,10 @@ CHUNK = 1000
 DATA = os.urandom(3 * CHUNK + 217)  # three whole chunks and a partial last one
 
 
+NAME = "model-rank-0-part-0.safetensors"
+"""A file name a sharded_state artifact has (manifests name only those)."""
+
+
 def reference(data: bytes, chunk: int) -> list[str]:
     return [blake3.blake3(data[i : i + chunk]).hexdigest() for i in range(0, len(data), chunk)]
 
@@ -165,7 +169,7 @@ def manifest_doc(**changes: object) -> dict[str, object]:
     doc: dict[str, object] = {
         "format": "sharded_state", "tensorParallelSize": 1, "dtype": "auto", "digest": "d",
         "source": {}, "vllmVersion": "0.32.0", "layoutVersion": "vllm-0.32/1",
-        "files": {"a": FileEntry.of(digest).to_doc()}, "bytes": len(DATA),
+        "files": {NAME: FileEntry.of(digest).to_doc()}, "bytes": len(DATA),
         "modelstageVersion": "0", "createdAt": "now", "stageSeconds": 1.0, "schemaVersion": 2,
     }  # fmt: skip
     doc.update(changes)
@@ -174,12 +178,12 @@ def manifest_doc(**changes: object) -> dict[str, object]:
 
 def test_schema_2_round_trips_and_schema_1_still_reads() -> None:
     manifest = Manifest.from_json(json.dumps(manifest_doc()), "m")
-    assert manifest.files["a"].digest == digest_bytes(DATA, CHUNK)
+    assert manifest.files[NAME].digest == digest_bytes(DATA, CHUNK)
     assert Manifest.from_json(manifest.to_json(), "m") == manifest
-    old = manifest_doc(schemaVersion=1, files={"a": {"size": 3, "sha256": "0" * 64}})
+    old = manifest_doc(schemaVersion=1, files={NAME: {"size": 3, "sha256": "0" * 64}})
     legacy = Manifest.from_json(json.dumps(old), "m")
-    assert legacy.files["a"] == FileEntry(3, sha256="0" * 64) and legacy.files["a"].digest is None
-    assert json.loads(legacy.to_json())["files"] == {"a": {"size": 3, "sha256": "0" * 64}}
+    assert legacy.files[NAME] == FileEntry(3, sha256="0" * 64) and legacy.files[NAME].digest is None
+    assert json.loads(legacy.to_json())["files"] == {NAME: {"size": 3, "sha256": "0" * 64}}
     del old["schemaVersion"]
     assert Manifest.from_json(json.dumps(old), "m").schemaVersion == 1
 
@@ -188,23 +192,23 @@ def test_schema_2_round_trips_and_schema_1_still_reads() -> None:
     ("change", "message"),
     [
         ({"schemaVersion": 3}, "schemaVersion: 3 is not one this modelstage reads"),
-        ({"schemaVersion": 1}, 'files.a: must be {"size": bytes, "sha256": hex}'),
-        ({"files": {"a": {"size": 3, "sha256": "0" * 64}}}, 'files.a: must be {"size"'),
-        ({"root": "0" * 6}, "files.a.blake3: must be 64 lower-case hex digits"),
-        ({"chunks": ["0" * 64]}, "files.a.chunks: 1 chunk hashes for 3217 bytes"),
-        ({"chunks": ["X" * 64] * 4}, r"files.a.chunks\[0\]: must be 64 lower-case hex"),
-        ({"chunkBytes": 0}, "files.a.chunkBytes: must be at least 1"),
+        ({"schemaVersion": 1}, 'files.model-rank-0-part-0.safetensors: must be {"size": bytes, "sha256": hex}'),
+        ({"files": {NAME: {"size": 3, "sha256": "0" * 64}}}, 'files.model-rank-0-part-0.safetensors: must be {"size"'),
+        ({"root": "0" * 6}, "files.model-rank-0-part-0.safetensors.blake3: must be 64 lower-case hex digits"),
+        ({"chunks": ["0" * 64]}, "files.model-rank-0-part-0.safetensors.chunks: 1 chunk hashes for 3217 bytes"),
+        ({"chunks": ["X" * 64] * 4}, r"files.model-rank-0-part-0\.safetensors.chunks\[0\]: must be 64 lower-case hex"),
+        ({"chunkBytes": 0}, "files.model-rank-0-part-0.safetensors.chunkBytes: must be at least 1"),
     ],
 )
 def test_malformed_schema_2_entries_are_refused(change: dict[str, object], message: str) -> None:
     doc = manifest_doc()
-    entry = dict(doc["files"]["a"])  # type: ignore[index]
+    entry = dict(doc["files"][NAME])  # type: ignore[index]
     if "root" in change:
         entry["blake3"] = change.pop("root")
     for key in ("chunks", "chunkBytes"):
         if key in change:
             entry[key] = change.pop(key)
-    doc["files"] = {"a": entry}
+    doc["files"] = {NAME: entry}
     doc.update(change)
     with pytest.raises(ArtifactError, match=rf"^m: invalid manifest: {message}"):
         Manifest.from_json(json.dumps(doc), "m")
