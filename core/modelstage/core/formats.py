@@ -63,6 +63,12 @@ class Format:
             raise ValueError(f"format {self.name} has no per-rank files")
         return self.rank_file.format(rank=rank, part=part)
 
+    def rank_glob(self, rank: int) -> str:
+        """A glob of ``rank``'s files (every part)."""
+        if self.rank_file is None:
+            raise ValueError(f"format {self.name} has no per-rank files")
+        return self.rank_file.format(rank=rank, part="*")
+
     def is_rank_file(self, name: str, rank: int) -> bool:
         """Whether ``name`` is one of ``rank``'s files (any part)."""
         if self.rank_file is None:

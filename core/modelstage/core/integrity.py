@@ -297,82 +297,102 @@ def hash_files(
         if f.expected is not None and f.expected.chunk_bytes != f.chunk_bytes:
             raise ValueError(f"{f.where}: read in chunks of {f.chunk_bytes}, hashed in "
                              f"{f.expected.chunk_bytes}")  # fmt: skip
-    jobs = [(i, c) for i, f in enumerate(files) for c in range(chunk_count(f.size, f.chunk_bytes))]
-    results: list[list[str]] = [[""] * chunk_count(f.size, f.chunk_bytes) for f in files]
-    remaining = [len(r) for r in results]
-    counted = threading.Lock()
-    stats = HashStats()
-    failed = threading.Event()
-    largest = max((f.chunk_bytes for f in files), default=0)
-    new = blake3_module().blake3
-    readers, hashing = max(1, workers), HASH_THREADS
-    free = [memoryview(bytearray(largest)) for _ in range(min(len(jobs), readers + hashing))]
-
-    def hash_chunk(i: int, index: int, view: memoryview) -> None:
-        f = files[i]
-        started = time.perf_counter()
-        actual = new(view).hexdigest()
-        stats.add(len(view), time.perf_counter() - started)
-        if f.expected is not None and actual != f.expected.chunks[index]:
-            failed.set()
-            raise ChunkMismatch(f.where, f.expected, index, actual, recorded=f.recorded)
-        results[i][index] = actual
-        if progress is not None:
-            progress.advance(len(view))
-            with counted:
-                remaining[i] -= 1
-                whole = remaining[i] == 0
-            if whole:
-                progress.tensor_done()
-
-    def read_chunk(i: int, index: int, buf: memoryview) -> Future[None] | None:
-        if failed.is_set():
-            return None
-        f = files[i]
-        lo, hi = chunk_range(f.size, f.chunk_bytes, index)
-        view = buf[: hi - lo]
-        try:
-            f.read_into(lo, view)
-        except BaseException:
-            failed.set()
-            raise
-        return hashers.submit(hash_chunk, i, index, view)
-
-    def wait(read: Future[Future[None] | None], buf: memoryview) -> None:
-        hashed = read.result()
-        if hashed is not None:
-            hashed.result()
-        free.append(buf)
-
-    with (
-        ThreadPoolExecutor(readers, thread_name_prefix="modelstage-read") as pool,
-        ThreadPoolExecutor(hashing, thread_name_prefix="modelstage-hash") as hashers,
-    ):
-        pending: collections.deque[tuple[Future[Future[None] | None], memoryview]] = (
-            collections.deque()
-        )
-        try:
-            for i, index in jobs:
-                if not free:
-                    wait(*pending.popleft())
-                buf = free.pop()
-                pending.append((pool.submit(read_chunk, i, index, buf), buf))
-            while pending:
-                wait(*pending.popleft())
-        except BaseException:
-            failed.set()  # reads still queued return at once; the pools wait for the rest
-            raise
-    if progress is not None:  # empty files have no chunk to report them
-        for _ in (r for r in results if not r):
-            progress.tensor_done()
-    digests = [FileDigest(f.size, f.chunk_bytes, tuple(results[i])) for i, f in enumerate(files)]
+    run = _HashRun(files, progress)
+    run.run(max(1, workers), HASH_THREADS)
+    results = zip(files, run.results, strict=True)
+    digests = [FileDigest(f.size, f.chunk_bytes, tuple(r)) for f, r in results]
     for f, d in zip(files, digests, strict=True):
         if f.expected_root is not None and d.root != f.expected_root:
             raise ArtifactError(
                 f"{f.where}: content hash {d.root} differs from the recorded {f.expected_root}; "
                 f"the file or {f.recorded} is corrupt"
             )
-    return digests, stats
+    return digests, run.stats
+
+
+_Read = Future[Future[None] | None]
+"""A read in flight; its result is the hashing of what it read (None: it did not read)."""
+
+
+class _HashRun:
+    """One ``hash_files`` call: reader threads fill reused buffers, hashing threads check
+    them; a buffer goes back once its chunk is hashed."""
+
+    def __init__(self, files: Sequence[FileToHash], progress: Progress | None) -> None:
+        self.files, self.progress = files, progress
+        self.jobs = [(i, c) for i, f in enumerate(files)
+                     for c in range(chunk_count(f.size, f.chunk_bytes))]  # fmt: skip
+        self.results: list[list[str]] = [
+            [""] * chunk_count(f.size, f.chunk_bytes) for f in files
+        ]
+        self.remaining = [len(r) for r in self.results]
+        self.counted = threading.Lock()
+        self.stats = HashStats()
+        self.failed = threading.Event()
+        self.new = blake3_module().blake3
+        self.free: list[memoryview] = []
+        self.hashers: ThreadPoolExecutor | None = None
+
+    def run(self, readers: int, hashing: int) -> None:
+        largest = max((f.chunk_bytes for f in self.files), default=0)
+        buffers = min(len(self.jobs), readers + hashing)
+        self.free = [memoryview(bytearray(largest)) for _ in range(buffers)]
+        with (
+            ThreadPoolExecutor(readers, thread_name_prefix="modelstage-read") as pool,
+            ThreadPoolExecutor(hashing, thread_name_prefix="modelstage-hash") as self.hashers,
+        ):
+            pending: collections.deque[tuple[_Read, memoryview]] = collections.deque()
+            try:
+                for i, index in self.jobs:
+                    if not self.free:
+                        self._wait(*pending.popleft())
+                    buf = self.free.pop()
+                    pending.append((pool.submit(self._read, i, index, buf), buf))
+                while pending:
+                    self._wait(*pending.popleft())
+            except BaseException:
+                self.failed.set()  # reads still queued return at once; the pools wait
+                raise
+        if self.progress is not None:  # empty files have no chunk to report them
+            for _ in (r for r in self.results if not r):
+                self.progress.tensor_done()
+
+    def _read(self, i: int, index: int, buf: memoryview) -> Future[None] | None:
+        if self.failed.is_set():
+            return None
+        f = self.files[i]
+        lo, hi = chunk_range(f.size, f.chunk_bytes, index)
+        view = buf[: hi - lo]
+        try:
+            f.read_into(lo, view)
+        except BaseException:
+            self.failed.set()
+            raise
+        assert self.hashers is not None
+        return self.hashers.submit(self._hash, i, index, view)
+
+    def _hash(self, i: int, index: int, view: memoryview) -> None:
+        f = self.files[i]
+        started = time.perf_counter()
+        actual = self.new(view).hexdigest()
+        self.stats.add(len(view), time.perf_counter() - started)
+        if f.expected is not None and actual != f.expected.chunks[index]:
+            self.failed.set()
+            raise ChunkMismatch(f.where, f.expected, index, actual, recorded=f.recorded)
+        self.results[i][index] = actual
+        if self.progress is not None:
+            self.progress.advance(len(view))
+            with self.counted:
+                self.remaining[i] -= 1
+                whole = self.remaining[i] == 0
+            if whole:
+                self.progress.tensor_done()
+
+    def _wait(self, read: _Read, buf: memoryview) -> None:
+        hashed = read.result()
+        if hashed is not None:
+            hashed.result()
+        self.free.append(buf)
 
 
 class LocalFile:

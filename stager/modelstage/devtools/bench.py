@@ -23,6 +23,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from modelstage.core.formats import FORMATS
 from modelstage.core.progress import human_bytes
 from modelstage.core.s3_client import S3Options
 
@@ -103,7 +104,7 @@ def bench_loading(artifact: Path, rank: int, repeats: int, cold: bool) -> list[M
 
     Like vLLM's model before ``load_weights``, the parameters exist (and are touched) before
     the clock starts, so every row measures moving the bytes, not allocating memory."""
-    files = sorted(artifact.glob(f"model-rank-{rank}-part-*.safetensors"))
+    files = sorted(artifact.glob(FORMATS["sharded_state"].rank_glob(rank)))
     size = sum(f.stat().st_size for f in files)
     params = _parameters(files)
     readers: dict[str, Callable[[list[Path], dict[str, Any]], None]] = {
@@ -233,6 +234,32 @@ def chart(sections: dict[str, list[Measurement]], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _bench_reading(
+    src: Path,
+    artifact: Path,
+    load_tp: int,
+    repeats: int,
+    cold: bool,
+    section: Callable[[str, list[Measurement]], None],
+) -> str:
+    """Loading and verifying an artifact staged at ``load_tp``, with the page cache dropped
+    (where permitted) and warm; returns how the page cache was treated."""
+    run_child(stager_argv(src, artifact, load_tp))
+    cache = "dropped before each read" if cold and drop_page_cache() else "not dropped (warm)"
+    if cache.startswith("dropped"):
+        section(f"loading rank 0 of TP={load_tp}, page cache dropped",
+                bench_loading(artifact, 0, repeats, cold=True))  # fmt: skip
+    section(f"loading rank 0 of TP={load_tp}, page cache warm",
+            bench_loading(artifact, 0, repeats, cold=False))  # fmt: skip
+    if cache.startswith("dropped"):
+        section(f"verify TP={load_tp} artifact, page cache dropped",
+                bench_verify(artifact, repeats, cold=True))  # fmt: skip
+    section(f"verify TP={load_tp} artifact, page cache warm",
+            bench_verify(artifact, repeats, cold=False))  # fmt: skip
+    shutil.rmtree(artifact)
+    return cache
+
+
 def run_bench(
     *,
     size_gib: float,
@@ -260,20 +287,7 @@ def run_bench(
 
     staging = bench_staging(src, workdir, tps, repeats)
     section("staging vs cp + sync (source in page cache)", staging)
-    artifact = workdir / "artifact"
-    run_child(stager_argv(src, artifact, load_tp))
-    cache = "dropped before each read" if cold and drop_page_cache() else "not dropped (warm)"
-    if cache.startswith("dropped"):
-        section(f"loading rank 0 of TP={load_tp}, page cache dropped",
-                bench_loading(artifact, 0, repeats, cold=True))  # fmt: skip
-    section(f"loading rank 0 of TP={load_tp}, page cache warm",
-            bench_loading(artifact, 0, repeats, cold=False))  # fmt: skip
-    if cache.startswith("dropped"):
-        section(f"verify TP={load_tp} artifact, page cache dropped",
-                bench_verify(artifact, repeats, cold=True))  # fmt: skip
-    section(f"verify TP={load_tp} artifact, page cache warm",
-            bench_verify(artifact, repeats, cold=False))  # fmt: skip
-    shutil.rmtree(artifact)
+    cache = _bench_reading(src, workdir / "artifact", load_tp, repeats, cold, section)
     if s3:
         from .bench_s3 import bench_s3
 

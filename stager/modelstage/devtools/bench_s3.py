@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from modelstage.core.formats import FORMATS, S3_READER_FORMAT
 from modelstage.core.layouts import DEFAULT_VLLM_VERSION
 from modelstage.core.s3_client import S3Client, S3Location, S3Options, load_credentials
 from modelstage.core.safetensors_format import read_header
@@ -32,6 +33,8 @@ from .measure import Measurement, run_child, stager_argv
 
 WAYS = 8
 GET_BYTES = 8 * 1024 * 1024
+FORMAT = FORMATS[S3_READER_FORMAT]
+"""What is staged to S3 and read back: the per-rank format the plugin's S3 reader serves."""
 
 
 def bench_s3(
@@ -44,8 +47,8 @@ def bench_s3(
     files = sorted(p for p in source.iterdir() if p.suffix == ".safetensors")
     size = sum(p.stat().st_size for p in files)
     put = Measurement(f"{WAYS}-way multipart PUT", nbytes=size)
-    staged = Measurement(f"stage runai_streamer_sharded tp={tp}", nbytes=size)
-    flags = ["--format", "runai_streamer_sharded", *s3_flags]
+    staged = Measurement(f"stage {FORMAT.name} tp={tp}", nbytes=size)
+    flags = ["--format", FORMAT.name, *s3_flags]
     try:
         for i in range(repeats):
             prefix = f"{run}/put-{i}"
@@ -189,9 +192,9 @@ def _plugin_read(uri: str, tp: int, params: dict[str, Any], s3: S3Client, verify
     pipelined reader with its S3 defaults, straight into the parameters; ``verify``: every
     chunk checked as it lands (the plugin's default)."""
     settings = PluginSettings(verify=verify)
-    verified = verify_s3(uri, s3, load_format="runai_streamer_sharded", settings=settings,
+    verified = verify_s3(uri, s3, load_format=FORMAT.name, settings=settings,
                          running_tp=tp, vllm_version=DEFAULT_VLLM_VERSION,
-                         rank_glob="model-rank-0-part-*.safetensors")  # fmt: skip
+                         rank_glob=FORMAT.rank_glob(0))  # fmt: skip
     checker = content_checker(verified) if verify else None
     reader = PipelinedReader(chunk_bytes=settings.s3_chunk_bytes, depth=settings.s3_depth,
                              device=torch.device("cpu"))  # fmt: skip

@@ -231,51 +231,15 @@ class PipelinedReader:
         """Targets complete but not yet checked: finished once their group's hash is."""
 
         def complete() -> None:
-            future, finished, closing = pending.popleft()
-            waited = time.perf_counter()
-            future.result()
-            held.extend(finished)
-            if checker is not None and closing is None:  # the group's later reads are to come
-                stats.wait_seconds += time.perf_counter() - waited
-                return
-            if closing is not None:  # the read that completed a group: wait for its hash
-                closing.wait()
-            finishing = time.perf_counter()
-            stats.wait_seconds += finishing - waited
-            for target in held:
-                if target.finish is not None:
-                    target.finish()
-            held.clear()
-            stats.copy_seconds += time.perf_counter() - finishing
+            _complete(pending.popleft(), held, checker is not None, stats)
 
         try:
             for chunk in work:
-                segments: list[tuple[int, memoryview]] = []
-                finished: list[Target] = []
-                at = chunk.begin
-                for info in chunk.tensors:
-                    entry = open_targets.get(info.name)
-                    if entry is None:
-                        target = target_for(info)
-                        entry = open_targets[info.name] = (target, target.flat.numpy().data)
-                    lo, hi = max(info.begin, chunk.begin), min(info.end, chunk.end)
-                    if checker is not None and lo > at:  # header or hole: read, hashed, dropped
-                        segments.append((at, memoryview(bytearray(lo - at))))
-                    segments.append((lo, entry[1][lo - info.begin : hi - info.begin]))
-                    at = hi
-                    if hi == info.end:
-                        finished.append(open_targets.pop(info.name)[0])
-                if checker is not None and at < chunk.end:
-                    segments.append((at, memoryview(bytearray(chunk.end - at))))
+                segments, finished = _segments(chunk, open_targets, target_for, checker)
                 after, closing = None, None
                 if checker is not None and hashers is not None:
                     group = group or _HashGroup(checker, hashers, chunk.file, chunk.begin)
-                    group.add([v for _, v in segments])
-                    after = group.read_done
-                    _, digest = checker.files[chunk.file]
-                    if chunk.end % digest.chunk_bytes == 0 or chunk.end == digest.size:
-                        group.close()
-                        closing, group = group, None
+                    group, after, closing = _hash_read(group, checker, chunk, segments)
                 while len(pending) >= 2 * self.depth:
                     complete()
                 future = pool.submit(_read_segments, store, chunk, segments, stats, after)
@@ -385,6 +349,78 @@ class PipelinedReader:
 
 Hashed = Future[None] | None
 """What a read returns: the future of its hash, when checking."""
+
+
+def _complete(
+    read: tuple[Future[Hashed], list[Target], _HashGroup | None],
+    held: list[Target],
+    hashing: bool,
+    stats: ReadStats,
+) -> None:
+    """The oldest direct read is done: its targets are held until their hash group is
+    checked (at once when not hashing), then finished."""
+    future, finished, closing = read
+    waited = time.perf_counter()
+    future.result()
+    held.extend(finished)
+    if hashing and closing is None:  # the group's later reads are to come
+        stats.wait_seconds += time.perf_counter() - waited
+        return
+    if closing is not None:  # the read that completed a group: wait for its hash
+        closing.wait()
+    finishing = time.perf_counter()
+    stats.wait_seconds += finishing - waited
+    for target in held:
+        if target.finish is not None:
+            target.finish()
+    held.clear()
+    stats.copy_seconds += time.perf_counter() - finishing
+
+
+def _segments(
+    chunk: _Chunk,
+    open_targets: dict[str, tuple[Target, memoryview]],
+    target_for: TargetFor,
+    checker: ChunkChecker | None,
+) -> tuple[list[tuple[int, memoryview]], list[Target]]:
+    """One direct read's iovecs: each tensor piece of ``chunk`` straight into its target's
+    memory (and, when hashing, the header or a hole into a scratch buffer: read, hashed,
+    dropped); and the targets whose last byte this read brings."""
+    segments: list[tuple[int, memoryview]] = []
+    finished: list[Target] = []
+    at = chunk.begin
+    for info in chunk.tensors:
+        entry = open_targets.get(info.name)
+        if entry is None:
+            target = target_for(info)
+            entry = open_targets[info.name] = (target, target.flat.numpy().data)
+        lo, hi = max(info.begin, chunk.begin), min(info.end, chunk.end)
+        if checker is not None and lo > at:
+            segments.append((at, memoryview(bytearray(lo - at))))
+        segments.append((lo, entry[1][lo - info.begin : hi - info.begin]))
+        at = hi
+        if hi == info.end:
+            finished.append(open_targets.pop(info.name)[0])
+    if checker is not None and at < chunk.end:
+        segments.append((at, memoryview(bytearray(chunk.end - at))))
+    return segments, finished
+
+
+def _hash_read(
+    group: _HashGroup,
+    checker: ChunkChecker,
+    chunk: _Chunk,
+    segments: list[tuple[int, memoryview]],
+) -> tuple[_HashGroup | None, Callable[[], Hashed], _HashGroup | None]:
+    """Add a direct read to the hash group of its chunk: (the group still open, what the read
+    calls once done, the group this read closes)."""
+    group.add([v for _, v in segments])
+    after = group.read_done
+    _, digest = checker.files[chunk.file]
+    if chunk.end % digest.chunk_bytes == 0 or chunk.end == digest.size:
+        group.close()
+        return None, after, group
+    return group, after, None
 
 
 def _hash_pool(checker: ChunkChecker | None) -> ThreadPoolExecutor | None:

@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from modelstage.core.formats import FORMATS
+from modelstage.core.formats import FORMATS, Format
 from modelstage.core.integrity import FileDigest
 from modelstage.core.progress import Progress
 
@@ -433,7 +433,7 @@ class TensorizerWriter(Writer):
     ) -> dict[str, FileDigest]:
         tied = job.checkpoint.model.tie_word_embeddings
         return write_tensorizer_files(job.plan, job.checkpoint, dest.open_sink, progress,
-                                      dest.completed, tied=tied)  # fmt: skip
+                                      dest.completed, tied=tied, fmt=job.format)  # fmt: skip
 
     def planned(self, job: WriteJob) -> list[PlannedFile]:
         tied = job.checkpoint.model.tie_word_embeddings
@@ -449,12 +449,14 @@ def write_tensorizer_files(
     completed: Completed | None = None,
     *,
     tied: bool,
+    fmt: Format = FORMATS["tensorizer"],
 ) -> dict[str, FileDigest]:
-    """Stream every rank's file into its sink; returns {file name: its digest}.
+    """Stream every rank's file (named by ``fmt``) into its sink; returns {file name: its
+    digest}.
     ``completed`` skips a rank file an earlier run with the same run key finished
     (tensorizer's output is deterministic for the same plan): nothing is serialised for it."""
     layout = predict_layout(plan, file_entries(plan, tied))
-    names = [FORMATS["tensorizer"].rank_file_name(r) for r in range(plan.tp)]
+    names = [fmt.rank_file_name(r) for r in range(plan.tp)]
     done = [completed(n, layout.size) if completed else None for n in names]
     results = {n: d for n, d in zip(names, done, strict=True) if d is not None}
     if len(results) == plan.tp:
