@@ -81,8 +81,11 @@ class Format:
         """Refuse a destination this format cannot be staged to, saying what would work."""
         if kind in self.destinations:
             return
-        same = [f"{f.name} (the same per-rank files)" for f in FORMATS.values()
-                if kind in f.destinations and f.loads == self.loads]  # fmt: skip
+        same = [
+            f"{f.name} (the same per-rank files)"
+            for f in FORMATS.values()
+            if kind in f.destinations and f.loads == self.loads
+        ]
         copies = [f.name for f in FORMATS.values() if kind in f.destinations and not f.per_rank]
         where = "local directories" if self.destinations == (LOCAL,) else "S3"
         raise SpecError(

@@ -295,8 +295,9 @@ def hash_files(
         if f.expected is not None and f.expected.size != f.size:
             raise ArtifactError(f"{f.where}: {f.size} bytes, the manifest says {f.expected.size}")
         if f.expected is not None and f.expected.chunk_bytes != f.chunk_bytes:
-            raise ValueError(f"{f.where}: read in chunks of {f.chunk_bytes}, hashed in "
-                             f"{f.expected.chunk_bytes}")  # fmt: skip
+            raise ValueError(
+                f"{f.where}: read in chunks of {f.chunk_bytes}, hashed in {f.expected.chunk_bytes}"
+            )
     run = _HashRun(files, progress)
     run.run(max(1, workers), HASH_THREADS)
     results = zip(files, run.results, strict=True)
@@ -320,11 +321,10 @@ class _HashRun:
 
     def __init__(self, files: Sequence[FileToHash], progress: Progress | None) -> None:
         self.files, self.progress = files, progress
-        self.jobs = [(i, c) for i, f in enumerate(files)
-                     for c in range(chunk_count(f.size, f.chunk_bytes))]  # fmt: skip
-        self.results: list[list[str]] = [
-            [""] * chunk_count(f.size, f.chunk_bytes) for f in files
+        self.jobs = [
+            (i, c) for i, f in enumerate(files) for c in range(chunk_count(f.size, f.chunk_bytes))
         ]
+        self.results: list[list[str]] = [[""] * chunk_count(f.size, f.chunk_bytes) for f in files]
         self.remaining = [len(r) for r in self.results]
         self.counted = threading.Lock()
         self.stats = HashStats()
@@ -438,9 +438,16 @@ def hash_local_files(
         for f, want in zip(opened, wanted, strict=True):
             f.__enter__()
             size = os.fstat(f.fd).st_size
-            jobs.append(FileToHash(str(f.path), size, f.read_into,
-                                   want.chunk_bytes if want else chunk_bytes, want,
-                                   recorded=recorded))  # fmt: skip
+            jobs.append(
+                FileToHash(
+                    str(f.path),
+                    size,
+                    f.read_into,
+                    want.chunk_bytes if want else chunk_bytes,
+                    want,
+                    recorded=recorded,
+                )
+            )
         return hash_files(jobs, workers=workers, progress=progress)[0]
     finally:
         for f in opened:

@@ -185,8 +185,11 @@ class S3Artifact(ArtifactLocation):
         if not location.prefix:
             raise ArtifactError(f"{uri}: an artifact needs a prefix (s3://BUCKET/PREFIX/)")
         options = options or S3Options()
-        return S3Artifact(location, S3Client(options, concurrency=options.concurrency),
-                          workers=options.concurrency)  # fmt: skip
+        return S3Artifact(
+            location,
+            S3Client(options, concurrency=options.concurrency),
+            workers=options.concurrency,
+        )
 
     def where(self, name: str) -> str:
         return f"s3://{self.location.bucket}/{self.location.key(name)}"
@@ -209,8 +212,9 @@ class S3Artifact(ArtifactLocation):
         from botocore.exceptions import ClientError
 
         try:
-            response = self.s3.client.get_object(Bucket=self.location.bucket,
-                                                 Key=self.location.key(name))  # fmt: skip
+            response = self.s3.client.get_object(
+                Bucket=self.location.bucket, Key=self.location.key(name)
+            )
             with closing(response["Body"]) as body:
                 return bytes(body.read() if limit is None else body.read(limit))
         except ClientError as e:
@@ -305,8 +309,9 @@ def verify(
         if show_progress:
             from .progress import Progress
 
-            progress = Progress(manifest.bytes, len(names), label=f"hashing {location.uri}",
-                                items="files")  # fmt: skip
+            progress = Progress(
+                manifest.bytes, len(names), label=f"hashing {location.uri}", items="files"
+            )
         files = [(n, manifest.files[n], listing[n]) for n in names]
         verify_content(location, files, progress=progress)
         if progress is not None:
@@ -323,8 +328,13 @@ def verify_directory(
     show_progress: bool = False,
 ) -> Manifest:
     """``verify`` of a local artifact."""
-    return verify(LocalArtifact(directory), digest=digest, tp=tp, hash_content=hash_content,
-                  show_progress=show_progress)  # fmt: skip
+    return verify(
+        LocalArtifact(directory),
+        digest=digest,
+        tp=tp,
+        hash_content=hash_content,
+        show_progress=show_progress,
+    )
 
 
 def check_files(
@@ -358,13 +368,16 @@ def verify_content(
             read_into = stack.enter_context(location.reader(name, listed))
             want = entry.digest
             assert want is not None
-            jobs.append(FileToHash(location.where(name), entry.size, read_into, want.chunk_bytes,
-                                   want))  # fmt: skip
+            jobs.append(
+                FileToHash(location.where(name), entry.size, read_into, want.chunk_bytes, want)
+            )
         digests, stats = hash_files(jobs, workers=workers or location.workers, progress=progress)
     for (name, entry, _), got in zip(chunked, digests, strict=True):
         if got.root != entry.blake3:
-            raise ArtifactError(f"{location.where(name)}: the manifest's blake3 is not the root "
-                                "of its chunk hashes; the manifest is corrupt")  # fmt: skip
+            raise ArtifactError(
+                f"{location.where(name)}: the manifest's blake3 is not the root "
+                "of its chunk hashes; the manifest is corrupt"
+            )
     for name, entry, listed in files:
         if entry.digest is not None:
             continue
@@ -385,4 +398,3 @@ def sha256_file(path: Path, progress: Progress | None = None) -> str:
             if progress is not None:
                 progress.advance(len(block))
     return h.hexdigest()
-

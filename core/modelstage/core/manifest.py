@@ -55,8 +55,9 @@ class FileEntry:
 
     @staticmethod
     def of(digest: FileDigest) -> FileEntry:
-        return FileEntry(digest.size, blake3=digest.root, chunkBytes=digest.chunk_bytes,
-                         chunks=digest.chunks)  # fmt: skip
+        return FileEntry(
+            digest.size, blake3=digest.root, chunkBytes=digest.chunk_bytes, chunks=digest.chunks
+        )
 
     @property
     def digest(self) -> FileDigest | None:
@@ -66,8 +67,11 @@ class FileEntry:
         return FileDigest(self.size, self.chunkBytes, self.chunks)
 
     def to_doc(self) -> dict[str, Any]:
-        return {k: list(v) if isinstance(v, tuple) else v
-                for k, v in asdict(self).items() if v is not None}  # fmt: skip
+        return {
+            k: list(v) if isinstance(v, tuple) else v
+            for k, v in asdict(self).items()
+            if v is not None
+        }
 
 
 @dataclass(frozen=True)
@@ -100,9 +104,7 @@ class Manifest:
         """Parse and check; ``raw`` longer than MAX_MANIFEST_BYTES (read with one byte to
         spare, so that a longer file shows) is refused unparsed."""
         if len(raw) > MAX_MANIFEST_BYTES:
-            raise ArtifactError(
-                f"{where}: invalid manifest: more than {MAX_MANIFEST_BYTES} bytes"
-            )
+            raise ArtifactError(f"{where}: invalid manifest: more than {MAX_MANIFEST_BYTES} bytes")
         try:
             doc = json.loads(raw)
         except (ValueError, RecursionError) as e:
@@ -154,8 +156,11 @@ def _parse(doc: object) -> Manifest:
         raise _Invalid("files", "must be an object")
     version = values.setdefault("schemaVersion", 1)
     if version not in SCHEMA_VERSIONS:
-        raise _Invalid("schemaVersion", f"{version} is not one this modelstage reads "
-                       f"({', '.join(map(str, SCHEMA_VERSIONS))}); upgrade modelstage")  # fmt: skip
+        raise _Invalid(
+            "schemaVersion",
+            f"{version} is not one this modelstage reads "
+            f"({', '.join(map(str, SCHEMA_VERSIONS))}); upgrade modelstage",
+        )
     for name in files:  # names first: nothing is read or reported under a name not ours
         _check_file_name(name, values["format"])
     entry = _entry if version == 1 else _chunked_entry
@@ -169,8 +174,15 @@ def _scalars(values: dict[str, Any]) -> dict[str, Any]:
         if name in values:
             low = 0 if name == "bytes" else 1
             values[name] = _int(name, values[name], low)
-    for name in ("format", "dtype", "digest", "vllmVersion", "layoutVersion",
-                 "modelstageVersion", "createdAt"):  # fmt: skip
+    for name in (
+        "format",
+        "dtype",
+        "digest",
+        "vllmVersion",
+        "layoutVersion",
+        "modelstageVersion",
+        "createdAt",
+    ):
         if not isinstance(values[name], str):
             raise _Invalid(name, "must be a string")
     seconds = values["stageSeconds"]
@@ -217,8 +229,9 @@ def _entry(loc: str, entry: object) -> FileEntry:
 def _chunked_entry(loc: str, entry: object) -> FileEntry:
     keys = {"size", "blake3", "chunkBytes", "chunks"}
     if not isinstance(entry, dict) or set(entry) != keys:
-        raise _Invalid(loc, 'must be {"size": bytes, "blake3": hex, "chunkBytes": bytes, '
-                       '"chunks": [hex, ...]}')  # fmt: skip
+        raise _Invalid(
+            loc, 'must be {"size": bytes, "blake3": hex, "chunkBytes": bytes, "chunks": [hex, ...]}'
+        )
     size = _int(f"{loc}.size", entry["size"], 0)
     chunk_bytes = _int(f"{loc}.chunkBytes", entry["chunkBytes"], 1)
     chunks = entry["chunks"]

@@ -61,6 +61,8 @@ def _format_not_in(names: list[str]) -> str:
     if len(names) == 1:
         return f"self.loadFormat != '{names[0]}'"
     return f"!(self.loadFormat in {names})"
+
+
 Dtype = Literal["auto", "bfloat16", "float16", "float32"]
 Phase = Literal["Pending", "Staging", "Staged", "RollingOut", "Ready", "Failed"]
 ConditionType = Literal["Staged", "Ready", "Degraded"]

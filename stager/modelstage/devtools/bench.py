@@ -40,9 +40,15 @@ def llama70b_scaled(size_bytes: int, *, shards: int = 4) -> SyntheticModel:
     edges = 2 * 2 * vocab * hidden
     layers = max(1, round((size_bytes - edges) / per_layer))
     return SyntheticModel(
-        hidden_size=hidden, intermediate_size=inter, num_layers=layers, num_heads=heads,
-        num_kv_heads=kv, vocab_size=vocab, dtype="bfloat16", num_shards=shards,
-    )  # fmt: skip
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv,
+        vocab_size=vocab,
+        dtype="bfloat16",
+        num_shards=shards,
+    )
 
 
 def dir_bytes(path: Path) -> int:
@@ -247,15 +253,23 @@ def _bench_reading(
     run_child(stager_argv(src, artifact, load_tp))
     cache = "dropped before each read" if cold and drop_page_cache() else "not dropped (warm)"
     if cache.startswith("dropped"):
-        section(f"loading rank 0 of TP={load_tp}, page cache dropped",
-                bench_loading(artifact, 0, repeats, cold=True))  # fmt: skip
-    section(f"loading rank 0 of TP={load_tp}, page cache warm",
-            bench_loading(artifact, 0, repeats, cold=False))  # fmt: skip
+        section(
+            f"loading rank 0 of TP={load_tp}, page cache dropped",
+            bench_loading(artifact, 0, repeats, cold=True),
+        )
+    section(
+        f"loading rank 0 of TP={load_tp}, page cache warm",
+        bench_loading(artifact, 0, repeats, cold=False),
+    )
     if cache.startswith("dropped"):
-        section(f"verify TP={load_tp} artifact, page cache dropped",
-                bench_verify(artifact, repeats, cold=True))  # fmt: skip
-    section(f"verify TP={load_tp} artifact, page cache warm",
-            bench_verify(artifact, repeats, cold=False))  # fmt: skip
+        section(
+            f"verify TP={load_tp} artifact, page cache dropped",
+            bench_verify(artifact, repeats, cold=True),
+        )
+    section(
+        f"verify TP={load_tp} artifact, page cache warm",
+        bench_verify(artifact, repeats, cold=False),
+    )
     shutil.rmtree(artifact)
     return cache
 
@@ -301,11 +315,12 @@ def run_bench(
         "source_bytes": dir_bytes(src),
         "page_cache": cache,
         "repeats": repeats,
-        "sections": {k: [asdict(m) | {"median": m.median, "throughput": m.throughput}
-                         for m in v] for k, v in sections.items()},
-    }  # fmt: skip
+        "sections": {
+            k: [asdict(m) | {"median": m.median, "throughput": m.throughput} for m in v]
+            for k, v in sections.items()
+        },
+    }
     (out / "bench.json").write_text(json.dumps(result, indent=2) + "\n")
     chart(sections, out / "bench.png")
     shutil.rmtree(src)
-    return {"json": str(out / "bench.json"), "png": str(out / "bench.png"),
-            "page_cache": cache}  # fmt: skip
+    return {"json": str(out / "bench.json"), "png": str(out / "bench.png"), "page_cache": cache}

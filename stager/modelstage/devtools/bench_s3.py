@@ -67,8 +67,10 @@ def bench_s3(
         loading = _bench_loading(s3, location.bucket, artifact, options, repeats, tp)
     finally:
         _delete_prefix(s3, location.bucket, run)
-    return {"staging to S3 vs multipart PUT": [put, staged],
-            f"loading rank 0 of TP={tp} from S3": loading}  # fmt: skip
+    return {
+        "staging to S3 vs multipart PUT": [put, staged],
+        f"loading rank 0 of TP={tp} from S3": loading,
+    }
 
 
 def _multipart_put(s3: S3Client, bucket: str, key: str, path: Path, options: S3Options) -> None:
@@ -192,12 +194,19 @@ def _plugin_read(uri: str, tp: int, params: dict[str, Any], s3: S3Client, verify
     pipelined reader with its S3 defaults, straight into the parameters; ``verify``: every
     chunk checked as it lands (the plugin's default)."""
     settings = PluginSettings(verify=verify)
-    verified = verify_s3(uri, s3, load_format=FORMAT.name, settings=settings,
-                         running_tp=tp, vllm_version=DEFAULT_VLLM_VERSION,
-                         rank_glob=FORMAT.rank_glob(0))  # fmt: skip
+    verified = verify_s3(
+        uri,
+        s3,
+        load_format=FORMAT.name,
+        settings=settings,
+        running_tp=tp,
+        vllm_version=DEFAULT_VLLM_VERSION,
+        rank_glob=FORMAT.rank_glob(0),
+    )
     checker = content_checker(verified) if verify else None
-    reader = PipelinedReader(chunk_bytes=settings.s3_chunk_bytes, depth=settings.s3_depth,
-                             device=torch.device("cpu"))  # fmt: skip
+    reader = PipelinedReader(
+        chunk_bytes=settings.s3_chunk_bytes, depth=settings.s3_depth, device=torch.device("cpu")
+    )
     reader.read(store_for(verified), lambda info: Target(flat_bytes(params[info.name])), checker)
 
 

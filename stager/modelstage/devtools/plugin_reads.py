@@ -31,8 +31,9 @@ def read_files_for_bench(
         digests = [manifest.files[p.name].digest if manifest else None for p, _ in headers]
         if any(d is None for d in digests):
             raise ArtifactError("verified reads need a schema-2 manifest beside the files")
-        checker = ChunkChecker([(str(p), d) for (p, _), d in zip(headers, digests, strict=True)
-                                if d is not None])  # fmt: skip
+        checker = ChunkChecker(
+            [(str(p), d) for (p, _), d in zip(headers, digests, strict=True) if d is not None]
+        )
     chunk_bytes, depth = local_reads(PluginSettings(), checker.read_bytes(1) if checker else None)
     reader = PipelinedReader(chunk_bytes=chunk_bytes, depth=depth, device=torch.device("cpu"))
 

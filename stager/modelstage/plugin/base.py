@@ -149,14 +149,20 @@ class ModelstageLoader(BaseModelLoader):
     def _verify_content(self, verified: VerifiedArtifact, record: LoadRecord) -> str:
         """Decide how this load verifies content, and run the pass when it is one."""
         if not self.settings.verify:
-            LOG.warning("modelstage: %s=0: loading %s WITHOUT verifying its content against "
-                        "the manifest; corrupt bytes would be served", ENV_VERIFY,
-                        verified.location)  # fmt: skip
+            LOG.warning(
+                "modelstage: %s=0: loading %s WITHOUT verifying its content against "
+                "the manifest; corrupt bytes would be served",
+                ENV_VERIFY,
+                verified.location,
+            )
             return OFF
         schema1 = any(f.entry.digest is None for f in verified.files)
         if self.streams_verification and not schema1:
-            LOG.info("modelstage: verifying every byte of %d file(s) of %s as it streams in",
-                     len(verified.files), verified.location)  # fmt: skip
+            LOG.info(
+                "modelstage: verifying every byte of %d file(s) of %s as it streams in",
+                len(verified.files),
+                verified.location,
+            )
             return STREAM
         why = (
             "the artifact has no chunk hashes (manifest schema 1; re-stage to verify while "

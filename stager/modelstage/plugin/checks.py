@@ -169,9 +169,15 @@ def verify_local(
     except ArtifactError as e:
         raise refuse(where, str(e)) from None
     return _verify_rank(
-        location, manifest, listing, load_format=load_format, settings=settings,
-        running_tp=running_tp, vllm_version=vllm_version, pattern=rank_glob or "*.safetensors",
-    )  # fmt: skip
+        location,
+        manifest,
+        listing,
+        load_format=load_format,
+        settings=settings,
+        running_tp=running_tp,
+        vllm_version=vllm_version,
+        pattern=rank_glob or "*.safetensors",
+    )
 
 
 def verify_s3(
@@ -197,9 +203,15 @@ def verify_s3(
     except DestinationError as e:
         raise _s3_refusal(e, location.uri) from None
     return _verify_rank(
-        location, manifest, listing, load_format=load_format, settings=settings,
-        running_tp=running_tp, vllm_version=vllm_version, pattern=rank_glob,
-    )  # fmt: skip
+        location,
+        manifest,
+        listing,
+        load_format=load_format,
+        settings=settings,
+        running_tp=running_tp,
+        vllm_version=vllm_version,
+        pattern=rank_glob,
+    )
 
 
 def _verify_rank(
@@ -283,8 +295,11 @@ def _no_duplicates(where: str, files: tuple[RankFile, ...]) -> tuple[RankFile, .
     for f in files:
         for tensor in f.header.tensors:
             if tensor in seen:
-                raise refuse(where, f"tensor {tensor!r} is in both {seen[tensor]} and "
-                             f"{f.name}; re-stage the artifact")  # fmt: skip
+                raise refuse(
+                    where,
+                    f"tensor {tensor!r} is in both {seen[tensor]} and "
+                    f"{f.name}; re-stage the artifact",
+                )
             seen[tensor] = f.name
     return files
 
@@ -415,8 +430,11 @@ def verify_content(verified: VerifiedArtifact, *, workers: int | None = None) ->
     except ChunkMismatch as e:
         raise refuse(e.where, f"{e.reason}: re-stage it") from None
     except Sha256Mismatch as e:
-        raise refuse(e.where, f"sha256 is {e.actual}, the manifest says {e.expected}; the file "
-                     "is corrupt: re-stage it") from None  # fmt: skip
+        raise refuse(
+            e.where,
+            f"sha256 is {e.actual}, the manifest says {e.expected}; the file "
+            "is corrupt: re-stage it",
+        ) from None
     except DestinationError as e:
         where, _, reason = str(e).partition(": ")  # the S3 client names the object it read
         raise refuse(where, reason) from None

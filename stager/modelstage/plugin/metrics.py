@@ -59,6 +59,10 @@ class LoadRecord:
         return "modelstage load " + json.dumps(doc, sort_keys=True, separators=(",", ":"))
 
 
+INFO_LABELS = ("digest", "artifact_format", "layout_version", "artifact", "tensor_parallel_size")
+"""What ``modelstage_artifact_info`` says of the artifact, beside the rank and load format."""
+
+
 class _Metrics:
     """The process's metric objects, created on first use (one registry per process)."""
 
@@ -115,9 +119,8 @@ class _Metrics:
         self.info = Gauge(
             "modelstage_artifact_info",
             "The artifact this rank loaded last (value 1).",
-            (*labels, "digest", "artifact_format", "layout_version", "artifact",
-             "tensor_parallel_size"),
-        )  # fmt: skip
+            (*labels, *INFO_LABELS),
+        )
 
 
 _metrics: _Metrics | None = None

@@ -98,11 +98,17 @@ class ModelstageShardedStateLoader(ModelstageLoader):
             )
         except ChunkMismatch as e:
             raise refuse(e.where, f"{e.reason}: re-stage it") from None
-        verified_note = (f", every byte verified ({checker.stats.seconds:.2f} s of hashing)"
-                         if checker else "")  # fmt: skip
-        LOG.info("modelstage: read %d bytes of %s with the %s reader in %.2f s%s",
-                 stats.bytes, verified.location, "S3" if on_s3 else "local",
-                 stats.read_seconds, verified_note)  # fmt: skip
+        verified_note = (
+            f", every byte verified ({checker.stats.seconds:.2f} s of hashing)" if checker else ""
+        )
+        LOG.info(
+            "modelstage: read %d bytes of %s with the %s reader in %.2f s%s",
+            stats.bytes,
+            verified.location,
+            "S3" if on_s3 else "local",
+            stats.read_seconds,
+            verified_note,
+        )
         return Transfer(
             bytes=stats.bytes,
             files=stats.files,
@@ -118,11 +124,17 @@ def check_keys(where: str, in_files: set[str], in_model: set[str]) -> None:
     """The stock loader's KeyError / "Missing keys", before any read, naming the keys."""
     unknown, missing = sorted(in_files - in_model), sorted(in_model - in_files)
     if unknown:
-        raise refuse(where, f"the model has no parameter {', '.join(unknown[:5])}; the artifact "
-                     "was staged for another architecture or layout; re-stage")  # fmt: skip
+        raise refuse(
+            where,
+            f"the model has no parameter {', '.join(unknown[:5])}; the artifact "
+            "was staged for another architecture or layout; re-stage",
+        )
     if missing:
-        raise refuse(where, f"the artifact lacks {', '.join(missing[:5])}; re-stage it for "
-                     "this model and vLLM version")  # fmt: skip
+        raise refuse(
+            where,
+            f"the artifact lacks {', '.join(missing[:5])}; re-stage it for "
+            "this model and vLLM version",
+        )
 
 
 def target_for(info: TensorInfo, param: torch.Tensor) -> Target:
@@ -131,20 +143,34 @@ def target_for(info: TensorInfo, param: torch.Tensor) -> Target:
     data = param.data
     dtype = TORCH_DTYPES[info.dtype]
     if dtype != data.dtype:
-        LOG.warning("Attempted to load weight %s with dtype %s into parameter with dtype %s",
-                    info.name, dtype, data.dtype)  # fmt: skip
+        LOG.warning(
+            "Attempted to load weight %s with dtype %s into parameter with dtype %s",
+            info.name,
+            dtype,
+            data.dtype,
+        )
     if len(info.shape) != data.dim():
-        raise refuse(info.file, f"tensor {info.name!r} has shape {list(info.shape)}, the "
-                     f"parameter {list(data.shape)}; re-stage")  # fmt: skip
+        raise refuse(
+            info.file,
+            f"tensor {info.name!r} has shape {list(info.shape)}, the "
+            f"parameter {list(data.shape)}; re-stage",
+        )
     for dim, size in enumerate(info.shape):
         if size < data.shape[dim]:
             data = data.narrow(dim, 0, size)
     if tuple(info.shape) != tuple(param.shape):
-        LOG.warning("loading tensor of shape %s into parameter '%s' of shape %s",
-                    list(info.shape), info.name, list(param.shape))  # fmt: skip
+        LOG.warning(
+            "loading tensor of shape %s into parameter '%s' of shape %s",
+            list(info.shape),
+            info.name,
+            list(param.shape),
+        )
     if tuple(data.shape) != tuple(info.shape):
-        raise refuse(info.file, f"tensor {info.name!r} of shape {list(info.shape)} is larger "
-                     f"than its parameter {list(param.shape)}; re-stage")  # fmt: skip
+        raise refuse(
+            info.file,
+            f"tensor {info.name!r} of shape {list(info.shape)} is larger "
+            f"than its parameter {list(param.shape)}; re-stage",
+        )
     if dtype == data.dtype and data.is_contiguous():
         return Target(flat_bytes(data))
     return staging_for(info, data)

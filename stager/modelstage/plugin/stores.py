@@ -159,8 +159,14 @@ class S3Objects(RankBytes):
             if not views:
                 return
         try:
-            get_range_into(self.client, obj.location.bucket, obj.location.key(obj.name),
-                           obj.etag, offset, views)  # fmt: skip
+            get_range_into(
+                self.client,
+                obj.location.bucket,
+                obj.location.key(obj.name),
+                obj.etag,
+                offset,
+                views,
+            )
         except Exception as e:
             if precondition_failed(e):
                 raise ArtifactError(

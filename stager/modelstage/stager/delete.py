@@ -138,17 +138,26 @@ def _delete_s3(found: S3Artifact, digest: str) -> int:
         lambda: client.list_multipart_uploads(Bucket=bucket, Prefix=prefix), prefix
     )
     for upload in uploads.get("Uploads", []):
-        found.call(lambda u=upload: client.abort_multipart_upload(
-            Bucket=bucket, Key=u["Key"], UploadId=u["UploadId"]), upload["Key"])  # fmt: skip
+        found.call(
+            lambda u=upload: client.abort_multipart_upload(
+                Bucket=bucket, Key=u["Key"], UploadId=u["UploadId"]
+            ),
+            upload["Key"],
+        )
     keys = [prefix + name for name in found.listing()]
     for start in range(0, len(keys), DELETE_BATCH):
         batch = [{"Key": k} for k in keys[start : start + DELETE_BATCH]]
-        result = found.call(lambda b=batch: client.delete_objects(
-            Bucket=bucket, Delete={"Objects": b, "Quiet": True}), prefix)  # fmt: skip
+        result = found.call(
+            lambda b=batch: client.delete_objects(
+                Bucket=bucket, Delete={"Objects": b, "Quiet": True}
+            ),
+            prefix,
+        )
         if result.get("Errors"):
             first = result["Errors"][0]
-            raise ArtifactError(f"s3://{bucket}/{first.get('Key')}: not deleted: "
-                                f"{first.get('Code')} {first.get('Message')}")  # fmt: skip
+            raise ArtifactError(
+                f"s3://{bucket}/{first.get('Key')}: not deleted: "
+                f"{first.get('Code')} {first.get('Message')}"
+            )
         removed += len(batch)
     return removed
-

@@ -74,8 +74,9 @@ def verify_artifact(
     if location.kind == S3 and not hash_content:
         manifest = found.require_manifest(digest=digest, tp=tp)
     else:
-        manifest = verify(found, digest=digest, tp=tp, hash_content=hash_content,
-                          show_progress=True)  # fmt: skip
+        manifest = verify(
+            found, digest=digest, tp=tp, hash_content=hash_content, show_progress=True
+        )
     return _summary(found.uri, manifest, hashed=hash_content)
 
 
@@ -148,8 +149,9 @@ def _write_tree(root: Path, version: str) -> int:
         (dist / name).write_text(text)
         copied.append(dist / name)
     record = dist / "RECORD"
-    lines = [f"{p.relative_to(root).as_posix()},{_record_hash(p)},{p.stat().st_size}"
-             for p in copied]  # fmt: skip
+    lines = [
+        f"{p.relative_to(root).as_posix()},{_record_hash(p)},{p.stat().st_size}" for p in copied
+    ]
     record.write_text("\n".join([*lines, f"{record.relative_to(root).as_posix()},,"]) + "\n")
     return len(copied) + 1
 

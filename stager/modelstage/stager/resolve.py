@@ -90,13 +90,21 @@ def resolve(req: StageRequest) -> Resolved:
         from .sources.hf import HfSource
 
         commit = HfSource.resolve(
-            req.source, revision=req.revision, hf_token_file=req.hf_token_file,
-            cache_dir=req.cache_dir, timeouts=req.timeouts,
-        )  # fmt: skip
+            req.source,
+            revision=req.revision,
+            hf_token_file=req.hf_token_file,
+            cache_dir=req.cache_dir,
+            timeouts=req.timeouts,
+        )
         return Resolved(uri, req.revision, f"commit:{commit}", "hf", commit=commit)
-    source = open_source(req.source, revision=req.revision, s3=req.s3,
-                         hf_token_file=req.hf_token_file, cache_dir=req.cache_dir,
-                         timeouts=req.timeouts)  # fmt: skip
+    source = open_source(
+        req.source,
+        revision=req.revision,
+        s3=req.s3,
+        hf_token_file=req.hf_token_file,
+        cache_dir=req.cache_dir,
+        timeouts=req.timeouts,
+    )
     try:
         checkpoint = None
         identity = None
@@ -109,10 +117,15 @@ def resolve(req: StageRequest) -> Resolved:
             identity = checkpoint.identity()
         files = identity.get("files") or []
         return Resolved(
-            uri, req.revision, identity_key(identity), str(identity.get("kind", "local")),
-            files=len(files), bytes=sum(int(f.get("size", 0)) for f in files),
-            source=source, checkpoint=checkpoint,
-        )  # fmt: skip
+            uri,
+            req.revision,
+            identity_key(identity),
+            str(identity.get("kind", "local")),
+            files=len(files),
+            bytes=sum(int(f.get("size", 0)) for f in files),
+            source=source,
+            checkpoint=checkpoint,
+        )
     except BaseException:
         source.close()
         raise

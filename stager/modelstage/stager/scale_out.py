@@ -120,8 +120,10 @@ def assign_parts(sizes: Sequence[int], workers: int) -> list[range]:
     for size in sizes:
         owner.append(min(workers - 1, (2 * before + size) * workers // (2 * total)))
         before += size
-    return [range(owner.index(w), len(owner) - owner[::-1].index(w)) if w in owner
-            else range(0) for w in range(workers)]  # fmt: skip
+    return [
+        range(owner.index(w), len(owner) - owner[::-1].index(w)) if w in owner else range(0)
+        for w in range(workers)
+    ]
 
 
 @dataclass
@@ -160,9 +162,11 @@ def _plan_run(req: StageRequest, checkpoint: Checkpoint, digest: str, resolved: 
     check_identity(resolved, identity, req.source_uri or req.source)
     key = run_key(digest, {**identity, "maxPartBytes": layout.max_part_bytes})
     params = {
-        "maxPartBytes": layout.max_part_bytes, "modelstageVersion": modelstage_version(),
-        "source": identity_key(identity), "digest": digest,
-    }  # fmt: skip
+        "maxPartBytes": layout.max_part_bytes,
+        "modelstageVersion": modelstage_version(),
+        "source": identity_key(identity),
+        "digest": digest,
+    }
     parts = plan_parts(plan, layout.max_part_bytes)
     return _Run(checkpoint, plan, identity, layout, FORMATS[req.format], key, parts, params)
 
@@ -177,8 +181,10 @@ def stage_group(
     opened = open_run(req, dest)
     if opened.existing is not None or opened.source is None:
         assert opened.existing is not None
-        return {**_summary(opened.existing, dest.uri, time.monotonic() - started, already=True),
-                "group": str(group)}  # fmt: skip
+        return {
+            **_summary(opened.existing, dest.uri, time.monotonic() - started, already=True),
+            "group": str(group),
+        }
     source = opened.source
     try:
         checkpoint = opened.resolved.checkpoint or open_checkpoint(source)
@@ -189,13 +195,21 @@ def stage_group(
             progress = Progress(
                 sum(t.nbytes for p in mine for t in run.parts[p]) * run.plan.tp,
                 sum(len(run.parts[p]) for p in mine),
-                label=(f"staging parts {mine.start}..{mine.stop - 1}" if mine
-                       else "no parts to stage") + f" (group {group}) to {dest.uri}",
+                label=(
+                    f"staging parts {mine.start}..{mine.stop - 1}" if mine else "no parts to stage"
+                )
+                + f" (group {group}) to {dest.uri}",
                 stream=progress_stream,
-            )  # fmt: skip
+            )
             files = write_rank_files(
-                run.plan, run.checkpoint, run.layout, run.format, dest.open_sink, progress,
-                dest.completed, only=mine,
+                run.plan,
+                run.checkpoint,
+                run.layout,
+                run.format,
+                dest.open_sink,
+                progress,
+                dest.completed,
+                only=mine,
             )
             progress.finish()
         dest.release()
@@ -247,9 +261,13 @@ def _check_parts(
     names = rank_file_names(run.format, run.plan.tp, len(run.parts))
     sizes = part_sizes(run.parts)
     wanted = [(names[r][p], sizes[p]) for r in range(run.plan.tp) for p in range(len(sizes))]
-    progress = Progress(sum(s for _, s in wanted), len(wanted),
-                        label=f"checking parts of {dest.uri}", stream=progress_stream,
-                        items="parts")  # fmt: skip
+    progress = Progress(
+        sum(s for _, s in wanted),
+        len(wanted),
+        label=f"checking parts of {dest.uri}",
+        stream=progress_stream,
+        items="parts",
+    )
 
     def check(name: str, size: int) -> FileDigest:
         found = dest.check_part(name, size)

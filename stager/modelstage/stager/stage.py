@@ -75,8 +75,9 @@ def run_key(digest: str, identity: dict[str, Any]) -> str:
     """What pins the bytes a run writes: a rerun with the same key may reuse finished files."""
     canonical = json.dumps(
         {"digest": digest, "source": identity, "stager": modelstage_version()},
-        sort_keys=True, separators=(",", ":"),
-    )  # fmt: skip
+        sort_keys=True,
+        separators=(",", ":"),
+    )
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
@@ -149,10 +150,15 @@ def open_run(req: StageRequest, dest: Destination) -> OpenRun:
         existing = existing_artifact(dest, req, digest, resolved)
         if existing is not None:
             return OpenRun(resolved, digest, existing)
-        source = resolved.source or open_source(req.source, revision=req.revision, s3=req.s3,
-                                                hf_token_file=req.hf_token_file,
-                                                cache_dir=req.cache_dir, timeouts=req.timeouts,
-                                                commit=resolved.commit)  # fmt: skip
+        source = resolved.source or open_source(
+            req.source,
+            revision=req.revision,
+            s3=req.s3,
+            hf_token_file=req.hf_token_file,
+            cache_dir=req.cache_dir,
+            timeouts=req.timeouts,
+            commit=resolved.commit,
+        )
         resolved.source = None  # handed on: the caller closes it
     finally:
         resolved.close()
@@ -273,16 +279,23 @@ def occupied(
     source identity this run resolved; a changed source differs only in it."""
     source = req.source_uri or canonical_uri(req.source)
     theirs = {
-        "format": existing.format, "TP": existing.tensorParallelSize, "dtype": existing.dtype,
-        "source": existing.source.get("uri"), "revision": existing.source.get("revision"),
+        "format": existing.format,
+        "TP": existing.tensorParallelSize,
+        "dtype": existing.dtype,
+        "source": existing.source.get("uri"),
+        "revision": existing.source.get("revision"),
         "layout": existing.layoutVersion,
         "source identity": existing.source.get("identity") or "not recorded",
-    }  # fmt: skip
+    }
     ours = {
-        "format": req.format, "TP": req.tp, "dtype": req.dtype, "source": source,
-        "revision": req.revision, "layout": request_layout(req).layout_version,
+        "format": req.format,
+        "TP": req.tp,
+        "dtype": req.dtype,
+        "source": source,
+        "revision": req.revision,
+        "layout": request_layout(req).layout_version,
         "source identity": identity,
-    }  # fmt: skip
+    }
     differ = [k for k in ours if ours[k] != theirs[k]] or ["digest (--digest)"]
     changed = (
         " (the source changed since that artifact was staged)"

@@ -194,8 +194,13 @@ class AtomicFileSink(LocalFileSink):
     def close(self) -> FileDigest:
         digest = super().close()
         if self.sidecar is not None:
-            record = {"size": digest.size, "blake3": digest.root, "chunkBytes": digest.chunk_bytes,
-                      "chunks": list(digest.chunks), **self.sidecar}  # fmt: skip
+            record = {
+                "size": digest.size,
+                "blake3": digest.root,
+                "chunkBytes": digest.chunk_bytes,
+                "chunks": list(digest.chunks),
+                **self.sidecar,
+            }
             _write_durably(sidecar_path(self.final), json.dumps(record).encode())
         os.rename(self.path, self.final)
         fsync_dir(self.final.parent)
@@ -309,10 +314,14 @@ class LocalDestination(Destination):
                 continue
             differ = [k for k in params if theirs.get(k) != params[k]]
             if differ:
-                said = "; ".join(f"{k} {theirs.get(k)} (this finalize: {params[k]})"
-                                 for k in differ)  # fmt: skip
-                hint = (f" (--max-part-bytes {theirs['maxPartBytes']})"
-                        if "maxPartBytes" in differ else "")  # fmt: skip
+                said = "; ".join(
+                    f"{k} {theirs.get(k)} (this finalize: {params[k]})" for k in differ
+                )
+                hint = (
+                    f" (--max-part-bytes {theirs['maxPartBytes']})"
+                    if "maxPartBytes" in differ
+                    else ""
+                )
                 return (
                     f"{self.out}: the workers' parts in {other} were written with other "
                     f"settings: {said}; run finalize with the workers' arguments{hint}"

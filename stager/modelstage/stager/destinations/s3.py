@@ -150,10 +150,13 @@ class S3ObjectSink:
         if self.upload_id is None:
             created = self.dest.call(
                 lambda: client.create_multipart_upload(
-                    Bucket=self.dest.location.bucket, Key=self.key, ContentType=CONTENT_TYPE,
+                    Bucket=self.dest.location.bucket,
+                    Key=self.key,
+                    ContentType=CONTENT_TYPE,
                     Metadata={RUN_KEY: self.dest.run_key},
-                ), self.key,
-            )  # fmt: skip
+                ),
+                self.key,
+            )
             self.upload_id = created["UploadId"]
         number, buf, fill = len(self.parts) + 1, self.buf, self.fill
         self.buf = None
@@ -172,10 +175,14 @@ class S3ObjectSink:
             body = memoryview(buf)[:fill]
             response = with_retries(
                 lambda: client.upload_part(
-                    Bucket=self.dest.location.bucket, Key=self.key, UploadId=self.upload_id,
-                    PartNumber=number, Body=_ViewReader(body), ContentLength=fill,
+                    Bucket=self.dest.location.bucket,
+                    Key=self.key,
+                    UploadId=self.upload_id,
+                    PartNumber=number,
+                    Body=_ViewReader(body),
+                    ContentLength=fill,
                 )
-            )  # fmt: skip
+            )
             return {"PartNumber": number, "ETag": response["ETag"]}
         except BaseException as e:
             self.failed = self.failed or self.dest.s3.error(e, self.dest.uri_of(self.name))
@@ -194,11 +201,15 @@ class S3ObjectSink:
             body = memoryview(self.buf or b"")[: self.fill]
             self.dest.call(
                 lambda: client.put_object(
-                    Bucket=bucket, Key=self.key, Body=_ViewReader(body), ContentLength=self.fill,
+                    Bucket=bucket,
+                    Key=self.key,
+                    Body=_ViewReader(body),
+                    ContentLength=self.fill,
                     ContentType=CONTENT_TYPE,
                     Metadata={**meta, RUN_KEY: self.dest.run_key},
-                ), self.key,
-            )  # fmt: skip
+                ),
+                self.key,
+            )
             if self.buf is not None:
                 self.dest.give_back(self.buf)
                 self.buf = None
@@ -208,10 +219,13 @@ class S3ObjectSink:
         parts = [f.result() for f in self.parts]
         done = self.dest.call(
             lambda: client.complete_multipart_upload(
-                Bucket=bucket, Key=self.key, UploadId=self.upload_id,
+                Bucket=bucket,
+                Key=self.key,
+                UploadId=self.upload_id,
                 MultipartUpload={"Parts": parts},
-            ), self.key,
-        )  # fmt: skip
+            ),
+            self.key,
+        )
         self.upload_id = None
         self.dest.set_metadata(self.key, self.size, done["ETag"], meta)
         return digest
@@ -303,10 +317,16 @@ class S3Destination(Destination):
         if size <= COPY_LIMIT:
             self.call(
                 lambda: client.copy_object(
-                    Bucket=bucket, Key=key, CopySource=source, CopySourceIfMatch=etag,
-                    MetadataDirective="REPLACE", Metadata=metadata, ContentType=CONTENT_TYPE,
-                ), key,
-            )  # fmt: skip
+                    Bucket=bucket,
+                    Key=key,
+                    CopySource=source,
+                    CopySourceIfMatch=etag,
+                    MetadataDirective="REPLACE",
+                    Metadata=metadata,
+                    ContentType=CONTENT_TYPE,
+                ),
+                key,
+            )
             return
         self._copy_in_parts(key, size, etag, metadata)
 
@@ -315,30 +335,38 @@ class S3Destination(Destination):
         upload = self.call(
             lambda: client.create_multipart_upload(
                 Bucket=bucket, Key=key, Metadata=metadata, ContentType=CONTENT_TYPE
-            ), key,
-        )  # fmt: skip
+            ),
+            key,
+        )
         upload_id, step = upload["UploadId"], COPY_LIMIT
 
         def copy_part(number: int, start: int) -> dict[str, Any]:
             end = min(size, start + step) - 1
             got = with_retries(
                 lambda: client.upload_part_copy(
-                    Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number,
-                    CopySource={"Bucket": bucket, "Key": key}, CopySourceIfMatch=etag,
+                    Bucket=bucket,
+                    Key=key,
+                    UploadId=upload_id,
+                    PartNumber=number,
+                    CopySource={"Bucket": bucket, "Key": key},
+                    CopySourceIfMatch=etag,
                     CopySourceRange=f"bytes={start}-{end}",
                 )
-            )  # fmt: skip
+            )
             return {"PartNumber": number, "ETag": got["CopyPartResult"]["ETag"]}
 
         try:
-            futures = [self.pool.submit(copy_part, i + 1, start)
-                       for i, start in enumerate(range(0, size, step))]  # fmt: skip
+            futures = [
+                self.pool.submit(copy_part, i + 1, start)
+                for i, start in enumerate(range(0, size, step))
+            ]
             parts = [self.call(f.result, key) for f in futures]
             self.call(
                 lambda: client.complete_multipart_upload(
                     Bucket=bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts}
-                ), key,
-            )  # fmt: skip
+                ),
+                key,
+            )
         except BaseException:
             with contextlib.suppress(Exception):
                 client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload_id)
@@ -350,8 +378,9 @@ class S3Destination(Destination):
 
     def _head(self, name: str) -> dict[str, Any]:
         key = self.location.key(name)
-        return dict(self.call(lambda: self.s3.client.head_object(
-            Bucket=self.location.bucket, Key=key), key))  # fmt: skip
+        return dict(
+            self.call(lambda: self.s3.client.head_object(Bucket=self.location.bucket, Key=key), key)
+        )
 
     # -- the Destination interface --------------------------------------------------------
 
@@ -364,11 +393,17 @@ class S3Destination(Destination):
         self.run_key = run_key
         self._present = self._list()
         client, bucket = self.s3.client, self.location.bucket
-        stale = self.call(lambda: client.list_multipart_uploads(
-            Bucket=bucket, Prefix=self.location.prefix + "/"), self.location.prefix)  # fmt: skip
+        stale = self.call(
+            lambda: client.list_multipart_uploads(Bucket=bucket, Prefix=self.location.prefix + "/"),
+            self.location.prefix,
+        )
         for upload in stale.get("Uploads", []):
-            self.call(lambda u=upload: client.abort_multipart_upload(
-                Bucket=bucket, Key=u["Key"], UploadId=u["UploadId"]), upload["Key"])  # fmt: skip
+            self.call(
+                lambda u=upload: client.abort_multipart_upload(
+                    Bucket=bucket, Key=u["Key"], UploadId=u["UploadId"]
+                ),
+                upload["Key"],
+            )
 
     def begin_shared(
         self, run_key: str, *, finalize: bool = False, params: Mapping[str, Any] | None = None
@@ -419,8 +454,11 @@ class S3Destination(Destination):
         job = FileToHash(self.uri_of(name), size, read_into, chunk_bytes=int(chunk))
         digest = hash_files([job], workers=self.concurrency)[0][0]
         if digest.root != root:
-            print(f"s3: {self.uri_of(name)} does not hash to its recorded content hash; "
-                  "writing it again", file=sys.stderr)  # fmt: skip
+            print(
+                f"s3: {self.uri_of(name)} does not hash to its recorded content hash; "
+                "writing it again",
+                file=sys.stderr,
+            )
             return None
         self.reused.append(name)
         return digest
@@ -465,14 +503,22 @@ class S3Destination(Destination):
         data = manifest.to_json().encode()
         root = digest_bytes(data, self.chunk_bytes).root
         meta = {HASH_KEY: root, CHUNK_KEY: str(self.chunk_bytes)}
-        self.call(lambda: self.s3.client.put_object(
-            Bucket=self.location.bucket, Key=self.location.key(MANIFEST), Body=data,
-            ContentType="application/json", Metadata={**meta, RUN_KEY: self.run_key},
-        ), self.location.key(MANIFEST))  # fmt: skip
+        self.call(
+            lambda: self.s3.client.put_object(
+                Bucket=self.location.bucket,
+                Key=self.location.key(MANIFEST),
+                Body=data,
+                ContentType="application/json",
+                Metadata={**meta, RUN_KEY: self.run_key},
+            ),
+            self.location.key(MANIFEST),
+        )
         self._shutdown()
         if self.reused:
-            print(f"s3: reused {len(self.reused)} complete object(s) of an earlier run",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"s3: reused {len(self.reused)} complete object(s) of an earlier run",
+                file=sys.stderr,
+            )
 
     def abort(self) -> None:
         """Stop writing. Complete objects stay: invisible without the manifest, a rerun of

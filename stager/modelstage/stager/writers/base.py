@@ -41,17 +41,14 @@ class Writer(abc.ABC):
     """Writes one format's weight files through the destination's sinks. The stager then
     copies ``carried`` beside them and writes the manifest."""
 
-    def progress(
-        self, job: WriteJob, label: str, stream: TextIO | None = None
-    ) -> Progress:
+    def progress(self, job: WriteJob, label: str, stream: TextIO | None = None) -> Progress:
         """What ``write`` reports its progress against: the checkpoint's tensor bytes."""
-        return Progress(job.checkpoint.weight_bytes, len(job.plan.targets), label=label,
-                        stream=stream)  # fmt: skip
+        return Progress(
+            job.checkpoint.weight_bytes, len(job.plan.targets), label=label, stream=stream
+        )
 
     @abc.abstractmethod
-    def write(
-        self, job: WriteJob, dest: Destination, progress: Progress
-    ) -> dict[str, FileDigest]:
+    def write(self, job: WriteJob, dest: Destination, progress: Progress) -> dict[str, FileDigest]:
         """Write the weight files into ``dest``; returns {file name: its digest}. Files an
         earlier run with the same run key finished (``Destination.completed``) are not written
         again."""

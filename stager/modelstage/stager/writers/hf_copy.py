@@ -32,9 +32,7 @@ class HfCopyWriter(Writer):
         total = sum(job.checkpoint.source.size(f) for f in files)
         return Progress(total, len(files), label=label, stream=stream, items="files")
 
-    def write(
-        self, job: WriteJob, dest: Destination, progress: Progress
-    ) -> dict[str, FileDigest]:
+    def write(self, job: WriteJob, dest: Destination, progress: Progress) -> dict[str, FileDigest]:
         return copy_weight_files(job.checkpoint, dest.open_sink, progress, dest.completed)
 
     def carried(self, checkpoint: Checkpoint) -> tuple[str, ...]:

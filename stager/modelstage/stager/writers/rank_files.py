@@ -83,11 +83,16 @@ def part_sizes(parts: Sequence[Sequence[TargetTensor]]) -> list[int]:
 class RankFilesWriter(Writer):
     """Each rank's part files of the shard plan, in vLLM's sharded-state layout."""
 
-    def write(
-        self, job: WriteJob, dest: Destination, progress: Progress
-    ) -> dict[str, FileDigest]:
-        return write_rank_files(job.plan, job.checkpoint, job.layout, job.format,
-                                dest.open_sink, progress, dest.completed)  # fmt: skip
+    def write(self, job: WriteJob, dest: Destination, progress: Progress) -> dict[str, FileDigest]:
+        return write_rank_files(
+            job.plan,
+            job.checkpoint,
+            job.layout,
+            job.format,
+            dest.open_sink,
+            progress,
+            dest.completed,
+        )
 
     def planned(self, job: WriteJob) -> list[PlannedFile]:
         parts = plan_parts(job.plan, job.layout.max_part_bytes)
@@ -131,7 +136,7 @@ def write_rank_files(
         sinks: list[Sink] = [
             open_sink(names[r][p], size) if (d := done[r]) is None else _DoneSink(d)
             for r in range(plan.tp)
-        ]  # fmt: skip
+        ]
         try:
             with _RankStreams(sinks) as streams:
                 for r in range(plan.tp):
@@ -317,10 +322,14 @@ def _stream_part(
     part: list[TargetTensor], checkpoint: Checkpoint, streams: _RankStreams, progress: Progress
 ) -> None:
     largest_row = max(
-        (checkpoint.tensors[s.source].nbytes // max(checkpoint.tensors[s.source].shape[0], 1)
-         for t in part for s in t.slots if s.source is not None),
+        (
+            checkpoint.tensors[s.source].nbytes // max(checkpoint.tensors[s.source].shape[0], 1)
+            for t in part
+            for s in t.slots
+            if s.source is not None
+        ),
         default=0,
-    )  # fmt: skip
+    )
     pool = _BufferPool(POOL_BUFFERS, max(CHUNK_BYTES, largest_row))
     filled: queue.Queue[_Filled] = queue.Queue(maxsize=POOL_BUFFERS)
     cancel = threading.Event()
@@ -430,8 +439,12 @@ def cast_bytes(data: memoryview, src: str, dst: str) -> memoryview:
     """Cast raw tensor bytes between float dtypes exactly as torch's ``Tensor.to`` does."""
     import torch  # only casts need torch; a plain re-shard never imports it
 
-    dtypes = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
-              "BF16": torch.bfloat16}  # fmt: skip
+    dtypes = {
+        "F64": torch.float64,
+        "F32": torch.float32,
+        "F16": torch.float16,
+        "BF16": torch.bfloat16,
+    }
     if src not in dtypes or dst not in dtypes:
         raise ValueError(f"cannot cast {src} to {dst}")
     if len(data) == 0:
