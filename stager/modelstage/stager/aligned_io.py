@@ -44,7 +44,7 @@ DIRECT_IO_ENV = "MODELSTAGE_DIRECT_IO"
 """``0`` turns ``O_DIRECT`` off (every write goes through the page cache)."""
 
 _WRITERS = ThreadPoolExecutor(8, "aligned-write")
-"""Shared by every open file: at most ``BUFFERS_PER_FILE - 1`` writes of one file in flight."""
+"""Shared by every open file: at most ``BUFFERS_PER_FILE`` writes of one file in flight."""
 
 
 class _BufferPool:
