@@ -24,7 +24,8 @@ from typing import Any
 
 import pytest
 from modelstage.core.errors import ArtifactError, CheckpointError, DestinationError
-from modelstage.core.manifest import MANIFEST, MAX_MANIFEST_BYTES, Manifest, verify_directory
+from modelstage.core.location import verify_directory
+from modelstage.core.manifest import MANIFEST, MAX_MANIFEST_BYTES, Manifest
 from modelstage.core.safetensors_format import MAX_TENSORS_PER_HEADER
 from modelstage.devtools.synthetic import SyntheticModel, write_checkpoint
 from modelstage.stager.checkpoint import MAX_CARRIED_BYTES, MAX_TENSORS, open_checkpoint
@@ -381,12 +382,12 @@ def test_an_oversized_s3_manifest_is_refused_after_reading_only_its_limit(
 ) -> None:
     """The object's listed size is not read whole: the destination and the plugin read at most
     one byte past the limit, and refuse."""
+    from modelstage.core.location import S3Artifact
     from modelstage.core.s3_client import S3Client, S3Location
-    from modelstage.plugin.checks import _s3_manifest
     from modelstage.stager.destinations.s3 import S3Destination
 
     s3.client().put_object(Bucket=bucket, Key=f"big/{MANIFEST}", Body=b" " * (MAX_MANIFEST_BYTES + 4096))
     with pytest.raises(ArtifactError, match="more than"):
         S3Destination(f"s3://{bucket}/big/", s3.options()).existing()
     with pytest.raises(ArtifactError, match="more than"):
-        _s3_manifest(S3Client(s3.options()), S3Location.parse(f"s3://{bucket}/big/"))
+        S3Artifact(S3Location.parse(f"s3://{bucket}/big/"), S3Client(s3.options())).read_manifest()

@@ -19,7 +19,8 @@ from typing import Any
 
 import pytest
 from modelstage.core.errors import ModelstageError
-from modelstage.core.manifest import MANIFEST, TIMING_FIELDS, verify_directory
+from modelstage.core.location import open_artifact, verify, verify_directory
+from modelstage.core.manifest import MANIFEST, TIMING_FIELDS
 from modelstage.stager import cli
 from modelstage.stager.destinations.s3 import S3Destination
 from modelstage.stager.prepare import verify_artifact
@@ -168,7 +169,7 @@ def test_s3_stage_killed_at_many_points_never_looks_complete_and_reruns_byte_ide
 
         rerun = stage(s3_request(crash_ckpt, out, s3))
         assert rerun["alreadyStaged"] is False and rerun["digest"] == summary["digest"]
-        S3Destination(out, s3.options()).verify(digest=summary["digest"], tp=2)
+        verify(open_artifact(out, s3.options()), digest=summary["digest"], tp=2)
         staged = s3_objects(s3, bucket, prefix)
         assert without_timing(staged.pop(MANIFEST)) == expected_manifest, where
         assert staged.keys() == reference.keys(), where

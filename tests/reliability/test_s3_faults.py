@@ -19,10 +19,10 @@ from typing import Any
 
 import pytest
 from modelstage.core.errors import ModelstageError
-from modelstage.core.manifest import MANIFEST, TIMING_FIELDS, verify_directory
+from modelstage.core.location import open_artifact, verify, verify_directory
+from modelstage.core.manifest import MANIFEST, TIMING_FIELDS
 from modelstage.core.s3_client import S3Options
 from modelstage.devtools.synthetic import SyntheticModel, write_checkpoint
-from modelstage.stager.destinations.s3 import S3Destination
 from modelstage.stager.stage import StageRequest, stage
 from support.fault_proxy import FaultProxy, fault_proxy
 from support.s3_server import S3Server
@@ -85,7 +85,7 @@ def reference(s3: S3Server, ckpt: Path) -> dict[str, Any]:
 def assert_nothing_published(s3: S3Server, bucket: str, prefix: str) -> None:
     assert MANIFEST not in objects(s3, bucket, prefix)
     with pytest.raises(ModelstageError, match="incomplete"):
-        S3Destination(f"s3://{bucket}/{prefix}", s3.options()).verify()
+        verify(open_artifact(f"s3://{bucket}/{prefix}", s3.options()))
 
 
 def in_background(call: Any) -> tuple[threading.Thread, dict[str, Any]]:
@@ -116,7 +116,7 @@ def test_throttled_requests_are_retried_and_the_upload_is_byte_identical(
     upload(ckpt, f"s3://{bucket}/t/", options(s3, proxy.endpoint))
     assert proxy.throttled == 8
     assert comparable(objects(s3, bucket, "t/")) == reference
-    S3Destination(f"s3://{bucket}/t/", s3.options()).verify(hash_content=True)
+    verify(open_artifact(f"s3://{bucket}/t/", s3.options()), hash_content=True)
 
 
 def test_endless_throttling_fails_clearly_within_the_budget_and_publishes_nothing(

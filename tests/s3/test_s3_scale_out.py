@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from modelstage.core.errors import ArtifactError
+from modelstage.core.location import open_artifact, verify
 from modelstage.core.manifest import MANIFEST, TIMING_FIELDS
 from modelstage.stager.destinations.s3 import S3Destination
 from modelstage.stager.scale_out import Group, finalize, stage_group
@@ -55,7 +56,7 @@ def test_four_workers_and_finalize_write_the_objects_one_stager_writes(
         n: b for n, b in one.items() if n != MANIFEST
     }
     assert _manifest(four[MANIFEST]) == _manifest(one[MANIFEST])
-    S3Destination(out, s3.options()).verify(hash_content=True)
+    verify(open_artifact(out, s3.options()), hash_content=True)
 
 
 def test_finalize_refuses_a_missing_part_object_and_writes_no_manifest(
@@ -72,7 +73,7 @@ def test_finalize_refuses_a_missing_part_object_and_writes_no_manifest(
     redo = stage_group(_request(multipart_ckpt, out, s3), Group(1, 2))  # rewrites only that one
     assert redo["files"] > 0
     finalize(_request(multipart_ckpt, out, s3))
-    S3Destination(out, s3.options()).verify(hash_content=True)
+    verify(open_artifact(out, s3.options()), hash_content=True)
 
 
 def test_finalize_refuses_a_part_object_not_written_by_this_run(

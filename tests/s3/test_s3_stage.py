@@ -1,10 +1,9 @@
 """Staging to S3 against a real S3 server (SeaweedFS on 127.0.0.1): byte-exact round trips,
-per-object sha256 metadata, the manifest as the commit point, reruns that finish what a
+per-object content-hash metadata, the manifest as the commit point, reruns that finish what a
 killed or failed run left, and credentials that never reach an output."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import signal
@@ -16,6 +15,8 @@ from typing import Any
 
 import pytest
 from modelstage.core.errors import ArtifactError, SpecError
+from modelstage.core.integrity import digest_bytes
+from modelstage.core.location import open_artifact, verify
 from modelstage.core.manifest import MANIFEST
 from modelstage.stager import cli
 from modelstage.stager.destinations.s3 import S3Destination
@@ -67,13 +68,16 @@ def test_rank_files_on_s3_equal_the_local_sharded_state_byte_for_byte(
     assert manifest["format"] == "runai_streamer_sharded" and manifest["tensorParallelSize"] == 2
     assert set(found) == {p.name for p in local.iterdir()}
     local_manifest = json.loads((local / MANIFEST).read_text())
-    assert manifest["files"] == local_manifest["files"]  # same sizes and sha256, file by file
+    assert manifest["files"] == local_manifest["files"]  # same sizes and hashes, file by file
     multipart = 0
     for name, entry in manifest["files"].items():
         data = body(s3, bucket, "art/" + name)
         assert data == (local / name).read_bytes(), name
         head = s3.client().head_object(Bucket=bucket, Key="art/" + name)
-        assert head["Metadata"]["sha256"] == entry["sha256"] == hashlib.sha256(data).hexdigest()
+        digest = digest_bytes(data, entry["chunkBytes"])
+        assert list(digest.chunks) == entry["chunks"]
+        assert head["Metadata"]["blake3"] == entry["blake3"] == digest.root
+        assert head["Metadata"]["blake3-chunk-bytes"] == str(entry["chunkBytes"])
         multipart += "-" in head["ETag"]
     assert multipart == 2, "each rank file (~20 MB) must have gone up as a multipart upload"
 
@@ -119,7 +123,7 @@ def test_rerun_reuses_complete_objects_and_rewrites_the_missing_one(
     rewritten = {n for n in before if after[n]["LastModified"] != before[n]["LastModified"]}
     assert rewritten == {"model-rank-1-part-0.safetensors", MANIFEST}
     assert body(s3, bucket, "resume/model-rank-1-part-0.safetensors") == original
-    S3Destination(out, s3.options()).verify(hash_content=True)
+    verify(open_artifact(out, s3.options()), hash_content=True)
 
 
 def test_a_rerun_for_another_source_identity_rewrites_every_object(
@@ -138,7 +142,7 @@ def test_a_rerun_for_another_source_identity_rewrites_every_object(
     rewritten = {n for n in before if after[n]["LastModified"] != before[n]["LastModified"]}
     assert rewritten == {"model.safetensors", "generation_config.json"}
     assert body(s3, bucket, "moved/generation_config.json") == b'{"eos_token_id": 2}'
-    S3Destination(out, s3.options()).verify(hash_content=True)
+    verify(open_artifact(out, s3.options()), hash_content=True)
 
 
 def test_killed_upload_leaves_nothing_complete_and_a_rerun_finishes_it(
@@ -166,7 +170,7 @@ def test_killed_upload_leaves_nothing_complete_and_a_rerun_finishes_it(
     assert rerun.returncode == 0, stderr
     assert json.loads(stdout.splitlines()[-1])["alreadyStaged"] is False
     assert not client.list_multipart_uploads(Bucket=bucket).get("Uploads")
-    S3Destination(out, s3.options()).verify(hash_content=True)
+    verify(open_artifact(out, s3.options()), hash_content=True)
 
 
 def test_complete_artifact_is_not_staged_again(

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from modelstage.core.integrity import digest_bytes
 from modelstage.core.safetensors_format import parse_header
 from modelstage.devtools.synthetic import SyntheticModel, write_checkpoint
 from modelstage.stager.stage import StageRequest, stage
@@ -74,9 +75,16 @@ def vllm_lock() -> Iterator[None]:
 
 def run_vllm_s3(
     model: str, tp: int, load_format: str, env: dict[str, str], *, dtype: str = "float32",
-    plugin: bool = False,
+    plugin: bool = False, check: bool = True,
 ) -> dict[str, Any]:  # fmt: skip
-    got = run_vllm(model, tp, load_format, PROMPTS, dtype, env=env, plugin=plugin)
+    """vLLM on ``model``; ``check=False`` returns a failed run's log (its tail) instead of
+    raising."""
+    try:
+        got = run_vllm(model, tp, load_format, PROMPTS, dtype, env=env, plugin=plugin)
+    except AssertionError as failed:
+        if check:
+            raise
+        return {"output": None, "log": str(failed)}
     return {"output": got.output, "log": got.log}
 
 
@@ -187,3 +195,32 @@ def test_a_mutated_rank_object_in_s3_fails_the_oracle(
     got = run_vllm_s3(f"s3://{vllm_bucket}/{prefix}", tp, "runai_streamer_sharded", s3.env())
     assert not loader_warnings(got["log"]), "the mutated object must still load cleanly"
     assert differences(ref.output, got["output"]), "the oracle missed a mutated S3 rank object"
+
+
+def test_a_corrupt_rank_object_is_refused_by_the_plugins_s3_reader_before_serving(
+    llama: Path, s3: S3Server, vllm_bucket: str, vllm_lock: None
+) -> None:
+    """The last byte of the rank object flipped in place, size and metadata unchanged: the S3
+    reader checks each chunk as its GET lands and vLLM never serves, the refusal naming the
+    object, the chunk and both hashes (the first byte and a middle chunk: ``test_s3_verify``)."""
+    chunk = 256 * 1024
+    uri = f"s3://{vllm_bucket}/corrupt/tp1/"
+    summary = stage(StageRequest(source=str(llama), out=uri, tp=1, format="runai_streamer_sharded",
+                                 s3=s3.options(), chunk_bytes=chunk))  # fmt: skip
+    name = "model-rank-0-part-0.safetensors"
+    raw, key = s3.client(), f"corrupt/tp1/{name}"
+    got = raw.get_object(Bucket=vllm_bucket, Key=key)
+    data = bytearray(got["Body"].read())
+    data[-1] ^= 0x01
+    raw.put_object(Bucket=vllm_bucket, Key=key, Body=bytes(data), Metadata=got["Metadata"])
+    index = (len(data) - 1) // chunk
+    lo = index * chunk
+    actual = digest_bytes(bytes(data[lo:]), chunk).chunks[0]
+    pod_env = {**s3.env(), "MODELSTAGE_S3_READER": "1", "MODELSTAGE_DIGEST": summary["digest"],
+               "MODELSTAGE_TP": "1", "MODELSTAGE_FORMAT": "runai_streamer_sharded"}  # fmt: skip
+    got = run_vllm_s3(uri, 1, "runai_streamer_sharded", pod_env, plugin=True, check=False)
+    assert got["output"] is None, "vLLM served a corrupt artifact"
+    assert (
+        f"modelstage: refusing to load {uri}{name}: chunk {index} (bytes {lo}-{len(data) - 1}) "
+        f"has BLAKE3 {actual}, the manifest says "
+    ) in got["log"], got["log"][-4000:]

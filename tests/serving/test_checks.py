@@ -11,7 +11,13 @@ from modelstage.core.errors import ArtifactError, SpecError
 from modelstage.core.manifest import MANIFEST
 from modelstage.plugin import LOAD_FORMATS
 from modelstage.plugin.checks import LOAD_FORMATS as CHECKED_FORMATS
-from modelstage.plugin.checks import VerifiedArtifact, _part_key, verify_local
+from modelstage.plugin.checks import (
+    VerifiedArtifact,
+    _part_key,
+    content_checker,
+    verify_content,
+    verify_local,
+)
 from modelstage.plugin.settings import S3_READER_FORMAT, PluginSettings
 from support.serving import Artifact, stage_artifact
 
@@ -129,23 +135,34 @@ def test_size_mismatch_and_bad_header_are_refused(artifact: Path) -> None:
     rank_file = artifact / "model-rank-0-part-0.safetensors"
     with open(rank_file, "r+b") as f:
         f.write(b"\xff" * 8)  # header length 2**64-1
+    with pytest.raises(ArtifactError, match=r": chunk 0 \(bytes 0-\d+\) has BLAKE3 [0-9a-f]{64}, "):
+        verify(artifact)  # the header's chunk is checked before the header is trusted
     with pytest.raises(ArtifactError, match=r"exceeds the .*-byte limit; re-stage"):
-        verify(artifact)
+        verify(artifact, settings=PluginSettings(verify=False))
     with open(rank_file, "ab") as f:
         f.write(b"x")
     with pytest.raises(ArtifactError, match=r"bytes, the manifest says"):
         verify(artifact)
 
 
-def test_hashing_is_opt_in(artifact: Path) -> None:
+def test_the_verify_phase_leaves_content_to_the_streaming_check_or_the_pass(
+    artifact: Path,
+) -> None:
+    """The verify phase reads headers only (the reader hashes every byte as it streams in,
+    ``content_checker``); ``verify_content``, the pass before loading, names the chunk."""
     rank_file = artifact / "model-rank-1-part-0.safetensors"
-    with open(rank_file, "r+b") as f:
+    size = rank_file.stat().st_size
+    verified = verify(artifact, tp=2, rank_glob="model-rank-1-part-*.safetensors")
+    with open(rank_file, "r+b") as f:  # after the verify phase (which hashed the header's chunk)
         f.seek(-1, 2)
         f.write(b"\x01")
-    verify(artifact, tp=2, rank_glob="model-rank-1-part-*.safetensors")
-    with pytest.raises(ArtifactError, match=r"sha256 differs"):
-        verify(artifact, rank_glob="model-rank-1-part-*.safetensors",
-               settings=PluginSettings(verify_hash=True))  # fmt: skip
+    checker = content_checker(verified)
+    assert checker is not None and [w for w, _ in checker.files] == [str(rank_file)]
+    with pytest.raises(ArtifactError) as e:
+        verify_content(verified)
+    assert str(e.value).startswith(
+        f"modelstage: refusing to load {rank_file}: chunk 0 (bytes 0-{size - 1}) has BLAKE3 "
+    ) and str(e.value).endswith("; the file is corrupt: re-stage it"), e.value
 
 
 def test_a_tensor_in_two_part_files_is_refused(artifact: Path) -> None:
@@ -174,9 +191,12 @@ def test_plugin_and_checks_agree_on_the_load_formats() -> None:
 
 def test_settings_parse_strictly() -> None:
     s = PluginSettings.from_env({"MODELSTAGE_TP": "2", "MODELSTAGE_METRICS_PORT": "9400",
-                                 "MODELSTAGE_VERIFY_HASH": "true", "MODELSTAGE_READ_DEPTH": "8"})  # fmt: skip
-    assert (s.tp, s.metrics_port, s.verify_hash, s.depth) == (2, 9400, True, 8)
+                                 "MODELSTAGE_VERIFY": "0", "MODELSTAGE_READ_DEPTH": "8"})  # fmt: skip
+    assert (s.tp, s.metrics_port, s.verify, s.depth) == (2, 9400, False, 8)
     assert PluginSettings.from_env({}) == PluginSettings()
+    assert PluginSettings().verify, "content verification is on unless turned off"
+    assert PluginSettings.from_env({"MODELSTAGE_VERIFY": ""}).verify
+    assert PluginSettings.from_env({"MODELSTAGE_VERIFY": "1"}).verify
     s3 = PluginSettings.from_env({"MODELSTAGE_S3_READER": "1", "MODELSTAGE_S3_READ_CHUNK_MIB": "32",
                                   "MODELSTAGE_S3_READ_CONCURRENCY": "12"})  # fmt: skip
     assert (s3.s3_reader, s3.s3_chunk_bytes, s3.s3_depth) == (True, 32 << 20, 12)
@@ -184,28 +204,39 @@ def test_settings_parse_strictly() -> None:
         PluginSettings.from_env({"MODELSTAGE_TP": "two"})
     with pytest.raises(SpecError, match=r"MODELSTAGE_METRICS_PORT=70000 must be in \[1, 65535\]"):
         PluginSettings.from_env({"MODELSTAGE_METRICS_PORT": "70000"})
-    with pytest.raises(SpecError, match=r"MODELSTAGE_VERIFY_HASH='maybe' must be 1 or 0"):
-        PluginSettings.from_env({"MODELSTAGE_VERIFY_HASH": "maybe"})
+    with pytest.raises(SpecError, match=r"MODELSTAGE_VERIFY='off' must be 1 or 0"):
+        PluginSettings.from_env({"MODELSTAGE_VERIFY": "off"})
 
 
 def test_the_safetensors_loader_checks_every_file_of_the_hugging_face_layout(
     tied_root: Path, tmp_path: Path
 ) -> None:
+    """Every rank reads every safetensors file of the Hugging Face layout: the verify phase
+    names them all, and the pass before loading (vLLM's default loader moves the bytes)
+    refuses a flipped bit in any of them by its chunk hash, with default settings."""
     staged = stage_artifact(tied_root, TIED, 1, "safetensors")
     artifact = Path(shutil.copytree(staged.path, tmp_path / "a"))
-    settings = PluginSettings(digest=staged.digest, format="safetensors", verify_hash=True)
-    verified = verify(artifact, tp=1, settings=settings, load_format="modelstage_safetensors",
-                      rank_glob=None)  # fmt: skip
+    settings = PluginSettings(digest=staged.digest, format="safetensors")
+    verified = verify(
+        artifact, tp=1, settings=settings, load_format="modelstage_safetensors", rank_glob=None
+    )
     weights = sorted(p.name for p in artifact.glob("*.safetensors"))
     assert len(weights) == 2 and sorted(f.path.name for f in verified.files) == weights
+    assert content_checker(verified) is not None, "the copy has chunk hashes (schema 2)"
     victim = artifact / weights[-1]
     data = bytearray(victim.read_bytes())
     data[-3] ^= 0x01  # one bit of the last tensor's data: headers and sizes stay valid
     victim.write_bytes(bytes(data))
-    with pytest.raises(ArtifactError, match=rf"refusing to load .*{weights[-1]}.*sha256 differs"):
-        verify(artifact, tp=1, settings=settings, load_format="modelstage_safetensors",
-               rank_glob=None)  # fmt: skip
+    with pytest.raises(ArtifactError) as e:
+        verify_content(verified)
+    assert str(e.value).startswith(
+        f"modelstage: refusing to load {victim}: chunk "
+    ) and str(e.value).endswith("; the file is corrupt: re-stage it"), e.value
+    assert " has BLAKE3 " in str(e.value) and "the manifest says" in str(e.value)
     runai = stage_artifact(tied_root, TIED, 1, "runai_streamer")
-    with pytest.raises(ArtifactError, match=r"'runai_streamer' cannot be loaded with --load-format "
-                       r"modelstage_safetensors; it loads safetensors"):  # fmt: skip
+    with pytest.raises(
+        ArtifactError,
+        match=r"'runai_streamer' cannot be loaded with --load-format "
+        r"modelstage_safetensors; it loads safetensors",
+    ):
         verify(runai.path, tp=1, load_format="modelstage_safetensors", rank_glob=None)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import importlib.metadata
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -19,9 +20,9 @@ from modelstage.core.manifest import MANIFEST
 from modelstage.stager.prepare import PLUGIN_PACKAGES, install_plugin
 from support.serving import Artifact, base_env, last_line, prepare_cli
 
-ALLOWED_IMPORTS = {"vllm", "torch", "prometheus_client", "pydantic", "boto3", "botocore"}
-"""What a stock vLLM image provides (vllm/vllm-openai installs boto3 for its S3 loaders); the
-copied plugin may import nothing else."""
+ALLOWED_IMPORTS = {"vllm", "torch", "prometheus_client", "pydantic", "boto3", "botocore", "blake3"}
+"""What a stock vLLM image provides (vllm/vllm-openai installs boto3 for its S3 loaders; vLLM
+itself depends on blake3); the copied plugin may import nothing else."""
 
 
 def run_prepare(
@@ -129,6 +130,7 @@ def test_content_hashing_is_opt_in_and_catches_same_size_corruption(
 ) -> None:
     artifact = copy_of(tied_tp1, tmp_path)
     rank_file = artifact / "model-rank-0-part-0.safetensors"
+    size = rank_file.stat().st_size
     with open(rank_file, "r+b") as f:
         f.seek(-1, 2)
         last = f.read(1)
@@ -136,9 +138,11 @@ def test_content_hashing_is_opt_in_and_catches_same_size_corruption(
         f.write(bytes([last[0] ^ 0xFF]))
     assert run_prepare(artifact, tied_tp1.digest, 1, tmp_path / "p1")[0] == 0
     code, line = run_prepare(artifact, tied_tp1.digest, 1, tmp_path / "p2", "--hash")
-    assert (code, line) == (
-        1, f"error: {rank_file}: sha256 differs from the manifest; the file is corrupt"
-    )  # fmt: skip
+    assert code == 1
+    assert re.fullmatch(
+        rf"error: {rank_file}: chunk 0 \(bytes 0-{size - 1}\) has BLAKE3 [0-9a-f]{{64}}, the "
+        r"manifest says [0-9a-f]{64}; the file is corrupt: re-stage it", line
+    ), line  # fmt: skip
 
 
 def test_content_hashing_reports_its_progress_and_plain_checks_stay_quiet(

@@ -99,7 +99,7 @@ def test_a_file_truncated_after_verification_fails_with_the_file_named(
 
 def test_bench_entry_point_reads_rank_files_and_refuses_missing_ones(llama_tp2: Artifact) -> None:
     from modelstage.core.errors import CheckpointError
-    from modelstage.plugin.reader import read_files_for_bench
+    from modelstage.devtools.plugin_reads import read_files_for_bench
 
     read_files_for_bench([p for p, _ in rank_files(llama_tp2, 0)])
     with pytest.raises(CheckpointError, match="cannot read"):

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 from modelstage.core.errors import SpecError
 from modelstage.core.formats import AUTO_FORMATS, FORMATS, PER_RANK_ARCHITECTURES, choose_format
-from modelstage.core.manifest import MANIFEST, verify_directory
+from modelstage.core.location import verify_directory
+from modelstage.core.manifest import MANIFEST
 from modelstage.devtools.synthetic import SyntheticModel, write_checkpoint
 from modelstage.stager.architectures import ARCHITECTURES
 from modelstage.stager.resolve import resolve
@@ -58,7 +59,9 @@ def test_the_hugging_face_layout_formats_copy_any_checkpoint_with_its_config(
     assert set(manifest["files"]) == copied == {p.name for p in out.iterdir()} - {MANIFEST}
     for name in copied:  # byte for byte, quantization_config included
         assert (out / name).read_bytes() == (src / name).read_bytes(), name
-    verify_directory(out)
+    assert manifest["schemaVersion"] == 2
+    assert all(entry["chunks"] for entry in manifest["files"].values()), "chunk hashes"
+    verify_directory(out)  # every chunk of every file hashed against the manifest
     assert not list(tmp_path.glob("out.tmp-*"))
 
 

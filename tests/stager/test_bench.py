@@ -31,10 +31,18 @@ def test_bench_measures_every_section_and_cleans_up(
     staging = next(t for t in names if t.startswith("staging vs cp"))
     assert names[staging] == ["cp + sync", "stage tp=1", "stage tp=2"]
     loads = [t for t in names if t.startswith("loading rank 0 of TP=2, page cache")]
-    assert loads and all(len(names[t]) == 3 for t in loads)  # raw, stock, modelstage
+    assert loads and all(names[t] == [
+        "load rank 0: raw sequential read", "load rank 0: vLLM stock path",
+        "load rank 0: modelstage reader, unverified", "load rank 0: modelstage reader, verified",
+    ] for t in loads)  # fmt: skip
+    verify = [t for t in names if t.startswith("verify TP=2 artifact, page cache")]
+    assert verify and all(
+        names[t] == ["raw sequential read, every file", "modelstage verify"] for t in verify
+    )
     from_s3 = next(t for t in names if "from S3" in t)
     assert names[from_s3] == ["8-way ranged GET", "Run:ai streamer (vLLM's path)",
-                              "modelstage S3 reader (plugin)"]  # fmt: skip
+                              "modelstage S3 reader, unverified",
+                              "modelstage S3 reader, verified (plugin)"]  # fmt: skip
     assert any("multipart PUT" in t for t in names)
     for rows in sections.values():
         for m in rows:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from modelstage.core.errors import SpecError
-from modelstage.core.manifest import verify_directory
+from modelstage.core.location import verify_directory
 from modelstage.core.progress import Progress
 from modelstage.stager import cli
 from modelstage.stager.destinations import local

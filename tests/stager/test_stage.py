@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from modelstage.core import layouts
 from modelstage.core.errors import ArtifactError, SpecError
-from modelstage.core.manifest import MANIFEST, verify_directory
+from modelstage.core.location import verify_directory
+from modelstage.core.manifest import MANIFEST
 from modelstage.devtools.synthetic import SyntheticModel, write_checkpoint
 from modelstage.stager.stage import StageRequest, stage
 from safetensors import safe_open
@@ -159,12 +160,16 @@ def test_dtype_cast_matches_torch_rounding(tmp_path: Path) -> None:
 
 def test_verify_reports_a_corrupted_file(llama_ckpt: Path, tmp_path: Path) -> None:
     out = tmp_path / "a"
-    stage(StageRequest(source=str(llama_ckpt), out=str(out), tp=2))
+    stage(StageRequest(source=str(llama_ckpt), out=str(out), tp=2, chunk_bytes=1 << 20))
     victim = out / "model-rank-1-part-0.safetensors"
     data = bytearray(victim.read_bytes())
     data[-5] ^= 0xFF
     victim.write_bytes(bytes(data))
-    with pytest.raises(ArtifactError, match="sha256"):
+    last = (len(data) - 1) // (1 << 20)
+    with pytest.raises(ArtifactError, match=(
+        rf"{victim}: chunk {last} \(bytes {last << 20}-{len(data) - 1}\) has BLAKE3 [0-9a-f]{{64}}, "
+        r"the manifest says [0-9a-f]{64}; the file is corrupt: re-stage it$"
+    )):  # fmt: skip
         verify_directory(out)
     verify_directory(out, hash_content=False)  # sizes alone cannot see it
     victim.write_bytes(bytes(data[:-1]))

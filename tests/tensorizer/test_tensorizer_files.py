@@ -13,10 +13,11 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-from modelstage.core.manifest import verify_directory
+from modelstage.core.location import verify_directory
 from modelstage.stager.stage import StageRequest, stage
 from readback import MARKER, rank_file, read_entries, sharded_state
 from tensorizer import TensorDeserializer
@@ -200,9 +201,9 @@ def test_a_local_rank_file_is_written_once_in_place_without_a_spool(
     created: list[str] = []
     init = LocalFileSink.__init__
 
-    def counting(self: LocalFileSink, path: Path, size: int) -> None:
+    def counting(self: LocalFileSink, path: Path, size: int, *rest: Any, **kw: Any) -> None:
         created.append(path.name)
-        init(self, path, size)
+        init(self, path, size, *rest, **kw)
 
     monkeypatch.setattr(tempfile, "mkdtemp", no_spool)
     monkeypatch.setattr(LocalFileSink, "__init__", counting)

@@ -4,13 +4,13 @@ downloads) with the settings a serving pod has in its environment."""
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from modelstage.stager.destinations.s3 import S3Destination
+from modelstage.core.integrity import digest_bytes
+from modelstage.core.location import open_artifact, verify
 from modelstage.stager.stage import StageRequest, stage
 from readback import MARKER, rank_file, sharded_state
 from support.s3_server import S3Server
@@ -50,8 +50,8 @@ def test_rank_objects_equal_the_local_tensorizer_files_byte_for_byte(
         body = obj["Body"].read()
         assert len(body) > 5 * MiB
         assert body == rank_file(local, rank).read_bytes()
-        assert obj["Metadata"]["sha256"] == hashlib.sha256(body).hexdigest()
-    manifest = S3Destination(f"s3://{bucket}/art/", s3.options()).verify(tp=2)
+        assert obj["Metadata"]["blake3"] == digest_bytes(body).root
+    manifest = verify(open_artifact(f"s3://{bucket}/art/", s3.options()), tp=2)
     assert manifest.format == "tensorizer"
 
 
@@ -86,7 +86,7 @@ def test_a_rerun_reuses_the_finished_rank_objects(
     summary = stage(request(checkpoint("llama"), out, s3))
     assert summary["alreadyStaged"] is False
     assert "s3: reused" in capfd.readouterr().err
-    S3Destination(out, s3.options()).verify(tp=2, hash_content=True)
+    verify(open_artifact(out, s3.options()), tp=2, hash_content=True)
 
 
 def test_nothing_is_spooled_on_local_disk(

@@ -63,6 +63,12 @@ class Format:
             raise ValueError(f"format {self.name} has no per-rank files")
         return self.rank_file.format(rank=rank, part=part)
 
+    def rank_glob(self, rank: int) -> str:
+        """A glob of ``rank``'s files (every part)."""
+        if self.rank_file is None:
+            raise ValueError(f"format {self.name} has no per-rank files")
+        return self.rank_file.format(rank=rank, part="*")
+
     def is_rank_file(self, name: str, rank: int) -> bool:
         """Whether ``name`` is one of ``rank``'s files (any part)."""
         if self.rank_file is None:
@@ -75,8 +81,11 @@ class Format:
         """Refuse a destination this format cannot be staged to, saying what would work."""
         if kind in self.destinations:
             return
-        same = [f"{f.name} (the same per-rank files)" for f in FORMATS.values()
-                if kind in f.destinations and f.loads == self.loads]  # fmt: skip
+        same = [
+            f"{f.name} (the same per-rank files)"
+            for f in FORMATS.values()
+            if kind in f.destinations and f.loads == self.loads
+        ]
         copies = [f.name for f in FORMATS.values() if kind in f.destinations and not f.per_rank]
         where = "local directories" if self.destinations == (LOCAL,) else "S3"
         raise SpecError(

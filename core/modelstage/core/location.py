@@ -1,16 +1,44 @@
-"""Where an artifact (or a checkpoint) is: a local directory or an S3 prefix, told apart once.
+"""An artifact where it lives, a local directory or an S3 prefix, and the one ``verify``.
 
-``parse_location`` reads the spellings every command takes (a path, ``file://PATH``,
-``s3://BUCKET/PREFIX``, any other ``scheme://``); the callers say what they do with a scheme
-they do not serve.
+``parse_location`` tells the spellings apart once (a path, ``file://PATH``,
+``s3://BUCKET/PREFIX``, any other ``scheme://``). An ``ArtifactLocation`` reads what every
+check needs, the same way for both kinds: the manifest, the listing (name, size, ETag), ranges
+of a file. On top of it, ``verify`` checks an artifact against its manifest (``modelstage
+verify``, ``prepare``), and ``check_files`` and ``verify_content`` are its two halves, which
+the loader plugin runs on the files of one rank. The content of schema-2 files is read in
+chunks, each hashed as it lands (``integrity.hash_files``); schema-1 files by one sha256 pass.
 """
 
 from __future__ import annotations
 
+import abc
+import contextlib
+import hashlib
+import os
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+from .errors import ArtifactError, DestinationError
 from .formats import LOCAL, S3
+from .integrity import VERIFY_WORKERS, FileToHash, HashStats, LocalFile, ReadInto, hash_files
+from .manifest import (
+    MANIFEST,
+    MAX_MANIFEST_BYTES,
+    FileEntry,
+    Manifest,
+    check_ranks_present,
+    read_manifest,
+)
+
+if TYPE_CHECKING:
+    from .progress import Progress
+    from .s3_client import S3Client, S3Location, S3Options
+
+HASH_BLOCK = 8 * 1024 * 1024
+"""The read size of a schema-1 file's sha256 pass."""
 
 
 @dataclass(frozen=True)
@@ -32,3 +60,341 @@ def parse_location(text: str) -> Location:
     if "://" not in text or text.startswith("file://"):
         return Location(LOCAL, text)
     return Location(text.split("://", 1)[0], text)
+
+
+@dataclass(frozen=True)
+class Listed:
+    """One file as the location lists it."""
+
+    size: int | None
+    """None when it cannot be stat'ed (a dangling link): as good as missing."""
+    etag: str | None = None
+    """An object's ETag: every read of it is conditional on it."""
+
+
+class FileProblem(ArtifactError):
+    """A file of the manifest that is missing or of another size."""
+
+    def __init__(self, where: str, reason: str) -> None:
+        self.where, self.reason = where, reason
+        super().__init__(f"{where}: {reason}")
+
+
+class Sha256Mismatch(ArtifactError):
+    """A schema-1 file whose bytes do not hash to the manifest's sha256."""
+
+    def __init__(self, where: str, actual: str, expected: str | None, noun: str) -> None:
+        self.where, self.actual, self.expected = where, actual, expected
+        super().__init__(f"{where}: sha256 differs from the manifest; the {noun} is corrupt")
+
+
+class ArtifactLocation(abc.ABC):
+    """Where an artifact is, and how its files are read."""
+
+    uri: str
+    """For messages: the directory, or the ``s3://BUCKET/PREFIX/`` URI."""
+    noun: str
+    """What its files are called in messages ("file", "object")."""
+    workers: int
+    """Reads in flight when its content is hashed."""
+
+    @abc.abstractmethod
+    def where(self, name: str) -> str:
+        """A file's path or URI, for messages."""
+
+    @abc.abstractmethod
+    def read_manifest(self) -> Manifest | None:
+        """The manifest, or None when there is none (an incomplete artifact)."""
+
+    @abc.abstractmethod
+    def listing(self) -> dict[str, Listed]:
+        """Every file in the artifact, by name."""
+
+    @abc.abstractmethod
+    def reader(self, name: str, listed: Listed) -> contextlib.AbstractContextManager[ReadInto]:
+        """``read_into(offset, view)`` of one file, while the context lasts."""
+
+    @abc.abstractmethod
+    def sha256(self, name: str, listed: Listed, progress: Progress | None = None) -> str:
+        """A schema-1 file's sha256, in one sequential pass."""
+
+    def require_manifest(self, *, digest: str | None = None, tp: int | None = None) -> Manifest:
+        """The manifest, refused when missing, not the one expected or short of a rank."""
+        manifest = self.read_manifest()
+        if manifest is None:
+            raise ArtifactError(f"{self.uri}: no {MANIFEST}; the artifact is incomplete")
+        manifest.check_expected(self.uri, digest=digest, tp=tp)
+        check_ranks_present(self.uri, manifest)
+        return manifest
+
+
+class LocalArtifact(ArtifactLocation):
+    """An artifact in a local directory (a mounted PVC)."""
+
+    noun = "file"
+    workers = VERIFY_WORKERS
+
+    def __init__(self, directory: Path | str) -> None:
+        self.directory = Path(directory)
+        self.uri = str(self.directory)
+
+    def where(self, name: str) -> str:
+        return str(self.directory / name)
+
+    def read_manifest(self) -> Manifest | None:
+        return read_manifest(self.directory)
+
+    def require_manifest(self, *, digest: str | None = None, tp: int | None = None) -> Manifest:
+        if not self.directory.is_dir():
+            raise ArtifactError(f"{self.directory}: no such artifact directory")
+        return super().require_manifest(digest=digest, tp=tp)
+
+    def listing(self) -> dict[str, Listed]:
+        found = {}
+        for entry in os.scandir(self.directory):
+            try:
+                size: int | None = entry.stat().st_size
+            except FileNotFoundError:
+                size = None
+            found[entry.name] = Listed(size)
+        return found
+
+    @contextlib.contextmanager
+    def reader(self, name: str, listed: Listed) -> Iterator[ReadInto]:
+        with LocalFile(self.directory / name) as f:
+            yield f.read_into
+
+    def sha256(self, name: str, listed: Listed, progress: Progress | None = None) -> str:
+        return sha256_file(self.directory / name, progress)
+
+
+class S3Artifact(ArtifactLocation):
+    """An artifact under an S3 prefix: ranged GETs, each conditional on the ETag listed."""
+
+    noun = "object"
+
+    def __init__(self, location: S3Location, s3: S3Client, *, workers: int = 8) -> None:
+        self.location, self.s3, self.workers = location, s3, workers
+        self.uri = location.uri
+
+    @staticmethod
+    def open(uri: str, options: S3Options | None = None) -> S3Artifact:
+        from .s3_client import S3Client, S3Location, S3Options
+
+        location = S3Location.parse(uri)
+        if not location.prefix:
+            raise ArtifactError(f"{uri}: an artifact needs a prefix (s3://BUCKET/PREFIX/)")
+        options = options or S3Options()
+        return S3Artifact(
+            location,
+            S3Client(options, concurrency=options.concurrency),
+            workers=options.concurrency,
+        )
+
+    def where(self, name: str) -> str:
+        return f"s3://{self.location.bucket}/{self.location.key(name)}"
+
+    def call(self, fn: Callable[..., Any], key: str) -> Any:
+        """One API call (botocore retries it); a failure is one credential-free error."""
+        try:
+            return fn()
+        except Exception as e:
+            if isinstance(e, ArtifactError | DestinationError):
+                raise
+            raise self.s3.error(e, f"s3://{self.location.bucket}/{key}") from None
+
+    def read_manifest(self) -> Manifest | None:
+        raw = self.get(MANIFEST, MAX_MANIFEST_BYTES + 1)  # one byte more: longer is refused
+        return None if raw is None else Manifest.from_json(raw, self.where(MANIFEST))
+
+    def get(self, name: str, limit: int | None = None) -> bytes | None:
+        """A whole (small) object, at most ``limit`` bytes of it; None when there is none."""
+        from botocore.exceptions import ClientError
+
+        try:
+            response = self.s3.client.get_object(
+                Bucket=self.location.bucket, Key=self.location.key(name)
+            )
+            with closing(response["Body"]) as body:
+                return bytes(body.read() if limit is None else body.read(limit))
+        except ClientError as e:
+            if str(e.response.get("Error", {}).get("Code")) in ("NoSuchKey", "404"):
+                return None
+            raise self.s3.error(e, self.where(name)) from None
+        except Exception as e:
+            raise self.s3.error(e, self.where(name)) from None
+
+    def listing(self) -> dict[str, Listed]:
+        prefix = self.location.key("")
+        found: dict[str, Listed] = {}
+        pages = self.s3.client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.location.bucket, Prefix=prefix
+        )
+        try:
+            for page in pages:
+                for obj in page.get("Contents", []):
+                    name = obj["Key"][len(prefix) :]
+                    if name:
+                        found[name] = Listed(int(obj["Size"]), str(obj["ETag"]).strip('"'))
+        except Exception as e:
+            raise self.s3.error(e, self.uri) from None
+        return found
+
+    @contextlib.contextmanager
+    def reader(self, name: str, listed: Listed) -> Iterator[ReadInto]:
+        yield self.read_into(name, listed.etag or "")
+
+    def read_into(self, name: str, etag: str) -> ReadInto:
+        """Ranged GETs of ``name`` conditional on ``etag`` (a replaced object fails them)."""
+        from .s3_client import get_range_into
+
+        bucket, key = self.location.bucket, self.location.key(name)
+
+        def read_into(offset: int, view: memoryview) -> None:
+            try:
+                get_range_into(self.s3, bucket, key, etag, offset, [view])
+            except Exception as e:
+                raise self.s3.error(e, self.where(name)) from None
+
+        return read_into
+
+    def sha256(self, name: str, listed: Listed, progress: Progress | None = None) -> str:
+        h = hashlib.sha256()
+        kwargs = {"IfMatch": listed.etag} if listed.etag else {}
+        try:
+            bucket, key = self.location.bucket, self.location.key(name)
+            body = self.s3.client.get_object(Bucket=bucket, Key=key, **kwargs)["Body"]
+            with closing(body):
+                for block in body.iter_chunks(HASH_BLOCK):
+                    h.update(block)
+                    if progress is not None:
+                        progress.advance(len(block))
+        except Exception as e:
+            raise self.s3.error(e, self.where(name)) from None
+        return h.hexdigest()
+
+
+def open_artifact(text: str, s3: S3Options | None = None) -> ArtifactLocation:
+    """The artifact at a local path or an ``s3://`` prefix; ``SpecError`` for another scheme
+    is the caller's to word (``parse_location`` first)."""
+    location = parse_location(text)
+    if location.kind == S3:
+        return S3Artifact.open(text, s3)
+    return LocalArtifact(location.path)
+
+
+def verify(
+    location: ArtifactLocation,
+    *,
+    digest: str | None = None,
+    tp: int | None = None,
+    hash_content: bool = True,
+    show_progress: bool = False,
+) -> Manifest:
+    """Check an artifact against its manifest; ``ArtifactError`` at the first problem: no
+    manifest, not the one expected, a file missing or of another size, a file the manifest
+    does not list, then (``hash_content``) any byte that does not hash right.
+    ``show_progress``: report the hashing (bytes, rate, ETA) on stderr; 140 GB take minutes."""
+    manifest = location.require_manifest(digest=digest, tp=tp)
+    listing = location.listing()
+    names = sorted(manifest.files)
+    check_files(location, manifest, names, listing)
+    extra = sorted(n for n in listing if n not in manifest.files and n != MANIFEST)
+    if extra:
+        raise ArtifactError(
+            f"{location.uri}: {location.noun}s not in the manifest: {', '.join(extra[:5])}"
+        )
+    if hash_content:
+        progress = None
+        if show_progress:
+            from .progress import Progress
+
+            progress = Progress(
+                manifest.bytes, len(names), label=f"hashing {location.uri}", items="files"
+            )
+        files = [(n, manifest.files[n], listing[n]) for n in names]
+        verify_content(location, files, progress=progress)
+        if progress is not None:
+            progress.finish()
+    return manifest
+
+
+def verify_directory(
+    directory: Path,
+    *,
+    digest: str | None = None,
+    tp: int | None = None,
+    hash_content: bool = True,
+    show_progress: bool = False,
+) -> Manifest:
+    """``verify`` of a local artifact."""
+    return verify(
+        LocalArtifact(directory),
+        digest=digest,
+        tp=tp,
+        hash_content=hash_content,
+        show_progress=show_progress,
+    )
+
+
+def check_files(
+    location: ArtifactLocation, manifest: Manifest, names: Sequence[str], listing: dict[str, Listed]
+) -> None:
+    """Each of ``names`` is present with the size the manifest gives (``FileProblem``)."""
+    for name in names:
+        entry, listed = manifest.files[name], listing.get(name)
+        if listed is None or listed.size is None:
+            raise FileProblem(location.where(name), "listed in the manifest but missing")
+        if listed.size != entry.size:
+            raise FileProblem(
+                location.where(name), f"{listed.size} bytes, the manifest says {entry.size}"
+            )
+
+
+def verify_content(
+    location: ArtifactLocation,
+    files: Sequence[tuple[str, FileEntry, Listed]],
+    *,
+    workers: int | None = None,
+    progress: Progress | None = None,
+) -> HashStats:
+    """Hash every byte of ``files`` against their entries: schema-2 files chunk by chunk
+    (``workers`` reads in flight, each chunk checked as it lands: ``ChunkMismatch`` names it;
+    then their roots), schema-1 files by one sha256 pass each (``Sha256Mismatch``)."""
+    chunked = [(n, e, listed) for n, e, listed in files if e.digest is not None]
+    with contextlib.ExitStack() as stack:
+        jobs = []
+        for name, entry, listed in chunked:
+            read_into = stack.enter_context(location.reader(name, listed))
+            want = entry.digest
+            assert want is not None
+            jobs.append(
+                FileToHash(location.where(name), entry.size, read_into, want.chunk_bytes, want)
+            )
+        digests, stats = hash_files(jobs, workers=workers or location.workers, progress=progress)
+    for (name, entry, _), got in zip(chunked, digests, strict=True):
+        if got.root != entry.blake3:
+            raise ArtifactError(
+                f"{location.where(name)}: the manifest's blake3 is not the root "
+                "of its chunk hashes; the manifest is corrupt"
+            )
+    for name, entry, listed in files:
+        if entry.digest is not None:
+            continue
+        actual = location.sha256(name, listed, progress)
+        if actual != entry.sha256:
+            raise Sha256Mismatch(location.where(name), actual, entry.sha256, location.noun)
+        stats.add(entry.size, 0.0)
+        if progress is not None:
+            progress.tensor_done()
+    return stats
+
+
+def sha256_file(path: Path, progress: Progress | None = None) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(HASH_BLOCK):
+            h.update(block)
+            if progress is not None:
+                progress.advance(len(block))
+    return h.hexdigest()

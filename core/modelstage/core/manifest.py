@@ -6,9 +6,7 @@ Torch-free: the operator, the initContainer and the loader plugin all read it.
 from __future__ import annotations
 
 import builtins
-import hashlib
 import json
-import os
 import re
 from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
@@ -16,9 +14,10 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import ArtifactError
 from .formats import FORMATS
+from .integrity import MAX_CHUNKS_PER_FILE, FileDigest
 
 if TYPE_CHECKING:
-    from .progress import Progress
+    pass
 
 MANIFEST = "modelstage.json"
 MAX_MANIFEST_BYTES = 16 * 1024 * 1024
@@ -33,17 +32,46 @@ CARRIED_OVER = (
 """Files vLLM reads beside the weights (config, tokenizer, generation defaults)."""
 SAFE_FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}$")
 """An artifact's files sit at its top level: a plain name, no path, no leading dot."""
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""What writers produce. Schema 1 (still read): a sha256 per file. Schema 2: per file its
+BLAKE3 chunk hashes and their root (``integrity.py``), so readers verify as they stream."""
+SCHEMA_VERSIONS = (1, 2)
 TIMING_FIELDS = ("createdAt", "stageSeconds")
 """Fields that differ between two runs producing the same bytes."""
-HASH_BLOCK = 8 * 1024 * 1024
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
+"""Also the form of a BLAKE3 hash (32 bytes, hex)."""
 
 
 @dataclass(frozen=True)
 class FileEntry:
+    """One file: schema 1 has ``sha256``; schema 2 ``blake3`` (the root), ``chunkBytes`` and
+    ``chunks`` (``integrity.FileDigest``)."""
+
     size: int
-    sha256: str
+    sha256: str | None = None
+    blake3: str | None = None
+    chunkBytes: int | None = None
+    chunks: tuple[str, ...] | None = None
+
+    @staticmethod
+    def of(digest: FileDigest) -> FileEntry:
+        return FileEntry(
+            digest.size, blake3=digest.root, chunkBytes=digest.chunk_bytes, chunks=digest.chunks
+        )
+
+    @property
+    def digest(self) -> FileDigest | None:
+        """The chunk hashes (schema 2), None for a schema-1 entry."""
+        if self.chunkBytes is None or self.chunks is None:
+            return None
+        return FileDigest(self.size, self.chunkBytes, self.chunks)
+
+    def to_doc(self) -> dict[str, Any]:
+        return {
+            k: list(v) if isinstance(v, tuple) else v
+            for k, v in asdict(self).items()
+            if v is not None
+        }
 
 
 @dataclass(frozen=True)
@@ -67,16 +95,16 @@ class Manifest:
     schemaVersion: int = SCHEMA_VERSION
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
+        doc = asdict(self)
+        doc["files"] = {name: entry.to_doc() for name, entry in self.files.items()}
+        return json.dumps(doc, indent=2, sort_keys=True) + "\n"
 
     @staticmethod
     def from_json(raw: builtins.bytes | str, where: str) -> Manifest:
         """Parse and check; ``raw`` longer than MAX_MANIFEST_BYTES (read with one byte to
         spare, so that a longer file shows) is refused unparsed."""
         if len(raw) > MAX_MANIFEST_BYTES:
-            raise ArtifactError(
-                f"{where}: invalid manifest: more than {MAX_MANIFEST_BYTES} bytes"
-            )
+            raise ArtifactError(f"{where}: invalid manifest: more than {MAX_MANIFEST_BYTES} bytes")
         try:
             doc = json.loads(raw)
         except (ValueError, RecursionError) as e:
@@ -126,9 +154,17 @@ def _parse(doc: object) -> Manifest:
     files = values["files"]
     if not isinstance(files, dict):
         raise _Invalid("files", "must be an object")
-    values["files"] = {name: _entry(f"files.{name}", entry) for name, entry in files.items()}
-    for name in values["files"]:
+    version = values.setdefault("schemaVersion", 1)
+    if version not in SCHEMA_VERSIONS:
+        raise _Invalid(
+            "schemaVersion",
+            f"{version} is not one this modelstage reads "
+            f"({', '.join(map(str, SCHEMA_VERSIONS))}); upgrade modelstage",
+        )
+    for name in files:  # names first: nothing is read or reported under a name not ours
         _check_file_name(name, values["format"])
+    entry = _entry if version == 1 else _chunked_entry
+    values["files"] = {name: entry(f"files.{name}", e) for name, e in files.items()}
     return Manifest(**values)
 
 
@@ -138,8 +174,15 @@ def _scalars(values: dict[str, Any]) -> dict[str, Any]:
         if name in values:
             low = 0 if name == "bytes" else 1
             values[name] = _int(name, values[name], low)
-    for name in ("format", "dtype", "digest", "vllmVersion", "layoutVersion",
-                 "modelstageVersion", "createdAt"):  # fmt: skip
+    for name in (
+        "format",
+        "dtype",
+        "digest",
+        "vllmVersion",
+        "layoutVersion",
+        "modelstageVersion",
+        "createdAt",
+    ):
         if not isinstance(values[name], str):
             raise _Invalid(name, "must be a string")
     seconds = values["stageSeconds"]
@@ -183,6 +226,31 @@ def _entry(loc: str, entry: object) -> FileEntry:
     return FileEntry(_int(f"{loc}.size", entry["size"], 0), sha256)
 
 
+def _chunked_entry(loc: str, entry: object) -> FileEntry:
+    keys = {"size", "blake3", "chunkBytes", "chunks"}
+    if not isinstance(entry, dict) or set(entry) != keys:
+        raise _Invalid(
+            loc, 'must be {"size": bytes, "blake3": hex, "chunkBytes": bytes, "chunks": [hex, ...]}'
+        )
+    size = _int(f"{loc}.size", entry["size"], 0)
+    chunk_bytes = _int(f"{loc}.chunkBytes", entry["chunkBytes"], 1)
+    chunks = entry["chunks"]
+    if not isinstance(chunks, list) or len(chunks) > MAX_CHUNKS_PER_FILE:
+        raise _Invalid(f"{loc}.chunks", "must be a list of hex hashes")
+    for i, chunk in enumerate(chunks):
+        if not isinstance(chunk, str) or not _SHA256.match(chunk):
+            raise _Invalid(f"{loc}.chunks[{i}]", "must be 64 lower-case hex digits")
+    try:
+        digest = FileDigest(size, chunk_bytes, tuple(chunks))
+    except ValueError as e:
+        raise _Invalid(f"{loc}.chunks", str(e)) from None
+    root = entry["blake3"]
+    if not isinstance(root, str) or not _SHA256.match(root):
+        raise _Invalid(f"{loc}.blake3", "must be 64 lower-case hex digits")
+    # The root is checked against the chunks where content is hashed: parsing needs no blake3.
+    return FileEntry(size, blake3=root, chunkBytes=chunk_bytes, chunks=digest.chunks)
+
+
 def read_manifest(directory: Path) -> Manifest | None:
     path = directory / MANIFEST
     try:
@@ -193,61 +261,6 @@ def read_manifest(directory: Path) -> Manifest | None:
     except OSError as e:
         raise ArtifactError(f"{path}: cannot read: {e.strerror}") from None
     return Manifest.from_json(raw, str(path))
-
-
-def sha256_file(path: Path, progress: Progress | None = None) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(HASH_BLOCK):
-            h.update(block)
-            if progress is not None:
-                progress.advance(len(block))
-    return h.hexdigest()
-
-
-def verify_directory(
-    directory: Path,
-    *,
-    digest: str | None = None,
-    tp: int | None = None,
-    hash_content: bool = True,
-    show_progress: bool = False,
-) -> Manifest:
-    """Check a local artifact against its manifest; raise ArtifactError at the first problem.
-    ``show_progress``: report the hashing (bytes, rate, ETA) on stderr; 140 GB take minutes."""
-    if not directory.is_dir():
-        raise ArtifactError(f"{directory}: no such artifact directory")
-    manifest = read_manifest(directory)
-    if manifest is None:
-        raise ArtifactError(f"{directory}: no {MANIFEST}; the artifact is incomplete")
-    manifest.check_expected(str(directory), digest=digest, tp=tp)
-    check_ranks_present(directory, manifest)
-    progress = None
-    if hash_content and show_progress:
-        from .progress import Progress
-
-        progress = Progress(manifest.bytes, len(manifest.files), label=f"hashing {directory}",
-                            items="files")  # fmt: skip
-    for name, entry in sorted(manifest.files.items()):
-        path = directory / name
-        try:
-            size = os.stat(path).st_size
-        except FileNotFoundError:
-            raise ArtifactError(f"{path}: listed in the manifest but missing") from None
-        if size != entry.size:
-            raise ArtifactError(f"{path}: {size} bytes, the manifest says {entry.size}")
-        if hash_content and sha256_file(path, progress) != entry.sha256:
-            raise ArtifactError(f"{path}: sha256 differs from the manifest; the file is corrupt")
-        if progress is not None:
-            progress.tensor_done()
-    if progress is not None:
-        progress.finish()
-    extra = sorted(
-        p.name for p in directory.iterdir() if p.name not in manifest.files and p.name != MANIFEST
-    )
-    if extra:
-        raise ArtifactError(f"{directory}: files not in the manifest: {', '.join(extra[:5])}")
-    return manifest
 
 
 def check_ranks_present(directory: Path | str, manifest: Manifest) -> None:

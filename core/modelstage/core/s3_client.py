@@ -23,11 +23,20 @@ from .errors import DestinationError, SpecError
 
 T = TypeVar("T")
 
-RETRYABLE_CODES = frozenset({
-    "SlowDown", "Throttling", "ThrottlingException", "RequestThrottled", "TooManyRequests",
-    "RequestTimeout", "RequestTimeoutException", "InternalError", "ServiceUnavailable",
-    "OperationAborted",
-})  # fmt: skip
+RETRYABLE_CODES = frozenset(
+    {
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "RequestThrottled",
+        "TooManyRequests",
+        "RequestTimeout",
+        "RequestTimeoutException",
+        "InternalError",
+        "ServiceUnavailable",
+        "OperationAborted",
+    }
+)
 """S3 error codes worth another try; any HTTP status >= 500 is retried too."""
 
 _HINTS = {
@@ -190,19 +199,23 @@ class S3Client:
         )
         self.options = options
         self.client: Any = session.client(
-            "s3", endpoint_url=options.endpoint_url, config=config,
+            "s3",
+            endpoint_url=options.endpoint_url,
+            config=config,
             verify=options.ca_bundle if options.ca_bundle else None,
-        )  # fmt: skip
+        )
         check_endpoint(self.client.meta.endpoint_url)  # also from AWS_ENDPOINT_URL*
         resolved = session.get_credentials()
         frozen = resolved.get_frozen_credentials() if resolved is not None else None
         self._secrets = tuple(
-            s for s in (
+            s
+            for s in (
                 frozen.access_key if frozen else None,
                 frozen.secret_key if frozen else None,
                 frozen.token if frozen else None,
-            ) if s
-        )  # fmt: skip
+            )
+            if s
+        )
 
     def redact(self, text: str) -> str:
         for secret in self._secrets:
@@ -224,8 +237,10 @@ class S3Client:
             line += f": {message}" if message else ""
             line += f"; {hint}" if hint else ""
         elif isinstance(e, SSLError):
-            line = (f"{what}: TLS verification failed for {self.endpoint}; pass the server's CA "
-                    "with --s3-ca-bundle")  # fmt: skip
+            line = (
+                f"{what}: TLS verification failed for {self.endpoint}; pass the server's CA "
+                "with --s3-ca-bundle"
+            )
         elif isinstance(e, EndpointConnectionError):
             line = f"{what}: cannot reach {self.endpoint}; check --s3-endpoint / AWS_ENDPOINT_URL"
         else:

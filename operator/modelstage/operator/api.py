@@ -44,7 +44,11 @@ LoadFormat = Literal[
 ]
 """The format table's names (``modelstage.core.formats``; a test holds the two equal)."""
 SpecLoadFormat = Literal[
-    "auto", "sharded_state", "runai_streamer", "runai_streamer_sharded", "safetensors",
+    "auto",
+    "sharded_state",
+    "runai_streamer",
+    "runai_streamer_sharded",
+    "safetensors",
     "tensorizer",
 ]
 """``spec.loadFormat``: a format, or ``auto`` (``core.formats.choose_format``: per rank where
@@ -71,6 +75,8 @@ def _format_not_in(names: list[str]) -> str:
     if len(names) == 1:
         return f"self.loadFormat != '{names[0]}'"
     return f"!(self.loadFormat in {names})"
+
+
 Dtype = Literal["auto", "bfloat16", "float16", "float32"]
 Phase = Literal["Pending", "Staging", "Staged", "RollingOut", "Ready", "Failed"]
 ConditionType = Literal["Staged", "Ready", "Degraded"]

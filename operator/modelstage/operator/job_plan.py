@@ -112,9 +112,7 @@ def staging_jobs(
     (``stager.parallelism`` > 1) the small finalize Job that checks and publishes its parts.
     ``source``: the resolved identity the digest was taken from (``stager_command``)."""
     jobs = [
-        plan_stage_job(
-            spec, owner=owner, digest=digest, default_image=default_image, source=source
-        )
+        plan_stage_job(spec, owner=owner, digest=digest, default_image=default_image, source=source)
     ]
     if scale_out_workers(spec) > 1:
         jobs.append(
@@ -446,9 +444,12 @@ def plan_resolve_job(
         command.append("--describe")
     env = [*_scratch_env(), *_source_credentials_env(spec)]
     container = _container(
-        RESOLVE_CONTAINER, stager.image or default_image, command + _s3_flags(connection), env,
+        RESOLVE_CONTAINER,
+        stager.image or default_image,
+        command + _s3_flags(connection),
+        env,
         [*source_mounts, *ca_mount(connection)],
-    )  # fmt: skip
+    )
     # A metadata request, a listing or the headers: a small pod whatever staging needs.
     container["resources"] = copy.deepcopy(RESOLVE_RESOURCES)
     volumes = [*source_volumes, *ca_volume(connection)]
@@ -471,6 +472,8 @@ def _source_credentials_env(spec: ModelDeploymentSpec) -> list[Manifest]:
     if spec.model.scheme == "hf":
         return [e for e in _credentials_env(spec) if e["name"] == "HF_TOKEN"]
     return _credentials_env(spec)
+
+
 # --- the stager's scratch space (ephemeral storage) ------------------------------------------
 SCRATCH_DEFAULT = "2Gi"
 """The scratch volume's bound when nothing large lands there (HOME, temporary files): every

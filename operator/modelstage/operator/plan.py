@@ -122,8 +122,9 @@ def plan_deployment(
     jobs: list[Manifest] = [resolve_job] if resolve_job is not None and not staging_blocked else []
     if artifact is not None and identity is not None and not staging_blocked:
         source = source_status(spec, identity, now=datetime.now(UTC))
-        jobs = staging_jobs(spec, owner=owner, digest=artifact.digest, default_image=stager_image,
-                            source=source)  # fmt: skip
+        jobs = staging_jobs(
+            spec, owner=owner, digest=artifact.digest, default_image=stager_image, source=source
+        )
     rollout = None
     if (
         artifact is not None

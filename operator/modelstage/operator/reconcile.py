@@ -614,8 +614,11 @@ class Reconciler:
             resource_path("v1", "pods", namespace),
             label_selector={**STAGER_SELECTOR, LABEL_DIGEST: digest},
         )
-        own = [p for p in pods if (p["metadata"].get("labels") or {}).get(JOB_NAME_LABEL)
-               in (None, step.follow)]  # fmt: skip
+        own = [
+            p
+            for p in pods
+            if (p["metadata"].get("labels") or {}).get(JOB_NAME_LABEL) in (None, step.follow)
+        ]
         if state == "Running":
             progress = self._progress(namespace, job, own)
             return replace(observe_job(job), progress=progress), None, None

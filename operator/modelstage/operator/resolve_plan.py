@@ -151,8 +151,15 @@ def source_status(
 ) -> SourceStatus:
     """The status record of ``identity`` resolved for ``spec`` at ``now`` (by ``job``)."""
     commit = identity.removeprefix("commit:") if identity.startswith("commit:") else None
-    return SourceStatus(uri=spec.model.uri, revision=spec.model.revision, identity=identity,
-                        commit=commit, resolved_at=now, key=source_key(spec), job=job)  # fmt: skip
+    return SourceStatus(
+        uri=spec.model.uri,
+        revision=spec.model.revision,
+        identity=identity,
+        commit=commit,
+        resolved_at=now,
+        key=source_key(spec),
+        job=job,
+    )
 
 
 def describe(spec: ModelDeploymentSpec) -> str:

@@ -45,8 +45,10 @@ class RetentionPlan:
         if not self.delete and not self.released:
             return ""
         parts = [f"deleting artifact {a.digest} ({a.uri})" for a in self.delete]
-        parts += [f"artifact {a.digest} is let go but another ModelDeployment keeps it"
-                  for a in self.released]  # fmt: skip
+        parts += [
+            f"artifact {a.digest} is let go but another ModelDeployment keeps it"
+            for a in self.released
+        ]
         return "; ".join(parts)
 
 

@@ -240,19 +240,23 @@ def plan_rollout(
     """
     template: Manifest = copy.deepcopy(workload.get("spec", {}).get("template", {}))
     pod: Manifest = template.setdefault("spec", {})
-    annotations: dict[str, str] = template.setdefault("metadata", {}).setdefault(
-        "annotations", {}
-    )
+    annotations: dict[str, str] = template.setdefault("metadata", {}).setdefault("annotations", {})
     container = select_container(spec, pod)
     connection = spec.storage.s3 if not artifact.location.on_pvc else None
     settings = _serve_artifact(container, annotations, artifact, spec.serving.plugin, connection)
     _mount_artifact(pod, container, artifact, spec.serving.plugin, connection)
     prepare = (
-        [_prepare_container(artifact, spec.stager.image or default_image,
-                            _s3_serving_env(artifact, connection), connection)]
+        [
+            _prepare_container(
+                artifact,
+                spec.stager.image or default_image,
+                _s3_serving_env(artifact, connection),
+                connection,
+            )
+        ]
         if spec.serving.plugin
         else []
-    )  # fmt: skip
+    )
     pod["initContainers"] = _upsert(pod.get("initContainers") or [], prepare, _owned_name)
     for key in ("initContainers", "volumes"):
         if not pod[key]:

@@ -102,7 +102,8 @@ class OperatorConfig:
             metrics_host=env.get(PREFIX + "METRICS_HOST", cls.metrics_host),
             stager_image=env.get(PREFIX + "STAGER_IMAGE", cls.stager_image),
             allowed_stager_images=tuple(
-                i.strip() for i in env.get(PREFIX + "ALLOWED_STAGER_IMAGES", "").split(",")
+                i.strip()
+                for i in env.get(PREFIX + "ALLOWED_STAGER_IMAGES", "").split(",")
                 if i.strip()
             ),
             watch_server_timeout=_int(env, "WATCH_SERVER_TIMEOUT", cls.watch_server_timeout),

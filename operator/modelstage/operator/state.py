@@ -152,9 +152,10 @@ def _resolving(source: SourceStep) -> _Draft:
     """No identity is known for the spec's source yet: the resolution runs, or failed."""
     if source.state == "failed":
         return _Draft(
-            "Failed", ("False", "ResolveFailed", source.message),
+            "Failed",
+            ("False", "ResolveFailed", source.message),
             ("ResolveFailed", source.message),
-        )  # fmt: skip
+        )
     draft = _Draft("Pending", ("False", "Resolving", source.message))
     if source.state == "create":
         draft.action, draft.details = Action.CREATE_RESOLVE_JOB, source.message

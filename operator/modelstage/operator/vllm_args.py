@@ -35,8 +35,11 @@ EXTRA_CONFIG = "--model-loader-extra-config"
 SERVED_NAME = "--served-model-name"
 OWNED = frozenset({MODEL, LOAD_FORMAT, TP, EXTRA_CONFIG, SERVED_NAME})
 VLLM_FLAGS = OWNED | {
-    "--pipeline-parallel-size", "--max-model-len", "--gpu-memory-utilization", "-pp",
-}  # fmt: skip
+    "--pipeline-parallel-size",
+    "--max-model-len",
+    "--gpu-memory-utilization",
+    "-pp",
+}
 """Flags that mark a bare argument list as vLLM's (an image whose entrypoint is vLLM)."""
 
 COMMAND, ARGS = 0, 1

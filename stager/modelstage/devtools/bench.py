@@ -4,7 +4,10 @@ Staging is compared with ``cp`` + ``sync`` of the same source files to the same 
 stager fsyncs and hashes, so the baseline syncs too); peak RSS comes from the kernel's
 accounting of the child process (``wait4``), at two checkpoint sizes to show it is flat.
 Loading is compared with a raw sequential read of the same rank files and with vLLM's stock
-sharded-state read path (``safe_open`` + ``get_tensor`` + ``copy_`` into preallocated tensors).
+sharded-state read path (``safe_open`` + ``get_tensor`` + ``copy_`` into preallocated tensors);
+the plugin's reader runs twice, verifying every byte as it streams (its default) and not
+(``MODELSTAGE_VERIFY=0``). ``modelstage verify`` of the whole artifact (every byte hashed against
+the manifest) is compared with a raw read of the same files.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from modelstage.core.formats import FORMATS
 from modelstage.core.progress import human_bytes
 from modelstage.core.s3_client import S3Options
 
@@ -36,9 +40,15 @@ def llama70b_scaled(size_bytes: int, *, shards: int = 4) -> SyntheticModel:
     edges = 2 * 2 * vocab * hidden
     layers = max(1, round((size_bytes - edges) / per_layer))
     return SyntheticModel(
-        hidden_size=hidden, intermediate_size=inter, num_layers=layers, num_heads=heads,
-        num_kv_heads=kv, vocab_size=vocab, dtype="bfloat16", num_shards=shards,
-    )  # fmt: skip
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv,
+        vocab_size=vocab,
+        dtype="bfloat16",
+        num_shards=shards,
+    )
 
 
 def dir_bytes(path: Path) -> int:
@@ -100,7 +110,7 @@ def bench_loading(artifact: Path, rank: int, repeats: int, cold: bool) -> list[M
 
     Like vLLM's model before ``load_weights``, the parameters exist (and are touched) before
     the clock starts, so every row measures moving the bytes, not allocating memory."""
-    files = sorted(artifact.glob(f"model-rank-{rank}-part-*.safetensors"))
+    files = sorted(artifact.glob(FORMATS["sharded_state"].rank_glob(rank)))
     size = sum(f.stat().st_size for f in files)
     params = _parameters(files)
     readers: dict[str, Callable[[list[Path], dict[str, Any]], None]] = {
@@ -109,18 +119,26 @@ def bench_loading(artifact: Path, rank: int, repeats: int, cold: bool) -> list[M
     }
     plugin = _plugin_read()
     if plugin is not None:
-        readers["modelstage reader"] = plugin
+        readers["modelstage reader, unverified"] = lambda fs, ps: plugin(fs, ps, False)
+        readers["modelstage reader, verified"] = lambda fs, ps: plugin(fs, ps, True)
     rows = {name: Measurement(f"load rank {rank}: {name}", nbytes=size) for name in readers}
     if not cold:
         _raw_read(files)  # the stager wrote them with O_DIRECT: not in the page cache yet
-    for _ in range(repeats):
-        for name, read in readers.items():
+    for i in range(repeats):
+        for name in rotated(list(readers), i):
             if cold:
                 drop_page_cache()
             start = time.perf_counter()
-            read(files, params)
+            readers[name](files, params)
             rows[name].seconds.append(time.perf_counter() - start)
     return list(rows.values())
+
+
+def rotated(names: list[str], i: int) -> list[str]:
+    """Repetition ``i``'s order: each row goes first in turn, so that what one row leaves
+    behind (here: a virtual disk's host-side cache) does not favour the row after it."""
+    k = i % len(names) if names else 0
+    return names[k:] + names[:k]
 
 
 def _parameters(files: list[Path]) -> dict[str, Any]:
@@ -154,10 +172,36 @@ def _stock_read(files: list[Path], params: dict[str, Any]) -> None:
                 params[key].copy_(st.get_tensor(key))
 
 
-def _plugin_read() -> Callable[[list[Path], dict[str, Any]], None] | None:
+def bench_verify(artifact: Path, repeats: int, cold: bool) -> list[Measurement]:
+    """``modelstage verify`` of the whole artifact (sizes, then every byte against its chunk
+    hashes) vs a raw sequential read of the same files, interleaved."""
+    from modelstage.core.location import verify_directory
+
+    files = sorted(p for p in artifact.iterdir() if p.is_file() and p.name != "modelstage.json")
+    size = sum(f.stat().st_size for f in files)
+    raw = Measurement("raw sequential read, every file", nbytes=size)
+    verify = Measurement("modelstage verify", nbytes=size)
+    if not cold:
+        _raw_read(files)
+    runs: dict[str, tuple[Measurement, Callable[[], object]]] = {
+        "raw": (raw, lambda: _raw_read(files)),
+        "verify": (verify, lambda: verify_directory(artifact)),
+    }
+    for i in range(repeats):
+        for name in rotated(list(runs), i):
+            m, run = runs[name]
+            if cold:
+                drop_page_cache()
+            start = time.perf_counter()
+            run()
+            m.seconds.append(time.perf_counter() - start)
+    return [raw, verify]
+
+
+def _plugin_read() -> Callable[[list[Path], dict[str, Any], bool], None] | None:
     """The loader plugin's pipelined reader, when the serving side is installed."""
     try:
-        from modelstage.plugin.reader import read_files_for_bench
+        from .plugin_reads import read_files_for_bench
     except ImportError:
         return None
     return read_files_for_bench
@@ -196,6 +240,40 @@ def chart(sections: dict[str, list[Measurement]], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _bench_reading(
+    src: Path,
+    artifact: Path,
+    load_tp: int,
+    repeats: int,
+    cold: bool,
+    section: Callable[[str, list[Measurement]], None],
+) -> str:
+    """Loading and verifying an artifact staged at ``load_tp``, with the page cache dropped
+    (where permitted) and warm; returns how the page cache was treated."""
+    run_child(stager_argv(src, artifact, load_tp))
+    cache = "dropped before each read" if cold and drop_page_cache() else "not dropped (warm)"
+    if cache.startswith("dropped"):
+        section(
+            f"loading rank 0 of TP={load_tp}, page cache dropped",
+            bench_loading(artifact, 0, repeats, cold=True),
+        )
+    section(
+        f"loading rank 0 of TP={load_tp}, page cache warm",
+        bench_loading(artifact, 0, repeats, cold=False),
+    )
+    if cache.startswith("dropped"):
+        section(
+            f"verify TP={load_tp} artifact, page cache dropped",
+            bench_verify(artifact, repeats, cold=True),
+        )
+    section(
+        f"verify TP={load_tp} artifact, page cache warm",
+        bench_verify(artifact, repeats, cold=False),
+    )
+    shutil.rmtree(artifact)
+    return cache
+
+
 def run_bench(
     *,
     size_gib: float,
@@ -223,15 +301,7 @@ def run_bench(
 
     staging = bench_staging(src, workdir, tps, repeats)
     section("staging vs cp + sync (source in page cache)", staging)
-    artifact = workdir / "artifact"
-    run_child(stager_argv(src, artifact, load_tp))
-    cache = "dropped before each read" if cold and drop_page_cache() else "not dropped (warm)"
-    if cache.startswith("dropped"):
-        section(f"loading rank 0 of TP={load_tp}, page cache dropped",
-                bench_loading(artifact, 0, repeats, cold=True))  # fmt: skip
-    section(f"loading rank 0 of TP={load_tp}, page cache warm",
-            bench_loading(artifact, 0, repeats, cold=False))  # fmt: skip
-    shutil.rmtree(artifact)
+    cache = _bench_reading(src, workdir / "artifact", load_tp, repeats, cold, section)
     if s3:
         from .bench_s3 import bench_s3
 
@@ -245,11 +315,12 @@ def run_bench(
         "source_bytes": dir_bytes(src),
         "page_cache": cache,
         "repeats": repeats,
-        "sections": {k: [asdict(m) | {"median": m.median, "throughput": m.throughput}
-                         for m in v] for k, v in sections.items()},
-    }  # fmt: skip
+        "sections": {
+            k: [asdict(m) | {"median": m.median, "throughput": m.throughput} for m in v]
+            for k, v in sections.items()
+        },
+    }
     (out / "bench.json").write_text(json.dumps(result, indent=2) + "\n")
     chart(sections, out / "bench.png")
     shutil.rmtree(src)
-    return {"json": str(out / "bench.json"), "png": str(out / "bench.png"),
-            "page_cache": cache}  # fmt: skip
+    return {"json": str(out / "bench.json"), "png": str(out / "bench.png"), "page_cache": cache}

@@ -6,7 +6,8 @@ each staged rank file into a reused buffer. Staging writes ``runai_streamer_shar
 per-rank S3 format); loading reads rank 0 into preallocated parameters the two ways a
 serving pod can: vLLM's Run:ai path (the streamer, ``clone``, ``copy_``) and the plugin's S3
 reader (``MODELSTAGE_S3_READER``: the verify phase, then ranged GETs straight into the
-parameters). Everything written is deleted again.
+parameters), both verifying every chunk as it lands (its default) and not
+(``MODELSTAGE_VERIFY=0``). Everything written is deleted again.
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from modelstage.core.formats import FORMATS, S3_READER_FORMAT
 from modelstage.core.layouts import DEFAULT_VLLM_VERSION
 from modelstage.core.s3_client import S3Client, S3Location, S3Options, load_credentials
 from modelstage.core.safetensors_format import read_header
-from modelstage.plugin.checks import verify_s3
+from modelstage.plugin.checks import content_checker, verify_s3
 from modelstage.plugin.reader import TORCH_DTYPES, PipelinedReader, Target, flat_bytes
 from modelstage.plugin.settings import PluginSettings
 from modelstage.plugin.stores import store_for
@@ -31,6 +33,8 @@ from .measure import Measurement, run_child, stager_argv
 
 WAYS = 8
 GET_BYTES = 8 * 1024 * 1024
+FORMAT = FORMATS[S3_READER_FORMAT]
+"""What is staged to S3 and read back: the per-rank format the plugin's S3 reader serves."""
 
 
 def bench_s3(
@@ -43,8 +47,8 @@ def bench_s3(
     files = sorted(p for p in source.iterdir() if p.suffix == ".safetensors")
     size = sum(p.stat().st_size for p in files)
     put = Measurement(f"{WAYS}-way multipart PUT", nbytes=size)
-    staged = Measurement(f"stage runai_streamer_sharded tp={tp}", nbytes=size)
-    flags = ["--format", "runai_streamer_sharded", *s3_flags]
+    staged = Measurement(f"stage {FORMAT.name} tp={tp}", nbytes=size)
+    flags = ["--format", FORMAT.name, *s3_flags]
     try:
         for i in range(repeats):
             prefix = f"{run}/put-{i}"
@@ -63,8 +67,10 @@ def bench_s3(
         loading = _bench_loading(s3, location.bucket, artifact, options, repeats, tp)
     finally:
         _delete_prefix(s3, location.bucket, run)
-    return {"staging to S3 vs multipart PUT": [put, staged],
-            f"loading rank 0 of TP={tp} from S3": loading}  # fmt: skip
+    return {
+        "staging to S3 vs multipart PUT": [put, staged],
+        f"loading rank 0 of TP={tp} from S3": loading,
+    }
 
 
 def _multipart_put(s3: S3Client, bucket: str, key: str, path: Path, options: S3Options) -> None:
@@ -101,7 +107,8 @@ def _bench_loading(
     params = _parameters(s3, bucket, rank0)
     get = Measurement(f"{WAYS}-way ranged GET", nbytes=size)
     streamer = Measurement("Run:ai streamer (vLLM's path)", nbytes=size)
-    plugin = Measurement("modelstage S3 reader (plugin)", nbytes=size)
+    plugin = Measurement("modelstage S3 reader, unverified", nbytes=size)
+    verified = Measurement("modelstage S3 reader, verified (plugin)", nbytes=size)
     env = _runai_env(s3, options)
     for _ in range(repeats):
         start = time.perf_counter()
@@ -110,10 +117,11 @@ def _bench_loading(
         start = time.perf_counter()
         _runai_read([f"s3://{bucket}/{key}" for key, _ in rank0], params, env)
         streamer.seconds.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        _plugin_read(f"s3://{bucket}/{prefix}/", tp, params, s3)
-        plugin.seconds.append(time.perf_counter() - start)
-    return [get, streamer, plugin]
+        for m, verify in ((plugin, False), (verified, True)):
+            start = time.perf_counter()
+            _plugin_read(f"s3://{bucket}/{prefix}/", tp, params, s3, verify)
+            m.seconds.append(time.perf_counter() - start)
+    return [get, streamer, plugin, verified]
 
 
 def _ranged_get(s3: S3Client, bucket: str, objects: list[tuple[str, int]]) -> None:
@@ -181,16 +189,25 @@ def _runai_read(uris: list[str], params: dict[str, Any], env: dict[str, str]) ->
                 os.environ[k] = v
 
 
-def _plugin_read(uri: str, tp: int, params: dict[str, Any], s3: S3Client) -> None:
+def _plugin_read(uri: str, tp: int, params: dict[str, Any], s3: S3Client, verify: bool) -> None:
     """Rank 0 as the plugin loads it in a pod: verify (manifest, listing, headers), then the
-    pipelined reader with its S3 defaults, straight into the parameters."""
-    settings = PluginSettings()
-    verified = verify_s3(uri, s3, load_format="runai_streamer_sharded", settings=settings,
-                         running_tp=tp, vllm_version=DEFAULT_VLLM_VERSION,
-                         rank_glob="model-rank-0-part-*.safetensors")  # fmt: skip
-    reader = PipelinedReader(chunk_bytes=settings.s3_chunk_bytes, depth=settings.s3_depth,
-                             device=torch.device("cpu"))  # fmt: skip
-    reader.read(store_for(verified), lambda info: Target(flat_bytes(params[info.name])))
+    pipelined reader with its S3 defaults, straight into the parameters; ``verify``: every
+    chunk checked as it lands (the plugin's default)."""
+    settings = PluginSettings(verify=verify)
+    verified = verify_s3(
+        uri,
+        s3,
+        load_format=FORMAT.name,
+        settings=settings,
+        running_tp=tp,
+        vllm_version=DEFAULT_VLLM_VERSION,
+        rank_glob=FORMAT.rank_glob(0),
+    )
+    checker = content_checker(verified) if verify else None
+    reader = PipelinedReader(
+        chunk_bytes=settings.s3_chunk_bytes, depth=settings.s3_depth, device=torch.device("cpu")
+    )
+    reader.read(store_for(verified), lambda info: Target(flat_bytes(params[info.name])), checker)
 
 
 def _delete_prefix(s3: S3Client, bucket: str, prefix: str) -> None:

@@ -59,5 +59,15 @@ def run_child(argv: list[str], env: dict[str, str] | None = None) -> tuple[float
 
 
 def stager_argv(source: Path, out: Path | str, tp: int, *flags: str) -> list[str]:
-    return [sys.executable, "-m", "modelstage.stager.cli", "stage", str(source),
-            "--tp", str(tp), "--out", str(out), *flags]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "modelstage.stager.cli",
+        "stage",
+        str(source),
+        "--tp",
+        str(tp),
+        "--out",
+        str(out),
+        *flags,
+    ]

@@ -4,8 +4,10 @@ Each format wraps one of vLLM's stock loaders (composition, not a copy of its lo
 stock loader keeps its own extra-config validation and its download/glob behaviour, and a
 subclass only says which stock loader, how to verify, and how to move the weights. The base
 adds what the stock loaders lack: the artifact refusal before the model is allocated on the
-device (``load_model`` runs ``verify`` before ``create_model``), the phase timings and their
-publication (``metrics.py``).
+device (``load_model`` runs ``verify`` before ``create_model``), content verification of
+every byte the rank loads (``checks.py``: while streaming where the plugin's reader moves the
+bytes, in a pass before loading otherwise; off only with ``MODELSTAGE_VERIFY=0``, which is
+logged and published), the phase timings and their publication (``metrics.py``).
 """
 
 from __future__ import annotations
@@ -24,9 +26,13 @@ from vllm.config import ModelConfig, VllmConfig
 from vllm.config.load import LoadConfig
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
-from .checks import VerifiedArtifact, refuse
-from .metrics import LoadRecord, publish, serve
-from .settings import PluginSettings
+from .checks import VerifiedArtifact, refuse, verify_content
+from .metrics import LOG, LoadRecord, publish, serve
+from .settings import ENV_VERIFY, PluginSettings
+
+STREAM, PASS, OFF = "stream", "pass", "off"
+"""How a load verifies content: as the plugin's reader streams the bytes in, in a pass of its
+own before loading, or not at all (``MODELSTAGE_VERIFY=0``)."""
 
 
 @dataclass
@@ -38,6 +44,8 @@ class Transfer:
     read_seconds: float = 0.0
     copy_seconds: float = 0.0
     read_wait_seconds: float = 0.0
+    verified_bytes: int = 0
+    hash_seconds: float = 0.0
 
 
 class ModelstageLoader(BaseModelLoader):
@@ -50,6 +58,9 @@ class ModelstageLoader(BaseModelLoader):
     """Whether the files hold per-rank state dicts (vLLM then keeps tied embeddings tied)."""
     reads_s3: ClassVar[bool] = False
     """Whether ``s3://`` locations are read by this loader (else refused, see below)."""
+    streams_verification: ClassVar[bool] = False
+    """Whether ``transfer`` moves the bytes through the plugin's reader, which checks each hash
+    chunk as it lands; else content is verified in a pass before loading."""
 
     def __init__(self, load_config: LoadConfig) -> None:
         super().__init__(load_config)
@@ -62,6 +73,7 @@ class ModelstageLoader(BaseModelLoader):
         self._record: LoadRecord | None = None
         self._verified: VerifiedArtifact | None = None
         self._weights_done: float | None = None
+        self.verification = OFF
 
     @abstractmethod
     def verify(self, location: str, running_tp: int, vllm_version: str) -> VerifiedArtifact:
@@ -107,6 +119,8 @@ class ModelstageLoader(BaseModelLoader):
         record.seconds["host_to_device"] = moved.copy_seconds
         record.read_wait_seconds = moved.read_wait_seconds
         record.weights_seconds = t1 - t0
+        if self.verification == STREAM:
+            record.verified_bytes, record.hash_seconds = moved.verified_bytes, moved.hash_seconds
         if standalone:
             record.seconds["total"] = t1 - started
             self._publish(record)
@@ -124,12 +138,42 @@ class ModelstageLoader(BaseModelLoader):
             serve(self.settings.metrics_port + rank, self.settings.metrics_addr)
         t0 = time.perf_counter()
         verified = self.verify(location, tp, vllm_version())
+        self.verification = record.verification = self._verify_content(verified, record)
         record.seconds["verify"] = time.perf_counter() - t0
         manifest = verified.manifest
         record.digest, record.artifact_format = manifest.digest, manifest.format
         record.layout_version = manifest.layoutVersion
         self._record, self._verified, self._weights_done = record, verified, None
         return record
+
+    def _verify_content(self, verified: VerifiedArtifact, record: LoadRecord) -> str:
+        """Decide how this load verifies content, and run the pass when it is one."""
+        if not self.settings.verify:
+            LOG.warning(
+                "modelstage: %s=0: loading %s WITHOUT verifying its content against "
+                "the manifest; corrupt bytes would be served",
+                ENV_VERIFY,
+                verified.location,
+            )
+            return OFF
+        schema1 = any(f.entry.digest is None for f in verified.files)
+        if self.streams_verification and not schema1:
+            LOG.info(
+                "modelstage: verifying every byte of %d file(s) of %s as it streams in",
+                len(verified.files),
+                verified.location,
+            )
+            return STREAM
+        why = (
+            "the artifact has no chunk hashes (manifest schema 1; re-stage to verify while "
+            "streaming)"
+            if schema1
+            else f"{self.load_format} reads through vLLM's reader"
+        )
+        LOG.info("modelstage: verifying %s in a pass before loading: %s", verified.location, why)
+        stats = verify_content(verified)
+        record.verified_bytes, record.hash_seconds = stats.bytes, stats.seconds
+        return PASS
 
     def _publish(self, record: LoadRecord) -> None:
         self._record = self._verified = None

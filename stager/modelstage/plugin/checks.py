@@ -5,36 +5,45 @@ seconds, not a GPU's worth of allocation followed by a KeyError deep inside vLLM
 order: the manifest exists (the artifact is complete), its digest and TP are the ones the pod
 was given, its format suits the load format, its layout version is the running vLLM's, and
 this rank's files are exactly those the manifest lists, with the listed sizes and valid
-safetensors headers. Hashing content is opt-in (``MODELSTAGE_VERIFY_HASH=1``): the
-initContainer verified the artifact already, and hashing reads every byte twice.
+safetensors headers.
+
+Content: every byte a rank loads is hashed against the manifest (``MODELSTAGE_VERIFY``, on by
+default). The plugin's own reader checks each hash chunk as it lands (``content_checker``);
+where bytes move through a reader the plugin does not own (vLLM's Run:ai streamer), or the
+artifact predates chunk hashes (schema 1: one sha256 per file), ``verify_content`` hashes the
+files in a pass before loading. Either way a mismatch refuses the load before the engine
+serves, naming the file, the chunk and both hashes.
 
 Torch-free and vLLM-free, so the refusals are unit-tested without starting vLLM.
 """
 
 from __future__ import annotations
 
-import hashlib
-import os
 import re
 from collections.abc import Callable, Iterable
-from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 
-from modelstage.core.errors import ArtifactError, CheckpointError, SpecError
+from modelstage.core.errors import ArtifactError, CheckpointError, DestinationError, SpecError
 from modelstage.core.formats import plugin_load_formats
+from modelstage.core.integrity import ChunkChecker, ChunkMismatch, FileDigest, HashStats, ReadInto
+from modelstage.core.integrity import blake3_module as blake3_module
 from modelstage.core.layouts import layout_for
-from modelstage.core.manifest import (
-    MANIFEST,
-    MAX_MANIFEST_BYTES,
-    Manifest,
-    read_manifest,
-    sha256_file,
+from modelstage.core.location import (
+    ArtifactLocation,
+    FileProblem,
+    Listed,
+    LocalArtifact,
+    S3Artifact,
+    Sha256Mismatch,
+    check_files,
 )
+from modelstage.core.location import verify_content as location_verify_content
+from modelstage.core.manifest import MANIFEST, FileEntry, Manifest
 from modelstage.core.s3_client import S3Client, S3Location
-from modelstage.core.safetensors_format import SafetensorsHeader, read_header, read_local_header
+from modelstage.core.safetensors_format import MAX_HEADER_BYTES, SafetensorsHeader, read_header
 
-from .settings import PluginSettings
+from .settings import ENV_VERIFY, PluginSettings
 
 LOAD_FORMATS = plugin_load_formats()
 """Plugin load format -> artifact formats (manifest ``format``) it can load (the format
@@ -50,8 +59,13 @@ class RankFile:
     """Its path, or its s3:// URI."""
     size: int
     header: SafetensorsHeader
+    entry: FileEntry
+    """What the manifest says of it: size and content hashes."""
     etag: str | None = None
     """For objects: the ETag seen when verifying; every read is conditional on it."""
+    prefix: bytes | None = None
+    """For objects: the checked chunks that hold the header, kept so the reader need not
+    fetch them again."""
 
     @property
     def path(self) -> Path:
@@ -66,8 +80,13 @@ class VerifiedArtifact:
     manifest: Manifest
     files: tuple[RankFile, ...]
     """The files this rank reads, in load order (part number for per-rank formats)."""
-    s3: S3Client | None = None
-    """For S3 artifacts: the client that verified it, to read with the same settings."""
+    artifact: ArtifactLocation
+    """Where it is, to read it again the way it was verified."""
+
+    @property
+    def s3(self) -> S3Client | None:
+        """For S3 artifacts: the client that verified it, to read with the same settings."""
+        return self.artifact.s3 if isinstance(self.artifact, S3Artifact) else None
 
     @property
     def bytes(self) -> int:
@@ -143,15 +162,22 @@ def verify_local(
     where = str(directory)
     if not directory.is_dir():
         raise refuse(where, "no such artifact directory; check --model and the volume mount")
+    location = LocalArtifact(directory)
     try:
-        manifest = read_manifest(directory)
+        manifest = location.read_manifest()
+        listing = location.listing()
     except ArtifactError as e:
         raise refuse(where, str(e)) from None
-    manifest = _expected(manifest, where, load_format, settings, running_tp, vllm_version)
-    pattern = rank_glob or "*.safetensors"
-    names = _rank_names(where, manifest, (p.name for p in directory.glob(pattern)), pattern)
-    files = tuple(_verify_file(directory / n, manifest, settings.verify_hash) for n in names)
-    return VerifiedArtifact(where, manifest, _no_duplicates(where, files))
+    return _verify_rank(
+        location,
+        manifest,
+        listing,
+        load_format=load_format,
+        settings=settings,
+        running_tp=running_tp,
+        vllm_version=vllm_version,
+        pattern=rank_glob or "*.safetensors",
+    )
 
 
 def verify_s3(
@@ -168,23 +194,46 @@ def verify_s3(
     for sizes, ETags and unlisted objects, then each object's header (one small ranged GET).
     The ETags pin what was verified: the reader's GETs are conditional on them."""
     try:
-        location = S3Location.parse(uri)
+        location = S3Artifact(S3Location.parse(uri), s3)
     except SpecError as e:
         raise refuse(uri, str(e)) from None
-    where = location.uri
     try:
-        manifest = _s3_manifest(s3, location)
-        present = _s3_listing(s3, location)
-    except ArtifactError:
-        raise
-    except Exception as e:
-        raise _s3_refusal(s3, e, where) from None
-    manifest = _expected(manifest, where, load_format, settings, running_tp, vllm_version)
-    names = _rank_names(where, manifest, (n for n in present if n != MANIFEST), rank_glob)
-    files = tuple(
-        _verify_object(s3, location, n, manifest, present, settings.verify_hash) for n in names
+        manifest = location.read_manifest()
+        listing = location.listing()
+    except DestinationError as e:
+        raise _s3_refusal(e, location.uri) from None
+    return _verify_rank(
+        location,
+        manifest,
+        listing,
+        load_format=load_format,
+        settings=settings,
+        running_tp=running_tp,
+        vllm_version=vllm_version,
+        pattern=rank_glob,
     )
-    return VerifiedArtifact(where, manifest, _no_duplicates(where, files), s3)
+
+
+def _verify_rank(
+    location: ArtifactLocation,
+    manifest: Manifest | None,
+    listing: dict[str, Listed],
+    *,
+    load_format: str,
+    settings: PluginSettings,
+    running_tp: int,
+    vllm_version: str,
+    pattern: str,
+) -> VerifiedArtifact:
+    """The manifest is the one expected, this rank's files are there, whole, with headers
+    that parse (and, when verifying, whose chunks hash right)."""
+    where = location.uri
+    manifest = _expected(manifest, where, load_format, settings, running_tp, vllm_version)
+    _hash_available(where, settings)
+    present = (n for n in listing if n != MANIFEST)
+    names = _rank_names(where, manifest, present, pattern)
+    files = tuple(_verify_file(location, n, manifest, listing, settings.verify) for n in names)
+    return VerifiedArtifact(where, manifest, _no_duplicates(where, files), location)
 
 
 def _expected(
@@ -212,6 +261,16 @@ def _expected(
     return manifest
 
 
+def _hash_available(where: str, settings: PluginSettings) -> None:
+    """Verifying needs the ``blake3`` package: refuse up front, saying how to go on."""
+    if not settings.verify:
+        return
+    try:
+        blake3_module()
+    except ArtifactError as e:
+        raise refuse(where, f"{e}; or set {ENV_VERIFY}=0 to load it unverified") from None
+
+
 def _rank_names(where: str, manifest: Manifest, present: Iterable[str], pattern: str) -> list[str]:
     """The manifest's files this rank loads, in part order; refuse files the glob would also
     match that the manifest does not list (vLLM's stock loaders would load them)."""
@@ -236,125 +295,153 @@ def _no_duplicates(where: str, files: tuple[RankFile, ...]) -> tuple[RankFile, .
     for f in files:
         for tensor in f.header.tensors:
             if tensor in seen:
-                raise refuse(where, f"tensor {tensor!r} is in both {seen[tensor]} and "
-                             f"{f.name}; re-stage the artifact")  # fmt: skip
+                raise refuse(
+                    where,
+                    f"tensor {tensor!r} is in both {seen[tensor]} and "
+                    f"{f.name}; re-stage the artifact",
+                )
             seen[tensor] = f.name
     return files
 
 
-def _verify_file(path: Path, manifest: Manifest, hash_content: bool) -> RankFile:
-    entry = manifest.files[path.name]
-    try:
-        size = os.stat(path).st_size
-    except FileNotFoundError:
-        raise refuse(str(path), "listed in the manifest but missing; re-stage") from None
-    if size != entry.size:
-        raise refuse(str(path), f"{size} bytes, the manifest says {entry.size}; re-stage")
-    try:
-        header = read_local_header(path)
-    except CheckpointError as e:
-        raise refuse(str(path), f"{e}; re-stage") from None
-    if hash_content and sha256_file(path) != entry.sha256:
-        raise refuse(str(path), "sha256 differs from the manifest; the file is corrupt")
-    return RankFile(path.name, str(path), size, header)
-
-
 HEADER_PREFIX_BYTES = 256 * 1024
-"""Bytes fetched by the first GET of an object's header: a rank file's header is smaller, so
+"""Bytes fetched by the first read of a file's header: a rank file's header is smaller, so
 the length and the JSON come in one request."""
 
 
-def _s3_manifest(s3: S3Client, location: S3Location) -> Manifest | None:
-    from botocore.exceptions import ClientError
-
-    key = location.key(MANIFEST)
-    try:
-        body = s3.client.get_object(Bucket=location.bucket, Key=key)["Body"]
-    except ClientError as e:
-        if str(e.response.get("Error", {}).get("Code")) in ("NoSuchKey", "404"):
-            return None
-        raise
-    with closing(body):  # at most one byte past the limit: from_json refuses longer ones
-        return Manifest.from_json(body.read(MAX_MANIFEST_BYTES + 1), f"{location.uri}{MANIFEST}")
-
-
-def _s3_listing(s3: S3Client, location: S3Location) -> dict[str, tuple[int, str]]:
-    """Name -> (size, ETag) of the objects directly under the artifact's prefix."""
-    prefix = location.key("")
-    found: dict[str, tuple[int, str]] = {}
-    pages = s3.client.get_paginator("list_objects_v2").paginate(
-        Bucket=location.bucket, Prefix=prefix, Delimiter="/"
-    )
-    for page in pages:
-        for obj in page.get("Contents", []):
-            name = obj["Key"][len(prefix) :]
-            if name:
-                found[name] = (int(obj["Size"]), str(obj["ETag"]).strip('"'))
-    return found
-
-
-def _verify_object(
-    s3: S3Client,
-    location: S3Location,
+def _verify_file(
+    location: ArtifactLocation,
     name: str,
     manifest: Manifest,
-    present: dict[str, tuple[int, str]],
-    hash_content: bool,
+    listing: dict[str, Listed],
+    check_content: bool,
 ) -> RankFile:
-    uri, entry = f"{location.uri}{name}", manifest.files[name]
-    if name not in present:
-        raise refuse(uri, "listed in the manifest but missing; re-stage")
-    size, etag = present[name]
-    if size != entry.size:
-        raise refuse(uri, f"{size} bytes, the manifest says {entry.size}; re-stage")
-
-    def get(offset: int, length: int) -> bytes:
-        rng = f"bytes={offset}-{offset + length - 1}"
-        body = s3.client.get_object(
-            Bucket=location.bucket, Key=location.key(name), IfMatch=etag, Range=rng
-        )["Body"]
-        with closing(body):
-            data: bytes = body.read()
-        return data
-
+    """One rank file: listed with its size, and its header parsed (from chunks checked
+    against their hashes first, when verifying)."""
+    where, entry = location.where(name), manifest.files[name]
     try:
-        prefix = get(0, min(size, HEADER_PREFIX_BYTES)) if size else b""
-
-        def read(offset: int, length: int) -> bytes:
-            if offset + length <= len(prefix):
-                return prefix[offset : offset + length]
-            return get(offset, length)
-
-        header = read_header(uri, size, read)
-        if hash_content and _s3_sha256(s3, location, name, etag) != entry.sha256:
-            raise refuse(uri, "sha256 differs from the manifest; the object is corrupt")
+        check_files(location, manifest, [name], listing)
+    except FileProblem as e:
+        raise refuse(e.where, f"{e.reason}; re-stage") from None
+    listed = listing[name]
+    kept = None
+    try:
+        with location.reader(name, listed) as read_into:
+            read = _reads(read_into)
+            digest = entry.digest if check_content else None
+            if digest is not None:
+                kept = checked_prefix(where, digest, read)
+                header = read_header(where, entry.size, _served(kept))
+            else:
+                header = read_header(where, entry.size, _prefixed(read, entry.size))
+    except ChunkMismatch as e:
+        raise refuse(where, f"{e.reason}: re-stage it") from None
     except CheckpointError as e:
-        raise refuse(uri, f"{e}; re-stage") from None
+        raise refuse(where, f"{e}; re-stage") from None
+    except DestinationError as e:
+        raise _s3_refusal(e, where) from None
     except ArtifactError:
         raise
-    except Exception as e:
-        raise _s3_refusal(s3, e, uri) from None
-    return RankFile(name, uri, size, header, etag)
+    except OSError as e:
+        raise refuse(where, f"cannot read: {e.strerror or e}") from None
+    if not isinstance(location, S3Artifact):
+        kept = None  # a local reader reads the header again, from the page cache
+    return RankFile(name, where, entry.size, header, entry, listed.etag, kept)
 
 
-def _s3_refusal(s3: S3Client, e: BaseException, where: str) -> ArtifactError:
+def _reads(read_into: ReadInto) -> Callable[[int, int], bytes]:
+    def read(offset: int, length: int) -> bytes:
+        buf = bytearray(length)
+        read_into(offset, memoryview(buf))
+        return bytes(buf)
+
+    return read
+
+
+def _prefixed(read: Callable[[int, int], bytes], size: int) -> Callable[[int, int], bytes]:
+    """``read`` with the file's first ``HEADER_PREFIX_BYTES`` fetched once and served."""
+    prefix = read(0, min(size, HEADER_PREFIX_BYTES)) if size else b""
+
+    def served(offset: int, length: int) -> bytes:
+        if offset + length <= len(prefix):
+            return prefix[offset : offset + length]
+        return read(offset, length)
+
+    return served
+
+
+def _s3_refusal(e: DestinationError, where: str) -> ArtifactError:
     """The S3 client's one credential-free line about ``where``, as a refusal."""
-    return refuse(where, str(s3.error(e, where)).removeprefix(f"{where}: "))
-
-
-def _s3_sha256(s3: S3Client, location: S3Location, name: str, etag: str) -> str:
-    h = hashlib.sha256()
-    body = s3.client.get_object(Bucket=location.bucket, Key=location.key(name), IfMatch=etag)
-    with closing(body["Body"]) as stream:
-        for block in stream.iter_chunks(8 * 1024 * 1024):
-            h.update(block)
-    return h.hexdigest()
+    return refuse(where, str(e).removeprefix(f"{where}: "))
 
 
 def _glob(pattern: str) -> re.Pattern[str]:
     """vLLM's part-file glob as a regex whose ``*`` stays within one name (``fnmatch``'s
     ``*`` would also match ``/``: ``model-rank-0-part-*`` would take ``../x/part-0``)."""
     return re.compile(re.escape(pattern).replace(r"\*", "([^/]*)"))
+
+
+def _served(data: bytes) -> Callable[[int, int], bytes]:
+    def read(offset: int, length: int) -> bytes:
+        return data[offset : offset + length]
+
+    return read
+
+
+def checked_prefix(where: str, digest: FileDigest, read: Callable[[int, int], bytes]) -> bytes:
+    """The whole chunks that hold a file's header (one, for any usual header), read and
+    checked against their hashes (``ChunkMismatch``)."""
+    checker = ChunkChecker([(where, digest)])
+    data = bytearray()
+    needed = min(8, digest.size)
+    for index in range(len(digest.chunks)):
+        if len(data) >= needed:
+            break
+        lo, hi = digest.range(index)
+        piece = read(lo, hi - lo)
+        checker.check(0, lo, [memoryview(piece)])
+        data += piece
+        if len(data) >= 8:
+            length = int.from_bytes(data[:8], "little")
+            needed = min(8 + min(length, MAX_HEADER_BYTES), digest.size)
+    return bytes(data)
+
+
+def content_checker(verified: VerifiedArtifact) -> ChunkChecker | None:
+    """The checker of this rank's files for the plugin's reader, in load order; None when some
+    file has no chunk hashes (a schema-1 artifact: ``verify_content`` hashes it instead)."""
+    files = []
+    for f in verified.files:
+        digest = f.entry.digest
+        if digest is None:
+            return None
+        files.append((f.location, digest))
+    return ChunkChecker(files)
+
+
+def verify_content(verified: VerifiedArtifact, *, workers: int | None = None) -> HashStats:
+    """Hash every byte of this rank's files against the manifest, in a pass of its own: for
+    loads whose bytes the plugin's reader does not move, and for schema-1 artifacts (sha256).
+    Chunked files are read chunk by chunk (``workers`` reads at once: by default one on a
+    local disk, 8 GETs on S3), each checked as it lands. Refuses at the first mismatch."""
+    files = [(f.name, f.entry, Listed(f.size, f.etag)) for f in verified.files]
+    try:
+        return location_verify_content(verified.artifact, files, workers=workers)
+    except ChunkMismatch as e:
+        raise refuse(e.where, f"{e.reason}: re-stage it") from None
+    except Sha256Mismatch as e:
+        raise refuse(
+            e.where,
+            f"sha256 is {e.actual}, the manifest says {e.expected}; the file "
+            "is corrupt: re-stage it",
+        ) from None
+    except DestinationError as e:
+        where, _, reason = str(e).partition(": ")  # the S3 client names the object it read
+        raise refuse(where, reason) from None
+    except ArtifactError as e:
+        raise refuse(verified.location, str(e)) from None
+    except OSError as e:
+        raise refuse(verified.location, f"cannot read: {e}") from None
 
 
 def _part_key(pattern: str) -> Callable[[str], tuple[int, str]]:

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 PHASES = ("verify", "read", "host_to_device", "post_process", "total")
+VERIFICATION_MODES = ("stream", "pass", "off")
 LOG = logging.getLogger("vllm.modelstage")
 """Under ``vllm.`` so that vLLM's own log handler and format apply."""
 
@@ -41,6 +42,11 @@ class LoadRecord:
     read_wait_seconds: float = 0.0
     weights_seconds: float = 0.0
     """Wall time of the weight transfer itself (reads and copies, overlapped)."""
+    verification: str = ""
+    """``stream``, ``pass`` or ``off`` (``base.py``)."""
+    verified_bytes: int = 0
+    hash_seconds: float = 0.0
+    """Seconds spent hashing, summed over threads (overlapping the reads when streaming)."""
 
     @property
     def throughput(self) -> float:
@@ -51,6 +57,10 @@ class LoadRecord:
         doc["seconds"] = {k: round(v, 6) for k, v in self.seconds.items()}
         doc["throughput_bytes_per_second"] = round(self.throughput)
         return "modelstage load " + json.dumps(doc, sort_keys=True, separators=(",", ":"))
+
+
+INFO_LABELS = ("digest", "artifact_format", "layout_version", "artifact", "tensor_parallel_size")
+"""What ``modelstage_artifact_info`` says of the artifact, beside the rank and load format."""
 
 
 class _Metrics:
@@ -88,12 +98,29 @@ class _Metrics:
             "Unix time at which this rank's last load finished.",
             labels,
         )
+        self.verification = Gauge(
+            "modelstage_load_verification",
+            "How this rank's last load verified content (value 1 for the mode used): stream "
+            "(every byte hashed as it was read), pass (hashed before loading), off "
+            "(MODELSTAGE_VERIFY=0: not verified).",
+            (*labels, "mode"),
+        )
+        self.verified = Counter(
+            "modelstage_load_verified_bytes",
+            "Bytes hashed against the manifest by this rank's loads.",
+            labels,
+        )
+        self.hash_seconds = Gauge(
+            "modelstage_load_hash_seconds",
+            "Seconds spent hashing in this rank's last load, summed over threads (they "
+            "overlap the reads when streaming).",
+            labels,
+        )
         self.info = Gauge(
             "modelstage_artifact_info",
             "The artifact this rank loaded last (value 1).",
-            (*labels, "digest", "artifact_format", "layout_version", "artifact",
-             "tensor_parallel_size"),
-        )  # fmt: skip
+            (*labels, *INFO_LABELS),
+        )
 
 
 _metrics: _Metrics | None = None
@@ -118,6 +145,10 @@ def publish(record: LoadRecord, *, port: int | None, addr: str) -> int | None:
     for phase in PHASES:
         m.phase.labels(**labels, phase=phase).set(record.seconds.get(phase, 0.0))
     m.wait.labels(**labels).set(record.read_wait_seconds)
+    for mode in VERIFICATION_MODES:
+        m.verification.labels(**labels, mode=mode).set(1 if mode == record.verification else 0)
+    m.verified.labels(**labels).inc(record.verified_bytes)
+    m.hash_seconds.labels(**labels).set(record.hash_seconds)
     m.throughput.labels(**labels).set(record.throughput)
     m.completed.labels(**labels).set(time.time())
     m.info.labels(

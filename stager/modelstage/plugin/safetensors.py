@@ -4,8 +4,9 @@ PVC), read by vLLM's default loader (``--load-format safetensors``).
 The cache for any architecture and quantization: vLLM splits each tensor per rank at load
 with the model's own ``load_weights``, so this wraps the stock loader unchanged and adds what
 it lacks: the artifact checks before the model is allocated (every safetensors file of the
-artifact, since every rank reads all of them; their content hashes with
-``MODELSTAGE_VERIFY_HASH=1``) and the phase metrics.
+artifact, since every rank reads all of them), content verification and the phase metrics.
+vLLM's own reader moves the bytes, so every chunk of every file is hashed against the
+manifest in a pass before loading (``MODELSTAGE_VERIFY``, on by default; ``checks.py``).
 """
 
 from __future__ import annotations

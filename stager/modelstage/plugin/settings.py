@@ -28,13 +28,17 @@ ENV_METRICS_PORT = "MODELSTAGE_METRICS_PORT"
 """Base port of the per-rank metrics endpoints (rank r serves on base + r); unset: none."""
 ENV_METRICS_ADDR = "MODELSTAGE_METRICS_ADDR"
 """Address the metrics endpoints bind (default ``0.0.0.0``)."""
-ENV_VERIFY_HASH = "MODELSTAGE_VERIFY_HASH"
-"""``1``: also sha256 the rank's files against the manifest before loading (slow, opt-in)."""
+ENV_VERIFY = "MODELSTAGE_VERIFY"
+"""Content verification, on unless ``0``: every byte the rank loads is hashed against the
+manifest's chunk hashes as it streams in (or in a pass before loading where the bytes move
+through a reader the plugin does not own). ``0`` loads unverified, and says so in a warning
+and in the ``modelstage_load_verification`` metric."""
 ENV_READ_CHUNK_MIB = "MODELSTAGE_READ_CHUNK_MIB"
-"""Size of one read of the pipelined reader, MiB (default 16)."""
+"""Size of one read of the pipelined reader, MiB (default 16; verifying, one hash chunk)."""
 ENV_READ_DEPTH = "MODELSTAGE_READ_DEPTH"
-"""Reads in flight in the pipelined reader (default 2: on a local disk, more concurrent
-buffered reads of one file defeat the kernel's readahead; measured in docs/performance.md)."""
+"""Reads in flight in the pipelined reader (default 2, verifying 1: on a local disk, more
+concurrent buffered reads of one file defeat the kernel's readahead; measured in
+docs/performance.md)."""
 
 ENV_S3_READER = "MODELSTAGE_S3_READER"
 """``1``: the plugin also registers its loader under vLLM's ``runai_streamer_sharded`` name and
@@ -49,6 +53,10 @@ ENV_S3_READ_CONCURRENCY = "MODELSTAGE_S3_READ_CONCURRENCY"
 
 DEFAULT_CHUNK_MIB = 16
 DEFAULT_DEPTH = 2
+VERIFYING_DEPTH = 1
+"""Local reads in flight while verifying: one sequential reader, which the kernel's readahead
+follows, with the hashing on threads of its own; two readers whose timing the hashing shifts
+read 0.6-0.7x as fast cold here (docs/performance.md)."""
 DEFAULT_S3_CHUNK_MIB = 32
 DEFAULT_S3_CONCURRENCY = 8
 MiB = 1024 * 1024
@@ -62,9 +70,10 @@ class PluginSettings:
     artifact: str | None = None
     metrics_port: int | None = None
     metrics_addr: str = "0.0.0.0"
-    verify_hash: bool = False
-    chunk_bytes: int = DEFAULT_CHUNK_MIB * MiB
-    depth: int = DEFAULT_DEPTH
+    verify: bool = True
+    chunk_bytes: int | None = None
+    """None: the default (``local_reads``)."""
+    depth: int | None = None
     s3_reader: bool = False
     s3_chunk_bytes: int = DEFAULT_S3_CHUNK_MIB * MiB
     s3_depth: int = DEFAULT_S3_CONCURRENCY
@@ -79,15 +88,24 @@ class PluginSettings:
             artifact=env.get(ENV_ARTIFACT) or None,
             metrics_port=_int(env, ENV_METRICS_PORT, minimum=1, maximum=65535),
             metrics_addr=env.get(ENV_METRICS_ADDR) or "0.0.0.0",
-            verify_hash=_flag(env, ENV_VERIFY_HASH),
-            chunk_bytes=(_int(env, ENV_READ_CHUNK_MIB, minimum=1) or DEFAULT_CHUNK_MIB) * MiB,
-            depth=_int(env, ENV_READ_DEPTH, minimum=1, maximum=64) or DEFAULT_DEPTH,
+            verify=_flag(env, ENV_VERIFY, default=True),
+            chunk_bytes=(_int(env, ENV_READ_CHUNK_MIB, minimum=1) or 0) * MiB or None,
+            depth=_int(env, ENV_READ_DEPTH, minimum=1, maximum=64),
             s3_reader=_flag(env, ENV_S3_READER),
             s3_chunk_bytes=(_int(env, ENV_S3_READ_CHUNK_MIB, minimum=1) or DEFAULT_S3_CHUNK_MIB)
             * MiB,
             s3_depth=_int(env, ENV_S3_READ_CONCURRENCY, minimum=1, maximum=64)
             or DEFAULT_S3_CONCURRENCY,
         )
+
+
+def local_reads(settings: PluginSettings, hash_chunk: int | None) -> tuple[int, int]:
+    """(read size, reads in flight) of the local reader: the settings where given; else, when
+    verifying (``hash_chunk``: the largest hash chunk), one read of one chunk at a time
+    (``VERIFYING_DEPTH``), else 16 MiB reads, two in flight."""
+    if hash_chunk is None:
+        return settings.chunk_bytes or DEFAULT_CHUNK_MIB * MiB, settings.depth or DEFAULT_DEPTH
+    return settings.chunk_bytes or hash_chunk, settings.depth or VERIFYING_DEPTH
 
 
 def serving_s3_options(env: Mapping[str, str] | None = None) -> S3Options:
@@ -126,9 +144,11 @@ def _int(
     return value
 
 
-def _flag(env: Mapping[str, str], name: str) -> bool:
+def _flag(env: Mapping[str, str], name: str, *, default: bool = False) -> bool:
     raw = env.get(name, "").strip().lower()
-    if raw in ("", "0", "false", "no"):
+    if not raw:
+        return default
+    if raw in ("0", "false", "no"):
         return False
     if raw in ("1", "true", "yes"):
         return True

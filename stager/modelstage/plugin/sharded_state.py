@@ -12,16 +12,17 @@ import logging
 from typing import ClassVar
 
 import torch
+from modelstage.core.integrity import ChunkMismatch
 from modelstage.core.s3_client import S3Client
 from modelstage.core.safetensors_format import TensorInfo
 from torch import nn
 from vllm.config import ModelConfig
 from vllm.model_executor.model_loader.sharded_state_loader import ShardedStateLoader
 
-from .base import ModelstageLoader, Transfer
-from .checks import VerifiedArtifact, refuse, verify_local, verify_s3
+from .base import STREAM, ModelstageLoader, Transfer
+from .checks import VerifiedArtifact, content_checker, refuse, verify_local, verify_s3
 from .reader import TORCH_DTYPES, PipelinedReader, Target, flat_bytes, staging_for
-from .settings import serving_s3_options
+from .settings import local_reads, serving_s3_options
 from .stores import S3Objects, store_for
 
 LOG = logging.getLogger("vllm.modelstage")
@@ -65,6 +66,7 @@ class ModelstageShardedStateLoader(ModelstageLoader):
     stock_format: ClassVar[str] = "sharded_state"
     stock_class = ShardedStateLoader
     per_rank: ClassVar[bool] = True
+    streams_verification: ClassVar[bool] = True
 
     def verify(self, location: str, running_tp: int, vllm_version: str) -> VerifiedArtifact:
         return verify_rank_files(self, location, running_tp, vllm_version)
@@ -77,21 +79,44 @@ class ModelstageShardedStateLoader(ModelstageLoader):
         device = next(iter(state_dict.values())).device
         store = store_for(verified)
         on_s3 = isinstance(store, S3Objects)
+        checker = content_checker(verified) if self.verification == STREAM else None
+        if on_s3:
+            chunk_bytes, depth = self.settings.s3_chunk_bytes, self.settings.s3_depth
+        else:
+            chunk_bytes, depth = local_reads(
+                self.settings, checker.read_bytes(1) if checker else None
+            )
+        buffered = device.type == "cuda"  # reads into reused buffers, which hold whole chunks
         reader = PipelinedReader(
-            chunk_bytes=self.settings.s3_chunk_bytes if on_s3 else self.settings.chunk_bytes,
-            depth=self.settings.s3_depth if on_s3 else self.settings.depth,
+            chunk_bytes=checker.read_bytes(chunk_bytes) if checker and buffered else chunk_bytes,
+            depth=depth,
             device=device,
         )
-        stats = reader.read(store, lambda info: target_for(info, state_dict[info.name]))
-        LOG.info("modelstage: read %d bytes of %s with the %s reader in %.2f s",
-                 stats.bytes, verified.location, "S3" if on_s3 else "local",
-                 stats.read_seconds)  # fmt: skip
+        try:
+            stats = reader.read(
+                store, lambda info: target_for(info, state_dict[info.name]), checker
+            )
+        except ChunkMismatch as e:
+            raise refuse(e.where, f"{e.reason}: re-stage it") from None
+        verified_note = (
+            f", every byte verified ({checker.stats.seconds:.2f} s of hashing)" if checker else ""
+        )
+        LOG.info(
+            "modelstage: read %d bytes of %s with the %s reader in %.2f s%s",
+            stats.bytes,
+            verified.location,
+            "S3" if on_s3 else "local",
+            stats.read_seconds,
+            verified_note,
+        )
         return Transfer(
             bytes=stats.bytes,
             files=stats.files,
             read_seconds=stats.read_seconds,
             copy_seconds=stats.copy_seconds,
             read_wait_seconds=stats.wait_seconds,
+            verified_bytes=checker.stats.bytes if checker else 0,
+            hash_seconds=checker.stats.seconds if checker else 0.0,
         )
 
 
@@ -99,11 +124,17 @@ def check_keys(where: str, in_files: set[str], in_model: set[str]) -> None:
     """The stock loader's KeyError / "Missing keys", before any read, naming the keys."""
     unknown, missing = sorted(in_files - in_model), sorted(in_model - in_files)
     if unknown:
-        raise refuse(where, f"the model has no parameter {', '.join(unknown[:5])}; the artifact "
-                     "was staged for another architecture or layout; re-stage")  # fmt: skip
+        raise refuse(
+            where,
+            f"the model has no parameter {', '.join(unknown[:5])}; the artifact "
+            "was staged for another architecture or layout; re-stage",
+        )
     if missing:
-        raise refuse(where, f"the artifact lacks {', '.join(missing[:5])}; re-stage it for "
-                     "this model and vLLM version")  # fmt: skip
+        raise refuse(
+            where,
+            f"the artifact lacks {', '.join(missing[:5])}; re-stage it for "
+            "this model and vLLM version",
+        )
 
 
 def target_for(info: TensorInfo, param: torch.Tensor) -> Target:
@@ -112,20 +143,34 @@ def target_for(info: TensorInfo, param: torch.Tensor) -> Target:
     data = param.data
     dtype = TORCH_DTYPES[info.dtype]
     if dtype != data.dtype:
-        LOG.warning("Attempted to load weight %s with dtype %s into parameter with dtype %s",
-                    info.name, dtype, data.dtype)  # fmt: skip
+        LOG.warning(
+            "Attempted to load weight %s with dtype %s into parameter with dtype %s",
+            info.name,
+            dtype,
+            data.dtype,
+        )
     if len(info.shape) != data.dim():
-        raise refuse(info.file, f"tensor {info.name!r} has shape {list(info.shape)}, the "
-                     f"parameter {list(data.shape)}; re-stage")  # fmt: skip
+        raise refuse(
+            info.file,
+            f"tensor {info.name!r} has shape {list(info.shape)}, the "
+            f"parameter {list(data.shape)}; re-stage",
+        )
     for dim, size in enumerate(info.shape):
         if size < data.shape[dim]:
             data = data.narrow(dim, 0, size)
     if tuple(info.shape) != tuple(param.shape):
-        LOG.warning("loading tensor of shape %s into parameter '%s' of shape %s",
-                    list(info.shape), info.name, list(param.shape))  # fmt: skip
+        LOG.warning(
+            "loading tensor of shape %s into parameter '%s' of shape %s",
+            list(info.shape),
+            info.name,
+            list(param.shape),
+        )
     if tuple(data.shape) != tuple(info.shape):
-        raise refuse(info.file, f"tensor {info.name!r} of shape {list(info.shape)} is larger "
-                     f"than its parameter {list(param.shape)}; re-stage")  # fmt: skip
+        raise refuse(
+            info.file,
+            f"tensor {info.name!r} of shape {list(info.shape)} is larger "
+            f"than its parameter {list(param.shape)}; re-stage",
+        )
     if dtype == data.dtype and data.is_contiguous():
         return Target(flat_bytes(data))
     return staging_for(info, data)

@@ -116,6 +116,8 @@ class S3RankObject:
     name: str
     etag: str
     header: SafetensorsHeader
+    prefix: bytes | None = None
+    """The object's first bytes, checked by the verify phase: served without a GET."""
 
     @property
     def uri(self) -> str:
@@ -144,9 +146,27 @@ class S3Objects(RankBytes):
 
     def read_into(self, file: int, offset: int, views: list[memoryview]) -> None:
         obj = self.objects[file]
+        views = list(views)
+        if obj.prefix is not None and offset < len(obj.prefix):  # checked bytes, in memory
+            source = memoryview(obj.prefix)[offset:]
+            while views and len(source):
+                n = min(len(views[0]), len(source))
+                views[0][:n] = source[:n]
+                offset, source = offset + n, source[n:]
+                views[0] = views[0][n:]
+                if not len(views[0]):
+                    views.pop(0)
+            if not views:
+                return
         try:
-            get_range_into(self.client, obj.location.bucket, obj.location.key(obj.name),
-                           obj.etag, offset, views)  # fmt: skip
+            get_range_into(
+                self.client,
+                obj.location.bucket,
+                obj.location.key(obj.name),
+                obj.etag,
+                offset,
+                views,
+            )
         except Exception as e:
             if precondition_failed(e):
                 raise ArtifactError(
@@ -164,5 +184,5 @@ def store_for(verified: VerifiedArtifact) -> RankBytes:
     objects = []
     for f in verified.files:
         assert f.etag is not None, f"{f.location}: verified without an ETag"
-        objects.append(S3RankObject(location, f.name, f.etag, f.header))
+        objects.append(S3RankObject(location, f.name, f.etag, f.header, f.prefix))
     return S3Objects(verified.s3, objects)

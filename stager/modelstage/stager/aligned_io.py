@@ -19,14 +19,16 @@ import mmap
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
 from .pieces import Piece, copy_piece, piece_nbytes
 
-if TYPE_CHECKING:
-    from hashlib import _Hash as Hash
+
+class Hash(Protocol):
+    def update(self, data: memoryview, /) -> None: ...
+
 
 ALIGN = 4096
 """Memory and file-offset alignment for ``O_DIRECT`` (a page; every block size divides it)."""
@@ -42,7 +44,7 @@ DIRECT_IO_ENV = "MODELSTAGE_DIRECT_IO"
 """``0`` turns ``O_DIRECT`` off (every write goes through the page cache)."""
 
 _WRITERS = ThreadPoolExecutor(8, "aligned-write")
-"""Shared by every open file: at most ``BUFFERS_PER_FILE - 1`` writes of one file in flight."""
+"""Shared by every open file: at most ``BUFFERS_PER_FILE`` writes of one file in flight."""
 
 
 class _BufferPool:
@@ -93,7 +95,7 @@ def _set_direct(fd: int, on: bool) -> bool:
 class AlignedWriter:
     """Appends to ``fd`` from offset 0 through aligned buffers (not thread-safe: one writer).
 
-    The copies (numpy), sha256 (hashlib) and ``pwrite`` all release the GIL, so other
+    The copies (numpy), the hash (BLAKE3) and ``pwrite`` all release the GIL, so other
     files' writers run beside this one on the other cores.
     """
 

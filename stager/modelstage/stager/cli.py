@@ -55,8 +55,10 @@ def _stage(args: argparse.Namespace) -> dict[str, Any]:
     if args.command == "finalize":
         group = None
         if args.group:  # "finalize with the workers' arguments" may well include theirs
-            print(f"finalize: ignoring --group {args.group} (finalize checks every group's "
-                  "parts)", file=sys.stderr)  # fmt: skip
+            print(
+                f"finalize: ignoring --group {args.group} (finalize checks every group's parts)",
+                file=sys.stderr,
+            )
     else:
         group = Group.parse(args.group) if args.group else Group.from_env(os.environ)
     if args.digest is not None and not DIGEST_PATTERN.fullmatch(args.digest):
@@ -80,7 +82,8 @@ def _stage(args: argparse.Namespace) -> dict[str, Any]:
         timeouts=_timeouts(args),
         s3=_s3_options(args),
         max_part_bytes=parse_bytes(args.max_part_bytes, "--max-part-bytes")
-        if args.max_part_bytes is not None else None,
+        if args.max_part_bytes is not None
+        else None,
         allow_pickle=args.allow_pickle,
         expect_identity=args.expect_identity,
         force=args.force,
@@ -135,19 +138,25 @@ def _s3_timeouts(args: argparse.Namespace) -> dict[str, Any]:
 def _add_network_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("network (hf:// and s3://)")
     group.add_argument(
-        "--connect-timeout", type=float, metavar="SECONDS",
+        "--connect-timeout",
+        type=float,
+        metavar="SECONDS",
         help="give up connecting after this long (default: MODELSTAGE_CONNECT_TIMEOUT, else 10)",
-    )  # fmt: skip
+    )
     group.add_argument(
-        "--read-timeout", type=float, metavar="SECONDS",
+        "--read-timeout",
+        type=float,
+        metavar="SECONDS",
         help="abandon a request that receives nothing for this long, then retry it (default: "
         "MODELSTAGE_READ_TIMEOUT, else 60 for the Hub and 120 for S3)",
-    )  # fmt: skip
+    )
     group.add_argument(
-        "--retries", type=int, metavar="N",
+        "--retries",
+        type=int,
+        metavar="N",
         help="further attempts of a Hub request after a timeout, a dropped connection, 429 or "
         "5xx (default: MODELSTAGE_RETRIES, else 3; S3 requests: botocore's 8 attempts)",
-    )  # fmt: skip
+    )
 
 
 # --- end network timeouts --------------------------------------------------------------------
@@ -159,9 +168,10 @@ def _add_s3_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--s3-endpoint", help="endpoint URL (default: AWS_ENDPOINT_URL or AWS)")
     group.add_argument("--s3-region", help="region (default: AWS_REGION, else us-east-1)")
     group.add_argument(
-        "--s3-path-style", action="store_true",
+        "--s3-path-style",
+        action="store_true",
         help="path-style addressing (most S3-compatible servers) instead of virtual-hosted",
-    )  # fmt: skip
+    )
     group.add_argument("--s3-ca-bundle", help="PEM file of CAs to trust for the endpoint")
     group.add_argument(
         "--s3-credentials-file",
@@ -171,19 +181,15 @@ def _add_s3_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _verify(args: argparse.Namespace) -> dict[str, Any]:
-    from modelstage.core.manifest import verify_directory
+    from modelstage.core.location import open_artifact, verify
 
-    if args.artifact.startswith("s3://"):
-        from .destinations.s3 import S3Destination
-
-        manifest = S3Destination(args.artifact, _s3_options(args)).verify(
-            digest=args.digest, tp=args.tp, hash_content=not args.sizes_only, show_progress=True
-        )
-    else:
-        manifest = verify_directory(
-            Path(args.artifact), digest=args.digest, tp=args.tp,
-            hash_content=not args.sizes_only, show_progress=True,
-        )  # fmt: skip
+    manifest = verify(
+        open_artifact(args.artifact, _s3_options(args)),
+        digest=args.digest,
+        tp=args.tp,
+        hash_content=not args.sizes_only,
+        show_progress=True,
+    )
     return {
         "verified": str(args.artifact),
         "digest": manifest.digest,
@@ -196,7 +202,7 @@ def _verify(args: argparse.Namespace) -> dict[str, Any]:
 
 def _demo(args: argparse.Namespace) -> dict[str, Any]:
     """The README's embedded default: generate, stage at TP=2, verify, summarise."""
-    from modelstage.core.manifest import verify_directory
+    from modelstage.core.location import verify_directory
     from modelstage.core.progress import human_bytes
     from modelstage.devtools.synthetic import llama_demo, write_checkpoint
 
@@ -244,7 +250,7 @@ def _prepare(args: argparse.Namespace) -> dict[str, Any]:
         tp=args.tp,
         plugin_dir=Path(args.plugin_dir),
         hash_content=args.hash,
-        s3=_s3_options(args) if args.artifact.startswith("s3://") else None,
+        s3=_s3_options(args),
     )
 
 
@@ -254,10 +260,17 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
     from .stage import StageRequest
 
     request = StageRequest(
-        source=args.source, out="", tp=1, revision=args.revision, source_uri=args.source_uri,
-        hf_token_file=args.hf_token_file, cache_dir=args.cache_dir, s3=_s3_options(args),
-        allow_pickle=args.allow_pickle, timeouts=_timeouts(args),
-    )  # fmt: skip
+        source=args.source,
+        out="",
+        tp=1,
+        revision=args.revision,
+        source_uri=args.source_uri,
+        hf_token_file=args.hf_token_file,
+        cache_dir=args.cache_dir,
+        s3=_s3_options(args),
+        allow_pickle=args.allow_pickle,
+        timeouts=_timeouts(args),
+    )
     resolved = resolve(request, config=args.describe)
     resolved.close()
     return resolved.summary()
@@ -278,10 +291,11 @@ def _add_resolve_parser(sub: Any) -> None:
         "--allow-pickle", action="store_true", help="as for `stage`: pickle-only weights"
     )
     re_.add_argument(
-        "--describe", action="store_true",
+        "--describe",
+        action="store_true",
         help="hf:// sources: also fetch config.json and report its architecture and "
         "quantization (what loadFormat auto decides by; other sources report them anyway)",
-    )  # fmt: skip
+    )
     _add_s3_options(re_)
     _add_network_options(re_)
     re_.set_defaults(run=_resolve)
@@ -296,7 +310,10 @@ def _add_prepare_parser(sub: Any) -> None:
     pr.add_argument("--tp", type=int, required=True, help="the workload's tensor parallel size")
     pr.add_argument("--plugin-dir", required=True, help="where to copy the plugin (PYTHONPATH)")
     pr.add_argument(
-        "--hash", action="store_true", help="also sha256 every local file (reads every byte)"
+        "--hash",
+        action="store_true",
+        help="also hash every byte against the manifest (reads every file; the loader plugin "
+        "verifies what each rank reads as it streams in anyway)",
     )
     _add_s3_options(pr)
     _add_network_options(pr)
@@ -311,17 +328,17 @@ def _delete(args: argparse.Namespace) -> dict[str, Any]:
     """Remove one artifact, manifest first (delete.py)."""
     from .delete import delete_artifact
 
-    s3 = _s3_options(args) if args.artifact.startswith("s3://") else None
-    return delete_artifact(args.artifact, digest=args.digest, s3=s3)
+    return delete_artifact(args.artifact, digest=args.digest, s3=_s3_options(args))
 
 
 def _add_delete_parser(sub: Any) -> None:
     de = sub.add_parser("delete", help="delete one artifact (manifest first); idempotent")
     de.add_argument(
-        "--artifact", required=True,
+        "--artifact",
+        required=True,
         help="the artifact: a directory or s3://BUCKET/PREFIX/ named by its digest (the "
         "operator's layout), or any one holding the artifact's manifest (`stage --out DIR`)",
-    )  # fmt: skip
+    )
     de.add_argument("--digest", help="refuse unless the location is this artifact")
     _add_s3_options(de)
     _add_network_options(de)
@@ -361,9 +378,11 @@ def _add_stage_parser(sub: Any) -> argparse.ArgumentParser:
     st.add_argument("--pp", type=int, default=1, help="pipeline parallel size (1 only, for now)")
     st.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     st.add_argument(
-        "--format", default="sharded_state", choices=list(FORMATS),
+        "--format",
+        default="sharded_state",
+        choices=list(FORMATS),
         help="the vLLM load format; sharded_state needs a local --out",
-    )  # fmt: skip
+    )
     st.add_argument("--vllm-version", default=DEFAULT_VLLM_VERSION, help="layout to produce")
     st.add_argument("--out", required=True, help="the artifact directory or s3://BUCKET/PREFIX/")
     st.add_argument(
@@ -390,33 +409,39 @@ def _add_stage_options(st: argparse.ArgumentParser) -> None:
     """``stage``'s options beyond what and where: scale-out, part size, pickles, the expected
     identity, replacing, S3 and the network."""
     st.add_argument(
-        "--group", metavar="I/N",
+        "--group",
+        metavar="I/N",
         help="scale-out worker I of N: write every rank's files of this worker's parts, no "
         "manifest (then run `finalize`); default: JOB_COMPLETION_INDEX/MODELSTAGE_WORKERS "
         "when MODELSTAGE_WORKERS is set",
-    )  # fmt: skip
+    )
     st.add_argument(
-        "--max-part-bytes", metavar="BYTES",
+        "--max-part-bytes",
+        metavar="BYTES",
         help="largest part file per rank, e.g. 5368709120, 50M or 512Mi (default: the layout's, "
         "5 GiB); workers and finalize of one artifact must agree",
-    )  # fmt: skip
+    )
     st.add_argument(
-        "--allow-pickle", action="store_true",
+        "--allow-pickle",
+        action="store_true",
         help="accept pickle-only weights (*.bin, *.pt): loaded with torch.load(weights_only="
         "True), converted to safetensors, then staged as usual; unpickling untrusted files "
         "is a risk, so this is off by default",
-    )  # fmt: skip
+    )
     st.add_argument(
-        "--expect-identity", metavar="IDENTITY", type=_identity_arg,
+        "--expect-identity",
+        metavar="IDENTITY",
+        type=_identity_arg,
         help="refuse to stage unless the source still has this identity (`modelstage resolve` "
         "printed it; the operator passes the one its resolve step found)",
-    )  # fmt: skip
+    )
     st.add_argument(
-        "--force", action="store_true",
+        "--force",
+        action="store_true",
         help="replace the artifact already at --out (another digest, e.g. of a source that "
         "changed since, or the same one re-staged); it is deleted, manifest first, before "
         "staging",
-    )  # fmt: skip
+    )
     _add_s3_options(st)
     _add_network_options(st)
 
@@ -452,13 +477,15 @@ def _add_finalize_parser(sub: Any, stage_parser: argparse.ArgumentParser) -> Non
     """``finalize`` takes exactly ``stage``'s arguments (the workers' command line works as
     it is; ``--group`` is ignored), under its own name and help."""
     sub.add_parser(
-        "finalize", parents=[stage_parser], conflict_handler="resolve",
+        "finalize",
+        parents=[stage_parser],
+        conflict_handler="resolve",
         help="check the parts that `stage --group i/n` workers wrote and publish the artifact "
         "(the workers' arguments)",
         description="Check every part that the `modelstage stage --group i/n` workers wrote "
         "(sizes, hashes, this run's settings), then write the manifest and publish the "
         "artifact. Takes the workers' arguments; --group is ignored.",
-    )  # fmt: skip
+    )
 
 
 def _describe_commands(parser: argparse.ArgumentParser, sub: Any) -> None:
@@ -554,11 +581,16 @@ def _plan(args: argparse.Namespace) -> int:
         if args.workload:
             workload = load_manifests(args.workload, ("Deployment", "StatefulSet"))[0]
         reports = [
-            plan_deployment_report(m, namespace=args.namespace, workload=workload,
-                                   checkpoint=args.checkpoint, stager_image=image,
-                                   identity=args.identity)
+            plan_deployment_report(
+                m,
+                namespace=args.namespace,
+                workload=workload,
+                checkpoint=args.checkpoint,
+                stager_image=image,
+                identity=args.identity,
+            )
             for m in load_manifests(target, ("ModelDeployment",))
-        ]  # fmt: skip
+        ]
     else:
         if args.tp is None:
             raise SpecError(
@@ -568,12 +600,20 @@ def _plan(args: argparse.Namespace) -> int:
         from .stage import StageRequest
 
         request = StageRequest(
-            source=target, out=args.out or "(--out)", tp=args.tp, pp=1, dtype=args.dtype,
-            format=args.format, vllm_version=args.vllm_version, digest=args.digest,
-            revision=args.revision, source_uri=args.source_uri,
+            source=target,
+            out=args.out or "(--out)",
+            tp=args.tp,
+            pp=1,
+            dtype=args.dtype,
+            format=args.format,
+            vllm_version=args.vllm_version,
+            digest=args.digest,
+            revision=args.revision,
+            source_uri=args.source_uri,
             max_part_bytes=parse_bytes(args.max_part_bytes, "--max-part-bytes")
-            if args.max_part_bytes is not None else None,
-        )  # fmt: skip
+            if args.max_part_bytes is not None
+            else None,
+        )
         reports = [plan_stage_report(request, checkpoint=args.checkpoint, identity=args.identity)]
     if args.output == "json":
         doc: Any = reports[0] if len(reports) == 1 else reports
@@ -610,25 +650,39 @@ def _add_plan_parser(sub: Any) -> None:
         "operator would do, from its own planners; for SOURCE --tp N --format F, what "
         "`modelstage stage` would do. Nothing is contacted. Exit status 2 when a check "
         "would refuse staging or the rollout.",
-    )  # fmt: skip
-    pl.add_argument("target", metavar="FILE|SOURCE",
-                    help="a ModelDeployment YAML file (- for stdin), or a stage SOURCE")
+    )
+    pl.add_argument(
+        "target",
+        metavar="FILE|SOURCE",
+        help="a ModelDeployment YAML file (- for stdin), or a stage SOURCE",
+    )
     pl.add_argument("-o", "--output", choices=["text", "json"], default="text")
-    pl.add_argument("--identity", type=_identity_arg,
-                    help="the source's resolved identity, as `modelstage resolve` prints it: "
-                    "the digest is taken from it (default: a pinned commit's, a local "
-                    "SOURCE's; otherwise the plan shows the resolve step)")  # fmt: skip
-    pl.add_argument("--checkpoint", metavar="DIR",
-                    help="a local copy of the checkpoint (config.json and safetensors headers "
-                    "are read) to list the artifact's files and sizes")  # fmt: skip
+    pl.add_argument(
+        "--identity",
+        type=_identity_arg,
+        help="the source's resolved identity, as `modelstage resolve` prints it: "
+        "the digest is taken from it (default: a pinned commit's, a local "
+        "SOURCE's; otherwise the plan shows the resolve step)",
+    )
+    pl.add_argument(
+        "--checkpoint",
+        metavar="DIR",
+        help="a local copy of the checkpoint (config.json and safetensors headers "
+        "are read) to list the artifact's files and sizes",
+    )
     md = pl.add_argument_group("ModelDeployment form")
     md.add_argument("--namespace", help="default: the manifest's, else `default`")
-    md.add_argument("--workload", metavar="FILE",
-                    help="the target Deployment or StatefulSet manifest: plan its patch "
-                    "(vLLM arguments, initContainer, env, volumes) and check it")  # fmt: skip
-    md.add_argument("--stager-image",
-                    help="the operator's default stager image (default: "
-                    "MODELSTAGE_OPERATOR_STAGER_IMAGE, else the release's)")  # fmt: skip
+    md.add_argument(
+        "--workload",
+        metavar="FILE",
+        help="the target Deployment or StatefulSet manifest: plan its patch "
+        "(vLLM arguments, initContainer, env, volumes) and check it",
+    )
+    md.add_argument(
+        "--stager-image",
+        help="the operator's default stager image (default: "
+        "MODELSTAGE_OPERATOR_STAGER_IMAGE, else the release's)",
+    )
     so = pl.add_argument_group("SOURCE form (as for `modelstage stage`)")
     so.add_argument("--tp", type=int)
     so.add_argument("--format", default="sharded_state", choices=list(FORMATS))
@@ -649,9 +703,14 @@ def _add_plan_parser(sub: Any) -> None:
 def _serve_local(args: argparse.Namespace) -> dict[str, Any]:
     from .serve_local import run, serve_command
 
-    command = serve_command(args.artifact, host=args.host, port=args.port,
-                            plugin=not args.no_plugin, hash_content=args.hash,
-                            extra=list(args.vllm_args))  # fmt: skip
+    command = serve_command(
+        args.artifact,
+        host=args.host,
+        port=args.port,
+        plugin=not args.no_plugin,
+        hash_content=args.hash,
+        extra=list(args.vllm_args),
+    )
     if args.print:
         return {"command": command.argv, "env": command.env}
     run(command)
@@ -667,15 +726,21 @@ def _add_serve_local_parser(sub: Any) -> None:
         "with the artifact's load format and tensor-parallel size, as the operator configures "
         "a serving container. Arguments after -- go to vLLM as they are, e.g. -- "
         "--max-model-len 4096.",
-    )  # fmt: skip
+    )
     se.add_argument("artifact", help="a staged artifact directory")
     se.add_argument("--host", default="127.0.0.1")
     se.add_argument("--port", type=int, default=8000)
-    se.add_argument("--no-plugin", action="store_true",
-                    help="vLLM's stock load format names instead of the modelstage plugin's")
+    se.add_argument(
+        "--no-plugin",
+        action="store_true",
+        help="vLLM's stock load format names instead of the modelstage plugin's",
+    )
     se.add_argument("--hash", action="store_true", help="also sha256 every file first")
-    se.add_argument("--print", action="store_true",
-                    help="print the command and environment as JSON instead of running it")
+    se.add_argument(
+        "--print",
+        action="store_true",
+        help="print the command and environment as JSON instead of running it",
+    )
     se.set_defaults(vllm_args=[])
     se.usage = "modelstage serve-local [options] ARTIFACT [-- VLLM_ARGS...]"
     se.set_defaults(run=_serve_local)

@@ -22,6 +22,7 @@ from typing import Any
 
 from modelstage.core.digest import DIGEST_HEX_CHARS
 from modelstage.core.errors import ArtifactError, DestinationError, SpecError
+from modelstage.core.location import LocalArtifact, S3Artifact, open_artifact, parse_location
 from modelstage.core.manifest import MANIFEST, read_manifest
 from modelstage.core.s3_client import S3Options
 
@@ -46,25 +47,20 @@ def delete_artifact(
         if named is None:
             return {"deleted": artifact, "digest": digest, "removed": 0}
         expected = named
-    if artifact.startswith("s3://"):
-        removed = _delete_s3(artifact, expected, s3)
-    else:
-        removed = _delete_local(Path(artifact.removeprefix("file://")), expected)
+    removed = remove_artifact(artifact, expected, s3)
     return {"deleted": artifact, "digest": expected, "removed": removed}
 
 
 def _digest_of_named(artifact: str, digest: str | None, s3: S3Options | None) -> str | None:
     """A location not named by a digest is an artifact only if it holds a manifest: its
     digest then stands for the name (None: nothing is there, nothing to do)."""
-    if artifact.startswith("s3://"):
-        from .destinations.s3 import S3Destination
-
-        dest = S3Destination(artifact, s3)
-        manifest, present = dest.existing(), bool(dest._list())
-    else:
-        path = Path(artifact.removeprefix("file://"))
+    found = open_artifact(artifact, s3)
+    if isinstance(found, LocalArtifact):
+        path = found.directory
         manifest = read_manifest(path) if path.is_dir() else None
         present = path.exists()
+    else:
+        manifest, present = found.read_manifest(), bool(found.listing())
     if manifest is None:
         if not present:
             return None
@@ -81,9 +77,10 @@ def _digest_of_named(artifact: str, digest: str | None, s3: S3Options | None) ->
 def remove_artifact(location: str, digest: str, s3: S3Options | None = None) -> int:
     """Delete the artifact of ``digest`` at any location, manifest first (``stage --force``:
     a CLI ``--out`` is named by the user, not by the digest)."""
-    if location.startswith("s3://"):
-        return _delete_s3(location, digest, s3)
-    return _delete_local(Path(location.removeprefix("file://")), digest)
+    found = open_artifact(location, s3)
+    if isinstance(found, S3Artifact):
+        return _delete_s3(found, digest)
+    return _delete_local(parse_location(location).path, digest)
 
 
 def _delete_local(out: Path, digest: str) -> int:
@@ -126,32 +123,41 @@ def _remove_tree(out: Path, digest: str) -> int:
     return removed
 
 
-def _delete_s3(uri: str, digest: str, options: S3Options | None) -> int:
-    from .destinations.s3 import S3Destination
-
-    dest = S3Destination(uri, options)
-    manifest = dest.existing()
+def _delete_s3(found: S3Artifact, digest: str) -> int:
+    uri, bucket, client = found.uri, found.location.bucket, found.s3.client
+    manifest = found.read_manifest()
     if manifest is not None and manifest.digest != digest:
         raise ArtifactError(f"{uri}: its manifest says artifact {manifest.digest}, not {digest}")
-    client, bucket = dest.s3.client, dest.location.bucket
     removed = 0
     if manifest is not None:
-        key = dest.location.key(MANIFEST)
-        dest.call(lambda: client.delete_object(Bucket=bucket, Key=key), key)
+        key = found.location.key(MANIFEST)
+        found.call(lambda: client.delete_object(Bucket=bucket, Key=key), key)
         removed += 1
-    prefix = dest.location.prefix + "/"
-    uploads = dest.call(lambda: client.list_multipart_uploads(Bucket=bucket, Prefix=prefix), prefix)
+    prefix = found.location.prefix + "/"
+    uploads = found.call(
+        lambda: client.list_multipart_uploads(Bucket=bucket, Prefix=prefix), prefix
+    )
     for upload in uploads.get("Uploads", []):
-        dest.call(lambda u=upload: client.abort_multipart_upload(
-            Bucket=bucket, Key=u["Key"], UploadId=u["UploadId"]), upload["Key"])  # fmt: skip
-    keys = [prefix + name for name in dest._list()]
+        found.call(
+            lambda u=upload: client.abort_multipart_upload(
+                Bucket=bucket, Key=u["Key"], UploadId=u["UploadId"]
+            ),
+            upload["Key"],
+        )
+    keys = [prefix + name for name in found.listing()]
     for start in range(0, len(keys), DELETE_BATCH):
         batch = [{"Key": k} for k in keys[start : start + DELETE_BATCH]]
-        result = dest.call(lambda b=batch: client.delete_objects(
-            Bucket=bucket, Delete={"Objects": b, "Quiet": True}), prefix)  # fmt: skip
+        result = found.call(
+            lambda b=batch: client.delete_objects(
+                Bucket=bucket, Delete={"Objects": b, "Quiet": True}
+            ),
+            prefix,
+        )
         if result.get("Errors"):
             first = result["Errors"][0]
-            raise ArtifactError(f"s3://{bucket}/{first.get('Key')}: not deleted: "
-                                f"{first.get('Code')} {first.get('Message')}")  # fmt: skip
+            raise ArtifactError(
+                f"s3://{bucket}/{first.get('Key')}: not deleted: "
+                f"{first.get('Code')} {first.get('Message')}"
+            )
         removed += len(batch)
     return removed

@@ -32,6 +32,7 @@ from modelstage.core.progress import human_bytes
 
 if TYPE_CHECKING:
     from modelstage.operator.api import ModelDeploymentSpec
+    from modelstage.operator.artifact import Artifact
 
     from .writers import PlannedFile
 
@@ -131,38 +132,39 @@ def plan_deployment_report(
     chosen: list[dict[str, Any]] = []
     if spec.load_format == "auto" and checkpoint is not None:
         spec, chosen = _auto_from(spec, checkpoint)
-    plan = plan_deployment(spec, namespace=ns, name=name, workload=workload,
-                           stager_image=stager_image, identity=identity)  # fmt: skip
+    plan = plan_deployment(
+        spec,
+        namespace=ns,
+        name=name,
+        workload=workload,
+        stager_image=stager_image,
+        identity=identity,
+    )
     checks = chosen + [dataclasses.asdict(f) for f in plan.findings]
     if workload is not None:
-        ref = spec.serving.target_ref
-        given = (workload.get("kind"), (workload.get("metadata") or {}).get("name"))
-        if given != (ref.kind, ref.name):
-            checks.append({
-                "reason": "WorkloadNotTheTarget", "blocks": "nothing",
-                "message": f"--workload is {given[0]} {given[1]}, but spec.serving.targetRef is "
-                f"{ref.kind} {ref.name}: the plan patches the one given",
-            })  # fmt: skip
+        checks += _other_workload(spec, workload)
     files = None
     if checkpoint is not None:
         files = _files_or_finding(
-            checkpoint, checks, tp=spec.parallelism.tensor, load_format=spec.load_format,
-            dtype=spec.dtype, vllm_version=spec.serving.vllm_version,
-        )  # fmt: skip
+            checkpoint,
+            checks,
+            tp=spec.parallelism.tensor,
+            load_format=spec.load_format,
+            dtype=spec.dtype,
+            vllm_version=spec.serving.vllm_version,
+        )
     artifact = plan.artifact
     report: dict[str, Any] = {
         "kind": "ModelDeployment",
         "namespace": ns,
         "name": name,
         "digest": artifact.digest if artifact else None,
-        "artifact": None if artifact is None else {
-            "uri": artifact.location.uri, "path": artifact.location.path,
-            "claimName": artifact.location.claim_name, "format": spec.load_format,
-            "tensorParallelSize": spec.parallelism.tensor, "dtype": spec.dtype,
-            "vllmVersion": spec.serving.vllm_version,
+        "artifact": None if artifact is None else _artifact(spec, artifact),
+        "source": {
+            "uri": spec.model.uri,
+            "revision": spec.model.revision,
+            "identity": plan.identity,
         },
-        "source": {"uri": spec.model.uri, "revision": spec.model.revision,
-                   "identity": plan.identity},
         "jobs": [_job(j) for j in plan.jobs],
         "claim": plan.claim,
         "files": files,
@@ -194,6 +196,31 @@ def _auto_from(
     message = f"loadFormat auto, from {checkpoint}/{CONFIG}: {choice.reason}"
     check = {"reason": "FormatChosen", "blocks": "nothing", "message": message}
     return spec.model_copy(update={"load_format": choice.format}), [check]
+
+
+def _other_workload(spec: ModelDeploymentSpec, workload: dict[str, Any]) -> list[dict[str, Any]]:
+    """A warning when ``--workload`` is not the spec's target (the plan patches it anyway)."""
+    ref = spec.serving.target_ref
+    given = (workload.get("kind"), (workload.get("metadata") or {}).get("name"))
+    if given == (ref.kind, ref.name):
+        return []
+    message = (
+        f"--workload is {given[0]} {given[1]}, but spec.serving.targetRef is "
+        f"{ref.kind} {ref.name}: the plan patches the one given"
+    )
+    return [{"reason": "WorkloadNotTheTarget", "blocks": "nothing", "message": message}]
+
+
+def _artifact(spec: ModelDeploymentSpec, artifact: Artifact) -> dict[str, Any]:
+    return {
+        "uri": artifact.location.uri,
+        "path": artifact.location.path,
+        "claimName": artifact.location.claim_name,
+        "format": spec.load_format,
+        "tensorParallelSize": spec.parallelism.tensor,
+        "dtype": spec.dtype,
+        "vllmVersion": spec.serving.vllm_version,
+    }
 
 
 def _job(manifest: dict[str, Any]) -> dict[str, Any]:
@@ -234,8 +261,13 @@ def _files_or_finding(checkpoint: str, checks: list[dict[str, Any]], **kw: Any) 
     try:
         files = plan_files(checkpoint, **kw)
     except ModelstageError as error:
-        checks.append({"reason": "StagingWouldFail", "message": " ".join(str(error).split()),
-                       "blocks": "staging"})  # fmt: skip
+        checks.append(
+            {
+                "reason": "StagingWouldFail",
+                "message": " ".join(str(error).split()),
+                "blocks": "staging",
+            }
+        )
         return None
     return {
         "from": str(Path(checkpoint).absolute()),
@@ -257,39 +289,67 @@ def plan_stage_report(
         check_request(req)
         request_destination(req)
     except ModelstageError as error:
-        checks.append({"reason": "StageRefused", "message": " ".join(str(error).split()),
-                       "blocks": "staging"})  # fmt: skip
+        checks.append(
+            {"reason": "StageRefused", "message": " ".join(str(error).split()), "blocks": "staging"}
+        )
     local = checkpoint or (req.source if "://" not in req.source else None)
     files = None
     if local is not None and not checks:
         files = _files_or_finding(
-            local, checks, tp=req.tp, load_format=req.format, dtype=req.dtype,
-            vllm_version=req.vllm_version, max_part_bytes=req.max_part_bytes,
-        )  # fmt: skip
-    command = ["modelstage", "stage", req.source, "--tp", str(req.tp), "--format", req.format,
-               "--dtype", req.dtype, "--out", req.out]  # fmt: skip
-    for flag, value in (("--revision", req.revision), ("--source-uri", req.source_uri),
-                        ("--vllm-version", req.vllm_version), ("--digest", req.digest),
-                        ("--max-part-bytes", req.max_part_bytes)):  # fmt: skip
-        if value is not None:
-            command += [flag, str(value)]
+            local,
+            checks,
+            tp=req.tp,
+            load_format=req.format,
+            dtype=req.dtype,
+            vllm_version=req.vllm_version,
+            max_part_bytes=req.max_part_bytes,
+        )
+    command = _stage_command(req)
     identity = identity or _local_identity(req, checks)
     if identity is None and req.digest is None:
-        checks.append({"reason": "Resolving", "blocks": "nothing",
-                       "message": f"the digest is taken from the identity of {req.source} when "
-                       "staging resolves it: plan with --identity (`modelstage resolve "
-                       f"{req.source}` prints it)"})  # fmt: skip
+        checks.append(
+            {
+                "reason": "Resolving",
+                "blocks": "nothing",
+                "message": f"the digest is taken from the identity of {req.source} when "
+                "staging resolves it: plan with --identity (`modelstage resolve "
+                f"{req.source}` prints it)",
+            }
+        )
     return {
         "kind": "stage",
         "digest": req.digest or (request_digest(req, identity) if identity else None),
-        "artifact": {"uri": req.out, "format": req.format, "tensorParallelSize": req.tp,
-                     "dtype": req.dtype},
-        "source": {"uri": req.source_uri or req.source, "revision": req.revision,
-                   "identity": identity},
+        "artifact": {
+            "uri": req.out,
+            "format": req.format,
+            "tensorParallelSize": req.tp,
+            "dtype": req.dtype,
+        },
+        "source": {
+            "uri": req.source_uri or req.source,
+            "revision": req.revision,
+            "identity": identity,
+        },
         "jobs": [{"name": "(this machine)", "pods": 1, "command": command}],
         "files": files,
         "checks": checks,
     }
+
+
+def _stage_command(req: Any) -> list[str]:
+    """The ``modelstage stage`` command line of ``req``."""
+    command = ["modelstage", "stage", req.source, "--tp", str(req.tp), "--format", req.format,
+               "--dtype", req.dtype, "--out", req.out]  # fmt: skip
+    for flag, value in (
+        ("--revision", req.revision),
+        ("--source-uri", req.source_uri),
+        ("--vllm-version", req.vllm_version),
+        ("--digest", req.digest),
+        ("--max-part-bytes", req.max_part_bytes),
+    ):
+        if value is not None:
+            command += [flag, str(value)]
+    return command
 
 
 def _local_identity(req: Any, checks: list[dict[str, Any]]) -> str | None:
@@ -306,8 +366,13 @@ def _local_identity(req: Any, checks: list[dict[str, Any]]) -> str | None:
     try:
         resolved = resolve(req)
     except ModelstageError as error:
-        checks.append({"reason": "StagingWouldFail", "message": " ".join(str(error).split()),
-                       "blocks": "staging"})  # fmt: skip
+        checks.append(
+            {
+                "reason": "StagingWouldFail",
+                "message": " ".join(str(error).split()),
+                "blocks": "staging",
+            }
+        )
         return None
     resolved.close()
     return resolved.identity
@@ -343,8 +408,10 @@ def _render_artifact(report: dict[str, Any], add: Add) -> None:
         if art.get("path") and art["path"] != art["uri"]:
             add(f"            (in pods: {art['path']}, claim {art['claimName']})")
         layout = f", vLLM {art['vllmVersion']} layout" if art.get("vllmVersion") else ""
-        add(f"  format:   {art['format']}, TP {art['tensorParallelSize']}, dtype {art['dtype']}"
-            f"{layout}")  # fmt: skip
+        add(
+            f"  format:   {art['format']}, TP {art['tensorParallelSize']}, dtype {art['dtype']}"
+            f"{layout}"
+        )
     if report.get("claim"):
         claim = report["claim"]
         size = claim["spec"]["resources"]["requests"]["storage"]
@@ -365,8 +432,10 @@ def _render_jobs(report: dict[str, Any], add: Add) -> None:
 def _render_files(report: dict[str, Any], add: Add) -> None:
     files = report.get("files")
     if files:
-        add(f"  files:    {len(files['list'])} files, {human_bytes(files['bytes'])} "
-            f"(+ modelstage.json), from {files['from']}")  # fmt: skip
+        add(
+            f"  files:    {len(files['list'])} files, {human_bytes(files['bytes'])} "
+            f"(+ modelstage.json), from {files['from']}"
+        )
         width = max(len(f["name"]) for f in files["list"])
         for f in files["list"]:
             who = f"rank {f['rank']}" if f["rank"] is not None else "all ranks"

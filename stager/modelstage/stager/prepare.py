@@ -2,7 +2,9 @@
 
 Two jobs, in this order, so that vLLM never starts on a wrong artifact: (1) check the
 artifact's manifest (complete, the expected digest, the workload's TP; for local artifacts
-also every file's size, and content hashes on request); (2) copy the loader plugin into the
+also every file's size; with ``--hash`` every byte against the manifest's chunk hashes, the
+same chunked verification as ``modelstage verify``: the loader plugin verifies what each rank
+reads as it streams in anyway); (2) copy the loader plugin into the
 plugin directory (an ``emptyDir`` the vLLM container gets on ``PYTHONPATH``).
 
 How the plugin travels: the two packages it consists of, ``modelstage.core`` and
@@ -27,7 +29,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from modelstage.core.errors import ArtifactError, DestinationError
-from modelstage.core.manifest import MANIFEST, Manifest, verify_directory
+from modelstage.core.formats import LOCAL, S3
+from modelstage.core.location import open_artifact, parse_location, verify
+from modelstage.core.manifest import Manifest
 from modelstage.plugin import ENTRY_POINT, ENTRY_POINT_GROUP, ENTRY_POINT_NAME
 
 PLUGIN_PACKAGES = ("core", "plugin")
@@ -56,31 +60,24 @@ def prepare(
 def verify_artifact(
     artifact: str, *, digest: str, tp: int, hash_content: bool, s3: S3Options | None = None
 ) -> dict[str, Any]:
-    if artifact.startswith("s3://"):
-        return _verify_s3(artifact, digest=digest, tp=tp, s3=s3)
-    if "://" in artifact and not artifact.startswith("file://"):
-        scheme = artifact.split("://", 1)[0]
+    """A local artifact: the manifest and every file's size (and with ``hash_content`` every
+    byte). An S3 artifact: the manifest object only, unless ``hash_content``: vLLM is given
+    ``--model s3://...`` and fetches the files itself (the plugin's S3 reader verifying them
+    as they stream in); listing or hashing every object here would delay every pod start."""
+    location = parse_location(artifact)
+    if location.kind not in (LOCAL, S3):
         raise ArtifactError(
             f"{artifact}: prepare reads local paths (mount the volume; pvc:// artifacts are "
-            f"mounted by the pod) and s3:// URIs, not {scheme}://"
+            f"mounted by the pod) and s3:// URIs, not {location.kind}://"
         )
-    directory = Path(artifact.removeprefix("file://"))
-    manifest = verify_directory(directory, digest=digest, tp=tp, hash_content=hash_content,
-                                show_progress=True)  # fmt: skip
-    return _summary(str(directory), manifest, hashed=hash_content)
-
-
-def _verify_s3(artifact: str, *, digest: str, tp: int, s3: S3Options | None) -> dict[str, Any]:
-    """S3 artifacts: the manifest object only. vLLM is given ``--model s3://...`` and fetches
-    the files itself; listing or hashing every object here would delay every pod start."""
-    from .destinations.s3 import S3Destination
-
-    dest = S3Destination(artifact, s3)
-    manifest = dest.existing()
-    if manifest is None:
-        raise ArtifactError(f"{dest.uri}: no {MANIFEST}; the artifact is incomplete")
-    manifest.check_expected(dest.uri, digest=digest, tp=tp)
-    return _summary(dest.uri, manifest, hashed=False)
+    found = open_artifact(artifact, s3)
+    if location.kind == S3 and not hash_content:
+        manifest = found.require_manifest(digest=digest, tp=tp)
+    else:
+        manifest = verify(
+            found, digest=digest, tp=tp, hash_content=hash_content, show_progress=True
+        )
+    return _summary(found.uri, manifest, hashed=hash_content)
 
 
 def _summary(where: str, manifest: Manifest, *, hashed: bool) -> dict[str, Any]:
@@ -152,8 +149,9 @@ def _write_tree(root: Path, version: str) -> int:
         (dist / name).write_text(text)
         copied.append(dist / name)
     record = dist / "RECORD"
-    lines = [f"{p.relative_to(root).as_posix()},{_record_hash(p)},{p.stat().st_size}"
-             for p in copied]  # fmt: skip
+    lines = [
+        f"{p.relative_to(root).as_posix()},{_record_hash(p)},{p.stat().st_size}" for p in copied
+    ]
     record.write_text("\n".join([*lines, f"{record.relative_to(root).as_posix()},,"]) + "\n")
     return len(copied) + 1
 

@@ -39,9 +39,11 @@ class StageRequest:
     worker and the finalize step of one artifact must use the same value."""
     allow_pickle: bool = False
     """Accept a checkpoint with only pickle weights, loaded with ``torch.load(weights_only=
-    True)`` and converted to safetensors first (pickle_source.py); refused by default."""
+    True)`` and converted to safetensors first (``sources/pickled.py``); refused by default."""
     expect_identity: str | None = None
     """The source identity resolved earlier (the operator's resolve step): a source that no
     longer has it is refused instead of staged under a digest that does not describe it."""
     force: bool = False
     """Replace an artifact already at ``out`` (another digest, or the same one re-staged)."""
+    chunk_bytes: int | None = None
+    """Chunk size of the files' content hashes (default ``integrity.DEFAULT_CHUNK_BYTES``)."""

@@ -97,17 +97,32 @@ def resolve(req: StageRequest, *, config: bool = False) -> Resolved:
     if req.source.startswith("hf://"):
         from .sources.hf import HfSource
 
-        options: dict[str, Any] = dict(revision=req.revision, hf_token_file=req.hf_token_file,
-                                       cache_dir=req.cache_dir, timeouts=req.timeouts)  # fmt: skip
+        options: dict[str, Any] = {
+            "revision": req.revision,
+            "hf_token_file": req.hf_token_file,
+            "cache_dir": req.cache_dir,
+            "timeouts": req.timeouts,
+        }
         if not config:
             commit = HfSource.resolve(req.source, **options)
             return Resolved(uri, req.revision, f"commit:{commit}", "hf", commit=commit)
         commit, found = HfSource.resolve_config(req.source, **options)
-        return Resolved(uri, req.revision, f"commit:{commit}", "hf", commit=commit,
-                        config=found if isinstance(found, dict) else {})  # fmt: skip
-    source = open_source(req.source, revision=req.revision, s3=req.s3,
-                         hf_token_file=req.hf_token_file, cache_dir=req.cache_dir,
-                         timeouts=req.timeouts)  # fmt: skip
+        return Resolved(
+            uri,
+            req.revision,
+            f"commit:{commit}",
+            "hf",
+            commit=commit,
+            config=found if isinstance(found, dict) else {},
+        )
+    source = open_source(
+        req.source,
+        revision=req.revision,
+        s3=req.s3,
+        hf_token_file=req.hf_token_file,
+        cache_dir=req.cache_dir,
+        timeouts=req.timeouts,
+    )
     try:
         checkpoint = None
         identity = None
@@ -120,11 +135,16 @@ def resolve(req: StageRequest, *, config: bool = False) -> Resolved:
             identity = checkpoint.identity()
         files = identity.get("files") or []
         return Resolved(
-            uri, req.revision, identity_key(identity), str(identity.get("kind", "local")),
-            files=len(files), bytes=sum(int(f.get("size", 0)) for f in files),
-            source=source, checkpoint=checkpoint,
+            uri,
+            req.revision,
+            identity_key(identity),
+            str(identity.get("kind", "local")),
+            files=len(files),
+            bytes=sum(int(f.get("size", 0)) for f in files),
+            source=source,
+            checkpoint=checkpoint,
             config=checkpoint.config if checkpoint is not None else None,
-        )  # fmt: skip
+        )
     except BaseException:
         source.close()
         raise

@@ -15,14 +15,15 @@ the manifest. Why it is cut this way:
   source files hold them.
 - **A shared work area, parts atomic.** Locally the workers share ``<out>.tmp-shared-<key>``
   (the key pins digest, source identity, stager version and part size); each part appears
-  under its name only once fsynced, beside a sidecar with its size and sha256. On S3 the
-  parts are objects under the prefix, each with its run key and sha256. Either way a rerun
-  of a worker reuses the parts it finished, and nothing counts as an artifact before the
-  manifest.
+  under its name only once fsynced, beside a sidecar with its size and chunk hashes. On S3
+  the parts are objects under the prefix, each with its run key and content hash (root).
+  Either way a rerun of a worker reuses the parts it finished, and nothing counts as an
+  artifact before the manifest.
 - **Finalize trusts nothing it has not checked.** It recomputes the expected part names and
   sizes from the plan, requires each part to be present, of this run and of that size, and
-  re-hashes local parts against their sidecars (S3 objects carry the sha256 of the bytes
-  that made them, and S3 shows an object only once whole); then it copies the small files,
+  re-hashes every part: local ones against their sidecars, S3 objects against the root
+  their metadata records (``integrity.py``; chunks read in parallel, at the disk's or the
+  network's pace); then it copies the small files,
   writes the manifest last and publishes (rename, or the manifest object).
 """
 
@@ -38,6 +39,7 @@ from typing import Any, TextIO
 from modelstage.core.digest import identity_key
 from modelstage.core.errors import SpecError
 from modelstage.core.formats import FORMATS, Format, format_for
+from modelstage.core.integrity import FileDigest
 from modelstage.core.layouts import Layout
 from modelstage.core.progress import Progress
 
@@ -118,8 +120,10 @@ def assign_parts(sizes: Sequence[int], workers: int) -> list[range]:
     for size in sizes:
         owner.append(min(workers - 1, (2 * before + size) * workers // (2 * total)))
         before += size
-    return [range(owner.index(w), len(owner) - owner[::-1].index(w)) if w in owner
-            else range(0) for w in range(workers)]  # fmt: skip
+    return [
+        range(owner.index(w), len(owner) - owner[::-1].index(w)) if w in owner else range(0)
+        for w in range(workers)
+    ]
 
 
 @dataclass
@@ -158,9 +162,11 @@ def _plan_run(req: StageRequest, checkpoint: Checkpoint, digest: str, resolved: 
     check_identity(resolved, identity, req.source_uri or req.source)
     key = run_key(digest, {**identity, "maxPartBytes": layout.max_part_bytes})
     params = {
-        "maxPartBytes": layout.max_part_bytes, "modelstageVersion": modelstage_version(),
-        "source": identity_key(identity), "digest": digest,
-    }  # fmt: skip
+        "maxPartBytes": layout.max_part_bytes,
+        "modelstageVersion": modelstage_version(),
+        "source": identity_key(identity),
+        "digest": digest,
+    }
     parts = plan_parts(plan, layout.max_part_bytes)
     return _Run(checkpoint, plan, identity, layout, FORMATS[req.format], key, parts, params)
 
@@ -175,8 +181,10 @@ def stage_group(
     opened = open_run(req, dest)
     if opened.existing is not None or opened.source is None:
         assert opened.existing is not None
-        return {**_summary(opened.existing, dest.uri, time.monotonic() - started, already=True),
-                "group": str(group)}  # fmt: skip
+        return {
+            **_summary(opened.existing, dest.uri, time.monotonic() - started, already=True),
+            "group": str(group),
+        }
     source = opened.source
     try:
         checkpoint = opened.resolved.checkpoint or open_checkpoint(source)
@@ -187,13 +195,21 @@ def stage_group(
             progress = Progress(
                 sum(t.nbytes for p in mine for t in run.parts[p]) * run.plan.tp,
                 sum(len(run.parts[p]) for p in mine),
-                label=(f"staging parts {mine.start}..{mine.stop - 1}" if mine
-                       else "no parts to stage") + f" (group {group}) to {dest.uri}",
+                label=(
+                    f"staging parts {mine.start}..{mine.stop - 1}" if mine else "no parts to stage"
+                )
+                + f" (group {group}) to {dest.uri}",
                 stream=progress_stream,
-            )  # fmt: skip
+            )
             files = write_rank_files(
-                run.plan, run.checkpoint, run.layout, run.format, dest.open_sink, progress,
-                dest.completed, only=mine,
+                run.plan,
+                run.checkpoint,
+                run.layout,
+                run.format,
+                dest.open_sink,
+                progress,
+                dest.completed,
+                only=mine,
             )
             progress.finish()
         dest.release()
@@ -205,7 +221,7 @@ def stage_group(
         "group": str(group),
         "parts": [mine.start, mine.stop] if mine else [],
         "files": len(files),
-        "bytes": sum(s for s, _ in files.values()),
+        "bytes": sum(d.size for d in files.values()),
         "seconds": round(time.monotonic() - started, 3),
         "alreadyStaged": False,
     }
@@ -238,18 +254,22 @@ def finalize(req: StageRequest, *, progress_stream: TextIO | None = None) -> dic
 
 def _check_parts(
     dest: Destination, run: _Run, progress_stream: TextIO | None = None
-) -> dict[str, tuple[int, str]]:
+) -> dict[str, FileDigest]:
     """Every rank's every part, checked in parallel (locally: re-hashed, which takes minutes
     for a large artifact, so each checked part is reported); the first problem in file order
     wins."""
     names = rank_file_names(run.format, run.plan.tp, len(run.parts))
     sizes = part_sizes(run.parts)
     wanted = [(names[r][p], sizes[p]) for r in range(run.plan.tp) for p in range(len(sizes))]
-    progress = Progress(sum(s for _, s in wanted), len(wanted),
-                        label=f"checking parts of {dest.uri}", stream=progress_stream,
-                        items="parts")  # fmt: skip
+    progress = Progress(
+        sum(s for _, s in wanted),
+        len(wanted),
+        label=f"checking parts of {dest.uri}",
+        stream=progress_stream,
+        items="parts",
+    )
 
-    def check(name: str, size: int) -> tuple[int, str]:
+    def check(name: str, size: int) -> FileDigest:
         found = dest.check_part(name, size)
         progress.advance(size)
         progress.tensor_done()

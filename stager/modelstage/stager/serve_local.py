@@ -23,7 +23,7 @@ from typing import cast
 
 from modelstage.core.errors import SpecError
 from modelstage.core.formats import FORMATS
-from modelstage.core.manifest import verify_directory
+from modelstage.core.location import verify_directory
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 
@@ -62,11 +62,20 @@ def serve_command(
     load_format = cast(LoadFormat, manifest.format)  # one of FORMATS, checked above
     settings = vllm_settings(Artifact(location, load_format, manifest.tensorParallelSize), plugin)
     argv = [
-        sys.executable, "-m", SERVER_MODULE, "--model", path,
-        "--load-format", settings.load_format,
-        "--tensor-parallel-size", str(manifest.tensorParallelSize),
-        "--host", host, "--port", str(port),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        SERVER_MODULE,
+        "--model",
+        path,
+        "--load-format",
+        settings.load_format,
+        "--tensor-parallel-size",
+        str(manifest.tensorParallelSize),
+        "--host",
+        host,
+        "--port",
+        str(port),
+    ]
     if settings.extra_config:
         argv += ["--model-loader-extra-config", json.dumps(settings.extra_config)]
     env = {

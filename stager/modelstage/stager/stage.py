@@ -16,6 +16,7 @@ from typing import Any, TextIO
 from modelstage.core.digest import artifact_digest, identity_key
 from modelstage.core.errors import ArtifactError, SpecError
 from modelstage.core.formats import format_for
+from modelstage.core.integrity import FileDigest
 from modelstage.core.layouts import Layout, layout_for
 from modelstage.core.manifest import FileEntry, Manifest
 
@@ -59,16 +60,23 @@ def request_digest(req: StageRequest, identity: str) -> str:
 
 
 def request_destination(req: StageRequest) -> Destination:
-    """Where ``req`` writes (``--out``), as its format allows."""
-    return open_destination(req.out, format_for(req.format), s3=req.s3, tp=req.tp)
+    """Where ``req`` writes (``--out``), as its format allows, hashing in the request's chunk
+    size when it sets one."""
+    dest = open_destination(req.out, format_for(req.format), s3=req.s3, tp=req.tp)
+    if req.chunk_bytes is not None:
+        if req.chunk_bytes < 1:
+            raise SpecError(f"the hash chunk size must be positive, not {req.chunk_bytes}")
+        dest.chunk_bytes = req.chunk_bytes
+    return dest
 
 
 def run_key(digest: str, identity: dict[str, Any]) -> str:
     """What pins the bytes a run writes: a rerun with the same key may reuse finished files."""
     canonical = json.dumps(
         {"digest": digest, "source": identity, "stager": modelstage_version()},
-        sort_keys=True, separators=(",", ":"),
-    )  # fmt: skip
+        sort_keys=True,
+        separators=(",", ":"),
+    )
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
@@ -140,10 +148,15 @@ def open_run(req: StageRequest, dest: Destination) -> OpenRun:
         existing = existing_artifact(dest, req, digest, resolved)
         if existing is not None:
             return OpenRun(resolved, digest, existing)
-        source = resolved.source or open_source(req.source, revision=req.revision, s3=req.s3,
-                                                hf_token_file=req.hf_token_file,
-                                                cache_dir=req.cache_dir, timeouts=req.timeouts,
-                                                commit=resolved.commit)  # fmt: skip
+        source = resolved.source or open_source(
+            req.source,
+            revision=req.revision,
+            s3=req.s3,
+            hf_token_file=req.hf_token_file,
+            cache_dir=req.cache_dir,
+            timeouts=req.timeouts,
+            commit=resolved.commit,
+        )
         resolved.source = None  # handed on: the caller closes it
     finally:
         resolved.close()
@@ -199,7 +212,7 @@ def build_manifest(
     digest: str,
     layout: Layout,
     identity: dict[str, Any],
-    files: dict[str, tuple[int, str]],
+    files: dict[str, FileDigest],
     started: float,
 ) -> Manifest:
     """The manifest of a finished artifact: what it is, where it came from, every file."""
@@ -217,8 +230,8 @@ def build_manifest(
         },
         vllmVersion=layout.vllm_version,
         layoutVersion=layout.layout_version,
-        files={n: FileEntry(size=s, sha256=h) for n, (s, h) in sorted(files.items())},
-        bytes=sum(s for s, _ in files.values()),
+        files={n: FileEntry.of(d) for n, d in sorted(files.items())},
+        bytes=sum(d.size for d in files.values()),
         modelstageVersion=modelstage_version(),
         createdAt=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         stageSeconds=round(time.monotonic() - started, 3),
@@ -264,16 +277,23 @@ def occupied(
     source identity this run resolved; a changed source differs only in it."""
     source = req.source_uri or canonical_uri(req.source)
     theirs = {
-        "format": existing.format, "TP": existing.tensorParallelSize, "dtype": existing.dtype,
-        "source": existing.source.get("uri"), "revision": existing.source.get("revision"),
+        "format": existing.format,
+        "TP": existing.tensorParallelSize,
+        "dtype": existing.dtype,
+        "source": existing.source.get("uri"),
+        "revision": existing.source.get("revision"),
         "layout": existing.layoutVersion,
         "source identity": existing.source.get("identity") or "not recorded",
-    }  # fmt: skip
+    }
     ours = {
-        "format": req.format, "TP": req.tp, "dtype": req.dtype, "source": source,
-        "revision": req.revision, "layout": request_layout(req).layout_version,
+        "format": req.format,
+        "TP": req.tp,
+        "dtype": req.dtype,
+        "source": source,
+        "revision": req.revision,
+        "layout": request_layout(req).layout_version,
         "source identity": identity,
-    }  # fmt: skip
+    }
     differ = [k for k in ours if ours[k] != theirs[k]] or ["digest (--digest)"]
     changed = (
         " (the source changed since that artifact was staged)"

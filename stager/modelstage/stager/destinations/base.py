@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from modelstage.core.errors import SpecError
+from modelstage.core.integrity import DEFAULT_CHUNK_BYTES, FileDigest
 from modelstage.core.manifest import Manifest
 
 from ..pieces import Piece
@@ -21,8 +22,8 @@ class Sink(Protocol):
 
     def write(self, data: Piece) -> None: ...
 
-    def close(self) -> tuple[int, str]:
-        """Finish durably; returns (size, sha256 hex)."""
+    def close(self) -> FileDigest:
+        """Finish durably; returns the file's size and chunk hashes."""
         ...
 
     def abort(self) -> None: ...
@@ -30,14 +31,16 @@ class Sink(Protocol):
 
 OpenSink = Callable[[str, int], Sink]
 """(file name, exact final size) -> Sink."""
-Completed = Callable[[str, int], tuple[int, str] | None]
-"""(file name, exact final size) -> (size, sha256) of a file already complete, else None."""
+Completed = Callable[[str, int], FileDigest | None]
+"""(file name, exact final size) -> the digest of a file already complete, else None."""
 
 
 class Destination(abc.ABC):
     """An artifact being written. Nothing is visible as complete before ``commit``."""
 
     uri: str
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    """The chunk size of the content hashes of the files this run writes."""
 
     @abc.abstractmethod
     def existing(self) -> Manifest | None:
@@ -55,9 +58,9 @@ class Destination(abc.ABC):
         version); a destination that can resume reuses objects written under the same key.
         """
 
-    def completed(self, name: str, size: int) -> tuple[int, str] | None:
-        """(size, sha256) of ``name`` when an earlier run with this run key already wrote
-        it completely, so it need not be written again; None means write it."""
+    def completed(self, name: str, size: int) -> FileDigest | None:
+        """The digest of ``name`` when an earlier run with this run key already wrote it
+        completely (its bytes checked), so it need not be written again; None: write it."""
         return None
 
     # -- scale-out (scale_out.py): several workers write parts, one finalize step commits ---
@@ -72,8 +75,9 @@ class Destination(abc.ABC):
         other settings can say which one differs."""
         raise SpecError(f"{self.uri}: this destination cannot be staged by several workers")
 
-    def check_part(self, name: str, size: int) -> tuple[int, str]:
-        """Finalize: (size, sha256) of a part a worker finished; ArtifactError otherwise."""
+    def check_part(self, name: str, size: int) -> FileDigest:
+        """Finalize: the digest of a part a worker finished, its bytes re-hashed against
+        what the worker recorded; ArtifactError otherwise."""
         raise SpecError(f"{self.uri}: this destination cannot be staged by several workers")
 
     @abc.abstractmethod
@@ -83,7 +87,7 @@ class Destination(abc.ABC):
     @abc.abstractmethod
     def open_sink(self, name: str, size: int) -> Sink: ...
 
-    def write_small(self, name: str, data: bytes) -> tuple[int, str]:
+    def write_small(self, name: str, data: bytes) -> FileDigest:
         """Write a small file (config, tokenizer, manifest) durably into the work area."""
         sink = self.open_sink(name, len(data))
         sink.write(memoryview(data))

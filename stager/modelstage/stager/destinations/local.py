@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import hashlib
 import json
 import os
 import shutil
@@ -21,7 +20,14 @@ from pathlib import Path
 from typing import Any
 
 from modelstage.core.errors import ArtifactError, DestinationError
-from modelstage.core.manifest import MANIFEST, Manifest, read_manifest, sha256_file
+from modelstage.core.integrity import (
+    DEFAULT_CHUNK_BYTES,
+    ChunkedHasher,
+    ChunkMismatch,
+    FileDigest,
+    hash_local_files,
+)
+from modelstage.core.manifest import MANIFEST, Manifest, read_manifest
 
 from ..aligned_io import DIRECT_MIN_BYTES, AlignedWriter, buffer_bytes_for
 from ..pieces import Piece
@@ -73,7 +79,7 @@ class LocalFileSink:
     through the page cache.
     """
 
-    def __init__(self, path: Path, size: int) -> None:
+    def __init__(self, path: Path, size: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
         self.path, self.expected = path, size
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         if size:
@@ -85,7 +91,7 @@ class LocalFileSink:
                     f"{path}: cannot reserve {size} bytes: {e.strerror}"
                 ) from None
         self.written = 0
-        self.hash = hashlib.sha256()
+        self.hash = ChunkedHasher(chunk_bytes)
         self.out = AlignedWriter(
             self.fd, direct=size >= DIRECT_MIN_BYTES, buffer_bytes=buffer_bytes_for(size)
         )
@@ -93,14 +99,14 @@ class LocalFileSink:
     def write(self, data: Piece) -> None:
         self.written += self.out.write(data, self.hash)
 
-    def close(self) -> tuple[int, str]:
+    def close(self) -> FileDigest:
         if self.written != self.expected:
             raise AssertionError(f"{self.path}: wrote {self.written} of {self.expected} bytes")
         self.out.finish(self.written)
         os.fsync(self.fd)
         os.close(self.fd)
         self.fd = -1
-        return self.written, self.hash.hexdigest()
+        return self.hash.finish()
 
     def abort(self) -> None:
         self.out.release()
@@ -166,31 +172,39 @@ RUN_RECORD = ".modelstage-run.json"
 SIDECAR_MAX_BYTES = 4096
 """A sidecar is one short JSON line; more is not one of ours (and does not parse)."""
 SIDECAR_SUFFIX = ".part.json"
-"""Beside each part a scale-out worker finished: its size, sha256 and run key."""
+"""Beside each part a scale-out worker finished: its size, chunk hashes and run key."""
 PARTIAL_INFIX = ".partial-"
 
 
 class AtomicFileSink(LocalFileSink):
     """A file that appears under its name only once complete: written to a temporary name,
-    fsynced, then renamed (with a sidecar recording size and sha256 first, when asked).
+    fsynced, then renamed (with a sidecar recording size and chunk hashes first, when asked).
 
     Scale-out workers share one work directory, and one may be killed at any byte: a file
     under its final name is therefore always whole, and its sidecar says so.
     """
 
-    def __init__(self, path: Path, size: int, sidecar: dict[str, str] | None) -> None:
+    def __init__(
+        self, path: Path, size: int, sidecar: dict[str, str] | None, chunk_bytes: int
+    ) -> None:
         self.final, self.sidecar = path, sidecar
         temporary = path.with_name(f"{path.name}{PARTIAL_INFIX}{uuid.uuid4().hex[:8]}")
-        super().__init__(temporary, size)
+        super().__init__(temporary, size, chunk_bytes)
 
-    def close(self) -> tuple[int, str]:
-        size, sha256 = super().close()
+    def close(self) -> FileDigest:
+        digest = super().close()
         if self.sidecar is not None:
-            record = {"size": size, "sha256": sha256, **self.sidecar}
+            record = {
+                "size": digest.size,
+                "blake3": digest.root,
+                "chunkBytes": digest.chunk_bytes,
+                "chunks": list(digest.chunks),
+                **self.sidecar,
+            }
             _write_durably(sidecar_path(self.final), json.dumps(record).encode())
         os.rename(self.path, self.final)
         fsync_dir(self.final.parent)
-        return size, sha256
+        return digest
 
     def abort(self) -> None:
         super().abort()
@@ -300,10 +314,14 @@ class LocalDestination(Destination):
                 continue
             differ = [k for k in params if theirs.get(k) != params[k]]
             if differ:
-                said = "; ".join(f"{k} {theirs.get(k)} (this finalize: {params[k]})"
-                                 for k in differ)  # fmt: skip
-                hint = (f" (--max-part-bytes {theirs['maxPartBytes']})"
-                        if "maxPartBytes" in differ else "")  # fmt: skip
+                said = "; ".join(
+                    f"{k} {theirs.get(k)} (this finalize: {params[k]})" for k in differ
+                )
+                hint = (
+                    f" (--max-part-bytes {theirs['maxPartBytes']})"
+                    if "maxPartBytes" in differ
+                    else ""
+                )
                 return (
                     f"{self.out}: the workers' parts in {other} were written with other "
                     f"settings: {said}; run finalize with the workers' arguments{hint}"
@@ -319,8 +337,9 @@ class LocalDestination(Destination):
             "`modelstage stage --group i/n` workers first"
         )
 
-    def completed(self, name: str, size: int) -> tuple[int, str] | None:
-        """A part a worker of this run finished: renamed into place with its sidecar."""
+    def completed(self, name: str, size: int) -> FileDigest | None:
+        """A part a worker of this run finished: renamed into place with its sidecar. Its
+        bytes are checked by ``check_part`` at finalize (a worker's rerun only skips it)."""
         if self.work is None or not self.shared:
             return None
         path = self.work / name
@@ -334,9 +353,13 @@ class LocalDestination(Destination):
             return None
         if record.get("runKey") != self.run_key or record.get("size") != size or on_disk != size:
             return None
-        return size, str(record.get("sha256"))
+        try:
+            digest = FileDigest(size, int(record["chunkBytes"]), tuple(map(str, record["chunks"])))
+        except (KeyError, TypeError, ValueError):
+            return None  # a sidecar of another stager version: write the part again
+        return digest if digest.root == record.get("blake3") else None
 
-    def check_part(self, name: str, size: int) -> tuple[int, str]:
+    def check_part(self, name: str, size: int) -> FileDigest:
         """Finalize: the part must be complete, and its bytes must hash to its sidecar's."""
         found = self.completed(name, size)
         assert self.work is not None
@@ -347,19 +370,20 @@ class LocalDestination(Destination):
                 f"{path} {state} (expected {size} bytes from this run); rerun the worker "
                 "that owns it (`modelstage stage --group i/n`), then finalize again"
             )
-        if sha256_file(path) != found[1]:
+        try:
+            hash_local_files([path], [found], recorded="its worker's sidecar")
+        except ChunkMismatch as e:
             raise ArtifactError(
-                f"{path}: sha256 differs from what its worker wrote; the part is corrupt: "
-                "delete it and rerun its worker, then finalize again"
-            )
+                f"{path}: {e.reason}: delete it and rerun its worker, then finalize again"
+            ) from None
         return found
 
     def open_sink(self, name: str, size: int) -> LocalFileSink:
         assert self.work is not None
         if self.shared:
             sidecar = None if self.finalizing else {"runKey": self.run_key}
-            return AtomicFileSink(self.work / name, size, sidecar)
-        return LocalFileSink(self.work / name, size)
+            return AtomicFileSink(self.work / name, size, sidecar, self.chunk_bytes)
+        return LocalFileSink(self.work / name, size, self.chunk_bytes)
 
     def release(self) -> None:
         """A worker is done: leave the shared work directory to the others and finalize."""

@@ -4,14 +4,16 @@ S3 has no rename, so objects are written under the artifact prefix itself and th
 object ``modelstage.json`` is written last: without it nothing there counts as an artifact
 (``existing()`` and every reader look for the manifest first).
 
-**sha256 per object.** Every object carries ``x-amz-meta-sha256``. A rank file's hash is
-known only once its last byte has streamed through, but a multipart upload fixes its
-metadata at ``CreateMultipartUpload``. Objects that fit one part are buffered anyway, so
-they are hashed first and sent with one ``PutObject`` holding the hash. Larger objects are
-hashed while streaming and, once complete, get the hash by a server-side ``CopyObject`` onto
-themselves with ``MetadataDirective=REPLACE`` (guarded by ``CopySourceIfMatch`` on the
-ETag just returned, and done as a multipart ``UploadPartCopy`` above 5 GiB). That costs one
-request and server-side copying, never a second pass over the source or the network.
+**A content hash per object.** Every object carries ``x-amz-meta-blake3``, the root of its
+chunk hashes (``integrity.py``; the chunk hashes themselves go into the manifest: S3 metadata
+holds 2 KB). A rank file's hash is known only once its last byte has streamed through, but a
+multipart upload fixes its metadata at ``CreateMultipartUpload``. Objects that fit one part
+are buffered anyway, so they are hashed first and sent with one ``PutObject`` holding the
+hash. Larger objects are hashed while streaming and, once complete, get the hash by a
+server-side ``CopyObject`` onto themselves with ``MetadataDirective=REPLACE`` (guarded by
+``CopySourceIfMatch`` on the ETag just returned, and done as a multipart ``UploadPartCopy``
+above 5 GiB). That costs one request and server-side copying, never a second pass over the
+source or the network.
 Rejected alternatives: hashing every object before uploading it (reads the source twice)
 and keeping hashes only in the manifest (a rerun could not tell a finished object from a
 foreign one, and the issue asks for the metadata).
@@ -20,10 +22,11 @@ foreign one, and the issue asks for the metadata).
 of the artifact digest, the resolved source identity, the layout and the stager version,
 known before any byte is written. The stager is deterministic, so two runs with the same
 key write identical bytes. A rerun lists the prefix once and, for each object it is about
-to write, reuses it when the run key and the size match and a sha256 is stored (S3 makes
-an object visible only once complete, and the sha256 was computed from the bytes that made
-it). Objects written by hand (small files such as ``config.json``) are compared on their
-sha256 directly. Objects without a run key are foreign and never overwritten. Stale
+to write, reuses it when the run key and the size match and a content hash is stored, and
+its bytes, read back in parallel ranged GETs, hash to it (the chunk hashes the manifest needs
+are recomputed on the way: the completion check is the same chunked verification as
+``verify``). Small files (``config.json``, tokenizer files) are compared on their hash
+directly. Objects without a run key are foreign and never overwritten. Stale
 multipart uploads of a killed run are aborted at ``begin``; one stager per location (the
 operator's Job names are deterministic).
 
@@ -37,7 +40,6 @@ flight, whatever the checkpoint's size.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 import re
 import sys
@@ -48,8 +50,18 @@ from typing import Any
 
 import numpy as np
 from modelstage.core.errors import ArtifactError, DestinationError, SpecError
-from modelstage.core.manifest import MANIFEST, MAX_MANIFEST_BYTES, Manifest, check_ranks_present
-from modelstage.core.progress import Progress
+from modelstage.core.integrity import (
+    ChunkedHasher,
+    FileDigest,
+    FileToHash,
+    digest_bytes,
+    hash_files,
+)
+from modelstage.core.location import S3Artifact
+from modelstage.core.manifest import (
+    MANIFEST,
+    Manifest,
+)
 from modelstage.core.s3_client import S3Client, S3Location, S3Options, with_retries
 
 from ..pieces import Piece, copy_piece, piece_nbytes
@@ -64,7 +76,8 @@ PART_BUFFER_BUDGET = 256 * MiB
 (16 MiB parts up to TP=8 with 8 in flight; smaller, down to S3's 5 MiB, beyond)."""
 COPY_LIMIT = 5 * 1024 * MiB
 """The largest object one ``CopyObject`` may copy; larger ones are copied part by part."""
-SHA256_KEY, RUN_KEY = "sha256", "modelstage-run"
+HASH_KEY, CHUNK_KEY, RUN_KEY = "blake3", "blake3-chunk-bytes", "modelstage-run"
+"""Metadata: the content hash (root of the chunk hashes), its chunk size, the run key."""
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 CONTENT_TYPE = "application/octet-stream"
 
@@ -105,7 +118,7 @@ class S3ObjectSink:
         per_part = -(-size // MAX_PARTS)  # S3 allows 10,000 parts: larger objects, larger parts
         self.part_bytes = max(dest.part_bytes, -(-per_part // MiB) * MiB)
         self.multipart = size > self.part_bytes
-        self.hash = hashlib.sha256()
+        self.hash = ChunkedHasher(dest.chunk_bytes)
         self.written = self.fill = 0
         self.buf: bytearray | None = None
         self.upload_id: str | None = None
@@ -137,10 +150,13 @@ class S3ObjectSink:
         if self.upload_id is None:
             created = self.dest.call(
                 lambda: client.create_multipart_upload(
-                    Bucket=self.dest.location.bucket, Key=self.key, ContentType=CONTENT_TYPE,
+                    Bucket=self.dest.location.bucket,
+                    Key=self.key,
+                    ContentType=CONTENT_TYPE,
                     Metadata={RUN_KEY: self.dest.run_key},
-                ), self.key,
-            )  # fmt: skip
+                ),
+                self.key,
+            )
             self.upload_id = created["UploadId"]
         number, buf, fill = len(self.parts) + 1, self.buf, self.fill
         self.buf = None
@@ -159,10 +175,14 @@ class S3ObjectSink:
             body = memoryview(buf)[:fill]
             response = with_retries(
                 lambda: client.upload_part(
-                    Bucket=self.dest.location.bucket, Key=self.key, UploadId=self.upload_id,
-                    PartNumber=number, Body=_ViewReader(body), ContentLength=fill,
+                    Bucket=self.dest.location.bucket,
+                    Key=self.key,
+                    UploadId=self.upload_id,
+                    PartNumber=number,
+                    Body=_ViewReader(body),
+                    ContentLength=fill,
                 )
-            )  # fmt: skip
+            )
             return {"PartNumber": number, "ETag": response["ETag"]}
         except BaseException as e:
             self.failed = self.failed or self.dest.s3.error(e, self.dest.uri_of(self.name))
@@ -171,36 +191,44 @@ class S3ObjectSink:
             self.dest.give_back(buf)
             self.dest.inflight.release()
 
-    def close(self) -> tuple[int, str]:
+    def close(self) -> FileDigest:
         if self.written != self.size:
             raise AssertionError(f"{self.key}: wrote {self.written} of {self.size} bytes")
-        sha256 = self.hash.hexdigest()
+        digest = self.hash.finish()
+        meta = {HASH_KEY: digest.root, CHUNK_KEY: str(digest.chunk_bytes)}
         client, bucket = self.dest.s3.client, self.dest.location.bucket
         if not self.multipart:
             body = memoryview(self.buf or b"")[: self.fill]
             self.dest.call(
                 lambda: client.put_object(
-                    Bucket=bucket, Key=self.key, Body=_ViewReader(body), ContentLength=self.fill,
+                    Bucket=bucket,
+                    Key=self.key,
+                    Body=_ViewReader(body),
+                    ContentLength=self.fill,
                     ContentType=CONTENT_TYPE,
-                    Metadata={SHA256_KEY: sha256, RUN_KEY: self.dest.run_key},
-                ), self.key,
-            )  # fmt: skip
+                    Metadata={**meta, RUN_KEY: self.dest.run_key},
+                ),
+                self.key,
+            )
             if self.buf is not None:
                 self.dest.give_back(self.buf)
                 self.buf = None
-            return self.size, sha256
+            return digest
         if self.fill:
             self._flush_part()
         parts = [f.result() for f in self.parts]
         done = self.dest.call(
             lambda: client.complete_multipart_upload(
-                Bucket=bucket, Key=self.key, UploadId=self.upload_id,
+                Bucket=bucket,
+                Key=self.key,
+                UploadId=self.upload_id,
                 MultipartUpload={"Parts": parts},
-            ), self.key,
-        )  # fmt: skip
+            ),
+            self.key,
+        )
         self.upload_id = None
-        self.dest.set_metadata(self.key, self.size, done["ETag"], {SHA256_KEY: sha256})
-        return self.size, sha256
+        self.dest.set_metadata(self.key, self.size, done["ETag"], meta)
+        return digest
 
     def abort(self) -> None:
         """Stop: wait for parts in flight and abort the multipart upload, ignoring errors."""
@@ -242,6 +270,8 @@ class S3Destination(Destination):
             raise ArtifactError(f"{uri}: an artifact needs a prefix (s3://BUCKET/PREFIX/)")
         self.uri = self.location.uri
         self.s3 = S3Client(options, concurrency=concurrency)
+        self.artifact = S3Artifact(self.location, self.s3, workers=concurrency)
+        """What is already there, read the way every reader reads an artifact."""
         self.part_bytes, self.concurrency = part_bytes, concurrency
         self.run_key = ""
         self.inflight = threading.BoundedSemaphore(concurrency)
@@ -273,16 +303,11 @@ class S3Destination(Destination):
                 self._free.append(buf)
 
     def uri_of(self, name: str) -> str:
-        return f"s3://{self.location.bucket}/{self.location.key(name)}"
+        return self.artifact.where(name)
 
     def call(self, fn: Any, key: str) -> Any:
         """One API call; botocore retries it, failures become one safe DestinationError."""
-        try:
-            return fn()
-        except Exception as e:
-            if isinstance(e, DestinationError | ArtifactError):
-                raise
-            raise self.s3.error(e, f"s3://{self.location.bucket}/{key}") from None
+        return self.artifact.call(fn, key)
 
     def set_metadata(self, key: str, size: int, etag: str, extra: dict[str, str]) -> None:
         """Add metadata to a complete object by copying it onto itself (server side)."""
@@ -292,10 +317,16 @@ class S3Destination(Destination):
         if size <= COPY_LIMIT:
             self.call(
                 lambda: client.copy_object(
-                    Bucket=bucket, Key=key, CopySource=source, CopySourceIfMatch=etag,
-                    MetadataDirective="REPLACE", Metadata=metadata, ContentType=CONTENT_TYPE,
-                ), key,
-            )  # fmt: skip
+                    Bucket=bucket,
+                    Key=key,
+                    CopySource=source,
+                    CopySourceIfMatch=etag,
+                    MetadataDirective="REPLACE",
+                    Metadata=metadata,
+                    ContentType=CONTENT_TYPE,
+                ),
+                key,
+            )
             return
         self._copy_in_parts(key, size, etag, metadata)
 
@@ -304,30 +335,38 @@ class S3Destination(Destination):
         upload = self.call(
             lambda: client.create_multipart_upload(
                 Bucket=bucket, Key=key, Metadata=metadata, ContentType=CONTENT_TYPE
-            ), key,
-        )  # fmt: skip
+            ),
+            key,
+        )
         upload_id, step = upload["UploadId"], COPY_LIMIT
 
         def copy_part(number: int, start: int) -> dict[str, Any]:
             end = min(size, start + step) - 1
             got = with_retries(
                 lambda: client.upload_part_copy(
-                    Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number,
-                    CopySource={"Bucket": bucket, "Key": key}, CopySourceIfMatch=etag,
+                    Bucket=bucket,
+                    Key=key,
+                    UploadId=upload_id,
+                    PartNumber=number,
+                    CopySource={"Bucket": bucket, "Key": key},
+                    CopySourceIfMatch=etag,
                     CopySourceRange=f"bytes={start}-{end}",
                 )
-            )  # fmt: skip
+            )
             return {"PartNumber": number, "ETag": got["CopyPartResult"]["ETag"]}
 
         try:
-            futures = [self.pool.submit(copy_part, i + 1, start)
-                       for i, start in enumerate(range(0, size, step))]  # fmt: skip
+            futures = [
+                self.pool.submit(copy_part, i + 1, start)
+                for i, start in enumerate(range(0, size, step))
+            ]
             parts = [self.call(f.result, key) for f in futures]
             self.call(
                 lambda: client.complete_multipart_upload(
                     Bucket=bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts}
-                ), key,
-            )  # fmt: skip
+                ),
+                key,
+            )
         except BaseException:
             with contextlib.suppress(Exception):
                 client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload_id)
@@ -335,60 +374,36 @@ class S3Destination(Destination):
 
     def _list(self) -> dict[str, int]:
         """{relative name: size} of every object under the prefix."""
-        client, prefix = self.s3.client, self.location.prefix + "/"
-        found: dict[str, int] = {}
-        pages = client.get_paginator("list_objects_v2").paginate(
-            Bucket=self.location.bucket, Prefix=prefix
-        )
-        try:
-            for page in pages:
-                for obj in page.get("Contents", []):
-                    found[obj["Key"][len(prefix) :]] = int(obj["Size"])
-        except Exception as e:
-            raise self.s3.error(e, self.uri) from None
-        return found
+        return {name: listed.size or 0 for name, listed in self.artifact.listing().items()}
 
     def _head(self, name: str) -> dict[str, Any]:
         key = self.location.key(name)
-        return dict(self.call(lambda: self.s3.client.head_object(
-            Bucket=self.location.bucket, Key=key), key))  # fmt: skip
-
-    def _get(self, name: str) -> bytes | None:
-        """A small object (the manifest), at most MAX_MANIFEST_BYTES + 1 of it: enough for
-        ``Manifest.from_json`` to refuse a longer one, never the whole of a huge one."""
-        from botocore.exceptions import ClientError
-
-        key = self.location.key(name)
-        try:
-            body = self.s3.client.get_object(Bucket=self.location.bucket, Key=key)["Body"]
-            try:
-                return bytes(body.read(MAX_MANIFEST_BYTES + 1))
-            finally:
-                body.close()
-        except ClientError as e:
-            if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
-                return None
-            raise self.s3.error(e, self.uri_of(name)) from None
-        except Exception as e:
-            raise self.s3.error(e, self.uri_of(name)) from None
+        return dict(
+            self.call(lambda: self.s3.client.head_object(Bucket=self.location.bucket, Key=key), key)
+        )
 
     # -- the Destination interface --------------------------------------------------------
 
     def existing(self) -> Manifest | None:
         """The committed manifest, if any. Objects without one are a run to resume, not an
         artifact; they are reused or replaced object by object (see the module docstring)."""
-        raw = self._get(MANIFEST)
-        return None if raw is None else Manifest.from_json(raw, self.uri_of(MANIFEST))
+        return self.artifact.read_manifest()
 
     def begin(self, run_key: str = "") -> None:
         self.run_key = run_key
         self._present = self._list()
         client, bucket = self.s3.client, self.location.bucket
-        stale = self.call(lambda: client.list_multipart_uploads(
-            Bucket=bucket, Prefix=self.location.prefix + "/"), self.location.prefix)  # fmt: skip
+        stale = self.call(
+            lambda: client.list_multipart_uploads(Bucket=bucket, Prefix=self.location.prefix + "/"),
+            self.location.prefix,
+        )
         for upload in stale.get("Uploads", []):
-            self.call(lambda u=upload: client.abort_multipart_upload(
-                Bucket=bucket, Key=u["Key"], UploadId=u["UploadId"]), upload["Key"])  # fmt: skip
+            self.call(
+                lambda u=upload: client.abort_multipart_upload(
+                    Bucket=bucket, Key=u["Key"], UploadId=u["UploadId"]
+                ),
+                upload["Key"],
+            )
 
     def begin_shared(
         self, run_key: str, *, finalize: bool = False, params: Mapping[str, Any] | None = None
@@ -402,9 +417,9 @@ class S3Destination(Destination):
         self.run_key = run_key
         self._present = self._list()
 
-    def check_part(self, name: str, size: int) -> tuple[int, str]:
-        """A part is complete when its object has this run's key, the size and a sha256
-        (S3 shows an object only once whole; the sha256 was computed from its bytes)."""
+    def check_part(self, name: str, size: int) -> FileDigest:
+        """A part is complete when its object has this run's key, the size and a content
+        hash that its bytes, read back, hash to (``completed``)."""
         found = self.completed(name, size)
         if found is None:
             state = "has the wrong size or run" if name in self._present else "is missing"
@@ -419,18 +434,34 @@ class S3Destination(Destination):
     def release(self) -> None:
         self._shutdown()
 
-    def completed(self, name: str, size: int) -> tuple[int, str] | None:
-        """(size, sha256) of an object an earlier run of this run key finished, else None."""
+    def completed(self, name: str, size: int) -> FileDigest | None:
+        """The digest of an object an earlier run of this run key finished, else None: the
+        object is read back and must hash to the root its metadata records (an object that
+        does not is written again)."""
         if self._present.get(name) != size:
             self._refuse_foreign(name)
             return None
-        meta = self._head(name).get("Metadata", {})
+        head = self._head(name)
+        meta = head.get("Metadata", {})
         self._refuse_foreign(name, meta)
-        sha256 = str(meta.get(SHA256_KEY, ""))
-        if meta.get(RUN_KEY) == self.run_key and _HEX64.match(sha256):
-            self.reused.append(name)
-            return size, sha256
-        return None
+        root, chunk = str(meta.get(HASH_KEY, "")), str(meta.get(CHUNK_KEY, ""))
+        if meta.get(RUN_KEY) != self.run_key or not _HEX64.match(root) or not chunk.isdigit():
+            return None
+        if int(chunk) < 1:
+            return None
+        etag = str(head.get("ETag", "")).strip('"')
+        read_into = self.artifact.read_into(name, etag)
+        job = FileToHash(self.uri_of(name), size, read_into, chunk_bytes=int(chunk))
+        digest = hash_files([job], workers=self.concurrency)[0][0]
+        if digest.root != root:
+            print(
+                f"s3: {self.uri_of(name)} does not hash to its recorded content hash; "
+                "writing it again",
+                file=sys.stderr,
+            )
+            return None
+        self.reused.append(name)
+        return digest
 
     def _refuse_foreign(self, name: str, meta: dict[str, str] | None = None) -> None:
         if name not in self._present:
@@ -446,14 +477,14 @@ class S3Destination(Destination):
     def open_sink(self, name: str, size: int) -> S3ObjectSink:
         return S3ObjectSink(self, name, size)
 
-    def write_small(self, name: str, data: bytes) -> tuple[int, str]:
-        sha256 = hashlib.sha256(data).hexdigest()
+    def write_small(self, name: str, data: bytes) -> FileDigest:
+        digest = digest_bytes(data, self.chunk_bytes)
         if self._present.get(name) == len(data):
             meta = self._head(name).get("Metadata", {})
             self._refuse_foreign(name, meta)
-            if meta.get(SHA256_KEY) == sha256:
+            if meta.get(HASH_KEY) == digest.root and meta.get(CHUNK_KEY) == str(self.chunk_bytes):
                 self.reused.append(name)
-                return len(data), sha256
+                return digest
         else:
             self._refuse_foreign(name)
         return super().write_small(name, data)
@@ -470,15 +501,24 @@ class S3Destination(Destination):
                 f"({', '.join(stray[:5])}); remove them or choose another --out"
             )
         data = manifest.to_json().encode()
-        sha256 = hashlib.sha256(data).hexdigest()
-        self.call(lambda: self.s3.client.put_object(
-            Bucket=self.location.bucket, Key=self.location.key(MANIFEST), Body=data,
-            ContentType="application/json", Metadata={SHA256_KEY: sha256, RUN_KEY: self.run_key},
-        ), self.location.key(MANIFEST))  # fmt: skip
+        root = digest_bytes(data, self.chunk_bytes).root
+        meta = {HASH_KEY: root, CHUNK_KEY: str(self.chunk_bytes)}
+        self.call(
+            lambda: self.s3.client.put_object(
+                Bucket=self.location.bucket,
+                Key=self.location.key(MANIFEST),
+                Body=data,
+                ContentType="application/json",
+                Metadata={**meta, RUN_KEY: self.run_key},
+            ),
+            self.location.key(MANIFEST),
+        )
         self._shutdown()
         if self.reused:
-            print(f"s3: reused {len(self.reused)} complete object(s) of an earlier run",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"s3: reused {len(self.reused)} complete object(s) of an earlier run",
+                file=sys.stderr,
+            )
 
     def abort(self) -> None:
         """Stop writing. Complete objects stay: invisible without the manifest, a rerun of
@@ -490,59 +530,3 @@ class S3Destination(Destination):
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
         self._free.clear()
-
-    # -- reading an artifact back ---------------------------------------------------------
-
-    def verify(
-        self,
-        *,
-        digest: str | None = None,
-        tp: int | None = None,
-        hash_content: bool = True,
-        show_progress: bool = False,
-    ) -> Manifest:
-        """Check the artifact against its manifest: every object present with its size (and,
-        when hashing, its sha256), no object that the manifest does not list.
-        ``show_progress``: report the hashing (bytes, rate, ETA) on stderr."""
-        manifest = self.existing()
-        if manifest is None:
-            raise ArtifactError(f"{self.uri}: no {MANIFEST}; the artifact is incomplete")
-        manifest.check_expected(self.uri, digest=digest, tp=tp)
-        check_ranks_present(self.uri, manifest)
-        present = self._list()
-        progress = None
-        if hash_content and show_progress:
-            progress = Progress(manifest.bytes, len(manifest.files), label=f"hashing {self.uri}",
-                                items="files")  # fmt: skip
-        for name, entry in sorted(manifest.files.items()):
-            if name not in present:
-                raise ArtifactError(f"{self.uri_of(name)}: listed in the manifest but missing")
-            if present[name] != entry.size:
-                raise ArtifactError(
-                    f"{self.uri_of(name)}: {present[name]} bytes, the manifest says {entry.size}"
-                )
-            if hash_content and self._hash_object(name, progress) != entry.sha256:
-                raise ArtifactError(
-                    f"{self.uri_of(name)}: sha256 differs from the manifest; the object is corrupt"
-                )
-            if progress is not None:
-                progress.tensor_done()
-        if progress is not None:
-            progress.finish()
-        extra = sorted(n for n in present if n not in manifest.files and n != MANIFEST)
-        if extra:
-            raise ArtifactError(f"{self.uri}: objects not in the manifest: {', '.join(extra[:5])}")
-        return manifest
-
-    def _hash_object(self, name: str, progress: Progress | None = None) -> str:
-        key, h = self.location.key(name), hashlib.sha256()
-        body = self.call(lambda: self.s3.client.get_object(
-            Bucket=self.location.bucket, Key=key)["Body"], key)  # fmt: skip
-        try:
-            for block in body.iter_chunks(8 * MiB):
-                h.update(block)
-                if progress is not None:
-                    progress.advance(len(block))
-        except Exception as e:
-            raise self.s3.error(e, self.uri_of(name)) from None
-        return h.hexdigest()

@@ -164,8 +164,14 @@ class HfSource(LocalSource):
         commit: str | None = None,
         **_: Any,
     ) -> HfSource:
-        return cls(uri, revision=revision, token_file=hf_token_file, cache_dir=cache_dir,
-                   timeouts=timeouts, commit=commit)  # fmt: skip
+        return cls(
+            uri,
+            revision=revision,
+            token_file=hf_token_file,
+            cache_dir=cache_dir,
+            timeouts=timeouts,
+            commit=commit,
+        )
 
     @classmethod
     def resolve(
@@ -180,8 +186,14 @@ class HfSource(LocalSource):
     ) -> str:
         """The commit ``revision`` names now, without fetching a file: the source identity the
         digest is taken from, before any download (and for ``modelstage resolve``)."""
-        return cls(uri, revision=revision, token_file=hf_token_file, cache_dir=cache_dir,
-                   timeouts=timeouts, fetch=False).commit  # fmt: skip
+        return cls(
+            uri,
+            revision=revision,
+            token_file=hf_token_file,
+            cache_dir=cache_dir,
+            timeouts=timeouts,
+            fetch=False,
+        ).commit
 
     @classmethod
     def resolve_config(
@@ -196,8 +208,14 @@ class HfSource(LocalSource):
     ) -> tuple[str, Any]:
         """The commit ``revision`` names now and ``config.json`` at it (one small file, into the
         hub cache): ``modelstage resolve`` reports the architecture and quantization it names."""
-        hub = cls(uri, revision=revision, token_file=hf_token_file, cache_dir=cache_dir,
-                  timeouts=timeouts, fetch=False)  # fmt: skip
+        hub = cls(
+            uri,
+            revision=revision,
+            token_file=hf_token_file,
+            cache_dir=cache_dir,
+            timeouts=timeouts,
+            fetch=False,
+        )
         try:
             return hub.commit, hub._config()
         except CheckpointError as e:
@@ -209,11 +227,20 @@ class HfSource(LocalSource):
         from huggingface_hub import hf_hub_download
 
         timeout = self._http_timeout()
-        path = Path(self._retrying("config.json", lambda: hf_hub_download(
-            self.repo_id, "config.json", revision=self.commit, cache_dir=self.cache_dir,
-            endpoint=self.endpoint, token=self._token, library_name="modelstage",
-            etag_timeout=timeout,
-        )))  # fmt: skip
+
+        def download() -> str:
+            return hf_hub_download(
+                self.repo_id,
+                "config.json",
+                revision=self.commit,
+                cache_dir=self.cache_dir,
+                endpoint=self.endpoint,
+                token=self._token,
+                library_name="modelstage",
+                etag_timeout=timeout,
+            )
+
+        path = Path(self._retrying("config.json", download))
         if path.stat().st_size > MAX_JSON_BYTES:
             raise CheckpointError(f"{SCHEME}{self.repo_id}: config.json is too large")
         return parse_json(path.read_bytes(), "config.json")
@@ -234,7 +261,7 @@ class HfSource(LocalSource):
         return commit
 
     def _download(self) -> str:
-        from huggingface_hub import constants, hf_hub_download
+        from huggingface_hub import constants
         from huggingface_hub.utils.tqdm import disable_progress_bars
 
         disable_progress_bars()  # carriage-return bars garble pod logs; Progress reports below
@@ -251,11 +278,7 @@ class HfSource(LocalSource):
 
         def fetch(name: str) -> str:
             bar = _bar_class(progress, known=name in sizes) if progress is not None else None
-            return str(self._retrying(name, lambda: hf_hub_download(
-                self.repo_id, name, revision=commit, cache_dir=self.cache_dir,
-                endpoint=self.endpoint, token=self._token, library_name="modelstage",
-                etag_timeout=timeout, tqdm_class=bar,
-            )))  # fmt: skip
+            return self._fetch(name, commit, timeout, bar)
 
         needed = self._needed(files, fetch)
         missing = [n for n in needed if not (snapshot / n).exists()]
@@ -267,8 +290,9 @@ class HfSource(LocalSource):
             f"{commit} (revision {self.revision}) into {self.cache_dir}",
             file=sys.stderr,
         )
-        progress = Progress(total, len(missing), label=f"hf: downloading {self.repo_id}",
-                            items="files")  # fmt: skip
+        progress = Progress(
+            total, len(missing), label=f"hf: downloading {self.repo_id}", items="files"
+        )
 
         def fetch_counted(name: str) -> str:
             path = fetch(name)
@@ -284,6 +308,19 @@ class HfSource(LocalSource):
         self._write_ref(commit)
         return commit
 
+    def _fetch(self, name: str, commit: str, timeout: float, bar: Any) -> str:
+        """One file of the commit into the hub cache (retried); its path."""
+        from huggingface_hub import hf_hub_download
+
+        def download() -> Any:
+            return hf_hub_download(
+                self.repo_id, name, revision=commit, cache_dir=self.cache_dir,
+                endpoint=self.endpoint, token=self._token, library_name="modelstage",
+                etag_timeout=timeout, tqdm_class=bar,
+            )  # fmt: skip
+
+        return str(self._retrying(name, download))
+
     def _model_info(self, *, files_metadata: bool = False) -> Any:
         """The Hub's model info at the revision (or the commit ``resolve`` pinned), with its
         commit sha checked: one request, retried on transient failures."""
@@ -295,10 +332,15 @@ class HfSource(LocalSource):
         constants.HF_HUB_DISABLE_TELEMETRY = True
         timeout = self._http_timeout()
         api = HfApi(endpoint=self.endpoint, token=self._token, library_name="modelstage")
-        info = self._retrying("the model info", lambda: api.model_info(
-            self.repo_id, revision=self.pinned or self.revision, files_metadata=files_metadata,
-            timeout=timeout,
-        ))  # fmt: skip
+        info = self._retrying(
+            "the model info",
+            lambda: api.model_info(
+                self.repo_id,
+                revision=self.pinned or self.revision,
+                files_metadata=files_metadata,
+                timeout=timeout,
+            ),
+        )
         if not _COMMIT.fullmatch(str(info.sha or "")):
             raise CheckpointError(
                 f"{SCHEME}{self.repo_id}: the Hub answered without a commit sha for revision "
@@ -357,9 +399,13 @@ class HfSource(LocalSource):
             others = [f for f in top if f.endswith((".bin", ".pt", ".pth", ".ckpt"))]
             raise CheckpointError(
                 f"{SCHEME}{self.repo_id}@{self.revision}: no safetensors weights"
-                + (f" (only {', '.join(others[:3])}); modelstage reads safetensors only, since "
-                   "unpickling can run arbitrary code" if others else "")
-            )  # fmt: skip
+                + (
+                    f" (only {', '.join(others[:3])}); modelstage reads safetensors only, since "
+                    "unpickling can run arbitrary code"
+                    if others
+                    else ""
+                )
+            )
         return sorted({*weights, *(f for f in CARRIED_OVER if f in top)})
 
     def _write_ref(self, commit: str) -> None:
@@ -396,11 +442,11 @@ class HfSource(LocalSource):
                 f"pass a token with read access ({token})"
             )
         if isinstance(e, RepositoryNotFoundError):
-            return (
-                f"{repo}: repository not found, or private and "
-                + (f"the token ({token}) cannot read it" if self._token
-                   else f"no token given ({token})")
-            )  # fmt: skip
+            return f"{repo}: repository not found, or private and " + (
+                f"the token ({token}) cannot read it"
+                if self._token
+                else f"no token given ({token})"
+            )
         if isinstance(e, RevisionNotFoundError):
             return f"{repo}: revision {self.revision!r} not found (a branch, tag or commit sha)"
         if isinstance(e, RemoteEntryNotFoundError):
@@ -467,9 +513,13 @@ def _transient(e: BaseException) -> bool:
         return False
     name = type(cause).__name__
     return "Timeout" in name or name in (
-        "ConnectError", "ReadError", "WriteError", "NetworkError", "RemoteProtocolError",
+        "ConnectError",
+        "ReadError",
+        "WriteError",
+        "NetworkError",
+        "RemoteProtocolError",
         "CloseError",
-    )  # fmt: skip
+    )
 
 
 def _reason(e: BaseException, timeouts: Timeouts) -> str:
@@ -489,8 +539,7 @@ def _bar_class(progress: Progress, *, known: bool) -> type:
     the total (from the model info); otherwise the bar adds it when the response says it."""
 
     class Bar:
-        def __init__(self, *_: Any, total: int | None = None, initial: int = 0,
-                     **__: Any) -> None:  # fmt: skip
+        def __init__(self, *_: Any, total: int | None = None, initial: int = 0, **__: Any) -> None:
             if not known and total:
                 progress.add_total(total)
             if initial:

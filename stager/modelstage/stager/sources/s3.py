@@ -129,8 +129,9 @@ class S3Source(Source):
     def _get(self, name: str, obj: _Object, offset: int, out: memoryview) -> None:
         """One ranged GET into ``out``; transient failures (also mid-body) are retried whole."""
         try:
-            get_range_into(self.s3, self.location.bucket, self.location.key(name), obj.etag,
-                           offset, [out])  # fmt: skip
+            get_range_into(
+                self.s3, self.location.bucket, self.location.key(name), obj.etag, offset, [out]
+            )
         except Exception as e:
             if precondition_failed(e):
                 raise CheckpointError(

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import TextIO
 
 from modelstage.core.formats import Format
+from modelstage.core.integrity import FileDigest
 from modelstage.core.layouts import Layout
 from modelstage.core.progress import Progress
 
@@ -40,18 +41,15 @@ class Writer(abc.ABC):
     """Writes one format's weight files through the destination's sinks. The stager then
     copies ``carried`` beside them and writes the manifest."""
 
-    def progress(
-        self, job: WriteJob, label: str, stream: TextIO | None = None
-    ) -> Progress:
+    def progress(self, job: WriteJob, label: str, stream: TextIO | None = None) -> Progress:
         """What ``write`` reports its progress against: the checkpoint's tensor bytes."""
-        return Progress(job.checkpoint.weight_bytes, len(job.plan.targets), label=label,
-                        stream=stream)  # fmt: skip
+        return Progress(
+            job.checkpoint.weight_bytes, len(job.plan.targets), label=label, stream=stream
+        )
 
     @abc.abstractmethod
-    def write(
-        self, job: WriteJob, dest: Destination, progress: Progress
-    ) -> dict[str, tuple[int, str]]:
-        """Write the weight files into ``dest``; returns {file name: (size, sha256)}. Files an
+    def write(self, job: WriteJob, dest: Destination, progress: Progress) -> dict[str, FileDigest]:
+        """Write the weight files into ``dest``; returns {file name: its digest}. Files an
         earlier run with the same run key finished (``Destination.completed``) are not written
         again."""
 

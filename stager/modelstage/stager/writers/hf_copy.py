@@ -1,11 +1,11 @@
 """The ``runai_streamer`` and ``safetensors`` writer: the checkpoint's own Hugging Face
 layout, copied as is, whatever its architecture or quantization.
 
-vLLM's loaders (Run:ai's, the default one) split tensors per rank at load time with the model's
-own ``load_weights``, so the artifact is the source's
-safetensors files, their index and the files vLLM reads beside them (config, tokenizer,
-generation defaults), streamed through the destination's sinks (multipart uploads for S3)
-in fixed-size chunks: memory stays bounded whatever the file sizes.
+vLLM's loaders (Run:ai's, the default one) split tensors per rank at load time with the
+model's own ``load_weights``, so the artifact is the source's safetensors files, their index
+and the files vLLM reads beside them (config, tokenizer, generation defaults), streamed through
+the destination's sinks (multipart uploads for S3) in fixed-size chunks: memory stays bounded
+whatever the file sizes.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TextIO
 
+from modelstage.core.integrity import FileDigest
 from modelstage.core.progress import Progress
 
 from ..checkpoint import INDEX, Checkpoint
@@ -33,9 +34,7 @@ class HfCopyWriter(Writer):
         total = sum(job.checkpoint.source.size(f) for f in files)
         return Progress(total, len(files), label=label, stream=stream, items="files")
 
-    def write(
-        self, job: WriteJob, dest: Destination, progress: Progress
-    ) -> dict[str, tuple[int, str]]:
+    def write(self, job: WriteJob, dest: Destination, progress: Progress) -> dict[str, FileDigest]:
         return copy_weight_files(job.checkpoint, dest.open_sink, progress, dest.completed)
 
     def carried(self, checkpoint: Checkpoint) -> tuple[str, ...]:
@@ -51,13 +50,13 @@ def copy_weight_files(
     open_sink: OpenSink,
     progress: Progress,
     completed: Completed | None = None,
-) -> dict[str, tuple[int, str]]:
-    """Copy every safetensors file byte for byte; returns {file name: (size, sha256)}.
+) -> dict[str, FileDigest]:
+    """Copy every safetensors file byte for byte; returns {file name: its digest}.
 
     Small files (index, config, tokenizer) go through the destination's ``write_small``.
     """
     source = checkpoint.source
-    results: dict[str, tuple[int, str]] = {}
+    results: dict[str, FileDigest] = {}
     buf = bytearray(COPY_CHUNK_BYTES)
     for name in checkpoint.weight_files:
         size = source.size(name)
@@ -78,7 +77,7 @@ def _stream(
     open_sink: OpenSink,
     buf: bytearray,
     advance: Callable[[int], None] | None = None,
-) -> tuple[int, str]:
+) -> FileDigest:
     """Copy one file through a sink in ``buf``-sized chunks: memory stays at the buffer."""
     sink = open_sink(name, size)
     try:
@@ -97,7 +96,7 @@ def _stream(
         raise
 
 
-def copy_small_file(source: Source, name: str, dest: Destination) -> tuple[int, str]:
+def copy_small_file(source: Source, name: str, dest: Destination) -> FileDigest:
     """One file carried beside the weights (config, tokenizer, index): in one piece when it
     is small (the destination may find it already there by its hash), streamed otherwise.
     Never read whole: its size is whatever the source says (``checkpoint`` caps it)."""

@@ -7,7 +7,8 @@ reader thread into reused buffers (only the rows some rank needs), and the main 
 each chunk into per-rank pieces without copying (shared rows, or a column cut as a strided
 view; only dtype casts copy here). One writer thread per rank hands its pieces to its sink
 in order, and the sink's one copy into its own buffer also gathers column cuts and feeds
-sha256 (``pieces.py``). Memory is bounded by the buffer pools, not by the checkpoint's size.
+the chunk hashes (``pieces.py``, ``integrity.py``). Memory is bounded by the buffer pools,
+not by the checkpoint's size.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from modelstage.core.formats import Format
+from modelstage.core.integrity import FileDigest
 from modelstage.core.layouts import Layout
 from modelstage.core.progress import Progress
 from modelstage.core.safetensors_format import encode_header
@@ -81,11 +83,16 @@ def part_sizes(parts: Sequence[Sequence[TargetTensor]]) -> list[int]:
 class RankFilesWriter(Writer):
     """Each rank's part files of the shard plan, in vLLM's sharded-state layout."""
 
-    def write(
-        self, job: WriteJob, dest: Destination, progress: Progress
-    ) -> dict[str, tuple[int, str]]:
-        return write_rank_files(job.plan, job.checkpoint, job.layout, job.format,
-                                dest.open_sink, progress, dest.completed)  # fmt: skip
+    def write(self, job: WriteJob, dest: Destination, progress: Progress) -> dict[str, FileDigest]:
+        return write_rank_files(
+            job.plan,
+            job.checkpoint,
+            job.layout,
+            job.format,
+            dest.open_sink,
+            progress,
+            dest.completed,
+        )
 
     def planned(self, job: WriteJob) -> list[PlannedFile]:
         parts = plan_parts(job.plan, job.layout.max_part_bytes)
@@ -103,8 +110,8 @@ def write_rank_files(
     progress: Progress,
     completed: Completed | None = None,
     only: Container[int] | None = None,
-) -> dict[str, tuple[int, str]]:
-    """Write every rank's part files; returns {file name: (size, sha256)}.
+) -> dict[str, FileDigest]:
+    """Write every rank's part files; returns {file name: its digest}.
 
     ``completed`` names files an earlier run already wrote (a resumed S3 upload): a part
     whose files are all complete is not read at all; in a partly complete part the complete
@@ -113,7 +120,7 @@ def write_rank_files(
     """
     parts = plan_parts(plan, layout.max_part_bytes)
     names = rank_file_names(fmt, plan.tp, len(parts))
-    results: dict[str, tuple[int, str]] = {}
+    results: dict[str, FileDigest] = {}
     for p, part in enumerate(parts):
         if only is not None and p not in only:
             continue
@@ -129,7 +136,7 @@ def write_rank_files(
         sinks: list[Sink] = [
             open_sink(names[r][p], size) if (d := done[r]) is None else _DoneSink(d)
             for r in range(plan.tp)
-        ]  # fmt: skip
+        ]
         try:
             with _RankStreams(sinks) as streams:
                 for r in range(plan.tp):
@@ -147,13 +154,13 @@ def write_rank_files(
 class _DoneSink:
     """Stands in for a file that is already complete: drops its bytes, returns its entry."""
 
-    def __init__(self, entry: tuple[int, str]) -> None:
+    def __init__(self, entry: FileDigest) -> None:
         self.entry = entry
 
     def write(self, data: Piece) -> None:
         pass
 
-    def close(self) -> tuple[int, str]:
+    def close(self) -> FileDigest:
         return self.entry
 
     def abort(self) -> None:
@@ -315,10 +322,14 @@ def _stream_part(
     part: list[TargetTensor], checkpoint: Checkpoint, streams: _RankStreams, progress: Progress
 ) -> None:
     largest_row = max(
-        (checkpoint.tensors[s.source].nbytes // max(checkpoint.tensors[s.source].shape[0], 1)
-         for t in part for s in t.slots if s.source is not None),
+        (
+            checkpoint.tensors[s.source].nbytes // max(checkpoint.tensors[s.source].shape[0], 1)
+            for t in part
+            for s in t.slots
+            if s.source is not None
+        ),
         default=0,
-    )  # fmt: skip
+    )
     pool = _BufferPool(POOL_BUFFERS, max(CHUNK_BYTES, largest_row))
     filled: queue.Queue[_Filled] = queue.Queue(maxsize=POOL_BUFFERS)
     cancel = threading.Event()
@@ -428,8 +439,12 @@ def cast_bytes(data: memoryview, src: str, dst: str) -> memoryview:
     """Cast raw tensor bytes between float dtypes exactly as torch's ``Tensor.to`` does."""
     import torch  # only casts need torch; a plain re-shard never imports it
 
-    dtypes = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
-              "BF16": torch.bfloat16}  # fmt: skip
+    dtypes = {
+        "F64": torch.float64,
+        "F32": torch.float32,
+        "F16": torch.float16,
+        "BF16": torch.bfloat16,
+    }
     if src not in dtypes or dst not in dtypes:
         raise ValueError(f"cannot cast {src} to {dst}")
     if len(data) == 0:

@@ -52,7 +52,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from modelstage.core.formats import FORMATS
+from modelstage.core.formats import FORMATS, Format
+from modelstage.core.integrity import FileDigest
 from modelstage.core.progress import Progress
 
 from ..checkpoint import Checkpoint
@@ -104,8 +105,13 @@ class _TensorCollector:
     """A rank's sink: gathers the streamed bytes of one target tensor at a time and hands
     each complete tensor to that rank's ``TensorSerializer`` (runs in the rank's thread)."""
 
-    def __init__(self, serializer: Any, targets: list[TargetTensor],
-                 entries: dict[str, list[Entry]], written: Any = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        serializer: Any,
+        targets: list[TargetTensor],
+        entries: dict[str, list[Entry]],
+        written: Any = None,
+    ) -> None:
         self.serializer, self.entries = serializer, entries
         self.written = written
         """Called after each ``write_tensor`` (``_StreamingFile.commit``): the tensor is
@@ -155,14 +161,13 @@ class _TensorCollector:
                 self.written()
         self._next()
 
-    def close(self) -> tuple[int, str]:
+    def close(self) -> FileDigest:
         if self.current is not None:
             raise AssertionError(f"stream ended inside {self.current.name}")
-        return 0, ""
+        return FileDigest(0, 1, ())
 
     def abort(self) -> None:
         pass
-
 
 
 def _numpy_dtype(dtype: Any, ndim: int) -> tuple[str, bool]:
@@ -225,9 +230,17 @@ def predict_layout(plan: ShardPlan, entries: dict[str, list[Entry]]) -> FileLayo
         if opaque:
             version = max(version, OPAQUE_TENSORIZER_VERSION)
         header = _TensorHeaderSerializer(
-            idx, kind, label.encode("utf-8"), name.encode("utf-8"), shape, nbytes, pos,
-            include_crc32=True, include_sha256=True, crypt_info=None,
-        )  # fmt: skip
+            idx,
+            kind,
+            label.encode("utf-8"),
+            name.encode("utf-8"),
+            shape,
+            nbytes,
+            pos,
+            include_crc32=True,
+            include_sha256=True,
+            crypt_info=None,
+        )
         entry = header.metadata_entry
         if cursor + len(entry) > METADATA_BYTES:
             raise AssertionError("tensorizer's metadata block cannot index this many tensors")
@@ -321,8 +334,11 @@ class _StreamingFile:
                 f"tensorizer wrote {self.emitted} bytes, {self.layout.size} were predicted"
             )
         if bytes(self.shadow) != self.layout.prologue:
-            first = next(i for i, (a, b) in enumerate(zip(self.shadow, self.layout.prologue,
-                                                          strict=True)) if a != b)  # fmt: skip
+            first = next(
+                i
+                for i, (a, b) in enumerate(zip(self.shadow, self.layout.prologue, strict=True))
+                if a != b
+            )
             raise AssertionError(
                 f"tensorizer's file prologue differs from the predicted one at byte {first}; "
                 "the tensorizer version is not the one this writer was made for (2.10.1)"
@@ -343,9 +359,10 @@ class _StreamingFile:
         # A later write wins over an earlier one it covers (the next tensor's header over
         # the zero length field); what remains must tile [emitted, upto) exactly.
         live = [
-            (o, v) for i, (o, v) in enumerate(pending)
+            (o, v)
+            for i, (o, v) in enumerate(pending)
             if not any(p <= o and o + len(v) <= p + len(w) for p, w in pending[i + 1 :])
-        ]  # fmt: skip
+        ]
         live.sort(key=lambda item: item[0])
         keep: list[tuple[int, memoryview]] = []
         for offset, view in live:
@@ -384,7 +401,7 @@ def serialize_ranks(
         sinks: list[Sink] = []
         for s, f in zip(serializers, files, strict=True):
             if s is None:
-                sinks.append(_DoneSink((0, "")))
+                sinks.append(_DoneSink(FileDigest(0, 1, ())))
                 continue
             s.write_tensor(0, MARKER, TensorType.PARAM, marker)
             commit = getattr(f, "commit", None)
@@ -427,12 +444,17 @@ def _close_all(serializers: Sequence[Any], files: Sequence[Any]) -> None:
 class TensorizerWriter(Writer):
     """One tensorized file per rank, in vLLM's ``serialize_vllm_model`` layout."""
 
-    def write(
-        self, job: WriteJob, dest: Destination, progress: Progress
-    ) -> dict[str, tuple[int, str]]:
+    def write(self, job: WriteJob, dest: Destination, progress: Progress) -> dict[str, FileDigest]:
         tied = job.checkpoint.model.tie_word_embeddings
-        return write_tensorizer_files(job.plan, job.checkpoint, dest.open_sink, progress,
-                                      dest.completed, tied=tied)  # fmt: skip
+        return write_tensorizer_files(
+            job.plan,
+            job.checkpoint,
+            dest.open_sink,
+            progress,
+            dest.completed,
+            tied=tied,
+            fmt=job.format,
+        )
 
     def planned(self, job: WriteJob) -> list[PlannedFile]:
         tied = job.checkpoint.model.tie_word_embeddings
@@ -448,12 +470,14 @@ def write_tensorizer_files(
     completed: Completed | None = None,
     *,
     tied: bool,
-) -> dict[str, tuple[int, str]]:
-    """Stream every rank's file into its sink; returns {file name: (size, sha256)}.
+    fmt: Format = FORMATS["tensorizer"],
+) -> dict[str, FileDigest]:
+    """Stream every rank's file (named by ``fmt``) into its sink; returns {file name: its
+    digest}.
     ``completed`` skips a rank file an earlier run with the same run key finished
     (tensorizer's output is deterministic for the same plan): nothing is serialised for it."""
     layout = predict_layout(plan, file_entries(plan, tied))
-    names = [FORMATS["tensorizer"].rank_file_name(r) for r in range(plan.tp)]
+    names = [fmt.rank_file_name(r) for r in range(plan.tp)]
     done = [completed(n, layout.size) if completed else None for n in names]
     results = {n: d for n, d in zip(names, done, strict=True) if d is not None}
     if len(results) == plan.tp:
