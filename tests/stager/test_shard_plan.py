@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from modelstage.core.errors import CheckpointError, SpecError
 from modelstage.core.layouts import layout_for
 from modelstage.devtools.synthetic import SyntheticModel
 from modelstage.stager.model_config import ModelConfig
@@ -20,7 +22,11 @@ def models(draw: st.DrawFn) -> tuple[SyntheticModel, int]:
     heads = kv * draw(st.integers(1, 4))
     heads = heads if heads % tp == 0 else heads * tp
     head_dim = draw(st.sampled_from([2, 4, 8]))
-    arch = draw(st.sampled_from(["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]))
+    arch = draw(
+        st.sampled_from(
+            ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MixtralForCausalLM"]
+        )
+    )
     model = SyntheticModel(
         architecture=arch,
         hidden_size=heads * head_dim,
@@ -31,6 +37,8 @@ def models(draw: st.DrawFn) -> tuple[SyntheticModel, int]:
         head_dim=head_dim if arch == "Qwen3ForCausalLM" else None,
         vocab_size=draw(st.integers(5, 300)),
         tie_word_embeddings=draw(st.booleans()),
+        num_experts=draw(st.integers(1, 5)),
+        experts_per_token=1,
     )
     return model, tp
 
@@ -52,9 +60,16 @@ def _execute(plan: ShardPlan, src: dict[str, np.ndarray], rank: int) -> dict[str
             if sel.cols is not None:
                 piece = piece[:, sel.cols[0] : sel.cols[1]]
             pieces.append(piece)
-        out[t.name] = np.concatenate(pieces)
-        assert out[t.name].shape == t.shape
+        out[t.name] = np.concatenate(pieces).reshape(t.shape)  # stacked experts: row-major
     return out
+
+
+def _by_rows(plan: ShardPlan, name: str, tensor: np.ndarray, rank: int) -> np.ndarray:
+    """A rank's tensor as the concatenation of its slots along dim 0 (a stacked expert
+    tensor [E, rows, ...] read row-major as [E * rows, ...])."""
+    target = next(t for t in plan.targets if t.name == name)
+    rows = sum(slot.per_rank[rank].num_rows for slot in target.slots)
+    return tensor if tensor.shape[:1] == (rows,) else tensor.reshape(rows, *tensor.shape[2:])
 
 
 @settings(max_examples=60, deadline=None)
@@ -75,7 +90,7 @@ def test_reassembling_every_rank_reproduces_every_source_tensor(
             at = 0
             for slot in t.slots:
                 sel = slot.per_rank[r]
-                got = ranks[r][t.name][at : at + sel.num_rows]
+                got = _by_rows(plan, t.name, ranks[r][t.name], r)[at : at + sel.num_rows]
                 at += sel.num_rows
                 if slot.source is None:
                     assert not got.any(), "padding rows must be zero"
@@ -125,3 +140,51 @@ def test_tied_embeddings_are_written_once_as_lm_head() -> None:
     assert "lm_head.weight" in names and "model.embed_tokens.weight" not in names
     head = next(t for t in plan.targets if t.name == "lm_head.weight")
     assert head.slots[0].source == "model.embed_tokens.weight"
+
+
+def _mixtral_plan(tp: int) -> tuple[SyntheticModel, ShardPlan]:
+    model = SyntheticModel(
+        architecture="MixtralForCausalLM", hidden_size=16, intermediate_size=8, num_heads=2,
+        num_kv_heads=2, num_layers=1, vocab_size=64, num_experts=3,
+    )  # fmt: skip
+    config = ModelConfig.from_dict(model.config())
+    sources = {n: SourceTensor("BF16", s) for n, s in model.tensors()}
+    return model, plan_shards(config, sources, tp, LAYOUT)
+
+
+def test_mixtral_experts_stack_per_rank_gate_and_up_halves_expert_by_expert() -> None:
+    _, plan = _mixtral_plan(2)
+    targets = {t.name: t for t in plan.targets}
+    moe = "model.layers.0.block_sparse_moe."
+    w13 = targets[moe + "experts.routed_experts.w13_weight"]
+    assert w13.shape == (3, 8, 16)  # [E, 2 * I / tp, H]
+    assert [s.source for s in w13.slots] == [
+        f"{moe}experts.{e}.{w}.weight" for e in range(3) for w in ("w1", "w3")
+    ]
+    assert all([sel.rows for sel in s.per_rank] == [(0, 4), (4, 8)] for s in w13.slots)
+    w2 = targets[moe + "experts.routed_experts.w2_weight"]
+    assert w2.shape == (3, 16, 4)  # [E, H, I / tp]
+    assert [s.source for s in w2.slots] == [f"{moe}experts.{e}.w2.weight" for e in range(3)]
+    assert all([sel.cols for sel in s.per_rank] == [(0, 4), (4, 8)] for s in w2.slots)
+    router = targets[moe + "gate.weight"]
+    assert router.shape == (3, 16)
+    assert [sel.rows for sel in router.slots[0].per_rank] == [(0, 3), (0, 3)]
+
+
+def test_a_config_claiming_more_experts_than_the_checkpoint_holds_is_refused_early() -> None:
+    model = SyntheticModel(
+        architecture="MixtralForCausalLM", hidden_size=16, intermediate_size=8, num_heads=2,
+        num_kv_heads=2, num_layers=1, vocab_size=64, num_experts=2,
+    )  # fmt: skip
+    config = ModelConfig.from_dict({**model.config(), "num_local_experts": 1 << 24})
+    sources = {n: SourceTensor("BF16", s) for n, s in model.tensors()}
+    with pytest.raises(CheckpointError, match=r"needs \d+ per layer"):
+        plan_shards(config, sources, 1, LAYOUT)
+
+
+def test_tp_must_divide_the_expert_intermediate_size() -> None:
+    config = ModelConfig.from_dict(
+        {**_mixtral_plan(1)[0].config(), "moe_intermediate_size": 6, "num_attention_heads": 4}
+    )
+    with pytest.raises(SpecError, match="expert intermediate size 6"):
+        config.check_tensor_parallel(4)

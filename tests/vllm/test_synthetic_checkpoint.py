@@ -74,6 +74,21 @@ def test_weights_carry_exactly_the_hugging_face_names_and_shapes(tmp_path: Path)
         architecture="Qwen3ForCausalLM", head_dim=64, tie_word_embeddings=True).tensors()}  # fmt: skip
 
 
+def test_mixtral_has_a_router_and_w1_w2_w3_per_expert_as_the_hub_writes_them(
+    tmp_path: Path,
+) -> None:
+    spec = SyntheticModel(architecture="MixtralForCausalLM", num_experts=3, dtype="bfloat16")
+    mixtral = _load(write_checkpoint(spec, tmp_path))
+    moe = "model.layers.1.block_sparse_moe."
+    assert mixtral[moe + "gate.weight"][1:] == ([3, 256], "BF16")
+    assert mixtral[moe + "experts.2.w1.weight"][1] == [512, 256]  # gate: [I, H]
+    assert mixtral[moe + "experts.2.w3.weight"][1] == [512, 256]  # up: [I, H]
+    assert mixtral[moe + "experts.2.w2.weight"][1] == [256, 512]  # down: [H, I]
+    assert not any(".mlp." in k or "experts.3." in k for k in mixtral)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert (config["num_local_experts"], config["num_experts_per_tok"]) == (3, 2)
+
+
 def test_split_fused_puts_q_k_v_and_gate_up_in_different_files(tmp_path: Path) -> None:
     ckpt = write_checkpoint(SyntheticModel(num_shards=3, split_fused=True), tmp_path)
     index = json.loads((ckpt / "model.safetensors.index.json").read_text())
@@ -153,5 +168,7 @@ def test_impossible_specs_are_refused() -> None:
         SyntheticModel(num_heads=8, num_kv_heads=3)
     with pytest.raises(ValueError, match="split_fused"):
         SyntheticModel(split_fused=True)
+    with pytest.raises(ValueError, match="experts_per_token"):
+        SyntheticModel(architecture="MixtralForCausalLM", num_experts=2, experts_per_token=3)
     with pytest.raises(ValueError, match="architecture"):
         SyntheticModel(architecture="GPT2LMHeadModel")  # type: ignore[arg-type]

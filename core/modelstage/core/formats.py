@@ -215,7 +215,13 @@ def plugin_load_formats() -> dict[str, tuple[str, ...]]:
 
 
 PER_RANK_ARCHITECTURES = frozenset(
-    {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+    {
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "MixtralForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+    }
 )
 """The architectures the stager splits per rank (the names of ``modelstage.stager.
 architectures.ARCHITECTURES``, which a test holds equal): ``loadFormat: auto`` decides by them

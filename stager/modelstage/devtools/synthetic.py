@@ -30,13 +30,18 @@ from modelstage.core.safetensors_format import DTYPE_CODES, DTYPE_SIZES, encode_
 from modelstage.stager.architectures import ARCHITECTURES
 
 Architecture = Literal[
-    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
 ]
 DType = Literal["float32", "bfloat16", "float16"]
 
 _MODEL_TYPES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
+    "MixtralForCausalLM": "mixtral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
 }
@@ -71,6 +76,9 @@ class SyntheticModel:
     max_position_embeddings: int = 256
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    num_experts: int = 4
+    """Routed experts per layer (MoE architectures only)."""
+    experts_per_token: int = 2
     config_extra: tuple[tuple[str, object], ...] = field(default=())
     """Extra ``config.json`` entries (e.g. a ``quantization_config`` a test wants refused)."""
 
@@ -90,6 +98,8 @@ class SyntheticModel:
             "vocab_size",
             "num_shards",
             "max_position_embeddings",
+            "num_experts",
+            "experts_per_token",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
@@ -105,6 +115,8 @@ class SyntheticModel:
             and (self.head_dim * self.num_heads != self.hidden_size)
         ):
             raise ValueError("Qwen2 derives head_dim = hidden_size / num_heads")
+        if self.experts_per_token > self.num_experts:
+            raise ValueError("experts_per_token must be <= num_experts")
         if self.split_fused and self.num_shards < 2:
             raise ValueError("split_fused needs num_shards >= 2")
 
@@ -114,7 +126,7 @@ class SyntheticModel:
 
     def tensors(self) -> list[tuple[str, tuple[int, ...]]]:
         """(HF name, shape) of every weight, in model order."""
-        h, hd, i = self.hidden_size, self.head_size, self.intermediate_size
+        h, hd = self.hidden_size, self.head_size
         q_rows, kv_rows = self.num_heads * hd, self.num_kv_heads * hd
         out: list[tuple[str, tuple[int, ...]]] = [
             ("model.embed_tokens.weight", (self.vocab_size, h))
@@ -141,13 +153,27 @@ class SyntheticModel:
             out += [
                 (p + "self_attn.o_proj.weight", (h, q_rows)),
                 (p + "post_attention_layernorm.weight", (h,)),
+            ]
+            out += self._mlp(p)
+        out.append(("model.norm.weight", (h,)))
+        if not self.tie_word_embeddings:
+            out.append(("lm_head.weight", (self.vocab_size, h)))
+        return out
+
+    def _mlp(self, p: str) -> list[tuple[str, tuple[int, ...]]]:
+        """One layer's MLP: dense gate/up/down, or Mixtral's router and per-expert w1/w2/w3."""
+        h, i = self.hidden_size, self.intermediate_size
+        if self.architecture != "MixtralForCausalLM":
+            return [
                 (p + "mlp.gate_proj.weight", (i, h)),
                 (p + "mlp.up_proj.weight", (i, h)),
                 (p + "mlp.down_proj.weight", (h, i)),
             ]
-        out.append(("model.norm.weight", (h,)))
-        if not self.tie_word_embeddings:
-            out.append(("lm_head.weight", (self.vocab_size, h)))
+        moe = p + "block_sparse_moe."
+        out: list[tuple[str, tuple[int, ...]]] = [(moe + "gate.weight", (self.num_experts, h))]
+        for e in range(self.num_experts):
+            x = f"{moe}experts.{e}."
+            out += [(x + "w1.weight", (i, h)), (x + "w2.weight", (h, i)), (x + "w3.weight", (i, h))]
         return out
 
     def config(self) -> dict[str, object]:
@@ -181,6 +207,16 @@ class SyntheticModel:
             )
         elif self.architecture == "MistralForCausalLM":
             cfg.update(sliding_window=None, head_dim=self.head_size)
+        elif self.architecture == "MixtralForCausalLM":
+            cfg.update(
+                sliding_window=None,
+                head_dim=self.head_size,
+                num_local_experts=self.num_experts,
+                num_experts_per_tok=self.experts_per_token,
+                output_router_logits=False,
+                router_aux_loss_coef=0.02,
+                router_jitter_noise=0.0,
+            )
         elif self.architecture == "Qwen2ForCausalLM":
             cfg.update(
                 sliding_window=None, use_sliding_window=False, max_window_layers=self.num_layers

@@ -1,7 +1,8 @@
 """The architecture registry: per Hugging Face parameter name, vLLM's name and how it splits.
 
 Read it like vLLM's ``stacked_params_mapping``: a table, not branches. ``{L}`` stands for the
-decoder layer index. The shard math for each split kind lives once, in ``shard_plan``.
+decoder layer index, ``{E}`` for the expert index of an MoE layer. The shard math for each
+split kind lives once, in ``shard_plan``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,12 @@ class Split(enum.Enum):
     VOCAB = "vocab"  # dim 0 padded with zero rows to the layout's multiple, then equal blocks
     QKV = "qkv"  # fused q/k/v along dim 0, head-aligned; KV heads replicated when tp > kv
     MERGED = "merged"  # fused column-parallel slots (gate, up) along dim 0
+    EXPERTS_MERGED = "experts_merged"  # MERGED per expert ``{E}``, stacked on a new dim 0
+    EXPERTS_ROW = "experts_row"  # ROW per expert ``{E}``, stacked on a new dim 0
+
+
+STACKED_SPLITS = frozenset({Split.EXPERTS_MERGED, Split.EXPERTS_ROW})
+"""Splits whose source names hold ``{E}``: one tensor per expert, stacked in the target."""
 
 
 class When(enum.Enum):
@@ -103,6 +110,29 @@ def _llama_like(*, qkv_bias: When, o_bias: When) -> tuple[Rule, ...]:
     )  # fmt: skip
 
 
+_LLAMA = _llama_like(qkv_bias=When.ATTENTION_BIAS, o_bias=When.ATTENTION_BIAS)
+MOE = "model.layers.{L}.block_sparse_moe"
+EXPERT = MOE + ".experts.{E}"
+ROUTED = MOE + ".experts.routed_experts"
+
+
+def _mixtral() -> tuple[Rule, ...]:
+    """Llama's attention; per layer a router (whole) and experts ``w1`` (gate), ``w3`` (up)
+    fused per expert into ``w13_weight`` [E, 2I/tp, H] and ``w2`` (down) into ``w2_weight``
+    [E, H, I/tp], as vLLM's fused MoE layer holds them per rank."""
+    dense = tuple(r for r in _LLAMA if not r.source.startswith(MLP))
+    experts = (
+        Rule(f"{EXPERT}.w1.weight", f"{ROUTED}.w13_weight", Split.EXPERTS_MERGED,
+             ("moe_inter", "hidden"), 0),
+        Rule(f"{EXPERT}.w3.weight", f"{ROUTED}.w13_weight", Split.EXPERTS_MERGED,
+             ("moe_inter", "hidden"), 1),
+        Rule(f"{EXPERT}.w2.weight", f"{ROUTED}.w2_weight", Split.EXPERTS_ROW,
+             ("hidden", "moe_inter")),
+        Rule(f"{MOE}.gate.weight", f"{MOE}.gate.weight", Split.REPLICATED, ("experts", "hidden")),
+    )  # fmt: skip
+    return dense + experts
+
+
 _QK_NORM = tuple(
     Rule(f"{ATTN}.{x}_norm.weight", f"{ATTN}.{x}_norm.weight", Split.REPLICATED, ("head_dim",))
     for x in "qk"
@@ -117,13 +147,12 @@ class Architecture:
     """Source tensors vLLM skips (recomputed buffers); anything else unknown is refused."""
 
 
-_LLAMA = _llama_like(qkv_bias=When.ATTENTION_BIAS, o_bias=When.ATTENTION_BIAS)
-
 ARCHITECTURES: dict[str, Architecture] = {
     a.name: a
     for a in (
         Architecture("LlamaForCausalLM", _LLAMA),
         Architecture("MistralForCausalLM", _LLAMA),
+        Architecture("MixtralForCausalLM", _mixtral()),
         Architecture("Qwen2ForCausalLM", _llama_like(qkv_bias=When.ALWAYS, o_bias=When.NEVER)),
         Architecture(
             "Qwen3ForCausalLM",

@@ -12,6 +12,8 @@ MAX_DIM = 1 << 24
 """Far above any real model dimension; a config beyond it is corrupt, not big."""
 MAX_NAME = 200
 """Architecture and quantization names are short identifiers (they reach the status)."""
+_EXPERT_KEYS = ("num_local_experts", "num_experts")
+"""Where MoE configs give the routed experts per layer (Mixtral's, then Qwen-MoE's)."""
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,10 @@ class ModelConfig:
     torch_dtype: str | None
     quantization: str | None = None
     """``quantization_config``'s method; None: unquantized."""
+    num_experts: int = 0
+    """Routed experts per MoE layer (``num_local_experts``, ``num_experts``); 0: dense."""
+    moe_intermediate_size: int = 0
+    """One expert's intermediate size (``moe_intermediate_size``, else ``intermediate_size``)."""
 
     @staticmethod
     def from_dict(config: Mapping[str, Any], *, where: str = "config.json") -> ModelConfig:
@@ -57,6 +63,9 @@ class ModelConfig:
                 f"{heads} and no head_dim is given"
             )
         dtype = config.get("torch_dtype", config.get("dtype"))
+        experts_key = next((k for k in _EXPERT_KEYS if config.get(k) is not None), None)
+        experts = dim(experts_key) if experts_key else 0
+        moe_inter = dim("moe_intermediate_size", config.get("intermediate_size")) if experts else 0
         return ModelConfig(
             architecture=architecture,
             hidden_size=hidden,
@@ -71,6 +80,8 @@ class ModelConfig:
             mlp_bias=bool(config.get("mlp_bias", False)),
             torch_dtype=dtype if isinstance(dtype, str) else None,
             quantization=quantization_of(config),
+            num_experts=experts,
+            moe_intermediate_size=moe_inter,
         )
 
     @property
@@ -83,6 +94,8 @@ class ModelConfig:
             "q": self.num_heads * self.head_dim,
             "kv": self.num_kv_heads * self.head_dim,
             "head_dim": self.head_dim,
+            "experts": self.num_experts,
+            "moe_inter": self.moe_intermediate_size,
         }
 
     def check_tensor_parallel(self, tp: int) -> None:
@@ -102,6 +115,11 @@ class ModelConfig:
             raise SpecError(
                 f"tensor parallel size {tp} does not divide the intermediate size "
                 f"{self.intermediate_size}"
+            )
+        if self.num_experts and self.moe_intermediate_size % tp:
+            raise SpecError(
+                f"tensor parallel size {tp} does not divide the expert intermediate size "
+                f"{self.moe_intermediate_size}"
             )
 
 

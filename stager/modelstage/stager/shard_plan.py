@@ -2,9 +2,11 @@
 
 A pure function of the model config, the source tensors' dtypes and shapes, the TP size and
 the layout; no I/O. Every rank's tensor is a concatenation along dim 0 of *slots*; a slot is
-one source tensor (or zero rows, for vocab padding) with a per-rank ``Slice``. Because every
-rank has the same slots in the same order, the writer can stream each source tensor once and
-append each rank's slice to that rank's file, keeping every rank file sequential.
+one source tensor (or zero rows, for vocab padding) with a per-rank ``Slice``; a stacked
+expert tensor ([E, rows, ...]) is the same concatenation, expert by expert, read row-major.
+Because every rank has the same slots in the same order, the writer can stream each source
+tensor once and append each rank's slice to that rank's file, keeping every rank file
+sequential.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from modelstage.core.errors import CheckpointError, SpecError
 from modelstage.core.layouts import Layout
 from modelstage.core.safetensors_format import DTYPE_CODES, DTYPE_SIZES
 
-from .architectures import Architecture, Rule, Split, architecture_for
+from .architectures import STACKED_SPLITS, Architecture, Rule, Split, architecture_for
 from .model_config import ModelConfig
 
 TIED_EMBEDDING_TARGET = "lm_head.weight"
@@ -107,15 +109,23 @@ def plan_shards(
 
 
 def _expand_rules(arch: Architecture, config: ModelConfig) -> list[tuple[Rule, str, int]]:
-    """Active rules with ``{L}`` expanded, in output order: pre-layer, layers, post-layer."""
+    """Active rules with ``{L}`` (and ``{E}``) expanded, in output order: pre-layer, layers,
+    post-layer. Within a layer expert rules run expert by expert, so the slots of a stacked
+    target come in expert order, each expert's fused parts in rule order."""
     rules = [r for r in arch.rules if r.when.holds(config)]
     first_layer_rule = next(i for i, r in enumerate(arch.rules) if "{L}" in r.source)
     before = [r for r in rules if "{L}" not in r.source and arch.rules.index(r) < first_layer_rule]
     after = [r for r in rules if "{L}" not in r.source and arch.rules.index(r) > first_layer_rule]
-    layer_rules = [r for r in rules if "{L}" in r.source]
+    layer_rules = [r for r in rules if "{L}" in r.source and "{E}" not in r.source]
+    expert_rules = [r for r in rules if "{E}" in r.source]
     expanded = [(r, r.source, NON_LAYER_GROUP) for r in before]
     for layer in range(config.num_layers):
         expanded += [(r, r.source.replace("{L}", str(layer)), layer) for r in layer_rules]
+        for e in range(config.num_experts if expert_rules else 0):
+            expanded += [
+                (r, r.source.replace("{L}", str(layer)).replace("{E}", str(e)), layer)
+                for r in expert_rules
+            ]
     expanded += [(r, r.source, NON_LAYER_GROUP) for r in after]
     return expanded
 
@@ -127,7 +137,11 @@ def _check_layer_count(
     before the rules are expanded per layer: that costs time and memory per claimed layer
     (``num_hidden_layers`` may be up to 2**24), whereas the checkpoint's headers bound the
     number of tensors."""
-    per_layer = sum(1 for r in arch.rules if "{L}" in r.source and r.when.holds(config))
+    per_layer = sum(
+        config.num_experts if "{E}" in r.source else 1
+        for r in arch.rules
+        if "{L}" in r.source and r.when.holds(config)
+    )
     if config.num_layers * per_layer > len(sources):
         raise CheckpointError(
             f"config.json has {config.num_layers} layers, but the checkpoint holds only "
@@ -204,7 +218,10 @@ def _target(
     rest = first_shape[1:]
     if cols is not None:
         rest = (cols[1] - cols[0], *rest[1:])
-    return TargetTensor(name, dtype, (rows, *rest), tuple(slots), members[0][2])
+    shape = (rows, *rest)
+    if members[0][0].split in STACKED_SPLITS:  # expert by expert: [E, rows per expert, ...]
+        shape = (config.num_experts, rows // config.num_experts, *rest)
+    return TargetTensor(name, dtype, shape, tuple(slots), members[0][2])
 
 
 def _slots(
@@ -220,9 +237,9 @@ def _slots(
     split = rule.split
     if split is Split.REPLICATED:
         return [Slot(source, tuple(Slice((0, n)) for _ in range(tp)))]
-    if split in (Split.COLUMN, Split.MERGED):
+    if split in (Split.COLUMN, Split.MERGED, Split.EXPERTS_MERGED):
         return [Slot(source, tuple(Slice(_block(n, tp, r)) for r in range(tp)))]
-    if split is Split.ROW:
+    if split in (Split.ROW, Split.EXPERTS_ROW):
         cols = shape[1]
         if cols % tp:
             raise SpecError(f"tensor parallel size {tp} does not divide dim 1 of {source!r}")
