@@ -13,11 +13,14 @@ warm one; a TP=1 start takes ~16 s and a TP=2 start ~28 s on 2 idle cores):
 - Qwen3 bfloat16 (q_norm/k_norm, head_dim 64 != hidden/heads), 4 KV heads, tied, staged
   ``--dtype auto`` and run at bfloat16: TP 1, 2.
 - Mistral float16, vocab 1100, staged ``--dtype auto`` and run at float16: TP 1.
+- Mixtral bfloat16, 4 experts (2 routed per token), two source files, staged
+  ``--dtype auto`` and run at bfloat16: TP 1, 2.
 - Mutations: the Llama TP 1 artifact with two KV-head blocks of one layer's ``qkv_proj``
-  swapped, and the Llama TP 2 artifact with its two ranks' files exchanged, load in vLLM
-  without a warning but fail the comparison.
-Slow tier (``-m slow``): Llama at TP 4 (each KV head on two ranks; ~50 s a start), Mistral
-float16 at TP 2, and the Qwen3 bfloat16 source staged ``--dtype float32`` (the stager's cast)
+  swapped, the Llama TP 2 artifact with its two ranks' files exchanged, and the Mixtral TP 2
+  artifact with two experts of one layer exchanged in rank 0's file, load in vLLM without a
+  warning but fail the comparison.
+Slow tier (``-m slow``): Llama and Mixtral at TP 4 (each KV head on two ranks; ~50 s a
+start), Mistral float16 at TP 2, and the Qwen3 bfloat16 source staged ``--dtype float32`` (the stager's cast)
 at TP 2.
 """
 
@@ -36,6 +39,7 @@ from vllm_oracle import (
     loader_warnings,
     reference,
     run_vllm,
+    swap_experts,
     swap_kv_head_blocks,
     swap_rank_files,
     weight_dtypes,
@@ -68,6 +72,17 @@ LLAMA = Case(
     "llama-tied-vocab1000-split",
     SyntheticModel(tie_word_embeddings=True, vocab_size=1000, num_shards=3, split_fused=True),
     (1, 2),
+    slow_tps=(4,),
+)
+MIXTRAL = Case(
+    "mixtral-bf16-4experts",
+    SyntheticModel(
+        architecture="MixtralForCausalLM", num_kv_heads=4, vocab_size=1000, num_experts=4,
+        dtype="bfloat16", num_shards=2, seed=5,
+    ),
+    (1, 2),
+    ("--dtype", "auto"),
+    dtype="bfloat16",
     slow_tps=(4,),
 )
 QWEN3_BF16 = SyntheticModel(
@@ -110,6 +125,7 @@ CASES = [
         slow_tps=(2,),
         source="qwen3-qknorm-headdim64-bf16-tied",
     ),
+    MIXTRAL,
 ]  # fmt: skip
 
 
@@ -205,3 +221,25 @@ def test_rank_files_swapped_between_the_two_ranks_fail_the_oracle(
 
     assert not loader_warnings(got.log), "the swapped ranks must still load cleanly"
     assert differences(ref.output, got.output), "the oracle missed rank files swapped"
+
+
+def test_swapped_experts_in_one_rank_file_fail_the_oracle(
+    checkpoint: Callable[[str, SyntheticModel], Path],
+    staged: Callable[..., Path],
+    timings: Timings,
+    tmp_path: Path,
+) -> None:
+    tp = 2  # staged and referenced by the matrix
+    src = checkpoint(MIXTRAL.name, MIXTRAL.spec)
+    mutated = tmp_path / "mutated"
+    shutil.copytree(staged(MIXTRAL.name, src, tp, *MIXTRAL.stage_args), mutated)
+    swap_experts(mutated, rank=0, layer=0, a=0, b=1)
+    prompts = prompts_for(MIXTRAL.spec)
+
+    ref = reference(src, tp, prompts, MIXTRAL.dtype)
+    timings.append((f"reference {MIXTRAL.name} tp{tp} {MIXTRAL.dtype}", ref))
+    got = run_vllm(mutated, tp, "sharded_state", prompts, MIXTRAL.dtype)
+    timings.append((f"mutated   {MIXTRAL.name} tp{tp} (experts swapped)", got))
+
+    assert not loader_warnings(got.log), "the mutated artifact must still load cleanly"
+    assert differences(ref.output, got.output), "the oracle missed two swapped experts"

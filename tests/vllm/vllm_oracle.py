@@ -30,6 +30,7 @@ from typing import Any
 from support.vllm_lock import vllm_lock
 
 RUNNER = Path(__file__).with_name("run_vllm.py")
+LAYOUT_RUNNER = Path(__file__).with_name("layout_oracle.py")
 """Machine-wide lock (shared with tests/support/serving.py): one vLLM at a time on 2 cores."""
 VLLM_TIMEOUT_S = 600
 STAGE_TIMEOUT_S = 300
@@ -170,6 +171,28 @@ def reference(
     return run
 
 
+def vllm_rank_states(checkpoint: Path, tp: int, dtype: str, out: Path) -> list[Path]:
+    """vLLM's own per-rank state for ``checkpoint`` (``layout_oracle.py``), one safetensors
+    file per rank under ``out``; raises with the log tail if a rank fails."""
+    with vllm_lock():
+        proc = subprocess.run(
+            [sys.executable, str(LAYOUT_RUNNER), "--model", str(checkpoint), "--tp", str(tp),
+             "--dtype", dtype, "--out", str(out)],
+            cwd=out.parent,
+            env=dict(os.environ, VLLM_PLUGINS=""),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=VLLM_TIMEOUT_S,
+            check=False,
+        )  # fmt: skip
+    files = [out / f"rank-{r}.safetensors" for r in range(tp)]
+    if proc.returncode != 0 or not all(f.exists() for f in files):
+        tail = "\n".join(proc.stdout.splitlines()[-40:])
+        raise AssertionError(f"the layout oracle failed on {checkpoint} (tp={tp}):\n{tail}")
+    return files
+
+
 def stage(src: Path, out: Path, tp: int, *extra: str) -> subprocess.CompletedProcess[str]:
     """``modelstage stage SRC --tp N --format sharded_state --out OUT`` as a subprocess."""
     cli = Path(sys.executable).with_name("modelstage")
@@ -255,6 +278,31 @@ def swap_kv_head_blocks(
         save_file(tensors, str(path), metadata=metadata)
         return path.name
     raise AssertionError(f"{key} is in no rank-0 part file of {artifact}")
+
+
+def swap_experts(artifact: Path, rank: int, layer: int, a: int, b: int) -> str:
+    """Exchange experts ``a`` and ``b`` (their ``w13_weight`` and ``w2_weight`` slices) of one
+    MoE layer in a rank's file: the router still sends tokens by the original order. Returns
+    the file it rewrote."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    prefix = f"model.layers.{layer}.block_sparse_moe.experts.routed_experts."
+    keys = [prefix + "w13_weight", prefix + "w2_weight"]
+    for path in sorted(artifact.glob(f"model-rank-{rank}-part-*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            if keys[0] not in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
+                continue
+            metadata = f.metadata()
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+        for key in keys:
+            stacked = tensors[key].clone()
+            stacked[[a, b]] = tensors[key][[b, a]]
+            assert not stacked.equal(tensors[key])
+            tensors[key] = stacked
+        save_file(tensors, str(path), metadata=metadata)
+        return path.name
+    raise AssertionError(f"{keys[0]} is in no rank-{rank} part file of {artifact}")
 
 
 def swap_rank_files(artifact: Path, a: int, b: int) -> list[str]:

@@ -1,0 +1,101 @@
+"""The layout oracle: each rank's state that vLLM's ``sharded_state`` loader fills, from vLLM's
+own weight loaders, written as one safetensors file per rank.
+
+In each rank's process (a gloo group of size TP) vLLM builds the model on CPU and loads the
+original checkpoint with the model's own ``load_weights``; the state dict is taken before
+``process_weights_after_loading`` (on CPU that step empties Linear weights and repacks
+experts) and filtered by ``ShardedStateLoader._filter_subtensors``, exactly the names a rank
+file must hold. Stock vLLM: ``VLLM_PLUGINS=""``.
+
+Usage: layout_oracle.py --model DIR --tp N --dtype DTYPE --out DIR (writes rank-R.safetensors)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import multiprocessing
+import os
+import socket
+import uuid
+from pathlib import Path
+
+
+class _Captured(Exception):
+    """Raised once the state is taken: nothing after loading is wanted."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def rank_state(model: str, tp: int, rank: int, port: int, dtype: str, out: str) -> None:
+    """One rank: build, load the original, capture the state before processing, save it."""
+    import torch
+    from safetensors.torch import save_file
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader import get_model
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+    from vllm.model_executor.model_loader.sharded_state_loader import ShardedStateLoader
+
+    config = EngineArgs(
+        model=model, tensor_parallel_size=tp, dtype=dtype, skip_tokenizer_init=True,
+        enforce_eager=True, max_model_len=128, load_format="safetensors",
+    ).create_engine_config()  # fmt: skip
+    captured: dict[str, torch.Tensor] = {}
+    load_weights = DefaultModelLoader.load_weights
+
+    def capture(self: DefaultModelLoader, model: torch.nn.Module, *args: object) -> None:
+        """The model's own ``load_weights`` on the original, then the state as it stands
+        before any processing; the build stops there."""
+        load_weights(self, model, *args)
+        kept = ShardedStateLoader._filter_subtensors(model.state_dict())
+        captured.update({k: v.detach().clone().contiguous() for k, v in kept.items()})
+        raise _Captured
+
+    DefaultModelLoader.load_weights = capture  # type: ignore[method-assign]
+    with set_current_vllm_config(config), contextlib.suppress(_Captured):
+        init_distributed_environment(
+            world_size=tp, rank=rank, local_rank=rank, backend="gloo",
+            distributed_init_method=f"tcp://127.0.0.1:{port}",
+        )  # fmt: skip
+        initialize_model_parallel(tensor_model_parallel_size=tp)
+        get_model(vllm_config=config)
+    save_file(captured, str(Path(out) / f"rank-{rank}.safetensors"))
+
+
+def layout(model: str, tp: int, dtype: str, out: str) -> None:
+    """Every rank's state, one process per rank (spawned: vLLM keeps global state)."""
+    os.environ["VLLM_PLUGINS"] = ""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    port = _free_port()
+    ident = f"modelstage-layout-{uuid.uuid4().hex}"  # names the ranks' shared memory
+    os.environ["VLLM_DIST_IDENT"] = ident
+    ctx = multiprocessing.get_context("spawn")
+    procs = [
+        ctx.Process(target=rank_state, args=(model, tp, r, port, dtype, out)) for r in range(tp)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    for leftover in Path("/dev/shm").glob(f"*{ident}*"):
+        leftover.unlink(missing_ok=True)
+    failed = [r for r, p in enumerate(procs) if p.exitcode != 0]
+    if failed:
+        raise SystemExit(f"layout oracle: ranks {failed} failed")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--tp", type=int, required=True)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    layout(args.model, args.tp, args.dtype, args.out)

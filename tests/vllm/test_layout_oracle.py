@@ -1,0 +1,81 @@
+"""The layout oracle: every rank file the stager writes holds exactly, byte for byte, the
+state vLLM's own weight loaders give that rank from the original checkpoint (names, dtypes,
+shapes and values; ``layout_oracle.py`` takes it before ``process_weights_after_loading``,
+filtered as ``ShardedStateLoader`` filters it).
+
+Mixtral bfloat16: 8 query heads on 2 KV heads (replicated from TP 4), 4 experts, at TP 2;
+TP 4 and 8 in the slow tier (a process per rank, each importing vLLM).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from modelstage.devtools.synthetic import SyntheticModel
+from safetensors import safe_open
+from vllm_oracle import vllm_rank_states
+
+pytestmark = pytest.mark.vllm
+
+MIXTRAL = SyntheticModel(
+    architecture="MixtralForCausalLM", hidden_size=128, intermediate_size=256, num_heads=8,
+    num_kv_heads=2, vocab_size=512, num_experts=4, dtype="bfloat16", num_shards=2, seed=4,
+)  # fmt: skip
+
+
+def _read(paths: list[Path]) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for path in paths:
+        with safe_open(str(path), "pt") as f:
+            tensors.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118
+    return tensors
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    flat_a, flat_b = a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)
+    return a.dtype == b.dtype and a.shape == b.shape and flat_a.equal(flat_b)
+
+
+def _check_experts_from_source(
+    src: Path, rank: int, tp: int, want: dict[str, torch.Tensor]
+) -> None:
+    """The contract itself, read off the source: w13[e] = cat(w1_e, w3_e) rows of the rank,
+    w2[e] = the rank's columns of w2_e."""
+    source = _read(sorted(src.glob("*.safetensors")))
+    inter = MIXTRAL.intermediate_size // tp
+    rows = slice(rank * inter, (rank + 1) * inter)
+    moe = "model.layers.1.block_sparse_moe."
+    for e in range(MIXTRAL.num_experts):
+        x = f"{moe}experts.{e}."
+        w13 = torch.cat([source[x + "w1.weight"][rows], source[x + "w3.weight"][rows]])
+        assert want[moe + "experts.routed_experts.w13_weight"][e].equal(w13)
+        assert want[moe + "experts.routed_experts.w2_weight"][e].equal(
+            source[x + "w2.weight"][:, rows]
+        )
+    assert want[moe + "gate.weight"].equal(source[moe + "gate.weight"])
+
+
+@pytest.mark.parametrize(
+    "tp",
+    [2, pytest.param(4, marks=pytest.mark.slow), pytest.param(8, marks=pytest.mark.slow)],
+    ids=lambda tp: f"tp{tp}",
+)
+def test_mixtral_rank_files_equal_vllms_own_per_rank_state_byte_for_byte(
+    tp: int,
+    checkpoint: Callable[[str, SyntheticModel], Path],
+    staged: Callable[..., Path],
+    tmp_path: Path,
+) -> None:
+    src = checkpoint("layout-mixtral-bf16", MIXTRAL)
+    artifact = staged("layout-mixtral-bf16", src, tp, "--dtype", "auto")
+    states = vllm_rank_states(src, tp, "bfloat16", tmp_path / "vllm")
+    for rank, state in enumerate(states):
+        want = _read([state])
+        got = _read(sorted(artifact.glob(f"model-rank-{rank}-part-*.safetensors")))
+        assert sorted(got) == sorted(want), f"rank {rank}: names differ"
+        differ = [k for k in want if not _same_bytes(want[k], got[k])]
+        assert not differ, f"rank {rank}: {len(differ)} tensors differ, e.g. {differ[:4]}"
+        _check_experts_from_source(src, rank, tp, want)
