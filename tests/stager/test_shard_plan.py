@@ -24,7 +24,13 @@ def models(draw: st.DrawFn) -> tuple[SyntheticModel, int]:
     head_dim = draw(st.sampled_from([2, 4, 8]))
     arch = draw(
         st.sampled_from(
-            ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MixtralForCausalLM"]
+            [
+                "LlamaForCausalLM",
+                "Qwen2ForCausalLM",
+                "Qwen3ForCausalLM",
+                "MixtralForCausalLM",
+                "Qwen3MoeForCausalLM",
+            ]
         )
     )
     model = SyntheticModel(
@@ -34,7 +40,7 @@ def models(draw: st.DrawFn) -> tuple[SyntheticModel, int]:
         num_layers=1,
         num_heads=heads,
         num_kv_heads=kv,
-        head_dim=head_dim if arch == "Qwen3ForCausalLM" else None,
+        head_dim=head_dim if arch.startswith("Qwen3") else None,
         vocab_size=draw(st.integers(5, 300)),
         tie_word_embeddings=draw(st.booleans()),
         num_experts=draw(st.integers(1, 5)),
@@ -188,3 +194,23 @@ def test_tp_must_divide_the_expert_intermediate_size() -> None:
     )
     with pytest.raises(SpecError, match="expert intermediate size 6"):
         config.check_tensor_parallel(4)
+
+
+def test_qwen3_moe_keeps_the_router_under_vllms_alias_and_stacks_gate_up_per_expert() -> None:
+    model = SyntheticModel(
+        architecture="Qwen3MoeForCausalLM", hidden_size=16, intermediate_size=8, num_heads=2,
+        num_kv_heads=2, head_dim=8, num_layers=1, vocab_size=64, num_experts=2,
+        experts_per_token=1,
+    )  # fmt: skip
+    config = ModelConfig.from_dict(model.config())
+    assert (config.num_experts, config.moe_intermediate_size) == (2, 8)
+    sources = {n: SourceTensor("BF16", s) for n, s in model.tensors()}
+    targets = {t.name: t for t in plan_shards(config, sources, 2, LAYOUT).targets}
+    mlp = "model.layers.0.mlp."
+    assert targets[mlp + "experts.gate.weight"].slots[0].source == mlp + "gate.weight"
+    assert mlp + "gate.weight" not in targets
+    w13 = targets[mlp + "experts.routed_experts.w13_weight"]
+    assert w13.shape == (2, 8, 16)
+    assert [s.source for s in w13.slots] == [
+        f"{mlp}experts.{e}.{p}_proj.weight" for e in range(2) for p in ("gate", "up")
+    ]

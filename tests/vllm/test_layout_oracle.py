@@ -3,8 +3,8 @@ state vLLM's own weight loaders give that rank from the original checkpoint (nam
 shapes and values; ``layout_oracle.py`` takes it before ``process_weights_after_loading``,
 filtered as ``ShardedStateLoader`` filters it).
 
-Mixtral bfloat16: 8 query heads on 2 KV heads (replicated from TP 4), 4 experts, at TP 2;
-TP 4 and 8 in the slow tier (a process per rank, each importing vLLM).
+Mixtral and Qwen3-MoE bfloat16: 8 query heads on 2 KV heads (replicated from TP 4), 4
+experts, at TP 2; TP 4 and 8 in the slow tier (a process per rank, each importing vLLM).
 """
 
 from __future__ import annotations
@@ -20,10 +20,22 @@ from vllm_oracle import vllm_rank_states
 
 pytestmark = pytest.mark.vllm
 
-MIXTRAL = SyntheticModel(
-    architecture="MixtralForCausalLM", hidden_size=128, intermediate_size=256, num_heads=8,
-    num_kv_heads=2, vocab_size=512, num_experts=4, dtype="bfloat16", num_shards=2, seed=4,
-)  # fmt: skip
+MOE_FAMILIES = {
+    "mixtral": SyntheticModel(
+        architecture="MixtralForCausalLM", hidden_size=128, intermediate_size=256, num_heads=8,
+        num_kv_heads=2, vocab_size=512, num_experts=4, dtype="bfloat16", num_shards=2, seed=4,
+    ),
+    "qwen3-moe": SyntheticModel(
+        architecture="Qwen3MoeForCausalLM", hidden_size=128, intermediate_size=64, num_heads=8,
+        num_kv_heads=2, head_dim=32, vocab_size=512, num_experts=4, dtype="bfloat16",
+        tie_word_embeddings=True, num_shards=2, seed=6,
+    ),
+}  # fmt: skip
+"""Where each family's source names its experts and router, and vLLM's kept router name."""
+EXPERT_NAMES = {
+    "mixtral": ("block_sparse_moe.", ("w1", "w3", "w2"), "gate.weight"),
+    "qwen3-moe": ("mlp.", ("gate_proj", "up_proj", "down_proj"), "experts.gate.weight"),
+}
 
 
 def _read(paths: list[Path]) -> dict[str, torch.Tensor]:
@@ -40,37 +52,41 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _check_experts_from_source(
-    src: Path, rank: int, tp: int, want: dict[str, torch.Tensor]
+    family: str, src: Path, rank: int, tp: int, want: dict[str, torch.Tensor]
 ) -> None:
-    """The contract itself, read off the source: w13[e] = cat(w1_e, w3_e) rows of the rank,
-    w2[e] = the rank's columns of w2_e."""
+    """The contract itself, read off the source: w13[e] = cat(gate_e, up_e) rows of the rank,
+    w2[e] = the rank's columns of down_e, the router whole under vLLM's kept name."""
     source = _read(sorted(src.glob("*.safetensors")))
-    inter = MIXTRAL.intermediate_size // tp
+    block, (gate, up, down), router = EXPERT_NAMES[family]
+    spec = MOE_FAMILIES[family]
+    inter = spec.intermediate_size // tp
     rows = slice(rank * inter, (rank + 1) * inter)
-    moe = "model.layers.1.block_sparse_moe."
-    for e in range(MIXTRAL.num_experts):
+    moe = "model.layers.1." + block
+    for e in range(spec.num_experts):
         x = f"{moe}experts.{e}."
-        w13 = torch.cat([source[x + "w1.weight"][rows], source[x + "w3.weight"][rows]])
+        w13 = torch.cat([source[f"{x}{gate}.weight"][rows], source[f"{x}{up}.weight"][rows]])
         assert want[moe + "experts.routed_experts.w13_weight"][e].equal(w13)
         assert want[moe + "experts.routed_experts.w2_weight"][e].equal(
-            source[x + "w2.weight"][:, rows]
+            source[f"{x}{down}.weight"][:, rows]
         )
-    assert want[moe + "gate.weight"].equal(source[moe + "gate.weight"])
+    assert want[moe + router].equal(source[moe + "gate.weight"])
 
 
+@pytest.mark.parametrize("family", sorted(MOE_FAMILIES))
 @pytest.mark.parametrize(
     "tp",
     [2, pytest.param(4, marks=pytest.mark.slow), pytest.param(8, marks=pytest.mark.slow)],
     ids=lambda tp: f"tp{tp}",
 )
-def test_mixtral_rank_files_equal_vllms_own_per_rank_state_byte_for_byte(
+def test_moe_rank_files_equal_vllms_own_per_rank_state_byte_for_byte(
+    family: str,
     tp: int,
     checkpoint: Callable[[str, SyntheticModel], Path],
     staged: Callable[..., Path],
     tmp_path: Path,
 ) -> None:
-    src = checkpoint("layout-mixtral-bf16", MIXTRAL)
-    artifact = staged("layout-mixtral-bf16", src, tp, "--dtype", "auto")
+    src = checkpoint(f"layout-{family}", MOE_FAMILIES[family])
+    artifact = staged(f"layout-{family}", src, tp, "--dtype", "auto")
     states = vllm_rank_states(src, tp, "bfloat16", tmp_path / "vllm")
     for rank, state in enumerate(states):
         want = _read([state])
@@ -78,4 +94,4 @@ def test_mixtral_rank_files_equal_vllms_own_per_rank_state_byte_for_byte(
         assert sorted(got) == sorted(want), f"rank {rank}: names differ"
         differ = [k for k in want if not _same_bytes(want[k], got[k])]
         assert not differ, f"rank {rank}: {len(differ)} tensors differ, e.g. {differ[:4]}"
-        _check_experts_from_source(src, rank, tp, want)
+        _check_experts_from_source(family, src, rank, tp, want)

@@ -15,11 +15,13 @@ warm one; a TP=1 start takes ~16 s and a TP=2 start ~28 s on 2 idle cores):
 - Mistral float16, vocab 1100, staged ``--dtype auto`` and run at float16: TP 1.
 - Mixtral bfloat16, 4 experts (2 routed per token), two source files, staged
   ``--dtype auto`` and run at bfloat16: TP 1, 2.
+- Qwen3-MoE bfloat16 (q_norm/k_norm, head_dim 64, router kept as ``mlp.experts.gate``), 4
+  experts, tied: TP 1, 2.
 - Mutations: the Llama TP 1 artifact with two KV-head blocks of one layer's ``qkv_proj``
   swapped, the Llama TP 2 artifact with its two ranks' files exchanged, and the Mixtral TP 2
   artifact with two experts of one layer exchanged in rank 0's file, load in vLLM without a
   warning but fail the comparison.
-Slow tier (``-m slow``): Llama and Mixtral at TP 4 (each KV head on two ranks; ~50 s a
+Slow tier (``-m slow``): Llama, Mixtral and Qwen3-MoE at TP 4 (each KV head on two ranks; ~50 s a
 start), Mistral float16 at TP 2, and the Qwen3 bfloat16 source staged ``--dtype float32`` (the stager's cast)
 at TP 2.
 """
@@ -85,6 +87,18 @@ MIXTRAL = Case(
     dtype="bfloat16",
     slow_tps=(4,),
 )
+QWEN3_MOE = Case(
+    "qwen3-moe-bf16-4experts-tied",
+    SyntheticModel(
+        architecture="Qwen3MoeForCausalLM", head_dim=64, num_kv_heads=4, vocab_size=1000,
+        intermediate_size=256, num_experts=4, tie_word_embeddings=True, dtype="bfloat16",
+        num_shards=2, seed=7,
+    ),
+    (1, 2),
+    ("--dtype", "auto"),
+    dtype="bfloat16",
+    slow_tps=(4,),
+)
 QWEN3_BF16 = SyntheticModel(
     architecture="Qwen3ForCausalLM", head_dim=64, num_kv_heads=4, vocab_size=1000,
     tie_word_embeddings=True, dtype="bfloat16", num_shards=2, seed=2,
@@ -126,6 +140,7 @@ CASES = [
         source="qwen3-qknorm-headdim64-bf16-tied",
     ),
     MIXTRAL,
+    QWEN3_MOE,
 ]  # fmt: skip
 
 

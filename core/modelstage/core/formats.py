@@ -221,6 +221,7 @@ PER_RANK_ARCHITECTURES = frozenset(
         "MixtralForCausalLM",
         "Qwen2ForCausalLM",
         "Qwen3ForCausalLM",
+        "Qwen3MoeForCausalLM",
     }
 )
 """The architectures the stager splits per rank (the names of ``modelstage.stager.

@@ -35,6 +35,7 @@ Architecture = Literal[
     "MixtralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
 ]
 DType = Literal["float32", "bfloat16", "float16"]
 
@@ -44,7 +45,9 @@ _MODEL_TYPES = {
     "MixtralForCausalLM": "mixtral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
+_MOE = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
 _SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>")
 _CHUNK_ELEMENTS = 8 * 1024 * 1024
 """Elements generated per step (32 MiB of float32): bounds memory for large tensors."""
@@ -77,7 +80,8 @@ class SyntheticModel:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     num_experts: int = 4
-    """Routed experts per layer (MoE architectures only)."""
+    """Routed experts per layer (MoE architectures only; ``intermediate_size`` is then one
+    expert's)."""
     experts_per_token: int = 2
     config_extra: tuple[tuple[str, object], ...] = field(default=())
     """Extra ``config.json`` entries (e.g. a ``quantization_config`` a test wants refused)."""
@@ -145,7 +149,7 @@ class SyntheticModel:
                     (p + "self_attn.k_proj.bias", (kv_rows,)),
                     (p + "self_attn.v_proj.bias", (kv_rows,)),
                 ]
-            if self.architecture == "Qwen3ForCausalLM":
+            if self.architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
                 out += [
                     (p + "self_attn.q_norm.weight", (hd,)),
                     (p + "self_attn.k_norm.weight", (hd,)),
@@ -161,19 +165,23 @@ class SyntheticModel:
         return out
 
     def _mlp(self, p: str) -> list[tuple[str, tuple[int, ...]]]:
-        """One layer's MLP: dense gate/up/down, or Mixtral's router and per-expert w1/w2/w3."""
+        """One layer's MLP: dense gate/up/down, or a router and each expert's gate/up/down
+        (Mixtral's ``block_sparse_moe`` names them w1/w3/w2)."""
         h, i = self.hidden_size, self.intermediate_size
-        if self.architecture != "MixtralForCausalLM":
+        if self.architecture not in _MOE:
             return [
                 (p + "mlp.gate_proj.weight", (i, h)),
                 (p + "mlp.up_proj.weight", (i, h)),
                 (p + "mlp.down_proj.weight", (h, i)),
             ]
-        moe = p + "block_sparse_moe."
+        mixtral = self.architecture == "MixtralForCausalLM"
+        moe = p + ("block_sparse_moe." if mixtral else "mlp.")
+        gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
         out: list[tuple[str, tuple[int, ...]]] = [(moe + "gate.weight", (self.num_experts, h))]
         for e in range(self.num_experts):
             x = f"{moe}experts.{e}."
-            out += [(x + "w1.weight", (i, h)), (x + "w2.weight", (h, i)), (x + "w3.weight", (i, h))]
+            out += [(f"{x}{gate}.weight", (i, h)), (f"{x}{down}.weight", (h, i)),
+                    (f"{x}{up}.weight", (i, h))]  # fmt: skip
         return out
 
     def config(self) -> dict[str, object]:
@@ -220,6 +228,23 @@ class SyntheticModel:
         elif self.architecture == "Qwen2ForCausalLM":
             cfg.update(
                 sliding_window=None, use_sliding_window=False, max_window_layers=self.num_layers
+            )
+        elif self.architecture == "Qwen3MoeForCausalLM":
+            cfg.update(
+                sliding_window=None,
+                use_sliding_window=False,
+                attention_bias=False,
+                max_window_layers=self.num_layers,
+                head_dim=self.head_size,
+                num_experts=self.num_experts,
+                num_experts_per_tok=self.experts_per_token,
+                moe_intermediate_size=self.intermediate_size,
+                intermediate_size=2 * self.intermediate_size,  # a dense MLP's; no layer has one
+                decoder_sparse_step=1,
+                mlp_only_layers=[],
+                norm_topk_prob=True,
+                output_router_logits=False,
+                router_aux_loss_coef=0.001,
             )
         else:  # Qwen3
             cfg.update(

@@ -111,26 +111,28 @@ def _llama_like(*, qkv_bias: When, o_bias: When) -> tuple[Rule, ...]:
 
 
 _LLAMA = _llama_like(qkv_bias=When.ATTENTION_BIAS, o_bias=When.ATTENTION_BIAS)
-MOE = "model.layers.{L}.block_sparse_moe"
-EXPERT = MOE + ".experts.{E}"
-ROUTED = MOE + ".experts.routed_experts"
 
 
-def _mixtral() -> tuple[Rule, ...]:
-    """Llama's attention; per layer a router (whole) and experts ``w1`` (gate), ``w3`` (up)
-    fused per expert into ``w13_weight`` [E, 2I/tp, H] and ``w2`` (down) into ``w2_weight``
-    [E, H, I/tp], as vLLM's fused MoE layer holds them per rank."""
-    dense = tuple(r for r in _LLAMA if not r.source.startswith(MLP))
-    experts = (
-        Rule(f"{EXPERT}.w1.weight", f"{ROUTED}.w13_weight", Split.EXPERTS_MERGED,
+def _moe(block: str, gate: str, up: str, down: str, router: str) -> tuple[Rule, ...]:
+    """An MoE layer's router (whole) and experts: each expert's ``gate`` and ``up`` halves of
+    the rank side by side in ``w13_weight`` [E, 2I/tp, H], its ``down`` columns of the rank in
+    ``w2_weight`` [E, H, I/tp], as vLLM's fused MoE layer holds them per rank. ``block`` is
+    the layer's MoE module, ``router`` the name vLLM keeps for the router's weight."""
+    expert, routed = f"{block}.experts.{{E}}", f"{block}.experts.routed_experts"
+    return (
+        Rule(f"{expert}.{gate}.weight", f"{routed}.w13_weight", Split.EXPERTS_MERGED,
              ("moe_inter", "hidden"), 0),
-        Rule(f"{EXPERT}.w3.weight", f"{ROUTED}.w13_weight", Split.EXPERTS_MERGED,
+        Rule(f"{expert}.{up}.weight", f"{routed}.w13_weight", Split.EXPERTS_MERGED,
              ("moe_inter", "hidden"), 1),
-        Rule(f"{EXPERT}.w2.weight", f"{ROUTED}.w2_weight", Split.EXPERTS_ROW,
+        Rule(f"{expert}.{down}.weight", f"{routed}.w2_weight", Split.EXPERTS_ROW,
              ("hidden", "moe_inter")),
-        Rule(f"{MOE}.gate.weight", f"{MOE}.gate.weight", Split.REPLICATED, ("experts", "hidden")),
+        Rule(f"{block}.gate.weight", f"{block}.{router}.weight", Split.REPLICATED,
+             ("experts", "hidden")),
     )  # fmt: skip
-    return dense + experts
+
+
+def _without_dense_mlp(rules: tuple[Rule, ...]) -> tuple[Rule, ...]:
+    return tuple(r for r in rules if not r.source.startswith(MLP))
 
 
 _QK_NORM = tuple(
@@ -152,11 +154,21 @@ ARCHITECTURES: dict[str, Architecture] = {
     for a in (
         Architecture("LlamaForCausalLM", _LLAMA),
         Architecture("MistralForCausalLM", _LLAMA),
-        Architecture("MixtralForCausalLM", _mixtral()),
+        Architecture(
+            "MixtralForCausalLM",
+            _without_dense_mlp(_LLAMA)
+            + _moe("model.layers.{L}.block_sparse_moe", "w1", "w3", "w2", "gate"),
+        ),
         Architecture("Qwen2ForCausalLM", _llama_like(qkv_bias=When.ALWAYS, o_bias=When.NEVER)),
         Architecture(
             "Qwen3ForCausalLM",
             _llama_like(qkv_bias=When.ATTENTION_BIAS, o_bias=When.ATTENTION_BIAS) + _QK_NORM,
+        ),
+        Architecture(
+            "Qwen3MoeForCausalLM",
+            _without_dense_mlp(_LLAMA)
+            + _QK_NORM
+            + _moe(MLP, "gate_proj", "up_proj", "down_proj", "experts.gate"),
         ),
     )
 }
