@@ -30,6 +30,11 @@ CASES = [
     ("qwen2", SyntheticModel(architecture="Qwen2ForCausalLM", vocab_size=777), (1, 2, 4)),
     ("qwen3", SyntheticModel(architecture="Qwen3ForCausalLM", head_dim=64, num_heads=4,
                              num_kv_heads=2, vocab_size=999, num_shards=2), (1, 2, 4)),
+    ("mixtral", SyntheticModel(architecture="MixtralForCausalLM", hidden_size=64,
+                               intermediate_size=128, num_experts=3, num_shards=3), (1, 2, 4, 8)),
+    ("qwen3-moe", SyntheticModel(architecture="Qwen3MoeForCausalLM", hidden_size=64,
+                                 intermediate_size=32, num_experts=4, tie_word_embeddings=True,
+                                 num_shards=2), (1, 2, 4)),
 ]  # fmt: skip
 
 

@@ -60,11 +60,14 @@ def expected_rank(hf: dict[str, Arr], config: dict[str, object], tp: int, r: int
                     _heads(hf[f"{a}.v_proj.{kind}"], kv, hd, tp, r),
                 ])  # fmt: skip
         out[f"{a}.o_proj.weight"] = _split(hf[f"{a}.o_proj.weight"], tp, r, 1)
-        out[f"{m}.gate_up_proj.weight"] = np.concatenate([
-            _split(hf[f"{m}.gate_proj.weight"], tp, r, 0),
-            _split(hf[f"{m}.up_proj.weight"], tp, r, 0),
-        ])  # fmt: skip
-        out[f"{m}.down_proj.weight"] = _split(hf[f"{m}.down_proj.weight"], tp, r, 1)
+        if f"{m}.gate_proj.weight" not in hf:  # an MoE layer
+            out.update(_experts(hf, p, tp, r))
+        else:
+            out[f"{m}.gate_up_proj.weight"] = np.concatenate([
+                _split(hf[f"{m}.gate_proj.weight"], tp, r, 0),
+                _split(hf[f"{m}.up_proj.weight"], tp, r, 0),
+            ])  # fmt: skip
+            out[f"{m}.down_proj.weight"] = _split(hf[f"{m}.down_proj.weight"], tp, r, 1)
         for norm in ("input_layernorm", "post_attention_layernorm"):
             out[f"{p}.{norm}.weight"] = hf[f"{p}.{norm}.weight"]
         for norm in ("q_norm", "k_norm"):
@@ -73,6 +76,24 @@ def expected_rank(hf: dict[str, Arr], config: dict[str, object], tp: int, r: int
         for scale in SCALES:
             out[f"{a}.attn.{scale}"] = np.array(1.0, dtype=np.float32)
     return out
+
+
+def _experts(hf: dict[str, Arr], layer: str, tp: int, r: int) -> dict[str, Arr]:
+    """vLLM's fused MoE per rank: w13 [E, 2I/tp, H] = per expert cat(gate_r, up_r), w2
+    [E, H, I/tp], the router whole (Qwen3-MoE's under its kept alias ``experts.gate``)."""
+    mixtral = f"{layer}.block_sparse_moe.gate.weight" in hf
+    block = f"{layer}.block_sparse_moe" if mixtral else f"{layer}.mlp"
+    gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    count = hf[f"{block}.gate.weight"].shape[0]
+    x = [f"{block}.experts.{e}." for e in range(count)]
+    routed = f"{block}.experts.routed_experts"
+    return {
+        f"{routed}.w13_weight": np.stack([np.concatenate([
+            _split(hf[f"{e}{gate}.weight"], tp, r, 0), _split(hf[f"{e}{up}.weight"], tp, r, 0),
+        ]) for e in x]),
+        f"{routed}.w2_weight": np.stack([_split(hf[f"{e}{down}.weight"], tp, r, 1) for e in x]),
+        f"{block}.{'gate' if mixtral else 'experts.gate'}.weight": hf[f"{block}.gate.weight"],
+    }  # fmt: skip
 
 
 def load_checkpoint_tensors(path: Path) -> dict[str, Arr]:
