@@ -43,7 +43,7 @@ def models(draw: st.DrawFn) -> tuple[SyntheticModel, int]:
         head_dim=head_dim if arch.startswith("Qwen3") else None,
         vocab_size=draw(st.integers(5, 300)),
         tie_word_embeddings=draw(st.booleans()),
-        num_experts=draw(st.integers(1, 5)),
+        num_experts=draw(st.integers(tp if arch == "Qwen3MoeForCausalLM" else 1, tp + 4)),
         experts_per_token=1,
     )
     return model, tp
@@ -214,3 +214,15 @@ def test_qwen3_moe_keeps_the_router_under_vllms_alias_and_stacks_gate_up_per_exp
     assert [s.source for s in w13.slots] == [
         f"{mlp}experts.{e}.{p}_proj.weight" for e in range(2) for p in ("gate", "up")
     ]
+
+
+def test_qwen3_moe_refuses_more_ranks_than_experts_as_vllm_does() -> None:
+    model = SyntheticModel(
+        architecture="Qwen3MoeForCausalLM", hidden_size=64, intermediate_size=8, num_heads=8,
+        num_kv_heads=8, num_layers=1, vocab_size=64, num_experts=4, experts_per_token=1,
+    )  # fmt: skip
+    config = ModelConfig.from_dict(model.config())
+    sources = {n: SourceTensor("BF16", s) for n, s in model.tensors()}
+    assert plan_shards(config, sources, 4, LAYOUT).tp == 4
+    with pytest.raises(SpecError, match="tensor parallel size 8 is greater than the 4 experts"):
+        plan_shards(config, sources, 8, LAYOUT)

@@ -26,8 +26,8 @@ from tensorizer.serialization import TensorType
 from vllm_model import VllmModel, VllmTensor
 
 pytestmark = pytest.mark.vllm
-CASES = [("llama", 2), ("tied", 2), ("llama", 4)]
-"""TP=4 replicates each of the 2 KV heads on two ranks."""
+CASES = [("llama", 2), ("tied", 2), ("llama", 4), ("mixtral", 2)]
+"""TP=4 replicates each of the 2 KV heads on two ranks; Mixtral holds stacked experts."""
 
 
 def _sha256(tensor: torch.Tensor) -> str:

@@ -3,8 +3,9 @@ state vLLM's own weight loaders give that rank from the original checkpoint (nam
 shapes and values; ``layout_oracle.py`` takes it before ``process_weights_after_loading``,
 filtered as ``ShardedStateLoader`` filters it).
 
-Mixtral and Qwen3-MoE bfloat16: 8 query heads on 2 KV heads (replicated from TP 4), 4
-experts, at TP 2; TP 4 and 8 in the slow tier (a process per rank, each importing vLLM).
+Mixtral (4 experts: vLLM's Mixtral takes more ranks than experts) and Qwen3-MoE (8 experts:
+its model refuses more ranks than experts) bfloat16, 8 query heads on 2 KV heads (replicated
+from TP 4), at TP 2; TP 4 and 8 in the slow tier (a process per rank, each importing vLLM).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ MOE_FAMILIES = {
     ),
     "qwen3-moe": SyntheticModel(
         architecture="Qwen3MoeForCausalLM", hidden_size=128, intermediate_size=64, num_heads=8,
-        num_kv_heads=2, head_dim=32, vocab_size=512, num_experts=4, dtype="bfloat16",
+        num_kv_heads=2, head_dim=32, vocab_size=512, num_experts=8, dtype="bfloat16",
         tie_word_embeddings=True, num_shards=2, seed=6,
     ),
 }  # fmt: skip

@@ -4,7 +4,7 @@ checkpoint at the same TP and dtype, and misplaced weights are caught.
 
 Every run is stock vLLM (``VLLM_PLUGINS=""``, checked in each result) at the dtype the case
 names, on both sides; 16-bit sources are staged with ``--dtype auto`` and the artifact must
-hold 16-bit weights. Default matrix (16 vLLM starts with a cold reference cache, 9 with a
+hold 16-bit weights. Default matrix (25 vLLM starts with a cold reference cache, 14 with a
 warm one; a TP=1 start takes ~16 s and a TP=2 start ~28 s on 2 idle cores):
 - Llama float32, tied embeddings, vocab 1000 (padded to 1024), q/k/v and gate/up spread over
   three source files: TP 1, 2.

@@ -147,6 +147,15 @@ class Architecture:
     rules: tuple[Rule, ...]
     ignored: tuple[str, ...] = ("model.layers.{L}.self_attn.rotary_emb.inv_freq",)
     """Source tensors vLLM skips (recomputed buffers); anything else unknown is refused."""
+    tp_within_experts: bool = False
+    """vLLM's model refuses a TP size above the number of routed experts."""
+
+    def check_tensor_parallel(self, config: ModelConfig, tp: int) -> None:
+        if self.tp_within_experts and tp > config.num_experts:
+            raise SpecError(
+                f"tensor parallel size {tp} is greater than the {config.num_experts} experts, "
+                f"which vLLM's {self.name} refuses"
+            )
 
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -169,6 +178,7 @@ ARCHITECTURES: dict[str, Architecture] = {
             _without_dense_mlp(_LLAMA)
             + _QK_NORM
             + _moe(MLP, "gate_proj", "up_proj", "down_proj", "experts.gate"),
+            tp_within_experts=True,
         ),
     )
 }

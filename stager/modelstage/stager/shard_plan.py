@@ -87,6 +87,7 @@ def plan_shards(
     """Map every source tensor to its per-rank slices; refuse missing or unknown tensors."""
     config.check_tensor_parallel(tp)
     arch = architecture_for(config)
+    arch.check_tensor_parallel(config, tp)
     _check_layer_count(arch, config, sources)
     active = _expand_rules(arch, config)
     _check_sources(arch, config, active, sources)
