@@ -226,3 +226,12 @@ def test_qwen3_moe_refuses_more_ranks_than_experts_as_vllm_does() -> None:
     assert plan_shards(config, sources, 4, LAYOUT).tp == 4
     with pytest.raises(SpecError, match="tensor parallel size 8 is greater than the 4 experts"):
         plan_shards(config, sources, 8, LAYOUT)
+
+
+def test_expert_counts_are_read_from_either_key_and_zero_or_null_means_dense() -> None:
+    dense = SyntheticModel(num_layers=1).config()
+    for extra in ({}, {"num_experts": 0}, {"num_local_experts": None}):
+        assert ModelConfig.from_dict({**dense, **extra}).num_experts == 0
+    assert ModelConfig.from_dict({**dense, "num_local_experts": 8}).num_experts == 8
+    with pytest.raises(CheckpointError, match="'num_experts' must be a positive integer"):
+        ModelConfig.from_dict({**dense, "num_experts": -1})

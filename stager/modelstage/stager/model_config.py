@@ -13,7 +13,8 @@ MAX_DIM = 1 << 24
 MAX_NAME = 200
 """Architecture and quantization names are short identifiers (they reach the status)."""
 _EXPERT_KEYS = ("num_local_experts", "num_experts")
-"""Where MoE configs give the routed experts per layer (Mixtral's, then Qwen-MoE's)."""
+"""Where MoE configs give the routed experts per layer (Mixtral's, then Qwen-MoE's); absent,
+null or 0: a dense model."""
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,7 @@ class ModelConfig:
                 f"{heads} and no head_dim is given"
             )
         dtype = config.get("torch_dtype", config.get("dtype"))
-        experts_key = next((k for k in _EXPERT_KEYS if config.get(k) is not None), None)
+        experts_key = next((k for k in _EXPERT_KEYS if config.get(k) not in (None, 0)), None)
         experts = dim(experts_key) if experts_key else 0
         moe_inter = dim("moe_intermediate_size", config.get("intermediate_size")) if experts else 0
         return ModelConfig(
