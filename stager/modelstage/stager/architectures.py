@@ -57,7 +57,7 @@ class Rule:
     split: Split
     shape: tuple[str, ...]
     """The source's expected shape in symbols of ``ModelConfig.symbols`` (checked before I/O)."""
-    slot: str | int | None = None  # "q"/"k"/"v" for QKV, 0/1 for MERGED
+    slot: str | int | None = None  # "q"/"k"/"v" for QKV, 0/1 for MERGED and EXPERTS_MERGED
     when: When = When.ALWAYS
 
 
