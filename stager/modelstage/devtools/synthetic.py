@@ -184,31 +184,9 @@ class SyntheticModel:
                     (f"{x}{up}.weight", (i, h))]  # fmt: skip
         return out
 
-    def config(self) -> dict[str, object]:
-        """``config.json`` as transformers 4.x writes it for this architecture."""
-        cfg: dict[str, object] = {
-            "architectures": [self.architecture],
-            "attention_dropout": 0.0,
-            "bos_token_id": 1,
-            "eos_token_id": 2,
-            "hidden_act": "silu",
-            "hidden_size": self.hidden_size,
-            "initializer_range": 0.02,
-            "intermediate_size": self.intermediate_size,
-            "max_position_embeddings": self.max_position_embeddings,
-            "model_type": _MODEL_TYPES[self.architecture],
-            "num_attention_heads": self.num_heads,
-            "num_hidden_layers": self.num_layers,
-            "num_key_value_heads": self.num_kv_heads,
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_scaling": None,
-            "rope_theta": self.rope_theta,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "torch_dtype": self.dtype,
-            "transformers_version": _TRANSFORMERS_VERSION,
-            "use_cache": True,
-            "vocab_size": self.vocab_size,
-        }
+    def _architecture_config(self) -> dict[str, object]:
+        """The ``config.json`` fields of this architecture beyond the common ones."""
+        cfg: dict[str, object] = {}
         if self.architecture == "LlamaForCausalLM":
             cfg.update(
                 attention_bias=False, mlp_bias=False, pretraining_tp=1, head_dim=self.head_size
@@ -254,6 +232,34 @@ class SyntheticModel:
                 max_window_layers=self.num_layers,
                 head_dim=self.head_size,
             )
+        return cfg
+
+    def config(self) -> dict[str, object]:
+        """``config.json`` as transformers 4.x writes it for this architecture."""
+        cfg: dict[str, object] = {
+            "architectures": [self.architecture],
+            "attention_dropout": 0.0,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "hidden_act": "silu",
+            "hidden_size": self.hidden_size,
+            "initializer_range": 0.02,
+            "intermediate_size": self.intermediate_size,
+            "max_position_embeddings": self.max_position_embeddings,
+            "model_type": _MODEL_TYPES[self.architecture],
+            "num_attention_heads": self.num_heads,
+            "num_hidden_layers": self.num_layers,
+            "num_key_value_heads": self.num_kv_heads,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_scaling": None,
+            "rope_theta": self.rope_theta,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "torch_dtype": self.dtype,
+            "transformers_version": _TRANSFORMERS_VERSION,
+            "use_cache": True,
+            "vocab_size": self.vocab_size,
+        }
+        cfg.update(self._architecture_config())
         cfg.update(dict(self.config_extra))
         return dict(sorted(cfg.items()))
 
