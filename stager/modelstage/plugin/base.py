@@ -26,7 +26,7 @@ from vllm.config import ModelConfig, VllmConfig
 from vllm.config.load import LoadConfig
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
-from .checks import VerifiedArtifact, refuse, verify_content
+from .checks import VerifiedArtifact, refuse, verify_content, verify_local
 from .metrics import LOG, LoadRecord, publish, serve
 from .settings import ENV_VERIFY, PluginSettings
 
@@ -253,3 +253,34 @@ def run_timed(transfer: Callable[[], None], moved: Transfer) -> Transfer:
     transfer()
     moved.copy_seconds = max(time.perf_counter() - t0 - moved.read_seconds, 0.0)
     return moved
+
+
+class TimedStock(BaseModelLoader):
+    """A stock loader whose weights iterator feeds ``moved`` (``timed_weights``)."""
+
+    moved: Transfer | None = None
+
+
+class HfLayoutLoader(ModelstageLoader):
+    """A Hugging Face layout artifact read by a stock loader: every rank reads (and checks)
+    every safetensors file of the artifact, and vLLM splits each tensor itself at load."""
+
+    stock_class: ClassVar[type[TimedStock]]
+    per_rank: ClassVar[bool] = False
+
+    def verify(self, location: str, running_tp: int, vllm_version: str) -> VerifiedArtifact:
+        return verify_local(
+            self.verify_local_location(location),
+            load_format=self.load_format,
+            settings=self.settings,
+            running_tp=running_tp,
+            vllm_version=vllm_version,
+            rank_glob=None,
+        )
+
+    def transfer(
+        self, model: nn.Module, model_config: ModelConfig, verified: VerifiedArtifact
+    ) -> Transfer:
+        assert isinstance(self.stock, TimedStock)
+        self.stock.moved = moved = Transfer(files=len(verified.files))
+        return run_timed(lambda: self.stock.load_weights(model, model_config), moved)

@@ -15,17 +15,12 @@ from collections.abc import Generator
 from typing import ClassVar
 
 import torch
-from torch import nn
-from vllm.config import ModelConfig
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
-from .base import ModelstageLoader, Transfer, run_timed, timed_weights
-from .checks import VerifiedArtifact, verify_local
+from .base import HfLayoutLoader, TimedStock, timed_weights
 
 
-class _TimedDefault(DefaultModelLoader):
-    moved: Transfer | None = None
-
+class _TimedDefault(DefaultModelLoader, TimedStock):
     def _get_weights_iterator(
         self, source: DefaultModelLoader.Source
     ) -> Generator[tuple[str, torch.Tensor], None, None]:
@@ -33,25 +28,7 @@ class _TimedDefault(DefaultModelLoader):
         return timed_weights(super()._get_weights_iterator(source), self.moved)
 
 
-class ModelstageSafetensorsLoader(ModelstageLoader):
+class ModelstageSafetensorsLoader(HfLayoutLoader):
     load_format: ClassVar[str] = "modelstage_safetensors"
     stock_format: ClassVar[str] = "safetensors"
     stock_class = _TimedDefault
-    per_rank: ClassVar[bool] = False
-
-    def verify(self, location: str, running_tp: int, vllm_version: str) -> VerifiedArtifact:
-        return verify_local(
-            self.verify_local_location(location),
-            load_format=self.load_format,
-            settings=self.settings,
-            running_tp=running_tp,
-            vllm_version=vllm_version,
-            rank_glob=None,
-        )
-
-    def transfer(
-        self, model: nn.Module, model_config: ModelConfig, verified: VerifiedArtifact
-    ) -> Transfer:
-        assert isinstance(self.stock, _TimedDefault)
-        self.stock.moved = moved = Transfer(files=len(verified.files))
-        return run_timed(lambda: self.stock.load_weights(model, model_config), moved)

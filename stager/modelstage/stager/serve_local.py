@@ -6,8 +6,8 @@ distribution of that name. vLLM's OpenAI server module runs the same server with
 lookup, so this command runs ``python -m vllm.entrypoints.openai.api_server`` with the
 arguments the operator would give the serving container (``rollout_plan.vllm_settings``: the
 artifact as ``--model``, its load format, its tensor-parallel size) and the ``MODELSTAGE_*``
-variables the loader plugin reads, with ``PYTHONSAFEPATH=1`` so that a checkout's
-``operator`` folder cannot shadow the standard library's module.
+variables the loader plugin reads, with ``PYTHONSAFEPATH=1`` so that no module in the
+directory it is run from can stand in for one that vLLM imports.
 """
 
 from __future__ import annotations
