@@ -29,6 +29,7 @@ def models(draw: st.DrawFn) -> tuple[SyntheticModel, int]:
                 "Qwen2ForCausalLM",
                 "Qwen3ForCausalLM",
                 "MixtralForCausalLM",
+                "Qwen2MoeForCausalLM",
                 "Qwen3MoeForCausalLM",
             ]
         )
@@ -43,7 +44,7 @@ def models(draw: st.DrawFn) -> tuple[SyntheticModel, int]:
         head_dim=head_dim if arch.startswith("Qwen3") else None,
         vocab_size=draw(st.integers(5, 300)),
         tie_word_embeddings=draw(st.booleans()),
-        num_experts=draw(st.integers(tp if arch == "Qwen3MoeForCausalLM" else 1, tp + 4)),
+        num_experts=draw(st.integers(1 if arch == "MixtralForCausalLM" else tp, tp + 4)),
         experts_per_token=1,
     )
     return model, tp
@@ -226,6 +227,44 @@ def test_qwen3_moe_refuses_more_ranks_than_experts_as_vllm_does() -> None:
     assert plan_shards(config, sources, 4, LAYOUT).tp == 4
     with pytest.raises(SpecError, match="tensor parallel size 8 is greater than the 4 experts"):
         plan_shards(config, sources, 8, LAYOUT)
+
+
+def test_qwen2_moe_keeps_the_router_and_splits_the_shared_expert_as_a_dense_mlp() -> None:
+    model = SyntheticModel(
+        architecture="Qwen2MoeForCausalLM", hidden_size=16, intermediate_size=8, num_heads=4,
+        num_kv_heads=4, num_layers=1, vocab_size=64, num_experts=2, experts_per_token=1,
+    )  # fmt: skip
+    config = ModelConfig.from_dict(model.config())
+    assert config.shared_expert_intermediate_size == 16
+    sources = {n: SourceTensor("BF16", s) for n, s in model.tensors()}
+    targets = {t.name: t for t in plan_shards(config, sources, 2, LAYOUT).targets}
+    mlp, kept = "model.layers.0.mlp.", "model.layers.0.mlp.experts._shared_experts._layer."
+    assert targets[mlp + "gate.weight"].slots[0].source == mlp + "gate.weight"
+    assert targets[mlp + "experts.routed_experts.w13_weight"].shape == (2, 8, 16)
+    gate_up = targets[kept + "gate_up_proj.weight"]
+    assert gate_up.shape == (16, 16)
+    assert [s.source for s in gate_up.slots] == [
+        f"{mlp}shared_expert.{p}_proj.weight" for p in ("gate", "up")
+    ]
+    assert targets[kept + "down_proj.weight"].shape == (16, 8)
+    expert_gate = targets[kept + "expert_gate.weight"]
+    assert expert_gate.shape == (1, 16)
+    assert expert_gate.slots[0].source == mlp + "shared_expert_gate.weight"
+    assert "model.layers.0.self_attn.qkv_proj.bias" in targets
+    with pytest.raises(SpecError, match="greater than the 2 experts"):
+        plan_shards(config, sources, 4, LAYOUT)
+
+
+def test_tp_must_divide_the_shared_expert_intermediate_size() -> None:
+    config = ModelConfig.from_dict(
+        {
+            **SyntheticModel(architecture="Qwen2MoeForCausalLM", num_layers=1).config(),
+            "shared_expert_intermediate_size": 6,
+        }
+    )
+    assert config.shared_expert_intermediate_size == 6
+    with pytest.raises(SpecError, match="shared expert intermediate size 6"):
+        config.check_tensor_parallel(4)
 
 
 def test_expert_counts_are_read_from_either_key_and_zero_or_null_means_dense() -> None:

@@ -61,7 +61,7 @@ def expected_rank(hf: dict[str, Arr], config: dict[str, object], tp: int, r: int
                 ])  # fmt: skip
         out[f"{a}.o_proj.weight"] = _split(hf[f"{a}.o_proj.weight"], tp, r, 1)
         if f"{m}.gate_proj.weight" not in hf:  # an MoE layer
-            out.update(_experts(hf, p, tp, r))
+            out.update(_experts(hf, p, tp, r, str(config["architectures"][0])))  # type: ignore[index]
         else:
             out[f"{m}.gate_up_proj.weight"] = np.concatenate([
                 _split(hf[f"{m}.gate_proj.weight"], tp, r, 0),
@@ -78,22 +78,32 @@ def expected_rank(hf: dict[str, Arr], config: dict[str, object], tp: int, r: int
     return out
 
 
-def _experts(hf: dict[str, Arr], layer: str, tp: int, r: int) -> dict[str, Arr]:
+def _experts(hf: dict[str, Arr], layer: str, tp: int, r: int, arch: str) -> dict[str, Arr]:
     """vLLM's fused MoE per rank: w13 [E, 2I/tp, H] = per expert cat(gate_r, up_r), w2
-    [E, H, I/tp], the router whole (Qwen3-MoE's under its kept alias ``experts.gate``)."""
+    [E, H, I/tp], the router whole (Qwen3-MoE's under its kept alias ``experts.gate``),
+    Qwen2-MoE's shared expert as a dense MLP with its gate whole."""
     mixtral = f"{layer}.block_sparse_moe.gate.weight" in hf
     block = f"{layer}.block_sparse_moe" if mixtral else f"{layer}.mlp"
     gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
     count = hf[f"{block}.gate.weight"].shape[0]
     x = [f"{block}.experts.{e}." for e in range(count)]
     routed = f"{block}.experts.routed_experts"
-    return {
+    router = "experts.gate" if arch == "Qwen3MoeForCausalLM" else "gate"
+    out = {
         f"{routed}.w13_weight": np.stack([np.concatenate([
             _split(hf[f"{e}{gate}.weight"], tp, r, 0), _split(hf[f"{e}{up}.weight"], tp, r, 0),
         ]) for e in x]),
         f"{routed}.w2_weight": np.stack([_split(hf[f"{e}{down}.weight"], tp, r, 1) for e in x]),
-        f"{block}.{'gate' if mixtral else 'experts.gate'}.weight": hf[f"{block}.gate.weight"],
+        f"{block}.{router}.weight": hf[f"{block}.gate.weight"],
     }  # fmt: skip
+    if arch == "Qwen2MoeForCausalLM":
+        s, kept = f"{block}.shared_expert.", f"{block}.experts._shared_experts._layer."
+        out[kept + "gate_up_proj.weight"] = np.concatenate([
+            _split(hf[s + "gate_proj.weight"], tp, r, 0), _split(hf[s + "up_proj.weight"], tp, r, 0),
+        ])  # fmt: skip
+        out[kept + "down_proj.weight"] = _split(hf[s + "down_proj.weight"], tp, r, 1)
+        out[kept + "expert_gate.weight"] = hf[f"{block}.shared_expert_gate.weight"]
+    return out
 
 
 def load_checkpoint_tensors(path: Path) -> dict[str, Arr]:

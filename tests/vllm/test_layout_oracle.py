@@ -3,8 +3,9 @@ state vLLM's own weight loaders give that rank from the original checkpoint (nam
 shapes and values; ``layout_oracle.py`` takes it before ``process_weights_after_loading``,
 filtered as ``ShardedStateLoader`` filters it).
 
-Mixtral (4 experts: vLLM's Mixtral takes more ranks than experts) and Qwen3-MoE (8 experts:
-its model refuses more ranks than experts) bfloat16, 8 query heads on 2 KV heads (replicated
+Mixtral (4 experts: vLLM's Mixtral takes more ranks than experts), Qwen2-MoE (with query/key/value
+biases and a gated shared expert) and Qwen3-MoE (8 experts: both models refuse more ranks than
+experts) bfloat16, 8 query heads on 2 KV heads (replicated
 from TP 4), at TP 2; TP 4 and 8 in the slow tier (a process per rank, each importing vLLM).
 """
 
@@ -26,6 +27,10 @@ MOE_FAMILIES = {
         architecture="MixtralForCausalLM", hidden_size=128, intermediate_size=256, num_heads=8,
         num_kv_heads=2, vocab_size=512, num_experts=4, dtype="bfloat16", num_shards=2, seed=4,
     ),
+    "qwen2-moe": SyntheticModel(
+        architecture="Qwen2MoeForCausalLM", hidden_size=128, intermediate_size=64, num_heads=8,
+        num_kv_heads=2, vocab_size=512, num_experts=8, dtype="bfloat16", num_shards=2, seed=8,
+    ),
     "qwen3-moe": SyntheticModel(
         architecture="Qwen3MoeForCausalLM", hidden_size=128, intermediate_size=64, num_heads=8,
         num_kv_heads=2, head_dim=32, vocab_size=512, num_experts=8, dtype="bfloat16",
@@ -35,6 +40,7 @@ MOE_FAMILIES = {
 """Where each family's source names its experts and router, and vLLM's kept router name."""
 EXPERT_NAMES = {
     "mixtral": ("block_sparse_moe.", ("w1", "w3", "w2"), "gate.weight"),
+    "qwen2-moe": ("mlp.", ("gate_proj", "up_proj", "down_proj"), "gate.weight"),
     "qwen3-moe": ("mlp.", ("gate_proj", "up_proj", "down_proj"), "experts.gate.weight"),
 }
 
@@ -71,6 +77,28 @@ def _check_experts_from_source(
             source[f"{x}{down}.weight"][:, rows]
         )
     assert want[moe + router].equal(source[moe + "gate.weight"])
+    if family == "qwen2-moe":
+        _check_shared_expert_from_source(source, spec, rank, tp, want)
+
+
+def _check_shared_expert_from_source(
+    source: dict[str, torch.Tensor],
+    spec: SyntheticModel,
+    rank: int,
+    tp: int,
+    want: dict[str, torch.Tensor],
+) -> None:
+    """Qwen2-MoE's shared expert as a dense MLP of its own size: gate_up = cat(gate, up) rows
+    of the rank, down = the rank's columns; its gate [1, H] whole."""
+    inter = spec.shared_expert_intermediate_size // tp
+    rows = slice(rank * inter, (rank + 1) * inter)
+    mlp = "model.layers.1.mlp."
+    shared, kept = mlp + "shared_expert.", mlp + "experts._shared_experts._layer."
+    gate_up = torch.cat([source[shared + "gate_proj.weight"][rows],
+                         source[shared + "up_proj.weight"][rows]])  # fmt: skip
+    assert want[kept + "gate_up_proj.weight"].equal(gate_up)
+    assert want[kept + "down_proj.weight"].equal(source[shared + "down_proj.weight"][:, rows])
+    assert want[kept + "expert_gate.weight"].equal(source[mlp + "shared_expert_gate.weight"])
 
 
 @pytest.mark.parametrize("family", sorted(MOE_FAMILIES))

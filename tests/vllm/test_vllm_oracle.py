@@ -4,7 +4,7 @@ checkpoint at the same TP and dtype, and misplaced weights are caught.
 
 Every run is stock vLLM (``VLLM_PLUGINS=""``, checked in each result) at the dtype the case
 names, on both sides; 16-bit sources are staged with ``--dtype auto`` and the artifact must
-hold 16-bit weights. Default matrix (25 vLLM starts with a cold reference cache, 14 with a
+hold 16-bit weights. Default matrix (29 vLLM starts with a cold reference cache, 16 with a
 warm one; a TP=1 start takes ~16 s and a TP=2 start ~28 s on 2 idle cores):
 - Llama float32, tied embeddings, vocab 1000 (padded to 1024), q/k/v and gate/up spread over
   three source files: TP 1, 2.
@@ -15,15 +15,17 @@ warm one; a TP=1 start takes ~16 s and a TP=2 start ~28 s on 2 idle cores):
 - Mistral float16, vocab 1100, staged ``--dtype auto`` and run at float16: TP 1.
 - Mixtral bfloat16, 4 experts (2 routed per token), two source files, staged
   ``--dtype auto`` and run at bfloat16: TP 1, 2.
+- Qwen2-MoE bfloat16 (query/key/value biases, router ``mlp.gate``, a gated shared expert kept
+  under ``mlp.experts._shared_experts._layer``), 4 experts: TP 1, 2.
 - Qwen3-MoE bfloat16 (q_norm/k_norm, head_dim 64, router kept as ``mlp.experts.gate``), 4
   experts, tied: TP 1, 2.
 - Mutations: the Llama TP 1 artifact with two KV-head blocks of one layer's ``qkv_proj``
   swapped, the Llama TP 2 artifact with its two ranks' files exchanged, and the Mixtral TP 2
   artifact with two experts of one layer exchanged in rank 0's file, load in vLLM without a
   warning but fail the comparison.
-Slow tier (``-m slow``): Llama, Mixtral and Qwen3-MoE at TP 4 (each KV head on two ranks; ~50 s a
-start), Mistral float16 at TP 2, and the Qwen3 bfloat16 source staged ``--dtype float32`` (the stager's cast)
-at TP 2.
+Slow tier (``-m slow``): Llama, Mixtral, Qwen2-MoE and Qwen3-MoE at TP 4 (each KV head on two
+ranks; ~50 s a start), Mistral float16 at TP 2, and the Qwen3 bfloat16 source staged ``--dtype
+float32`` (the stager's cast) at TP 2.
 """
 
 from __future__ import annotations
@@ -87,6 +89,17 @@ MIXTRAL = Case(
     dtype="bfloat16",
     slow_tps=(4,),
 )
+QWEN2_MOE = Case(
+    "qwen2-moe-bf16-4experts-shared",
+    SyntheticModel(
+        architecture="Qwen2MoeForCausalLM", num_kv_heads=4, vocab_size=1000,
+        intermediate_size=128, num_experts=4, dtype="bfloat16", num_shards=2, seed=9,
+    ),
+    (1, 2),
+    ("--dtype", "auto"),
+    dtype="bfloat16",
+    slow_tps=(4,),
+)
 QWEN3_MOE = Case(
     "qwen3-moe-bf16-4experts-tied",
     SyntheticModel(
@@ -140,6 +153,7 @@ CASES = [
         source="qwen3-qknorm-headdim64-bf16-tied",
     ),
     MIXTRAL,
+    QWEN2_MOE,
     QWEN3_MOE,
 ]  # fmt: skip
 

@@ -220,6 +220,7 @@ PER_RANK_ARCHITECTURES = frozenset(
         "MistralForCausalLM",
         "MixtralForCausalLM",
         "Qwen2ForCausalLM",
+        "Qwen2MoeForCausalLM",
         "Qwen3ForCausalLM",
         "Qwen3MoeForCausalLM",
     }

@@ -34,6 +34,7 @@ Architecture = Literal[
     "MistralForCausalLM",
     "MixtralForCausalLM",
     "Qwen2ForCausalLM",
+    "Qwen2MoeForCausalLM",
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
 ]
@@ -44,10 +45,11 @@ _MODEL_TYPES = {
     "MistralForCausalLM": "mistral",
     "MixtralForCausalLM": "mixtral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
 }
-_MOE = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
+_MOE = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 _SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>")
 _CHUNK_ELEMENTS = 8 * 1024 * 1024
 """Elements generated per step (32 MiB of float32): bounds memory for large tensors."""
@@ -125,6 +127,12 @@ class SyntheticModel:
             raise ValueError("split_fused needs num_shards >= 2")
 
     @property
+    def shared_expert_intermediate_size(self) -> int:
+        """Qwen2-MoE's shared expert: twice a routed expert, so that a rule mixing the two
+        sizes up fails."""
+        return 2 * self.intermediate_size
+
+    @property
     def head_size(self) -> int:
         return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_heads
 
@@ -143,7 +151,7 @@ class SyntheticModel:
                 (p + "self_attn.k_proj.weight", (kv_rows, h)),
                 (p + "self_attn.v_proj.weight", (kv_rows, h)),
             ]
-            if self.architecture == "Qwen2ForCausalLM":
+            if self.architecture in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"):
                 out += [
                     (p + "self_attn.q_proj.bias", (q_rows,)),
                     (p + "self_attn.k_proj.bias", (kv_rows,)),
@@ -182,6 +190,11 @@ class SyntheticModel:
             x = f"{moe}experts.{e}."
             out += [(f"{x}{gate}.weight", (i, h)), (f"{x}{down}.weight", (h, i)),
                     (f"{x}{up}.weight", (i, h))]  # fmt: skip
+        if self.architecture == "Qwen2MoeForCausalLM":
+            s, x = self.shared_expert_intermediate_size, moe + "shared_expert."
+            out += [(x + "gate_proj.weight", (s, h)), (x + "up_proj.weight", (s, h)),
+                    (x + "down_proj.weight", (h, s)),
+                    (moe + "shared_expert_gate.weight", (1, h))]  # fmt: skip
         return out
 
     def _architecture_config(self) -> dict[str, object]:
@@ -207,22 +220,18 @@ class SyntheticModel:
             cfg.update(
                 sliding_window=None, use_sliding_window=False, max_window_layers=self.num_layers
             )
+        elif self.architecture == "Qwen2MoeForCausalLM":
+            cfg.update(
+                self._qwen_moe_config(),
+                shared_expert_intermediate_size=self.shared_expert_intermediate_size,
+                norm_topk_prob=False,
+            )
         elif self.architecture == "Qwen3MoeForCausalLM":
             cfg.update(
-                sliding_window=None,
-                use_sliding_window=False,
+                self._qwen_moe_config(),
                 attention_bias=False,
-                max_window_layers=self.num_layers,
                 head_dim=self.head_size,
-                num_experts=self.num_experts,
-                num_experts_per_tok=self.experts_per_token,
-                moe_intermediate_size=self.intermediate_size,
-                intermediate_size=2 * self.intermediate_size,  # a dense MLP's; no layer has one
-                decoder_sparse_step=1,
-                mlp_only_layers=[],
                 norm_topk_prob=True,
-                output_router_logits=False,
-                router_aux_loss_coef=0.001,
             )
         else:  # Qwen3
             cfg.update(
@@ -233,6 +242,22 @@ class SyntheticModel:
                 head_dim=self.head_size,
             )
         return cfg
+
+    def _qwen_moe_config(self) -> dict[str, object]:
+        """The fields Qwen2-MoE and Qwen3-MoE share: every layer sparse."""
+        return {
+            "sliding_window": None,
+            "use_sliding_window": False,
+            "max_window_layers": self.num_layers,
+            "num_experts": self.num_experts,
+            "num_experts_per_tok": self.experts_per_token,
+            "moe_intermediate_size": self.intermediate_size,
+            "intermediate_size": 2 * self.intermediate_size,  # a dense MLP's; no layer has one
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "output_router_logits": False,
+            "router_aux_loss_coef": 0.001,
+        }
 
     def config(self) -> dict[str, object]:
         """``config.json`` as transformers 4.x writes it for this architecture."""

@@ -131,6 +131,22 @@ def _moe(block: str, gate: str, up: str, down: str, router: str) -> tuple[Rule, 
     )  # fmt: skip
 
 
+def _shared_expert(block: str) -> tuple[Rule, ...]:
+    """Qwen2-MoE's shared expert, split like a dense MLP, and its sigmoid gate [1, H] whole,
+    under the names vLLM's fused MoE layer keeps for them."""
+    shared, kept = f"{block}.shared_expert", f"{block}.experts._shared_experts._layer"
+    return (
+        Rule(f"{shared}.gate_proj.weight", f"{kept}.gate_up_proj.weight", Split.MERGED,
+             ("shared_inter", "hidden"), 0),
+        Rule(f"{shared}.up_proj.weight", f"{kept}.gate_up_proj.weight", Split.MERGED,
+             ("shared_inter", "hidden"), 1),
+        Rule(f"{shared}.down_proj.weight", f"{kept}.down_proj.weight", Split.ROW,
+             ("hidden", "shared_inter")),
+        Rule(f"{block}.shared_expert_gate.weight", f"{kept}.expert_gate.weight",
+             Split.REPLICATED, ("one", "hidden")),
+    )  # fmt: skip
+
+
 def _without_dense_mlp(rules: tuple[Rule, ...]) -> tuple[Rule, ...]:
     return tuple(r for r in rules if not r.source.startswith(MLP))
 
@@ -169,6 +185,13 @@ ARCHITECTURES: dict[str, Architecture] = {
             + _moe("model.layers.{L}.block_sparse_moe", "w1", "w3", "w2", "gate"),
         ),
         Architecture("Qwen2ForCausalLM", _llama_like(qkv_bias=When.ALWAYS, o_bias=When.NEVER)),
+        Architecture(
+            "Qwen2MoeForCausalLM",
+            _without_dense_mlp(_llama_like(qkv_bias=When.ALWAYS, o_bias=When.NEVER))
+            + _moe(MLP, "gate_proj", "up_proj", "down_proj", "gate")
+            + _shared_expert(MLP),
+            tp_within_experts=True,
+        ),
         Architecture(
             "Qwen3ForCausalLM",
             _llama_like(qkv_bias=When.ATTENTION_BIAS, o_bias=When.ATTENTION_BIAS) + _QK_NORM,

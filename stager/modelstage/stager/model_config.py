@@ -37,6 +37,8 @@ class ModelConfig:
     """Routed experts per MoE layer (``num_local_experts``, ``num_experts``); 0: dense."""
     moe_intermediate_size: int = 0
     """One expert's intermediate size (``moe_intermediate_size``, else ``intermediate_size``)."""
+    shared_expert_intermediate_size: int = 0
+    """The shared expert's intermediate size of an MoE layer that has one (Qwen2-MoE); 0: none."""
 
     @staticmethod
     def from_dict(config: Mapping[str, Any], *, where: str = "config.json") -> ModelConfig:
@@ -67,6 +69,8 @@ class ModelConfig:
         experts_key = next((k for k in _EXPERT_KEYS if config.get(k) not in (None, 0)), None)
         experts = dim(experts_key) if experts_key else 0
         moe_inter = dim("moe_intermediate_size", config.get("intermediate_size")) if experts else 0
+        shared = config.get("shared_expert_intermediate_size") not in (None, 0) and experts
+        shared_inter = dim("shared_expert_intermediate_size") if shared else 0
         return ModelConfig(
             architecture=architecture,
             hidden_size=hidden,
@@ -83,6 +87,7 @@ class ModelConfig:
             quantization=quantization_of(config),
             num_experts=experts,
             moe_intermediate_size=moe_inter,
+            shared_expert_intermediate_size=shared_inter,
         )
 
     @property
@@ -97,6 +102,8 @@ class ModelConfig:
             "head_dim": self.head_dim,
             "experts": self.num_experts,
             "moe_inter": self.moe_intermediate_size,
+            "shared_inter": self.shared_expert_intermediate_size,
+            "one": 1,
         }
 
     def check_tensor_parallel(self, tp: int) -> None:
@@ -121,6 +128,11 @@ class ModelConfig:
             raise SpecError(
                 f"tensor parallel size {tp} does not divide the expert intermediate size "
                 f"{self.moe_intermediate_size}"
+            )
+        if self.shared_expert_intermediate_size % tp:
+            raise SpecError(
+                f"tensor parallel size {tp} does not divide the shared expert intermediate size "
+                f"{self.shared_expert_intermediate_size}"
             )
 
 
