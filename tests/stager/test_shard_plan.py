@@ -13,6 +13,7 @@ from modelstage.stager.model_config import ModelConfig
 from modelstage.stager.shard_plan import ShardPlan, SourceTensor, plan_shards
 
 LAYOUT = layout_for("0.32")
+REFUSE_MORE_RANKS_THAN_EXPERTS = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
 
 @st.composite
@@ -44,7 +45,7 @@ def models(draw: st.DrawFn) -> tuple[SyntheticModel, int]:
         head_dim=head_dim if arch.startswith("Qwen3") else None,
         vocab_size=draw(st.integers(5, 300)),
         tie_word_embeddings=draw(st.booleans()),
-        num_experts=draw(st.integers(1 if arch == "MixtralForCausalLM" else tp, tp + 4)),
+        num_experts=draw(st.integers(tp if arch in REFUSE_MORE_RANKS_THAN_EXPERTS else 1, tp + 4)),
         experts_per_token=1,
     )
     return model, tp
