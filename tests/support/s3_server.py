@@ -130,6 +130,9 @@ def s3_server(
         weed_binary(), "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
         f"-s3.config={config}", "-admin.ui=false", "-webdav=false", "-master.telemetry=false",
         "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.volumeSizeLimitMB=256",
+        # Volumes are sparse files; left at 0, their number is free disk / 256 MB, and a run
+        # of many buckets (a collection each) on a fuller disk ends in "no free volumes".
+        "-volume.max=2000",
         *(f"-{flag}={port}" for flag, port in ports.items()),
     ]  # fmt: skip
     log = workdir / "weed.log"
