@@ -37,6 +37,7 @@ Architecture = Literal[
     "Qwen2MoeForCausalLM",
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
+    "GptOssForCausalLM",
 ]
 DType = Literal["float32", "bfloat16", "float16"]
 
@@ -48,8 +49,10 @@ _MODEL_TYPES = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "GptOssForCausalLM": "gpt_oss",
 }
 _MOE = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+_GPT_OSS = "GptOssForCausalLM"
 _SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>")
 _CHUNK_ELEMENTS = 8 * 1024 * 1024
 """Elements generated per step (32 MiB of float32): bounds memory for large tensors."""
@@ -151,7 +154,7 @@ class SyntheticModel:
                 (p + "self_attn.k_proj.weight", (kv_rows, h)),
                 (p + "self_attn.v_proj.weight", (kv_rows, h)),
             ]
-            if self.architecture in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"):
+            if self.architecture in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", _GPT_OSS):
                 out += [
                     (p + "self_attn.q_proj.bias", (q_rows,)),
                     (p + "self_attn.k_proj.bias", (kv_rows,)),
@@ -166,6 +169,9 @@ class SyntheticModel:
                 (p + "self_attn.o_proj.weight", (h, q_rows)),
                 (p + "post_attention_layernorm.weight", (h,)),
             ]
+            if self.architecture == _GPT_OSS:
+                out += [(p + "self_attn.o_proj.bias", (h,)),
+                        (p + "self_attn.sinks", (self.num_heads,))]  # fmt: skip
             out += self._mlp(p)
         out.append(("model.norm.weight", (h,)))
         if not self.tie_word_embeddings:
@@ -176,6 +182,8 @@ class SyntheticModel:
         """One layer's MLP: dense gate/up/down, or a router and each expert's gate/up/down
         (Mixtral's ``block_sparse_moe`` names them w1/w3/w2)."""
         h, i = self.hidden_size, self.intermediate_size
+        if self.architecture == _GPT_OSS:
+            return self._gpt_oss_mlp(p)
         if self.architecture not in _MOE:
             return [
                 (p + "mlp.gate_proj.weight", (i, h)),
@@ -196,6 +204,49 @@ class SyntheticModel:
                     (x + "down_proj.weight", (h, s)),
                     (moe + "shared_expert_gate.weight", (1, h))]  # fmt: skip
         return out
+
+    def _gpt_oss_mlp(self, p: str) -> list[tuple[str, tuple[int, ...]]]:
+        """gpt-oss's MLP as its bf16 hub checkpoints hold it: a router with a bias, and every
+        expert stacked in one tensor per kind, input dim first (``gate_up_proj`` [E, H, 2I]
+        with gate and up columns interleaved, ``down_proj`` [E, I, H])."""
+        e, h, i, x = self.num_experts, self.hidden_size, self.intermediate_size, p + "mlp."
+        return [(x + "router.weight", (e, h)), (x + "router.bias", (e,)),
+                (x + "experts.gate_up_proj", (e, h, 2 * i)),
+                (x + "experts.gate_up_proj_bias", (e, 2 * i)),
+                (x + "experts.down_proj", (e, i, h)),
+                (x + "experts.down_proj_bias", (e, h))]  # fmt: skip
+
+    def _gpt_oss_config(self) -> dict[str, object]:
+        """gpt-oss's fields as its hub config.json has them: alternating sliding and full
+        attention, yarn RoPE, the clamped SwiGLU's limit, biases everywhere."""
+        window = min(8, self.max_position_embeddings)
+        return {
+            "attention_bias": True,
+            "head_dim": self.head_size,
+            "hidden_act": "silu",
+            "initial_context_length": self.max_position_embeddings // 4,
+            "layer_types": [
+                "sliding_attention" if layer % 2 == 0 else "full_attention"
+                for layer in range(self.num_layers)
+            ],
+            "num_local_experts": self.num_experts,
+            "num_experts_per_tok": self.experts_per_token,
+            "experts_per_token": self.experts_per_token,
+            "output_router_logits": False,
+            "rms_norm_eps": 1e-5,
+            "rope_scaling": {
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": self.max_position_embeddings // 4,
+                "rope_type": "yarn",
+                "truncate": False,
+            },
+            "rope_theta": 150000.0,
+            "router_aux_loss_coef": 0.9,
+            "sliding_window": window,
+            "swiglu_limit": 7.0,
+        }
 
     def _architecture_config(self) -> dict[str, object]:
         """The ``config.json`` fields of this architecture beyond the common ones."""
@@ -233,6 +284,8 @@ class SyntheticModel:
                 head_dim=self.head_size,
                 norm_topk_prob=True,
             )
+        elif self.architecture == _GPT_OSS:
+            cfg.update(self._gpt_oss_config())
         else:  # Qwen3
             cfg.update(
                 sliding_window=None,

@@ -25,10 +25,17 @@ class Split(enum.Enum):
     MERGED = "merged"  # fused column-parallel slots (gate, up) along dim 0
     EXPERTS_MERGED = "experts_merged"  # MERGED per expert ``{E}``, stacked on a new dim 0
     EXPERTS_ROW = "experts_row"  # ROW per expert ``{E}``, stacked on a new dim 0
+    EXPERTS_COLUMN_T = "experts_column_t"  # [E, in, out]: per expert out in blocks, transposed
+    EXPERTS_ROW_T = "experts_row_t"  # [E, in, out]: per expert in in blocks, transposed
+    FIRST_RANK = "first_rank"  # whole on rank 0, zeros of its shape on the others
 
 
 STACKED_SPLITS = frozenset({Split.EXPERTS_MERGED, Split.EXPERTS_ROW})
 """Splits whose source names hold ``{E}``: one tensor per expert, stacked in the target."""
+TRANSPOSED_SPLITS = frozenset({Split.EXPERTS_COLUMN_T, Split.EXPERTS_ROW_T})
+"""Splits of a source that already stacks its experts ([E, in, out], the input dim first):
+each expert's matrix is cut for the rank and written transposed, [E, out, in] as vLLM holds
+its fused experts."""
 
 
 class When(enum.Enum):
@@ -157,6 +164,36 @@ _QK_NORM = tuple(
 )
 
 
+def _gpt_oss() -> tuple[Rule, ...]:
+    """gpt-oss with bf16 experts: Llama-like attention with biases everywhere and a sink
+    logit per head, renamed as vLLM's model names it (``model.embedding``, ``attn``); a
+    router with a bias; experts stacked in the source as [E, in, out] (``gate_up_proj``
+    interleaves gate and up columns: the rank's block keeps the interleave) and written
+    transposed; ``down_proj_bias`` added once, by rank 0 (the others hold zeros)."""
+    attn, experts = "model.layers.{L}.attn", f"{MLP}.experts"
+    routed = f"{experts}.routed_experts"
+    renamed = tuple(
+        Rule(r.source,
+             r.target.replace(ATTN, attn).replace("embed_tokens", "embedding"),
+             r.split, r.shape, r.slot, r.when)
+        for r in _without_dense_mlp(_llama_like(qkv_bias=When.ALWAYS, o_bias=When.ALWAYS))
+    )  # fmt: skip
+    return renamed + (
+        Rule(f"{ATTN}.sinks", f"{attn}.sinks", Split.COLUMN, ("heads",)),
+        Rule(f"{MLP}.router.weight", f"{MLP}.router.weight", Split.REPLICATED,
+             ("experts", "hidden")),
+        Rule(f"{MLP}.router.bias", f"{MLP}.router.bias", Split.REPLICATED, ("experts",)),
+        Rule(f"{experts}.gate_up_proj", f"{routed}.w13_weight", Split.EXPERTS_COLUMN_T,
+             ("experts", "hidden", "moe_gate_up")),
+        Rule(f"{experts}.gate_up_proj_bias", f"{routed}.w13_bias", Split.ROW,
+             ("experts", "moe_gate_up")),
+        Rule(f"{experts}.down_proj", f"{routed}.w2_weight", Split.EXPERTS_ROW_T,
+             ("experts", "moe_inter", "hidden")),
+        Rule(f"{experts}.down_proj_bias", f"{routed}.w2_bias", Split.FIRST_RANK,
+             ("experts", "hidden")),
+    )  # fmt: skip
+
+
 @dataclass(frozen=True)
 class Architecture:
     name: str
@@ -165,8 +202,15 @@ class Architecture:
     """Source tensors vLLM skips (recomputed buffers); anything else unknown is refused."""
     tp_within_experts: bool = False
     """vLLM's model refuses a TP size above the number of routed experts."""
+    tp_within_kv_heads: bool = False
+    """vLLM's model divides the KV heads among the ranks and never replicates them."""
 
     def check_tensor_parallel(self, config: ModelConfig, tp: int) -> None:
+        if self.tp_within_kv_heads and config.num_kv_heads % tp:
+            raise SpecError(
+                f"tensor parallel size {tp} does not divide the {config.num_kv_heads} KV heads, "
+                f"which vLLM's {self.name} needs"
+            )
         if self.tp_within_experts and tp > config.num_experts:
             raise SpecError(
                 f"tensor parallel size {tp} is greater than the {config.num_experts} experts, "
@@ -203,6 +247,7 @@ ARCHITECTURES: dict[str, Architecture] = {
             + _moe(MLP, "gate_proj", "up_proj", "down_proj", "experts.gate"),
             tp_within_experts=True,
         ),
+        Architecture("GptOssForCausalLM", _gpt_oss(), tp_within_kv_heads=True),
     )
 }
 

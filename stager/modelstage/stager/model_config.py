@@ -104,6 +104,8 @@ class ModelConfig:
             "moe_inter": self.moe_intermediate_size,
             "shared_inter": self.shared_expert_intermediate_size,
             "one": 1,
+            "heads": self.num_heads,
+            "moe_gate_up": 2 * self.moe_intermediate_size,
         }
 
     def check_tensor_parallel(self, tp: int) -> None:

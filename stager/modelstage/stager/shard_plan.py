@@ -4,6 +4,9 @@ A pure function of the model config, the source tensors' dtypes and shapes, the 
 the layout; no I/O. Every rank's tensor is a concatenation along dim 0 of *slots*; a slot is
 one source tensor (or zero rows, for vocab padding) with a per-rank ``Slice``; a stacked
 expert tensor ([E, rows, ...]) is the same concatenation, expert by expert, read row-major.
+A slice addresses the source as a matrix (every dim but the last is rows); a *transposed*
+slot writes its rank's cut transposed (one expert's matrix of a source that stacks experts
+input dim first).
 Because every rank has the same slots in the same order, the writer can stream each source
 tensor once and append each rank's slice to that rank's file, keeping every rank file
 sequential.
@@ -20,7 +23,14 @@ from modelstage.core.errors import CheckpointError, SpecError
 from modelstage.core.layouts import Layout
 from modelstage.core.safetensors_format import DTYPE_CODES, DTYPE_SIZES
 
-from .architectures import STACKED_SPLITS, Architecture, Rule, Split, architecture_for
+from .architectures import (
+    STACKED_SPLITS,
+    TRANSPOSED_SPLITS,
+    Architecture,
+    Rule,
+    Split,
+    architecture_for,
+)
 from .model_config import ModelConfig
 
 TIED_EMBEDDING_TARGET = "lm_head.weight"
@@ -30,7 +40,8 @@ NON_LAYER_GROUP = -1
 
 @dataclass(frozen=True)
 class Slice:
-    """Rows ``[rows[0], rows[1])`` of the source, and columns ``cols`` (None: every column)."""
+    """Rows ``[rows[0], rows[1])`` of the source, and columns ``cols`` (None: every column);
+    the source read as a matrix: its last dim the columns, all others the rows."""
 
     rows: tuple[int, int]
     cols: tuple[int, int] | None = None
@@ -45,6 +56,8 @@ class Slot:
     source: str | None
     """Source tensor name; None means zero rows (``per_rank[r].num_rows`` of them)."""
     per_rank: tuple[Slice, ...]
+    transposed: bool = False
+    """The rank's cut is written transposed: its columns become the target's rows."""
 
 
 @dataclass(frozen=True)
@@ -103,7 +116,7 @@ def plan_shards(
     targets: list[TargetTensor] = []
     for name, members in by_target.items():
         targets.append(_target(name, members, sources, config, tp, layout, out_dtype))
-        if name.endswith(".self_attn.qkv_proj.weight"):
+        if name.endswith(".attn.qkv_proj.weight"):
             targets.extend(_attention_buffers(name, members[0][2], layout))
     ignored = tuple(sorted(set(sources) - {s for _, s, _ in active}))
     return ShardPlan(tp, tuple(targets), ignored)
@@ -214,6 +227,11 @@ def _target(
     for rule, source, _ in members:
         slots.extend(_slots(rule, source, sources[source].shape, config, tp, layout))
     first_shape = sources[members[0][1]].shape
+    if members[0][0].split in TRANSPOSED_SPLITS:  # one slot per expert: [E, out, in]
+        cut = slots[0].per_rank[0]
+        width = cut.cols[1] - cut.cols[0] if cut.cols else first_shape[-1]
+        return TargetTensor(name, dtype, (len(slots), width, cut.num_rows), tuple(slots),
+                            members[0][2])  # fmt: skip
     rows = sum(slot.per_rank[0].num_rows for slot in slots)
     cols = slots[0].per_rank[0].cols
     rest = first_shape[1:]
@@ -259,7 +277,31 @@ def _slots(
         return [
             Slot(source, tuple(Slice(_head_rows(heads, tp, r, config.head_dim)) for r in range(tp)))
         ]
+    if split is Split.FIRST_RANK:  # rank 0 the source, every other rank as many zero rows
+        data = Slot(source, tuple(Slice((0, n if r == 0 else 0)) for r in range(tp)))
+        zeros = Slot(None, tuple(Slice((0, 0 if r == 0 else n)) for r in range(tp)))
+        return [data, zeros] if tp > 1 else [data]
+    if split in TRANSPOSED_SPLITS:
+        return _expert_matrices(split, source, shape, tp)
     raise AssertionError(split)
+
+
+def _expert_matrices(split: Split, source: str, shape: tuple[int, ...], tp: int) -> list[Slot]:
+    """One transposed slot per expert of a source stacked [E, in, out]: expert ``e`` is rows
+    ``[e * in, (e + 1) * in)`` of the matrix; the rank takes a block of its columns (out,
+    ``EXPERTS_COLUMN_T``) or of its rows (in, ``EXPERTS_ROW_T``)."""
+    experts, rows, cols = shape
+    slots = []
+    for e in range(experts):
+        first = e * rows
+        if split is Split.EXPERTS_COLUMN_T:
+            cuts = tuple(Slice((first, first + rows), _block(cols, tp, r)) for r in range(tp))
+        else:
+            cuts = tuple(
+                Slice((first + a, first + b)) for a, b in (_block(rows, tp, r) for r in range(tp))
+            )
+        slots.append(Slot(source, cuts, transposed=True))
+    return slots
 
 
 def _block(n: int, tp: int, rank: int) -> tuple[int, int]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import queue
 import threading
 from collections.abc import Callable, Container, Iterator, Sequence
@@ -253,8 +254,8 @@ _Item = _Chunk | _Fixed | _Direct | _TargetDone
 
 
 def _disjoint_whole_rows(slot: Slot) -> bool:
-    """Every rank takes whole rows and no row goes to two ranks."""
-    if any(sel.cols is not None for sel in slot.per_rank):
+    """Every rank takes whole rows, as they are, and no row goes to two ranks."""
+    if slot.transposed or any(sel.cols is not None for sel in slot.per_rank):
         return False
     spans = sorted(sel.rows for sel in slot.per_rank if sel.num_rows)
     return all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
@@ -271,19 +272,36 @@ def _items(part: list[TargetTensor], checkpoint: Checkpoint) -> Iterator[_Item]:
                 yield _Fixed(target, slot)
                 continue
             info = checkpoint.tensors[slot.source]
-            rows = info.shape[0]
-            row_bytes = info.nbytes // rows if rows else 0
+            row_bytes, col_bytes = _matrix_bytes(info.shape, info.nbytes)
             if direct and info.dtype == target.dtype and _disjoint_whole_rows(slot):
                 yield _Direct(target, slot, info.file, info.begin, row_bytes)
                 continue
-            col_bytes = row_bytes // info.shape[1] if len(info.shape) > 1 and info.shape[1] else 0
             lo = min(s.rows[0] for s in slot.per_rank)
             hi = max(s.rows[1] for s in slot.per_rank)
-            step = max(1, CHUNK_BYTES // max(row_bytes, 1))
+            step = hi - lo if slot.transposed else max(1, CHUNK_BYTES // max(row_bytes, 1))
             for first in range(lo, hi, step):
                 last = min(first + step, hi)
                 yield _Chunk(target, slot, first, last, row_bytes, col_bytes, info.dtype)
         yield _TargetDone(target)
+
+
+def _matrix_bytes(shape: Sequence[int], nbytes: int) -> tuple[int, int]:
+    """Bytes of one row and of one column index of a source read as a matrix (every dim but
+    the last is rows; a 1-D tensor's rows are its elements, which have no columns)."""
+    rows = math.prod(shape[:-1]) if len(shape) > 1 else (shape[0] if shape else 1)
+    row_bytes = nbytes // rows if rows else 0
+    col_bytes = row_bytes // shape[-1] if len(shape) > 1 and shape[-1] else 0
+    return row_bytes, col_bytes
+
+
+def _chunk_bytes(slot: Slot, checkpoint: Checkpoint) -> int:
+    """The largest read of one slot: a row, or a transposed slot's rows whole (one expert)."""
+    info = checkpoint.tensors[slot.source or ""]
+    row_bytes, _ = _matrix_bytes(info.shape, info.nbytes)
+    if not slot.transposed:
+        return row_bytes
+    rows = max(s.rows[1] for s in slot.per_rank) - min(s.rows[0] for s in slot.per_rank)
+    return rows * row_bytes
 
 
 class _BufferPool:
@@ -321,16 +339,11 @@ _Filled = tuple[_Item, bytearray | None] | BaseException | None
 def _stream_part(
     part: list[TargetTensor], checkpoint: Checkpoint, streams: _RankStreams, progress: Progress
 ) -> None:
-    largest_row = max(
-        (
-            checkpoint.tensors[s.source].nbytes // max(checkpoint.tensors[s.source].shape[0], 1)
-            for t in part
-            for s in t.slots
-            if s.source is not None
-        ),
+    largest = max(
+        (_chunk_bytes(s, checkpoint) for t in part for s in t.slots if s.source is not None),
         default=0,
     )
-    pool = _BufferPool(POOL_BUFFERS, max(CHUNK_BYTES, largest_row))
+    pool = _BufferPool(POOL_BUFFERS, max(CHUNK_BYTES, largest))
     filled: queue.Queue[_Filled] = queue.Queue(maxsize=POOL_BUFFERS)
     cancel = threading.Event()
 
@@ -411,7 +424,9 @@ def _scatter(item: _Chunk, buf: bytearray, streams: _RankStreams, pool: _BufferP
         lo, hi = (a - item.first_row) * item.row_bytes, (b - item.first_row) * item.row_bytes
         rows = memoryview(buf)[lo:hi]
         view: Piece = rows
-        if sel.cols is not None:  # the sink gathers the cut in its own copy
+        if item.slot.transposed:
+            view = _transposed(rows, b - a, item, sel.cols)
+        elif sel.cols is not None:  # the sink gathers the cut in its own copy
             grid = np.frombuffer(rows, dtype=np.uint8).reshape(b - a, item.row_bytes)
             view = grid[:, sel.cols[0] * item.col_bytes : sel.cols[1] * item.col_bytes]
         if item.src_dtype != item.target.dtype:
@@ -424,6 +439,18 @@ def _scatter(item: _Chunk, buf: bytearray, streams: _RankStreams, pool: _BufferP
     release = pool.release_after(buf, len(views))
     for r, view in views:
         streams.append(r, view, release)
+
+
+def _transposed(
+    rows: memoryview, count: int, item: _Chunk, cols: tuple[int, int] | None
+) -> memoryview:
+    """The cut (``count`` rows, columns ``cols``) transposed, in a copy of its own: elements
+    move as unsigned integers of their size, so no value is touched."""
+    element = np.dtype(f"<u{item.col_bytes}")
+    grid = np.frombuffer(rows, dtype=element).reshape(count, item.row_bytes // item.col_bytes)
+    if cols is not None:
+        grid = grid[:, cols[0] : cols[1]]
+    return np.ascontiguousarray(grid.T).data.cast("B")
 
 
 _NUMPY_SCALARS = {"F64": np.float64, "F32": np.float32, "F16": np.float16}
