@@ -10,7 +10,7 @@ from modelstage.core.errors import CheckpointError, SpecError
 from modelstage.core.layouts import layout_for
 from modelstage.devtools.synthetic import SyntheticModel
 from modelstage.stager.model_config import ModelConfig
-from modelstage.stager.shard_plan import ShardPlan, SourceTensor, plan_shards
+from modelstage.stager.shard_plan import ShardPlan, Slice, Slot, SourceTensor, plan_shards
 
 LAYOUT = layout_for("0.32")
 REFUSE_MORE_RANKS_THAN_EXPERTS = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
@@ -32,9 +32,12 @@ def models(draw: st.DrawFn) -> tuple[SyntheticModel, int]:
                 "MixtralForCausalLM",
                 "Qwen2MoeForCausalLM",
                 "Qwen3MoeForCausalLM",
+                "GptOssForCausalLM",
             ]
         )
     )
+    if arch == "GptOssForCausalLM" and kv < tp:  # its model splits the KV heads, never copies
+        heads, kv = heads * tp // kv, tp
     model = SyntheticModel(
         architecture=arch,
         hidden_size=heads * head_dim,
@@ -64,18 +67,32 @@ def _execute(plan: ShardPlan, src: dict[str, np.ndarray], rank: int) -> dict[str
             if slot.source is None:
                 pieces.append(np.zeros((sel.num_rows, *t.shape[1:]), np.float32))
                 continue
-            piece = src[slot.source][sel.rows[0] : sel.rows[1]]
+            piece = _matrix(src[slot.source])[sel.rows[0] : sel.rows[1]]
             if sel.cols is not None:
                 piece = piece[:, sel.cols[0] : sel.cols[1]]
-            pieces.append(piece)
+            pieces.append(piece.T if slot.transposed else piece)
         out[t.name] = np.concatenate(pieces).reshape(t.shape)  # stacked experts: row-major
     return out
+
+
+def _matrix(tensor: np.ndarray) -> np.ndarray:
+    """A source as slices address it: every dim but the last is rows."""
+    return tensor.reshape(-1, tensor.shape[-1]) if tensor.ndim > 2 else tensor
+
+
+def _out_rows(slot: Slot, sel: Slice, source_shape: tuple[int, ...]) -> int:
+    """The rows a slot adds to a rank's tensor: a transposed cut adds its columns."""
+    if not slot.transposed:
+        return sel.num_rows
+    return sel.cols[1] - sel.cols[0] if sel.cols else source_shape[-1]
 
 
 def _by_rows(plan: ShardPlan, name: str, tensor: np.ndarray, rank: int) -> np.ndarray:
     """A rank's tensor as the concatenation of its slots along dim 0 (a stacked expert
     tensor [E, rows, ...] read row-major as [E * rows, ...])."""
     target = next(t for t in plan.targets if t.name == name)
+    if target.slots[0].transposed:
+        return tensor.reshape(-1, tensor.shape[-1])
     rows = sum(slot.per_rank[rank].num_rows for slot in target.slots)
     return tensor if tensor.shape[:1] == (rows,) else tensor.reshape(rows, *tensor.shape[2:])
 
@@ -98,14 +115,17 @@ def test_reassembling_every_rank_reproduces_every_source_tensor(
             at = 0
             for slot in t.slots:
                 sel = slot.per_rank[r]
-                got = _by_rows(plan, t.name, ranks[r][t.name], r)[at : at + sel.num_rows]
-                at += sel.num_rows
+                n = _out_rows(slot, sel, shapes[slot.source or ""] if slot.source else ())
+                got = _by_rows(plan, t.name, ranks[r][t.name], r)[at : at + n]
+                at += n
                 if slot.source is None:
                     assert not got.any(), "padding rows must be zero"
                     continue
-                dest = rebuilt[slot.source][sel.rows[0] : sel.rows[1]]
+                dest = _matrix(rebuilt[slot.source])[sel.rows[0] : sel.rows[1]]
                 if sel.cols is not None:
                     dest = dest[:, sel.cols[0] : sel.cols[1]]
+                if slot.transposed:
+                    dest = dest.T
                 # a replicated block must be identical on every rank that holds it
                 assert np.all(np.isnan(dest) | (dest == got))
                 dest[...] = got

@@ -38,6 +38,9 @@ CASES = [
     ("qwen3-moe", SyntheticModel(architecture="Qwen3MoeForCausalLM", hidden_size=64,
                                  intermediate_size=32, num_experts=4, tie_word_embeddings=True,
                                  num_shards=2), (1, 2, 4)),
+    ("gpt-oss", SyntheticModel(architecture="GptOssForCausalLM", hidden_size=64, num_heads=8,
+                               num_kv_heads=8, intermediate_size=32, num_experts=3,
+                               vocab_size=333, num_shards=3), (1, 2, 4, 8)),
 ]  # fmt: skip
 
 

@@ -38,6 +38,8 @@ def _split(t: Arr, tp: int, r: int, dim: int) -> Arr:
 
 
 def expected_rank(hf: dict[str, Arr], config: dict[str, object], tp: int, r: int) -> dict[str, Arr]:
+    if config["architectures"] == ["GptOssForCausalLM"]:
+        return _gpt_oss_rank(hf, config, tp, r)
     heads = int(config["num_attention_heads"])  # type: ignore[call-overload]
     kv = int(config["num_key_value_heads"])  # type: ignore[call-overload]
     hd = int(config.get("head_dim") or int(config["hidden_size"]) // heads)  # type: ignore[call-overload]
@@ -103,6 +105,45 @@ def _experts(hf: dict[str, Arr], layer: str, tp: int, r: int, arch: str) -> dict
         ])  # fmt: skip
         out[kept + "down_proj.weight"] = _split(hf[s + "down_proj.weight"], tp, r, 1)
         out[kept + "expert_gate.weight"] = hf[f"{block}.shared_expert_gate.weight"]
+    return out
+
+
+def _gpt_oss_rank(hf: dict[str, Arr], config: dict[str, object], tp: int, r: int) -> dict[str, Arr]:
+    """gpt-oss: q/k/v, o and their biases as Llama's under vLLM's names (``model.embedding``,
+    ``attn``), o's bias and the router whole, sinks split by heads, each expert's slices
+    transposed (w13 keeps gate/up interleaved: a block of 2I/tp columns), w2's bias whole on
+    rank 0 and zeros on the others."""
+    heads, kv = int(config["num_attention_heads"]), int(config["num_key_value_heads"])  # type: ignore[call-overload]
+    hd = int(config["head_dim"])  # type: ignore[call-overload]
+    out: dict[str, Arr] = {
+        "model.embedding.weight": _vocab(hf["model.embed_tokens.weight"], tp, r),
+        "lm_head.weight": _vocab(hf["lm_head.weight"], tp, r),
+        "model.norm.weight": hf["model.norm.weight"],
+    }
+    for i in range(int(config["num_hidden_layers"])):  # type: ignore[call-overload]
+        p = f"model.layers.{i}"
+        a, m, attn, routed = f"{p}.self_attn", f"{p}.mlp", f"{p}.attn", f"{p}.mlp.experts.routed_experts"
+        for kind in ("weight", "bias"):
+            out[f"{attn}.qkv_proj.{kind}"] = np.concatenate([
+                _heads(hf[f"{a}.q_proj.{kind}"], heads, hd, tp, r),
+                _heads(hf[f"{a}.k_proj.{kind}"], kv, hd, tp, r),
+                _heads(hf[f"{a}.v_proj.{kind}"], kv, hd, tp, r),
+            ])  # fmt: skip
+        out[f"{attn}.o_proj.weight"] = _split(hf[f"{a}.o_proj.weight"], tp, r, 1)
+        out[f"{attn}.o_proj.bias"] = hf[f"{a}.o_proj.bias"]
+        out[f"{attn}.sinks"] = _split(hf[f"{a}.sinks"], tp, r, 0)
+        for scale in SCALES:
+            out[f"{attn}.attn.{scale}"] = np.array(1.0, dtype=np.float32)
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            out[f"{p}.{norm}.weight"] = hf[f"{p}.{norm}.weight"]
+        for kind in ("weight", "bias"):
+            out[f"{m}.router.{kind}"] = hf[f"{m}.router.{kind}"]
+        gate_up, down = hf[f"{m}.experts.gate_up_proj"], hf[f"{m}.experts.down_proj"]
+        out[f"{routed}.w13_weight"] = _split(gate_up, tp, r, 2).transpose(0, 2, 1).copy()
+        out[f"{routed}.w13_bias"] = _split(hf[f"{m}.experts.gate_up_proj_bias"], tp, r, 1)
+        out[f"{routed}.w2_weight"] = _split(down, tp, r, 1).transpose(0, 2, 1).copy()
+        bias = hf[f"{m}.experts.down_proj_bias"]
+        out[f"{routed}.w2_bias"] = bias if r == 0 else np.zeros_like(bias)
     return out
 
 

@@ -116,7 +116,7 @@ def plan_shards(
     targets: list[TargetTensor] = []
     for name, members in by_target.items():
         targets.append(_target(name, members, sources, config, tp, layout, out_dtype))
-        if name.endswith(".attn.qkv_proj.weight"):
+        if name.endswith((".self_attn.qkv_proj.weight", ".attn.qkv_proj.weight")):
             targets.extend(_attention_buffers(name, members[0][2], layout))
     ignored = tuple(sorted(set(sources) - {s for _, s, _ in active}))
     return ShardPlan(tp, tuple(targets), ignored)
