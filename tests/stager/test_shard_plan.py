@@ -295,3 +295,65 @@ def test_expert_counts_are_read_from_either_key_and_zero_or_null_means_dense() -
     assert ModelConfig.from_dict({**dense, "num_local_experts": 8}).num_experts == 8
     with pytest.raises(CheckpointError, match="'num_experts' must be a positive integer"):
         ModelConfig.from_dict({**dense, "num_experts": -1})
+
+
+def _gpt_oss_plan(tp: int) -> ShardPlan:
+    model = SyntheticModel(
+        architecture="GptOssForCausalLM", hidden_size=16, intermediate_size=8, num_heads=4,
+        num_kv_heads=4, num_layers=1, vocab_size=64, num_experts=3,
+    )  # fmt: skip
+    config = ModelConfig.from_dict(model.config())
+    return plan_shards(config, {n: SourceTensor("BF16", s) for n, s in model.tensors()}, tp, LAYOUT)
+
+
+def test_gpt_oss_experts_are_cut_per_expert_and_transposed() -> None:
+    targets = {t.name: t for t in _gpt_oss_plan(2).targets}
+    routed, src = "model.layers.0.mlp.experts.routed_experts.", "model.layers.0.mlp.experts."
+    w13 = targets[routed + "w13_weight"]
+    assert w13.shape == (3, 8, 16)  # [E, 2I/tp, H] from gate_up_proj [E, H, 2I]
+    assert all(s.source == src + "gate_up_proj" and s.transposed for s in w13.slots)
+    assert [[(sel.rows, sel.cols) for sel in s.per_rank] for s in w13.slots] == [
+        [((16 * e, 16 * e + 16), (0, 8)), ((16 * e, 16 * e + 16), (8, 16))] for e in range(3)
+    ]  # expert e's H rows; a block of the interleaved gate/up columns per rank
+    w2 = targets[routed + "w2_weight"]
+    assert w2.shape == (3, 16, 4)  # [E, H, I/tp] from down_proj [E, I, H]
+    assert [[(sel.rows, sel.cols) for sel in s.per_rank] for s in w2.slots] == [
+        [((8 * e, 8 * e + 4), None), ((8 * e + 4, 8 * e + 8), None)] for e in range(3)
+    ]
+    w13_bias = targets[routed + "w13_bias"]
+    assert w13_bias.shape == (3, 8)
+    assert [sel.cols for sel in w13_bias.slots[0].per_rank] == [(0, 8), (8, 16)]
+
+
+def test_gpt_oss_down_bias_is_whole_on_rank_0_and_zeros_elsewhere() -> None:
+    w2_bias = next(
+        t for t in _gpt_oss_plan(4).targets if t.name.endswith("routed_experts.w2_bias")
+    )
+    assert w2_bias.shape == (3, 16)
+    data, zeros = w2_bias.slots
+    assert data.source == "model.layers.0.mlp.experts.down_proj_bias" and zeros.source is None
+    assert [s.rows for s in data.per_rank] == [(0, 3), (0, 0), (0, 0), (0, 0)]
+    assert [s.num_rows for s in zeros.per_rank] == [0, 3, 3, 3]
+    assert [len(t.slots) for t in _gpt_oss_plan(1).targets if t.name == w2_bias.name] == [1]
+
+
+def test_gpt_oss_names_attention_and_embedding_as_vllm_does_and_splits_sinks_by_heads() -> None:
+    targets = {t.name: t for t in _gpt_oss_plan(2).targets}
+    attn = "model.layers.0.attn."
+    assert {"model.embedding.weight", attn + "qkv_proj.bias", attn + "attn._k_scale"} <= set(
+        targets
+    )
+    assert not any("self_attn" in n or "embed_tokens" in n for n in targets)
+    assert [sel.rows for sel in targets[attn + "sinks"].slots[0].per_rank] == [(0, 2), (2, 4)]
+    assert [sel.rows for sel in targets[attn + "o_proj.bias"].slots[0].per_rank] == [(0, 16)] * 2
+
+
+def test_gpt_oss_refuses_more_ranks_than_kv_heads_as_vllm_does() -> None:
+    model = SyntheticModel(
+        architecture="GptOssForCausalLM", hidden_size=16, intermediate_size=8, num_heads=4,
+        num_kv_heads=2, num_layers=1, vocab_size=64, num_experts=3,
+    )  # fmt: skip
+    config = ModelConfig.from_dict(model.config())
+    sources = {n: SourceTensor("BF16", s) for n, s in model.tensors()}
+    with pytest.raises(SpecError, match="does not divide the 2 KV heads"):
+        plan_shards(config, sources, 4, LAYOUT)

@@ -169,6 +169,27 @@ def test_dtype_cast_matches_torch_rounding(tmp_path: Path) -> None:
     assert scale.dtype == torch.float32 and scale.item() == 1.0
 
 
+def test_transposed_experts_cast_like_torch_and_stay_in_order(tmp_path: Path) -> None:
+    """gpt-oss's transposed expert slices and the rank-0-only bias through a dtype cast."""
+    import torch
+
+    spec = SyntheticModel(architecture="GptOssForCausalLM", hidden_size=64, num_heads=4,
+                          num_kv_heads=2, intermediate_size=32, num_experts=3, num_layers=1,
+                          vocab_size=100)  # fmt: skip
+    src = write_checkpoint(spec, tmp_path / "src")
+    out = tmp_path / "bf16"
+    stage(StageRequest(source=str(src), out=str(out), tp=2, dtype="bfloat16"))
+    hf, config = load_checkpoint_tensors(src), load_config(src)
+    for rank in range(2):
+        want = expected_rank(hf, config, 2, rank)
+        with safe_open(out / f"model-rank-{rank}-part-0.safetensors", framework="pt") as f:
+            for name in ("w13_weight", "w2_weight", "w13_bias", "w2_bias"):
+                key = f"model.layers.0.mlp.experts.routed_experts.{name}"
+                got = f.get_tensor(key)
+                assert got.dtype == torch.bfloat16, key
+                assert torch.equal(got, torch.from_numpy(want[key]).to(torch.bfloat16)), key
+
+
 def test_verify_reports_a_corrupted_file(llama_ckpt: Path, tmp_path: Path) -> None:
     out = tmp_path / "a"
     stage(StageRequest(source=str(llama_ckpt), out=str(out), tp=2, chunk_bytes=1 << 20))

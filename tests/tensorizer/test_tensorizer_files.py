@@ -26,7 +26,8 @@ from tensorizer.serialization import TensorType
 
 @pytest.mark.parametrize(
     "model,tp",
-    [("llama", 1), ("llama", 2), ("llama", 4), ("qwen2", 2), ("bf16", 2), ("mixtral", 2)],
+    [("llama", 1), ("llama", 2), ("llama", 4), ("qwen2", 2), ("bf16", 2), ("mixtral", 2),
+     ("gpt-oss", 2)],
 )
 def test_every_rank_file_holds_exactly_that_ranks_sharded_state_plus_the_marker(
     staged: Callable[..., Path], model: str, tp: int

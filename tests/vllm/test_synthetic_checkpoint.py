@@ -89,6 +89,32 @@ def test_mixtral_has_a_router_and_w1_w2_w3_per_expert_as_the_hub_writes_them(
     assert (config["num_local_experts"], config["num_experts_per_tok"]) == (3, 2)
 
 
+def test_gpt_oss_stacks_its_experts_input_dim_first_as_the_bf16_hub_checkpoints_do(
+    tmp_path: Path,
+) -> None:
+    from transformers import AutoConfig
+
+    spec = SyntheticModel(architecture="GptOssForCausalLM", num_layers=3, num_experts=3,
+                          head_dim=32, dtype="bfloat16")  # fmt: skip
+    gpt_oss = _load(write_checkpoint(spec, tmp_path))
+    layer = "model.layers.1."
+    assert gpt_oss[layer + "mlp.router.weight"][1:] == ([3, 256], "BF16")
+    assert gpt_oss[layer + "mlp.router.bias"][1] == [3]
+    assert gpt_oss[layer + "mlp.experts.gate_up_proj"][1] == [3, 256, 2 * 512]  # [E, H, 2I]
+    assert gpt_oss[layer + "mlp.experts.gate_up_proj_bias"][1] == [3, 2 * 512]
+    assert gpt_oss[layer + "mlp.experts.down_proj"][1] == [3, 512, 256]  # [E, I, H]
+    assert gpt_oss[layer + "mlp.experts.down_proj_bias"][1] == [3, 256]
+    assert gpt_oss[layer + "self_attn.sinks"][1] == [8]
+    assert gpt_oss[layer + "self_attn.q_proj.bias"][1] == [8 * 32]
+    assert gpt_oss[layer + "self_attn.o_proj.bias"][1] == [256]
+    assert set(gpt_oss) == {name for name, _ in spec.tensors()}
+    config = AutoConfig.from_pretrained(tmp_path)
+    assert config.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
+    assert config.rope_parameters["rope_type"] == "yarn" and config.head_dim == 32
+    assert (config.num_local_experts, config.num_experts_per_tok) == (3, 2)
+    assert config.sliding_window == 8 and config.swiglu_limit == 7.0
+
+
 def test_split_fused_puts_q_k_v_and_gate_up_in_different_files(tmp_path: Path) -> None:
     ckpt = write_checkpoint(SyntheticModel(num_shards=3, split_fused=True), tmp_path)
     index = json.loads((ckpt / "model.safetensors.index.json").read_text())

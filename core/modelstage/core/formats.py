@@ -223,6 +223,7 @@ PER_RANK_ARCHITECTURES = frozenset(
         "Qwen2MoeForCausalLM",
         "Qwen3ForCausalLM",
         "Qwen3MoeForCausalLM",
+        "GptOssForCausalLM",
     }
 )
 """The architectures the stager splits per rank (the names of ``modelstage.stager.

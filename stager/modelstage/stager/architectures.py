@@ -178,7 +178,8 @@ def _gpt_oss() -> tuple[Rule, ...]:
              r.split, r.shape, r.slot, r.when)
         for r in _without_dense_mlp(_llama_like(qkv_bias=When.ALWAYS, o_bias=When.ALWAYS))
     )  # fmt: skip
-    return renamed + (
+    return (
+        *renamed,
         Rule(f"{ATTN}.sinks", f"{attn}.sinks", Split.COLUMN, ("heads",)),
         Rule(f"{MLP}.router.weight", f"{MLP}.router.weight", Split.REPLICATED,
              ("experts", "hidden")),
