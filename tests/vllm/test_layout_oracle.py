@@ -6,7 +6,8 @@ filtered as ``ShardedStateLoader`` filters it).
 Mixtral (4 experts: vLLM's Mixtral takes more ranks than experts), Qwen2-MoE (with query/key/value
 biases and a gated shared expert) and Qwen3-MoE (8 experts: both models refuse more ranks than
 experts) bfloat16, 8 query heads on 2 KV heads (replicated
-from TP 4), at TP 2; TP 4 and 8 in the slow tier (a process per rank, each importing vLLM).
+from TP 4), and gpt-oss (bf16 experts, 16 query heads on 8 KV heads), at TP 2; TP 4 and 8 in the
+slow tier (a process per rank, each importing vLLM).
 """
 
 from __future__ import annotations
@@ -99,6 +100,66 @@ def _check_shared_expert_from_source(
     assert want[kept + "gate_up_proj.weight"].equal(gate_up)
     assert want[kept + "down_proj.weight"].equal(source[shared + "down_proj.weight"][:, rows])
     assert want[kept + "expert_gate.weight"].equal(source[mlp + "shared_expert_gate.weight"])
+
+
+GPT_OSS = SyntheticModel(
+    architecture="GptOssForCausalLM", hidden_size=128, intermediate_size=64, num_heads=16,
+    num_kv_heads=8, head_dim=16, vocab_size=512, num_experts=4, dtype="bfloat16", num_shards=2,
+    seed=12,
+)  # fmt: skip
+"""gpt-oss with bfloat16 experts; 8 KV heads, since its model splits them and never copies."""
+
+
+def _check_gpt_oss_from_source(
+    src: Path, rank: int, tp: int, want: dict[str, torch.Tensor]
+) -> None:
+    """The contract itself, read off the source: per expert the rank's block of
+    ``gate_up_proj``'s (interleaved) columns and of ``down_proj``'s rows, transposed;
+    ``w13_bias`` cut alike; ``w2_bias`` whole on rank 0 and zero elsewhere; sinks by heads."""
+    source = _read(sorted(src.glob("*.safetensors")))
+    inter, heads = GPT_OSS.intermediate_size // tp, GPT_OSS.num_heads // tp
+    cols = slice(2 * rank * inter, 2 * (rank + 1) * inter)
+    rows = slice(rank * inter, (rank + 1) * inter)
+    hf, routed = "model.layers.1.mlp.experts.", "model.layers.1.mlp.experts.routed_experts."
+    gate_up, down, bias = (source[hf + k] for k in ("gate_up_proj", "down_proj", "down_proj_bias"))
+    assert want[routed + "w13_weight"].equal(gate_up[:, :, cols].permute(0, 2, 1))
+    assert want[routed + "w13_bias"].equal(source[hf + "gate_up_proj_bias"][:, cols])
+    assert want[routed + "w2_weight"].equal(down[:, rows, :].permute(0, 2, 1))
+    assert want[routed + "w2_bias"].equal(bias if rank == 0 else torch.zeros_like(bias))
+    sinks = source["model.layers.1.self_attn.sinks"][rank * heads : (rank + 1) * heads]
+    assert want["model.layers.1.attn.sinks"].equal(sinks)
+    o_bias = source["model.layers.1.self_attn.o_proj.bias"]
+    assert want["model.layers.1.attn.o_proj.bias"].equal(o_bias)
+
+
+def _assert_rank_files_equal(artifact: Path, states: list[Path]) -> list[dict[str, torch.Tensor]]:
+    wants = []
+    for rank, state in enumerate(states):
+        want = _read([state])
+        got = _read(sorted(artifact.glob(f"model-rank-{rank}-part-*.safetensors")))
+        assert sorted(got) == sorted(want), f"rank {rank}: names differ"
+        differ = [k for k in want if not _same_bytes(want[k], got[k])]
+        assert not differ, f"rank {rank}: {len(differ)} tensors differ, e.g. {differ[:4]}"
+        wants.append(want)
+    return wants
+
+
+@pytest.mark.parametrize(
+    "tp",
+    [2, pytest.param(4, marks=pytest.mark.slow), pytest.param(8, marks=pytest.mark.slow)],
+    ids=lambda tp: f"tp{tp}",
+)
+def test_gpt_oss_rank_files_equal_vllms_own_per_rank_state_byte_for_byte(
+    tp: int,
+    checkpoint: Callable[[str, SyntheticModel], Path],
+    staged: Callable[..., Path],
+    tmp_path: Path,
+) -> None:
+    src = checkpoint("layout-gpt-oss", GPT_OSS)
+    artifact = staged("layout-gpt-oss", src, tp, "--dtype", "auto")
+    states = vllm_rank_states(src, tp, "bfloat16", tmp_path / "vllm")
+    for rank, want in enumerate(_assert_rank_files_equal(artifact, states)):
+        _check_gpt_oss_from_source(src, rank, tp, want)
 
 
 @pytest.mark.parametrize("family", sorted(MOE_FAMILIES))

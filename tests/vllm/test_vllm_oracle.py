@@ -19,12 +19,17 @@ warm one; a TP=1 start takes ~16 s and a TP=2 start ~28 s on 2 idle cores):
   under ``mlp.experts._shared_experts._layer``), 4 experts: TP 1, 2.
 - Qwen3-MoE bfloat16 (q_norm/k_norm, head_dim 64, router kept as ``mlp.experts.gate``), 4
   experts, tied: TP 1, 2.
+- gpt-oss bfloat16 (experts stacked [E, in, out] in the source, cut and transposed per rank;
+  q/k/v, o and router biases, sinks, alternating sliding and full attention, yarn RoPE), 4
+  experts, 8 query heads on 4 KV heads: TP 2 (TP 1 and 4 slow).
 - Mutations: the Llama TP 1 artifact with two KV-head blocks of one layer's ``qkv_proj``
-  swapped, the Llama TP 2 artifact with its two ranks' files exchanged, and the Mixtral TP 2
-  artifact with two experts of one layer exchanged in rank 0's file, load in vLLM without a
-  warning but fail the comparison.
+  swapped, the Llama TP 2 artifact with its two ranks' files exchanged, the Mixtral TP 2
+  artifact with two experts of one layer exchanged in rank 0's file, and the gpt-oss TP 2
+  artifact with one layer's gate/up rows of rank 0 in halves instead of interleaved, load in
+  vLLM without a warning but fail the comparison.
 Slow tier (``-m slow``): Llama, Mixtral, Qwen2-MoE and Qwen3-MoE at TP 4 (each KV head on two
-ranks; ~50 s a start), Mistral float16 at TP 2, and the Qwen3 bfloat16 source staged ``--dtype
+ranks; ~50 s a start), gpt-oss at TP 1 and 4, Mistral float16 at TP 2, and the Qwen3 bfloat16
+source staged ``--dtype
 float32`` (the stager's cast) at TP 2.
 """
 
@@ -43,6 +48,7 @@ from vllm_oracle import (
     loader_warnings,
     reference,
     run_vllm,
+    split_gate_up_halves,
     swap_experts,
     swap_kv_head_blocks,
     swap_rank_files,
@@ -112,6 +118,18 @@ QWEN3_MOE = Case(
     dtype="bfloat16",
     slow_tps=(4,),
 )
+GPT_OSS = Case(
+    "gpt-oss-bf16-4experts",
+    SyntheticModel(
+        architecture="GptOssForCausalLM", head_dim=64, num_kv_heads=4, vocab_size=1000,
+        intermediate_size=128, hidden_size=128, num_experts=4, dtype="bfloat16", num_shards=2,
+        seed=10,
+    ),
+    (2,),
+    ("--dtype", "auto"),
+    dtype="bfloat16",
+    slow_tps=(1, 4),
+)
 QWEN3_BF16 = SyntheticModel(
     architecture="Qwen3ForCausalLM", head_dim=64, num_kv_heads=4, vocab_size=1000,
     tie_word_embeddings=True, dtype="bfloat16", num_shards=2, seed=2,
@@ -155,6 +173,7 @@ CASES = [
     MIXTRAL,
     QWEN2_MOE,
     QWEN3_MOE,
+    GPT_OSS,
 ]  # fmt: skip
 
 
@@ -272,3 +291,25 @@ def test_swapped_experts_in_one_rank_file_fail_the_oracle(
 
     assert not loader_warnings(got.log), "the mutated artifact must still load cleanly"
     assert differences(ref.output, got.output), "the oracle missed two swapped experts"
+
+
+def test_gpt_oss_gate_up_rows_in_halves_instead_of_interleaved_fail_the_oracle(
+    checkpoint: Callable[[str, SyntheticModel], Path],
+    staged: Callable[..., Path],
+    timings: Timings,
+    tmp_path: Path,
+) -> None:
+    tp = 2  # staged and referenced by the matrix
+    src = checkpoint(GPT_OSS.name, GPT_OSS.spec)
+    mutated = tmp_path / "mutated"
+    shutil.copytree(staged(GPT_OSS.name, src, tp, *GPT_OSS.stage_args), mutated)
+    split_gate_up_halves(mutated, rank=0, layer=0)
+    prompts = prompts_for(GPT_OSS.spec)
+
+    ref = reference(src, tp, prompts, GPT_OSS.dtype)
+    timings.append((f"reference {GPT_OSS.name} tp{tp} {GPT_OSS.dtype}", ref))
+    got = run_vllm(mutated, tp, "sharded_state", prompts, GPT_OSS.dtype)
+    timings.append((f"mutated   {GPT_OSS.name} tp{tp} (gate/up in halves)", got))
+
+    assert not loader_warnings(got.log), "the mutated artifact must still load cleanly"
+    assert differences(ref.output, got.output), "the oracle missed gate/up rows de-interleaved"

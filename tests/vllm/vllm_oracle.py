@@ -305,6 +305,38 @@ def swap_experts(artifact: Path, rank: int, layer: int, a: int, b: int) -> str:
     raise AssertionError(f"{keys[0]} is in no rank-{rank} part file of {artifact}")
 
 
+def split_gate_up_halves(artifact: Path, rank: int, layer: int) -> str:
+    """Rewrite one gpt-oss layer's ``w13_weight`` and ``w13_bias`` in a rank's file as gate
+    rows then up rows (Mixtral's order) instead of gpt-oss's interleave: what a stager that
+    read ``gate_up_proj`` as two halves would write. Same names and shapes; returns the file."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    prefix = f"model.layers.{layer}.mlp.experts.routed_experts."
+    keys = [prefix + "w13_weight", prefix + "w13_bias"]
+    for path in sorted(artifact.glob(f"model-rank-{rank}-part-*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            if keys[0] not in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
+                continue
+            metadata = f.metadata()
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+        for key in keys:  # [E, 2I/tp, ...]: interleaved rows g0 u0 g1 u1 ... -> g0 g1 ... u0 u1 ...
+            fused = tensors[key]
+            halves = _even_then_odd_rows(fused)
+            assert not halves.equal(fused)
+            tensors[key] = halves
+        save_file(tensors, str(path), metadata=metadata)
+        return path.name
+    raise AssertionError(f"{keys[0]} is in no rank-{rank} part file of {artifact}")
+
+
+def _even_then_odd_rows(fused: Any) -> Any:
+    """Dim 1's even rows, then its odd rows."""
+    import torch
+
+    return torch.cat([fused[:, 0::2], fused[:, 1::2]], dim=1).contiguous()
+
+
 def swap_rank_files(artifact: Path, a: int, b: int) -> list[str]:
     """Exchange the part files of ranks ``a`` and ``b`` (each rank then loads the other's
     shards: same names, same shapes, so vLLM loads it without a word). Returns the names."""
