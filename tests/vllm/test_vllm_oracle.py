@@ -29,8 +29,7 @@ warm one; a TP=1 start takes ~16 s and a TP=2 start ~28 s on 2 idle cores):
   vLLM without a warning but fail the comparison.
 Slow tier (``-m slow``): Llama, Mixtral, Qwen2-MoE and Qwen3-MoE at TP 4 (each KV head on two
 ranks; ~50 s a start), gpt-oss at TP 1 and 4, Mistral float16 at TP 2, and the Qwen3 bfloat16
-source staged ``--dtype
-float32`` (the stager's cast) at TP 2.
+source staged ``--dtype float32`` (the stager's cast) at TP 2.
 """
 
 from __future__ import annotations
