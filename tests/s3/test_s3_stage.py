@@ -18,6 +18,7 @@ from modelstage.core.errors import ArtifactError, SpecError
 from modelstage.core.integrity import digest_bytes
 from modelstage.core.location import open_artifact, verify
 from modelstage.core.manifest import MANIFEST
+from modelstage.devtools.synthetic import SyntheticModel, write_checkpoint
 from modelstage.stager import cli
 from modelstage.stager.destinations.s3 import S3Destination
 from modelstage.stager.stage import StageRequest, stage
@@ -80,6 +81,22 @@ def test_rank_files_on_s3_equal_the_local_sharded_state_byte_for_byte(
         assert head["Metadata"]["blake3-chunk-bytes"] == str(entry["chunkBytes"])
         multipart += "-" in head["ETag"]
     assert multipart == 2, "each rank file (~20 MB) must have gone up as a multipart upload"
+
+
+def test_gpt_oss_rank_files_on_s3_equal_the_local_sharded_state_byte_for_byte(
+    s3: S3Server, bucket: str, tmp_path: Path
+) -> None:
+    """Transposed expert slices and the rank-0-only bias take the same path to S3."""
+    spec = SyntheticModel(architecture="GptOssForCausalLM", dtype="bfloat16", num_shards=2,
+                          num_kv_heads=2, seed=14)  # fmt: skip
+    src = write_checkpoint(spec, tmp_path / "src")
+    local = tmp_path / "local"
+    stage(StageRequest(source=str(src), out=str(local), tp=2))
+    stage(request(src, f"s3://{bucket}/oss/", s3, "runai_streamer_sharded"))
+    manifest = json.loads(body(s3, bucket, "oss/" + MANIFEST))
+    assert manifest["files"] == json.loads((local / MANIFEST).read_text())["files"]
+    for name in manifest["files"]:
+        assert body(s3, bucket, "oss/" + name) == (local / name).read_bytes(), name
 
 
 def test_runai_streamer_copies_the_hugging_face_layout_byte_for_byte(
