@@ -278,7 +278,7 @@ def _items(part: list[TargetTensor], checkpoint: Checkpoint) -> Iterator[_Item]:
                 continue
             lo = min(s.rows[0] for s in slot.per_rank)
             hi = max(s.rows[1] for s in slot.per_rank)
-            step = hi - lo if slot.transposed else max(1, CHUNK_BYTES // max(row_bytes, 1))
+            step = max(1, hi - lo if slot.transposed else CHUNK_BYTES // max(row_bytes, 1))
             for first in range(lo, hi, step):
                 last = min(first + step, hi)
                 yield _Chunk(target, slot, first, last, row_bytes, col_bytes, info.dtype)
