@@ -274,10 +274,7 @@ def choose_format(storage: str, architecture: str | None, quantization: str | No
     if architecture is None:
         why = "config.json names no single architecture"
     elif quantization is not None and quantization not in PER_RANK_QUANTIZATIONS:
-        why = (
-            f"the checkpoint is quantized ({quantization}), which is not split per rank (of "
-            f"the quantized checkpoints only {', '.join(PER_RANK_QUANTIZATIONS)} is)"
-        )
+        why = f"the checkpoint is quantized ({quantization}), which is not split per rank"
     elif quantization is not None and architecture not in PER_RANK_QUANTIZATIONS[quantization]:
         why = f"architecture {architecture} has no per-rank rules for {quantization}"
     elif architecture not in PER_RANK_ARCHITECTURES:

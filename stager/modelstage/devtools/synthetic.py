@@ -323,8 +323,9 @@ class SyntheticModel:
 def fp8_quantization_config() -> dict[str, object]:
     """``quantization_config`` as llm-compressor writes it for ``FP8_DYNAMIC``: float8 weights
     with one scale per output channel, activations quantized per token at run time."""
-    args = {"actorder": None, "block_structure": None, "group_size": None, "num_bits": 8,
-            "observer_kwargs": {}, "symmetric": True, "type": "float"}  # fmt: skip
+    args: dict[str, object] = {"actorder": None, "block_structure": None, "group_size": None,
+                               "num_bits": 8, "observer_kwargs": {}, "symmetric": True,
+                               "type": "float"}  # fmt: skip
     return {
         "config_groups": {
             "group_0": {
@@ -447,9 +448,8 @@ def _write_safetensors(
                 for weight, scale in _quantized_rows(spec, name, shape):
                     f.write(_encode_fp8(_rounded(weight / scale, spec.dtype)))
             elif name.endswith(".weight_scale"):
-                weight = name.removesuffix("_scale")
-                rows = (shape[0], dict(spec.tensors())[weight][1])
-                for _, scale in _quantized_rows(spec, weight, rows):
+                of = name.removesuffix("_scale")
+                for _, scale in _quantized_rows(spec, of, dict(spec.tensors())[of]):
                     f.write(_encode(scale.reshape(-1), spec.dtype))
             else:
                 for chunk in _generate(spec, name, shape):

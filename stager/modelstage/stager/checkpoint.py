@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from modelstage.core.errors import CheckpointError, SpecError
-from modelstage.core.formats import FORMATS, Format
+from modelstage.core.formats import FORMATS, HF_LAYOUT_HINT, PER_RANK_QUANTIZATIONS, Format
 from modelstage.core.layouts import Layout
 from modelstage.core.manifest import CARRIED_OVER as CARRIED_OVER
 from modelstage.core.manifest import INDEX as INDEX
@@ -164,11 +164,11 @@ def plan_for(checkpoint: Checkpoint, fmt: Format, tp: int, layout: Layout, dtype
     so a TP it cannot run fails before the copy)."""
     if fmt.per_rank:
         quantization = checkpoint.model.quantization
-        if quantization is not None and not fmt.splits_quantized:
+        if quantization in PER_RANK_QUANTIZATIONS and not fmt.splits_quantized:
             takes = [f.name for f in FORMATS.values() if f.splits_quantized]
             raise SpecError(
                 f"format {fmt.name} does not take quantized checkpoints ({quantization}); "
-                f"stage it with --format {' or '.join(takes)}, or in the Hugging Face layout"
+                f"stage it per rank with --format {' or '.join(takes)}, or {HF_LAYOUT_HINT}"
             )
         return plan_shards(checkpoint.model, checkpoint.source_tensors, tp, layout, dtype)
     check_heads(checkpoint.config, tp)

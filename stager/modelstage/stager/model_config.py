@@ -191,7 +191,10 @@ def fp8_channel_mismatch(quant: object) -> str | None:
     groups = quant.get("config_groups")
     if not isinstance(groups, Mapping) or len(groups) != 1:
         return "config_groups does not hold exactly one group"
-    group = next(iter(groups.values()))
+    return _group_mismatch(next(iter(groups.values())))
+
+
+def _group_mismatch(group: object) -> str | None:
     if not isinstance(group, Mapping) or group.get("targets") != ["Linear"]:
         return "the config group does not target exactly ['Linear']"
     if group.get("format", "float-quantized") != "float-quantized":
@@ -199,15 +202,20 @@ def fp8_channel_mismatch(quant: object) -> str | None:
     if group.get("output_activations") is not None:
         return "output_activations are quantized"
     for key, want in (("weights", _FP8_WEIGHTS), ("input_activations", _FP8_INPUTS)):
-        args = group.get(key)
-        if not isinstance(args, Mapping):
-            return f"{key} are not given"
-        for field, value in want.items():
-            if args.get(field) != value or type(args.get(field)) is not type(value):
-                return f"{key} {field} is {args.get(field)!r}, not {value!r}"
-        for field in _UNSET_ARGS:
-            if args.get(field) is not None:
-                return f"{key} {field} is set"
+        if (found := _args_mismatch(key, group.get(key), want)) is not None:
+            return found
+    return None
+
+
+def _args_mismatch(key: str, args: object, want: Mapping[str, object]) -> str | None:
+    if not isinstance(args, Mapping):
+        return f"{key} are not given"
+    for field, value in want.items():
+        if args.get(field) != value or type(args.get(field)) is not type(value):
+            return f"{key} {field} is {args.get(field)!r}, not {value!r}"
+    for field in _UNSET_ARGS:
+        if args.get(field) is not None:
+            return f"{key} {field} is set"
     return None
 
 
