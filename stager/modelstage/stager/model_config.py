@@ -88,7 +88,7 @@ class ModelConfig:
             mlp_bias=bool(config.get("mlp_bias", False)),
             torch_dtype=dtype if isinstance(dtype, str) else None,
             quantization=quantization_of(config),
-            quantization_mismatch=fp8_channel_mismatch(config.get("quantization_config")) or "",
+            quantization_mismatch=_mismatch(config.get("quantization_config")),
             num_experts=experts,
             moe_intermediate_size=moe_inter,
             shared_expert_intermediate_size=shared_inter,
@@ -160,6 +160,10 @@ def quantization_of(config: Mapping[str, Any]) -> str | None:
     if isinstance(method, str) and 0 < len(method) <= MAX_NAME and method.isprintable():
         return method
     return "unknown method"
+
+
+def _mismatch(quant: object) -> str:
+    return "" if quant is None else fp8_channel_mismatch(quant) or ""
 
 
 _FP8_ARGS = {"type": "float", "num_bits": 8, "symmetric": True}
