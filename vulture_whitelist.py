@@ -52,3 +52,4 @@ _.tell
 # What the tests read to compare runs and plans.
 _.TIMING_FIELDS
 _.ignored_sources
+_.itemsize  # TensorInfo's, checked against each dtype's size by the header fuzzer

@@ -12,6 +12,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+from modelstage.core.formats import FP8_CHANNEL
 from modelstage.operator.api import ModelDeploymentSpec, ModelDeploymentStatus
 from modelstage.operator.artifact import artifact_for, spec_digest
 from modelstage.operator.job_plan import plan_resolve_job
@@ -61,6 +62,12 @@ def resolved(spec: ModelDeploymentSpec, message: str) -> SourceStep:
         ({}, {"architecture": "LlamaForCausalLM", "quantization": "fp8"}, "safetensors",
          "the checkpoint is quantized (fp8), which is not split per rank: cached in the Hugging "
          "Face layout (safetensors)"),
+        (S3, {"architecture": "LlamaForCausalLM", "quantization": FP8_CHANNEL},
+         "runai_streamer_sharded", f"architecture LlamaForCausalLM ({FP8_CHANNEL}) is split per "
+         "rank: staged as runai_streamer_sharded"),
+        ({}, {"architecture": "MixtralForCausalLM", "quantization": FP8_CHANNEL}, "safetensors",
+         f"architecture MixtralForCausalLM has no per-rank rules for {FP8_CHANNEL}: cached in "
+         "the Hugging Face layout (safetensors)"),
         ({}, {}, "safetensors", "config.json names no single architecture"),
     ],
 )  # fmt: skip

@@ -38,8 +38,10 @@ def models(draw: st.DrawFn) -> tuple[SyntheticModel, int]:
     )
     if arch == "GptOssForCausalLM" and kv < tp:  # its model splits the KV heads, never copies
         heads, kv = heads * tp // kv, tp
+    fp8 = arch in ("LlamaForCausalLM", "Qwen3ForCausalLM") and draw(st.booleans())
     model = SyntheticModel(
         architecture=arch,
+        fp8=fp8,
         hidden_size=heads * head_dim,
         intermediate_size=tp * draw(st.integers(1, 6)),
         num_layers=1,
@@ -59,7 +61,7 @@ def _execute(plan: ShardPlan, src: dict[str, np.ndarray], rank: int) -> dict[str
     out = {}
     for t in plan.targets:
         if t.constant is not None:
-            out[t.name] = np.array(t.constant, dtype=np.float32)
+            out[t.name] = np.full(t.shape, t.constant, dtype=np.float32)
             continue
         pieces = []
         for slot in t.slots:
@@ -107,7 +109,8 @@ def test_reassembling_every_rank_reproduces_every_source_tensor(
     shapes = dict(model.tensors())
     src = {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
     config = ModelConfig.from_dict(model.config())
-    plan = plan_shards(config, {n: SourceTensor("F32", s) for n, s in shapes.items()}, tp, LAYOUT)
+    sources = {n: SourceTensor(model.dtype_code(n), s) for n, s in shapes.items()}
+    plan = plan_shards(config, sources, tp, LAYOUT)
     ranks = [_execute(plan, src, r) for r in range(tp)]
     rebuilt = {n: np.full(s, np.nan, np.float32) for n, s in shapes.items()}
     for t in plan.targets:
@@ -357,3 +360,58 @@ def test_gpt_oss_refuses_more_ranks_than_kv_heads_as_vllm_does() -> None:
     sources = {n: SourceTensor("BF16", s) for n, s in model.tensors()}
     with pytest.raises(SpecError, match="does not divide the 2 KV heads"):
         plan_shards(config, sources, 4, LAYOUT)
+FP8 = SyntheticModel(hidden_size=64, intermediate_size=128, num_heads=8, num_kv_heads=2,
+                     num_layers=1, vocab_size=100, dtype="bfloat16", fp8=True)  # fmt: skip
+
+
+def _fp8_plan(tp: int, model: SyntheticModel = FP8, dtype: str = "auto") -> ShardPlan:
+    config = ModelConfig.from_dict(model.config())
+    sources = {n: SourceTensor(model.dtype_code(n), s) for n, s in model.tensors()}
+    return plan_shards(config, sources, tp, LAYOUT, dtype)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_fp8_weight_scales_take_their_weights_rows_and_row_parallel_ones_stay_whole(
+    tp: int,
+) -> None:
+    plan = _fp8_plan(tp)
+    targets = {t.name: t for t in plan.targets}
+    scales = [n for n in targets if n.endswith(".weight_scale")]
+    assert sorted(n.rsplit(".", 2)[1] for n in scales) == [
+        "down_proj", "gate_up_proj", "o_proj", "qkv_proj"]  # fmt: skip
+    for name in scales:
+        scale, weight = targets[name], targets[name.removesuffix("_scale")]
+        assert (scale.dtype, weight.dtype) == ("F32", "F8_E4M3")
+        assert [s.source for s in scale.slots] == [f"{s.source}_scale" for s in weight.slots]
+        if name.endswith(("o_proj.weight_scale", "down_proj.weight_scale")):
+            assert scale.shape == (FP8.hidden_size, 1)
+            assert all(sel.rows == (0, FP8.hidden_size) for sel in scale.slots[0].per_rank)
+            continue
+        assert scale.shape == (weight.shape[0], 1)
+        for s_slot, w_slot in zip(scale.slots, weight.slots, strict=True):
+            assert [sel.rows for sel in s_slot.per_rank] == [sel.rows for sel in w_slot.per_rank]
+
+
+def test_fp8_attention_gets_vllms_unit_scales_and_zero_points_in_the_models_dtype() -> None:
+    plan = _fp8_plan(2)
+    attn = "model.layers.0.self_attn.attn."
+    params = {t.name: (t.dtype, t.shape, t.constant) for t in plan.targets if "attn.attn." in t.name}
+    assert params == {
+        **{f"{attn}_{x}_scale": ("F32", (), 1.0) for x in ("k", "v", "q", "prob")},
+        **{f"{attn}{x}_scale": ("F32", (1,), 1.0) for x in "kvq"},
+        **{f"{attn}{x}_zero_point": ("BF16", (1,), 0.0) for x in "kvq"},
+    }
+
+
+def test_fp8_is_staged_in_its_own_dtypes_and_refuses_a_cast_or_an_unquantized_weight() -> None:
+    with pytest.raises(SpecError, match=r"a quantized checkpoint .* use --dtype auto"):
+        _fp8_plan(2, dtype="float32")
+    config = ModelConfig.from_dict(FP8.config())
+    sources = {n: SourceTensor(FP8.dtype_code(n), s) for n, s in FP8.tensors()}
+    sources["model.layers.0.mlp.up_proj.weight"] = SourceTensor("BF16", (128, 64))
+    with pytest.raises(CheckpointError, match=r"up_proj.weight' has dtype BF16, but .* F8_E4M3"):
+        plan_shards(config, sources, 2, LAYOUT)
+    no_dtype = {**FP8.config(), "torch_dtype": None}
+    with pytest.raises(CheckpointError, match="torch_dtype None is not one of"):
+        plan_shards(ModelConfig.from_dict(no_dtype), dict(sources, **{
+            "model.layers.0.mlp.up_proj.weight": SourceTensor("F8_E4M3", (128, 64))}), 2, LAYOUT)  # fmt: skip

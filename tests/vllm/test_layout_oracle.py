@@ -8,6 +8,10 @@ biases and a gated shared expert) and Qwen3-MoE (8 experts: both models refuse m
 experts) bfloat16, 8 query heads on 2 KV heads (replicated
 from TP 4), and gpt-oss (bf16 experts, 16 query heads on 8 KV heads), at TP 2; TP 4 and 8 in the
 slow tier (a process per rank, each importing vLLM).
+from TP 4), at TP 2; TP 4 and 8 in the slow tier (a process per rank, each importing vLLM).
+FP8 (compressed-tensors W8A8: float8 weights with per-channel float32 scales, vLLM's [1]
+attention scales and zero points) for Llama (q/k/v and gate/up in different source files) and
+Qwen3 (q/k norms, head_dim 32 != hidden/heads, tied) likewise.
 """
 
 from __future__ import annotations
@@ -185,3 +189,74 @@ def test_moe_rank_files_equal_vllms_own_per_rank_state_byte_for_byte(
         differ = [k for k in want if not _same_bytes(want[k], got[k])]
         assert not differ, f"rank {rank}: {len(differ)} tensors differ, e.g. {differ[:4]}"
         _check_experts_from_source(family, src, rank, tp, want)
+
+
+FP8_FAMILIES = {
+    "fp8-llama": SyntheticModel(
+        hidden_size=128, intermediate_size=256, num_heads=8, num_kv_heads=2, vocab_size=512,
+        dtype="bfloat16", num_shards=2, split_fused=True, fp8=True, seed=11,
+    ),
+    "fp8-qwen3": SyntheticModel(
+        architecture="Qwen3ForCausalLM", hidden_size=128, intermediate_size=256, num_heads=8,
+        num_kv_heads=2, head_dim=32, vocab_size=512, tie_word_embeddings=True,
+        dtype="bfloat16", num_shards=2, fp8=True, seed=13,
+    ),
+}  # fmt: skip
+
+
+def _check_fp8_scales_from_source(
+    spec: SyntheticModel, src: Path, rank: int, tp: int, want: dict[str, torch.Tensor]
+) -> None:
+    """The contract read off the source: float32 scales, split with their weight's rows
+    (q, k, v slots of the rank; gate, up), o_proj's and down_proj's whole."""
+    source = _read(sorted(src.glob("*.safetensors")))
+    hd = spec.head_size
+    kv_rows = hd * max(spec.num_kv_heads // tp, 1)
+    kv_first = (rank * spec.num_kv_heads // tp if spec.num_kv_heads >= tp
+                else rank // (tp // spec.num_kv_heads)) * hd  # fmt: skip
+    q_rows, inter = spec.num_heads * hd // tp, spec.intermediate_size // tp
+    layer = "model.layers.1."
+    attn, mlp = layer + "self_attn.", layer + "mlp."
+
+    def scale(name: str, first: int, count: int) -> torch.Tensor:
+        return source[name + ".weight_scale"][first : first + count].float()
+
+    qkv = torch.cat([scale(attn + "q_proj", rank * q_rows, q_rows),
+                     scale(attn + "k_proj", kv_first, kv_rows),
+                     scale(attn + "v_proj", kv_first, kv_rows)])  # fmt: skip
+    assert want[attn + "qkv_proj.weight_scale"].equal(qkv)
+    gate_up = torch.cat([scale(mlp + "gate_proj", rank * inter, inter),
+                         scale(mlp + "up_proj", rank * inter, inter)])  # fmt: skip
+    assert want[mlp + "gate_up_proj.weight_scale"].equal(gate_up)
+    for whole in (attn + "o_proj", mlp + "down_proj"):
+        assert want[whole + ".weight_scale"].equal(source[whole + ".weight_scale"].float())
+    assert want[mlp + "down_proj.weight"].dtype == torch.float8_e4m3fn
+    for x in "kvq":
+        assert want[f"{attn}attn.{x}_scale"].equal(torch.ones(1))
+        assert want[f"{attn}attn.{x}_zero_point"].equal(torch.zeros(1, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("family", sorted(FP8_FAMILIES))
+@pytest.mark.parametrize(
+    "tp",
+    [2, pytest.param(4, marks=pytest.mark.slow), pytest.param(8, marks=pytest.mark.slow)],
+    ids=lambda tp: f"tp{tp}",
+)
+def test_fp8_rank_files_equal_vllms_own_per_rank_state_byte_for_byte(
+    family: str,
+    tp: int,
+    checkpoint: Callable[[str, SyntheticModel], Path],
+    staged: Callable[..., Path],
+    tmp_path: Path,
+) -> None:
+    spec = FP8_FAMILIES[family]
+    src = checkpoint(f"layout-{family}", spec)
+    artifact = staged(f"layout-{family}", src, tp, "--dtype", "auto")
+    states = vllm_rank_states(src, tp, "bfloat16", tmp_path / "vllm")
+    for rank, state in enumerate(states):
+        want = _read([state])
+        got = _read(sorted(artifact.glob(f"model-rank-{rank}-part-*.safetensors")))
+        assert sorted(got) == sorted(want), f"rank {rank}: names differ"
+        differ = [k for k in want if not _same_bytes(want[k], got[k])]
+        assert not differ, f"rank {rank}: {len(differ)} tensors differ, e.g. {differ[:4]}"
+        _check_fp8_scales_from_source(spec, src, rank, tp, want)

@@ -198,3 +198,42 @@ def test_impossible_specs_are_refused() -> None:
         SyntheticModel(architecture="MixtralForCausalLM", num_experts=2, experts_per_token=3)
     with pytest.raises(ValueError, match="architecture"):
         SyntheticModel(architecture="GPT2LMHeadModel")  # type: ignore[arg-type]
+
+
+def test_fp8_checkpoints_are_llm_compressors_channel_quantization_of_the_bf16_weights(
+    tmp_path: Path,
+) -> None:
+    """Each FP8 weight times its per-row scale is the unquantized checkpoint's weight to
+    float8's precision; the bytes are torch's float8_e4m3fn cast of the clamped quotient; the
+    config carries the compressed-tensors quantization_config transformers reads."""
+    import torch
+    from modelstage.devtools.synthetic import _encode_fp8, fp8_quantization_config
+    from transformers import AutoConfig
+
+    base = SyntheticModel(hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2,
+                          num_layers=1, vocab_size=100, dtype="bfloat16")  # fmt: skip
+    plain = write_checkpoint(base, tmp_path / "bf16")
+    fp8 = write_checkpoint(SyntheticModel(**{**base.__dict__, "fp8": True}), tmp_path / "fp8")
+    config = AutoConfig.from_pretrained(fp8)
+    assert config.quantization_config == fp8_quantization_config()
+    with safe_open(str(plain / "model.safetensors"), "pt") as f:
+        want = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    with safe_open(str(fp8 / "model.safetensors"), "pt") as f:
+        got = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    quantized = {k for k, v in got.items() if v.dtype == torch.float8_e4m3fn}
+    assert quantized == {k for k in want if k.endswith("_proj.weight")}
+    assert set(got) == set(want) | {k + "_scale" for k in quantized}
+    for name in quantized:
+        scale = got[name + "_scale"]
+        assert scale.dtype == torch.bfloat16 and scale.shape == (want[name].shape[0], 1)
+        assert scale.equal((want[name].abs().amax(dim=1, keepdim=True) / 448).bfloat16())
+        expected = (want[name] / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+        assert got[name].view(torch.uint8).equal(expected.view(torch.uint8)), name
+        error = (got[name].float() * scale.float() - want[name].float()).abs()
+        assert bool((error <= scale.float() * 32).all()), name  # float8 steps by 32 at the top
+    values = np.linspace(-500, 500, 100_001, dtype=np.float32)
+    ours = np.frombuffer(_encode_fp8(values), np.uint8)
+    cast = torch.from_numpy(values).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
+    assert np.array_equal(ours, cast.numpy())
+    for k in set(want) - quantized:
+        assert got[k].equal(want[k]), k

@@ -27,6 +27,13 @@ warm one; a TP=1 start takes ~16 s and a TP=2 start ~28 s on 2 idle cores):
   artifact with two experts of one layer exchanged in rank 0's file, and the gpt-oss TP 2
   artifact with one layer's gate/up rows of rank 0 in halves instead of interleaved, load in
   vLLM without a warning but fail the comparison.
+- Llama FP8 (compressed-tensors W8A8: float8 weights, per-channel scales, dynamic per-token
+  activations) bfloat16, q/k/v and gate/up spread over two source files: TP 2 (TP 1 slow).
+- Mutations: the Llama TP 1 artifact with two KV-head blocks of one layer's ``qkv_proj``
+  swapped, the Llama TP 2 artifact with its two ranks' files exchanged, and the Mixtral TP 2
+  artifact with two experts of one layer exchanged in rank 0's file, and the FP8 TP 2 artifact
+  with the k and v slots of one layer's ``qkv_proj.weight_scale`` exchanged in rank 0's file,
+  load in vLLM without a warning but fail the comparison.
 Slow tier (``-m slow``): Llama, Mixtral, Qwen2-MoE and Qwen3-MoE at TP 4 (each KV head on two
 ranks; ~50 s a start), gpt-oss at TP 1 and 4, Mistral float16 at TP 2, and the Qwen3 bfloat16
 source staged ``--dtype float32`` (the stager's cast) at TP 2.
@@ -51,6 +58,7 @@ from vllm_oracle import (
     swap_experts,
     swap_kv_head_blocks,
     swap_rank_files,
+    swap_rows,
     weight_dtypes,
 )
 
@@ -71,6 +79,8 @@ class Case:
     slow_tps: tuple[int, ...] = ()
     source: str = ""
     """The checkpoint's name when several cases stage one checkpoint (default: ``name``)."""
+    artifact_dtypes: tuple[str, ...] = ()
+    """The safetensors dtypes of the artifact's weights (default: ``dtype``'s alone)."""
 
     @property
     def checkpoint_name(self) -> str:
@@ -129,6 +139,15 @@ GPT_OSS = Case(
     dtype="bfloat16",
     slow_tps=(1, 4),
 )
+FP8_LLAMA = Case(
+    "llama-fp8-channel-bf16-split",
+    SyntheticModel(dtype="bfloat16", fp8=True, num_shards=2, split_fused=True, seed=12),
+    (2,),
+    ("--dtype", "auto"),
+    dtype="bfloat16",
+    slow_tps=(1,),
+    artifact_dtypes=("BF16", "F32", "F8_E4M3"),
+)
 QWEN3_BF16 = SyntheticModel(
     architecture="Qwen3ForCausalLM", head_dim=64, num_kv_heads=4, vocab_size=1000,
     tie_word_embeddings=True, dtype="bfloat16", num_shards=2, seed=2,
@@ -173,6 +192,7 @@ CASES = [
     QWEN2_MOE,
     QWEN3_MOE,
     GPT_OSS,
+    FP8_LLAMA,
 ]  # fmt: skip
 
 
@@ -212,7 +232,7 @@ def test_staged_sharded_state_gives_exactly_the_reference_logprobs(
 ) -> None:
     src = checkpoint(case.checkpoint_name, case.spec)
     artifact = staged(case.name, src, tp, *case.stage_args)
-    assert weight_dtypes(artifact) == {SAFETENSORS_DTYPE[case.dtype]}
+    assert weight_dtypes(artifact) == set(case.artifact_dtypes or [SAFETENSORS_DTYPE[case.dtype]])
     prompts = prompts_for(case.spec)
 
     ref = reference(src, tp, prompts, case.dtype)
@@ -312,3 +332,28 @@ def test_gpt_oss_gate_up_rows_in_halves_instead_of_interleaved_fail_the_oracle(
 
     assert not loader_warnings(got.log), "the mutated artifact must still load cleanly"
     assert differences(ref.output, got.output), "the oracle missed gate/up rows de-interleaved"
+
+
+def test_fp8_scales_of_the_wrong_slot_fail_the_oracle(
+    checkpoint: Callable[[str, SyntheticModel], Path],
+    staged: Callable[..., Path],
+    timings: Timings,
+    tmp_path: Path,
+) -> None:
+    tp, spec = 2, FP8_LLAMA.spec  # staged and referenced by the matrix
+    src = checkpoint(FP8_LLAMA.name, spec)
+    mutated = tmp_path / "mutated"
+    shutil.copytree(staged(FP8_LLAMA.name, src, tp, *FP8_LLAMA.stage_args), mutated)
+    q_rows = spec.num_heads * spec.head_size // tp
+    kv_rows = spec.num_kv_heads * spec.head_size // tp
+    swap_rows(mutated, 0, "model.layers.0.self_attn.qkv_proj.weight_scale",
+              q_rows, q_rows + kv_rows, kv_rows)  # fmt: skip
+    prompts = prompts_for(spec)
+
+    ref = reference(src, tp, prompts, FP8_LLAMA.dtype)
+    timings.append((f"reference {FP8_LLAMA.name} tp{tp} {FP8_LLAMA.dtype}", ref))
+    got = run_vllm(mutated, tp, "sharded_state", prompts, FP8_LLAMA.dtype)
+    timings.append((f"mutated   {FP8_LLAMA.name} tp{tp} (k/v scales swapped)", got))
+
+    assert not loader_warnings(got.log), "the mutated artifact must still load cleanly"
+    assert differences(ref.output, got.output), "the oracle missed k and v scales swapped"

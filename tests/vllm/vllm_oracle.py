@@ -335,6 +335,26 @@ def _even_then_odd_rows(fused: Any) -> Any:
     import torch
 
     return torch.cat([fused[:, 0::2], fused[:, 1::2]], dim=1).contiguous()
+def swap_rows(artifact: Path, rank: int, key: str, a: int, b: int, count: int) -> str:
+    """Exchange rows ``[a, a+count)`` and ``[b, b+count)`` of tensor ``key`` in a rank's file
+    (same shape, same dtype: vLLM loads it without a word). Returns the file it rewrote."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    for path in sorted(artifact.glob(f"model-rank-{rank}-part-*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            if key not in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
+                continue
+            metadata = f.metadata()
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+        swapped = tensors[key].clone()
+        swapped[a : a + count] = tensors[key][b : b + count]
+        swapped[b : b + count] = tensors[key][a : a + count]
+        assert not swapped.equal(tensors[key])
+        tensors[key] = swapped
+        save_file(tensors, str(path), metadata=metadata)
+        return path.name
+    raise AssertionError(f"{key} is in no rank-{rank} part file of {artifact}")
 
 
 def swap_rank_files(artifact: Path, a: int, b: int) -> list[str]:

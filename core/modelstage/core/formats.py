@@ -56,6 +56,9 @@ class Format:
     """Loader extra-config the rollout sets, ``{artifact}`` replaced by the artifact's path."""
     index_file: bool = False
     """The artifact carries the checkpoint's ``model.safetensors.index.json``."""
+    splits_quantized: bool = False
+    """A per-rank format that takes checkpoints of ``PER_RANK_QUANTIZATIONS`` (their rank
+    files are proven against vLLM's own loaders); the other per-rank formats refuse them."""
 
     def rank_file_name(self, rank: int, part: int = 0) -> str:
         """The one naming function of rank files."""
@@ -112,6 +115,7 @@ FORMATS: dict[str, Format] = {
             stock_loader="sharded_state",
             plugin_loader="modelstage_sharded_state",
             loads=("sharded_state", "runai_streamer_sharded"),
+            splits_quantized=True,
         ),
         Format(
             name="runai_streamer_sharded",
@@ -126,6 +130,7 @@ FORMATS: dict[str, Format] = {
             stock_loader="runai_streamer_sharded",
             plugin_loader="modelstage_runai_streamer_sharded",
             loads=("sharded_state", "runai_streamer_sharded"),
+            splits_quantized=True,
             # vLLM serves it with its ShardedStateLoader, which refuses every extra-config key
             # but `pattern` (fixed by the layout): Run:ai tuning goes by RUNAI_* env.
         ),
@@ -229,6 +234,15 @@ PER_RANK_ARCHITECTURES = frozenset(
 """The architectures the stager splits per rank (the names of ``modelstage.stager.
 architectures.ARCHITECTURES``, which a test holds equal): ``loadFormat: auto`` decides by them
 where the stager's rules are not at hand (the operator)."""
+FP8_CHANNEL = "compressed-tensors/w8a8-fp8-channel"
+"""The quantization the stager reports for a compressed-tensors checkpoint of float8_e4m3fn
+Linear weights with one scale per output channel and activations quantized per token at run
+time (llm-compressor's ``FP8_DYNAMIC``); any other quantization goes by its ``quant_method``."""
+PER_RANK_QUANTIZATIONS: dict[str, frozenset[str]] = {
+    FP8_CHANNEL: frozenset({"LlamaForCausalLM", "Qwen3ForCausalLM"}),
+}
+"""Quantization -> the architectures whose checkpoints in it the stager splits per rank (held
+equal to ``modelstage.stager.architectures.QUANTIZED`` by a test)."""
 AUTO = "auto"
 """``loadFormat: auto``: per-rank staging where the stager can split the checkpoint, the
 Hugging Face layout otherwise (``choose_format``)."""
@@ -260,12 +274,15 @@ def choose_format(storage: str, architecture: str | None, quantization: str | No
     or ``s3``): per rank when the stager has rules for it, the Hugging Face layout otherwise."""
     if architecture is None:
         why = "config.json names no single architecture"
-    elif quantization is not None:
+    elif quantization is not None and quantization not in PER_RANK_QUANTIZATIONS:
         why = f"the checkpoint is quantized ({quantization}), which is not split per rank"
+    elif quantization is not None and architecture not in PER_RANK_QUANTIZATIONS[quantization]:
+        why = f"architecture {architecture} has no per-rank rules for {quantization}"
     elif architecture not in PER_RANK_ARCHITECTURES:
         why = f"architecture {architecture} has no per-rank rules"
     else:
         name = AUTO_FORMATS[(storage, True)]
-        return Choice(name, f"architecture {architecture} is split per rank: staged as {name}")
+        what = architecture + (f" ({quantization})" if quantization else "")
+        return Choice(name, f"architecture {what} is split per rank: staged as {name}")
     name = AUTO_FORMATS[(storage, False)]
     return Choice(name, f"{why}: cached in the Hugging Face layout ({name})")

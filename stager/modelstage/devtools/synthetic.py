@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -53,6 +54,12 @@ _MODEL_TYPES = {
 }
 _MOE = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 _GPT_OSS = "GptOssForCausalLM"
+_FP8 = ("LlamaForCausalLM", "Qwen3ForCausalLM")
+"""Architectures whose FP8 checkpoints the stager splits per rank."""
+_LINEAR_WEIGHTS = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.[a-z_]+_proj\.weight$")
+"""The Linear weights llm-compressor quantizes (``targets: [Linear]``, ``ignore: [lm_head]``)."""
+_FP8_MAX = 448.0
+"""float8_e4m3fn's largest finite value: a channel's largest magnitude maps to it."""
 _SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>")
 _CHUNK_ELEMENTS = 8 * 1024 * 1024
 """Elements generated per step (32 MiB of float32): bounds memory for large tensors."""
@@ -90,6 +97,11 @@ class SyntheticModel:
     experts_per_token: int = 2
     config_extra: tuple[tuple[str, object], ...] = field(default=())
     """Extra ``config.json`` entries (e.g. a ``quantization_config`` a test wants refused)."""
+    fp8: bool = False
+    """Quantize every Linear weight but ``lm_head`` to float8_e4m3fn with a per-channel
+    ``weight_scale`` (dynamic per-token activations), as llm-compressor's ``FP8_DYNAMIC``
+    scheme writes a compressed-tensors checkpoint; ``dtype`` is then the unquantized
+    tensors' (and the scales')."""
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES or self.architecture not in _MODEL_TYPES:
@@ -128,6 +140,8 @@ class SyntheticModel:
             raise ValueError("experts_per_token must be <= num_experts")
         if self.split_fused and self.num_shards < 2:
             raise ValueError("split_fused needs num_shards >= 2")
+        if self.fp8 and self.architecture not in _FP8:
+            raise ValueError(f"fp8 is written for {', '.join(_FP8)} only")
 
     @property
     def shared_expert_intermediate_size(self) -> int:
@@ -176,7 +190,22 @@ class SyntheticModel:
         out.append(("model.norm.weight", (h,)))
         if not self.tie_word_embeddings:
             out.append(("lm_head.weight", (self.vocab_size, h)))
+        if self.fp8:  # each quantized weight's scale follows it, as llm-compressor saves them
+            out = [
+                entry
+                for name, shape in out
+                for entry in [(name, shape)]
+                + ([(_scale_of(name), (shape[0], 1))] if self.quantized(name) else [])
+            ]
         return out
+
+    def quantized(self, name: str) -> bool:
+        """Whether tensor ``name`` is stored as float8_e4m3fn."""
+        return self.fp8 and _LINEAR_WEIGHTS.match(name) is not None
+
+    def dtype_code(self, name: str) -> str:
+        """The safetensors dtype of tensor ``name``."""
+        return "F8_E4M3" if self.quantized(name) else DTYPE_CODES[self.dtype]
 
     def _mlp(self, p: str) -> list[tuple[str, tuple[int, ...]]]:
         """One layer's MLP: dense gate/up/down, or a router and each expert's gate/up/down
@@ -338,8 +367,40 @@ class SyntheticModel:
             "vocab_size": self.vocab_size,
         }
         cfg.update(self._architecture_config())
+        if self.fp8:
+            cfg["quantization_config"] = fp8_quantization_config()
         cfg.update(dict(self.config_extra))
         return dict(sorted(cfg.items()))
+
+
+def fp8_quantization_config() -> dict[str, object]:
+    """``quantization_config`` as llm-compressor writes it for ``FP8_DYNAMIC``: float8 weights
+    with one scale per output channel, activations quantized per token at run time."""
+    args: dict[str, object] = {"actorder": None, "block_structure": None, "group_size": None,
+                               "num_bits": 8, "observer_kwargs": {}, "symmetric": True,
+                               "type": "float"}  # fmt: skip
+    return {
+        "config_groups": {
+            "group_0": {
+                "format": "float-quantized",
+                "input_activations": {**args, "dynamic": True, "observer": None,
+                                      "strategy": "token"},
+                "output_activations": None,
+                "targets": ["Linear"],
+                "weights": {**args, "dynamic": False, "observer": "minmax",
+                            "strategy": "channel"},
+            }
+        },
+        "format": "float-quantized",
+        "global_compression_ratio": None,
+        "ignore": ["lm_head"],
+        "kv_cache_scheme": None,
+        "quant_method": "compressed-tensors",
+        "quantization_status": "compressed",
+        "sparsity_config": {},
+        "transform_config": {},
+        "version": "0.12.2",
+    }  # fmt: skip
 
 
 def llama_demo() -> SyntheticModel:
@@ -385,8 +446,9 @@ def write_checkpoint(spec: SyntheticModel, out_dir: Path | str) -> Path:
         members = [(name, shape) for name, shape in tensors if assignment[name] == k]
         _write_safetensors(spec, out / file_name, members)
     if n > 1:
-        itemsize = _itemsize(spec.dtype)
-        total = sum(math.prod(shape) * itemsize for _, shape in tensors)
+        total = sum(
+            math.prod(shape) * DTYPE_SIZES[spec.dtype_code(name)] for name, shape in tensors
+        )
         weight_map = {name: names[assignment[name]] for name, _ in tensors}
         _write_json(
             out / "model.safetensors.index.json",
@@ -425,21 +487,76 @@ def _assign_shards(
     return assignment
 
 
-def _itemsize(dtype: str) -> int:
-    return DTYPE_SIZES[DTYPE_CODES[dtype]]
-
-
 def _write_safetensors(
     spec: SyntheticModel, path: Path, members: list[tuple[str, tuple[int, ...]]]
 ) -> None:
     """Header first (shapes are known up front), then each tensor's bytes, chunk by chunk."""
-    code = DTYPE_CODES[spec.dtype]
-    header, _ = encode_header([(name, code, shape) for name, shape in members], {"format": "pt"})
+    header, _ = encode_header(
+        [(name, spec.dtype_code(name), shape) for name, shape in members], {"format": "pt"}
+    )
     with path.open("wb") as f:
         f.write(header)
         for name, shape in members:
-            for chunk in _generate(spec, name, shape):
-                f.write(_encode(chunk, spec.dtype))
+            if spec.quantized(name):
+                for weight, scale in _quantized_rows(spec, name, shape):
+                    f.write(_encode_fp8(_rounded(weight / scale, spec.dtype)))
+            elif name.endswith(".weight_scale"):
+                of = name.removesuffix("_scale")
+                for _, scale in _quantized_rows(spec, of, dict(spec.tensors())[of]):
+                    f.write(_encode(scale.reshape(-1), spec.dtype))
+            else:
+                for chunk in _generate(spec, name, shape):
+                    f.write(_encode(chunk, spec.dtype))
+
+
+def _scale_of(weight: str) -> str:
+    return weight.removesuffix("weight") + "weight_scale"
+
+
+def _quantized_rows(
+    spec: SyntheticModel, name: str, shape: tuple[int, ...]
+) -> Iterator[tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]]:
+    """Blocks of whole rows of weight ``name`` as the unquantized checkpoint holds them
+    (rounded to ``dtype``), each with its rows' scales [rows, 1]: a row's largest magnitude
+    over float8's largest value, rounded to ``dtype`` as llm-compressor computes it."""
+    cols = shape[1]
+    pending = np.empty(0, np.float32)
+    for chunk in _generate(spec, name, shape):
+        pending = np.concatenate([pending, chunk])
+        whole = len(pending) // cols * cols
+        block, pending = pending[:whole].reshape(-1, cols), pending[whole:]
+        if len(block):
+            weight = _rounded(block, spec.dtype)
+            amax = np.abs(weight).max(axis=1, keepdims=True)
+            scale = _rounded(np.maximum(amax / np.float32(_FP8_MAX), _TINY), spec.dtype)
+            yield weight, scale
+
+
+_TINY = np.float32(np.finfo(np.float32).tiny)
+
+
+def _rounded(values: npt.NDArray[np.float32], dtype: str) -> npt.NDArray[np.float32]:
+    """``values`` rounded to ``dtype`` (as float32)."""
+    if dtype == "float32":
+        return values.astype(np.float32)
+    if dtype == "float16":
+        return values.astype(np.float16).astype(np.float32)
+    raw = np.frombuffer(_encode(values.reshape(-1), dtype), "<u2").astype(np.uint32) << 16
+    return raw.view(np.float32).reshape(values.shape)
+
+
+def _encode_fp8(values: npt.NDArray[np.float32]) -> bytes:
+    """float8_e4m3fn bytes of ``values`` (1 sign, 4 exponent bits of bias 7, 3 mantissa bits,
+    no infinities), rounded to nearest even and clamped to +-448 as a cast of the quantizer's
+    clamped quotient gives them."""
+    x = np.clip(values.astype(np.float64).reshape(-1), -_FP8_MAX, _FP8_MAX)
+    sign = np.signbit(x).astype(np.uint8) << 7
+    a = np.abs(x)
+    exp = np.floor(np.log2(np.maximum(a, 2.0**-6)))  # below 2**-6: subnormals, steps of 2**-9
+    steps = np.rint(a / 2.0 ** (exp - 3))  # 8..16 for normals (16 carries), 0..8 subnormal
+    normal = a >= 2.0**-6
+    code = np.where(normal, (exp + 7) * 8 + steps - 8, steps)
+    return (sign | code.astype(np.uint8)).tobytes()
 
 
 def _generate(

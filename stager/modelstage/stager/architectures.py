@@ -8,10 +8,10 @@ split kind lives once, in ``shard_plan``.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from modelstage.core.errors import SpecError
-from modelstage.core.formats import HF_LAYOUT_HINT
+from modelstage.core.formats import FP8_CHANNEL, HF_LAYOUT_HINT
 
 from .model_config import ModelConfig
 
@@ -66,6 +66,11 @@ class Rule:
     """The source's expected shape in symbols of ``ModelConfig.symbols`` (checked before I/O)."""
     slot: str | int | None = None  # "q"/"k"/"v" for QKV, 0/1 for MERGED and EXPERTS_MERGED
     when: When = When.ALWAYS
+    dtype: str | None = None
+    """The target's dtype whatever the source's (vLLM's float32 weight scales); None: the
+    source's (or ``--dtype``'s)."""
+    source_dtype: str | None = None
+    """The dtype the source tensor must have (quantized weights); None: any float."""
 
 
 ATTN = "model.layers.{L}.self_attn"
@@ -196,6 +201,50 @@ def _gpt_oss() -> tuple[Rule, ...]:
 
 
 @dataclass(frozen=True)
+class AttentionParam:
+    """A parameter vLLM creates on every layer's attention and no checkpoint tensor fills:
+    shape [1], ``value`` in every rank's file."""
+
+    name: str
+    value: float
+    dtype: str | None
+    """Its safetensors dtype; None: the model's (config.json's ``torch_dtype``)."""
+
+
+_LINEAR_SPLITS = frozenset({Split.QKV, Split.MERGED, Split.ROW})
+_FP8_ATTENTION = tuple(AttentionParam(f"{x}_scale", 1.0, "F32") for x in "kvq") + tuple(
+    AttentionParam(f"{x}_zero_point", 0.0, None) for x in "kvq"
+)
+"""What vLLM's compressed-tensors KV-cache method creates on each attention without a
+``kv_cache_scheme``: unit scales (float32) and zero points (the model's dtype)."""
+
+
+def _fp8_channel(rules: tuple[Rule, ...]) -> tuple[Rule, ...]:
+    """The rules of a compressed-tensors W8A8-FP8 checkpoint: each decoder Linear weight is
+    float8_e4m3fn, followed by its ``weight_scale`` [N, 1], which vLLM holds in float32 and
+    splits with its weight's rows (per q/k/v or gate/up slot); a row-parallel weight's
+    scales (o_proj, down_proj) stay whole on every rank."""
+    out: list[Rule] = []
+    for rule in rules:
+        linear = rule.split in _LINEAR_SPLITS and rule.source.endswith("_proj.weight")
+        if not linear:
+            out.append(rule)
+            continue
+        out.append(replace(rule, source_dtype="F8_E4M3"))
+        out.append(
+            replace(
+                rule,
+                source=rule.source + "_scale",
+                target=rule.target + "_scale",
+                split=Split.REPLICATED if rule.split is Split.ROW else rule.split,
+                shape=(rule.shape[0], "one"),
+                dtype="F32",
+            )
+        )
+    return tuple(out)
+
+
+@dataclass(frozen=True)
 class Architecture:
     name: str
     rules: tuple[Rule, ...]
@@ -205,6 +254,8 @@ class Architecture:
     """vLLM's model refuses a TP size above the number of routed experts."""
     tp_within_kv_heads: bool = False
     """vLLM's model divides the KV heads among the ranks and never replicates them."""
+    attention_params: tuple[AttentionParam, ...] = ()
+    """Parameters of every layer's attention that no source tensor fills (quantized models)."""
 
     def check_tensor_parallel(self, config: ModelConfig, tp: int) -> None:
         if self.tp_within_kv_heads and config.num_kv_heads % tp:
@@ -253,14 +304,26 @@ ARCHITECTURES: dict[str, Architecture] = {
 }
 
 
+QUANTIZED: dict[str, dict[str, Architecture]] = {
+    FP8_CHANNEL: {
+        name: replace(
+            ARCHITECTURES[name],
+            rules=_fp8_channel(ARCHITECTURES[name].rules),
+            attention_params=_FP8_ATTENTION,
+        )
+        for name in ("LlamaForCausalLM", "Qwen3ForCausalLM")
+    },
+}
+"""Quantization -> the architectures whose checkpoints in it are split per rank, with their
+rules (``core.formats.PER_RANK_QUANTIZATIONS`` names the same, held equal by a test)."""
+
+
 def architecture_for(config: ModelConfig) -> Architecture:
     """The rules that split ``config``'s checkpoint per rank; a checkpoint no rules describe
-    (another architecture, or quantized) is refused, naming the formats that take it."""
+    (another architecture, or a quantization without rules) is refused, naming the formats
+    that take it."""
     if config.quantization is not None:
-        raise SpecError(
-            f"config.json: quantized checkpoints (quantization_config: {config.quantization}) "
-            f"are not split per rank; {HF_LAYOUT_HINT}"
-        )
+        return _quantized(config)
     try:
         return ARCHITECTURES[config.architecture]
     except KeyError:
@@ -268,4 +331,24 @@ def architecture_for(config: ModelConfig) -> Architecture:
             f"architecture {config.architecture!r} is not supported per rank; supported: "
             + ", ".join(sorted(ARCHITECTURES))
             + f"; {HF_LAYOUT_HINT}"
+        ) from None
+
+
+def _quantized(config: ModelConfig) -> Architecture:
+    quantization = config.quantization
+    if quantization not in QUANTIZED:
+        mismatch = f" ({config.quantization_mismatch})" if config.quantization_mismatch else ""
+        raise SpecError(
+            f"config.json: quantized checkpoints (quantization_config: {quantization}) are "
+            f"not split per rank, but for {', '.join(QUANTIZED)}, compressed-tensors float8 "
+            f"weights with one scale per output channel and dynamic per-token activations"
+            f"{mismatch}; {HF_LAYOUT_HINT}"
+        )
+    try:
+        return QUANTIZED[quantization][config.architecture]
+    except KeyError:
+        raise SpecError(
+            f"architecture {config.architecture!r} is not split per rank when quantized as "
+            f"{quantization}; supported: {', '.join(sorted(QUANTIZED[quantization]))}; "
+            f"{HF_LAYOUT_HINT}"
         ) from None

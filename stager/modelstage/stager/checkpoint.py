@@ -11,8 +11,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from modelstage.core.errors import CheckpointError
-from modelstage.core.formats import Format
+from modelstage.core.errors import CheckpointError, SpecError
+from modelstage.core.formats import FORMATS, HF_LAYOUT_HINT, PER_RANK_QUANTIZATIONS, Format
 from modelstage.core.layouts import Layout
 from modelstage.core.manifest import CARRIED_OVER as CARRIED_OVER
 from modelstage.core.manifest import INDEX as INDEX
@@ -163,6 +163,13 @@ def plan_for(checkpoint: Checkpoint, fmt: Format, tp: int, layout: Layout, dtype
     vLLM splits at load whatever the architecture or quantization (its TP rule checked here,
     so a TP it cannot run fails before the copy)."""
     if fmt.per_rank:
+        quantization = checkpoint.model.quantization
+        if quantization in PER_RANK_QUANTIZATIONS and not fmt.splits_quantized:
+            takes = [f.name for f in FORMATS.values() if f.splits_quantized]
+            raise SpecError(
+                f"format {fmt.name} does not take quantized checkpoints ({quantization}); "
+                f"stage it per rank with --format {' or '.join(takes)}, or {HF_LAYOUT_HINT}"
+            )
         return plan_shards(checkpoint.model, checkpoint.source_tensors, tp, layout, dtype)
     check_heads(checkpoint.config, tp)
     return ShardPlan(tp, (), ())

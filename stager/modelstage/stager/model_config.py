@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from modelstage.core.errors import CheckpointError, SpecError
+from modelstage.core.formats import FP8_CHANNEL
 
 MAX_DIM = 1 << 24
 """Far above any real model dimension; a config beyond it is corrupt, not big."""
@@ -32,7 +33,9 @@ class ModelConfig:
     mlp_bias: bool
     torch_dtype: str | None
     quantization: str | None = None
-    """``quantization_config``'s method; None: unquantized."""
+    """``quantization_of``: ``FP8_CHANNEL``, another ``quant_method``, or None: unquantized."""
+    quantization_mismatch: str = ""
+    """Why a compressed-tensors ``quantization_config`` is not ``FP8_CHANNEL`` (for errors)."""
     num_experts: int = 0
     """Routed experts per MoE layer (``num_local_experts``, ``num_experts``); 0: dense."""
     moe_intermediate_size: int = 0
@@ -85,6 +88,7 @@ class ModelConfig:
             mlp_bias=bool(config.get("mlp_bias", False)),
             torch_dtype=dtype if isinstance(dtype, str) else None,
             quantization=quantization_of(config),
+            quantization_mismatch=_mismatch(config.get("quantization_config")),
             num_experts=experts,
             moe_intermediate_size=moe_inter,
             shared_expert_intermediate_size=shared_inter,
@@ -147,14 +151,78 @@ def architecture_of(config: Mapping[str, Any]) -> str | None:
 
 
 def quantization_of(config: Mapping[str, Any]) -> str | None:
-    """``quantization_config``'s ``quant_method`` (None: unquantized)."""
+    """``FP8_CHANNEL`` for exactly that compressed-tensors scheme, else ``quantization_config``'s
+    ``quant_method`` (None: unquantized)."""
     if config.get("quantization_config") is None:
         return None
     quant = config["quantization_config"]
+    if fp8_channel_mismatch(quant) is None:
+        return FP8_CHANNEL
     method = quant.get("quant_method") if isinstance(quant, Mapping) else None
     if isinstance(method, str) and 0 < len(method) <= MAX_NAME and method.isprintable():
         return method
     return "unknown method"
+
+
+def _mismatch(quant: object) -> str:
+    return "" if quant is None else fp8_channel_mismatch(quant) or ""
+
+
+_FP8_ARGS = {"type": "float", "num_bits": 8, "symmetric": True}
+_FP8_WEIGHTS = {**_FP8_ARGS, "strategy": "channel", "dynamic": False}
+_FP8_INPUTS = {**_FP8_ARGS, "strategy": "token", "dynamic": True}
+_UNSET_ARGS = ("group_size", "block_structure", "actorder")
+"""Fields of the quantization args that must be null (absent) for the channel scheme."""
+_UNSET_CONFIG = ("kv_cache_scheme", "sparsity_config", "transform_config")
+"""``quantization_config`` fields that must be null or empty: each changes the tensors."""
+
+
+def fp8_channel_mismatch(quant: object) -> str | None:
+    """None when ``quant`` (a ``quantization_config``) is exactly the compressed-tensors
+    W8A8-FP8 scheme whose per-rank layout is proven: one config group targeting ``Linear``
+    with float8 weights, one scale per output channel, activations quantized per token at run
+    time, ``lm_head`` left out, nothing else (no KV-cache scheme, sparsity or transform).
+    Otherwise the first difference, in words."""
+    if not isinstance(quant, Mapping) or quant.get("quant_method") != "compressed-tensors":
+        return "quant_method is not compressed-tensors"
+    if quant.get("format") != "float-quantized":
+        return f"format is {quant.get('format')!r}, not 'float-quantized'"
+    if quant.get("quantization_status", "compressed") != "compressed":
+        return f"quantization_status is {quant.get('quantization_status')!r}, not 'compressed'"
+    for key in _UNSET_CONFIG:
+        if quant.get(key):
+            return f"{key} is set"
+    if quant.get("ignore") != ["lm_head"]:
+        return f"ignore is {quant.get('ignore')!r}, not ['lm_head']"
+    groups = quant.get("config_groups")
+    if not isinstance(groups, Mapping) or len(groups) != 1:
+        return "config_groups does not hold exactly one group"
+    return _group_mismatch(next(iter(groups.values())))
+
+
+def _group_mismatch(group: object) -> str | None:
+    if not isinstance(group, Mapping) or group.get("targets") != ["Linear"]:
+        return "the config group does not target exactly ['Linear']"
+    if group.get("format", "float-quantized") != "float-quantized":
+        return f"the config group's format is {group.get('format')!r}"
+    if group.get("output_activations") is not None:
+        return "output_activations are quantized"
+    for key, want in (("weights", _FP8_WEIGHTS), ("input_activations", _FP8_INPUTS)):
+        if (found := _args_mismatch(key, group.get(key), want)) is not None:
+            return found
+    return None
+
+
+def _args_mismatch(key: str, args: object, want: Mapping[str, object]) -> str | None:
+    if not isinstance(args, Mapping):
+        return f"{key} are not given"
+    for field, value in want.items():
+        if args.get(field) != value or type(args.get(field)) is not type(value):
+            return f"{key} {field} is {args.get(field)!r}, not {value!r}"
+    for field in _UNSET_ARGS:
+        if args.get(field) is not None:
+            return f"{key} {field} is set"
+    return None
 
 
 def check_heads(config: Mapping[str, Any], tp: int) -> None:

@@ -70,7 +70,9 @@ class TargetTensor:
     group: int
     """Decoder layer index, or NON_LAYER_GROUP for embeddings, final norm and head."""
     constant: float | None = None
-    """For 0-d buffers: every rank holds this value (``slots`` is empty)."""
+    """For one-element tensors no source fills (vLLM's 0-d attention buffers, its [1]
+    attention parameters of a quantized model): every rank holds this value (``slots`` is
+    empty)."""
 
     @property
     def nbytes(self) -> int:
@@ -105,6 +107,11 @@ def plan_shards(
     active = _expand_rules(arch, config)
     _check_sources(arch, config, active, sources)
     out_dtype = _resolve_dtype(dtype)
+    if config.quantization is not None and out_dtype is not None:
+        raise SpecError(
+            f"--dtype {dtype}: a quantized checkpoint ({config.quantization}) is staged in its "
+            "own dtypes; use --dtype auto"
+        )
 
     by_target: dict[str, list[tuple[Rule, str, int]]] = {}
     for rule, source, group in active:
@@ -118,6 +125,7 @@ def plan_shards(
         targets.append(_target(name, members, sources, config, tp, layout, out_dtype))
         if name.endswith((".self_attn.qkv_proj.weight", ".attn.qkv_proj.weight")):
             targets.extend(_attention_buffers(name, members[0][2], layout))
+            targets.extend(_attention_params(name, members[0][2], arch, config))
     ignored = tuple(sorted(set(sources) - {s for _, s, _ in active}))
     return ShardPlan(tp, tuple(targets), ignored)
 
@@ -194,6 +202,11 @@ def _check_sources(
                 f"tensor {source!r} has shape {list(actual)}, but config.json implies "
                 f"{list(expected)} ({' x '.join(rule.shape)})"
             )
+        if rule.source_dtype is not None and sources[source].dtype != rule.source_dtype:
+            raise CheckpointError(
+                f"tensor {source!r} has dtype {sources[source].dtype}, but config.json's "
+                f"quantization ({config.quantization}) implies {rule.source_dtype}"
+            )
 
 
 def _resolve_dtype(dtype: str) -> str | None:
@@ -217,12 +230,13 @@ def _target(
     out_dtype: str | None,
 ) -> TargetTensor:
     dtypes = {sources[s].dtype for _, s, _ in members}
-    if out_dtype is None and len(dtypes) > 1:
+    fixed = members[0][0].dtype
+    if fixed is None and out_dtype is None and len(dtypes) > 1:
         raise CheckpointError(
             f"tensors fused into {name!r} have different dtypes {sorted(dtypes)}; "
             "pass --dtype to convert them"
         )
-    dtype = out_dtype or dtypes.pop()
+    dtype = fixed or out_dtype or dtypes.pop()
     slots: list[Slot] = []
     for rule, source, _ in members:
         slots.extend(_slots(rule, source, sources[source].shape, config, tp, layout))
@@ -318,6 +332,26 @@ def _head_rows(heads: int, tp: int, rank: int, head_dim: int) -> tuple[int, int]
     else:
         first, count = rank // (tp // heads), 1
     return first * head_dim, (first + count) * head_dim
+
+
+def _attention_params(
+    qkv_name: str, layer: int, arch: Architecture, config: ModelConfig
+) -> list[TargetTensor]:
+    """The architecture's [1] attention parameters (a quantized model's unit scales and zero
+    points); ``None`` dtypes are the model's, as vLLM creates them at ``--dtype auto``."""
+    if not arch.attention_params:
+        return []
+    model_dtype = DTYPE_CODES.get(config.torch_dtype or "")
+    if model_dtype is None:
+        raise CheckpointError(
+            f"config.json's torch_dtype {config.torch_dtype!r} is not one of "
+            f"{', '.join(DTYPE_CODES)}: the dtype of vLLM's attention parameters is unknown"
+        )
+    prefix = qkv_name.removesuffix("qkv_proj.weight") + "attn."
+    return [
+        TargetTensor(prefix + p.name, p.dtype or model_dtype, (1,), (), layer, constant=p.value)
+        for p in arch.attention_params
+    ]
 
 
 def _attention_buffers(qkv_name: str, layer: int, layout: Layout) -> list[TargetTensor]:
