@@ -38,6 +38,8 @@ CASES = [
     ("qwen3-moe", SyntheticModel(architecture="Qwen3MoeForCausalLM", hidden_size=64,
                                  intermediate_size=32, num_experts=4, tie_word_embeddings=True,
                                  num_shards=2), (1, 2, 4)),
+    ("phi3", SyntheticModel(architecture="Phi3ForCausalLM", num_kv_heads=2, vocab_size=555,
+                            num_shards=2), (1, 2, 4, 8)),
 ]  # fmt: skip
 
 

@@ -26,11 +26,12 @@ MODELS = {
     "wide": SyntheticModel(hidden_size=512, intermediate_size=1536, vocab_size=4000, seed=7),
     "bf16": SyntheticModel(dtype="bfloat16", num_shards=2, split_fused=True, seed=9),
     "mixtral": SyntheticModel(architecture="MixtralForCausalLM", num_shards=2, seed=11),
+    "phi3": SyntheticModel(architecture="Phi3ForCausalLM", num_shards=2, seed=13),
 }
 """Small checkpoints: untied Llama with q/k/v and gate/up split over three files, a tied
 Llama, Qwen2 (q/k/v biases), one whose TP=2 rank files exceed a 5 MiB S3 part, and a
 bfloat16 Llama (staged ``dtype="auto"``: its rank files stay bfloat16), and a Mixtral
-(stacked experts)."""
+(stacked experts), and a Phi-3 (q/k/v and gate/up fused in the source)."""
 
 
 @pytest.fixture(scope="session")

@@ -33,6 +33,7 @@ Architecture = Literal[
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "MixtralForCausalLM",
+    "Phi3ForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen2MoeForCausalLM",
     "Qwen3ForCausalLM",
@@ -44,12 +45,16 @@ _MODEL_TYPES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "MixtralForCausalLM": "mixtral",
+    "Phi3ForCausalLM": "phi3",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 _MOE = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+_FUSED_IN_SOURCE = ("Phi3ForCausalLM",)
+"""Architectures whose checkpoints hold q/k/v fused in ``qkv_proj`` and gate/up in
+``gate_up_proj`` (rows: q, k, v; gate, up), as vLLM holds them."""
 _SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>")
 _CHUNK_ELEMENTS = 8 * 1024 * 1024
 """Elements generated per step (32 MiB of float32): bounds memory for large tensors."""
@@ -145,12 +150,15 @@ class SyntheticModel:
         ]
         for layer in range(self.num_layers):
             p = f"model.layers.{layer}."
-            out += [
-                (p + "input_layernorm.weight", (h,)),
-                (p + "self_attn.q_proj.weight", (q_rows, h)),
-                (p + "self_attn.k_proj.weight", (kv_rows, h)),
-                (p + "self_attn.v_proj.weight", (kv_rows, h)),
-            ]
+            out.append((p + "input_layernorm.weight", (h,)))
+            if self.architecture in _FUSED_IN_SOURCE:
+                out.append((p + "self_attn.qkv_proj.weight", (q_rows + 2 * kv_rows, h)))
+            else:
+                out += [
+                    (p + "self_attn.q_proj.weight", (q_rows, h)),
+                    (p + "self_attn.k_proj.weight", (kv_rows, h)),
+                    (p + "self_attn.v_proj.weight", (kv_rows, h)),
+                ]
             if self.architecture in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"):
                 out += [
                     (p + "self_attn.q_proj.bias", (q_rows,)),
@@ -176,6 +184,11 @@ class SyntheticModel:
         """One layer's MLP: dense gate/up/down, or a router and each expert's gate/up/down
         (Mixtral's ``block_sparse_moe`` names them w1/w3/w2)."""
         h, i = self.hidden_size, self.intermediate_size
+        if self.architecture in _FUSED_IN_SOURCE:
+            return [
+                (p + "mlp.gate_up_proj.weight", (2 * i, h)),
+                (p + "mlp.down_proj.weight", (h, i)),
+            ]
         if self.architecture not in _MOE:
             return [
                 (p + "mlp.gate_proj.weight", (i, h)),
@@ -215,6 +228,14 @@ class SyntheticModel:
                 output_router_logits=False,
                 router_aux_loss_coef=0.02,
                 router_jitter_noise=0.0,
+            )
+        elif self.architecture == "Phi3ForCausalLM":
+            cfg.update(
+                embd_pdrop=0.0,
+                resid_pdrop=0.0,
+                original_max_position_embeddings=self.max_position_embeddings,
+                sliding_window=self.max_position_embeddings // 2 - 1,  # Phi-3-mini-4k: 2047
+                pad_token_id=_SPECIAL_TOKENS.index("<pad>"),
             )
         elif self.architecture == "Qwen2ForCausalLM":
             cfg.update(

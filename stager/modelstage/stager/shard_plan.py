@@ -139,9 +139,8 @@ def _check_layer_count(
     (``num_hidden_layers`` may be up to 2**24), whereas the checkpoint's headers bound the
     number of tensors."""
     per_layer = sum(
-        config.num_experts if "{E}" in r.source else 1
-        for r in arch.rules
-        if "{L}" in r.source and r.when.holds(config)
+        config.num_experts if "{E}" in source else 1
+        for source in {r.source for r in arch.rules if "{L}" in r.source and r.when.holds(config)}
     )
     if config.num_layers * per_layer > len(sources):
         raise CheckpointError(
@@ -174,13 +173,18 @@ def _check_sources(
         )
     symbols = config.symbols
     for rule, source, _ in active:
-        expected = tuple(symbols[s] for s in rule.shape)
+        expected = tuple(_size(symbols, s) for s in rule.shape)
         actual = sources[source].shape
         if actual != expected:
             raise CheckpointError(
                 f"tensor {source!r} has shape {list(actual)}, but config.json implies "
                 f"{list(expected)} ({' x '.join(rule.shape)})"
             )
+
+
+def _size(symbols: Mapping[str, int], dim: str) -> int:
+    """A dimension in shape symbols; ``"q+kv+kv"`` is the sum of its parts."""
+    return sum(symbols[part] for part in dim.split("+"))
 
 
 def _resolve_dtype(dtype: str) -> str | None:
@@ -233,7 +237,30 @@ def _slots(
     tp: int,
     layout: Layout,
 ) -> list[Slot]:
-    """The per-rank slices of one source tensor; the shard math lives here, once per kind."""
+    """The per-rank slices of one source tensor (or of one part of a source fused along dim
+    0, shifted to that part's rows); the shard math lives here, once per kind."""
+    if rule.part is None:
+        return _split(rule, source, shape, config, tp, layout)
+    parts = rule.shape[0].split("+")
+    first = sum(config.symbols[p] for p in parts[: rule.part])
+    rows = config.symbols[parts[rule.part]]
+    shifted = []
+    for slot in _split(rule, source, (rows, *shape[1:]), config, tp, layout):
+        per_rank = (Slice((first + a, first + b), sel.cols) for sel in slot.per_rank
+                    for a, b in [sel.rows])  # fmt: skip
+        shifted.append(Slot(slot.source, tuple(per_rank)))
+    return shifted
+
+
+def _split(
+    rule: Rule,
+    source: str,
+    shape: tuple[int, ...],
+    config: ModelConfig,
+    tp: int,
+    layout: Layout,
+) -> list[Slot]:
+    """The per-rank slices of a tensor of ``shape`` by ``rule``'s split kind."""
     n = shape[0]
     split = rule.split
     if split is Split.REPLICATED:
