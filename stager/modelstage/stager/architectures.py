@@ -131,6 +131,7 @@ def _fused_in_source(rules: tuple[Rule, ...], target: str) -> tuple[Rule, ...]:
 
 
 def _phi3() -> tuple[Rule, ...]:
+    """A Llama whose checkpoints hold q/k/v and gate/up already fused, under vLLM's names."""
     rules = _LLAMA
     for fused in (f"{ATTN}.qkv_proj", f"{MLP}.gate_up_proj"):
         for kind in ("weight", "bias"):

@@ -39,6 +39,10 @@ class Slice:
     def num_rows(self) -> int:
         return self.rows[1] - self.rows[0]
 
+    def shifted(self, offset: int) -> Slice:
+        """The same cut, ``offset`` rows further down (a part of a fused source)."""
+        return Slice((self.rows[0] + offset, self.rows[1] + offset), self.cols)
+
 
 @dataclass(frozen=True)
 class Slot:
@@ -244,12 +248,10 @@ def _slots(
     parts = rule.shape[0].split("+")
     first = sum(config.symbols[p] for p in parts[: rule.part])
     rows = config.symbols[parts[rule.part]]
-    shifted = []
-    for slot in _split(rule, source, (rows, *shape[1:]), config, tp, layout):
-        per_rank = (Slice((first + a, first + b), sel.cols) for sel in slot.per_rank
-                    for a, b in [sel.rows])  # fmt: skip
-        shifted.append(Slot(slot.source, tuple(per_rank)))
-    return shifted
+    return [
+        Slot(slot.source, tuple(sel.shifted(first) for sel in slot.per_rank))
+        for slot in _split(rule, source, (rows, *shape[1:]), config, tp, layout)
+    ]
 
 
 def _split(
