@@ -7,6 +7,7 @@ Mixtral (4 experts: vLLM's Mixtral takes more ranks than experts), Qwen2-MoE (wi
 biases and a gated shared expert) and Qwen3-MoE (8 experts: both models refuse more ranks than
 experts) bfloat16, 8 query heads on 2 KV heads (replicated
 from TP 4), at TP 2; TP 4 and 8 in the slow tier (a process per rank, each importing vLLM).
+Phi-3 (q/k/v and gate/up fused in the source) bfloat16, 8 query heads on 2 KV heads, likewise.
 """
 
 from __future__ import annotations
@@ -124,3 +125,57 @@ def test_moe_rank_files_equal_vllms_own_per_rank_state_byte_for_byte(
         differ = [k for k in want if not _same_bytes(want[k], got[k])]
         assert not differ, f"rank {rank}: {len(differ)} tensors differ, e.g. {differ[:4]}"
         _check_experts_from_source(family, src, rank, tp, want)
+
+
+PHI3 = SyntheticModel(
+    architecture="Phi3ForCausalLM", hidden_size=128, intermediate_size=256, num_heads=8,
+    num_kv_heads=2, vocab_size=512, dtype="bfloat16", num_shards=2, seed=10,
+)  # fmt: skip
+
+
+def _check_fused_from_source(src: Path, rank: int, tp: int, want: dict[str, torch.Tensor]) -> None:
+    """The contract itself, read off the source: the source's fused ``qkv_proj`` cut into q,
+    k and v, then each part's rows of the rank (a KV head on several ranks from TP 4), side
+    by side; ``gate_up_proj`` cut into gate and up, likewise."""
+    source = _read(sorted(src.glob("*.safetensors")))
+    hd = PHI3.head_size
+    q, kv = PHI3.num_heads * hd, PHI3.num_kv_heads * hd
+    attn, mlp = "model.layers.1.self_attn.", "model.layers.1.mlp."
+    fused = source[attn + "qkv_proj.weight"]
+    q_rows = q // tp
+    kv_first = rank * PHI3.num_kv_heads // tp * hd  # ranks past the KV heads share them
+    kv_rows = max(PHI3.num_kv_heads // tp, 1) * hd
+    qkv = torch.cat([
+        fused[rank * q_rows : (rank + 1) * q_rows],
+        fused[q + kv_first : q + kv_first + kv_rows],
+        fused[q + kv + kv_first : q + kv + kv_first + kv_rows],
+    ])  # fmt: skip
+    assert want[attn + "qkv_proj.weight"].equal(qkv)
+    inter = PHI3.intermediate_size // tp
+    gate_up = source[mlp + "gate_up_proj.weight"]
+    rows = slice(rank * inter, (rank + 1) * inter)
+    up = slice(PHI3.intermediate_size + rank * inter, PHI3.intermediate_size + (rank + 1) * inter)
+    assert want[mlp + "gate_up_proj.weight"].equal(torch.cat([gate_up[rows], gate_up[up]]))
+
+
+@pytest.mark.parametrize(
+    "tp",
+    [2, pytest.param(4, marks=pytest.mark.slow), pytest.param(8, marks=pytest.mark.slow)],
+    ids=lambda tp: f"tp{tp}",
+)
+def test_phi3_rank_files_equal_vllms_own_per_rank_state_byte_for_byte(
+    tp: int,
+    checkpoint: Callable[[str, SyntheticModel], Path],
+    staged: Callable[..., Path],
+    tmp_path: Path,
+) -> None:
+    src = checkpoint("layout-phi3", PHI3)
+    artifact = staged("layout-phi3", src, tp, "--dtype", "auto")
+    states = vllm_rank_states(src, tp, "bfloat16", tmp_path / "vllm")
+    for rank, state in enumerate(states):
+        want = _read([state])
+        got = _read(sorted(artifact.glob(f"model-rank-{rank}-part-*.safetensors")))
+        assert sorted(got) == sorted(want), f"rank {rank}: names differ"
+        differ = [k for k in want if not _same_bytes(want[k], got[k])]
+        assert not differ, f"rank {rank}: {len(differ)} tensors differ, e.g. {differ[:4]}"
+        _check_fused_from_source(src, rank, tp, want)

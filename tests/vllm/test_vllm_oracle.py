@@ -4,7 +4,7 @@ checkpoint at the same TP and dtype, and misplaced weights are caught.
 
 Every run is stock vLLM (``VLLM_PLUGINS=""``, checked in each result) at the dtype the case
 names, on both sides; 16-bit sources are staged with ``--dtype auto`` and the artifact must
-hold 16-bit weights. Default matrix (29 vLLM starts with a cold reference cache, 16 with a
+hold 16-bit weights. Default matrix (32 vLLM starts with a cold reference cache, 18 with a
 warm one; a TP=1 start takes ~16 s and a TP=2 start ~28 s on 2 idle cores):
 - Llama float32, tied embeddings, vocab 1000 (padded to 1024), q/k/v and gate/up spread over
   three source files: TP 1, 2.
@@ -19,12 +19,15 @@ warm one; a TP=1 start takes ~16 s and a TP=2 start ~28 s on 2 idle cores):
   under ``mlp.experts._shared_experts._layer``), 4 experts: TP 1, 2.
 - Qwen3-MoE bfloat16 (q_norm/k_norm, head_dim 64, router kept as ``mlp.experts.gate``), 4
   experts, tied: TP 1, 2.
+- Phi-3 bfloat16 (q/k/v fused in the source's ``qkv_proj``, gate/up in ``gate_up_proj``, cut
+  into their parts before the rank split), 4 KV heads, two source files: TP 2.
 - Mutations: the Llama TP 1 artifact with two KV-head blocks of one layer's ``qkv_proj``
   swapped, the Llama TP 2 artifact with its two ranks' files exchanged, and the Mixtral TP 2
-  artifact with two experts of one layer exchanged in rank 0's file, load in vLLM without a
-  warning but fail the comparison.
+  artifact with two experts of one layer exchanged in rank 0's file, and the Phi-3 TP 2
+  artifact with the k and v blocks of one layer's ``qkv_proj`` exchanged in rank 0's file,
+  load in vLLM without a warning but fail the comparison.
 Slow tier (``-m slow``): Llama, Mixtral, Qwen2-MoE and Qwen3-MoE at TP 4 (each KV head on two
-ranks; ~50 s a start), Mistral float16 at TP 2, and the Qwen3 bfloat16 source staged ``--dtype
+ranks; ~50 s a start), Phi-3 at TP 1 and 4, Mistral float16 at TP 2, and the Qwen3 bfloat16 source staged ``--dtype
 float32`` (the stager's cast) at TP 2.
 """
 
@@ -44,6 +47,7 @@ from vllm_oracle import (
     reference,
     run_vllm,
     swap_experts,
+    swap_k_and_v,
     swap_kv_head_blocks,
     swap_rank_files,
     weight_dtypes,
@@ -112,6 +116,17 @@ QWEN3_MOE = Case(
     dtype="bfloat16",
     slow_tps=(4,),
 )
+PHI3 = Case(
+    "phi3-bf16-fused-qkv-gate-up",
+    SyntheticModel(
+        architecture="Phi3ForCausalLM", num_kv_heads=4, vocab_size=1000, dtype="bfloat16",
+        num_shards=2, seed=10,
+    ),
+    (2,),
+    ("--dtype", "auto"),
+    dtype="bfloat16",
+    slow_tps=(1, 4),
+)
 QWEN3_BF16 = SyntheticModel(
     architecture="Qwen3ForCausalLM", head_dim=64, num_kv_heads=4, vocab_size=1000,
     tie_word_embeddings=True, dtype="bfloat16", num_shards=2, seed=2,
@@ -155,6 +170,7 @@ CASES = [
     MIXTRAL,
     QWEN2_MOE,
     QWEN3_MOE,
+    PHI3,
 ]  # fmt: skip
 
 
@@ -272,3 +288,25 @@ def test_swapped_experts_in_one_rank_file_fail_the_oracle(
 
     assert not loader_warnings(got.log), "the mutated artifact must still load cleanly"
     assert differences(ref.output, got.output), "the oracle missed two swapped experts"
+
+
+def test_k_and_v_of_a_fused_source_exchanged_in_one_rank_file_fail_the_oracle(
+    checkpoint: Callable[[str, SyntheticModel], Path],
+    staged: Callable[..., Path],
+    timings: Timings,
+    tmp_path: Path,
+) -> None:
+    tp, spec = 2, PHI3.spec  # staged and referenced by the matrix
+    src = checkpoint(PHI3.name, spec)
+    mutated = tmp_path / "mutated"
+    shutil.copytree(staged(PHI3.name, src, tp, *PHI3.stage_args), mutated)
+    swap_k_and_v(mutated, spec.num_heads, spec.num_kv_heads, spec.head_size, tp, layer=1)
+    prompts = prompts_for(spec)
+
+    ref = reference(src, tp, prompts, PHI3.dtype)
+    timings.append((f"reference {PHI3.name} tp{tp} {PHI3.dtype}", ref))
+    got = run_vllm(mutated, tp, "sharded_state", prompts, PHI3.dtype)
+    timings.append((f"mutated   {PHI3.name} tp{tp} (k and v exchanged)", got))
+
+    assert not loader_warnings(got.log), "the mutated artifact must still load cleanly"
+    assert differences(ref.output, got.output), "the oracle missed k and v exchanged"
