@@ -291,3 +291,22 @@ def test_many_objects_open_at_once_get_smaller_parts_down_to_s3s_minimum() -> No
     assert S3Destination("s3://b/p", options, open_files=16).part_bytes > MIN_PART_BYTES
     assert S3Destination("s3://b/p", options, open_files=16).part_bytes < options.part_bytes
     assert S3Destination("s3://b/p", options, open_files=100).part_bytes == MIN_PART_BYTES
+
+
+def test_phi3_rank_objects_cut_from_fused_sources_equal_the_local_sharded_state(
+    s3: S3Server, bucket: str, tmp_path: Path
+) -> None:
+    """Phi-3's fused ``qkv_proj``/``gate_up_proj`` need nothing of the S3 writer: the rank
+    objects equal the local rank files (proven against vLLM by tests/vllm) byte for byte."""
+    from modelstage.devtools.synthetic import SyntheticModel, write_checkpoint
+
+    spec = SyntheticModel(architecture="Phi3ForCausalLM", num_kv_heads=2, num_shards=2, seed=13)
+    src = write_checkpoint(spec, tmp_path / "phi3")
+    local = tmp_path / "local"
+    stage(StageRequest(source=str(src), out=str(local), tp=4))
+    stage(request(src, f"s3://{bucket}/phi3/", s3, "runai_streamer_sharded", tp=4))
+    found = objects(s3, bucket, "phi3/")
+    ranks = sorted(n for n in found if n.startswith("model-rank-"))
+    assert len(ranks) == 4 and set(found) == {p.name for p in local.iterdir()}
+    for name in ranks:
+        assert body(s3, bucket, "phi3/" + name) == (local / name).read_bytes(), name

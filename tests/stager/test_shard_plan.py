@@ -33,6 +33,7 @@ def models(draw: st.DrawFn) -> tuple[SyntheticModel, int]:
                 "Qwen2MoeForCausalLM",
                 "Qwen3MoeForCausalLM",
                 "GptOssForCausalLM",
+                "Phi3ForCausalLM",
             ]
         )
     )
@@ -415,3 +416,69 @@ def test_fp8_is_staged_in_its_own_dtypes_and_refuses_a_cast_or_an_unquantized_we
     with pytest.raises(CheckpointError, match="torch_dtype None is not one of"):
         plan_shards(ModelConfig.from_dict(no_dtype), dict(sources, **{
             "model.layers.0.mlp.up_proj.weight": SourceTensor("F8_E4M3", (128, 64))}), 2, LAYOUT)  # fmt: skip
+def _phi3_and_llama(tp: int) -> tuple[ShardPlan, ShardPlan, dict[str, np.ndarray]]:
+    """One Phi-3's plan and the plan of the same weights unfused into a Llama's q/k/v and
+    gate/up (its fused rows: q, k, v; gate, up), with the Llama's source tensors."""
+    shape = {"hidden_size": 32, "intermediate_size": 8, "num_heads": 4, "num_kv_heads": 2,
+             "num_layers": 1, "vocab_size": 64}  # fmt: skip
+    phi3 = SyntheticModel(architecture="Phi3ForCausalLM", **shape)  # type: ignore[arg-type]
+    llama = SyntheticModel(architecture="LlamaForCausalLM", **shape)  # type: ignore[arg-type]
+    rng = np.random.default_rng(1)
+    src = {n: rng.standard_normal(s).astype(np.float32) for n, s in phi3.tensors()}
+    attn, mlp = "model.layers.0.self_attn.", "model.layers.0.mlp."
+    q, kv = 4 * 8, 2 * 8
+    qkv, gate_up = src[attn + "qkv_proj.weight"], src[mlp + "gate_up_proj.weight"]
+    unfused = {n: a for n, a in src.items() if n not in (attn + "qkv_proj.weight",
+                                                         mlp + "gate_up_proj.weight")}  # fmt: skip
+    unfused.update({attn + "q_proj.weight": qkv[:q], attn + "k_proj.weight": qkv[q : q + kv],
+                    attn + "v_proj.weight": qkv[q + kv :], mlp + "gate_proj.weight": gate_up[:8],
+                    mlp + "up_proj.weight": gate_up[8:]})  # fmt: skip
+    assert set(unfused) == {n for n, _ in llama.tensors()}
+    plans = [
+        plan_shards(
+            ModelConfig.from_dict(m.config()),
+            {n: SourceTensor("F32", s) for n, s in m.tensors()},
+            tp,
+            LAYOUT,
+        )
+        for m in (phi3, llama)
+    ]
+    return plans[0], plans[1], {**src, **unfused}
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_phi3_fused_sources_give_each_rank_what_the_unfused_llama_sources_give(tp: int) -> None:
+    """Phi-3's ``qkv_proj`` and ``gate_up_proj`` are cut into their parts before the rank
+    split: every rank's tensors equal those of a Llama holding the same weights unfused
+    (TP 4: each of the 2 KV heads on two ranks)."""
+    phi3, llama, src = _phi3_and_llama(tp)
+    assert [(t.name, t.shape) for t in phi3.targets] == [(t.name, t.shape) for t in llama.targets]
+    for rank in range(tp):
+        want, got = _execute(llama, src, rank), _execute(phi3, src, rank)
+        for name, tensor in want.items():
+            np.testing.assert_array_equal(got[name], tensor, err_msg=f"rank {rank}: {name}")
+
+
+def test_phi3_reads_each_part_of_a_fused_source_at_its_own_rows() -> None:
+    phi3, _, _ = _phi3_and_llama(2)
+    targets = {t.name: t for t in phi3.targets}
+    qkv = targets["model.layers.0.self_attn.qkv_proj.weight"]
+    assert qkv.shape == (16 + 8 + 8, 32)
+    assert {s.source for s in qkv.slots} == {"model.layers.0.self_attn.qkv_proj.weight"}
+    # source rows: q 0-31, k 32-47, v 48-63; rank r takes half of each
+    assert [[sel.rows for sel in s.per_rank] for s in qkv.slots] == [
+        [(0, 16), (16, 32)], [(32, 40), (40, 48)], [(48, 56), (56, 64)]
+    ]  # fmt: skip
+    gate_up = targets["model.layers.0.mlp.gate_up_proj.weight"]
+    assert [[sel.rows for sel in s.per_rank] for s in gate_up.slots] == [
+        [(0, 4), (4, 8)], [(8, 12), (12, 16)]
+    ]  # fmt: skip
+
+
+def test_a_fused_source_of_the_wrong_size_is_refused_naming_its_parts() -> None:
+    model = SyntheticModel(architecture="Phi3ForCausalLM", num_layers=1)
+    sources = {n: SourceTensor("F32", s) for n, s in model.tensors()}
+    name = "model.layers.0.self_attn.qkv_proj.weight"
+    sources[name] = SourceTensor("F32", (256 + 32, 256))  # q and k only
+    with pytest.raises(CheckpointError, match=r"\[384, 256\] \(q\+kv\+kv x hidden\)"):
+        plan_shards(ModelConfig.from_dict(model.config()), sources, 2, LAYOUT)

@@ -41,6 +41,8 @@ CASES = [
     ("gpt-oss", SyntheticModel(architecture="GptOssForCausalLM", hidden_size=64, num_heads=8,
                                num_kv_heads=8, intermediate_size=32, num_experts=3,
                                vocab_size=333, num_shards=3), (1, 2, 4, 8)),
+    ("phi3", SyntheticModel(architecture="Phi3ForCausalLM", num_kv_heads=2, vocab_size=555,
+                            num_shards=2), (1, 2, 4, 8)),
 ]  # fmt: skip
 
 

@@ -44,6 +44,7 @@ def expected_rank(hf: dict[str, Arr], config: dict[str, object], tp: int, r: int
     kv = int(config["num_key_value_heads"])  # type: ignore[call-overload]
     hd = int(config.get("head_dim") or int(config["hidden_size"]) // heads)  # type: ignore[call-overload]
     layers = int(config["num_hidden_layers"])  # type: ignore[call-overload]
+    hf = _unfused(hf, heads * hd, kv * hd)
     out: dict[str, Arr] = {}
     embed = _vocab(hf["model.embed_tokens.weight"], tp, r)
     if config.get("tie_word_embeddings"):
@@ -144,6 +145,22 @@ def _gpt_oss_rank(hf: dict[str, Arr], config: dict[str, object], tp: int, r: int
         out[f"{routed}.w2_weight"] = _split(down, tp, r, 1).transpose(0, 2, 1).copy()
         bias = hf[f"{m}.experts.down_proj_bias"]
         out[f"{routed}.w2_bias"] = bias if r == 0 else np.zeros_like(bias)
+    return out
+
+
+def _unfused(hf: dict[str, Arr], q: int, kv: int) -> dict[str, Arr]:
+    """Phi-3's fused sources cut into the parts a Llama checkpoint holds: ``qkv_proj`` rows
+    into q [q], k [kv], v [kv]; ``gate_up_proj`` rows into gate and up halves."""
+    out = dict(hf)
+    for name in [n for n in hf if n.endswith(("qkv_proj.weight", "gate_up_proj.weight"))]:
+        t = out.pop(name)
+        if name.endswith("qkv_proj.weight"):
+            base = name.removesuffix("qkv_proj.weight")
+            parts = {"q_proj": t[:q], "k_proj": t[q : q + kv], "v_proj": t[q + kv :]}
+        else:
+            base, half = name.removesuffix("gate_up_proj.weight"), t.shape[0] // 2
+            parts = {"gate_proj": t[:half], "up_proj": t[half:]}
+        out.update({f"{base}{part}.weight": rows for part, rows in parts.items()})
     return out
 
 

@@ -28,11 +28,13 @@ MODELS = {
     "mixtral": SyntheticModel(architecture="MixtralForCausalLM", num_shards=2, seed=11),
     "gpt-oss": SyntheticModel(architecture="GptOssForCausalLM", dtype="bfloat16", num_shards=2,
                               seed=13),
+    "phi3": SyntheticModel(architecture="Phi3ForCausalLM", num_shards=2, seed=14),
 }
 """Small checkpoints: untied Llama with q/k/v and gate/up split over three files, a tied
 Llama, Qwen2 (q/k/v biases), one whose TP=2 rank files exceed a 5 MiB S3 part, and a
 bfloat16 Llama (staged ``dtype="auto"``: its rank files stay bfloat16), a Mixtral
-(stacked experts) and a bfloat16 gpt-oss (experts cut and transposed, a rank-0-only bias)."""
+(stacked experts), a bfloat16 gpt-oss (experts cut and transposed, a rank-0-only bias) and a
+Phi-3 (q/k/v and gate/up fused in the source)."""
 
 
 @pytest.fixture(scope="session")

@@ -254,3 +254,19 @@ def test_cli_stages_tensorizer_and_prints_the_summary(
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["format"] == "tensorizer" and summary["tensorParallelSize"] == 2
     assert rank_file(tmp_path / "a", 1).exists()
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_phi3_rank_files_hold_the_sharded_state_cut_from_its_fused_sources(
+    staged: Callable[..., Path], tp: int
+) -> None:
+    """Each part of a fused source read at its own rows: the same per-rank tensors as the
+    ``sharded_state`` artifact (itself proven against vLLM by tests/vllm)."""
+    tz, ss = staged("phi3", "tensorizer", tp), staged("phi3", "sharded_state", tp)
+    for rank in range(tp):
+        expected = sharded_state(ss, rank)
+        assert "model.layers.0.self_attn.qkv_proj.weight" in expected
+        got = read_entries(rank_file(tz, rank))
+        assert set(got) == set(expected) | {MARKER}, rank
+        for name, tensor in expected.items():
+            assert torch.equal(got[name][1], tensor), f"rank {rank}: {name} differs"

@@ -1,22 +1,19 @@
 """The layout oracle: every rank file the stager writes holds exactly, byte for byte, the
 state vLLM's own weight loaders give that rank from the original checkpoint (names, dtypes,
 shapes and values; ``layout_oracle.py`` takes it before ``process_weights_after_loading``,
-filtered as ``ShardedStateLoader`` filters it).
+filtered as ``ShardedStateLoader`` filters it), for every family of the stager's table.
 
-Mixtral (4 experts: vLLM's Mixtral takes more ranks than experts), Qwen2-MoE (with query/key/value
-biases and a gated shared expert) and Qwen3-MoE (8 experts: both models refuse more ranks than
-experts) bfloat16, 8 query heads on 2 KV heads (replicated
-from TP 4), and gpt-oss (bf16 experts, 16 query heads on 8 KV heads), at TP 2; TP 4 and 8 in the
-slow tier (a process per rank, each importing vLLM).
-from TP 4), at TP 2; TP 4 and 8 in the slow tier (a process per rank, each importing vLLM).
-FP8 (compressed-tensors W8A8: float8 weights with per-channel float32 scales, vLLM's [1]
-attention scales and zero points) for Llama (q/k/v and gate/up in different source files) and
-Qwen3 (q/k norms, head_dim 32 != hidden/heads, tied) likewise.
+Each family also has its contract checked against the source itself (``FAMILIES``'s check):
+which source rows and columns make each rank's tensor. The checkpoints are bfloat16 with 8
+query heads on 2 KV heads (each KV head replicated from TP 4) unless a family needs otherwise.
+TP 2 for the families in ``DEFAULT_TIER``; every other family, and TP 4 and 8, in the slow tier
+(a process per rank, each importing vLLM).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -27,27 +24,8 @@ from vllm_oracle import vllm_rank_states
 
 pytestmark = pytest.mark.vllm
 
-MOE_FAMILIES = {
-    "mixtral": SyntheticModel(
-        architecture="MixtralForCausalLM", hidden_size=128, intermediate_size=256, num_heads=8,
-        num_kv_heads=2, vocab_size=512, num_experts=4, dtype="bfloat16", num_shards=2, seed=4,
-    ),
-    "qwen2-moe": SyntheticModel(
-        architecture="Qwen2MoeForCausalLM", hidden_size=128, intermediate_size=64, num_heads=8,
-        num_kv_heads=2, vocab_size=512, num_experts=8, dtype="bfloat16", num_shards=2, seed=8,
-    ),
-    "qwen3-moe": SyntheticModel(
-        architecture="Qwen3MoeForCausalLM", hidden_size=128, intermediate_size=64, num_heads=8,
-        num_kv_heads=2, head_dim=32, vocab_size=512, num_experts=8, dtype="bfloat16",
-        tie_word_embeddings=True, num_shards=2, seed=6,
-    ),
-}  # fmt: skip
-"""Where each family's source names its experts and router, and vLLM's kept router name."""
-EXPERT_NAMES = {
-    "mixtral": ("block_sparse_moe.", ("w1", "w3", "w2"), "gate.weight"),
-    "qwen2-moe": ("mlp.", ("gate_proj", "up_proj", "down_proj"), "gate.weight"),
-    "qwen3-moe": ("mlp.", ("gate_proj", "up_proj", "down_proj"), "experts.gate.weight"),
-}
+Want = dict[str, torch.Tensor]
+Check = Callable[[SyntheticModel, Path, int, int, Want], None]
 
 
 def _read(paths: list[Path]) -> dict[str, torch.Tensor]:
@@ -64,13 +42,12 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _check_experts_from_source(
-    family: str, src: Path, rank: int, tp: int, want: dict[str, torch.Tensor]
+    spec: SyntheticModel, src: Path, rank: int, tp: int, want: Want
 ) -> None:
     """The contract itself, read off the source: w13[e] = cat(gate_e, up_e) rows of the rank,
     w2[e] = the rank's columns of down_e, the router whole under vLLM's kept name."""
     source = _read(sorted(src.glob("*.safetensors")))
-    block, (gate, up, down), router = EXPERT_NAMES[family]
-    spec = MOE_FAMILIES[family]
+    block, (gate, up, down), router = EXPERT_NAMES[spec.architecture]
     inter = spec.intermediate_size // tp
     rows = slice(rank * inter, (rank + 1) * inter)
     moe = "model.layers.1." + block
@@ -82,8 +59,16 @@ def _check_experts_from_source(
             source[f"{x}{down}.weight"][:, rows]
         )
     assert want[moe + router].equal(source[moe + "gate.weight"])
-    if family == "qwen2-moe":
+    if spec.architecture == "Qwen2MoeForCausalLM":
         _check_shared_expert_from_source(source, spec, rank, tp, want)
+
+
+EXPERT_NAMES = {
+    "MixtralForCausalLM": ("block_sparse_moe.", ("w1", "w3", "w2"), "gate.weight"),
+    "Qwen2MoeForCausalLM": ("mlp.", ("gate_proj", "up_proj", "down_proj"), "gate.weight"),
+    "Qwen3MoeForCausalLM": ("mlp.", ("gate_proj", "up_proj", "down_proj"), "experts.gate.weight"),
+}
+"""Where each MoE family's source names its experts and router, and vLLM's kept router name."""
 
 
 def _check_shared_expert_from_source(
@@ -106,22 +91,14 @@ def _check_shared_expert_from_source(
     assert want[kept + "expert_gate.weight"].equal(source[mlp + "shared_expert_gate.weight"])
 
 
-GPT_OSS = SyntheticModel(
-    architecture="GptOssForCausalLM", hidden_size=128, intermediate_size=64, num_heads=16,
-    num_kv_heads=8, head_dim=16, vocab_size=512, num_experts=4, dtype="bfloat16", num_shards=2,
-    seed=12,
-)  # fmt: skip
-"""gpt-oss with bfloat16 experts; 8 KV heads, since its model splits them and never copies."""
-
-
 def _check_gpt_oss_from_source(
-    src: Path, rank: int, tp: int, want: dict[str, torch.Tensor]
+    spec: SyntheticModel, src: Path, rank: int, tp: int, want: dict[str, torch.Tensor]
 ) -> None:
     """The contract itself, read off the source: per expert the rank's block of
     ``gate_up_proj``'s (interleaved) columns and of ``down_proj``'s rows, transposed;
     ``w13_bias`` cut alike; ``w2_bias`` whole on rank 0 and zero elsewhere; sinks by heads."""
     source = _read(sorted(src.glob("*.safetensors")))
-    inter, heads = GPT_OSS.intermediate_size // tp, GPT_OSS.num_heads // tp
+    inter, heads = spec.intermediate_size // tp, spec.num_heads // tp
     cols = slice(2 * rank * inter, 2 * (rank + 1) * inter)
     rows = slice(rank * inter, (rank + 1) * inter)
     hf, routed = "model.layers.1.mlp.experts.", "model.layers.1.mlp.experts.routed_experts."
@@ -134,74 +111,6 @@ def _check_gpt_oss_from_source(
     assert want["model.layers.1.attn.sinks"].equal(sinks)
     o_bias = source["model.layers.1.self_attn.o_proj.bias"]
     assert want["model.layers.1.attn.o_proj.bias"].equal(o_bias)
-
-
-def _assert_rank_files_equal(artifact: Path, states: list[Path]) -> list[dict[str, torch.Tensor]]:
-    wants = []
-    for rank, state in enumerate(states):
-        want = _read([state])
-        got = _read(sorted(artifact.glob(f"model-rank-{rank}-part-*.safetensors")))
-        assert sorted(got) == sorted(want), f"rank {rank}: names differ"
-        differ = [k for k in want if not _same_bytes(want[k], got[k])]
-        assert not differ, f"rank {rank}: {len(differ)} tensors differ, e.g. {differ[:4]}"
-        wants.append(want)
-    return wants
-
-
-@pytest.mark.parametrize(
-    "tp",
-    [2, pytest.param(4, marks=pytest.mark.slow), pytest.param(8, marks=pytest.mark.slow)],
-    ids=lambda tp: f"tp{tp}",
-)
-def test_gpt_oss_rank_files_equal_vllms_own_per_rank_state_byte_for_byte(
-    tp: int,
-    checkpoint: Callable[[str, SyntheticModel], Path],
-    staged: Callable[..., Path],
-    tmp_path: Path,
-) -> None:
-    src = checkpoint("layout-gpt-oss", GPT_OSS)
-    artifact = staged("layout-gpt-oss", src, tp, "--dtype", "auto")
-    states = vllm_rank_states(src, tp, "bfloat16", tmp_path / "vllm")
-    for rank, want in enumerate(_assert_rank_files_equal(artifact, states)):
-        _check_gpt_oss_from_source(src, rank, tp, want)
-
-
-@pytest.mark.parametrize("family", sorted(MOE_FAMILIES))
-@pytest.mark.parametrize(
-    "tp",
-    [2, pytest.param(4, marks=pytest.mark.slow), pytest.param(8, marks=pytest.mark.slow)],
-    ids=lambda tp: f"tp{tp}",
-)
-def test_moe_rank_files_equal_vllms_own_per_rank_state_byte_for_byte(
-    family: str,
-    tp: int,
-    checkpoint: Callable[[str, SyntheticModel], Path],
-    staged: Callable[..., Path],
-    tmp_path: Path,
-) -> None:
-    src = checkpoint(f"layout-{family}", MOE_FAMILIES[family])
-    artifact = staged(f"layout-{family}", src, tp, "--dtype", "auto")
-    states = vllm_rank_states(src, tp, "bfloat16", tmp_path / "vllm")
-    for rank, state in enumerate(states):
-        want = _read([state])
-        got = _read(sorted(artifact.glob(f"model-rank-{rank}-part-*.safetensors")))
-        assert sorted(got) == sorted(want), f"rank {rank}: names differ"
-        differ = [k for k in want if not _same_bytes(want[k], got[k])]
-        assert not differ, f"rank {rank}: {len(differ)} tensors differ, e.g. {differ[:4]}"
-        _check_experts_from_source(family, src, rank, tp, want)
-
-
-FP8_FAMILIES = {
-    "fp8-llama": SyntheticModel(
-        hidden_size=128, intermediate_size=256, num_heads=8, num_kv_heads=2, vocab_size=512,
-        dtype="bfloat16", num_shards=2, split_fused=True, fp8=True, seed=11,
-    ),
-    "fp8-qwen3": SyntheticModel(
-        architecture="Qwen3ForCausalLM", hidden_size=128, intermediate_size=256, num_heads=8,
-        num_kv_heads=2, head_dim=32, vocab_size=512, tie_word_embeddings=True,
-        dtype="bfloat16", num_shards=2, fp8=True, seed=13,
-    ),
-}  # fmt: skip
 
 
 def _check_fp8_scales_from_source(
@@ -236,27 +145,113 @@ def _check_fp8_scales_from_source(
         assert want[f"{attn}attn.{x}_zero_point"].equal(torch.zeros(1, dtype=torch.bfloat16))
 
 
-@pytest.mark.parametrize("family", sorted(FP8_FAMILIES))
-@pytest.mark.parametrize(
-    "tp",
-    [2, pytest.param(4, marks=pytest.mark.slow), pytest.param(8, marks=pytest.mark.slow)],
-    ids=lambda tp: f"tp{tp}",
-)
-def test_fp8_rank_files_equal_vllms_own_per_rank_state_byte_for_byte(
-    family: str,
-    tp: int,
-    checkpoint: Callable[[str, SyntheticModel], Path],
-    staged: Callable[..., Path],
-    tmp_path: Path,
+def _check_fused_from_source(
+    spec: SyntheticModel, src: Path, rank: int, tp: int, want: dict[str, torch.Tensor]
 ) -> None:
-    spec = FP8_FAMILIES[family]
-    src = checkpoint(f"layout-{family}", spec)
-    artifact = staged(f"layout-{family}", src, tp, "--dtype", "auto")
-    states = vllm_rank_states(src, tp, "bfloat16", tmp_path / "vllm")
+    """The contract itself, read off the source: the source's fused ``qkv_proj`` cut into q,
+    k and v, then each part's rows of the rank (a KV head on several ranks from TP 4), side
+    by side; ``gate_up_proj`` cut into gate and up, likewise."""
+    source = _read(sorted(src.glob("*.safetensors")))
+    hd = spec.head_size
+    q, kv = spec.num_heads * hd, spec.num_kv_heads * hd
+    attn, mlp = "model.layers.1.self_attn.", "model.layers.1.mlp."
+    fused = source[attn + "qkv_proj.weight"]
+    q_rows = q // tp
+    kv_first = rank * spec.num_kv_heads // tp * hd  # ranks past the KV heads share them
+    kv_rows = max(spec.num_kv_heads // tp, 1) * hd
+    qkv = torch.cat([
+        fused[rank * q_rows : (rank + 1) * q_rows],
+        fused[q + kv_first : q + kv_first + kv_rows],
+        fused[q + kv + kv_first : q + kv + kv_first + kv_rows],
+    ])  # fmt: skip
+    assert want[attn + "qkv_proj.weight"].equal(qkv)
+    inter = spec.intermediate_size // tp
+    gate_up = source[mlp + "gate_up_proj.weight"]
+    rows = slice(rank * inter, (rank + 1) * inter)
+    up = slice(spec.intermediate_size + rank * inter, spec.intermediate_size + (rank + 1) * inter)
+    assert want[mlp + "gate_up_proj.weight"].equal(torch.cat([gate_up[rows], gate_up[up]]))
+
+
+@dataclass(frozen=True)
+class Family:
+    spec: SyntheticModel
+    check: Check | None = None
+    """The family's contract read off the source, beyond the byte-for-byte comparison."""
+
+
+FAMILIES = {
+    "mixtral": Family(SyntheticModel(
+        architecture="MixtralForCausalLM", hidden_size=128, intermediate_size=256, num_heads=8,
+        num_kv_heads=2, vocab_size=512, num_experts=4, dtype="bfloat16", num_shards=2, seed=4,
+    ), _check_experts_from_source),  # vLLM's Mixtral takes more ranks than experts
+    "qwen2-moe": Family(SyntheticModel(
+        architecture="Qwen2MoeForCausalLM", hidden_size=128, intermediate_size=64, num_heads=8,
+        num_kv_heads=2, vocab_size=512, num_experts=8, dtype="bfloat16", num_shards=2, seed=8,
+    ), _check_experts_from_source),  # q/k/v biases, a gated shared expert; <= 8 ranks
+    "qwen3-moe": Family(SyntheticModel(
+        architecture="Qwen3MoeForCausalLM", hidden_size=128, intermediate_size=64, num_heads=8,
+        num_kv_heads=2, head_dim=32, vocab_size=512, num_experts=8, dtype="bfloat16",
+        tie_word_embeddings=True, num_shards=2, seed=6,
+    ), _check_experts_from_source),
+    "gpt-oss": Family(SyntheticModel(
+        architecture="GptOssForCausalLM", hidden_size=128, intermediate_size=64, num_heads=16,
+        num_kv_heads=8, head_dim=16, vocab_size=512, num_experts=4, dtype="bfloat16",
+        num_shards=2, seed=12,
+    ), _check_gpt_oss_from_source),  # 8 KV heads: its model splits them and never copies
+    "fp8-llama": Family(SyntheticModel(
+        hidden_size=128, intermediate_size=256, num_heads=8, num_kv_heads=2, vocab_size=512,
+        dtype="bfloat16", num_shards=2, split_fused=True, fp8=True, seed=11,
+    ), _check_fp8_scales_from_source),  # q/k/v and gate/up in different source files
+    "fp8-qwen3": Family(SyntheticModel(
+        architecture="Qwen3ForCausalLM", hidden_size=128, intermediate_size=256, num_heads=8,
+        num_kv_heads=2, head_dim=32, vocab_size=512, tie_word_embeddings=True,
+        dtype="bfloat16", num_shards=2, fp8=True, seed=13,
+    ), _check_fp8_scales_from_source),  # q/k norms, head_dim 32 != hidden/heads, tied
+    "phi3": Family(SyntheticModel(
+        architecture="Phi3ForCausalLM", hidden_size=128, intermediate_size=256, num_heads=8,
+        num_kv_heads=2, vocab_size=512, dtype="bfloat16", num_shards=2, seed=10,
+    ), _check_fused_from_source),  # q/k/v and gate/up fused in the source
+}  # fmt: skip
+DEFAULT_TIER = frozenset({"mixtral", "gpt-oss", "fp8-llama", "phi3"})
+"""One family per kind of split at TP 2 in the default tier: stacked experts, transposed
+experts with a rank-0 bias, float8 weights with their scales, fused sources."""
+
+
+def _cases() -> list[object]:
+    return [
+        pytest.param(
+            family, tp, id=f"{family}-tp{tp}",
+            marks=() if tp == 2 and family in DEFAULT_TIER else pytest.mark.slow,
+        )
+        for family in FAMILIES
+        for tp in (2, 4, 8)
+    ]  # fmt: skip
+
+
+def _assert_rank_files_equal(artifact: Path, states: list[Path]) -> list[Want]:
+    wants = []
     for rank, state in enumerate(states):
         want = _read([state])
         got = _read(sorted(artifact.glob(f"model-rank-{rank}-part-*.safetensors")))
         assert sorted(got) == sorted(want), f"rank {rank}: names differ"
         differ = [k for k in want if not _same_bytes(want[k], got[k])]
         assert not differ, f"rank {rank}: {len(differ)} tensors differ, e.g. {differ[:4]}"
-        _check_fp8_scales_from_source(spec, src, rank, tp, want)
+        wants.append(want)
+    return wants
+
+
+@pytest.mark.parametrize(("family", "tp"), _cases())
+def test_rank_files_equal_vllms_own_per_rank_state_byte_for_byte(
+    family: str,
+    tp: int,
+    checkpoint: Callable[[str, SyntheticModel], Path],
+    staged: Callable[..., Path],
+    tmp_path: Path,
+) -> None:
+    spec, check = FAMILIES[family].spec, FAMILIES[family].check
+    src = checkpoint(f"layout-{family}", spec)
+    artifact = staged(f"layout-{family}", src, tp, "--dtype", "auto")
+    states = vllm_rank_states(src, tp, "bfloat16", tmp_path / "vllm")
+    for rank, want in enumerate(_assert_rank_files_equal(artifact, states)):
+        if check is not None:
+            check(spec, src, rank, tp, want)

@@ -113,6 +113,20 @@ def test_gpt_oss_stacks_its_experts_input_dim_first_as_the_bf16_hub_checkpoints_
     assert config.rope_parameters["rope_type"] == "yarn" and config.head_dim == 32
     assert (config.num_local_experts, config.num_experts_per_tok) == (3, 2)
     assert config.sliding_window == 8 and config.swiglu_limit == 7.0
+def test_phi3_holds_qkv_and_gate_up_fused_as_the_hub_writes_them(tmp_path: Path) -> None:
+    spec = SyntheticModel(architecture="Phi3ForCausalLM", num_kv_heads=2, dtype="bfloat16")
+    phi3 = _load(write_checkpoint(spec, tmp_path))
+    attn, mlp = "model.layers.1.self_attn.", "model.layers.1.mlp."
+    assert phi3[attn + "qkv_proj.weight"][1:] == ([256 + 2 * 64, 256], "BF16")  # q, k, v rows
+    assert phi3[attn + "o_proj.weight"][1] == [256, 256]
+    assert phi3[mlp + "gate_up_proj.weight"][1] == [2 * 512, 256]  # gate, up rows
+    assert phi3[mlp + "down_proj.weight"][1] == [256, 512]
+    assert not any(p in k for k in phi3 for p in (".q_proj", ".k_proj", ".v_proj", ".up_proj"))
+    assert not any(k.endswith(".bias") for k in phi3)
+    assert set(phi3) == {name for name, _ in spec.tensors()}
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert (config["model_type"], config["rope_scaling"]) == ("phi3", None)
+    assert config["original_max_position_embeddings"] == config["max_position_embeddings"]
 
 
 def test_split_fused_puts_q_k_v_and_gate_up_in_different_files(tmp_path: Path) -> None:

@@ -4,8 +4,9 @@ checkpoint at the same TP and dtype, and misplaced weights are caught.
 
 Every run is stock vLLM (``VLLM_PLUGINS=""``, checked in each result) at the dtype the case
 names, on both sides; 16-bit sources are staged with ``--dtype auto`` and the artifact must
-hold 16-bit weights. Default matrix (29 vLLM starts with a cold reference cache, 16 with a
-warm one; a TP=1 start takes ~16 s and a TP=2 start ~28 s on 2 idle cores):
+hold 16-bit weights (FP8: its own dtypes). Default matrix (each case two vLLM starts with a
+cold reference cache, one with a warm one; a TP=1 start takes ~16 s and a TP=2 start ~28 s on
+2 idle cores):
 - Llama float32, tied embeddings, vocab 1000 (padded to 1024), q/k/v and gate/up spread over
   three source files: TP 1, 2.
 - Qwen2 float32 (q/k/v biases), 1 KV head (replicated on both ranks at TP 2), vocab 1234,
@@ -22,21 +23,18 @@ warm one; a TP=1 start takes ~16 s and a TP=2 start ~28 s on 2 idle cores):
 - gpt-oss bfloat16 (experts stacked [E, in, out] in the source, cut and transposed per rank;
   q/k/v, o and router biases, sinks, alternating sliding and full attention, yarn RoPE), 4
   experts, 8 query heads on 4 KV heads: TP 2 (TP 1 and 4 slow).
-- Mutations: the Llama TP 1 artifact with two KV-head blocks of one layer's ``qkv_proj``
-  swapped, the Llama TP 2 artifact with its two ranks' files exchanged, the Mixtral TP 2
-  artifact with two experts of one layer exchanged in rank 0's file, and the gpt-oss TP 2
-  artifact with one layer's gate/up rows of rank 0 in halves instead of interleaved, load in
-  vLLM without a warning but fail the comparison.
 - Llama FP8 (compressed-tensors W8A8: float8 weights, per-channel scales, dynamic per-token
   activations) bfloat16, q/k/v and gate/up spread over two source files: TP 2 (TP 1 slow).
-- Mutations: the Llama TP 1 artifact with two KV-head blocks of one layer's ``qkv_proj``
-  swapped, the Llama TP 2 artifact with its two ranks' files exchanged, and the Mixtral TP 2
-  artifact with two experts of one layer exchanged in rank 0's file, and the FP8 TP 2 artifact
-  with the k and v slots of one layer's ``qkv_proj.weight_scale`` exchanged in rank 0's file,
-  load in vLLM without a warning but fail the comparison.
+- Phi-3 bfloat16 (q/k/v fused in the source's ``qkv_proj``, gate/up in ``gate_up_proj``, cut
+  into their parts before the rank split), 4 KV heads, two source files: TP 2 (TP 1 and 4
+  slow).
+- Mutations (``MUTATIONS``, one per kind of split): an artifact of the matrix with one thing
+  misplaced (KV-head blocks, rank files, experts, gpt-oss's gate/up interleave, FP8 scales of
+  the wrong slot, k and v of a fused source) loads in vLLM without a warning but fails the
+  comparison.
 Slow tier (``-m slow``): Llama, Mixtral, Qwen2-MoE and Qwen3-MoE at TP 4 (each KV head on two
-ranks; ~50 s a start), gpt-oss at TP 1 and 4, Mistral float16 at TP 2, and the Qwen3 bfloat16
-source staged ``--dtype float32`` (the stager's cast) at TP 2.
+ranks; ~50 s a start), gpt-oss and Phi-3 at TP 1 and 4, Llama FP8 at TP 1, Mistral float16 at
+TP 2, and the Qwen3 bfloat16 source staged ``--dtype float32`` (the stager's cast) at TP 2.
 """
 
 from __future__ import annotations
@@ -56,6 +54,7 @@ from vllm_oracle import (
     run_vllm,
     split_gate_up_halves,
     swap_experts,
+    swap_k_and_v,
     swap_kv_head_blocks,
     swap_rank_files,
     swap_rows,
@@ -139,6 +138,17 @@ GPT_OSS = Case(
     dtype="bfloat16",
     slow_tps=(1, 4),
 )
+PHI3 = Case(
+    "phi3-bf16-fused-qkv-gate-up",
+    SyntheticModel(
+        architecture="Phi3ForCausalLM", num_kv_heads=4, vocab_size=1000, dtype="bfloat16",
+        num_shards=2, seed=10,
+    ),
+    (2,),
+    ("--dtype", "auto"),
+    dtype="bfloat16",
+    slow_tps=(1, 4),
+)
 FP8_LLAMA = Case(
     "llama-fp8-channel-bf16-split",
     SyntheticModel(dtype="bfloat16", fp8=True, num_shards=2, split_fused=True, seed=12),
@@ -193,6 +203,7 @@ CASES = [
     QWEN3_MOE,
     GPT_OSS,
     FP8_LLAMA,
+    PHI3,
 ]  # fmt: skip
 
 
@@ -246,114 +257,62 @@ def test_staged_sharded_state_gives_exactly_the_reference_logprobs(
     assert not diff, "staged artifact differs from the original checkpoint:\n" + "\n".join(diff)
 
 
-def test_swapped_kv_head_blocks_in_one_rank_file_fail_the_oracle(
-    checkpoint: Callable[[str, SyntheticModel], Path],
-    staged: Callable[..., Path],
-    timings: Timings,
-    tmp_path: Path,
-) -> None:
-    tp, spec = 1, LLAMA.spec  # two KV heads on the rank; staged and referenced by the matrix
-    src = checkpoint(LLAMA.name, spec)
-    mutated = tmp_path / "mutated"
-    shutil.copytree(staged(LLAMA.name, src, tp, *LLAMA.stage_args), mutated)
-    swap_kv_head_blocks(mutated, spec.num_heads, spec.num_kv_heads, spec.head_size, tp, layer=1)
-    prompts = prompts_for(spec)
-
-    ref = reference(src, tp, prompts)
-    timings.append((f"reference {LLAMA.name} tp{tp}", ref))
-    got = run_vllm(mutated, tp, "sharded_state", prompts)
-    timings.append((f"mutated   {LLAMA.name} tp{tp} (KV heads swapped)", got))
-
-    assert not loader_warnings(got.log), "the mutated artifact must still load cleanly"
-    assert differences(ref.output, got.output), "the oracle missed two swapped KV-head blocks"
-
-
-def test_rank_files_swapped_between_the_two_ranks_fail_the_oracle(
-    checkpoint: Callable[[str, SyntheticModel], Path],
-    staged: Callable[..., Path],
-    timings: Timings,
-    tmp_path: Path,
-) -> None:
-    tp = 2  # staged and referenced by the matrix
-    src = checkpoint(LLAMA.name, LLAMA.spec)
-    mutated = tmp_path / "mutated"
-    shutil.copytree(staged(LLAMA.name, src, tp, *LLAMA.stage_args), mutated)
-    swap_rank_files(mutated, 0, 1)
-    prompts = prompts_for(LLAMA.spec)
-
-    ref = reference(src, tp, prompts)
-    timings.append((f"reference {LLAMA.name} tp{tp}", ref))
-    got = run_vllm(mutated, tp, "sharded_state", prompts)
-    timings.append((f"mutated   {LLAMA.name} tp{tp} (rank files swapped)", got))
-
-    assert not loader_warnings(got.log), "the swapped ranks must still load cleanly"
-    assert differences(ref.output, got.output), "the oracle missed rank files swapped"
-
-
-def test_swapped_experts_in_one_rank_file_fail_the_oracle(
-    checkpoint: Callable[[str, SyntheticModel], Path],
-    staged: Callable[..., Path],
-    timings: Timings,
-    tmp_path: Path,
-) -> None:
-    tp = 2  # staged and referenced by the matrix
-    src = checkpoint(MIXTRAL.name, MIXTRAL.spec)
-    mutated = tmp_path / "mutated"
-    shutil.copytree(staged(MIXTRAL.name, src, tp, *MIXTRAL.stage_args), mutated)
-    swap_experts(mutated, rank=0, layer=0, a=0, b=1)
-    prompts = prompts_for(MIXTRAL.spec)
-
-    ref = reference(src, tp, prompts, MIXTRAL.dtype)
-    timings.append((f"reference {MIXTRAL.name} tp{tp} {MIXTRAL.dtype}", ref))
-    got = run_vllm(mutated, tp, "sharded_state", prompts, MIXTRAL.dtype)
-    timings.append((f"mutated   {MIXTRAL.name} tp{tp} (experts swapped)", got))
-
-    assert not loader_warnings(got.log), "the mutated artifact must still load cleanly"
-    assert differences(ref.output, got.output), "the oracle missed two swapped experts"
-
-
-def test_gpt_oss_gate_up_rows_in_halves_instead_of_interleaved_fail_the_oracle(
-    checkpoint: Callable[[str, SyntheticModel], Path],
-    staged: Callable[..., Path],
-    timings: Timings,
-    tmp_path: Path,
-) -> None:
-    tp = 2  # staged and referenced by the matrix
-    src = checkpoint(GPT_OSS.name, GPT_OSS.spec)
-    mutated = tmp_path / "mutated"
-    shutil.copytree(staged(GPT_OSS.name, src, tp, *GPT_OSS.stage_args), mutated)
-    split_gate_up_halves(mutated, rank=0, layer=0)
-    prompts = prompts_for(GPT_OSS.spec)
-
-    ref = reference(src, tp, prompts, GPT_OSS.dtype)
-    timings.append((f"reference {GPT_OSS.name} tp{tp} {GPT_OSS.dtype}", ref))
-    got = run_vllm(mutated, tp, "sharded_state", prompts, GPT_OSS.dtype)
-    timings.append((f"mutated   {GPT_OSS.name} tp{tp} (gate/up in halves)", got))
-
-    assert not loader_warnings(got.log), "the mutated artifact must still load cleanly"
-    assert differences(ref.output, got.output), "the oracle missed gate/up rows de-interleaved"
-
-
-def test_fp8_scales_of_the_wrong_slot_fail_the_oracle(
-    checkpoint: Callable[[str, SyntheticModel], Path],
-    staged: Callable[..., Path],
-    timings: Timings,
-    tmp_path: Path,
-) -> None:
-    tp, spec = 2, FP8_LLAMA.spec  # staged and referenced by the matrix
-    src = checkpoint(FP8_LLAMA.name, spec)
-    mutated = tmp_path / "mutated"
-    shutil.copytree(staged(FP8_LLAMA.name, src, tp, *FP8_LLAMA.stage_args), mutated)
+def _swap_k_and_v_scales(artifact: Path, spec: SyntheticModel, tp: int) -> None:
     q_rows = spec.num_heads * spec.head_size // tp
     kv_rows = spec.num_kv_heads * spec.head_size // tp
-    swap_rows(mutated, 0, "model.layers.0.self_attn.qkv_proj.weight_scale",
-              q_rows, q_rows + kv_rows, kv_rows)  # fmt: skip
-    prompts = prompts_for(spec)
+    key = "model.layers.0.self_attn.qkv_proj.weight_scale"
+    swap_rows(artifact, 0, key, q_rows, q_rows + kv_rows, kv_rows)
 
-    ref = reference(src, tp, prompts, FP8_LLAMA.dtype)
-    timings.append((f"reference {FP8_LLAMA.name} tp{tp} {FP8_LLAMA.dtype}", ref))
-    got = run_vllm(mutated, tp, "sharded_state", prompts, FP8_LLAMA.dtype)
-    timings.append((f"mutated   {FP8_LLAMA.name} tp{tp} (k/v scales swapped)", got))
+
+@dataclass(frozen=True)
+class Mutation:
+    case: Case
+    tp: int
+    """A TP the matrix stages and references (the artifact and the reference are reused)."""
+    what: str
+    mutate: Callable[[Path, SyntheticModel, int], object]
+    """Rewrites the copied artifact (``artifact, spec, tp``): same names, shapes and dtypes."""
+
+
+MUTATIONS = {
+    "kv-head-blocks": Mutation(LLAMA, 1, "two KV-head blocks of one layer's qkv_proj swapped",
+        lambda a, s, tp: swap_kv_head_blocks(a, s.num_heads, s.num_kv_heads, s.head_size, tp,
+                                             layer=1)),
+    "rank-files": Mutation(LLAMA, 2, "the two ranks' files exchanged",
+        lambda a, s, tp: swap_rank_files(a, 0, 1)),
+    "experts": Mutation(MIXTRAL, 2, "two experts of one layer exchanged in rank 0's file",
+        lambda a, s, tp: swap_experts(a, rank=0, layer=0, a=0, b=1)),
+    "gpt-oss-gate-up": Mutation(GPT_OSS, 2,
+        "one layer's gate/up rows of rank 0 in halves instead of interleaved",
+        lambda a, s, tp: split_gate_up_halves(a, rank=0, layer=0)),
+    "fp8-scales": Mutation(FP8_LLAMA, 2,
+        "the k and v slots of one layer's qkv_proj.weight_scale exchanged in rank 0's file",
+        lambda a, s, tp: _swap_k_and_v_scales(a, s, tp)),
+    "fused-k-v": Mutation(PHI3, 2, "k and v of the fused qkv_proj exchanged in one layer",
+        lambda a, s, tp: swap_k_and_v(a, s.num_heads, s.num_kv_heads, s.head_size, tp,
+                                      layer=1)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("mutation", MUTATIONS.values(), ids=MUTATIONS.keys())
+def test_a_misplaced_weight_fails_the_oracle(
+    mutation: Mutation,
+    checkpoint: Callable[[str, SyntheticModel], Path],
+    staged: Callable[..., Path],
+    timings: Timings,
+    tmp_path: Path,
+) -> None:
+    case, tp = mutation.case, mutation.tp
+    src = checkpoint(case.checkpoint_name, case.spec)
+    mutated = tmp_path / "mutated"
+    shutil.copytree(staged(case.name, src, tp, *case.stage_args), mutated)
+    mutation.mutate(mutated, case.spec, tp)
+    prompts = prompts_for(case.spec)
+
+    ref = reference(src, tp, prompts, case.dtype)
+    timings.append((f"reference {case.name} tp{tp} {case.dtype}", ref))
+    got = run_vllm(mutated, tp, "sharded_state", prompts, case.dtype)
+    timings.append((f"mutated   {case.name} tp{tp} ({mutation.what})", got))
 
     assert not loader_warnings(got.log), "the mutated artifact must still load cleanly"
-    assert differences(ref.output, got.output), "the oracle missed k and v scales swapped"
+    assert differences(ref.output, got.output), f"the oracle missed {mutation.what}"

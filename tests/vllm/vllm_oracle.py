@@ -280,6 +280,35 @@ def swap_kv_head_blocks(
     raise AssertionError(f"{key} is in no rank-0 part file of {artifact}")
 
 
+def swap_k_and_v(
+    artifact: Path, num_heads: int, num_kv_heads: int, head_size: int, tp: int, layer: int
+) -> str:
+    """Exchange the k and v row blocks of one layer's fused qkv in rank 0's file (what a
+    stager taking a fused source's parts in the wrong order would write). Returns the file
+    it rewrote."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    key = f"model.layers.{layer}.self_attn.qkv_proj.weight"
+    for path in sorted(artifact.glob("model-rank-0-part-*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            if key not in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
+                continue
+            metadata = f.metadata()
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+        q = num_heads // tp * head_size
+        kv = max(num_kv_heads // tp, 1) * head_size
+        original = tensors[key]
+        assert original.shape[0] == q + 2 * kv, original.shape
+        qkv = torch.cat([original[:q], original[q + kv :], original[q : q + kv]])
+        assert not qkv.equal(original)
+        tensors[key] = qkv
+        save_file(tensors, str(path), metadata=metadata)
+        return path.name
+    raise AssertionError(f"{key} is in no rank-0 part file of {artifact}")
+
+
 def swap_experts(artifact: Path, rank: int, layer: int, a: int, b: int) -> str:
     """Exchange experts ``a`` and ``b`` (their ``w13_weight`` and ``w2_weight`` slices) of one
     MoE layer in a rank's file: the router still sends tokens by the original order. Returns

@@ -224,6 +224,7 @@ PER_RANK_ARCHITECTURES = frozenset(
         "LlamaForCausalLM",
         "MistralForCausalLM",
         "MixtralForCausalLM",
+        "Phi3ForCausalLM",
         "Qwen2ForCausalLM",
         "Qwen2MoeForCausalLM",
         "Qwen3ForCausalLM",

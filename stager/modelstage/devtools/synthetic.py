@@ -34,6 +34,7 @@ Architecture = Literal[
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "MixtralForCausalLM",
+    "Phi3ForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen2MoeForCausalLM",
     "Qwen3ForCausalLM",
@@ -46,6 +47,7 @@ _MODEL_TYPES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "MixtralForCausalLM": "mixtral",
+    "Phi3ForCausalLM": "phi3",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3ForCausalLM": "qwen3",
@@ -60,6 +62,9 @@ _LINEAR_WEIGHTS = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.[a-z_]+_pro
 """The Linear weights llm-compressor quantizes (``targets: [Linear]``, ``ignore: [lm_head]``)."""
 _FP8_MAX = 448.0
 """float8_e4m3fn's largest finite value: a channel's largest magnitude maps to it."""
+_FUSED_IN_SOURCE = ("Phi3ForCausalLM",)
+"""Architectures whose checkpoints hold q/k/v fused in ``qkv_proj`` and gate/up in
+``gate_up_proj`` (rows: q, k, v; gate, up), as vLLM holds them."""
 _SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>")
 _CHUNK_ELEMENTS = 8 * 1024 * 1024
 """Elements generated per step (32 MiB of float32): bounds memory for large tensors."""
@@ -162,12 +167,15 @@ class SyntheticModel:
         ]
         for layer in range(self.num_layers):
             p = f"model.layers.{layer}."
-            out += [
-                (p + "input_layernorm.weight", (h,)),
-                (p + "self_attn.q_proj.weight", (q_rows, h)),
-                (p + "self_attn.k_proj.weight", (kv_rows, h)),
-                (p + "self_attn.v_proj.weight", (kv_rows, h)),
-            ]
+            out.append((p + "input_layernorm.weight", (h,)))
+            if self.architecture in _FUSED_IN_SOURCE:
+                out.append((p + "self_attn.qkv_proj.weight", (q_rows + 2 * kv_rows, h)))
+            else:
+                out += [
+                    (p + "self_attn.q_proj.weight", (q_rows, h)),
+                    (p + "self_attn.k_proj.weight", (kv_rows, h)),
+                    (p + "self_attn.v_proj.weight", (kv_rows, h)),
+                ]
             if self.architecture in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", _GPT_OSS):
                 out += [
                     (p + "self_attn.q_proj.bias", (q_rows,)),
@@ -213,6 +221,11 @@ class SyntheticModel:
         h, i = self.hidden_size, self.intermediate_size
         if self.architecture == _GPT_OSS:
             return self._gpt_oss_mlp(p)
+        if self.architecture in _FUSED_IN_SOURCE:
+            return [
+                (p + "mlp.gate_up_proj.weight", (2 * i, h)),
+                (p + "mlp.down_proj.weight", (h, i)),
+            ]
         if self.architecture not in _MOE:
             return [
                 (p + "mlp.gate_proj.weight", (i, h)),
@@ -295,6 +308,14 @@ class SyntheticModel:
                 output_router_logits=False,
                 router_aux_loss_coef=0.02,
                 router_jitter_noise=0.0,
+            )
+        elif self.architecture == "Phi3ForCausalLM":
+            cfg.update(
+                embd_pdrop=0.0,
+                resid_pdrop=0.0,
+                original_max_position_embeddings=self.max_position_embeddings,
+                sliding_window=self.max_position_embeddings // 2 - 1,  # Phi-3-mini-4k: 2047
+                pad_token_id=_SPECIAL_TOKENS.index("<pad>"),
             )
         elif self.architecture == "Qwen2ForCausalLM":
             cfg.update(

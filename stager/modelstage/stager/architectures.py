@@ -71,6 +71,9 @@ class Rule:
     source's (or ``--dtype``'s)."""
     source_dtype: str | None = None
     """The dtype the source tensor must have (quantized weights); None: any float."""
+    part: int | None = None
+    """For a source fused along dim 0, whose ``shape[0]`` names its parts (``"q+kv+kv"``):
+    the part this rule reads; the split applies to that part's rows as to a tensor of its own."""
 
 
 ATTN = "model.layers.{L}.self_attn"
@@ -123,6 +126,29 @@ def _llama_like(*, qkv_bias: When, o_bias: When) -> tuple[Rule, ...]:
 
 
 _LLAMA = _llama_like(qkv_bias=When.ATTENTION_BIAS, o_bias=When.ATTENTION_BIAS)
+
+
+def _fused_in_source(rules: tuple[Rule, ...], target: str) -> tuple[Rule, ...]:
+    """``rules`` with the parts fused into ``target`` read from one source tensor of the
+    target's own name, whose rows hold the parts in rule order (Phi-3's ``qkv_proj``:
+    q, k, v; its ``gate_up_proj``: gate, up), each split as its own source would be."""
+    parts = [r for r in rules if r.target == target]
+    rows = "+".join(r.shape[0] for r in parts)
+    return tuple(
+        replace(r, source=target, shape=(rows, *r.shape[1:]), part=parts.index(r))
+        if r.target == target
+        else r
+        for r in rules
+    )
+
+
+def _phi3() -> tuple[Rule, ...]:
+    """A Llama whose checkpoints hold q/k/v and gate/up already fused, under vLLM's names."""
+    rules = _LLAMA
+    for fused in (f"{ATTN}.qkv_proj", f"{MLP}.gate_up_proj"):
+        for kind in ("weight", "bias"):
+            rules = _fused_in_source(rules, f"{fused}.{kind}")
+    return rules
 
 
 def _moe(block: str, gate: str, up: str, down: str, router: str) -> tuple[Rule, ...]:
@@ -280,6 +306,7 @@ ARCHITECTURES: dict[str, Architecture] = {
             _without_dense_mlp(_LLAMA)
             + _moe("model.layers.{L}.block_sparse_moe", "w1", "w3", "w2", "gate"),
         ),
+        Architecture("Phi3ForCausalLM", _phi3()),
         Architecture("Qwen2ForCausalLM", _llama_like(qkv_bias=When.ALWAYS, o_bias=When.NEVER)),
         Architecture(
             "Qwen2MoeForCausalLM",

@@ -50,6 +50,10 @@ class Slice:
     def num_rows(self) -> int:
         return self.rows[1] - self.rows[0]
 
+    def shifted(self, offset: int) -> Slice:
+        """The same cut, ``offset`` rows further down (a part of a fused source)."""
+        return Slice((self.rows[0] + offset, self.rows[1] + offset), self.cols)
+
 
 @dataclass(frozen=True)
 class Slot:
@@ -160,9 +164,8 @@ def _check_layer_count(
     (``num_hidden_layers`` may be up to 2**24), whereas the checkpoint's headers bound the
     number of tensors."""
     per_layer = sum(
-        config.num_experts if "{E}" in r.source else 1
-        for r in arch.rules
-        if "{L}" in r.source and r.when.holds(config)
+        config.num_experts if "{E}" in source else 1
+        for source in {r.source for r in arch.rules if "{L}" in r.source and r.when.holds(config)}
     )
     if config.num_layers * per_layer > len(sources):
         raise CheckpointError(
@@ -195,7 +198,7 @@ def _check_sources(
         )
     symbols = config.symbols
     for rule, source, _ in active:
-        expected = tuple(symbols[s] for s in rule.shape)
+        expected = tuple(_size(symbols, s) for s in rule.shape)
         actual = sources[source].shape
         if actual != expected:
             raise CheckpointError(
@@ -207,6 +210,11 @@ def _check_sources(
                 f"tensor {source!r} has dtype {sources[source].dtype}, but config.json's "
                 f"quantization ({config.quantization}) implies {rule.source_dtype}"
             )
+
+
+def _size(symbols: Mapping[str, int], dim: str) -> int:
+    """A dimension in shape symbols; ``"q+kv+kv"`` is the sum of its parts."""
+    return sum(symbols[part] for part in dim.split("+"))
 
 
 def _resolve_dtype(dtype: str) -> str | None:
@@ -265,7 +273,28 @@ def _slots(
     tp: int,
     layout: Layout,
 ) -> list[Slot]:
-    """The per-rank slices of one source tensor; the shard math lives here, once per kind."""
+    """The per-rank slices of one source tensor (or of one part of a source fused along dim
+    0, shifted to that part's rows); the shard math lives here, once per kind."""
+    if rule.part is None:
+        return _split(rule, source, shape, config, tp, layout)
+    parts = rule.shape[0].split("+")
+    first = sum(config.symbols[p] for p in parts[: rule.part])
+    rows = config.symbols[parts[rule.part]]
+    return [
+        Slot(slot.source, tuple(sel.shifted(first) for sel in slot.per_rank))
+        for slot in _split(rule, source, (rows, *shape[1:]), config, tp, layout)
+    ]
+
+
+def _split(
+    rule: Rule,
+    source: str,
+    shape: tuple[int, ...],
+    config: ModelConfig,
+    tp: int,
+    layout: Layout,
+) -> list[Slot]:
+    """The per-rank slices of a tensor of ``shape`` by ``rule``'s split kind."""
     n = shape[0]
     split = rule.split
     if split is Split.REPLICATED:
