@@ -4,7 +4,7 @@ checkpoint at the same TP and dtype, and misplaced weights are caught.
 
 Every run is stock vLLM (``VLLM_PLUGINS=""``, checked in each result) at the dtype the case
 names, on both sides; 16-bit sources are staged with ``--dtype auto`` and the artifact must
-hold 16-bit weights. Default matrix (29 vLLM starts with a cold reference cache, 16 with a
+hold 16-bit weights. Default matrix (33 vLLM starts with a cold reference cache, 18 with a
 warm one; a TP=1 start takes ~16 s and a TP=2 start ~28 s on 2 idle cores):
 - Llama float32, tied embeddings, vocab 1000 (padded to 1024), q/k/v and gate/up spread over
   three source files: TP 1, 2.
@@ -19,12 +19,17 @@ warm one; a TP=1 start takes ~16 s and a TP=2 start ~28 s on 2 idle cores):
   under ``mlp.experts._shared_experts._layer``), 4 experts: TP 1, 2.
 - Qwen3-MoE bfloat16 (q_norm/k_norm, head_dim 64, router kept as ``mlp.experts.gate``), 4
   experts, tied: TP 1, 2.
+- Gemma 2 bfloat16 (pre/post feed-forward norms stored raw, head_dim 64 != hidden/heads,
+  soft-capping, sliding and full layers), vocab 1000, tied embeddings kept as
+  ``model.embed_tokens``: TP 2.
+- Gemma 3 bfloat16 (those norms and q/k norms, a local rope base on sliding layers), vocab
+  1000, tied embeddings kept as ``lm_head``: TP 2.
 - Mutations: the Llama TP 1 artifact with two KV-head blocks of one layer's ``qkv_proj``
   swapped, the Llama TP 2 artifact with its two ranks' files exchanged, and the Mixtral TP 2
   artifact with two experts of one layer exchanged in rank 0's file, load in vLLM without a
   warning but fail the comparison.
 Slow tier (``-m slow``): Llama, Mixtral, Qwen2-MoE and Qwen3-MoE at TP 4 (each KV head on two
-ranks; ~50 s a start), Mistral float16 at TP 2, and the Qwen3 bfloat16 source staged ``--dtype
+ranks; ~50 s a start), Gemma 2 and Gemma 3 at TP 1 and 4, Mistral float16 at TP 2, and the Qwen3 bfloat16 source staged ``--dtype
 float32`` (the stager's cast) at TP 2.
 """
 
@@ -112,6 +117,20 @@ QWEN3_MOE = Case(
     dtype="bfloat16",
     slow_tps=(4,),
 )
+GEMMA = {
+    arch: Case(
+        f"{name}-bf16-headdim64-tied",
+        SyntheticModel(
+            architecture=arch, head_dim=64, num_kv_heads=4, vocab_size=1000,  # type: ignore[arg-type]
+            tie_word_embeddings=True, dtype="bfloat16", num_shards=2, seed=seed,
+        ),
+        (2,),
+        ("--dtype", "auto"),
+        dtype="bfloat16",
+        slow_tps=(1, 4),
+    )
+    for arch, name, seed in (("Gemma2ForCausalLM", "gemma2", 10), ("Gemma3ForCausalLM", "gemma3", 11))
+}  # fmt: skip
 QWEN3_BF16 = SyntheticModel(
     architecture="Qwen3ForCausalLM", head_dim=64, num_kv_heads=4, vocab_size=1000,
     tie_word_embeddings=True, dtype="bfloat16", num_shards=2, seed=2,
@@ -155,6 +174,7 @@ CASES = [
     MIXTRAL,
     QWEN2_MOE,
     QWEN3_MOE,
+    *GEMMA.values(),
 ]  # fmt: skip
 
 

@@ -157,6 +157,18 @@ _QK_NORM = tuple(
 )
 
 
+_FEEDFORWARD_NORMS = tuple(
+    Rule(f"model.layers.{{L}}.{x}_feedforward_layernorm.weight",
+         f"model.layers.{{L}}.{x}_feedforward_layernorm.weight", Split.REPLICATED, ("hidden",))
+    for x in ("pre", "post")
+)  # fmt: skip
+"""Gemma's norms around the MLP; like every Gemma norm stored raw (vLLM adds 1 when it runs)."""
+
+
+def _without_head(rules: tuple[Rule, ...]) -> tuple[Rule, ...]:
+    return tuple(r for r in rules if r.source != "lm_head.weight")
+
+
 @dataclass(frozen=True)
 class Architecture:
     name: str
@@ -165,6 +177,9 @@ class Architecture:
     """Source tensors vLLM skips (recomputed buffers); anything else unknown is refused."""
     tp_within_experts: bool = False
     """vLLM's model refuses a TP size above the number of routed experts."""
+    tied_embeddings_target: str = "lm_head.weight"
+    """The name vLLM keeps for a tied embedding matrix: the head's, the alphabetically
+    smaller alias, unless the model has no head module at all (Gemma 2)."""
 
     def check_tensor_parallel(self, config: ModelConfig, tp: int) -> None:
         if self.tp_within_experts and tp > config.num_experts:
@@ -196,6 +211,12 @@ ARCHITECTURES: dict[str, Architecture] = {
             "Qwen3ForCausalLM",
             _llama_like(qkv_bias=When.ATTENTION_BIAS, o_bias=When.ATTENTION_BIAS) + _QK_NORM,
         ),
+        Architecture(
+            "Gemma2ForCausalLM",
+            _without_head(_LLAMA) + _FEEDFORWARD_NORMS,
+            tied_embeddings_target="model.embed_tokens.weight",
+        ),
+        Architecture("Gemma3ForCausalLM", _LLAMA + _FEEDFORWARD_NORMS + _QK_NORM),
         Architecture(
             "Qwen3MoeForCausalLM",
             _without_dense_mlp(_LLAMA)

@@ -24,7 +24,8 @@ from .architectures import STACKED_SPLITS, Architecture, Rule, Split, architectu
 from .model_config import ModelConfig
 
 TIED_EMBEDDING_TARGET = "lm_head.weight"
-"""With tied embeddings vLLM writes the shared matrix once, under the head's name."""
+"""With tied embeddings vLLM writes the shared matrix once, under the head's name (most
+architectures: ``Architecture.tied_embeddings_target``)."""
 NON_LAYER_GROUP = -1
 
 
@@ -97,7 +98,7 @@ def plan_shards(
     for rule, source, group in active:
         target = rule.target.replace("{L}", str(group)) if group >= 0 else rule.target
         if rule.split is Split.VOCAB and config.tie_word_embeddings:
-            target = TIED_EMBEDDING_TARGET
+            target = arch.tied_embeddings_target
         by_target.setdefault(target, []).append((rule, source, group))
 
     targets: list[TargetTensor] = []
