@@ -24,8 +24,8 @@ from .architectures import STACKED_SPLITS, Architecture, Rule, Split, architectu
 from .model_config import ModelConfig
 
 TIED_EMBEDDING_TARGET = "lm_head.weight"
-"""With tied embeddings vLLM writes the shared matrix once, under the head's name (most
-architectures: ``Architecture.tied_embeddings_target``)."""
+"""With tied embeddings vLLM writes the shared matrix once, under the head's name, where its
+model has a head (``Architecture.tied_embeddings_target`` says per architecture)."""
 NON_LAYER_GROUP = -1
 
 
