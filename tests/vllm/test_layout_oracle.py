@@ -8,12 +8,13 @@ biases and a gated shared expert) and Qwen3-MoE (8 experts: both models refuse m
 experts) bfloat16, 8 query heads on 2 KV heads (replicated
 from TP 4), at TP 2; TP 4 and 8 in the slow tier (a process per rank, each importing vLLM).
 
-The dense families alike, bfloat16, 8 query heads on 2 KV heads: Llama (untied) at TP 2;
-Mistral (tied), Qwen2 (query/key/value biases), Qwen3 (q/k norms, head_dim 32 != hidden/heads,
-tied), Gemma 2 (feed-forward norms, tied embeddings kept as ``model.embed_tokens``, its model
-has no head) and Gemma 3 (feed-forward and q/k norms, tied embeddings kept as ``lm_head``) at
-TP 2 too, and every dense family at TP 4 and 8 in the slow tier. Each comparison has a
-control: the same rank files with two tensors of one shape exchanged differ from vLLM's state.
+The dense families alike, bfloat16, 8 query heads on 2 KV heads: Llama (untied), Gemma 2
+(feed-forward norms, tied embeddings kept as ``model.embed_tokens``: its model has no head)
+and Gemma 3 (feed-forward and q/k norms, tied embeddings kept as ``lm_head``) at TP 2; Mistral
+(tied), Qwen2 (query/key/value biases) and Qwen3 (q/k norms, head_dim 32 != hidden/heads,
+tied) at TP 2 in the slow tier, and every dense family at TP 4 and 8 in the slow tier. Each
+comparison has a control: the same rank files with two norms of one shape exchanged differ
+from vLLM's state.
 """
 
 from __future__ import annotations
