@@ -54,10 +54,10 @@ def resolved(spec: ModelDeploymentSpec, message: str) -> SourceStep:
          "architecture LlamaForCausalLM is split per rank: staged as sharded_state"),
         (S3, {"architecture": "Qwen3ForCausalLM", "quantization": None},
          "runai_streamer_sharded", "is split per rank: staged as runai_streamer_sharded"),
-        ({}, {"architecture": "Gemma2ForCausalLM", "quantization": None}, "safetensors",
-         "architecture Gemma2ForCausalLM has no per-rank rules: cached in the Hugging Face "
+        ({}, {"architecture": "Olmo2ForCausalLM", "quantization": None}, "safetensors",
+         "architecture Olmo2ForCausalLM has no per-rank rules: cached in the Hugging Face "
          "layout (safetensors)"),
-        (S3, {"architecture": "Gemma2ForCausalLM", "quantization": None}, "runai_streamer",
+        (S3, {"architecture": "Olmo2ForCausalLM", "quantization": None}, "runai_streamer",
          "has no per-rank rules: cached in the Hugging Face layout (runai_streamer)"),
         ({}, {"architecture": "LlamaForCausalLM", "quantization": "fp8"}, "safetensors",
          "the checkpoint is quantized (fp8), which is not split per rank: cached in the Hugging "
@@ -135,7 +135,7 @@ def test_a_recorded_resolution_without_the_architecture_is_resolved_again(
 
 def test_the_status_records_the_chosen_format_and_why(make_spec: SpecFactory) -> None:
     spec = make_spec(loadFormat="auto", model={"revision": "main"})
-    source = resolved(spec, report(architecture="Gemma2ForCausalLM", quantization=None))
+    source = resolved(spec, report(architecture="Olmo2ForCausalLM", quantization=None))
     chosen = chosen_format(spec, source.source)
     assert chosen is not None
     desired = artifact_for(concrete_spec(spec, chosen), namespace="llm",
@@ -144,10 +144,10 @@ def test_the_status_records_the_chosen_format_and_why(make_spec: SpecFactory) ->
     d = decide(desired, ModelDeploymentStatus(), Observed(generation=1, now=T0), source)
     assert d.status.format is not None
     assert d.status.format.name == "safetensors"
-    assert d.status.format.reason.startswith("architecture Gemma2ForCausalLM has no per-rank")
+    assert d.status.format.reason.startswith("architecture Olmo2ForCausalLM has no per-rank")
     wire = d.status.wire()
     assert wire["format"]["name"] == "safetensors" and wire["source"]["architecture"] == (
-        "Gemma2ForCausalLM"
+        "Olmo2ForCausalLM"
     )
 
 

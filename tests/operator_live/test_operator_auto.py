@@ -1,7 +1,7 @@
 """``loadFormat: auto`` through the operator (tier: kmock, or the real control plane when
 ``KUBEBUILDER_ASSETS`` is set): the resolve Job is asked to describe the checkpoint (even for
 a pinned commit), and what it reports picks the format: a Llama checkpoint is staged per rank
-(``sharded_state``), a Gemma 2 or a quantized one in the Hugging Face layout (``safetensors``,
+(``sharded_state``), an OLMo 2 or a quantized one in the Hugging Face layout (``safetensors``,
 served through the plugin's ``modelstage_safetensors``); ``status.format`` says which and why.
 The tests play the Job controller and the kubelet."""
 
@@ -93,14 +93,14 @@ async def test_auto_stages_a_table_architecture_per_rank(
 @pytest.mark.parametrize(
     ("report", "why"),
     [
-        (described("Gemma2ForCausalLM"),
-         "architecture Gemma2ForCausalLM has no per-rank rules: cached in the Hugging Face "
+        (described("Olmo2ForCausalLM"),
+         "architecture Olmo2ForCausalLM has no per-rank rules: cached in the Hugging Face "
          "layout (safetensors)"),
         (described("LlamaForCausalLM", "compressed-tensors"),
          "the checkpoint is quantized (compressed-tensors), which is not split per rank: "
          "cached in the Hugging Face layout (safetensors)"),
     ],
-    ids=["gemma2", "quantized"],
+    ids=["olmo2", "quantized"],
 )  # fmt: skip
 async def test_auto_caches_anything_else_in_the_hugging_face_layout_and_says_why(
     cluster: Cluster, namespace: str, operator: OperatorProcess, report: str, why: str
@@ -172,9 +172,9 @@ async def test_a_branch_that_moves_to_another_architecture_is_restaged_in_its_fo
     await complete_rollout(cluster.client, namespace)
     await wait_phase(cluster, namespace, "Ready")
 
-    # main moves to a Gemma 2 checkpoint: the next round reads it, auto picks safetensors.
+    # main moves to an OLMo 2 checkpoint: the next round reads it, auto picks safetensors.
     job = await branch_resolve_job(cluster, namespace)
-    await finish_stage_job(cluster.client, namespace, "", message=moved(COMMIT_B, "Gemma2ForCausalLM"),
+    await finish_stage_job(cluster.client, namespace, "", message=moved(COMMIT_B, "Olmo2ForCausalLM"),
                            succeeded=True, job_name=job["metadata"]["name"], container="resolve")  # fmt: skip
     new = digest_of(merged(BRANCH, {"loadFormat": "safetensors"}), f"commit:{COMMIT_B}")
     stage = await wait_job(cluster, namespace, new)

@@ -21,8 +21,7 @@ from modelstage.stager.stage import StageRequest, stage
 
 HF_LAYOUT = ["runai_streamer", "safetensors"]
 PER_RANK = [f.name for f in FORMATS.values() if f.per_rank]
-GEMMA2 = {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2",
-          "query_pre_attn_scalar": 64, "final_logit_softcapping": 30.0}  # fmt: skip
+OLMO2 = {"architectures": ["Olmo2ForCausalLM"], "model_type": "olmo2"}
 FP8 = {"quantization_config": {"quant_method": "compressed-tensors", "format": "float-quantized",
                                "config_groups": {"group_0": {"targets": ["Linear"]}}}}  # fmt: skip
 
@@ -40,7 +39,7 @@ def variant(base: Path, where: Path, **config: object) -> Path:
     return where
 
 
-CONFIGS = {"gemma2": GEMMA2, "quantized": FP8, "unknown-shape": {
+CONFIGS = {"olmo2": OLMO2, "quantized": FP8, "unknown-shape": {
     "architectures": ["SomeVisionForConditionalGeneration"], "hidden_size": None,
     "text_config": {"hidden_size": 128}}}  # fmt: skip
 
@@ -68,7 +67,7 @@ def test_the_hugging_face_layout_formats_copy_any_checkpoint_with_its_config(
 @pytest.mark.parametrize("fmt", PER_RANK)
 @pytest.mark.parametrize(
     ("kind", "reason"),
-    [("gemma2", "architecture 'Gemma2ForCausalLM' is not supported per rank; supported: "
+    [("olmo2", "architecture 'Olmo2ForCausalLM' is not supported per rank; supported: "
                 + ", ".join(sorted(ARCHITECTURES))),
      ("quantized", "quantized checkpoints (quantization_config: compressed-tensors) are not "
                    "split per rank")],
@@ -88,7 +87,7 @@ def test_per_rank_formats_refuse_what_they_cannot_split_naming_the_way_out(
 def test_a_tp_that_vllm_cannot_run_is_refused_before_the_copy(
     base_ckpt: Path, tmp_path: Path
 ) -> None:
-    src = variant(base_ckpt, tmp_path / "src", **GEMMA2)
+    src = variant(base_ckpt, tmp_path / "src", **OLMO2)
     with pytest.raises(SpecError, match="tensor parallel size 3 does not divide the 8 attention"):
         stage(StageRequest(source=str(src), out=str(tmp_path / "out"), tp=3, format="safetensors"))
     assert not (tmp_path / "out").exists()
@@ -103,7 +102,7 @@ def test_safetensors_is_staged_to_directories_only_naming_the_s3_copy() -> None:
     )
 
 
-@pytest.mark.parametrize("kind", ["gemma2", "quantized"])
+@pytest.mark.parametrize("kind", ["olmo2", "quantized"])
 def test_resolve_reports_the_architecture_and_quantization_auto_decides_by(
     kind: str, base_ckpt: Path, tmp_path: Path
 ) -> None:
@@ -111,8 +110,8 @@ def test_resolve_reports_the_architecture_and_quantization_auto_decides_by(
     resolved = resolve(StageRequest(source=str(src), out="", tp=1), config=True)
     resolved.close()
     summary = resolved.summary()
-    if kind == "gemma2":
-        assert (summary["architecture"], summary["quantization"]) == ("Gemma2ForCausalLM", None)
+    if kind == "olmo2":
+        assert (summary["architecture"], summary["quantization"]) == ("Olmo2ForCausalLM", None)
     else:
         assert (summary["architecture"], summary["quantization"]) == (
             "LlamaForCausalLM",
@@ -131,10 +130,10 @@ def test_auto_picks_per_rank_for_the_table_and_the_hf_layout_otherwise(storage: 
     assert storage in FORMATS[per_rank].storage and storage in FORMATS[copy].storage
     for arch in PER_RANK_ARCHITECTURES:
         assert choose_format(storage, arch, None).format == per_rank
-    gemma = choose_format(storage, "Gemma2ForCausalLM", None)
-    assert gemma.format == copy
-    assert gemma.reason == (
-        f"architecture Gemma2ForCausalLM has no per-rank rules: cached in the Hugging Face "
+    olmo = choose_format(storage, "Olmo2ForCausalLM", None)
+    assert olmo.format == copy
+    assert olmo.reason == (
+        f"architecture Olmo2ForCausalLM has no per-rank rules: cached in the Hugging Face "
         f"layout ({copy})"
     )
     quantized = choose_format(storage, "LlamaForCausalLM", "fp8")

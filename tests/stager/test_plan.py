@@ -322,13 +322,13 @@ def test_the_plan_of_auto_is_the_resolve_job_that_reads_the_architecture() -> No
 def test_auto_with_a_local_checkpoint_is_planned_as_the_operator_will_decide_it(
     tmp_path: Path, llama_ckpt: Path
 ) -> None:
-    gemma = tmp_path / "gemma"
-    shutil.copytree(llama_ckpt, gemma)
-    config = json.loads((gemma / "config.json").read_text())
-    config["architectures"] = ["Gemma2ForCausalLM"]
-    (gemma / "config.json").write_text(json.dumps(config))
+    olmo = tmp_path / "olmo"
+    shutil.copytree(llama_ckpt, olmo)
+    config = json.loads((olmo / "config.json").read_text())
+    config["architectures"] = ["Olmo2ForCausalLM"]
+    (olmo / "config.json").write_text(json.dumps(config))
     auto = {k: v for k, v in BASE.items() if k != "loadFormat"}
-    for ckpt, fmt in ((llama_ckpt, "sharded_state"), (gemma, "safetensors")):
+    for ckpt, fmt in ((llama_ckpt, "sharded_state"), (olmo, "safetensors")):
         report = plan_json(str(write_md(tmp_path, auto)), "--checkpoint", str(ckpt),
                            "--identity", IDENTITY)  # fmt: skip
         explicit = ModelDeploymentSpec.model_validate({**auto, "loadFormat": fmt})
@@ -337,4 +337,4 @@ def test_auto_with_a_local_checkpoint_is_planned_as_the_operator_will_decide_it(
         assert report["checks"][0]["reason"] == "FormatChosen"
         command = report["jobs"][0]["command"]
         assert command[command.index("--format") + 1] == fmt
-    assert "Gemma2ForCausalLM has no per-rank rules" in report["checks"][0]["message"]
+    assert "Olmo2ForCausalLM has no per-rank rules" in report["checks"][0]["message"]

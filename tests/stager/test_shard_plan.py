@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from modelstage.core.errors import CheckpointError, SpecError
 from modelstage.core.layouts import layout_for
-from modelstage.devtools.synthetic import SyntheticModel
+from modelstage.devtools.synthetic import Architecture, SyntheticModel
 from modelstage.stager.model_config import ModelConfig
 from modelstage.stager.shard_plan import ShardPlan, Slice, Slot, SourceTensor, plan_shards
 
@@ -34,6 +34,8 @@ def models(draw: st.DrawFn) -> tuple[SyntheticModel, int]:
                 "Qwen3MoeForCausalLM",
                 "GptOssForCausalLM",
                 "Phi3ForCausalLM",
+                "Gemma2ForCausalLM",
+                "Gemma3ForCausalLM",
             ]
         )
     )
@@ -48,9 +50,9 @@ def models(draw: st.DrawFn) -> tuple[SyntheticModel, int]:
         num_layers=1,
         num_heads=heads,
         num_kv_heads=kv,
-        head_dim=head_dim if arch.startswith("Qwen3") else None,
+        head_dim=head_dim if arch.startswith(("Qwen3", "Gemma")) else None,
         vocab_size=draw(st.integers(5, 300)),
-        tie_word_embeddings=draw(st.booleans()),
+        tie_word_embeddings=arch == "Gemma2ForCausalLM" or draw(st.booleans()),
         num_experts=draw(st.integers(tp if arch in REFUSE_MORE_RANKS_THAN_EXPERTS else 1, tp + 4)),
         experts_per_token=1,
     )
@@ -172,6 +174,51 @@ def test_tied_embeddings_are_written_once_as_lm_head() -> None:
     assert "lm_head.weight" in names and "model.embed_tokens.weight" not in names
     head = next(t for t in plan.targets if t.name == "lm_head.weight")
     assert head.slots[0].source == "model.embed_tokens.weight"
+
+
+def _gemma_plan(architecture: Architecture, tied: bool = True) -> ShardPlan:
+    model = SyntheticModel(
+        architecture=architecture, hidden_size=32, intermediate_size=64, num_heads=4,
+        num_kv_heads=2, head_dim=16, num_layers=1, vocab_size=100, tie_word_embeddings=tied,
+    )  # fmt: skip
+    config = ModelConfig.from_dict(model.config())
+    return plan_shards(config, {n: SourceTensor("BF16", s) for n, s in model.tensors()}, 2, LAYOUT)
+
+
+def test_gemma2_keeps_tied_embeddings_under_their_own_name_its_model_has_no_head() -> None:
+    plan = _gemma_plan("Gemma2ForCausalLM")
+    embed = next(
+        t for t in plan.targets if t.slots and t.slots[0].source == "model.embed_tokens.weight"
+    )
+    assert embed.name == "model.embed_tokens.weight" and embed.shape == (64, 32)  # 100 -> 128 / 2
+    assert "lm_head.weight" not in {t.name for t in plan.targets}
+
+
+def test_gemma3_keeps_tied_embeddings_as_lm_head_and_every_norm_whole() -> None:
+    plan = _gemma_plan("Gemma3ForCausalLM")
+    names = {t.name: t for t in plan.targets}
+    assert names["lm_head.weight"].slots[0].source == "model.embed_tokens.weight"
+    assert "model.embed_tokens.weight" not in names
+    norms = [t for n, t in names.items() if n.endswith("norm.weight")]
+    assert {t.name.split(".")[-2] for t in norms} == {
+        "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+        "post_feedforward_layernorm", "q_norm", "k_norm", "norm"}  # fmt: skip
+    for t in norms:  # raw and whole: one slot, every row of the source on every rank
+        (slot,) = t.slots
+        assert slot.source == t.name and all(s.rows == (0, t.shape[0]) and s.cols is None
+                                             for s in slot.per_rank)  # fmt: skip
+
+
+def test_an_untied_gemma3_has_its_own_head_and_a_gemma2_head_is_refused_as_vllm_does() -> None:
+    names = {t.name for t in _gemma_plan("Gemma3ForCausalLM", tied=False).targets}
+    assert {"lm_head.weight", "model.embed_tokens.weight"} <= names
+    model = SyntheticModel(architecture="Gemma2ForCausalLM", num_layers=1, head_dim=32,
+                           tie_word_embeddings=True)  # fmt: skip
+    config = ModelConfig.from_dict({**model.config(), "tie_word_embeddings": False})
+    sources = {n: SourceTensor("F32", s) for n, s in model.tensors()}
+    sources["lm_head.weight"] = SourceTensor("F32", (model.vocab_size, model.hidden_size))
+    with pytest.raises(CheckpointError, match=r"does not use.*lm_head\.weight"):
+        plan_shards(config, sources, 2, LAYOUT)
 
 
 def _mixtral_plan(tp: int) -> tuple[SyntheticModel, ShardPlan]:

@@ -172,6 +172,57 @@ def _check_fused_from_source(
     assert want[mlp + "gate_up_proj.weight"].equal(torch.cat([gate_up[rows], gate_up[up]]))
 
 
+def _check_dense_from_source(
+    spec: SyntheticModel, src: Path, rank: int, tp: int, want: Want
+) -> None:
+    """The contract read off the source, for layer 1: qkv = cat(q, k, v) head rows of the
+    rank (KV heads replicated when TP exceeds them), gate_up = cat(gate, up) rows, o and down
+    the rank's columns, every norm whole and raw, the embeddings under vLLM's kept name; and
+    the comparison's control: two norms of one shape exchanged no longer equal vLLM's state."""
+    source = _read(sorted(src.glob("*.safetensors")))
+    hd, kv = spec.head_size, spec.num_kv_heads
+    q_rows = slice(rank * spec.num_heads // tp * hd, (rank + 1) * spec.num_heads // tp * hd)
+    kv_head = rank * kv // tp if kv >= tp else rank // (tp // kv)
+    kv_count = max(kv // tp, 1)
+    kv_rows = slice(kv_head * hd, (kv_head + kv_count) * hd)
+    inter = slice(rank * spec.intermediate_size // tp, (rank + 1) * spec.intermediate_size // tp)
+    layer = "model.layers.1."
+    attn, mlp = layer + "self_attn.", layer + "mlp."
+    qkv = torch.cat([source[attn + "q_proj.weight"][q_rows], source[attn + "k_proj.weight"][kv_rows],
+                     source[attn + "v_proj.weight"][kv_rows]])  # fmt: skip
+    assert want[attn + "qkv_proj.weight"].equal(qkv)
+    assert want[attn + "o_proj.weight"].equal(source[attn + "o_proj.weight"][:, q_rows])
+    gate_up = torch.cat([source[mlp + "gate_proj.weight"][inter],
+                         source[mlp + "up_proj.weight"][inter]])  # fmt: skip
+    assert want[mlp + "gate_up_proj.weight"].equal(gate_up)
+    assert want[mlp + "down_proj.weight"].equal(source[mlp + "down_proj.weight"][:, inter])
+    norms = [n for n in source if n.endswith("norm.weight")]
+    assert norms and all(want[n].equal(source[n]) for n in norms), "a norm is not raw and whole"
+    embeddings = TIED_KEPT_AS.get(spec.architecture, "lm_head.weight") if (
+        spec.tie_word_embeddings) else "model.embed_tokens.weight"  # fmt: skip
+    per = spec.vocab_size // tp
+    assert want[embeddings].equal(
+        source["model.embed_tokens.weight"][rank * per : (rank + 1) * per]
+    )
+    a, b = (f"{layer}{n}_layernorm.weight" for n in ("input", "post_attention"))
+    assert not want[a].equal(want[b]), "the control: exchanged norms must differ"
+
+
+TIED_KEPT_AS = {"Gemma2ForCausalLM": "model.embed_tokens.weight"}
+"""The name vLLM keeps for tied embeddings where it is not ``lm_head.weight`` (Gemma 2's model
+has no head module)."""
+
+
+def _dense(architecture: str, seed: int, **extra: object) -> Family:
+    """A dense family's checkpoint: bfloat16, 8 query heads on 2 KV heads."""
+    spec = SyntheticModel(
+        architecture=architecture, hidden_size=128, intermediate_size=256, num_heads=8,  # type: ignore[arg-type]
+        num_kv_heads=2, vocab_size=512, dtype="bfloat16", num_shards=2, seed=seed,
+        **extra,  # type: ignore[arg-type]
+    )  # fmt: skip
+    return Family(spec, _check_dense_from_source)
+
+
 @dataclass(frozen=True)
 class Family:
     spec: SyntheticModel
@@ -211,10 +262,18 @@ FAMILIES = {
         architecture="Phi3ForCausalLM", hidden_size=128, intermediate_size=256, num_heads=8,
         num_kv_heads=2, vocab_size=512, dtype="bfloat16", num_shards=2, seed=10,
     ), _check_fused_from_source),  # q/k/v and gate/up fused in the source
+    "llama": _dense("LlamaForCausalLM", 20),  # untied
+    "mistral": _dense("MistralForCausalLM", 21, tie_word_embeddings=True),
+    "qwen2": _dense("Qwen2ForCausalLM", 22),  # q/k/v biases
+    "qwen3": _dense("Qwen3ForCausalLM", 23, head_dim=32, tie_word_embeddings=True),
+    # Gemma: feed-forward norms, raw norms; Gemma 2 keeps tied embeddings as embed_tokens
+    "gemma2": _dense("Gemma2ForCausalLM", 24, head_dim=32, tie_word_embeddings=True),
+    "gemma3": _dense("Gemma3ForCausalLM", 25, head_dim=32, tie_word_embeddings=True),  # q/k norms
 }  # fmt: skip
-DEFAULT_TIER = frozenset({"mixtral", "gpt-oss", "fp8-llama", "phi3"})
-"""One family per kind of split at TP 2 in the default tier: stacked experts, transposed
-experts with a rank-0 bias, float8 weights with their scales, fused sources."""
+DEFAULT_TIER = frozenset({"llama", "gemma2", "gemma3", "mixtral", "gpt-oss", "fp8-llama", "phi3"})
+"""At TP 2 in the default tier: one family per kind of split (dense, stacked experts,
+transposed experts with a rank-0 bias, float8 weights with their scales, fused sources) and
+Gemma's norms and tied-embedding names."""
 
 
 def _cases() -> list[object]:

@@ -34,6 +34,12 @@ def _load(ckpt: Path) -> dict[str, tuple[str, list[int], str]]:
     return found
 
 
+def _load_values(ckpt: Path) -> dict[str, np.ndarray]:
+    from safetensors.torch import load_file
+
+    return {k: v.float().numpy() for k, v in load_file(str(ckpt / "model.safetensors")).items()}
+
+
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 def test_config_json_is_accepted_by_transformers(architecture: str, tmp_path: Path) -> None:
     from transformers import AutoConfig
@@ -251,3 +257,36 @@ def test_fp8_checkpoints_are_llm_compressors_channel_quantization_of_the_bf16_we
     assert np.array_equal(ours, cast.numpy())
     for k in set(want) - quantized:
         assert got[k].equal(want[k]), k
+@pytest.mark.parametrize("architecture", ["Gemma2ForCausalLM", "Gemma3ForCausalLM"])
+def test_gemma_tensors_are_the_ones_transformers_saves_for_its_config(
+    architecture: str, tmp_path: Path
+) -> None:
+    """Names, shapes and config as the hub's: transformers builds the model from the generated
+    ``config.json`` (sliding and full layers alternating, Gemma 3's local rope base, Gemma 2's
+    soft-capping) and the checkpoint holds exactly its parameters, the tied head left out."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec = SyntheticModel(
+        architecture=architecture,  # type: ignore[arg-type]
+        hidden_size=64, intermediate_size=96, num_heads=4, num_kv_heads=2, head_dim=32,
+        vocab_size=100, tie_word_embeddings=True, dtype="bfloat16",
+    )  # fmt: skip
+    ckpt = write_checkpoint(spec, tmp_path)
+    config = AutoConfig.from_pretrained(ckpt)
+    assert config.layer_types == ["sliding_attention", "full_attention"]
+    assert (config.head_dim, config.query_pre_attn_scalar) == (32, 32)
+    assert config.hidden_activation == "gelu_pytorch_tanh"
+    if architecture == "Gemma2ForCausalLM":
+        assert (config.attn_logit_softcapping, config.final_logit_softcapping) == (50.0, 30.0)
+    else:
+        assert config.model_type == "gemma3_text"
+        rope = {kind: p["rope_theta"] for kind, p in config.rope_parameters.items()}
+        assert rope == {"sliding_attention": 10000.0, "full_attention": 1000000.0}
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    theirs = {n: list(p.shape) for n, p in model.state_dict().items() if n != "lm_head.weight"}
+    ours = {name: where[1] for name, where in _load(ckpt).items()}
+    assert ours == theirs
+    norms = [v for k, v in _load_values(ckpt).items() if k.endswith("norm.weight")]
+    assert abs(float(np.mean([n.mean() for n in norms]))) < 0.05, "Gemma norms are offsets from 1"

@@ -1,5 +1,5 @@
-"""The Hugging Face layout cache for a family outside the per-rank table: a Gemma 2 checkpoint
-staged as ``safetensors`` and loaded through the plugin's checking loader
+"""The Hugging Face layout cache, which takes any architecture without per-rank rules: a Gemma 2
+checkpoint staged as ``safetensors`` and loaded through the plugin's checking loader
 (``modelstage_safetensors``) gives exactly the token ids and log-probabilities of stock vLLM
 on the original checkpoint (bf16, TP 2); the same artifact with one flipped bit is refused
 before vLLM serves.
@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from modelstage.devtools.synthetic import SyntheticModel, write_checkpoint
 from vllm_oracle import STAGE_TIMEOUT_S, VllmRun, differences, reference, run_vllm
 
 pytestmark = pytest.mark.vllm
@@ -25,31 +26,13 @@ Timings = list[tuple[str, VllmRun]]
 TP = 2
 DTYPE = "bfloat16"
 VOCAB = 512
-PROMPTS = [[2, 5, 100, 255, 256, 300, 511, 42, 7, 64], [2, 511, 510, 3, 400], [2, 250]]
-
-
-def write_gemma2(out: Path) -> Path:
-    """A tiny random Gemma 2 checkpoint in bf16, saved by transformers in two safetensors files
-    with their index (weights of std 1/sqrt(hidden), so log-probabilities are far from flat)."""
-    import torch
-    from transformers import Gemma2Config, Gemma2ForCausalLM
-
-    torch.manual_seed(7)
-    hidden = 128
-    config = Gemma2Config(
-        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=32,
-        max_position_embeddings=256, sliding_window=64, initializer_range=hidden**-0.5,
-        bos_token_id=2, eos_token_id=1, pad_token_id=0, dtype="bfloat16",
-    )  # fmt: skip
-    model = Gemma2ForCausalLM(config).to(torch.bfloat16)
-    with torch.no_grad():  # Gemma stores norms as offsets from 1: make them matter too
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.normal_(0.0, 0.1)
-    model.save_pretrained(out, max_shard_size="200KB")
-    assert len(list(out.glob("*.safetensors"))) >= 2 and (out / "config.json").exists()
-    return out
+PROMPTS = [[1, 5, 100, 255, 256, 300, 511, 42, 7, 64], [1, 511, 510, 3, 400], [1, 250]]
+GEMMA2 = SyntheticModel(
+    architecture="Gemma2ForCausalLM", hidden_size=128, intermediate_size=256, num_heads=4,
+    num_kv_heads=2, head_dim=32, vocab_size=VOCAB, tie_word_embeddings=True, dtype="bfloat16",
+    num_shards=2, seed=7,
+)  # fmt: skip
+"""A tiny Gemma 2 in bf16, two safetensors files with their index, norms as offsets from 1."""
 
 
 def stage_safetensors(src: Path, out: Path) -> dict[str, object]:
@@ -68,7 +51,7 @@ def stage_safetensors(src: Path, out: Path) -> dict[str, object]:
 def gemma2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, str]:
     """(checkpoint, its safetensors artifact, the artifact's digest)."""
     root = tmp_path_factory.mktemp("gemma2")
-    src = write_gemma2(root / "ckpt")
+    src = write_checkpoint(GEMMA2, root / "ckpt")
     summary = stage_safetensors(src, root / "artifact")
     return src, root / "artifact", str(summary["digest"])
 

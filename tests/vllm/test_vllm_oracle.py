@@ -28,12 +28,17 @@ cold reference cache, one with a warm one; a TP=1 start takes ~16 s and a TP=2 s
 - Phi-3 bfloat16 (q/k/v fused in the source's ``qkv_proj``, gate/up in ``gate_up_proj``, cut
   into their parts before the rank split), 4 KV heads, two source files: TP 2 (TP 1 and 4
   slow).
+- Gemma 2 bfloat16 (pre/post feed-forward norms stored raw, head_dim 64 != hidden/heads,
+  soft-capping, sliding and full layers), vocab 1000, tied embeddings kept as
+  ``model.embed_tokens``: TP 2 (TP 1 and 4 slow).
+- Gemma 3 bfloat16 (those norms and q/k norms, a local rope base on sliding layers), vocab
+  1000, tied embeddings kept as ``lm_head``: TP 2 (TP 1 and 4 slow).
 - Mutations (``MUTATIONS``, one per kind of split): an artifact of the matrix with one thing
   misplaced (KV-head blocks, rank files, experts, gpt-oss's gate/up interleave, FP8 scales of
   the wrong slot, k and v of a fused source) loads in vLLM without a warning but fails the
   comparison.
 Slow tier (``-m slow``): Llama, Mixtral, Qwen2-MoE and Qwen3-MoE at TP 4 (each KV head on two
-ranks; ~50 s a start), gpt-oss and Phi-3 at TP 1 and 4, Llama FP8 at TP 1, Mistral float16 at
+ranks; ~50 s a start), gpt-oss, Phi-3, Gemma 2 and Gemma 3 at TP 1 and 4, Llama FP8 at TP 1, Mistral float16 at
 TP 2, and the Qwen3 bfloat16 source staged ``--dtype float32`` (the stager's cast) at TP 2.
 """
 
@@ -158,6 +163,20 @@ FP8_LLAMA = Case(
     slow_tps=(1,),
     artifact_dtypes=("BF16", "F32", "F8_E4M3"),
 )
+GEMMA = {
+    arch: Case(
+        f"{name}-bf16-headdim64-tied",
+        SyntheticModel(
+            architecture=arch, head_dim=64, num_kv_heads=4, vocab_size=1000,  # type: ignore[arg-type]
+            tie_word_embeddings=True, dtype="bfloat16", num_shards=2, seed=seed,
+        ),
+        (2,),
+        ("--dtype", "auto"),
+        dtype="bfloat16",
+        slow_tps=(1, 4),
+    )
+    for arch, name, seed in (("Gemma2ForCausalLM", "gemma2", 10), ("Gemma3ForCausalLM", "gemma3", 11))
+}  # fmt: skip
 QWEN3_BF16 = SyntheticModel(
     architecture="Qwen3ForCausalLM", head_dim=64, num_kv_heads=4, vocab_size=1000,
     tie_word_embeddings=True, dtype="bfloat16", num_shards=2, seed=2,
@@ -204,6 +223,7 @@ CASES = [
     GPT_OSS,
     FP8_LLAMA,
     PHI3,
+    *GEMMA.values(),
 ]  # fmt: skip
 
 

@@ -221,6 +221,8 @@ def plugin_load_formats() -> dict[str, tuple[str, ...]]:
 
 PER_RANK_ARCHITECTURES = frozenset(
     {
+        "Gemma2ForCausalLM",
+        "Gemma3ForCausalLM",
         "LlamaForCausalLM",
         "MistralForCausalLM",
         "MixtralForCausalLM",

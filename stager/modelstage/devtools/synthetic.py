@@ -31,6 +31,8 @@ from modelstage.core.safetensors_format import DTYPE_CODES, DTYPE_SIZES, encode_
 from modelstage.stager.architectures import ARCHITECTURES
 
 Architecture = Literal[
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "MixtralForCausalLM",
@@ -44,6 +46,8 @@ Architecture = Literal[
 DType = Literal["float32", "bfloat16", "float16"]
 
 _MODEL_TYPES = {
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3_text",
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "MixtralForCausalLM": "mixtral",
@@ -65,6 +69,8 @@ _FP8_MAX = 448.0
 _FUSED_IN_SOURCE = ("Phi3ForCausalLM",)
 """Architectures whose checkpoints hold q/k/v fused in ``qkv_proj`` and gate/up in
 ``gate_up_proj`` (rows: q, k, v; gate, up), as vLLM holds them."""
+_GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+_QK_NORM = ("Gemma3ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 _SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>")
 _CHUNK_ELEMENTS = 8 * 1024 * 1024
 """Elements generated per step (32 MiB of float32): bounds memory for large tensors."""
@@ -141,12 +147,18 @@ class SyntheticModel:
             and (self.head_dim * self.num_heads != self.hidden_size)
         ):
             raise ValueError("Qwen2 derives head_dim = hidden_size / num_heads")
+        self._check_combinations()
+
+    def _check_combinations(self) -> None:
+        """Options that only some architectures or shapes take."""
         if self.experts_per_token > self.num_experts:
             raise ValueError("experts_per_token must be <= num_experts")
         if self.split_fused and self.num_shards < 2:
             raise ValueError("split_fused needs num_shards >= 2")
         if self.fp8 and self.architecture not in _FP8:
             raise ValueError(f"fp8 is written for {', '.join(_FP8)} only")
+        if self.architecture == "Gemma2ForCausalLM" and not self.tie_word_embeddings:
+            raise ValueError("Gemma 2 ties its embeddings (vLLM's model has no lm_head)")
 
     @property
     def shared_expert_intermediate_size(self) -> int:
@@ -182,7 +194,7 @@ class SyntheticModel:
                     (p + "self_attn.k_proj.bias", (kv_rows,)),
                     (p + "self_attn.v_proj.bias", (kv_rows,)),
                 ]
-            if self.architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
+            if self.architecture in _QK_NORM:
                 out += [
                     (p + "self_attn.q_norm.weight", (hd,)),
                     (p + "self_attn.k_norm.weight", (hd,)),
@@ -194,6 +206,11 @@ class SyntheticModel:
             if self.architecture == _GPT_OSS:
                 out += [(p + "self_attn.o_proj.bias", (h,)),
                         (p + "self_attn.sinks", (self.num_heads,))]  # fmt: skip
+            if self.architecture in _GEMMA:
+                out += [
+                    (p + "pre_feedforward_layernorm.weight", (h,)),
+                    (p + "post_feedforward_layernorm.weight", (h,)),
+                ]
             out += self._mlp(p)
         out.append(("model.norm.weight", (h,)))
         if not self.tie_word_embeddings:
@@ -327,6 +344,8 @@ class SyntheticModel:
                 shared_expert_intermediate_size=self.shared_expert_intermediate_size,
                 norm_topk_prob=False,
             )
+        elif self.architecture in _GEMMA:
+            cfg.update(self._gemma_config())
         elif self.architecture == "Qwen3MoeForCausalLM":
             cfg.update(
                 self._qwen_moe_config(),
@@ -344,6 +363,29 @@ class SyntheticModel:
                 max_window_layers=self.num_layers,
                 head_dim=self.head_size,
             )
+        return cfg
+
+    def _gemma_config(self) -> dict[str, object]:
+        """Gemma's fields as the hub's ``config.json`` has them: GELU (tanh), an explicit
+        head_dim with the query scaled by ``query_pre_attn_scalar``, sliding-window layers
+        (Gemma 2: every other one; Gemma 3: all but every ``sliding_window_pattern``-th, with
+        their own rope base), logit soft-capping (Gemma 2)."""
+        gemma2 = self.architecture == "Gemma2ForCausalLM"
+        cfg: dict[str, object] = {
+            "attention_bias": False,
+            "attn_logit_softcapping": 50.0 if gemma2 else None,
+            "cache_implementation": "hybrid",
+            "final_logit_softcapping": 30.0 if gemma2 else None,
+            "head_dim": self.head_size,
+            "hidden_act": "gelu_pytorch_tanh",
+            "hidden_activation": "gelu_pytorch_tanh",
+            "pad_token_id": 3,
+            "query_pre_attn_scalar": self.head_size,
+            "sliding_window": 64,
+        }
+        if not gemma2:
+            cfg.update(rope_local_base_freq=self.rope_theta, sliding_window_pattern=2)
+            cfg.update(rope_theta=100 * self.rope_theta)
         return cfg
 
     def _qwen_moe_config(self) -> dict[str, object]:
@@ -589,7 +631,8 @@ def _generate(
     count = math.prod(shape)
     is_norm = name.endswith("norm.weight")
     std = np.float32(0.1 if is_norm else 1.0 / math.sqrt(spec.hidden_size))
-    mean = np.float32(1.0 if is_norm else 0.0)
+    # Gemma's norms hold the offset from a scale of 1 (its models add 1 when they run).
+    mean = np.float32(1.0 if is_norm and spec.architecture not in _GEMMA else 0.0)
     for start in range(0, count, _CHUNK_ELEMENTS):
         chunk = rng.standard_normal(min(_CHUNK_ELEMENTS, count - start), dtype=np.float32)
         chunk *= std

@@ -268,6 +268,16 @@ def _fp8_channel(rules: tuple[Rule, ...]) -> tuple[Rule, ...]:
             )
         )
     return tuple(out)
+_FEEDFORWARD_NORMS = tuple(
+    Rule(f"model.layers.{{L}}.{x}_feedforward_layernorm.weight",
+         f"model.layers.{{L}}.{x}_feedforward_layernorm.weight", Split.REPLICATED, ("hidden",))
+    for x in ("pre", "post")
+)  # fmt: skip
+"""Gemma's norms around the MLP; like every Gemma norm stored raw (vLLM adds 1 when it runs)."""
+
+
+def _without_head(rules: tuple[Rule, ...]) -> tuple[Rule, ...]:
+    return tuple(r for r in rules if r.source != "lm_head.weight")
 
 
 @dataclass(frozen=True)
@@ -282,6 +292,9 @@ class Architecture:
     """vLLM's model divides the KV heads among the ranks and never replicates them."""
     attention_params: tuple[AttentionParam, ...] = ()
     """Parameters of every layer's attention that no source tensor fills (quantized models)."""
+    tied_embeddings_target: str = "lm_head.weight"
+    """The name vLLM keeps for a tied embedding matrix: the head's, the alphabetically
+    smaller alias, unless the model has no head module at all (Gemma 2)."""
 
     def check_tensor_parallel(self, config: ModelConfig, tp: int) -> None:
         if self.tp_within_kv_heads and config.num_kv_heads % tp:
@@ -319,6 +332,12 @@ ARCHITECTURES: dict[str, Architecture] = {
             "Qwen3ForCausalLM",
             _llama_like(qkv_bias=When.ATTENTION_BIAS, o_bias=When.ATTENTION_BIAS) + _QK_NORM,
         ),
+        Architecture(
+            "Gemma2ForCausalLM",
+            _without_head(_LLAMA) + _FEEDFORWARD_NORMS,
+            tied_embeddings_target="model.embed_tokens.weight",
+        ),
+        Architecture("Gemma3ForCausalLM", _LLAMA + _FEEDFORWARD_NORMS + _QK_NORM),
         Architecture(
             "Qwen3MoeForCausalLM",
             _without_dense_mlp(_LLAMA)

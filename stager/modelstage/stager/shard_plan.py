@@ -34,7 +34,8 @@ from .architectures import (
 from .model_config import ModelConfig
 
 TIED_EMBEDDING_TARGET = "lm_head.weight"
-"""With tied embeddings vLLM writes the shared matrix once, under the head's name."""
+"""With tied embeddings vLLM writes the shared matrix once, under the head's name, where its
+model has a head (``Architecture.tied_embeddings_target`` says per architecture)."""
 NON_LAYER_GROUP = -1
 
 
@@ -121,7 +122,7 @@ def plan_shards(
     for rule, source, group in active:
         target = rule.target.replace("{L}", str(group)) if group >= 0 else rule.target
         if rule.split is Split.VOCAB and config.tie_word_embeddings:
-            target = TIED_EMBEDDING_TARGET
+            target = arch.tied_embeddings_target
         by_target.setdefault(target, []).append((rule, source, group))
 
     targets: list[TargetTensor] = []
