@@ -20,7 +20,8 @@ warm one; a TP=1 start takes ~16 s and a TP=2 start ~28 s on 2 idle cores):
 - Qwen3-MoE bfloat16 (q_norm/k_norm, head_dim 64, router kept as ``mlp.experts.gate``), 4
   experts, tied: TP 1, 2.
 - Llama FP8 (compressed-tensors W8A8: float8 weights, per-channel scales, dynamic per-token
-  activations) bfloat16, q/k/v and gate/up spread over two source files: TP 2 (TP 1 slow).
+  activations) bfloat16, q/k/v and gate/up spread over two source files: TP 2 (TP 1 slow);
+  Qwen3 FP8 (q/k norms, head_dim 64, tied) bfloat16: TP 2 in the slow tier.
 - Mutations: the Llama TP 1 artifact with two KV-head blocks of one layer's ``qkv_proj``
   swapped, the Llama TP 2 artifact with its two ranks' files exchanged, and the Mixtral TP 2
   artifact with two experts of one layer exchanged in rank 0's file, and the FP8 TP 2 artifact
@@ -127,6 +128,18 @@ FP8_LLAMA = Case(
     slow_tps=(1,),
     artifact_dtypes=("BF16", "F32", "F8_E4M3"),
 )
+FP8_QWEN3 = Case(
+    "qwen3-fp8-channel-bf16-tied",
+    SyntheticModel(
+        architecture="Qwen3ForCausalLM", head_dim=64, num_kv_heads=4, vocab_size=1000,
+        tie_word_embeddings=True, dtype="bfloat16", fp8=True, num_shards=2, seed=14,
+    ),
+    (),
+    ("--dtype", "auto"),
+    dtype="bfloat16",
+    slow_tps=(2,),
+    artifact_dtypes=("BF16", "F32", "F8_E4M3"),
+)  # fmt: skip
 QWEN3_BF16 = SyntheticModel(
     architecture="Qwen3ForCausalLM", head_dim=64, num_kv_heads=4, vocab_size=1000,
     tie_word_embeddings=True, dtype="bfloat16", num_shards=2, seed=2,
@@ -171,6 +184,7 @@ CASES = [
     QWEN2_MOE,
     QWEN3_MOE,
     FP8_LLAMA,
+    FP8_QWEN3,
 ]  # fmt: skip
 
 
