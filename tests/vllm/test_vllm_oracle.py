@@ -34,6 +34,7 @@ float32`` (the stager's cast) at TP 2.
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -327,3 +328,33 @@ def test_fp8_scales_of_the_wrong_slot_fail_the_oracle(
 
     assert not loader_warnings(got.log), "the mutated artifact must still load cleanly"
     assert differences(ref.output, got.output), "the oracle missed k and v scales swapped"
+
+
+@pytest.mark.slow
+def test_fp8_through_the_plugins_checking_loader_gives_exactly_the_reference_logprobs(
+    checkpoint: Callable[[str, SyntheticModel], Path],
+    staged: Callable[..., Path],
+    timings: Timings,
+) -> None:
+    """What a serving pod runs: ``modelstage_sharded_state`` checks the manifest and each
+    chunk of the float8 and float32 rank files as its reader moves them into vLLM's
+    parameters."""
+    tp, case = 2, FP8_LLAMA  # staged and referenced by the matrix
+    src = checkpoint(case.name, case.spec)
+    artifact = staged(case.name, src, tp, *case.stage_args)
+    digest = json.loads((artifact / "modelstage.json").read_text())["digest"]
+    env = {"MODELSTAGE_DIGEST": digest, "MODELSTAGE_FORMAT": "sharded_state",
+           "MODELSTAGE_TP": str(tp)}  # fmt: skip
+    prompts = prompts_for(case.spec)
+
+    ref = reference(src, tp, prompts, case.dtype)
+    timings.append((f"reference {case.name} tp{tp} {case.dtype}", ref))
+    got = run_vllm(artifact, tp, "modelstage_sharded_state", prompts, case.dtype, env=env,
+                   plugin=True)  # fmt: skip
+    timings.append((f"plugin    {case.name} tp{tp} modelstage_sharded_state", got))
+
+    assert got.output["load_format"] == "modelstage_sharded_state"
+    assert f'"digest":"{digest}"' in got.log, "the checking loader did not load it"
+    assert not loader_warnings(got.log), "the plugin narrowed or cast tensors of the artifact"
+    diff = differences(ref.output, got.output)
+    assert not diff, "the FP8 artifact differs through the plugin:\n" + "\n".join(diff)
