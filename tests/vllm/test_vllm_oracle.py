@@ -24,7 +24,8 @@ cold reference cache, one with a warm one; a TP=1 start takes ~16 s and a TP=2 s
   q/k/v, o and router biases, sinks, alternating sliding and full attention, yarn RoPE), 4
   experts, 8 query heads on 4 KV heads: TP 2 (TP 1 and 4 slow).
 - Llama FP8 (compressed-tensors W8A8: float8 weights, per-channel scales, dynamic per-token
-  activations) bfloat16, q/k/v and gate/up spread over two source files: TP 2 (TP 1 slow).
+  activations) bfloat16, q/k/v and gate/up spread over two source files: TP 2 (TP 1 slow);
+  Qwen3 FP8 (q/k norms, head_dim 64, tied) bfloat16: TP 2 in the slow tier.
 - Phi-3 bfloat16 (q/k/v fused in the source's ``qkv_proj``, gate/up in ``gate_up_proj``, cut
   into their parts before the rank split), 4 KV heads, two source files: TP 2 (TP 1 and 4
   slow).
@@ -44,6 +45,7 @@ TP 2, and the Qwen3 bfloat16 source staged ``--dtype float32`` (the stager's cas
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -177,6 +179,18 @@ GEMMA = {
     )
     for arch, name, seed in (("Gemma2ForCausalLM", "gemma2", 10), ("Gemma3ForCausalLM", "gemma3", 11))
 }  # fmt: skip
+FP8_QWEN3 = Case(
+    "qwen3-fp8-channel-bf16-tied",
+    SyntheticModel(
+        architecture="Qwen3ForCausalLM", head_dim=64, num_kv_heads=4, vocab_size=1000,
+        tie_word_embeddings=True, dtype="bfloat16", fp8=True, num_shards=2, seed=14,
+    ),
+    (),
+    ("--dtype", "auto"),
+    dtype="bfloat16",
+    slow_tps=(2,),
+    artifact_dtypes=("BF16", "F32", "F8_E4M3"),
+)  # fmt: skip
 QWEN3_BF16 = SyntheticModel(
     architecture="Qwen3ForCausalLM", head_dim=64, num_kv_heads=4, vocab_size=1000,
     tie_word_embeddings=True, dtype="bfloat16", num_shards=2, seed=2,
@@ -224,6 +238,7 @@ CASES = [
     FP8_LLAMA,
     PHI3,
     *GEMMA.values(),
+    FP8_QWEN3,
 ]  # fmt: skip
 
 
@@ -336,3 +351,34 @@ def test_a_misplaced_weight_fails_the_oracle(
 
     assert not loader_warnings(got.log), "the mutated artifact must still load cleanly"
     assert differences(ref.output, got.output), f"the oracle missed {mutation.what}"
+    assert differences(ref.output, got.output), "the oracle missed k and v scales swapped"
+
+
+@pytest.mark.slow
+def test_fp8_through_the_plugins_checking_loader_gives_exactly_the_reference_logprobs(
+    checkpoint: Callable[[str, SyntheticModel], Path],
+    staged: Callable[..., Path],
+    timings: Timings,
+) -> None:
+    """What a serving pod runs: ``modelstage_sharded_state`` checks the manifest and each
+    chunk of the float8 and float32 rank files as its reader moves them into vLLM's
+    parameters."""
+    tp, case = 2, FP8_LLAMA  # staged and referenced by the matrix
+    src = checkpoint(case.name, case.spec)
+    artifact = staged(case.name, src, tp, *case.stage_args)
+    digest = json.loads((artifact / "modelstage.json").read_text())["digest"]
+    env = {"MODELSTAGE_DIGEST": digest, "MODELSTAGE_FORMAT": "sharded_state",
+           "MODELSTAGE_TP": str(tp)}  # fmt: skip
+    prompts = prompts_for(case.spec)
+
+    ref = reference(src, tp, prompts, case.dtype)
+    timings.append((f"reference {case.name} tp{tp} {case.dtype}", ref))
+    got = run_vllm(artifact, tp, "modelstage_sharded_state", prompts, case.dtype, env=env,
+                   plugin=True)  # fmt: skip
+    timings.append((f"plugin    {case.name} tp{tp} modelstage_sharded_state", got))
+
+    assert got.output["load_format"] == "modelstage_sharded_state"
+    assert f'"digest":"{digest}"' in got.log, "the checking loader did not load it"
+    assert not loader_warnings(got.log), "the plugin narrowed or cast tensors of the artifact"
+    diff = differences(ref.output, got.output)
+    assert not diff, "the FP8 artifact differs through the plugin:\n" + "\n".join(diff)

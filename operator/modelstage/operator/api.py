@@ -460,7 +460,8 @@ class SourceStatus(Model):
     """The architecture config.json names (``""``: none), when the resolve Job read it: what
     ``loadFormat: auto`` decides by."""
     quantization: str | None = None
-    """config.json's ``quantization_config`` method; unset: unquantized."""
+    """config.json's quantization: ``compressed-tensors/w8a8-fp8-channel`` for the FP8 scheme
+    staged per rank, else its ``quantization_config`` method; unset: unquantized."""
 
 
 class FormatStatus(Model):
