@@ -41,6 +41,11 @@ BF16_SPEC = SyntheticModel(
     tie_word_embeddings=True, dtype="bfloat16", num_shards=2, seed=2,
 )  # fmt: skip
 """The sharded_state oracle's Qwen3 bfloat16 case: same bytes, so its references are shared."""
+MIXTRAL_SPEC = SyntheticModel(
+    architecture="MixtralForCausalLM", num_kv_heads=4, vocab_size=1000, num_experts=4,
+    dtype="bfloat16", num_shards=2, seed=5,
+)  # fmt: skip
+"""The sharded_state oracle's Mixtral case (4 experts, 2 routed per token, bfloat16)."""
 PROMPTS = [
     [1, 5, 100, 255, 256, 511, 512, 513, 999, 42, 7, 300, 2, 64],
     [1, 999, 998, 3, 900, 767, 768],
@@ -58,6 +63,11 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def qwen3_bf16(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_checkpoint(BF16_SPEC, tmp_path_factory.mktemp("qwen3-bf16-s3") / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_checkpoint(MIXTRAL_SPEC, tmp_path_factory.mktemp("mixtral-s3") / "ckpt")
 
 
 @pytest.fixture(scope="module")
@@ -167,6 +177,37 @@ def test_vllm_loads_a_bfloat16_s3_artifact_at_bfloat16_with_exactly_the_referenc
     assert not loader_warnings(got["log"]), "vLLM narrowed or cast tensors of the artifact"
     diff = differences(ref.output, got["output"])
     assert not diff, "bf16 S3 artifact differs from the original checkpoint:\n" + "\n".join(diff)
+
+
+@pytest.mark.parametrize(
+    "tp,plugin",
+    [(2, False), pytest.param(1, False, marks=pytest.mark.slow),
+     pytest.param(2, True, marks=pytest.mark.slow)],
+)  # fmt: skip
+def test_vllm_loads_a_mixtral_s3_artifact_with_exactly_the_reference_logprobs(
+    tp: int, plugin: bool, mixtral: Path, s3: S3Server, vllm_bucket: str, vllm_lock: None
+) -> None:
+    """MoE from S3: the stacked per-rank experts (``w13_weight`` [E, 2I/tp, H], ``w2_weight``
+    [E, H, I/tp]) staged ``runai_streamer_sharded`` ``--dtype auto`` are read by vLLM's Run:ai
+    streamer (or the plugin's S3 reader) with the log-probabilities of vLLM on the original."""
+    uri = f"s3://{vllm_bucket}/mixtral/tp{tp}{'-plugin' if plugin else ''}/"
+    summary = stage(StageRequest(source=str(mixtral), out=uri, tp=tp,
+                                 format="runai_streamer_sharded", dtype="auto",
+                                 s3=s3.options()))  # fmt: skip
+    env = s3.env()
+    if plugin:
+        env |= {"MODELSTAGE_S3_READER": "1", "MODELSTAGE_DIGEST": summary["digest"],
+                "MODELSTAGE_TP": str(tp), "MODELSTAGE_FORMAT": "runai_streamer_sharded"}  # fmt: skip
+    ref = reference(mixtral, tp, PROMPTS, "bfloat16")
+    got = run_vllm_s3(uri, tp, "runai_streamer_sharded", env, dtype="bfloat16", plugin=plugin)
+
+    read = [line for line in got["log"].splitlines() if "with the S3 reader" in line]
+    assert len(read) == (tp if plugin else 0), got["log"][-3000:]
+    assert not loader_warnings(got["log"]), "vLLM narrowed or cast tensors of the artifact"
+    diff = differences(ref.output, got["output"])
+    assert not diff, "Mixtral S3 artifact differs from the original checkpoint:\n" + "\n".join(
+        diff
+    )
 
 
 def test_a_mutated_rank_object_in_s3_fails_the_oracle(
