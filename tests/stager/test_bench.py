@@ -22,7 +22,8 @@ def test_bench_measures_every_section_and_cleans_up(
     work, out = tmp_path / "work", tmp_path / "results"
     code = cli.main([
         "bench", "--size-gib", "0.03", "--tp", "1", "2", "--load-tp", "2", "--repeats", "1",
-        "--rss-gib", "0.02", "0.04", "--moe-rss-gib", "--warm", "--workdir", str(work), "--out", str(out),
+        "--rss-gib", "0.02", "0.04", "--moe-rss-gib", "--warm", "--workdir", str(work),
+        "--out", str(out),
         "--s3", f"s3://{bucket}/bench", "--s3-endpoint", s3.endpoint, "--s3-path-style",
         "--s3-credentials-file", str(s3.credentials_file),
     ])  # fmt: skip
