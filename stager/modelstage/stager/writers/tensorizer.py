@@ -27,20 +27,21 @@ What vLLM 0.32 writes (``serialize_vllm_model`` in
   modules that hold tensors in first-use order (vLLM counts every module);
   ``load_into_module`` resolves tensors by name and ignores the index.
 
-**Streaming.** The checkpoint is read once, through the same reader and per-rank scatter as
-the ``sharded_state`` writer; each rank's bytes arrive in plan order and are collected one
-target tensor at a time, handed to that rank's ``TensorSerializer.write_tensor`` and dropped:
-memory holds one tensor per rank (the largest tensor of the model, split over the ranks), not
-the model. tensorizer's writer seeks: it reserves a 256 KiB prologue (file header and
-metadata index) up front and rewrites it after every tensor; everything after the prologue
-it writes front to back, one tensor (header, then data) at a time. The prologue holds no
-hashes, only names, dtypes, shapes, offsets and sizes, which the plan fixes, so
-``predict_layout`` computes its final bytes (and the file's size) before the first tensor.
-``_StreamingFile`` hands that prologue to the destination's sink first, then each tensor's
-bytes as its ``write_tensor`` returns, and at ``close`` checks that what tensorizer wrote
-into the prologue is exactly what was predicted (otherwise the file is refused and nothing
-is published). Each rank file is thus written once, in order, straight into its sink (a
-local file hashed as it is written, or an S3 multipart upload); nothing is spooled to disk.
+**Streaming.** A tensorized file is a 256 KiB prologue (file header and metadata index),
+then one record per tensor (a header holding the CRC32 and SHA-256 of the record, then the
+data), then an 8-byte zero. tensorizer's own ``TensorSerializer`` takes whole tensors, seeks
+and rewrites the prologue after each one; this writer instead writes each rank file once,
+front to back, straight into its sink (a local file hashed as it is written, or an S3
+multipart upload), with tensorizer's own codecs (``_TensorHeaderSerializer``,
+``_FileHeader``): ``plan_writes`` fixes every record's header position and the prologue from
+the plan (the prologue holds no hashes, only names, dtypes, shapes, offsets and sizes), and
+the hashes are computed as the bytes stream by, through the same reader and per-rank scatter
+as the ``sharded_state`` writer. As a record's hashes precede its data, a tensor's bytes must
+all be seen before the first is written: small targets are gathered whole per rank; one
+larger than ``HOLD_BYTES`` over the ranks (an MoE layer's expert stack, a large
+vocabulary's head) is read twice, hashed, then written, so memory does not grow with the
+model's largest tensor. ``tests/tensorizer`` holds the files byte for byte to what
+``TensorSerializer`` writes for the same plan.
 """
 
 from __future__ import annotations
