@@ -26,11 +26,21 @@ MODELS = {
     "wide": SyntheticModel(hidden_size=512, intermediate_size=1536, vocab_size=4000, seed=7),
     "bf16": SyntheticModel(dtype="bfloat16", num_shards=2, split_fused=True, seed=9),
     "mixtral": SyntheticModel(architecture="MixtralForCausalLM", num_shards=2, seed=11),
+    "mixtral-bf16": SyntheticModel(
+        architecture="MixtralForCausalLM",
+        num_kv_heads=4,
+        vocab_size=1000,
+        num_experts=4,
+        dtype="bfloat16",
+        num_shards=2,
+        seed=5,
+    ),
 }
 """Small checkpoints: untied Llama with q/k/v and gate/up split over three files, a tied
 Llama, Qwen2 (q/k/v biases), one whose TP=2 rank files exceed a 5 MiB S3 part, and a
-bfloat16 Llama (staged ``dtype="auto"``: its rank files stay bfloat16), and a Mixtral
-(stacked experts)."""
+bfloat16 Llama (staged ``dtype="auto"``: its rank files stay bfloat16), a Mixtral (stacked experts),
+and the vLLM oracle's bfloat16 Mixtral (tests/vllm: same bytes, so its references are
+shared)."""
 
 
 @pytest.fixture(scope="session")
