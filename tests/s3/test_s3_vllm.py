@@ -7,8 +7,9 @@ Matrix: ``runai_streamer_sharded`` and ``runai_streamer`` at TP 1 and 2 on the L
 the sharded_state oracle (float32, tied embeddings, vocab 1000 padded to 1024, q/k/v and
 gate/up spread over three files), with its prompts, so the cached references are shared;
 ``runai_streamer_sharded`` of the oracle's bfloat16 Qwen3 checkpoint staged ``--dtype auto``,
-run at bfloat16, at TP 2; a mutated per-rank object (two KV-head blocks swapped) must fail the
-comparison. Runs are stock vLLM (``VLLM_PLUGINS=""``) except the plugin's S3 reader's. Every
+run at bfloat16, at TP 2; the oracle's bfloat16 Mixtral (stacked experts) staged the same
+way, at TP 2 (TP 1 and through the plugin's S3 reader in the slow tier); a mutated per-rank
+object (two KV-head blocks swapped) must fail the comparison. Runs are stock vLLM (``VLLM_PLUGINS=""``) except the plugin's S3 reader's. Every
 vLLM start holds ``/tmp/modelstage-vllm.lock``: vLLM runs of concurrent sessions on this
 2-core machine serialize instead of starving each other.
 """

@@ -7,6 +7,11 @@ TensorizerLoader does, ``is_vllm_tensorized`` must recognise the file, and
 ``TensorDeserializer.load_into_module`` (to the CPU) must fill every tensor with the bytes of
 the same rank's ``sharded_state`` (proven against vLLM generation by tests/vllm). Loading and
 generating on a GPU is e2e/gpu_tensorizer_check.py.
+
+Generation on CPU from the tensorizer files themselves (the bfloat16 Mixtral of the vLLM
+oracle): ``run_vllm_tensorizer.py`` differs from vLLM's tensorizer loader only in
+deserialising to the CPU and in running vLLM's weight processing afterwards; its exact
+log-probabilities against vLLM on the original, and swapped experts caught.
 """
 
 from __future__ import annotations
