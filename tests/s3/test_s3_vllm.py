@@ -7,8 +7,9 @@ Matrix: ``runai_streamer_sharded`` and ``runai_streamer`` at TP 1 and 2 on the L
 the sharded_state oracle (float32, tied embeddings, vocab 1000 padded to 1024, q/k/v and
 gate/up spread over three files), with its prompts, so the cached references are shared;
 ``runai_streamer_sharded`` of the oracle's bfloat16 Qwen3 checkpoint staged ``--dtype auto``,
-run at bfloat16, at TP 2; a mutated per-rank object (two KV-head blocks swapped) must fail the
-comparison. Runs are stock vLLM (``VLLM_PLUGINS=""``) except the plugin's S3 reader's. Every
+run at bfloat16, at TP 2; the oracle's bfloat16 Mixtral (stacked experts) staged the same
+way, at TP 2 (TP 1 and through the plugin's S3 reader in the slow tier); a mutated per-rank
+object (two KV-head blocks swapped) must fail the comparison. Runs are stock vLLM (``VLLM_PLUGINS=""``) except the plugin's S3 reader's. Every
 vLLM start holds ``/tmp/modelstage-vllm.lock``: vLLM runs of concurrent sessions on this
 2-core machine serialize instead of starving each other.
 """
@@ -41,6 +42,11 @@ BF16_SPEC = SyntheticModel(
     tie_word_embeddings=True, dtype="bfloat16", num_shards=2, seed=2,
 )  # fmt: skip
 """The sharded_state oracle's Qwen3 bfloat16 case: same bytes, so its references are shared."""
+MIXTRAL_SPEC = SyntheticModel(
+    architecture="MixtralForCausalLM", num_kv_heads=4, vocab_size=1000, num_experts=4,
+    dtype="bfloat16", num_shards=2, seed=5,
+)  # fmt: skip
+"""The sharded_state oracle's Mixtral case (4 experts, 2 routed per token, bfloat16)."""
 PROMPTS = [
     [1, 5, 100, 255, 256, 511, 512, 513, 999, 42, 7, 300, 2, 64],
     [1, 999, 998, 3, 900, 767, 768],
@@ -58,6 +64,11 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def qwen3_bf16(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_checkpoint(BF16_SPEC, tmp_path_factory.mktemp("qwen3-bf16-s3") / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_checkpoint(MIXTRAL_SPEC, tmp_path_factory.mktemp("mixtral-s3") / "ckpt")
 
 
 @pytest.fixture(scope="module")
@@ -167,6 +178,37 @@ def test_vllm_loads_a_bfloat16_s3_artifact_at_bfloat16_with_exactly_the_referenc
     assert not loader_warnings(got["log"]), "vLLM narrowed or cast tensors of the artifact"
     diff = differences(ref.output, got["output"])
     assert not diff, "bf16 S3 artifact differs from the original checkpoint:\n" + "\n".join(diff)
+
+
+@pytest.mark.parametrize(
+    "tp,plugin",
+    [(2, False), pytest.param(1, False, marks=pytest.mark.slow),
+     pytest.param(2, True, marks=pytest.mark.slow)],
+)  # fmt: skip
+def test_vllm_loads_a_mixtral_s3_artifact_with_exactly_the_reference_logprobs(
+    tp: int, plugin: bool, mixtral: Path, s3: S3Server, vllm_bucket: str, vllm_lock: None
+) -> None:
+    """MoE from S3: the stacked per-rank experts (``w13_weight`` [E, 2I/tp, H], ``w2_weight``
+    [E, H, I/tp]) staged ``runai_streamer_sharded`` ``--dtype auto`` are read by vLLM's Run:ai
+    streamer (or the plugin's S3 reader) with the log-probabilities of vLLM on the original."""
+    uri = f"s3://{vllm_bucket}/mixtral/tp{tp}{'-plugin' if plugin else ''}/"
+    summary = stage(StageRequest(source=str(mixtral), out=uri, tp=tp,
+                                 format="runai_streamer_sharded", dtype="auto",
+                                 s3=s3.options()))  # fmt: skip
+    env = s3.env()
+    if plugin:
+        env |= {"MODELSTAGE_S3_READER": "1", "MODELSTAGE_DIGEST": summary["digest"],
+                "MODELSTAGE_TP": str(tp), "MODELSTAGE_FORMAT": "runai_streamer_sharded"}  # fmt: skip
+    ref = reference(mixtral, tp, PROMPTS, "bfloat16")
+    got = run_vllm_s3(uri, tp, "runai_streamer_sharded", env, dtype="bfloat16", plugin=plugin)
+
+    read = [line for line in got["log"].splitlines() if "with the S3 reader" in line]
+    assert len(read) == (tp if plugin else 0), got["log"][-3000:]
+    assert not loader_warnings(got["log"]), "vLLM narrowed or cast tensors of the artifact"
+    diff = differences(ref.output, got["output"])
+    assert not diff, "Mixtral S3 artifact differs from the original checkpoint:\n" + "\n".join(
+        diff
+    )
 
 
 def test_a_mutated_rank_object_in_s3_fails_the_oracle(

@@ -9,6 +9,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+from modelstage.devtools import bench
+from modelstage.devtools.synthetic import SyntheticModel
 from modelstage.stager import cli
 from support.s3_server import S3Server
 
@@ -19,7 +22,8 @@ def test_bench_measures_every_section_and_cleans_up(
     work, out = tmp_path / "work", tmp_path / "results"
     code = cli.main([
         "bench", "--size-gib", "0.03", "--tp", "1", "2", "--load-tp", "2", "--repeats", "1",
-        "--rss-gib", "0.02", "0.04", "--warm", "--workdir", str(work), "--out", str(out),
+        "--rss-gib", "0.02", "0.04", "--moe-rss-gib", "--warm", "--workdir", str(work),
+        "--out", str(out),
         "--s3", f"s3://{bucket}/bench", "--s3-endpoint", s3.endpoint, "--s3-path-style",
         "--s3-credentials-file", str(s3.credentials_file),
     ])  # fmt: skip
@@ -53,3 +57,33 @@ def test_bench_measures_every_section_and_cleans_up(
     assert not left  # source, outputs and copies removed
     listed = s3.client().list_objects_v2(Bucket=bucket)
     assert listed.get("KeyCount", 0) == 0  # the S3 runs deleted what they wrote
+
+
+def test_bench_moe_only_measures_peak_rss_per_format_and_size_and_cleans_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--moe-only``: the Mixtral-shaped section alone (its real shapes need 1 GiB a
+    layer; here a tiny Mixtral whose experts grow with the size asked for)."""
+
+    def tiny(size: int) -> SyntheticModel:
+        return SyntheticModel(architecture="MixtralForCausalLM", dtype="bfloat16",
+                              intermediate_size=256 * max(1, size // 2**20), num_shards=2)  # fmt: skip
+
+    monkeypatch.setattr(bench, "mixtral_scaled", tiny)
+    work, out = tmp_path / "work", tmp_path / "results"
+    code = cli.main(["bench", "--moe-only", "--moe-rss-gib", "0.001", "0.002", "--load-tp", "2",
+                     "--workdir", str(work), "--out", str(out)])  # fmt: skip
+    assert code == 0
+    sections = json.loads((out / "bench.json").read_text())["sections"]
+    assert list(sections) == [bench.MOE_RSS_SECTION]
+    rows = sections[bench.MOE_RSS_SECTION]
+    assert [m["name"].split(",")[0] for m in rows] == [
+        "MoE sharded_state",
+        "MoE tensorizer",
+        "MoE sharded_state",
+        "MoE tensorizer",
+    ]
+    assert rows[0]["nbytes"] < rows[2]["nbytes"]
+    assert all(0 < m["peak_rss"] < 2**30 and m["seconds"] for m in rows)
+    assert (out / "bench.png").stat().st_size > 0
+    assert not [p.name for p in work.iterdir() if not p.name.endswith(".lock")]

@@ -29,12 +29,22 @@ MODELS = {
     "gpt-oss": SyntheticModel(architecture="GptOssForCausalLM", dtype="bfloat16", num_shards=2,
                               seed=13),
     "phi3": SyntheticModel(architecture="Phi3ForCausalLM", num_shards=2, seed=14),
+    "mixtral-bf16": SyntheticModel(
+        architecture="MixtralForCausalLM",
+        num_kv_heads=4,
+        vocab_size=1000,
+        num_experts=4,
+        dtype="bfloat16",
+        num_shards=2,
+        seed=5,
+    ),
 }
 """Small checkpoints: untied Llama with q/k/v and gate/up split over three files, a tied
 Llama, Qwen2 (q/k/v biases), one whose TP=2 rank files exceed a 5 MiB S3 part, and a
 bfloat16 Llama (staged ``dtype="auto"``: its rank files stay bfloat16), a Mixtral
-(stacked experts), a bfloat16 gpt-oss (experts cut and transposed, a rank-0-only bias) and a
-Phi-3 (q/k/v and gate/up fused in the source)."""
+(stacked experts), a bfloat16 gpt-oss (experts cut and transposed, a rank-0-only bias), a
+Phi-3 (q/k/v and gate/up fused in the source), and the vLLM oracle's bfloat16 Mixtral
+(tests/vllm: same bytes, so its references are shared)."""
 
 
 @pytest.fixture(scope="session")

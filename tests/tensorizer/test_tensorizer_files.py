@@ -157,22 +157,28 @@ def test_a_failed_stage_leaves_no_artifact_and_no_work_area(
 
 
 @pytest.mark.parametrize(
-    ("model", "tp", "dtype"),
-    [("llama", 2, "auto"), ("tied", 2, "auto"), ("qwen2", 1, "bfloat16"), ("llama", 4, "float16")],
-)
+    ("model", "tp", "dtype", "hold"),
+    [
+        ("llama", 2, "auto", None), ("tied", 2, "auto", None), ("qwen2", 1, "bfloat16", None),
+        ("llama", 4, "float16", None), ("mixtral", 2, "auto", None),
+        ("tied", 2, "auto", 0), ("mixtral", 2, "auto", 0), ("qwen2", 1, "bfloat16", 0),
+    ],
+)  # fmt: skip
 def test_streamed_rank_files_equal_tensorizers_own_seeking_writes_to_a_file(
     checkpoint: Callable[[str], Path], staged: Callable[..., Path], tmp_path: Path,
-    model: str, tp: int, dtype: str,
+    monkeypatch: pytest.MonkeyPatch, model: str, tp: int, dtype: str, hold: int | None,
 ) -> None:  # fmt: skip
-    """The stager predicts the prologue and streams each rank file front to back; the
-    reference is tensorizer's ``TensorSerializer`` writing the same plan into real files,
-    seeking back and rewriting the prologue as it goes."""
+    """The stager plans every record and streams each rank file front to back; the reference
+    is tensorizer's ``TensorSerializer`` writing the same plan into real files, seeking back
+    and rewriting the prologue as it goes. ``hold=0``: no target is gathered in memory,
+    every one is read twice (hashed, then written), the tied head's data three times."""
     from modelstage.core.layouts import layout_for
     from modelstage.core.progress import Progress
     from modelstage.stager.checkpoint import open_checkpoint
     from modelstage.stager.shard_plan import plan_shards
     from modelstage.stager.sources import open_source
-    from modelstage.stager.writers.tensorizer import serialize_ranks
+    from modelstage.stager.writers import tensorizer as tensorizer_writer
+    from reference_writer import serialize_ranks
 
     source = open_source(str(checkpoint(model)))
     ckpt = open_checkpoint(source)
@@ -182,7 +188,13 @@ def test_streamed_rank_files_equal_tensorizers_own_seeking_writes_to_a_file(
     serialize_ranks(plan, ckpt, files, Progress(0, 0, label="ref", stream=io.StringIO()),
                     tied=ckpt.model.tie_word_embeddings)  # fmt: skip
     source.close()
-    streamed = staged(model, "tensorizer", tp, dtype)
+    if hold is None:
+        streamed = staged(model, "tensorizer", tp, dtype)
+    else:
+        monkeypatch.setattr(tensorizer_writer, "HOLD_BYTES", hold)
+        streamed = tmp_path / "streamed"
+        stage(StageRequest(source=str(checkpoint(model)), out=str(streamed), tp=tp,
+                           format="tensorizer", dtype=dtype))  # fmt: skip
     for rank in range(tp):
         assert rank_file(streamed, rank).read_bytes() == paths[rank].read_bytes(), rank
 
@@ -218,23 +230,21 @@ def test_a_local_rank_file_is_written_once_in_place_without_a_spool(
         ).read_bytes()
 
 
-def test_a_prologue_that_differs_from_the_prediction_is_refused_and_nothing_published(
+def test_a_rank_file_that_differs_from_the_planned_size_is_refused_and_nothing_published(
     checkpoint: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """If tensorizer's prologue ever drifted from ``predict_layout`` (another tensorizer
-    version), the streamed bytes would be wrong: the stage must fail instead."""
+    """The records the writer streams must add up to the size the plan gave the sinks (and
+    the manifest): a drift between the two fails the stage instead of publishing."""
     from modelstage.stager.writers import tensorizer as tensorizer_writer
 
-    predict = tensorizer_writer.predict_layout
+    plan_writes = tensorizer_writer.plan_writes
 
-    def drifted(*args: object) -> tensorizer_writer.FileLayout:
-        layout = predict(*args)  # type: ignore[arg-type]
-        prologue = bytearray(layout.prologue)
-        prologue[100] ^= 0xFF  # inside the metadata index
-        return tensorizer_writer.FileLayout(bytes(prologue), layout.size)
+    def drifted(*args: object) -> tuple[list[tensorizer_writer.TensorWrite], Any]:
+        writes, layout = plan_writes(*args)  # type: ignore[arg-type]
+        return writes, tensorizer_writer.FileLayout(layout.prologue, layout.size + 8)
 
-    monkeypatch.setattr(tensorizer_writer, "predict_layout", drifted)
-    with pytest.raises(AssertionError, match="prologue differs from the predicted one at byte 100"):
+    monkeypatch.setattr(tensorizer_writer, "plan_writes", drifted)
+    with pytest.raises(AssertionError, match=r"rank file of \d+ bytes, \d+ were planned"):
         stage(StageRequest(source=str(checkpoint("llama")), out=str(tmp_path / "a"), tp=2,
                            format="tensorizer"))  # fmt: skip
     assert [p.name for p in tmp_path.iterdir() if not p.name.startswith(".")] == []

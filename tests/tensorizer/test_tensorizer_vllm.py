@@ -7,6 +7,11 @@ TensorizerLoader does, ``is_vllm_tensorized`` must recognise the file, and
 ``TensorDeserializer.load_into_module`` (to the CPU) must fill every tensor with the bytes of
 the same rank's ``sharded_state`` (proven against vLLM generation by tests/vllm). Loading and
 generating on a GPU is e2e/gpu_tensorizer_check.py.
+
+Generation on CPU from the tensorizer files themselves (the bfloat16 Mixtral of the vLLM
+oracle): ``run_vllm_tensorizer.py`` differs from vLLM's tensorizer loader only in
+deserialising to the CPU and in running vLLM's weight processing afterwards; its exact
+log-probabilities against vLLM on the original, and swapped experts caught.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import hashlib
 import json
 import re
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,6 +30,9 @@ from readback import MARKER, rank_file, read_entries, sharded_state
 from tensorizer import TensorDeserializer
 from tensorizer.serialization import TensorType
 from vllm_model import VllmModel, VllmTensor
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "vllm"))
+from vllm_oracle import differences, loader_warnings, reference, run_vllm
 
 pytestmark = pytest.mark.vllm
 CASES = [("llama", 2), ("tied", 2), ("llama", 4), ("mixtral", 2)]
@@ -144,3 +153,57 @@ def test_vllms_own_tensorizer_steps_recognise_and_load_every_rank_file(
             source = expected.get(name, expected.get("lm_head.weight"))
             assert source is not None, name
             assert shape == tuple(source.shape) and digest == _sha256(source), f"{rank}: {name}"
+
+
+ORACLE_RUNNER = Path(__file__).with_name("run_vllm_tensorizer.py")
+PROMPTS = [
+    [1, 5, 100, 255, 256, 511, 512, 513, 999, 42, 7, 300, 2, 64],
+    [1, 999, 998, 3, 900, 767, 768],
+    [1, 250],
+]
+"""The sharded_state oracle's prompts for a vocabulary of 1000 (its references are shared)."""
+
+
+@pytest.mark.parametrize("tp", [2, pytest.param(1, marks=pytest.mark.slow)])
+def test_vllm_generates_from_mixtral_tensorizer_files_with_exactly_the_reference_logprobs(
+    checkpoint: Callable[[str], Path], staged: Callable[..., Path], tp: int
+) -> None:
+    """vLLM on CPU with each rank's tensors from its tensorized file (tensorizer's own
+    deserialiser, every record's CRC32 and SHA-256 checked; ``run_vllm_tensorizer.py``) gives
+    exactly the token ids and log-probabilities of vLLM on the original bfloat16 Mixtral."""
+    artifact = staged("mixtral-bf16", "tensorizer", tp)
+    ref = reference(checkpoint("mixtral-bf16"), tp, PROMPTS, "bfloat16")
+    got = run_vllm(artifact, tp, "tensorizer_cpu_oracle", PROMPTS, "bfloat16",
+                   runner=ORACLE_RUNNER)  # fmt: skip
+    assert not loader_warnings(got.log)
+    diff = differences(ref.output, got.output)
+    assert not diff, "tensorizer artifact differs from the original checkpoint:\n" + "\n".join(
+        diff
+    )
+
+
+def test_swapped_experts_in_a_tensorizer_file_fail_the_vllm_oracle(
+    checkpoint: Callable[[str], Path], staged: Callable[..., Path], tmp_path: Path
+) -> None:
+    """The control: experts 0 and 1 of layer 0 exchanged in rank 0's file (their
+    ``w13_weight`` and ``w2_weight`` blocks, in place; tensorizer's hashes not checked for
+    this run), so the router sends tokens to the wrong experts."""
+    tp = 2
+    mutated = tmp_path / "mutated"
+    shutil.copytree(staged("mixtral-bf16", "tensorizer", tp), mutated)
+    raw = bytearray(rank_file(mutated, 0).read_bytes())
+    entries = read_entries(rank_file(mutated, 0))
+    prefix = "model.layers.0.block_sparse_moe.experts.routed_experts."
+    for key in ("w13_weight", "w2_weight"):
+        _, stack = entries[prefix + key]
+        data = stack.contiguous().view(torch.uint8).reshape(-1).numpy().tobytes()
+        at, block = raw.find(data), len(data) // stack.shape[0]
+        assert at > 0 and raw.find(data, at + 1) == -1, key
+        raw[at : at + 2 * block] = data[block : 2 * block] + data[:block]
+    rank_file(mutated, 0).write_bytes(raw)
+
+    ref = reference(checkpoint("mixtral-bf16"), tp, PROMPTS, "bfloat16")
+    got = run_vllm(mutated, tp, "tensorizer_cpu_oracle", PROMPTS, "bfloat16",
+                   env={"MODELSTAGE_ORACLE_VERIFY_HASH": "0"}, runner=ORACLE_RUNNER)  # fmt: skip
+    assert not loader_warnings(got.log), "the mutated file must still load cleanly"
+    assert differences(ref.output, got.output), "the oracle missed two swapped experts"

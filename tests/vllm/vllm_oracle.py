@@ -93,11 +93,13 @@ def run_vllm(
     *,
     env: dict[str, str] | None = None,
     plugin: bool = False,
+    runner: Path = RUNNER,
 ) -> VllmRun:
     """One vLLM start in a fresh interpreter; raises with vLLM's log tail if it fails.
 
     Stock vLLM unless ``plugin``; ``env`` is added to this process's environment (S3
-    settings, ``MODELSTAGE_*``)."""
+    settings, ``MODELSTAGE_*``); ``runner``: a script that takes ``run_vllm.py``'s
+    arguments (one that registers a test-only load format first)."""
     with tempfile.TemporaryDirectory(prefix="vllm-oracle-") as work, vllm_lock() as waited:
         out = Path(work) / "result.json"
         run_env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", **(env or {}))
@@ -108,7 +110,7 @@ def run_vllm(
         started = time.monotonic()
         proc = subprocess.run(
             [
-                sys.executable, str(RUNNER),
+                sys.executable, str(runner),
                 "--model", str(model), "--tp", str(tp), "--load-format", load_format,
                 "--dtype", dtype, "--prompts", json.dumps(prompts), "--out", str(out),
             ],

@@ -51,6 +51,28 @@ def llama70b_scaled(size_bytes: int, *, shards: int = 4) -> SyntheticModel:
     )
 
 
+def mixtral_scaled(size_bytes: int, *, shards: int = 4) -> SyntheticModel:
+    """Mixtral-8x7B's shapes halved in width (hidden 2048, 8 experts of intermediate 7168,
+    head_dim 128, GQA 4:1), bf16, layers to fit: 704 MiB of experts per layer, so each
+    rank's stacked ``w13_weight`` is the largest tensor (235 MiB at TP=2)."""
+    hidden, inter, heads, kv, vocab, experts = 2048, 7168, 16, 4, 32000, 8
+    per_layer = 2 * (2 * hidden * hidden + 2 * hidden * kv * 128 + 3 * experts * hidden * inter)
+    edges = 2 * 2 * vocab * hidden
+    layers = max(1, round((size_bytes - edges) / per_layer))
+    return SyntheticModel(
+        architecture="MixtralForCausalLM",
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv,
+        vocab_size=vocab,
+        num_experts=experts,
+        dtype="bfloat16",
+        num_shards=shards,
+    )
+
+
 def dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
 
@@ -102,6 +124,27 @@ def bench_rss(sizes: list[int], work: Path, tp: int) -> list[Measurement]:
         rows.append(m)
         shutil.rmtree(src)
         shutil.rmtree(work / f"rss-{size}-out")
+    return rows
+
+
+MOE_FORMATS = ("sharded_state", "tensorizer")
+
+
+def bench_moe_rss(sizes: list[int], work: Path, tp: int) -> list[Measurement]:
+    """Peak RSS of the stager on Mixtral-shaped checkpoints, per format and size: flat when
+    no writer holds a rank's expert stack (or any whole tensor) in memory."""
+    rows = []
+    for size in sizes:
+        src = write_checkpoint(mixtral_scaled(size), work / f"moe-{size}")
+        nbytes = dir_bytes(src)
+        for fmt in MOE_FORMATS:
+            m = Measurement(f"MoE {fmt}, {human_bytes(nbytes)} source", nbytes=nbytes)
+            out = work / f"moe-{size}-{fmt}"
+            secs, m.peak_rss = run_child(stager_argv(src, out, tp, "--format", fmt))
+            m.seconds.append(secs)
+            rows.append(m)
+            shutil.rmtree(out)
+        shutil.rmtree(src)
     return rows
 
 
@@ -219,6 +262,7 @@ def table(rows: list[Measurement], baseline: Measurement) -> str:
 
 
 RSS_SECTION = "peak RSS"
+MOE_RSS_SECTION = "peak RSS, MoE (Mixtral-shaped)"
 
 
 def chart(sections: dict[str, list[Measurement]], path: Path) -> None:
@@ -230,7 +274,7 @@ def chart(sections: dict[str, list[Measurement]], path: Path) -> None:
     fig, axes = plt.subplots(len(sections), 1, figsize=(8, 2.2 * len(sections) + 0.5))
     axes_list = axes if len(sections) > 1 else [axes]
     for ax, (title, rows) in zip(axes_list, sections.items(), strict=True):
-        rss = title == RSS_SECTION
+        rss = title.startswith(RSS_SECTION)
         values = [m.peak_rss / 2**20 if rss else m.throughput / 1e9 for m in rows]
         ax.barh([m.name for m in rows], values, color="#4878a8")
         ax.set_title(title)
@@ -287,17 +331,25 @@ def run_bench(
     s3: str | None = None,
     s3_options: S3Options | None = None,
     s3_flags: Sequence[str] = (),
+    moe_rss_gib: Sequence[float] = (),
+    moe_only: bool = False,
 ) -> dict[str, Any]:
-    """``s3_options``/``s3_flags``: how this process and a stager child reach ``s3``."""
+    """``s3_options``/``s3_flags``: how this process and a stager child reach ``s3``;
+    ``moe_only``: only the MoE peak-RSS section."""
     workdir.mkdir(parents=True, exist_ok=True)
     log = sys.stderr
-    src = write_checkpoint(llama70b_scaled(int(size_gib * GIB)), workdir / "source")
-    print(f"bench: source {human_bytes(dir_bytes(src))} in {src}", file=log)
     sections: dict[str, list[Measurement]] = {}
 
     def section(title: str, rows: list[Measurement]) -> None:
         sections[title] = rows
         print(f"\n{title}\n{table(rows, rows[0])}", file=log)
+
+    if moe_only:
+        moe = bench_moe_rss([int(g * GIB) for g in moe_rss_gib], workdir, load_tp)
+        section(MOE_RSS_SECTION, moe)
+        return _write_results(sections, out, {"tp": load_tp})
+    src = write_checkpoint(llama70b_scaled(int(size_gib * GIB)), workdir / "source")
+    print(f"bench: source {human_bytes(dir_bytes(src))} in {src}", file=log)
 
     staging = bench_staging(src, workdir, tps, repeats)
     section("staging vs cp + sync (source in page cache)", staging)
@@ -310,11 +362,20 @@ def run_bench(
             section(title, rows)
     if rss_gib:
         section(RSS_SECTION, bench_rss([int(g * GIB) for g in rss_gib], workdir, load_tp))
+    if moe_rss_gib:
+        moe = bench_moe_rss([int(g * GIB) for g in moe_rss_gib], workdir, load_tp)
+        section(MOE_RSS_SECTION, moe)
+    source_bytes = dir_bytes(src)
+    shutil.rmtree(src)
+    info = {"source_bytes": source_bytes, "page_cache": cache, "repeats": repeats}
+    return _write_results(sections, out, info) | {"page_cache": cache}
+
+
+def _write_results(
+    sections: dict[str, list[Measurement]], out: Path, info: dict[str, Any]
+) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
-    result = {
-        "source_bytes": dir_bytes(src),
-        "page_cache": cache,
-        "repeats": repeats,
+    result = info | {
         "sections": {
             k: [asdict(m) | {"median": m.median, "throughput": m.throughput} for m in v]
             for k, v in sections.items()
@@ -322,5 +383,4 @@ def run_bench(
     }
     (out / "bench.json").write_text(json.dumps(result, indent=2) + "\n")
     chart(sections, out / "bench.png")
-    shutil.rmtree(src)
-    return {"json": str(out / "bench.json"), "png": str(out / "bench.png"), "page_cache": cache}
+    return {"json": str(out / "bench.json"), "png": str(out / "bench.png")}

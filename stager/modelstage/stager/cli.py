@@ -514,6 +514,8 @@ def _bench(args: argparse.Namespace) -> dict[str, Any]:
             s3=args.s3,
             s3_options=_s3_options(args),
             s3_flags=_s3_flags(args),
+            moe_rss_gib=args.moe_rss_gib,
+            moe_only=args.moe_only,
         )
     finally:
         if not args.workdir:
@@ -547,6 +549,15 @@ def _add_bench_parser(sub: Any) -> None:
         default=[2.0, 8.0],
         help="checkpoint sizes for the peak-RSS comparison (none to skip)",
     )
+    be.add_argument(
+        "--moe-rss-gib",
+        type=float,
+        nargs="*",
+        default=[1.0, 4.0],
+        help="Mixtral-shaped checkpoint sizes for the MoE peak-RSS comparison, sharded_state "
+        "and tensorizer (none to skip)",
+    )
+    be.add_argument("--moe-only", action="store_true", help="only the MoE peak-RSS comparison")
     be.add_argument(
         "--warm",
         action="store_true",

@@ -27,27 +27,30 @@ What vLLM 0.32 writes (``serialize_vllm_model`` in
   modules that hold tensors in first-use order (vLLM counts every module);
   ``load_into_module`` resolves tensors by name and ignores the index.
 
-**Streaming.** The checkpoint is read once, through the same reader and per-rank scatter as
-the ``sharded_state`` writer; each rank's bytes arrive in plan order and are collected one
-target tensor at a time, handed to that rank's ``TensorSerializer.write_tensor`` and dropped:
-memory holds one tensor per rank (the largest tensor of the model, split over the ranks), not
-the model. tensorizer's writer seeks: it reserves a 256 KiB prologue (file header and
-metadata index) up front and rewrites it after every tensor; everything after the prologue
-it writes front to back, one tensor (header, then data) at a time. The prologue holds no
-hashes, only names, dtypes, shapes, offsets and sizes, which the plan fixes, so
-``predict_layout`` computes its final bytes (and the file's size) before the first tensor.
-``_StreamingFile`` hands that prologue to the destination's sink first, then each tensor's
-bytes as its ``write_tensor`` returns, and at ``close`` checks that what tensorizer wrote
-into the prologue is exactly what was predicted (otherwise the file is refused and nothing
-is published). Each rank file is thus written once, in order, straight into its sink (a
-local file hashed as it is written, or an S3 multipart upload); nothing is spooled to disk.
+**Streaming.** A tensorized file is a 256 KiB prologue (file header and metadata index),
+then one record per tensor (a header holding the CRC32 and SHA-256 of the record, then the
+data), then an 8-byte zero. tensorizer's own ``TensorSerializer`` takes whole tensors, seeks
+and rewrites the prologue after each one; this writer instead writes each rank file once,
+front to back, straight into its sink (a local file hashed as it is written, or an S3
+multipart upload), with tensorizer's own codecs (``_TensorHeaderSerializer``,
+``_FileHeader``): ``plan_writes`` fixes every record's header position and the prologue from
+the plan (the prologue holds no hashes, only names, dtypes, shapes, offsets and sizes), and
+the hashes are computed as the bytes stream by, through the same reader and per-rank scatter
+as the ``sharded_state`` writer. As a record's hashes precede its data, a tensor's bytes must
+all be seen before the first is written: small targets are gathered whole per rank; one
+larger than ``HOLD_BYTES`` over the ranks (an MoE layer's expert stack, a large
+vocabulary's head) is read twice, hashed, then written, so memory does not grow with the
+model's largest tensor. ``tests/tensorizer`` holds the files byte for byte to what
+``TensorSerializer`` writes for the same plan.
 """
 
 from __future__ import annotations
 
+import functools
+import io
 import struct
-import threading
-from collections.abc import Iterator, Sequence
+import zlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +58,7 @@ import numpy as np
 from modelstage.core.formats import FORMATS, Format
 from modelstage.core.integrity import FileDigest
 from modelstage.core.progress import Progress
+from numpy.typing import NDArray
 
 from ..checkpoint import Checkpoint
 from ..destinations.base import Completed, Destination, OpenSink, Sink
@@ -68,7 +72,10 @@ TIED_EMBEDDING_ALIASES = ("model.embed_tokens.weight",)
 """Where vLLM's module tree holds the tied head's parameter a second time."""
 METADATA_BYTES = 256 * 1024
 """The metadata block tensorizer 2.10.1 reserves after its file header."""
-COPY_BELOW_BYTES = 1024 * 1024
+HOLD_BYTES = 64 * 1024 * 1024
+"""A target whose bytes over all the ranks being written fit in this is gathered whole in
+memory; a larger one is read twice (``stream_ranks``)."""
+HASH_SCRATCH_BYTES = 8 * 1024 * 1024
 
 _TORCH_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
@@ -101,75 +108,6 @@ def file_entries(plan: ShardPlan, tied: bool) -> dict[str, list[Entry]]:
     return out
 
 
-class _TensorCollector:
-    """A rank's sink: gathers the streamed bytes of one target tensor at a time and hands
-    each complete tensor to that rank's ``TensorSerializer`` (runs in the rank's thread)."""
-
-    def __init__(
-        self,
-        serializer: Any,
-        targets: list[TargetTensor],
-        entries: dict[str, list[Entry]],
-        written: Any = None,
-    ) -> None:
-        self.serializer, self.entries = serializer, entries
-        self.written = written
-        """Called after each ``write_tensor`` (``_StreamingFile.commit``): the tensor is
-        final in the file and its bytes may go on to the sink."""
-        self.targets: Iterator[TargetTensor] = iter(targets)
-        self.current: TargetTensor | None = None
-        self.buf = bytearray()
-        self.filled = 0
-        self._next()
-
-    def _next(self) -> None:
-        """Advance to the next target, emitting any that need no bytes (empty tensors)."""
-        self.current = next(self.targets, None)
-        self.buf = bytearray(self.current.nbytes if self.current else 0)
-        self.filled = 0
-        if self.current is not None and self.current.nbytes == 0:
-            self._emit()
-
-    def write(self, data: Piece) -> None:
-        done, total = 0, piece_nbytes(data)
-        while done < total:
-            if self.current is None:
-                raise AssertionError("more bytes than the plan's tensors hold")
-            space = np.frombuffer(self.buf, dtype=np.uint8)[self.filled :]
-            n = copy_piece(data, done, space)
-            del space  # the buffer is handed on whole once filled
-            self.filled += n
-            done += n
-            if self.filled == len(self.buf):
-                self._emit()
-
-    def _emit(self) -> None:
-        import torch
-        from tensorizer.serialization import TensorType
-
-        target = self.current
-        assert target is not None
-        dtype = getattr(torch, _TORCH_DTYPES[target.dtype])
-        if target.nbytes:
-            tensor = torch.frombuffer(self.buf, dtype=dtype).reshape(target.shape)
-        else:
-            tensor = torch.empty(target.shape, dtype=dtype)
-        for e in self.entries[target.name]:
-            kind = TensorType.BUFFER if e.buffer else TensorType.PARAM
-            self.serializer.write_tensor(e.module_idx, e.label, kind, tensor)
-            if self.written is not None:
-                self.written()
-        self._next()
-
-    def close(self) -> FileDigest:
-        if self.current is not None:
-            raise AssertionError(f"stream ended inside {self.current.name}")
-        return FileDigest(0, 1, ())
-
-    def abort(self) -> None:
-        pass
-
-
 def _numpy_dtype(dtype: Any, ndim: int) -> tuple[str, bool]:
     """tensorizer's dtype string for a torch dtype, and whether it is opaque (bfloat16)."""
     import torch
@@ -192,253 +130,317 @@ class FileLayout:
     size: int
 
 
-def predict_layout(plan: ShardPlan, entries: dict[str, list[Entry]]) -> FileLayout:
-    """The bytes tensorizer 2.10.1's ``TensorSerializer`` leaves in the prologue after the
-    marker and every entry were written in plan order, computed with its own header codecs
-    (``_TensorHeaderSerializer``, ``_FileHeader``) and version rules. ``_StreamingFile``
-    checks the prediction against what the serializer wrote, so a drift fails loudly."""
+@dataclass(frozen=True)
+class TensorWrite:
+    """One tensor record of a rank file: where its header starts and what it describes.
+    Equal for every rank; only the hashes in the header differ between ranks."""
+
+    target: TargetTensor | None
+    """None: the hollow marker."""
+    module_idx: int
+    label: str
+    buffer: bool
+    dtype: str
+    """tensorizer's dtype string."""
+    shape: tuple[int, ...]
+    nbytes: int
+    pos: int
+
+    def header(self) -> Any:
+        """A fresh ``_TensorHeaderSerializer`` of this record, its hash fields still empty."""
+        from tensorizer.serialization import TensorType, _TensorHeaderSerializer
+
+        kind = TensorType.BUFFER if self.buffer else TensorType.PARAM
+        return _TensorHeaderSerializer(
+            self.module_idx,
+            kind,
+            self.label.encode("utf-8"),
+            self.dtype.encode("utf-8"),
+            self.shape,
+            self.nbytes,
+            self.pos,
+            include_crc32=True,
+            include_sha256=True,
+            crypt_info=None,
+        )
+
+
+def plan_writes(
+    plan: ShardPlan, entries: dict[str, list[Entry]]
+) -> tuple[list[TensorWrite], FileLayout]:
+    """Every tensor record of a rank file in order (the marker, then the plan's targets) and
+    the file's prologue and size, computed with tensorizer 2.10.1's own header codecs
+    (``_TensorHeaderSerializer``, ``_FileHeader``) and version rules: the bytes its
+    ``TensorSerializer`` writes for the same tensors (``tests/tensorizer`` compares them)."""
     import torch
     from tensorizer.serialization import (
         META_TENSOR_TENSORIZER_VERSION,
         NON_OPAQUE_TENSORIZER_VERSION,
         OPAQUE_TENSORIZER_VERSION,
         TENSORIZER_MAGIC,
-        TensorType,
         _FileFeatureFlags,
         _FileHeader,
-        _TensorHeaderSerializer,
     )
 
-    writes: list[tuple[int, str, TensorType, Any, tuple[int, ...], int]] = [
-        (0, MARKER, TensorType.PARAM, torch.int64, (1,), -1)  # hollow: no data bytes
-    ]
-    for target in plan.targets:
-        dtype = getattr(torch, _TORCH_DTYPES[target.dtype])
-        for e in entries[target.name]:
-            kind = TensorType.BUFFER if e.buffer else TensorType.PARAM
-            writes.append((e.module_idx, e.label, kind, dtype, tuple(target.shape), target.nbytes))
     version = NON_OPAQUE_TENSORIZER_VERSION
     start = len(TENSORIZER_MAGIC) + len(_FileHeader(version, _FileFeatureFlags(0), 0, 0).to_bytes())
     pos = start + 8 + METADATA_BYTES
     metadata = bytearray(METADATA_BYTES)
     cursor = tensor_bytes = 0
-    for idx, label, kind, dtype, shape, nbytes in writes:
-        if nbytes < 0:  # a meta tensor: written hollow, which needs file version 4
-            version = max(version, META_TENSOR_TENSORIZER_VERSION)
-            nbytes = 0
+    # the marker is a meta tensor, written hollow (no data bytes): file version 4
+    version = max(version, META_TENSOR_TENSORIZER_VERSION)
+    todo: list[tuple[TargetTensor | None, Entry, Any, tuple[int, ...], int]] = [
+        (None, Entry(MARKER, 0, False), torch.int64, (1,), 0)
+    ]
+    for target in plan.targets:
+        dtype = getattr(torch, _TORCH_DTYPES[target.dtype])
+        for e in entries[target.name]:
+            todo.append((target, e, dtype, tuple(target.shape), target.nbytes))
+    writes = []
+    for owner, e, dtype, shape, nbytes in todo:
         name, opaque = _numpy_dtype(dtype, len(shape))
         if opaque:
             version = max(version, OPAQUE_TENSORIZER_VERSION)
-        header = _TensorHeaderSerializer(
-            idx,
-            kind,
-            label.encode("utf-8"),
-            name.encode("utf-8"),
-            shape,
-            nbytes,
-            pos,
-            include_crc32=True,
-            include_sha256=True,
-            crypt_info=None,
-        )
+        write = TensorWrite(owner, e.module_idx, e.label, e.buffer, name, shape, nbytes, pos)
+        header = write.header()
         entry = header.metadata_entry
         if cursor + len(entry) > METADATA_BYTES:
             raise AssertionError("tensorizer's metadata block cannot index this many tensors")
         metadata[cursor : cursor + len(entry)] = entry
         cursor += len(entry)
+        writes.append(write)
         pos += header.data_offset + nbytes
         tensor_bytes += nbytes
-    file_header = _FileHeader(version, _FileFeatureFlags(0), tensor_bytes, len(writes)).to_bytes()
+    file_header = _FileHeader(version, _FileFeatureFlags(0), tensor_bytes, len(todo)).to_bytes()
     prologue = TENSORIZER_MAGIC + file_header + struct.pack("<Q", METADATA_BYTES) + metadata
     assert len(prologue) == start + 8 + METADATA_BYTES
-    return FileLayout(bytes(prologue), pos + 8)  # + the zero length field that ends the file
+    return writes, FileLayout(bytes(prologue), pos + 8)  # + the zero length field at the end
 
 
-class _StreamingFile:
-    """The seekable file ``TensorSerializer`` wants, over an append-only sink.
+def predict_layout(plan: ShardPlan, entries: dict[str, list[Entry]]) -> FileLayout:
+    """A rank file's prologue and size (``plan_writes``)."""
+    return plan_writes(plan, entries)[1]
 
-    Writes into the prologue land in a shadow copy (checked at ``close`` against the
-    prediction, which went to the sink first). Writes after it are kept, without a copy for
-    tensor data, until ``commit`` (called after each ``write_tensor``: the tensor is then
-    complete up to the file position) sends them to the sink in file order. The 8-byte zero
-    length field tensorizer writes after the last tensor stays pending: the next tensor's
-    header overwrites it, or ``close`` sends it. tensorizer never rewrites a committed byte
-    after the prologue; if it did, that is an error, not a silent corruption.
-    """
 
-    def __init__(self, sink: Sink, layout: FileLayout) -> None:
-        self.sink, self.layout = sink, layout
-        self.shadow = bytearray(len(layout.prologue))
-        self.pos = 0
-        self.emitted = len(layout.prologue)
-        self.pending: list[tuple[int, memoryview]] = []
-        self.aborted = self.closed = False
-        self._lock = threading.Lock()
-        sink.write(memoryview(layout.prologue))
+class _Hashes:
+    """tensorizer's two hashes of one tensor record, fed as its data streams by: CRC32 and
+    SHA-256 over the header (hash fields empty) and then the data, as ``TensorSerializer``
+    computes them."""
 
-    # --- what TensorSerializer calls ---------------------------------------------------------
-    def readable(self) -> bool:
-        return True
+    def __init__(self, write: TensorWrite) -> None:
+        self.header = write.header()
+        self.crc32: int = self.header.compute_crc32()
+        self.sha256 = self.header.compute_sha256()
 
-    def writable(self) -> bool:
-        return True
+    def update(self, data: Any) -> None:
+        self.crc32 = zlib.crc32(data, self.crc32)
+        self.sha256.update(data)
 
-    def seekable(self) -> bool:
-        return True
+    def header_bytes(self) -> bytes:
+        """The header with both hashes filled in; feed no more data after this."""
+        self.header.add_crc32(self.crc32)
+        self.header.add_sha256(self.sha256.digest())
+        return bytes(self.header.buffer)
 
-    def tell(self) -> int:
-        return self.pos
 
-    def seek(self, offset: int, whence: int = 0) -> int:
-        if whence != 0:
-            raise OSError("only absolute seeks are supported")
-        self.pos = offset
-        return offset
+class _Counted:
+    """A rank's sink that counts what went in, to check the planned size at the end."""
 
-    def flush(self) -> None:
-        pass
+    def __init__(self, sink: Sink) -> None:
+        self.sink, self.nbytes = sink, 0
 
-    def write(self, data: Any) -> int:
-        view = memoryview(data)
-        if view.ndim != 1 or view.format != "B":
-            view = view.cast("B")
-        n = view.nbytes
-        if self.aborted:
-            return n
-        start, end = self.pos, self.pos + n
-        with self._lock:
-            if end <= len(self.shadow):
-                self.shadow[start:end] = view
-            elif start >= self.emitted:
-                # Tensor data is kept by reference: its buffer lives until the collector
-                # moves on, which is after ``commit``. Anything small is copied.
-                kept = view if n >= COPY_BELOW_BYTES else memoryview(bytes(view))
-                self.pending.append((start, kept))
-            else:
-                raise AssertionError(
-                    f"tensorizer rewrote bytes {start}..{end} already streamed "
-                    f"(streamed up to {self.emitted})"
-                )
-        self.pos = end
-        return n
+    def write(self, data: Piece) -> None:
+        self.sink.write(data)
+        self.nbytes += piece_nbytes(data)
 
-    def close(self) -> None:
-        """The serializer is done: send the rest, then check the prologue and the size.
-        Once only: tensorizer's ``__del__`` closes the file a second time."""
-        if self.aborted or self.closed:
-            return
-        self.closed = True
-        self._send(max((o + len(v) for o, v in self.pending), default=self.emitted))
-        if self.emitted != self.layout.size:
-            raise AssertionError(
-                f"tensorizer wrote {self.emitted} bytes, {self.layout.size} were predicted"
-            )
-        if bytes(self.shadow) != self.layout.prologue:
-            first = next(
-                i
-                for i, (a, b) in enumerate(zip(self.shadow, self.layout.prologue, strict=True))
-                if a != b
-            )
-            raise AssertionError(
-                f"tensorizer's file prologue differs from the predicted one at byte {first}; "
-                "the tensorizer version is not the one this writer was made for (2.10.1)"
-            )
 
-    # --- what the collector calls ------------------------------------------------------------
-    def commit(self) -> None:
-        """Every byte before the file position is final: send it to the sink."""
-        self._send(self.pos)
+class _Gather:
+    """A rank's sink for small targets: gathers each target whole (``HOLD_BYTES`` bounds
+    them), then writes its records (header with the hashes, then the data)."""
+
+    def __init__(
+        self, out: _Counted, targets: list[TargetTensor], writes: dict[str, list[TensorWrite]]
+    ) -> None:
+        self.out, self.writes = out, writes
+        self.targets: Iterator[TargetTensor] = iter(targets)
+        self.current: TargetTensor | None = None
+        self.buf = np.empty(0, dtype=np.uint8)
+        self.filled = 0
+        self._next()
+
+    def _next(self) -> None:
+        """Advance to the next target, emitting any that need no bytes (empty tensors)."""
+        self.current = next(self.targets, None)
+        self.buf = np.empty(self.current.nbytes if self.current else 0, dtype=np.uint8)
+        self.filled = 0
+        if self.current is not None and self.current.nbytes == 0:
+            self._emit()
+
+    def write(self, data: Piece) -> None:
+        done, total = 0, piece_nbytes(data)
+        while done < total:
+            if self.current is None:
+                raise AssertionError("more bytes than the plan's tensors hold")
+            n = copy_piece(data, done, self.buf[self.filled :])
+            self.filled += n
+            done += n
+            if self.filled == self.buf.size:
+                self._emit()
+
+    def _emit(self) -> None:
+        assert self.current is not None
+        for write in self.writes[self.current.name]:
+            hashes = _Hashes(write)
+            hashes.update(self.buf)
+            self.out.write(memoryview(hashes.header_bytes()))
+            if self.buf.size:
+                self.out.write(self.buf.data)
+        self._next()
+
+    def close(self) -> FileDigest:
+        if self.current is not None:
+            raise AssertionError(f"stream ended inside {self.current.name}")
+        return FileDigest(0, 1, ())
 
     def abort(self) -> None:
-        self.aborted = True
-        self.pending.clear()
-
-    def _send(self, upto: int) -> None:
-        with self._lock:
-            pending, self.pending = self.pending, []
-        # A later write wins over an earlier one it covers (the next tensor's header over
-        # the zero length field); what remains must tile [emitted, upto) exactly.
-        live = [
-            (o, v)
-            for i, (o, v) in enumerate(pending)
-            if not any(p <= o and o + len(v) <= p + len(w) for p, w in pending[i + 1 :])
-        ]
-        live.sort(key=lambda item: item[0])
-        keep: list[tuple[int, memoryview]] = []
-        for offset, view in live:
-            if offset + len(view) > upto:
-                keep.append((offset, view))
-                continue
-            if offset != self.emitted:
-                raise AssertionError(
-                    f"tensorizer left bytes {self.emitted}..{offset} unwritten or written twice"
-                )
-            if len(view):
-                self.sink.write(view)
-            self.emitted += len(view)
-        with self._lock:
-            self.pending = keep + self.pending
+        pass
 
 
-def serialize_ranks(
+class _Hasher:
+    """A rank's sink for the first pass over a large target: only its records' hashes."""
+
+    def __init__(self, writes: list[TensorWrite]) -> None:
+        self.hashes = [_Hashes(w) for w in writes]
+        self.scratch: NDArray[np.uint8] | None = None
+
+    def write(self, data: Piece) -> None:
+        if isinstance(data, memoryview):
+            for h in self.hashes:
+                h.update(data)
+            return
+        if self.scratch is None:
+            self.scratch = np.empty(HASH_SCRATCH_BYTES, dtype=np.uint8)
+        done, total = 0, piece_nbytes(data)
+        while done < total:
+            n = copy_piece(data, done, self.scratch)
+            for h in self.hashes:
+                h.update(self.scratch[:n])
+            done += n
+
+    def close(self) -> FileDigest:
+        return FileDigest(0, 1, ())
+
+    def abort(self) -> None:
+        pass
+
+
+class _Forward:
+    """A rank's sink for the data pass over a large target: every piece straight on."""
+
+    def __init__(self, out: _Counted) -> None:
+        self.out = out
+
+    def write(self, data: Piece) -> None:
+        self.out.write(data)
+
+    def close(self) -> FileDigest:
+        return FileDigest(0, 1, ())
+
+    def abort(self) -> None:
+        pass
+
+
+class _Quiet(Progress):
+    """Progress of a pass whose bytes another pass counts."""
+
+    def __init__(self) -> None:
+        super().__init__(0, 0, label="", stream=io.StringIO())
+
+    def advance(self, nbytes: int) -> None:
+        pass
+
+    def tensor_done(self) -> None:
+        pass
+
+
+class _Passes:
+    """Streams targets from the checkpoint into one sink per rank, made for each pass."""
+
+    def __init__(self, checkpoint: Checkpoint, outs: list[_Counted | None]) -> None:
+        self.checkpoint, self.outs = checkpoint, outs
+
+    def run(
+        self, targets: list[TargetTensor], make: Callable[[_Counted], Sink], progress: Progress
+    ) -> list[Sink]:
+        sinks = [make(o) if o is not None else _DoneSink(FileDigest(0, 1, ())) for o in self.outs]
+        with _RankStreams(sinks) as streams:
+            _stream_part(targets, self.checkpoint, streams, progress)
+        for s in sinks:
+            s.close()
+        return sinks
+
+    def write_all(self, data: bytes | list[bytes]) -> None:
+        """The same bytes into every rank's file, or ``data[rank]``."""
+        for rank, out in enumerate(self.outs):
+            if out is not None:
+                out.write(memoryview(data if isinstance(data, bytes) else data[rank]))
+
+
+def _write_large(
+    passes: _Passes, target: TargetTensor, records: list[TensorWrite], progress: Progress
+) -> None:
+    """A target too large to hold: one pass to hash it, then one per record to write it."""
+    hashers = passes.run([target], lambda _o: _Hasher(records), _Quiet())
+    for i in range(len(records)):
+        passes.write_all(
+            [h.hashes[i].header_bytes() if isinstance(h, _Hasher) else b"" for h in hashers]
+        )
+        passes.run([target], _Forward, progress if i == 0 else _Quiet())
+
+
+def stream_ranks(
     plan: ShardPlan,
     checkpoint: Checkpoint,
-    files: Sequence[Any],
+    sinks: Sequence[Sink | None],
     progress: Progress,
     *,
     tied: bool,
 ) -> None:
-    """Write every rank's tensorized file into ``files[rank]`` (seekable; a ``_StreamingFile``
-    or a real file), or skip the rank where ``files[rank]`` is None; files are left closed."""
-    import torch
-    from tensorizer import TensorSerializer
-    from tensorizer.serialization import TensorType
+    """Write every rank's tensorized file into ``sinks[rank]``, front to back (a None sink:
+    that rank is skipped); the sinks are left open.
 
-    entries = file_entries(plan, tied)
-    serializers = [TensorSerializer(f) if f is not None else None for f in files]
-    try:
-        marker = torch.empty((1,), dtype=torch.int64, device="meta")
-        sinks: list[Sink] = []
-        for s, f in zip(serializers, files, strict=True):
-            if s is None:
-                sinks.append(_DoneSink(FileDigest(0, 1, ())))
-                continue
-            s.write_tensor(0, MARKER, TensorType.PARAM, marker)
-            commit = getattr(f, "commit", None)
-            if commit is not None:
-                commit()
-            sinks.append(_TensorCollector(s, list(plan.targets), entries, commit))
-        with _RankStreams(sinks) as streams:
-            _stream_part(list(plan.targets), checkpoint, streams, progress)
-        for c in sinks:
-            c.close()
-    except BaseException:
-        _abort_all(files)
-        raise
-    finally:
-        _close_all(serializers, files)
-
-
-def _abort_all(files: Sequence[Any]) -> None:
-    for f in files:
-        if isinstance(f, _StreamingFile):
-            f.abort()
-
-
-def _close_all(serializers: Sequence[Any], files: Sequence[Any]) -> None:
-    """Close every serializer (closing its file and stopping its thread pools), also when one
-    of them fails its close: then the others' files are aborted first."""
-    failure: BaseException | None = None
-    for s in serializers:
-        if s is None:
+    A record's header holds the CRC32 and SHA-256 of its data and comes before it, so a
+    tensor's bytes must all be seen before the first of them is written. Targets whose bytes
+    over the ranks being written fit in ``HOLD_BYTES`` are gathered whole in memory; a larger
+    one (an MoE layer's stacked experts, a large vocabulary's embedding) is read from the
+    source twice instead, once to hash it and once to write it, so memory stays bounded by
+    the reader's buffers whatever the size of the model's largest tensor."""
+    writes, layout = plan_writes(plan, file_entries(plan, tied))
+    by_target: dict[str, list[TensorWrite]] = {}
+    for w in writes[1:]:
+        by_target.setdefault(w.target.name if w.target else "", []).append(w)
+    outs = [_Counted(s) if s is not None else None for s in sinks]
+    writing = max(1, sum(o is not None for o in outs))
+    passes = _Passes(checkpoint, outs)
+    passes.write_all(layout.prologue + _Hashes(writes[0]).header_bytes())  # + the marker
+    held: list[TargetTensor] = []
+    for target in [*plan.targets, None]:
+        if target is not None and target.nbytes * writing <= HOLD_BYTES:
+            held.append(target)
             continue
-        try:
-            s.close()
-        except BaseException as e:
-            _abort_all(files)
-            failure = failure or e
-    if failure is not None:
-        raise failure
+        if held:
+            passes.run(
+                held, functools.partial(_Gather, targets=list(held), writes=by_target), progress
+            )
+            held = []
+        if target is not None:
+            _write_large(passes, target, by_target[target.name], progress)
+    passes.write_all(bytes(8))  # the zero length field that ends the file
+    for out in outs:
+        if out is not None and out.nbytes != layout.size:
+            raise AssertionError(
+                f"a tensorized rank file of {out.nbytes} bytes, {layout.size} were planned"
+            )
 
 
 class TensorizerWriter(Writer):
@@ -488,8 +490,7 @@ def write_tensorizer_files(
     try:
         for name, d in zip(names, done, strict=True):
             sinks.append(open_sink(name, layout.size) if d is None else None)
-        files = [_StreamingFile(s, layout) if s is not None else None for s in sinks]
-        serialize_ranks(plan, checkpoint, files, progress, tied=tied)
+        stream_ranks(plan, checkpoint, sinks, progress, tied=tied)
         for name, sink in zip(names, sinks, strict=True):
             if sink is not None:
                 results[name] = sink.close()
