@@ -25,7 +25,14 @@ from modelstage.devtools.synthetic import SyntheticModel
 from modelstage.stager.prepare import install_plugin
 from safetensors import safe_open
 from test_layout_oracle import MOE_FAMILIES
-from vllm_oracle import differences, loader_warnings, reference, run_vllm, swap_experts, vllm_rank_states
+from vllm_oracle import (
+    differences,
+    loader_warnings,
+    reference,
+    run_vllm,
+    swap_experts,
+    vllm_rank_states,
+)
 from vllm_release import installed_version, release_python
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
