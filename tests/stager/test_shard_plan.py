@@ -275,3 +275,23 @@ def test_expert_counts_are_read_from_either_key_and_zero_or_null_means_dense() -
     assert ModelConfig.from_dict({**dense, "num_local_experts": 8}).num_experts == 8
     with pytest.raises(CheckpointError, match="'num_experts' must be a positive integer"):
         ModelConfig.from_dict({**dense, "num_experts": -1})
+
+
+def test_an_architecture_not_proven_for_the_layouts_vllm_is_refused_with_the_way_out() -> None:
+    """A release's layout names the architectures proven on it; any other is refused, pointing
+    to the Hugging Face layout (which that vLLM splits itself)."""
+    import dataclasses
+
+    model = SyntheticModel(architecture="MixtralForCausalLM", hidden_size=64, num_layers=1)
+    config = ModelConfig.from_dict(model.config())
+    sources = {n: SourceTensor("F32", s) for n, s in model.tensors()}
+    assert plan_shards(config, sources, 2, layout_for("0.28")).targets
+    older = dataclasses.replace(layout_for("0.28"), architectures=frozenset({"LlamaForCausalLM"}))
+    with pytest.raises(SpecError) as refused:
+        plan_shards(config, sources, 2, older)
+    assert str(refused.value) == (
+        "architecture 'MixtralForCausalLM' is split per rank for vLLM 0.32 but not proven for "
+        "vLLM 0.28 (proven: LlamaForCausalLM); stage it in the Hugging Face layout with "
+        "--format safetensors (a directory) or runai_streamer (S3), which vLLM splits itself "
+        "at load"
+    )
