@@ -173,6 +173,8 @@ def test_the_plugin_loads_an_artifact_for_a_release_with_exactly_its_logprobs(
     got = run_vllm(artifact, TP, "modelstage_sharded_state", PROMPTS, env=env, plugin=True,
                    python=python)  # fmt: skip
     assert got.output["load_format"] == "modelstage_sharded_state"
+    assert ref.output["vllm_version"] == got.output["vllm_version"] == installed_version(python)
+    assert installed_version(python).startswith(f"{version}.")
     assert f'"digest":"{digest}"' in got.log, "the checking loader did not load it"
     assert not loader_warnings(got.log), "vLLM narrowed or cast tensors of the artifact"
     found = differences(ref.output, got.output)
