@@ -36,7 +36,7 @@ class Layout:
 
 
 LAYOUT_32 = "vllm-0.32/1"
-"""The per-rank layout of vLLM 0.28, 0.31 and 0.32 (named after the release it was first written
+"""The per-rank layout of vLLM 0.28 to 0.32 (named after the release it was first written
 for): the same names, dtypes, shapes and values of every rank's state."""
 PROVEN_BEFORE_32 = frozenset(
     {
@@ -65,6 +65,8 @@ def _shared_32(vllm_version: str) -> Layout:
 
 LAYOUTS: dict[str, Layout] = {
     "0.28": _shared_32("0.28"),
+    "0.29": _shared_32("0.29"),
+    "0.30": _shared_32("0.30"),
     "0.31": _shared_32("0.31"),
     "0.32": Layout(
         vllm_version="0.32",
