@@ -110,7 +110,6 @@ def test_minimal_spec_gets_the_documented_defaults() -> None:
     assert wire["storage"]["pvc"]["path"] == "/"
     assert wire["serving"] == {
         "targetRef": {"kind": "Deployment", "name": "vllm"},
-        "vllmVersion": "0.32",
         "plugin": True,
     }
     assert wire["retention"] == {"keep": 2, "onDelete": "Delete"}

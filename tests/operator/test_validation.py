@@ -124,7 +124,7 @@ def test_unknown_vllm_version_blocks_staging(make_spec: SpecFactory) -> None:
     (finding,) = validate_spec(make_spec(serving={"vllmVersion": "0.9"}))
     assert finding.reason == "UnsupportedVllmVersion"
     assert finding.blocks == "staging"
-    assert "supported: 0.32" in finding.message
+    assert "supported: 0.28, " in finding.message and finding.message.endswith("0.32")
 
 
 def test_known_vllm_patch_release_is_fine(make_spec: SpecFactory) -> None:

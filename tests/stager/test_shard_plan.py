@@ -408,6 +408,8 @@ def test_gpt_oss_refuses_more_ranks_than_kv_heads_as_vllm_does() -> None:
     sources = {n: SourceTensor("BF16", s) for n, s in model.tensors()}
     with pytest.raises(SpecError, match="does not divide the 2 KV heads"):
         plan_shards(config, sources, 4, LAYOUT)
+
+
 FP8 = SyntheticModel(hidden_size=64, intermediate_size=128, num_heads=8, num_kv_heads=2,
                      num_layers=1, vocab_size=100, dtype="bfloat16", fp8=True)  # fmt: skip
 
@@ -529,3 +531,23 @@ def test_a_fused_source_of_the_wrong_size_is_refused_naming_its_parts() -> None:
     sources[name] = SourceTensor("F32", (256 + 32, 256))  # q and k only
     with pytest.raises(CheckpointError, match=r"\[384, 256\] \(q\+kv\+kv x hidden\)"):
         plan_shards(ModelConfig.from_dict(model.config()), sources, 2, LAYOUT)
+
+
+def test_an_architecture_not_proven_for_the_layouts_vllm_is_refused_with_the_way_out() -> None:
+    """A release's layout names the architectures proven on it; any other is refused, pointing
+    to the Hugging Face layout (which that vLLM splits itself)."""
+    import dataclasses
+
+    model = SyntheticModel(architecture="MixtralForCausalLM", hidden_size=64, num_layers=1)
+    config = ModelConfig.from_dict(model.config())
+    sources = {n: SourceTensor("F32", s) for n, s in model.tensors()}
+    assert plan_shards(config, sources, 2, layout_for("0.28")).targets
+    older = dataclasses.replace(layout_for("0.28"), architectures=frozenset({"LlamaForCausalLM"}))
+    with pytest.raises(SpecError) as refused:
+        plan_shards(config, sources, 2, older)
+    assert str(refused.value) == (
+        "architecture 'MixtralForCausalLM' is split per rank for vLLM 0.32 but not proven for "
+        "vLLM 0.28 (proven: LlamaForCausalLM); stage it in the Hugging Face layout with "
+        "--format safetensors (a directory) or runai_streamer (S3), which vLLM splits itself "
+        "at load"
+    )

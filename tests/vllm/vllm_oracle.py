@@ -94,12 +94,14 @@ def run_vllm(
     env: dict[str, str] | None = None,
     plugin: bool = False,
     runner: Path = RUNNER,
+    python: Path | None = None,
 ) -> VllmRun:
     """One vLLM start in a fresh interpreter; raises with vLLM's log tail if it fails.
 
     Stock vLLM unless ``plugin``; ``env`` is added to this process's environment (S3
     settings, ``MODELSTAGE_*``); ``runner``: a script that takes ``run_vllm.py``'s
-    arguments (one that registers a test-only load format first)."""
+    arguments (one that registers a test-only load format first); ``python`` runs another
+    vLLM release (``vllm_release.py``)."""
     with tempfile.TemporaryDirectory(prefix="vllm-oracle-") as work, vllm_lock() as waited:
         out = Path(work) / "result.json"
         run_env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", **(env or {}))
@@ -110,7 +112,7 @@ def run_vllm(
         started = time.monotonic()
         proc = subprocess.run(
             [
-                sys.executable, str(runner),
+                str(python or sys.executable), str(runner),
                 "--model", str(model), "--tp", str(tp), "--load-format", load_format,
                 "--dtype", dtype, "--prompts", json.dumps(prompts), "--out", str(out),
             ],
@@ -143,15 +145,20 @@ def run_vllm(
 
 
 def reference(
-    checkpoint: Path, tp: int, prompts: list[list[int]], dtype: str = "float32"
+    checkpoint: Path,
+    tp: int,
+    prompts: list[list[int]],
+    dtype: str = "float32",
+    *,
+    release: tuple[str, Path] | None = None,
 ) -> VllmRun:
     """Stock vLLM on the original checkpoint (``load_format="safetensors"``) at ``dtype``,
-    cached on disk."""
+    cached on disk; ``release`` is another vLLM's (version, python)."""
     import torch
 
     key_material = json.dumps(
         {
-            "vllm": vllm_version(),
+            "vllm": release[0] if release else vllm_version(),
             "torch": torch.__version__,
             "checkpoint": tree_digest(checkpoint),
             "tp": tp,
@@ -165,7 +172,9 @@ def reference(
     path = cache_dir() / f"{key}.json"
     if path.exists():
         return VllmRun(json.loads(path.read_text()), "", 0.0, cached=True)
-    run = run_vllm(checkpoint, tp, "safetensors", prompts, dtype)
+    run = run_vllm(
+        checkpoint, tp, "safetensors", prompts, dtype, python=release[1] if release else None
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp-{os.getpid()}")
     tmp.write_text(json.dumps(run.output, indent=1))
@@ -173,12 +182,15 @@ def reference(
     return run
 
 
-def vllm_rank_states(checkpoint: Path, tp: int, dtype: str, out: Path) -> list[Path]:
+def vllm_rank_states(
+    checkpoint: Path, tp: int, dtype: str, out: Path, python: Path | None = None
+) -> list[Path]:
     """vLLM's own per-rank state for ``checkpoint`` (``layout_oracle.py``), one safetensors
-    file per rank under ``out``; raises with the log tail if a rank fails."""
+    file per rank under ``out``; raises with the log tail if a rank fails. ``python`` runs
+    another vLLM release (``vllm_release.py``)."""
     with vllm_lock():
         proc = subprocess.run(
-            [sys.executable, str(LAYOUT_RUNNER), "--model", str(checkpoint), "--tp", str(tp),
+            [str(python or sys.executable), str(LAYOUT_RUNNER), "--model", str(checkpoint), "--tp", str(tp),
              "--dtype", dtype, "--out", str(out)],
             cwd=out.parent,
             env=dict(os.environ, VLLM_PLUGINS=""),

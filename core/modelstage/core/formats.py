@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass
 
 from .errors import SpecError
+from .layouts import layout_for
 
 LOCAL, S3 = "local", "s3"
 """Where an artifact lives: a directory (a mounted PVC) or an S3 prefix."""
@@ -271,10 +272,17 @@ class Choice:
     reason: str
 
 
-def choose_format(storage: str, architecture: str | None, quantization: str | None) -> Choice:
+def choose_format(
+    storage: str,
+    architecture: str | None,
+    quantization: str | None,
+    vllm_version: str | None = None,
+) -> Choice:
     """``loadFormat: auto`` for a checkpoint of ``architecture`` (config.json's), quantized
     by ``quantization`` (its ``quant_method``; None: unquantized) kept on ``storage`` (``pvc``
-    or ``s3``): per rank when the stager has rules for it, the Hugging Face layout otherwise."""
+    or ``s3``) for vLLM ``vllm_version`` (None: the default): per rank when the stager has
+    rules for it, proven for that vLLM, the Hugging Face layout otherwise."""
+    layout = layout_for(vllm_version)
     if architecture is None:
         why = "config.json names no single architecture"
     elif quantization is not None and quantization not in PER_RANK_QUANTIZATIONS:
@@ -283,6 +291,8 @@ def choose_format(storage: str, architecture: str | None, quantization: str | No
         why = f"architecture {architecture} has no per-rank rules for {quantization}"
     elif architecture not in PER_RANK_ARCHITECTURES:
         why = f"architecture {architecture} has no per-rank rules"
+    elif not layout.splits(architecture):
+        why = f"architecture {architecture} is not proven per rank for vLLM {layout.vllm_version}"
     else:
         name = AUTO_FORMATS[(storage, True)]
         what = architecture + (f" ({quantization})" if quantization else "")

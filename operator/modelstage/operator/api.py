@@ -15,7 +15,6 @@ from datetime import datetime
 from typing import Annotated, Any, ClassVar, Final, Literal
 
 from modelstage.core.formats import FORMATS
-from modelstage.core.layouts import DEFAULT_VLLM_VERSION
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -356,10 +355,10 @@ class Serving(Model):
     target_ref: TargetRef
     container_name: Annotated[str, Field(pattern=DNS_LABEL, max_length=63)] | None = None
     """The vLLM container; may be unset when the pod has one container."""
-    vllm_version: Annotated[str, Field(pattern=r"^[0-9]+\.[0-9]+(\.[0-9]+)?$")] = (
-        DEFAULT_VLLM_VERSION
-    )
-    """The vLLM version the workload runs: it selects the per-rank layout to produce."""
+    vllm_version: Annotated[str, Field(pattern=r"^[0-9]+\.[0-9]+(\.[0-9]+)?$")] | None = None
+    """The vLLM version the workload runs: it selects the per-rank layout to produce. Unset:
+    the version in the tag of the vLLM container's image (``vllm/vllm-openai:v0.30.1`` is
+    0.30), else the default, 0.32; ``status.vllmVersion`` says which and why."""
     plugin: bool = True
     """Inject the modelstage loader plugin (checks, metrics); false = stock vLLM loaders."""
 
@@ -472,6 +471,15 @@ class FormatStatus(Model):
     reason: str
 
 
+class VllmVersionStatus(Model):
+    """The vLLM version the artifact is staged for, and why: the spec's, the image tag's, or
+    the default."""
+
+    model_config = ConfigDict(extra="ignore", strict=False)
+    version: str
+    reason: str
+
+
 class ArtifactStatus(Model):
     """A staged artifact, as the stager reported it."""
 
@@ -516,6 +524,8 @@ class ModelDeploymentStatus(Model):
     """The source identity last resolved for the spec, and when."""
     format: FormatStatus | None = None
     """The format of the desired artifact and why: the spec's, or the one ``auto`` chose."""
+    vllm_version: VllmVersionStatus | None = None
+    """The vLLM version the desired artifact is staged for, and why."""
     artifact: ArtifactStatus | None = None
     """The artifact the workload is rolled (or rolling) onto."""
     previous_artifact: ArtifactStatus | None = None

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from modelstage.core.digest import artifact_digest
 from modelstage.core.layouts import layout_for
 
-from .api import ArtifactStatus, LoadFormat, ModelDeploymentSpec
+from .api import ArtifactStatus, LoadFormat, ModelDeploymentSpec, VllmVersionStatus
 
 ARTIFACT_MOUNT = "/mnt/modelstage/artifacts"
 """Where stager and serving pods mount the artifact PVC."""
@@ -107,6 +107,8 @@ class Artifact:
     tensor_parallel: int
     format_reason: str = ""
     """Why this format (``status.format``): the spec names it, or ``auto`` chose it."""
+    vllm_version: VllmVersionStatus | None = None
+    """The vLLM version it is staged for, and why (``status.vllmVersion``)."""
 
     @property
     def digest(self) -> str:

@@ -28,7 +28,7 @@ from typing import Any, NamedTuple, cast
 import kopf
 
 from . import metrics
-from .api import GROUP, PLURAL, VERSION, ModelDeploymentSpec, SourceStatus
+from .api import GROUP, PLURAL, VERSION, ModelDeploymentSpec, SourceStatus, VllmVersionStatus
 from .artifact import spec_digest
 from .job_plan import stage_job_name
 from .kube import DIGEST_ANNOTATION, LABEL_DIGEST, Manifest, model_deployment_owners
@@ -36,6 +36,7 @@ from .kube_client import Conflict, KubeClient
 from .observe import observe_job, pod_failures
 from .reconcile import JOB_NAME_LABEL, Outcome, Reconciler
 from .resolve_plan import chosen_format, concrete_spec, recorded_identity, resolve_job_name
+from .serving_version import recorded_version, with_version
 from .settings import OperatorConfig, configure
 from .slots import StagerSlots
 
@@ -102,6 +103,9 @@ def modeldeployment_refs(
     resolve_job: str | None
     try:
         parsed = ModelDeploymentSpec.model_validate(dict(spec))
+        raw_version = status.get("vllmVersion")
+        recorded = VllmVersionStatus.model_validate(raw_version) if raw_version else None
+        parsed = with_version(parsed, recorded_version(parsed, recorded))
         raw_source = status.get("source")
         source = SourceStatus.model_validate(raw_source) if raw_source else None
         identity = recorded_identity(parsed, source)

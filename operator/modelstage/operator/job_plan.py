@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from modelstage.core.formats import AUTO, FORMATS
+from modelstage.core.layouts import DEFAULT_VLLM_VERSION
 
 from .api import (
     DEFAULT_STAGER_IMAGE,
@@ -212,7 +213,7 @@ def stager_command(
         "--format",
         spec_format(spec),
         "--vllm-version",
-        spec.serving.vllm_version,
+        spec.serving.vllm_version or DEFAULT_VLLM_VERSION,
         "--digest",
         location.digest,
         "--out",

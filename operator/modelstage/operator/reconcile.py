@@ -79,6 +79,7 @@ from .resolve_plan import (
 )
 from .retention import Holder, RetentionPlan, plan_release, plan_retention, remember
 from .rollout_plan import plan_rollout
+from .serving_version import ServingVersion, recorded_version, serving_version, with_version
 from .slots import StagerSlots
 from .state import Action, Decision, decide, queued
 from .validation import (
@@ -152,6 +153,8 @@ class _World:
     """The staging Job followed (``staging_step``)."""
     next_job: Manifest | None = None
     """The staging Job to create next."""
+    serving: ServingVersion | None = None
+    """The vLLM version staged for, and why (``serving_version.py``)."""
 
 
 def _blocks_staging(findings: Sequence[Finding]) -> list[Finding]:
@@ -180,7 +183,22 @@ def _plan_artifact(world: _World, requested: ModelDeploymentSpec) -> ModelDeploy
     world.spec = spec = concrete_spec(requested, chosen) if chosen is not None else requested
     why = chosen.reason if chosen is not None else ""
     world.desired = _desired(spec, world.owner, world.source, why)
+    if world.desired is not None and world.serving is not None:
+        world.desired = replace(world.desired, vllm_version=world.serving.status())
     return spec
+
+
+def _with_serving_version(world: _World, spec: ModelDeploymentSpec) -> ModelDeploymentSpec:
+    """The spec with the vLLM version to stage for (the spec's, the image tag's or the
+    default); one without a layout blocks staging."""
+    try:
+        world.serving = serving_version(
+            spec, world.workload, namespace=world.owner.namespace, deployment_name=world.owner.name
+        )
+    except SpecError as error:
+        world.findings.append(Finding("UnsupportedVllmVersion", str(error), "staging"))
+        return spec
+    return with_version(spec, world.serving.version)
 
 
 def _now() -> datetime:
@@ -291,13 +309,15 @@ class Reconciler:
                 layout_for(spec.serving.vllm_version)
             except SpecError as error:
                 world.findings.append(Finding("InvalidSpec", str(error), "staging"))
+        world.workload = self.kube.get(workload_path(namespace, spec.serving.target_ref))
+        if not _blocks_staging(world.findings):
+            spec = _with_serving_version(world, spec)
         if not _blocks_staging(world.findings):
             world.source = self._resolve(spec, world.status, world.owner, world.now)
             spec = _plan_artifact(world, spec)
         blocking = _blocks_staging(world.findings)
         if blocking:
             world.invalid = blocking[0].message
-        world.workload = self.kube.get(workload_path(namespace, spec.serving.target_ref))
         claim = None
         if spec.storage.pvc is not None and world.desired and world.desired.location.claim_name:
             claim_path = resource_path(
@@ -467,6 +487,7 @@ class Reconciler:
             status = ModelDeploymentStatus.model_validate(body.get("status") or {})
             try:
                 spec = ModelDeploymentSpec.model_validate(body.get("spec") or {})
+                spec = with_version(spec, recorded_version(spec, status.vllm_version))
                 identity = recorded_identity(spec, status.source)
                 chosen = chosen_format(spec, status.source)
                 wants = (

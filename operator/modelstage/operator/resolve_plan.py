@@ -90,7 +90,9 @@ def chosen_format(spec: ModelDeploymentSpec, source: SourceStatus | None) -> For
     if source is None or source.key != source_key(spec) or source.architecture is None:
         return None
     storage = "s3" if spec.storage.s3 is not None else "pvc"
-    choice = choose_format(storage, source.architecture or None, source.quantization)
+    choice = choose_format(
+        storage, source.architecture or None, source.quantization, spec.serving.vllm_version
+    )
     return FormatStatus.model_validate({"name": choice.format, "reason": choice.reason})
 
 

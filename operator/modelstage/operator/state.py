@@ -350,6 +350,7 @@ def _new_status(
             "observed_generation": gen,
             "desired_digest": desired.digest if desired else None,
             "format": _format(desired) if desired else status.format,
+            "vllm_version": desired.vllm_version if desired else status.vllm_version,
             "source": source.source if source is not None else status.source,
             "conditions": conditions,
             "failed_digest": status.failed_digest if still_failed else None,

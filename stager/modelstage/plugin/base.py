@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
+from modelstage.core.layouts import layout_for
 from torch import nn
 from vllm.config import ModelConfig, VllmConfig
 from vllm.config.load import LoadConfig
@@ -138,6 +139,8 @@ class ModelstageLoader(BaseModelLoader):
             serve(self.settings.metrics_port + rank, self.settings.metrics_addr)
         t0 = time.perf_counter()
         verified = self.verify(location, tp, vllm_version())
+        if self.per_rank:
+            check_proven(verified.location, model_config, vllm_version())
         self.verification = record.verification = self._verify_content(verified, record)
         record.seconds["verify"] = time.perf_counter() - t0
         manifest = verified.manifest
@@ -212,6 +215,20 @@ def vllm_version() -> str:
 
     version: str = vllm.__version__
     return version
+
+
+def check_proven(where: str, model_config: Any, version: str) -> None:
+    """Refuse per-rank files of an architecture whose per-rank state is not proven for the
+    running vLLM (its layout names the architectures proven on it)."""
+    architectures = getattr(model_config.hf_config, "architectures", None) or []
+    layout = layout_for(version)
+    unproven = [a for a in architectures if not layout.splits(a)]
+    if unproven:
+        raise refuse(
+            where,
+            f"per-rank files of {unproven[0]} are not proven for vLLM {version}; stage it "
+            "in the Hugging Face layout (safetensors, runai_streamer) for this vLLM",
+        )
 
 
 def keep_tied_embeddings(model_config: Any) -> None:

@@ -34,7 +34,7 @@ def verify_rank_files(
     """Checks of a per-rank artifact whose stock loader is a ``ShardedStateLoader``: local,
     or on S3 where the loader reads object storage itself."""
     assert isinstance(loader.stock, ShardedStateLoader)
-    rank_glob = ShardedStateLoader._render_default_pattern(loader.stock.pattern, part="*")
+    rank_glob = rank_file_glob(loader.stock)
     settings, load_format = loader.settings, loader.load_format
     if loader.reads_s3 and location.startswith("s3://"):
         try:
@@ -59,6 +59,20 @@ def verify_rank_files(
         vllm_version=vllm_version,
         rank_glob=rank_glob,
     )
+
+
+def rank_file_glob(stock: ShardedStateLoader) -> str:
+    """This rank's part files, as the stock loader globs them: vLLM 0.32 renders its pattern
+    with the TP and PP ranks (and validates it); 0.28 to 0.31 format their one pattern with
+    the TP rank only."""
+    render = getattr(ShardedStateLoader, "_render_default_pattern", None)
+    if render is not None:
+        rendered: str = render(stock.pattern, part="*")
+        return rendered
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    pattern: str = stock.pattern
+    return pattern.format(rank=get_tensor_model_parallel_rank(), part="*")
 
 
 class ModelstageShardedStateLoader(ModelstageLoader):

@@ -115,6 +115,24 @@ def _deployment(
     return ns, name, spec
 
 
+def _serving_version(
+    spec: ModelDeploymentSpec, workload: dict[str, Any] | None, namespace: str, name: str
+) -> tuple[ModelDeploymentSpec, list[dict[str, Any]]]:
+    """The spec with the vLLM version the operator would stage for (the spec's, the given
+    workload's image tag, or the default; the report's ``artifact.vllmVersion``), or the
+    spec as it is and the check that refuses a version without a layout."""
+    from modelstage.operator.serving_version import serving_version, with_version
+
+    try:
+        chosen = serving_version(spec, workload, namespace=namespace, deployment_name=name)
+    except SpecError as error:
+        if spec.serving.vllm_version is not None:
+            return spec, []  # the operator's validation reports the spec's own version
+        check = {"reason": "UnsupportedVllmVersion", "blocks": "staging", "message": str(error)}
+        return spec, [check]
+    return with_version(spec, chosen.version), []
+
+
 def plan_deployment_report(
     manifest: dict[str, Any],
     *,
@@ -129,9 +147,10 @@ def plan_deployment_report(
     from modelstage.operator.plan import plan_deployment
 
     ns, name, spec = _deployment(manifest, namespace)
-    chosen: list[dict[str, Any]] = []
+    spec, chosen = _serving_version(spec, workload, ns, name)
     if spec.load_format == "auto" and checkpoint is not None:
-        spec, chosen = _auto_from(spec, checkpoint)
+        spec, auto = _auto_from(spec, checkpoint)
+        chosen += auto
     plan = plan_deployment(
         spec,
         namespace=ns,
@@ -192,7 +211,9 @@ def _auto_from(
         source.close()
     config = config if isinstance(config, dict) else {}
     storage = "s3" if spec.storage.s3 is not None else "pvc"
-    choice = choose_format(storage, architecture_of(config), quantization_of(config))
+    choice = choose_format(
+        storage, architecture_of(config), quantization_of(config), spec.serving.vllm_version
+    )
     message = f"loadFormat auto, from {checkpoint}/{CONFIG}: {choice.reason}"
     check = {"reason": "FormatChosen", "blocks": "nothing", "message": message}
     return spec.model_copy(update={"load_format": choice.format}), [check]

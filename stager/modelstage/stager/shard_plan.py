@@ -20,7 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from modelstage.core.errors import CheckpointError, SpecError
-from modelstage.core.layouts import Layout
+from modelstage.core.formats import HF_LAYOUT_HINT
+from modelstage.core.layouts import DEFAULT_VLLM_VERSION, Layout
 from modelstage.core.safetensors_format import DTYPE_CODES, DTYPE_SIZES
 
 from .architectures import (
@@ -97,6 +98,16 @@ class ShardPlan:
     ignored_sources: tuple[str, ...]
 
 
+def _check_proven(architecture: str, layout: Layout) -> None:
+    """Refuse an architecture whose per-rank state is not proven for the layout's vLLM."""
+    if not layout.splits(architecture):
+        raise SpecError(
+            f"architecture {architecture!r} is split per rank for vLLM "
+            f"{DEFAULT_VLLM_VERSION} but not proven for vLLM {layout.vllm_version} (proven: "
+            f"{', '.join(sorted(layout.architectures or ()))}); {HF_LAYOUT_HINT}"
+        )
+
+
 def plan_shards(
     config: ModelConfig,
     sources: Mapping[str, SourceTensor],
@@ -107,6 +118,7 @@ def plan_shards(
     """Map every source tensor to its per-rank slices; refuse missing or unknown tensors."""
     config.check_tensor_parallel(tp)
     arch = architecture_for(config)
+    _check_proven(config.architecture, layout)
     arch.check_tensor_parallel(config, tp)
     _check_layer_count(arch, config, sources)
     active = _expand_rules(arch, config)
