@@ -4,6 +4,7 @@ listed at the end of the run (each start costs 20-60 s on a 2-core machine)."""
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -54,6 +55,12 @@ def timings() -> Iterator[list[tuple[str, VllmRun]]]:
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    chosen = os.environ.get("MODELSTAGE_VLLM_RELEASES")
+    if chosen is not None:
+        terminalreporter.write_line(
+            f"vLLM releases besides the default proven in this run: {chosen} "
+            "(MODELSTAGE_VLLM_RELEASES; unset, every release of the layout table)"
+        )
     if not TIMINGS:
         return
     terminalreporter.section("vLLM oracle runs")
