@@ -7,7 +7,9 @@ Each family also has its contract checked against the source itself (``FAMILIES`
 which source rows and columns make each rank's tensor. The checkpoints are bfloat16 with 8
 query heads on 2 KV heads (each KV head replicated from TP 4) unless a family needs otherwise.
 TP 2 for the families in ``DEFAULT_TIER``; every other family, and TP 4 and 8, in the slow tier
-(a process per rank, each importing vLLM).
+(a process per rank, each importing vLLM). vLLM's states come from one oracle run per TP for
+every family the session selected at that TP (``vllm_states``): each rank's process imports
+vLLM once and builds the families in turn.
 """
 
 from __future__ import annotations
