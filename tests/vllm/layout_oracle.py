@@ -7,16 +7,25 @@ original checkpoint with the model's own ``load_weights``; the state dict is tak
 experts) and filtered by ``ShardedStateLoader._filter_subtensors``, exactly the names a rank
 file must hold. Stock vLLM: ``VLLM_PLUGINS=""``.
 
-Usage: layout_oracle.py --model DIR --tp N --dtype DTYPE --out DIR (writes rank-R.safetensors)
+Several models share one run: each rank's process imports vLLM and joins its group once, then
+builds the models in turn, each with an engine config of its own (its own layer registry).
+A model that fails leaves ``rank-R.error`` (vLLM's traceback) in its ``--out`` instead of
+``rank-R.safetensors``, and the next model is built all the same.
+
+Usage: layout_oracle.py --model DIR --out DIR [--model DIR --out DIR ...] --tp N --dtype DTYPE
+(writes rank-R.safetensors under each --out)
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import multiprocessing
 import os
 import socket
+import sys
+import traceback
 import uuid
 from pathlib import Path
 
@@ -31,8 +40,9 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def rank_state(model: str, tp: int, rank: int, port: int, dtype: str, out: str) -> None:
-    """One rank: build, load the original, capture the state before processing, save it."""
+def rank_state(jobs: list[tuple[str, str]], tp: int, rank: int, port: int, dtype: str) -> None:
+    """One rank: for each (model, out) in turn, build, load the original, capture the state
+    before processing, save it (or the error) under ``out``."""
     import torch
     from safetensors.torch import save_file
     from vllm.config import set_current_vllm_config
@@ -42,10 +52,6 @@ def rank_state(model: str, tp: int, rank: int, port: int, dtype: str, out: str) 
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
     from vllm.model_executor.model_loader.sharded_state_loader import ShardedStateLoader
 
-    config = EngineArgs(
-        model=model, tensor_parallel_size=tp, dtype=dtype, skip_tokenizer_init=True,
-        enforce_eager=True, max_model_len=128, load_format="safetensors",
-    ).create_engine_config()  # fmt: skip
     captured: dict[str, torch.Tensor] = {}
     load_weights = DefaultModelLoader.load_weights
 
@@ -58,27 +64,44 @@ def rank_state(model: str, tp: int, rank: int, port: int, dtype: str, out: str) 
         raise _Captured
 
     DefaultModelLoader.load_weights = capture  # type: ignore[method-assign]
-    with set_current_vllm_config(config), contextlib.suppress(_Captured):
-        init_distributed_environment(
-            world_size=tp, rank=rank, local_rank=rank, backend="gloo",
-            distributed_init_method=f"tcp://127.0.0.1:{port}",
-        )  # fmt: skip
-        initialize_model_parallel(tensor_model_parallel_size=tp)
-        get_model(vllm_config=config)
-    save_file(captured, str(Path(out) / f"rank-{rank}.safetensors"))
+    grouped = False
+    for model, out in jobs:
+        captured.clear()
+        try:
+            config = EngineArgs(
+                model=model, tensor_parallel_size=tp, dtype=dtype, skip_tokenizer_init=True,
+                enforce_eager=True, max_model_len=128, load_format="safetensors",
+            ).create_engine_config()  # fmt: skip
+            with set_current_vllm_config(config), contextlib.suppress(_Captured):
+                if not grouped:  # once per process: vLLM's groups are process-wide
+                    init_distributed_environment(
+                        world_size=tp, rank=rank, local_rank=rank, backend="gloo",
+                        distributed_init_method=f"tcp://127.0.0.1:{port}",
+                    )  # fmt: skip
+                    initialize_model_parallel(tensor_model_parallel_size=tp)
+                    grouped = True
+                get_model(vllm_config=config)
+            if not captured:
+                raise RuntimeError("the build ended without loading the original's weights")
+            save_file(captured, str(Path(out) / f"rank-{rank}.safetensors"))
+        except Exception:
+            error = traceback.format_exc()
+            print(f"layout oracle: rank {rank} failed on {model}:\n{error}", file=sys.stderr)
+            (Path(out) / f"rank-{rank}.error").write_text(error)
+        captured.clear()
+        gc.collect()  # the failed or finished build's model, before the next one
 
 
-def layout(model: str, tp: int, dtype: str, out: str) -> None:
-    """Every rank's state, one process per rank (spawned: vLLM keeps global state)."""
+def layout(jobs: list[tuple[str, str]], tp: int, dtype: str) -> None:
+    """Every rank's state of every model, one process per rank (spawned: vLLM keeps global
+    state), each building the models in the order given."""
     os.environ["VLLM_PLUGINS"] = ""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     port = _free_port()
     ident = f"modelstage-layout-{uuid.uuid4().hex}"  # names the ranks' shared memory
     os.environ["VLLM_DIST_IDENT"] = ident
     ctx = multiprocessing.get_context("spawn")
-    procs = [
-        ctx.Process(target=rank_state, args=(model, tp, r, port, dtype, out)) for r in range(tp)
-    ]
+    procs = [ctx.Process(target=rank_state, args=(jobs, tp, r, port, dtype)) for r in range(tp)]
     for p in procs:
         p.start()
     for p in procs:
@@ -86,16 +109,24 @@ def layout(model: str, tp: int, dtype: str, out: str) -> None:
     for leftover in Path("/dev/shm").glob(f"*{ident}*"):
         leftover.unlink(missing_ok=True)
     failed = [r for r, p in enumerate(procs) if p.exitcode != 0]
-    if failed:
-        raise SystemExit(f"layout oracle: ranks {failed} failed")
+    incomplete = [
+        model
+        for model, out in jobs
+        if not all((Path(out) / f"rank-{r}.safetensors").exists() for r in range(tp))
+    ]
+    if failed or incomplete:
+        raise SystemExit(f"layout oracle: ranks {failed} exited non-zero; not built: {incomplete}")
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", required=True)
+    parser.add_argument("--model", action="append", required=True, help="repeatable")
+    parser.add_argument("--out", action="append", required=True, help="one per --model")
     parser.add_argument("--tp", type=int, required=True)
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    layout(args.model, args.tp, args.dtype, args.out)
+    if len(args.model) != len(args.out):
+        parser.error("give one --out per --model")
+    for out in args.out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+    layout(list(zip(args.model, args.out, strict=True)), args.tp, args.dtype)

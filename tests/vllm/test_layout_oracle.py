@@ -7,12 +7,14 @@ Each family also has its contract checked against the source itself (``FAMILIES`
 which source rows and columns make each rank's tensor. The checkpoints are bfloat16 with 8
 query heads on 2 KV heads (each KV head replicated from TP 4) unless a family needs otherwise.
 TP 2 for the families in ``DEFAULT_TIER``; every other family, and TP 4 and 8, in the slow tier
-(a process per rank, each importing vLLM).
+(a process per rank, each importing vLLM). vLLM's states come from one oracle run per TP for
+every family the session selected at that TP (``vllm_states``): each rank's process imports
+vLLM once and builds the families in turn.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +22,7 @@ import pytest
 import torch
 from modelstage.devtools.synthetic import SyntheticModel
 from safetensors import safe_open
-from vllm_oracle import vllm_rank_states
+from vllm_oracle import vllm_rank_states, vllm_rank_states_batch
 
 pytestmark = pytest.mark.vllm
 
@@ -245,10 +247,11 @@ FAMILIES = {
         tie_word_embeddings=True, num_shards=2, seed=6,
     ), _check_experts_from_source),
     "gpt-oss": Family(SyntheticModel(
-        architecture="GptOssForCausalLM", hidden_size=128, intermediate_size=64, num_heads=16,
+        architecture="GptOssForCausalLM", hidden_size=128, intermediate_size=256, num_heads=16,
         num_kv_heads=8, head_dim=16, vocab_size=512, num_experts=4, dtype="bfloat16",
         num_shards=2, seed=12,
-    ), _check_gpt_oss_from_source),  # 8 KV heads: its model splits them and never copies
+    ), _check_gpt_oss_from_source),  # 8 KV heads (its model splits them, never copies); 256 / 8
+    # ranks = 32: vLLM's CPU MoE kernel takes an intermediate size per rank of a multiple of 32
     "fp8-llama": Family(SyntheticModel(
         hidden_size=128, intermediate_size=256, num_heads=8, num_kv_heads=2, vocab_size=512,
         dtype="bfloat16", num_shards=2, split_fused=True, fp8=True, seed=11,
@@ -299,18 +302,91 @@ def _assert_rank_files_equal(artifact: Path, states: list[Path]) -> list[Want]:
     return wants
 
 
+class VllmStates:
+    """vLLM's per-rank states, one oracle run per TP for every family this session selected
+    at that TP: the first family asked for at a TP builds them all, in ``FAMILIES`` order."""
+
+    def __init__(self, session: pytest.Session, checkpoint: Callable[[str, SyntheticModel], Path],
+                 root: Path) -> None:  # fmt: skip
+        self.checkpoint, self.root = checkpoint, root
+        self.selected: set[tuple[str, int]] = set()
+        for item in session.items:
+            params = getattr(item, "callspec", None)
+            if params is None or getattr(item, "obj", None) not in _USES_STATES:
+                continue
+            for key in ("family", "built_after"):
+                if key in params.params:
+                    self.selected.add((params.params[key], params.params["tp"]))
+        self.batches: dict[int, list[str]] = {}
+        self.found: dict[tuple[str, int], list[Path] | str] = {}
+
+    def __call__(self, family: str, tp: int) -> list[Path]:
+        """The family's rank states at ``tp``; fails with vLLM's error if its build failed."""
+        if (family, tp) not in self.found:
+            batch = [f for f in FAMILIES if (f, tp) in self.selected or f == family]
+            self.batches[tp] = batch
+            jobs = [(self.checkpoint(f"layout-{f}", FAMILIES[f].spec), self.root / f"tp{tp}" / f)
+                    for f in batch]  # fmt: skip
+            for f, found in zip(batch, vllm_rank_states_batch(jobs, tp, "bfloat16"), strict=True):
+                self.found[(f, tp)] = found
+        found = self.found[(family, tp)]
+        if isinstance(found, str):
+            pytest.fail(f"vLLM's layout oracle failed on {family} at TP {tp}: {found}", pytrace=False)
+        return found
+
+
+@pytest.fixture(scope="session")
+def vllm_states(
+    request: pytest.FixtureRequest,
+    checkpoint: Callable[[str, SyntheticModel], Path],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[VllmStates]:
+    yield VllmStates(request.session, checkpoint, tmp_path_factory.mktemp("vllm-states"))
+
+
 @pytest.mark.parametrize(("family", "tp"), _cases())
 def test_rank_files_equal_vllms_own_per_rank_state_byte_for_byte(
     family: str,
     tp: int,
     checkpoint: Callable[[str, SyntheticModel], Path],
     staged: Callable[..., Path],
-    tmp_path: Path,
+    vllm_states: VllmStates,
 ) -> None:
     spec, check = FAMILIES[family].spec, FAMILIES[family].check
     src = checkpoint(f"layout-{family}", spec)
     artifact = staged(f"layout-{family}", src, tp, "--dtype", "auto")
-    states = vllm_rank_states(src, tp, "bfloat16", tmp_path / "vllm")
+    states = vllm_states(family, tp)
     for rank, want in enumerate(_assert_rank_files_equal(artifact, states)):
         if check is not None:
             check(spec, src, rank, tp, want)
+
+
+@pytest.mark.parametrize(
+    ("family", "built_after", "tp"),
+    [("phi3", "mixtral", 2), pytest.param("gpt-oss", "mixtral", 2, marks=pytest.mark.slow)],
+)
+def test_batched_oracle_equals_one_model_at_a_time(
+    family: str,
+    built_after: str,
+    tp: int,
+    checkpoint: Callable[[str, SyntheticModel], Path],
+    vllm_states: VllmStates,
+    tmp_path: Path,
+) -> None:
+    """A model built after others in the same processes gets the very state it gets alone:
+    nothing of an earlier build leaks into a later one."""
+    batched = vllm_states(family, tp)
+    assert built_after in vllm_states.batches[tp][: vllm_states.batches[tp].index(family)]
+    alone = vllm_rank_states(checkpoint(f"layout-{family}", FAMILIES[family].spec), tp,
+                             "bfloat16", tmp_path / "alone")  # fmt: skip
+    for rank, (a, b) in enumerate(zip(batched, alone, strict=True)):
+        want, got = _read([a]), _read([b])
+        assert sorted(got) == sorted(want), f"rank {rank}: names differ"
+        differ = [k for k in want if not _same_bytes(want[k], got[k])]
+        assert not differ, f"rank {rank}: {len(differ)} tensors differ, e.g. {differ[:4]}"
+
+
+_USES_STATES = (
+    test_rank_files_equal_vllms_own_per_rank_state_byte_for_byte,
+    test_batched_oracle_equals_one_model_at_a_time,
+)

@@ -33,6 +33,7 @@ from vllm_oracle import (
     run_vllm,
     swap_experts,
     vllm_rank_states,
+    vllm_rank_states_batch,
 )
 from vllm_release import installed_version, release_python
 
@@ -70,11 +71,6 @@ LLAMA_E2E = SyntheticModel(
 )
 PROMPTS = [[1, 5, 100, 255, 256, 511, 512, 513, 999, 42, 7, 300, 2, 64], [1, 999, 998, 3, 767]]
 
-LAYOUT_CASES = [
-    pytest.param(version, arch, id=f"{version}-{arch}")
-    for version in RELEASES
-    for arch in sorted(LAYOUTS[version].architectures or ())
-]
 
 
 def _manifest(artifact: Path) -> Manifest:
@@ -111,26 +107,34 @@ def test_every_release_of_the_table_has_pinned_requirements_and_checked_architec
         assert set(LAYOUTS[version].architectures or ()) <= set(FAMILIES), version
 
 
-@pytest.mark.parametrize(("version", "arch"), LAYOUT_CASES)
+@pytest.mark.parametrize("version", RELEASES)
 def test_rank_files_for_a_release_equal_its_own_per_rank_state(
     version: str,
-    arch: str,
     checkpoint: Callable[[str, SyntheticModel], Path],
     staged: Callable[..., Path],
     tmp_path: Path,
 ) -> None:
+    """Every architecture the release's layout entry names, in one run of its oracle."""
     python = release_python(version)
-    src = checkpoint(f"versions-{arch}", FAMILIES[arch])
-    artifact = staged(f"versions-{arch}-{version}", src, TP, "--dtype", "auto",
-                      "--vllm-version", version)  # fmt: skip
-    assert _manifest(artifact).vllmVersion == version
-    states = vllm_rank_states(src, TP, "bfloat16", tmp_path / "vllm", python=python)
-    for rank, state in enumerate(states):
-        want = _read([state])
-        got = _read(sorted(artifact.glob(f"model-rank-{rank}-part-*.safetensors")))
-        assert sorted(got) == sorted(want), f"vLLM {version} rank {rank}: names differ"
-        differ = _differing(want, got)
-        assert not differ, f"vLLM {version} rank {rank}: {len(differ)} differ: {differ[:4]}"
+    archs = sorted(LAYOUTS[version].architectures or ())
+    sources = {arch: checkpoint(f"versions-{arch}", FAMILIES[arch]) for arch in archs}
+    jobs = [(sources[arch], tmp_path / arch) for arch in archs]
+    failures: list[str] = []
+    for arch, states in zip(archs, vllm_rank_states_batch(jobs, TP, "bfloat16", python), strict=True):
+        if isinstance(states, str):
+            failures.append(f"{arch}: vLLM {version} could not build it:\n{states}")
+            continue
+        artifact = staged(f"versions-{arch}-{version}", sources[arch], TP, "--dtype", "auto",
+                          "--vllm-version", version)  # fmt: skip
+        assert _manifest(artifact).vllmVersion == version
+        for rank, state in enumerate(states):
+            want = _read([state])
+            got = _read(sorted(artifact.glob(f"model-rank-{rank}-part-*.safetensors")))
+            if sorted(got) != sorted(want):
+                failures.append(f"{arch} rank {rank}: names differ")
+            elif differ := _differing(want, got):
+                failures.append(f"{arch} rank {rank}: {len(differ)} differ: {differ[:4]}")
+    assert not failures, f"vLLM {version}:\n" + "\n".join(failures)
 
 
 @pytest.mark.parametrize("version", RELEASES)

@@ -188,23 +188,45 @@ def vllm_rank_states(
     """vLLM's own per-rank state for ``checkpoint`` (``layout_oracle.py``), one safetensors
     file per rank under ``out``; raises with the log tail if a rank fails. ``python`` runs
     another vLLM release (``vllm_release.py``)."""
+    found = vllm_rank_states_batch([(checkpoint, out)], tp, dtype, python)[0]
+    if isinstance(found, str):
+        raise AssertionError(f"the layout oracle failed on {checkpoint} (tp={tp}):\n{found}")
+    return found
+
+
+def vllm_rank_states_batch(
+    jobs: list[tuple[Path, Path]], tp: int, dtype: str, python: Path | None = None
+) -> list[list[Path] | str]:
+    """``vllm_rank_states`` for several (checkpoint, out) pairs in one run of the oracle (each
+    rank's process imports vLLM once); for each pair its rank files, or why it has none:
+    vLLM's error for that model, or the run's log tail if its ranks never reached it."""
+    for _, out in jobs:
+        out.mkdir(parents=True, exist_ok=True)
+    pairs = [arg for src, out in jobs for arg in ("--model", str(src), "--out", str(out))]
     with vllm_lock():
         proc = subprocess.run(
-            [str(python or sys.executable), str(LAYOUT_RUNNER), "--model", str(checkpoint), "--tp", str(tp),
-             "--dtype", dtype, "--out", str(out)],
-            cwd=out.parent,
+            [str(python or sys.executable), str(LAYOUT_RUNNER), *pairs, "--tp", str(tp),
+             "--dtype", dtype],
+            cwd=jobs[0][1].parent,
             env=dict(os.environ, VLLM_PLUGINS=""),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            timeout=VLLM_TIMEOUT_S,
+            timeout=VLLM_TIMEOUT_S * len(jobs),
             check=False,
         )  # fmt: skip
-    files = [out / f"rank-{r}.safetensors" for r in range(tp)]
-    if proc.returncode != 0 or not all(f.exists() for f in files):
-        tail = "\n".join(proc.stdout.splitlines()[-40:])
-        raise AssertionError(f"the layout oracle failed on {checkpoint} (tp={tp}):\n{tail}")
-    return files
+    tail = "\n".join(proc.stdout.splitlines()[-40:])
+    found: list[list[Path] | str] = []
+    for _, out in jobs:
+        files = [out / f"rank-{r}.safetensors" for r in range(tp)]
+        errors = sorted(out.glob("rank-*.error"))
+        if errors:
+            found.append(f"{errors[0].name}:\n" + "\n".join(errors[0].read_text().splitlines()[-40:]))
+        elif not all(f.exists() for f in files):
+            found.append(f"no rank files (exit {proc.returncode}):\n{tail}")
+        else:
+            found.append(files)
+    return found
 
 
 def stage(src: Path, out: Path, tp: int, *extra: str) -> subprocess.CompletedProcess[str]:
