@@ -102,12 +102,15 @@ def _check_shared_expert_from_source(
     assert want[kept + "expert_gate.weight"].equal(source[mlp + "shared_expert_gate.weight"])
 
 
-GPT_OSS = SyntheticModel(
-    architecture="GptOssForCausalLM", hidden_size=128, intermediate_size=64, num_heads=16,
-    num_kv_heads=8, head_dim=16, vocab_size=512, num_experts=4, dtype="bfloat16", num_shards=2,
-    seed=12,
-)  # fmt: skip
-"""gpt-oss with bfloat16 experts; 8 KV heads, since its model splits them and never copies."""
+def gpt_oss(tp: int) -> SyntheticModel:
+    """gpt-oss with bfloat16 experts; 8 KV heads, since its model splits them and never copies;
+    an expert intermediate size of 32 per rank (vLLM's CPU fused-MoE kernel refuses a rank's
+    share that is not a multiple of 32)."""
+    return SyntheticModel(
+        architecture="GptOssForCausalLM", hidden_size=128, intermediate_size=32 * tp,
+        num_heads=16, num_kv_heads=8, head_dim=16, vocab_size=512, num_experts=4,
+        dtype="bfloat16", num_shards=2, seed=12,
+    )  # fmt: skip
 
 
 def _check_gpt_oss_from_source(
@@ -117,7 +120,8 @@ def _check_gpt_oss_from_source(
     ``gate_up_proj``'s (interleaved) columns and of ``down_proj``'s rows, transposed;
     ``w13_bias`` cut alike; ``w2_bias`` whole on rank 0 and zero elsewhere; sinks by heads."""
     source = _read(sorted(src.glob("*.safetensors")))
-    inter, heads = GPT_OSS.intermediate_size // tp, GPT_OSS.num_heads // tp
+    spec = gpt_oss(tp)
+    inter, heads = spec.intermediate_size // tp, spec.num_heads // tp
     cols = slice(2 * rank * inter, 2 * (rank + 1) * inter)
     rows = slice(rank * inter, (rank + 1) * inter)
     hf, routed = "model.layers.1.mlp.experts.", "model.layers.1.mlp.experts.routed_experts."
@@ -155,8 +159,8 @@ def test_gpt_oss_rank_files_equal_vllms_own_per_rank_state_byte_for_byte(
     staged: Callable[..., Path],
     tmp_path: Path,
 ) -> None:
-    src = checkpoint("layout-gpt-oss", GPT_OSS)
-    artifact = staged("layout-gpt-oss", src, tp, "--dtype", "auto")
+    src = checkpoint(f"layout-gpt-oss-tp{tp}", gpt_oss(tp))
+    artifact = staged(f"layout-gpt-oss-tp{tp}", src, tp, "--dtype", "auto")
     states = vllm_rank_states(src, tp, "bfloat16", tmp_path / "vllm")
     for rank, want in enumerate(_assert_rank_files_equal(artifact, states)):
         _check_gpt_oss_from_source(src, rank, tp, want)
