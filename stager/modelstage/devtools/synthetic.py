@@ -495,7 +495,7 @@ def write_checkpoint(spec: SyntheticModel, out_dir: Path | str) -> Path:
             "transformers_version": _TRANSFORMERS_VERSION,
         },
     )
-    _write_tokenizer(spec, out)
+    write_tokenizer(spec, out)
 
     tensors = spec.tensors()
     assignment = _assign_shards(spec, tensors)
@@ -651,7 +651,7 @@ def _encode(values: npt.NDArray[np.float32], dtype: str) -> bytes:
     return ((bits + rounding) >> np.uint32(16)).astype("<u2").tobytes()
 
 
-def _write_tokenizer(spec: SyntheticModel, out: Path) -> None:
+def write_tokenizer(spec: SyntheticModel, out: Path) -> None:
     """A word-level tokenizer whose vocabulary is exactly the model's: ids map 1:1."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
