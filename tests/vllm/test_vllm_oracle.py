@@ -24,7 +24,7 @@ cold reference cache, one with a warm one; a TP=1 start takes ~16 s and a TP=2 s
   q/k/v, o and router biases, sinks, alternating sliding and full attention, yarn RoPE), 4
   experts, 8 query heads on 4 KV heads: TP 2 (TP 1 and 4 slow).
 - Llama FP8 (compressed-tensors W8A8: float8 weights, per-channel scales, dynamic per-token
-  activations) bfloat16, q/k/v and gate/up spread over two source files: TP 2 (TP 1 slow);
+  activations) bfloat16, q/k/v and gate/up spread over two source files: TP 2 (TP 1, 4 slow);
   Qwen3 FP8 (q/k norms, head_dim 64, tied) bfloat16: TP 2 in the slow tier.
 - Phi-3 bfloat16 (q/k/v fused in the source's ``qkv_proj``, gate/up in ``gate_up_proj``, cut
   into their parts before the rank split), 4 KV heads, two source files: TP 2 (TP 1 and 4
@@ -39,7 +39,7 @@ cold reference cache, one with a warm one; a TP=1 start takes ~16 s and a TP=2 s
   the wrong slot, k and v of a fused source) loads in vLLM without a warning but fails the
   comparison.
 Slow tier (``-m slow``): Llama, Mixtral, Qwen2-MoE and Qwen3-MoE at TP 4 (each KV head on two
-ranks; ~50 s a start), gpt-oss, Phi-3, Gemma 2 and Gemma 3 at TP 1 and 4, Llama FP8 at TP 1, Mistral float16 at
+ranks; ~50 s a start), gpt-oss, Phi-3, Gemma 2 and Gemma 3 at TP 1 and 4, Llama FP8 at TP 1 and 4, Mistral float16 at
 TP 2, and the Qwen3 bfloat16 source staged ``--dtype float32`` (the stager's cast) at TP 2.
 """
 
@@ -162,7 +162,7 @@ FP8_LLAMA = Case(
     (2,),
     ("--dtype", "auto"),
     dtype="bfloat16",
-    slow_tps=(1,),
+    slow_tps=(1, 4),
     artifact_dtypes=("BF16", "F32", "F8_E4M3"),
 )
 GEMMA = {
