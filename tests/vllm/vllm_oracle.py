@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -286,6 +287,35 @@ def weight_dtypes(artifact: Path) -> set[str]:
     }
 
 
+def _rewrite(artifact: Path, rank: int, keys: list[str], change: Callable[[Any], Any]) -> str:
+    """Replace each of ``keys`` by ``change`` of it in the rank's part file that holds them
+    (same names, shapes and dtypes: vLLM loads it without a word); returns the file's name."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    for path in sorted(artifact.glob(f"model-rank-{rank}-part-*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            if keys[0] not in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
+                continue
+            metadata = f.metadata()
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+        for key in keys:
+            changed = change(tensors[key]).contiguous()
+            assert changed.shape == tensors[key].shape and not changed.equal(tensors[key]), key
+            tensors[key] = changed
+        save_file(tensors, str(path), metadata=metadata)
+        return path.name
+    raise AssertionError(f"{keys[0]} is in no rank-{rank} part file of {artifact}")
+
+
+def _swapped_rows(tensor: Any, a: int, b: int, count: int) -> Any:
+    """Rows ``[a, a+count)`` and ``[b, b+count)`` exchanged."""
+    swapped = tensor.clone()
+    swapped[a : a + count] = tensor[b : b + count]
+    swapped[b : b + count] = tensor[a : a + count]
+    return swapped
+
+
 def swap_kv_head_blocks(
     artifact: Path, num_heads: int, num_kv_heads: int, head_size: int, tp: int, layer: int
 ) -> str:
@@ -294,26 +324,10 @@ def swap_kv_head_blocks(
     Rows of ``qkv_proj.weight`` on a rank are its q heads, then its k heads, then its v
     heads, ``head_size`` rows each. Returns the file it rewrote.
     """
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    key = f"model.layers.{layer}.self_attn.qkv_proj.weight"
     assert num_kv_heads // tp >= 2, "the mutation needs two KV heads on the rank"
-    for path in sorted(artifact.glob("model-rank-0-part-*.safetensors")):
-        with safe_open(str(path), "pt") as f:
-            if key not in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
-                continue
-            metadata = f.metadata()
-            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
-        k0 = num_heads // tp * head_size
-        qkv = tensors[key].clone()
-        qkv[k0 : k0 + head_size] = tensors[key][k0 + head_size : k0 + 2 * head_size]
-        qkv[k0 + head_size : k0 + 2 * head_size] = tensors[key][k0 : k0 + head_size]
-        assert not qkv.equal(tensors[key])
-        tensors[key] = qkv
-        save_file(tensors, str(path), metadata=metadata)
-        return path.name
-    raise AssertionError(f"{key} is in no rank-0 part file of {artifact}")
+    k0 = num_heads // tp * head_size
+    key = f"model.layers.{layer}.self_attn.qkv_proj.weight"
+    return _rewrite(artifact, 0, [key], lambda t: _swapped_rows(t, k0, k0 + head_size, head_size))
 
 
 def swap_k_and_v(
@@ -322,104 +336,41 @@ def swap_k_and_v(
     """Exchange the k and v row blocks of one layer's fused qkv in rank 0's file (what a
     stager taking a fused source's parts in the wrong order would write). Returns the file
     it rewrote."""
-    import torch
-    from safetensors import safe_open
-    from safetensors.torch import save_file
+    q = num_heads // tp * head_size
+    kv = max(num_kv_heads // tp, 1) * head_size
 
-    key = f"model.layers.{layer}.self_attn.qkv_proj.weight"
-    for path in sorted(artifact.glob("model-rank-0-part-*.safetensors")):
-        with safe_open(str(path), "pt") as f:
-            if key not in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
-                continue
-            metadata = f.metadata()
-            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
-        q = num_heads // tp * head_size
-        kv = max(num_kv_heads // tp, 1) * head_size
-        original = tensors[key]
-        assert original.shape[0] == q + 2 * kv, original.shape
-        qkv = torch.cat([original[:q], original[q + kv :], original[q : q + kv]])
-        assert not qkv.equal(original)
-        tensors[key] = qkv
-        save_file(tensors, str(path), metadata=metadata)
-        return path.name
-    raise AssertionError(f"{key} is in no rank-0 part file of {artifact}")
+    def change(qkv: Any) -> Any:
+        assert qkv.shape[0] == q + 2 * kv, qkv.shape
+        return _swapped_rows(qkv, q, q + kv, kv)
+
+    return _rewrite(artifact, 0, [f"model.layers.{layer}.self_attn.qkv_proj.weight"], change)
 
 
 def swap_experts(artifact: Path, rank: int, layer: int, a: int, b: int) -> str:
-    """Exchange experts ``a`` and ``b`` (their ``w13_weight`` and ``w2_weight`` slices) of one
+    """Exchange experts ``a`` and ``b`` in the stacked ``w13_weight`` and ``w2_weight`` of one
     MoE layer in a rank's file: the router still sends tokens by the original order. Returns
     the file it rewrote."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
     prefix = f"model.layers.{layer}.block_sparse_moe.experts.routed_experts."
-    keys = [prefix + "w13_weight", prefix + "w2_weight"]
-    for path in sorted(artifact.glob(f"model-rank-{rank}-part-*.safetensors")):
-        with safe_open(str(path), "pt") as f:
-            if keys[0] not in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
-                continue
-            metadata = f.metadata()
-            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
-        for key in keys:
-            stacked = tensors[key].clone()
-            stacked[[a, b]] = tensors[key][[b, a]]
-            assert not stacked.equal(tensors[key])
-            tensors[key] = stacked
-        save_file(tensors, str(path), metadata=metadata)
-        return path.name
-    raise AssertionError(f"{keys[0]} is in no rank-{rank} part file of {artifact}")
+    return _rewrite(artifact, rank, [prefix + "w13_weight", prefix + "w2_weight"],
+                    lambda stacked: _swapped_rows(stacked, a, b, 1))  # fmt: skip
 
 
 def split_gate_up_halves(artifact: Path, rank: int, layer: int) -> str:
     """Rewrite one gpt-oss layer's ``w13_weight`` and ``w13_bias`` in a rank's file as gate
     rows then up rows (Mixtral's order) instead of gpt-oss's interleave: what a stager that
     read ``gate_up_proj`` as two halves would write. Same names and shapes; returns the file."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    prefix = f"model.layers.{layer}.mlp.experts.routed_experts."
-    keys = [prefix + "w13_weight", prefix + "w13_bias"]
-    for path in sorted(artifact.glob(f"model-rank-{rank}-part-*.safetensors")):
-        with safe_open(str(path), "pt") as f:
-            if keys[0] not in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
-                continue
-            metadata = f.metadata()
-            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
-        for key in keys:  # [E, 2I/tp, ...]: interleaved rows g0 u0 g1 u1 ... -> g0 g1 ... u0 u1 ...
-            fused = tensors[key]
-            halves = _even_then_odd_rows(fused)
-            assert not halves.equal(fused)
-            tensors[key] = halves
-        save_file(tensors, str(path), metadata=metadata)
-        return path.name
-    raise AssertionError(f"{keys[0]} is in no rank-{rank} part file of {artifact}")
-
-
-def _even_then_odd_rows(fused: Any) -> Any:
-    """Dim 1's even rows, then its odd rows."""
     import torch
 
-    return torch.cat([fused[:, 0::2], fused[:, 1::2]], dim=1).contiguous()
+    prefix = f"model.layers.{layer}.mlp.experts.routed_experts."
+    # [E, 2I/tp, ...]: interleaved rows g0 u0 g1 u1 ... -> g0 g1 ... u0 u1 ...
+    return _rewrite(artifact, rank, [prefix + "w13_weight", prefix + "w13_bias"],
+                    lambda fused: torch.cat([fused[:, 0::2], fused[:, 1::2]], dim=1))  # fmt: skip
+
+
 def swap_rows(artifact: Path, rank: int, key: str, a: int, b: int, count: int) -> str:
     """Exchange rows ``[a, a+count)`` and ``[b, b+count)`` of tensor ``key`` in a rank's file
     (same shape, same dtype: vLLM loads it without a word). Returns the file it rewrote."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    for path in sorted(artifact.glob(f"model-rank-{rank}-part-*.safetensors")):
-        with safe_open(str(path), "pt") as f:
-            if key not in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
-                continue
-            metadata = f.metadata()
-            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
-        swapped = tensors[key].clone()
-        swapped[a : a + count] = tensors[key][b : b + count]
-        swapped[b : b + count] = tensors[key][a : a + count]
-        assert not swapped.equal(tensors[key])
-        tensors[key] = swapped
-        save_file(tensors, str(path), metadata=metadata)
-        return path.name
-    raise AssertionError(f"{key} is in no rank-{rank} part file of {artifact}")
+    return _rewrite(artifact, rank, [key], lambda t: _swapped_rows(t, a, b, count))
 
 
 def swap_rank_files(artifact: Path, a: int, b: int) -> list[str]:
