@@ -47,6 +47,10 @@ def rank_state(jobs: list[tuple[str, str]], tp: int, rank: int, port: int, dtype
     from safetensors.torch import save_file
     from vllm.config import set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.distributed.parallel_state import (
+        destroy_model_parallel,
+        model_parallel_is_initialized,
+    )
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.model_loader import get_model
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
@@ -73,13 +77,17 @@ def rank_state(jobs: list[tuple[str, str]], tp: int, rank: int, port: int, dtype
                 enforce_eager=True, max_model_len=128, load_format="safetensors",
             ).create_engine_config()  # fmt: skip
             with set_current_vllm_config(config), contextlib.suppress(_Captured):
-                if not grouped:  # once per process: vLLM's groups are process-wide
+                if not grouped:  # once per process: the world group is process-wide
                     init_distributed_environment(
                         world_size=tp, rank=rank, local_rank=rank, backend="gloo",
                         distributed_init_method=f"tcp://127.0.0.1:{port}",
                     )  # fmt: skip
-                    initialize_model_parallel(tensor_model_parallel_size=tp)
                     grouped = True
+                # The model-parallel groups anew under each model's config: some releases
+                # (0.29) create the expert-parallel group only for an MoE model's config.
+                if model_parallel_is_initialized():
+                    destroy_model_parallel()
+                initialize_model_parallel(tensor_model_parallel_size=tp)
                 get_model(vllm_config=config)
             if not captured:
                 raise RuntimeError("the build ended without loading the original's weights")
