@@ -33,12 +33,19 @@ from .synthetic import SyntheticModel, write_checkpoint
 GIB = 1024**3
 
 
+def _layers_to_fit(size_bytes: int, hidden: int, kv: int, vocab: int, *, mlp_rows: int) -> int:
+    """Decoder layers that bring a bf16 checkpoint near ``size_bytes``: per layer q and o
+    (hidden x hidden), k and v (128-wide heads) and ``mlp_rows`` x hidden of MLP; embeddings
+    and head besides."""
+    per_layer = 2 * (2 * hidden * hidden + 2 * hidden * kv * 128 + hidden * mlp_rows)
+    edges = 2 * 2 * vocab * hidden
+    return max(1, round((size_bytes - edges) / per_layer))
+
+
 def llama70b_scaled(size_bytes: int, *, shards: int = 4) -> SyntheticModel:
     """Llama-3-70B's shapes halved in width (head_dim 128, GQA 8:1), bf16, layers to fit."""
     hidden, inter, heads, kv, vocab = 4096, 14336, 32, 8, 32064
-    per_layer = 2 * (2 * hidden * hidden + 2 * hidden * kv * 128 + 3 * hidden * inter)
-    edges = 2 * 2 * vocab * hidden
-    layers = max(1, round((size_bytes - edges) / per_layer))
+    layers = _layers_to_fit(size_bytes, hidden, kv, vocab, mlp_rows=3 * inter)
     return SyntheticModel(
         hidden_size=hidden,
         intermediate_size=inter,
@@ -56,9 +63,7 @@ def mixtral_scaled(size_bytes: int, *, shards: int = 4) -> SyntheticModel:
     head_dim 128, GQA 4:1), bf16, layers to fit: 704 MiB of experts per layer, so each
     rank's stacked ``w13_weight`` is the largest tensor (235 MiB at TP=2)."""
     hidden, inter, heads, kv, vocab, experts = 2048, 7168, 16, 4, 32000, 8
-    per_layer = 2 * (2 * hidden * hidden + 2 * hidden * kv * 128 + 3 * experts * hidden * inter)
-    edges = 2 * 2 * vocab * hidden
-    layers = max(1, round((size_bytes - edges) / per_layer))
+    layers = _layers_to_fit(size_bytes, hidden, kv, vocab, mlp_rows=3 * experts * inter)
     return SyntheticModel(
         architecture="MixtralForCausalLM",
         hidden_size=hidden,
