@@ -376,6 +376,22 @@ class Retention(Model):
     ModelDeployment keeps), or ``Retain`` them all on the storage."""
 
 
+class NodeCache(Model):
+    """Copies of the staged artifact on the local disks (or RAM) of the nodes the workload can
+    run on, made and verified by the node agent's copy Jobs before the roll
+    (docs/api.md, "Node caching")."""
+
+    enabled: bool = False
+    nodes: Literal["Replicas", "All"] = "Replicas"
+    """Which of the nodes the workload's pods may run on (its nodeSelector, required node
+    affinity and tolerations, nodes with a node agent) get a copy: the replicas' worth, or all."""
+    warm: bool = False
+    """Read the copies into the nodes' page cache just before the roll."""
+    deadline_seconds: Annotated[int, Field(ge=0, le=24 * 3600)] = 1800
+    """How long after staging the roll waits for the copies; then it rolls anyway (pods on a
+    node without a copy read the artifact from the PVC or S3) and the status says so."""
+
+
 class ModelDeploymentSpec(Model):
     """What to stage and which vLLM workload to roll onto it."""
 
@@ -389,6 +405,7 @@ class ModelDeploymentSpec(Model):
     stager: Stager = Stager()
     serving: Serving
     retention: Retention = Retention()
+    node_cache: NodeCache = NodeCache()
 
     rules: ClassVar[tuple[Rule, ...]] = (
         Rule(
@@ -497,6 +514,34 @@ class ArtifactStatus(Model):
     stage_seconds: float | None = None
 
 
+class NodeCopyStatus(Model):
+    """One node's copy of the desired artifact, and what pods starting there found."""
+
+    model_config = ConfigDict(extra="ignore", strict=False)
+    name: str
+    state: Literal["Pending", "Copying", "Ready", "Warm", "Failed"]
+    message: str = ""
+    hits: int = 0
+    """Serving pods that started on this node and read the node-local copy."""
+    misses: int = 0
+    """Serving pods that started on this node and read the PVC or S3 instead."""
+
+
+class NodeCacheStatus(Model):
+    """Where the copies of the desired artifact stand (``spec.nodeCache.enabled``)."""
+
+    model_config = ConfigDict(extra="ignore", strict=False)
+    digest: str
+    phase: Literal["Copying", "Warming", "Ready", "DeadlinePassed"]
+    wanted: int = 0
+    """Nodes that should hold a copy."""
+    ready: int = 0
+    """Nodes holding a complete, verified copy."""
+    since: datetime | None = None
+    """When the copies were first asked for: the deadline counts from here."""
+    nodes: list[NodeCopyStatus] = Field(default_factory=list)
+
+
 class Condition(Model):
     """A Kubernetes-style condition; lastTransitionTime changes only when status changes."""
 
@@ -542,6 +587,8 @@ class ModelDeploymentStatus(Model):
     queue_position: int | None = None
     """While staging waits for one of the operator's stager slots: the place in the queue
     (1 = next); see the ``Staged`` condition (reason ``Queued``)."""
+    node_cache: NodeCacheStatus | None = None
+    """Node-local copies of the desired artifact (``spec.nodeCache``)."""
     artifacts: list[ArtifactStatus] = Field(default_factory=list)
     """Artifacts this ModelDeployment staged or used, most recently used first: what
     ``retention.keep`` counts and the clean-up deletes from."""
