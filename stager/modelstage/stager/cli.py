@@ -359,6 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_parser(sub)
     _add_plan_parser(sub)
     _add_serve_local_parser(sub)
+    _add_node_cache_parsers(sub)
     _describe_commands(parser, sub)
     return parser
 
@@ -758,6 +759,51 @@ def _add_serve_local_parser(sub: Any) -> None:
 
 
 # --- end serve-local ---------------------------------------------------------------------------
+
+
+# --- node cache: the copy Job and the node agent (modelstage.agent) --------------------------
+def _node_copy(args: argparse.Namespace) -> dict[str, Any]:
+    from modelstage.agent.copy import node_copy
+
+    return node_copy(
+        args.artifact, digest=args.digest, root=Path(args.root), tp=args.tp, s3=_s3_options(args)
+    ).summary()
+
+
+def _agent(args: argparse.Namespace) -> int:
+    from modelstage.agent.agent import AgentSettings, run_agent
+
+    budget = parse_bytes(args.budget, "--budget")
+    settings = AgentSettings(args.node, Path(args.root), budget, args.interval,
+                             args.metrics_port, args.metrics_address, args.kubeconfig)  # fmt: skip
+    return run_agent(settings)
+
+
+def _add_node_cache_parsers(sub: Any) -> None:
+    nc = sub.add_parser(
+        "node-copy", help="copy an artifact into a node-local cache root, verified as it lands"
+    )
+    nc.add_argument("--artifact", required=True, help="artifact directory or s3://BUCKET/PREFIX/")
+    nc.add_argument("--digest", required=True, help="the artifact's digest (names the copy)")
+    nc.add_argument("--tp", type=int, help="refuse unless staged for this tensor parallel size")
+    nc.add_argument("--root", required=True, help="the node-local cache root")
+    _add_s3_options(nc)
+    _add_network_options(nc)
+    nc.set_defaults(run=_node_copy)
+    ag = sub.add_parser(
+        "agent", help="the node cache agent: report, warm, evict and label, until SIGTERM"
+    )
+    ag.add_argument("--node", required=True, help="this node's name")
+    ag.add_argument("--root", required=True, help="the node-local cache root")
+    ag.add_argument("--budget", required=True, help="bytes the root may hold (e.g. 500Gi)")
+    ag.add_argument("--interval", type=float, default=10.0, metavar="SECONDS")
+    ag.add_argument("--metrics-port", type=int, default=0, help="Prometheus metrics (0: none)")
+    ag.add_argument("--metrics-address", default="127.0.0.1", help="the metrics bind address")
+    ag.add_argument("--kubeconfig", help="default: in-cluster credentials, else KUBECONFIG")
+    ag.set_defaults(run=_agent)
+
+
+# --- end node cache ----------------------------------------------------------------------------
 
 
 def _write_termination_log(line: str) -> None:

@@ -1,0 +1,327 @@
+"""``modelstage agent``: the node cache's DaemonSet process, one per node.
+
+Each pass: scan the root (complete copies, partial ones; a broken copy is removed), list the
+ModelDeployments of the cluster for what they pin and what they ask to be warmed, record the
+use of pinned copies, evict least recently used unpinned copies while over the budget
+(``eviction.py`` decides), warm what is asked for, label this node with the digests it holds
+(only its own node, only labels under ``core.node_cache.LABEL_PREFIX``), and write the node's
+``NodeCache`` status (the report, with a heartbeat) and its metrics. A pass that cannot reach
+the API server still keeps the root within its budget: it pins what the last successful list
+pinned. SIGTERM (or SIGINT) ends the loop between passes, or a warm-up between blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from modelstage.core import node_cache
+from modelstage.operator.kube_client import KubeClient, resource_path
+from modelstage.operator.node_cache_api import (
+    HeldArtifact,
+    NodeCacheObject,
+    NodeCacheReport,
+    PartialCopy,
+)
+
+from . import eviction, store
+
+log = logging.getLogger("modelstage.agent")
+MD_PATH = resource_path(node_cache.API_VERSION, "modeldeployments")
+NODE_CACHES = resource_path(node_cache.API_VERSION, node_cache.PLURAL)
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    node: str
+    root: Path
+    budget: int
+    interval: float = 10.0
+    metrics_port: int = 0
+    metrics_address: str = "127.0.0.1"
+    kubeconfig: str | None = None
+
+
+def label_patch(current: Mapping[str, str], held: Iterable[str]) -> dict[str, str | None]:
+    """The merge patch of a node's labels that makes its cache labels say exactly ``held``:
+    only keys under the cache prefix, ever (a user's or another tool's labels are not ours)."""
+    want = {node_cache.node_label(d) for d in held}
+    have = {k for k, v in current.items() if k.startswith(node_cache.LABEL_PREFIX)}
+    patch: dict[str, str | None] = {k: "true" for k in sorted(want) if current.get(k) != "true"}
+    patch |= {k: None for k in sorted(have - want)}
+    assert all(k.startswith(node_cache.LABEL_PREFIX) for k in patch)
+    return patch
+
+
+def _when(value: Any) -> datetime | None:
+    if not isinstance(value, str):
+        return None
+    try:
+        parsed = datetime.fromisoformat(value)
+    except ValueError:
+        return None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def copy_rate(copies: Iterable[store.Copy]) -> float | None:
+    """The most recent copy's bytes per second (its record), None when none recorded one."""
+    timed = [
+        (_when(c.record.get("copiedAt")), c.bytes / s)
+        for c in copies
+        if (s := _number(c.record.get("copySeconds"))) and _when(c.record.get("copiedAt"))
+    ]
+    return max(timed, key=lambda t: t[0] or datetime.min.replace(tzinfo=UTC))[1] if timed else None
+
+
+@dataclass
+class Agent:
+    settings: AgentSettings
+    kube: KubeClient
+    stop: threading.Event = field(default_factory=threading.Event)
+    pinned: frozenset[str] = frozenset()
+    """What the last successful list of ModelDeployments pinned."""
+    warmed: dict[str, datetime] = field(default_factory=dict)
+    evictions: int = 0
+    metrics: Any = None
+
+    @property
+    def root(self) -> Path:
+        return self.settings.root
+
+    def run_pass(self) -> NodeCacheReport:
+        now = datetime.now(UTC)
+        messages: list[str] = []
+        bodies = self._model_deployments(messages)
+        if bodies is not None:
+            self.pinned = eviction.pinned_digests(bodies)
+        scan = store.scan(self.root)
+        messages += [f"removed a broken copy {r}" for r in scan.removed]
+        scan.copies = [
+            store.touch(self.root, c, now) if c.digest in self.pinned else c for c in scan.copies
+        ]
+        plan = eviction.plan_eviction(
+            [eviction.HeldCopy(c.digest, c.bytes, _when(c.record.get("lastUsed")),
+                               c.digest in self.pinned) for c in scan.copies],
+            [eviction.PartialCopy(p.digest, p.bytes, p.locked, p.digest in self.pinned)
+             for p in scan.partials],
+            self.settings.budget,
+        )  # fmt: skip
+        self._evict(plan, messages)
+        if plan.evict or plan.drop_partials:
+            scan = store.scan(self.root)
+        if plan.message:
+            messages.append(plan.message)
+        held = {c.digest for c in scan.copies}
+        self.warmed = {d: t for d, t in self.warmed.items() if d in held}
+        if bodies is not None:
+            self._warm(eviction.warm_requests(bodies, self.settings.node) & held)
+        self._label(held, messages)
+        report = self._report(scan, now, messages)
+        self._write_status(report)
+        if self.metrics is not None:
+            self.metrics.observe(report)
+        return report
+
+    def _model_deployments(self, messages: list[str]) -> list[dict[str, Any]] | None:
+        try:
+            return self.kube.list(MD_PATH)
+        except Exception as e:
+            messages.append(f"cannot list ModelDeployments: {e}")
+            log.warning("cannot list ModelDeployments: %s", e)
+            return None
+
+    def _evict(self, plan: eviction.EvictionPlan, messages: list[str]) -> None:
+        for digest in plan.evict:
+            if store.remove_copy(self.root, digest):
+                self.evictions += 1
+                if self.metrics is not None:
+                    self.metrics.evicted()
+                log.info("evicted %s (least recently used, over budget)", digest)
+            else:
+                messages.append(f"{digest}: not evicted, a copier holds its lock")
+        for digest in plan.drop_partials:
+            if store.remove_partial(self.root, digest):
+                log.info("removed the abandoned partial copy of %s", digest)
+
+    def _warm(self, wanted: frozenset[str]) -> None:
+        for digest in sorted(wanted - set(self.warmed)):
+            if self.stop.is_set():
+                return
+            seconds = store.warm(self.root, digest, self.stop)
+            if self.stop.is_set():
+                return
+            self.warmed[digest] = datetime.now(UTC)
+            if self.metrics is not None:
+                self.metrics.warmed(seconds)
+            log.info("warmed %s in %.1f s", digest, seconds)
+
+    def _label(self, held: set[str], messages: list[str]) -> None:
+        path = resource_path("v1", "nodes", name=self.settings.node)
+        try:
+            current = self.kube.get(path)
+            if current is None:
+                messages.append(f"node {self.settings.node} not found: not labelled")
+                return
+            labels = (current.get("metadata") or {}).get("labels") or {}
+            patch = label_patch(labels, held)
+            if patch:
+                self.kube.merge_patch(path, {"metadata": {"labels": patch}})
+        except Exception as e:
+            messages.append(f"cannot label node {self.settings.node}: {e}")
+            log.warning("cannot label node %s: %s", self.settings.node, e)
+
+    def _report(self, scan: store.Scan, now: datetime, messages: list[str]) -> NodeCacheReport:
+        artifacts = [
+            HeldArtifact(
+                digest=c.digest,
+                bytes=c.bytes,
+                files=c.files,
+                copied_at=_when(c.record.get("copiedAt")),
+                copy_seconds=_number(c.record.get("copySeconds")),
+                last_used=_when(c.record.get("lastUsed")),
+                pinned=c.digest in self.pinned,
+                warm=c.digest in self.warmed,
+                warmed_at=self.warmed.get(c.digest),
+            )
+            for c in scan.copies
+        ]
+        partial = [PartialCopy(digest=p.digest, bytes=p.bytes, copying=p.locked)
+                   for p in scan.partials]  # fmt: skip
+        return NodeCacheReport(
+            node=self.settings.node,
+            root=str(self.root),
+            budget_bytes=self.settings.budget,
+            bytes_held=sum(a.bytes for a in artifacts) + sum(p.bytes for p in partial),
+            heartbeat=now,
+            artifacts=artifacts,
+            partial=partial,
+            evictions=self.evictions,
+            copy_bytes_per_second=copy_rate(scan.copies),
+            message="; ".join(messages),
+        )
+
+    def _write_status(self, report: NodeCacheReport) -> None:
+        name = self.settings.node
+        path = resource_path(node_cache.API_VERSION, node_cache.PLURAL, name=name)
+        status = report.model_dump(mode="json", by_alias=True, exclude_none=True)
+        try:
+            if self.kube.get(path) is None:
+                self.kube.create(NODE_CACHES, self._new_object())
+            self.kube.merge_patch(f"{path}/status", {"status": status})
+        except Exception as e:
+            log.warning("cannot write NodeCache %s: %s", name, e)
+
+    def _new_object(self) -> dict[str, Any]:
+        """The NodeCache, owned by its Node when that exists (gone with the node)."""
+        metadata: dict[str, Any] = {"name": self.settings.node}
+        node = self.kube.get(resource_path("v1", "nodes", name=self.settings.node))
+        uid = ((node or {}).get("metadata") or {}).get("uid")
+        if uid:
+            metadata["ownerReferences"] = [
+                {"apiVersion": "v1", "kind": "Node", "name": self.settings.node, "uid": uid}
+            ]
+        body = NodeCacheObject(metadata=metadata).model_dump(mode="json", by_alias=True)
+        body.pop("status", None)
+        return body
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                self.run_pass()
+            except Exception:
+                log.exception("node cache pass failed; retrying in %.0f s", self.settings.interval)
+            self.stop.wait(self.settings.interval)
+
+
+class AgentMetrics:
+    """The agent's Prometheus metrics, on a registry of their own, labelled with the node."""
+
+    def __init__(self, node: str) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = CollectorRegistry()
+        labels = ["node"]
+        self.node = node
+
+        def gauge(name: str, doc: str) -> Any:
+            return Gauge(name, doc, labels, registry=self.registry).labels(node)
+
+        self.held = gauge(
+            "modelstage_node_cache_bytes_held", "Bytes of complete and partial copies."
+        )
+        self.budget = gauge("modelstage_node_cache_budget_bytes", "The node cache's disk budget.")
+        self.artifacts = gauge("modelstage_node_cache_artifacts", "Complete copies held.")
+        self.rate = gauge(
+            "modelstage_node_cache_copy_bytes_per_second", "The most recent copy's rate."
+        )
+        self.evictions = Counter(
+            "modelstage_node_cache_evictions", "Copies evicted.", labels, registry=self.registry
+        ).labels(node)
+        self.warm_seconds = Histogram(
+            "modelstage_node_cache_warm_seconds",
+            "Seconds to read a copy into the page cache.",
+            labels,
+            registry=self.registry,
+            buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600),
+        ).labels(node)
+
+    def serve(self, port: int, address: str) -> None:
+        from prometheus_client import start_http_server
+
+        start_http_server(port, addr=address, registry=self.registry)
+
+    def observe(self, report: NodeCacheReport) -> None:
+        self.held.set(report.bytes_held)
+        self.budget.set(report.budget_bytes)
+        self.artifacts.set(len(report.artifacts))
+        if report.copy_bytes_per_second is not None:
+            self.rate.set(report.copy_bytes_per_second)
+
+    def evicted(self) -> None:
+        self.evictions.inc()
+
+    def warmed(self, seconds: float) -> None:
+        self.warm_seconds.observe(seconds)
+
+
+def kube_client(kubeconfig: str | None) -> KubeClient:
+    """From ``--kubeconfig`` when given, else in-cluster credentials or ``KUBECONFIG``."""
+    if kubeconfig is None:
+        return KubeClient.from_environment()
+    from kubernetes import client as k8s
+    from kubernetes import config as k8s_config
+
+    configuration = k8s.Configuration()
+    k8s_config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)  # type: ignore[no-untyped-call]
+    return KubeClient(k8s.ApiClient(configuration))
+
+
+def run_agent(settings: AgentSettings) -> int:
+    """Run until SIGTERM or SIGINT; 0 then."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    settings.root.mkdir(parents=True, exist_ok=True)
+    agent = Agent(settings, kube_client(settings.kubeconfig))
+    if settings.metrics_port:
+        agent.metrics = AgentMetrics(settings.node)
+        agent.metrics.serve(settings.metrics_port, settings.metrics_address)
+
+    def stop(signum: int, _frame: object) -> None:
+        log.info("signal %d: stopping", signum)
+        agent.stop.set()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    log.info("node cache agent for node %s, root %s, budget %d bytes",
+             settings.node, settings.root, settings.budget)  # fmt: skip
+    agent.run()
+    return 0

@@ -1,0 +1,94 @@
+"""The node root's files: the per-digest copy lock, atomic small writes, directory fsyncs.
+
+A copier and the agent meet on ``.partial/<digest>.lock``: the copier holds it (``flock``)
+while it writes ``.partial/<digest>`` and renames it; the agent takes it, without waiting,
+before it removes a partial or a copy, so it never deletes what a copier is writing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """``path`` holds ``data`` or what it held before, never a part (tmp, fsync, rename)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def _open_locked(path: Path, *, wait: bool) -> int | None:
+    """An fd holding ``flock`` on ``path`` (created if missing), or None when another process
+    holds it and ``wait`` is False. Re-opened when the file was unlinked and replaced while we
+    waited (the holder cleaned it up), so two processes never each hold "the" lock."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except OSError as e:
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                return None
+            raise
+        try:
+            current = os.stat(path, follow_symlinks=False)
+        except FileNotFoundError:
+            os.close(fd)
+            continue
+        held = os.fstat(fd)
+        if (current.st_dev, current.st_ino) == (held.st_dev, held.st_ino):
+            return fd
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def digest_lock(path: Path) -> Iterator[None]:
+    """Hold the copy lock, waiting for another copier of the same digest to finish."""
+    fd = _open_locked(path, wait=True)
+    assert fd is not None
+    try:
+        yield
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def try_digest_lock(path: Path, *, unlink: bool = False) -> Iterator[bool]:
+    """Take the copy lock if nobody holds it (True), else yield False at once. ``unlink``:
+    remove the lock file while still holding it (the agent cleaning a digest up)."""
+    fd = _open_locked(path, wait=False)
+    if fd is None:
+        yield False
+        return
+    try:
+        yield True
+        if unlink:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+    finally:
+        os.close(fd)
+
+
+def is_locked(path: Path) -> bool:
+    """Whether a copier holds the lock now (a missing lock file: nobody)."""
+    if not path.exists():
+        return False
+    with try_digest_lock(path) as free:
+        return not free
