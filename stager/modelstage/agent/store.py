@@ -91,6 +91,8 @@ def check_copy(directory: Path) -> tuple[Manifest | None, str]:
         return None, str(e)
     if manifest is None:
         return None, f"no {MANIFEST}"
+    if manifest.digest != directory.name:
+        return None, f"its manifest is of artifact {manifest.digest}"
     for name, entry in manifest.files.items():
         try:
             stat = os.stat(directory / name, follow_symlinks=False)
