@@ -1,16 +1,26 @@
 """Helpers of the node cache tests (tests/node_cache): the staged artifacts' chunk size,
-digests, and hand-made copies in the on-node layout for the agent's bookkeeping."""
+digests, hand-made copies in the on-node layout, and the agent as a local process with its
+least-privilege identity."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import signal
+import subprocess
+import sys
+import urllib.request
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 from modelstage.core import node_cache
 from modelstage.core.integrity import digest_bytes
 from modelstage.core.manifest import MANIFEST, FileEntry, Manifest
+
+from support.kube_cluster import Cluster, create_all, service_account_token, write_kubeconfig
 
 CHUNK = 256 * 1024
 """Hash chunk of the staged test artifacts: a rank file holds several."""
@@ -23,7 +33,7 @@ def digest_of(artifact: Path) -> str:
 
 def fake_digest(i: int) -> str:
     """A well-formed digest of a hand-made copy."""
-    return f"{i:02x}" * 32
+    return f"{i:02x}" * 10
 
 
 def make_copy(
@@ -51,3 +61,74 @@ def make_copy(
     state.parent.mkdir(exist_ok=True)
     state.write_text(json.dumps(record))
     return directory
+
+
+AGENT_RULES: list[dict[str, Any]] = [
+    {"apiGroups": ["modelstage.io"], "resources": ["modeldeployments"],
+     "verbs": ["get", "list", "watch"]},
+    {"apiGroups": ["modelstage.io"], "resources": ["nodecaches"], "verbs": ["get", "create"]},
+    {"apiGroups": ["modelstage.io"], "resources": ["nodecaches/status"],
+     "verbs": ["get", "patch", "update"]},
+    {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]},
+]  # fmt: skip
+"""The node agent's permissions (least privilege): what the chart's ClusterRole must grant;
+on the real tier the agent under test holds exactly these."""
+
+
+async def agent_kubeconfig(cluster: Cluster, path: Path) -> Path:
+    """A kubeconfig for the agent: on the real tier a ServiceAccount bound to ``AGENT_RULES``
+    only; on kmock (no authorization) the tests' own."""
+    if cluster.tier != "real":
+        return cluster.kubeconfig
+    ns, name = "modelstage-agent", "modelstage-node-agent"
+    docs: list[dict[str, Any]] = [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": name, "namespace": ns}},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+         "metadata": {"name": name}, "rules": AGENT_RULES},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+         "metadata": {"name": name},
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": name},
+         "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": ns}]},
+    ]  # fmt: skip
+    await create_all(cluster.client, docs)
+    token = await service_account_token(cluster.client, ns, name)
+    return write_kubeconfig(path, cluster.server, token)
+
+
+@dataclass
+class AgentProcess:
+    """``modelstage agent`` as a local process for one simulated node."""
+
+    node: str
+    root: Path
+    budget: int
+    kubeconfig: Path
+    log: Path
+    metrics_port: int = 0
+    interval: float = 0.2
+    process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> AgentProcess:
+        cmd = [sys.executable, "-m", "modelstage.stager.cli", "agent", "--node", self.node,
+               "--root", str(self.root), "--budget", str(self.budget), "--interval",
+               str(self.interval), "--kubeconfig", str(self.kubeconfig)]  # fmt: skip
+        if self.metrics_port:
+            cmd += ["--metrics-port", str(self.metrics_port)]
+        env = {**os.environ, "PYTHONSAFEPATH": "1"}
+        env.pop("KUBECONFIG", None)
+        with open(self.log, "ab") as out:
+            self.process = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                            cwd="/")  # fmt: skip
+        return self
+
+    async def stop(self, sig: int = signal.SIGTERM) -> int:
+        assert self.process is not None
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+        code = await asyncio.to_thread(self.process.wait, 60)
+        return code
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics") as r:
+            text: str = r.read().decode()
+            return text
