@@ -53,3 +53,11 @@ _.tell
 _.TIMING_FIELDS
 _.ignored_sources
 _.itemsize  # TensorInfo's, checked against each dtype's size by the header fuzzer
+
+# The node agent: NodeCache report fields it sets (read through model_dump() by the API
+# server and the operator), and what its tests read of an eviction plan.
+_.copied_at
+_.warmed_at
+_.copying
+_.heartbeat
+_.bytes_after

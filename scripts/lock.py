@@ -32,7 +32,7 @@ STAGER = [
     "prometheus-client>=0.20", "boto3>=1.34", "huggingface_hub>=1.0,<3",
     # tensorizer==2.10.1 and runai-model-streamer==0.17.1 without torch (see STAGER_NO_DEPS)
     "protobuf>=3.19.5", "psutil>=5.9.4", "redis>=4.5.5", "hiredis>=2.2.0", "libnacl>=2.1.0",
-    "humanize", "runai-model-streamer-s3==0.17.1", "blake3>=1.0",
+    "humanize", "runai-model-streamer-s3==0.17.1", "blake3>=1.0", "kubernetes>=30",
 ]  # fmt: skip
 STAGER_NO_DEPS = ("tensorizer==2.10.1", "runai-model-streamer==0.17.1")
 """Both depend on torch, which the image installs first from the CPU index: their other

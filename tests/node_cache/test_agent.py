@@ -6,10 +6,12 @@ warms on request, recovers a partial copy after restarts, and stops on SIGTERM."
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
 import signal
+import subprocess
 import sys
 import uuid
 from datetime import UTC, datetime, timedelta
@@ -21,8 +23,8 @@ from modelstage.agent.locks import digest_lock
 from modelstage.core import node_cache
 from modelstage.core.node_cache import LABEL_PREFIX, node_label
 from modelstage.operator.kube_client import resource_path
-from support.kube_cluster import Cluster, eventually, free_port, new_namespace
 from support.killer import kill_after_writing
+from support.kube_cluster import Cluster, eventually, free_port, new_namespace
 from support.modelstage_objects import SPEC, md_path, model_deployment
 from support.node_agent import AgentProcess, agent_kubeconfig, digest_of, fake_digest, make_copy
 
@@ -271,10 +273,9 @@ async def test_recovers_a_partial_copy_after_restarts(
         assert await agent.stop(signal.SIGKILL) == -signal.SIGKILL
     agent = await start_agent(cluster, tmp_path, node, root, 10 * total)
     try:
-        done = await __import__("asyncio").to_thread(
-            __import__("subprocess").run, copy, env=env, capture_output=True, text=True,
-            timeout=120, cwd="/",
-        )  # fmt: skip
+        done = await asyncio.to_thread(
+            subprocess.run, copy, env=env, capture_output=True, text=True, timeout=120, cwd="/"
+        )
         assert done.returncode == 0, done.stderr
         assert json.loads(done.stdout)["resumedFiles"] >= 1
 

@@ -15,7 +15,6 @@ import sys
 from typing import Any
 
 import yaml
-
 from modelstage.core import node_cache
 
 from . import api, node_cache_api
