@@ -191,18 +191,25 @@ async def test_evicts_least_recently_used_under_the_budget_never_a_pinned_copy(
         assert await agent.stop() == 0
 
 
-async def test_warms_a_copy_a_model_deployment_asks_for(cluster: Cluster, tmp_path: Path) -> None:
+async def test_warms_a_copy_a_model_deployment_asks_for_as_soon_as_it_asks(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """The request arrives long before the next pass is due (an hour): the agent's watch of
+    ModelDeployments starts one at once. SIGTERM ends the hour's wait too."""
     root = tmp_path / "root"
     make_copy(root, A, SIZE)
     make_copy(root, B, SIZE)
     node = await new_node(cluster, {})
-    await pin(cluster, {"artifact": artifact_status(A), "nodeCache": {
-        "digest": A, "phase": "Warming", "wanted": 1, "ready": 1,
-        "nodes": [{"name": node, "state": "Ready"}]}})  # fmt: skip
-    await pin(cluster, {"artifact": artifact_status(B), "nodeCache": {
-        "digest": B, "phase": "Warming", "nodes": [{"name": "elsewhere", "state": "Ready"}]}})  # fmt: skip
-    agent = await start_agent(cluster, tmp_path, node, root, 10 * SIZE, metrics_port=free_port())
+    agent = await start_agent(cluster, tmp_path, node, root, 10 * SIZE, metrics_port=free_port(),
+                              interval=3600)  # fmt: skip
     try:
+        first = await eventually(lambda: report(cluster, node), what="the first report")
+        assert not any(a["warm"] for a in first["artifacts"])
+        await pin(cluster, {"artifact": artifact_status(A), "nodeCache": {
+            "digest": A, "phase": "Warming", "wanted": 1, "ready": 1,
+            "nodes": [{"name": node, "state": "Ready"}]}})  # fmt: skip
+        await pin(cluster, {"artifact": artifact_status(B), "nodeCache": {
+            "digest": B, "phase": "Warming", "nodes": [{"name": "elsewhere", "state": "Ready"}]}})  # fmt: skip
 
         async def warm() -> dict[str, Any] | None:
             status = await report(cluster, node)

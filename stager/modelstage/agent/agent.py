@@ -15,11 +15,12 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode
 
 from modelstage.core import node_cache
 from modelstage.operator.kube_client import KubeClient, resource_path
@@ -88,6 +89,8 @@ class Agent:
     settings: AgentSettings
     kube: KubeClient
     stop: threading.Event = field(default_factory=threading.Event)
+    wake: threading.Event = field(default_factory=threading.Event)
+    """Set by a ModelDeployment's change (the watch) or by ``stop``: the next pass now."""
     pinned: frozenset[str] = frozenset()
     """What the last successful list of ModelDeployments pinned."""
     warmed: dict[str, datetime] = field(default_factory=dict)
@@ -235,12 +238,55 @@ class Agent:
         return body
 
     def run(self) -> None:
+        """Passes every ``interval`` seconds, and at once after a ModelDeployment changed."""
+        watcher = threading.Thread(target=self.watch, name="modelstage-watch", daemon=True)
+        watcher.start()
         while not self.stop.is_set():
+            self.wake.clear()
             try:
                 self.run_pass()
             except Exception:
                 log.exception("node cache pass failed; retrying in %.0f s", self.settings.interval)
-            self.stop.wait(self.settings.interval)
+            self.wake.wait(self.settings.interval)
+
+    def watch(self) -> None:
+        """Watches ModelDeployments (cluster-wide) and wakes the loop on every event, so that
+        a warm request or a new pin is acted on without waiting for the interval."""
+        while not self.stop.is_set():
+            try:
+                for _ in watch_events(self.kube, MD_PATH):
+                    self.wake.set()
+                    if self.stop.is_set():
+                        return
+            except Exception as e:
+                log.warning("watch of ModelDeployments failed: %s", e)
+                self.stop.wait(min(self.settings.interval, WATCH_RETRY_S))
+
+
+WATCH_SECONDS = 300
+"""How long one watch request lasts on the server; then the agent opens the next one."""
+WATCH_RETRY_S = 5.0
+
+
+def watch_events(kube: KubeClient, path: str) -> Iterator[bytes]:
+    """The raw events of one watch request of ``path`` (one JSON document per line)."""
+    query = urlencode({"watch": "true", "timeoutSeconds": str(WATCH_SECONDS)})
+    _, url, headers, _, _ = kube.api.param_serialize(
+        "GET", f"{path}?{query}", header_params={"Accept": "application/json"},
+        auth_settings=["BearerToken"],
+    )  # fmt: skip
+    response = kube.api.call_api(
+        "GET", url, header_params=headers, _request_timeout=(kube.timeout, WATCH_SECONDS + 30)
+    )
+    raw = response.response
+    try:
+        if response.status != 200:
+            raise RuntimeError(f"watch of {path}: HTTP {response.status}")
+        for line in raw:
+            if line.strip():
+                yield line
+    finally:
+        raw.release_conn()
 
 
 class AgentMetrics:
@@ -318,6 +364,7 @@ def run_agent(settings: AgentSettings) -> int:
     def stop(signum: int, _frame: object) -> None:
         log.info("signal %d: stopping", signum)
         agent.stop.set()
+        agent.wake.set()
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
