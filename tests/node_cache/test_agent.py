@@ -302,3 +302,38 @@ async def test_recovers_a_partial_copy_after_restarts(
                    for k in await labels(cluster, node))  # fmt: skip
     finally:
         assert await agent.stop() == 0
+
+
+async def test_a_root_it_cannot_read_is_reported_and_a_bad_one_refused(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    root = tmp_path / "root"
+    make_copy(root, A, SIZE)
+    node = await new_node(cluster, {})
+    agent = await start_agent(cluster, tmp_path, node, root, 10 * SIZE)
+    try:
+        await eventually(lambda: report(cluster, node), what="the first report")
+        root.rename(tmp_path / "away")
+
+        async def complaint() -> dict[str, Any] | None:
+            status = await report(cluster, node)
+            return status if "cannot read the root" in status.get("message", "") else None
+
+        status = await eventually(complaint, what="the unreadable root reported")
+        assert str(root) in status["message"] and held(status) == []
+        (tmp_path / "away").rename(root)
+
+        async def back() -> bool:
+            return held(await report(cluster, node)) == [A]
+
+        await eventually(back, what="the root read again")
+    finally:
+        assert await agent.stop() == 0
+    (tmp_path / "file").write_text("")
+    refused = subprocess.run(
+        [sys.executable, "-m", "modelstage.stager.cli", "agent", "--node", node, "--root",
+         str(tmp_path / "file" / "root"), "--budget", "1Gi"],
+        env={**os.environ, "PYTHONSAFEPATH": "1"}, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert refused.returncode == 1
+    assert refused.stderr.strip().splitlines()[-1].startswith(f"error: --root {tmp_path}/file/root")

@@ -23,6 +23,7 @@ from typing import Any
 from urllib.parse import urlencode
 
 from modelstage.core import node_cache
+from modelstage.core.errors import SpecError
 from modelstage.operator.kube_client import KubeClient, resource_path
 from modelstage.operator.node_cache_api import (
     HeldArtifact,
@@ -107,7 +108,13 @@ class Agent:
         bodies = self._model_deployments(messages)
         if bodies is not None:
             self.pinned = eviction.pinned_digests(bodies)
-        scan = store.scan(self.root)
+        try:
+            scan = store.scan(self.root)
+        except OSError as e:  # the report says so; the next pass tries again
+            messages.append(f"cannot read the root {self.root}: {e.strerror or e}")
+            report = self._report(store.Scan(), now, messages)
+            self._write_status(report)
+            return report
         messages += [f"removed a broken copy {r}" for r in scan.removed]
         scan.copies = [
             store.touch(self.root, c, now) if c.digest in self.pinned else c for c in scan.copies
@@ -355,7 +362,10 @@ def kube_client(kubeconfig: str | None) -> KubeClient:
 def run_agent(settings: AgentSettings) -> int:
     """Run until SIGTERM or SIGINT; 0 then."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    settings.root.mkdir(parents=True, exist_ok=True)
+    try:
+        settings.root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SpecError(f"--root {settings.root}: {e.strerror or e}") from None
     agent = Agent(settings, kube_client(settings.kubeconfig))
     if settings.metrics_port:
         agent.metrics = AgentMetrics(settings.node)
