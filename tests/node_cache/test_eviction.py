@@ -8,6 +8,8 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from modelstage.agent.agent import label_patch
 from modelstage.agent.eviction import (
     HeldCopy,
@@ -118,3 +120,40 @@ def test_label_patch_touches_only_the_cache_labels() -> None:
     patch = label_patch(current, [B, C])
     assert patch == {node_label(C): "true", node_label(A): None, LABEL_PREFIX + "junk": None}
     assert label_patch({node_label(A): "true"}, [A]) == {}
+
+
+copies = st.lists(
+    st.builds(HeldCopy, digest=st.sampled_from([fake_digest(i) for i in range(40)]),
+              bytes=st.integers(0, 100), last_used=st.none() | st.integers(0, 50).map(at),
+              pinned=st.booleans()),
+    max_size=12, unique_by=lambda c: c.digest,
+)  # fmt: skip
+partial_copies = st.lists(
+    st.builds(PartialCopy, digest=st.sampled_from([fake_digest(i) for i in range(40, 60)]),
+              bytes=st.integers(0, 100), locked=st.booleans(), pinned=st.booleans()),
+    max_size=5, unique_by=lambda p: p.digest,
+)  # fmt: skip
+
+
+@given(held=copies, partials=partial_copies, budget=st.integers(0, 800))
+def test_eviction_properties(
+    held: list[HeldCopy], partials: list[PartialCopy], budget: int
+) -> None:
+    plan = plan_eviction(held, partials, budget)
+    by_digest = {c.digest: c for c in held}
+    by_partial = {p.digest: p for p in partials}
+    assert not any(by_digest[d].pinned for d in plan.evict)  # never a pinned copy
+    assert not any(by_partial[d].locked for d in plan.drop_partials)  # never one being written
+    left = [c for c in held if c.digest not in plan.evict]
+    left_partials = [p for p in partials if p.digest not in plan.drop_partials]
+    assert plan.bytes_after == sum(c.bytes for c in left) + sum(p.bytes for p in left_partials)
+    assert (plan.bytes_after > budget) == bool(plan.message)
+    if plan.message:  # over budget only when nothing more could go
+        assert all(c.pinned for c in left) and all(p.locked for p in left_partials)
+    oldest = datetime.min.replace(tzinfo=UTC)
+    evicted = [by_digest[d] for d in plan.evict]
+    for kept in (c for c in left if not c.pinned):  # least recently used first
+        assert all((e.last_used or oldest) <= (kept.last_used or oldest) for e in evicted)
+    total = sum(c.bytes for c in held) + sum(p.bytes for p in partials)
+    if total <= budget:
+        assert plan.evict == () and plan.drop_partials == ()
