@@ -235,21 +235,29 @@ def test_a_manifest_naming_a_path_outside_writes_nothing(
     assert sorted(str(p) for p in tmp_path.rglob("*")) == before
 
 
-def test_a_link_named_by_the_digest_is_replaced_not_followed(
-    artifact: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize("where", ["copy", "partial", "partial-root", "state"])
+def test_a_link_in_the_root_is_replaced_not_followed(
+    artifact: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], where: str
 ) -> None:
-    """A ``<digest>`` entry that is a link out of the root: removed (the link itself), and
-    what it pointed at is left as it was."""
+    """A link where the copy goes (``<digest>``, ``.partial/<digest>``, ``.partial``,
+    ``.state``) pointing out of the root: the link itself is replaced, and what it pointed
+    at is left as it was."""
     outside = tmp_path / "outside"
     outside.mkdir()
     (outside / "keep").write_bytes(b"precious")
     (outside / MANIFEST).write_bytes(b"not ours")
     root, digest = tmp_path / "root", digest_of(artifact)
-    root.mkdir()
-    os.symlink(outside, node_cache.copy_dir(root, digest))
+    link = {
+        "copy": node_cache.copy_dir(root, digest),
+        "partial": node_cache.partial_dir(root, digest),
+        "partial-root": root / node_cache.PARTIAL,
+        "state": root / node_cache.STATE,
+    }[where]
+    link.parent.mkdir(parents=True, exist_ok=True)
+    os.symlink(outside, link)
     code, summary = run_cli(capsys, "--artifact", str(artifact), "--digest", digest,
                             "--root", str(root))  # fmt: skip
     assert code == 0, summary
     assert tree(outside) == {"keep": b"precious", MANIFEST: b"not ours"}
-    assert not node_cache.copy_dir(root, digest).is_symlink()
+    assert not link.is_symlink()
     assert tree(node_cache.copy_dir(root, digest)) == tree(artifact)

@@ -51,7 +51,7 @@ from modelstage.core.manifest import (
     check_ranks_present,
 )
 
-from .locks import digest_lock, fsync_dir, write_atomic
+from .locks import digest_lock, fsync_dir, own_dir, write_atomic
 
 if TYPE_CHECKING:
     from modelstage.core.s3_client import S3Options
@@ -104,8 +104,8 @@ def node_copy(
     manifest.check_expected(source.uri, digest=digest, tp=tp)
     check_ranks_present(source.uri, manifest)
     root.mkdir(parents=True, exist_ok=True)
-    (root / node_cache.PARTIAL).mkdir(exist_ok=True)
-    (root / node_cache.STATE).mkdir(exist_ok=True)
+    own_dir(root / node_cache.PARTIAL)
+    own_dir(root / node_cache.STATE)
     with digest_lock(node_cache.lock_file(root, digest)):
         final = node_cache.copy_dir(root, digest)
         if _complete(final, raw):
@@ -113,8 +113,7 @@ def node_copy(
         _clear_broken(final)
         listing = source.listing()
         check_files(source, manifest, sorted(manifest.files), listing)
-        partial = node_cache.partial_dir(root, digest)
-        partial.mkdir(exist_ok=True)
+        partial = own_dir(node_cache.partial_dir(root, digest))
         _remove_strays(partial, manifest)
         copied = resumed = 0
         for name in sorted(manifest.files):

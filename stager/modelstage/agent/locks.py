@@ -23,10 +23,23 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def own_dir(path: Path) -> Path:
+    """``path`` as a real directory: created when missing; a link there (which could point
+    out of the root) or a file is removed first, never followed."""
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        path.unlink()
+    path.mkdir(exist_ok=True)
+    return path
+
+
 def write_atomic(path: Path, data: bytes) -> None:
-    """``path`` holds ``data`` or what it held before, never a part (tmp, fsync, rename)."""
+    """``path`` holds ``data`` or what it held before, never a part (tmp, fsync, rename);
+    a link planted at the temporary name is replaced, not followed."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    with open(fd, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())

@@ -19,7 +19,7 @@ from modelstage.core import node_cache
 from modelstage.core.errors import ModelstageError
 from modelstage.core.manifest import MANIFEST, Manifest, read_manifest
 
-from .locks import is_locked, try_digest_lock, write_atomic
+from .locks import is_locked, own_dir, try_digest_lock, write_atomic
 
 WARM_BLOCK = 8 * 1024 * 1024
 """Read size while warming: memory stays at one block whatever the artifact's size."""
@@ -78,7 +78,7 @@ def read_record(root: Path, digest: str) -> dict[str, Any]:
 
 
 def write_record(root: Path, digest: str, record: dict[str, Any]) -> None:
-    (root / node_cache.STATE).mkdir(exist_ok=True)
+    own_dir(root / node_cache.STATE)
     write_atomic(node_cache.state_file(root, digest), json.dumps(record).encode())
 
 
@@ -133,7 +133,7 @@ def scan(root: Path) -> Scan:
 def remove_copy(root: Path, digest: str) -> bool:
     """Remove ``<digest>`` (manifest first: it never looks complete half-removed) and its
     record; False when a copier holds the digest's lock (left alone)."""
-    (root / node_cache.PARTIAL).mkdir(exist_ok=True)
+    own_dir(root / node_cache.PARTIAL)
     with try_digest_lock(node_cache.lock_file(root, digest), unlink=True) as free:
         if not free:
             return False
