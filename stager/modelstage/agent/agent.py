@@ -349,19 +349,24 @@ class AgentMetrics:
 
 def kube_client(kubeconfig: str | None) -> KubeClient:
     """From ``--kubeconfig`` when given, else in-cluster credentials or ``KUBECONFIG``."""
-    if kubeconfig is None:
-        return KubeClient.from_environment()
     from kubernetes import client as k8s
     from kubernetes import config as k8s_config
 
-    configuration = k8s.Configuration()
-    k8s_config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)  # type: ignore[no-untyped-call]
+    try:
+        if kubeconfig is None:
+            return KubeClient.from_environment()
+        configuration = k8s.Configuration()
+        k8s_config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)  # type: ignore[no-untyped-call]
+    except (k8s_config.ConfigException, OSError) as e:
+        raise SpecError(f"no Kubernetes credentials: {e}") from None
     return KubeClient(k8s.ApiClient(configuration))
 
 
 def run_agent(settings: AgentSettings) -> int:
     """Run until SIGTERM or SIGINT; 0 then."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    if not settings.interval > 0:
+        raise SpecError(f"--interval {settings.interval}: must be a positive number of seconds")
     try:
         settings.root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -369,7 +374,10 @@ def run_agent(settings: AgentSettings) -> int:
     agent = Agent(settings, kube_client(settings.kubeconfig))
     if settings.metrics_port:
         agent.metrics = AgentMetrics(settings.node)
-        agent.metrics.serve(settings.metrics_port, settings.metrics_address)
+        try:
+            agent.metrics.serve(settings.metrics_port, settings.metrics_address)
+        except OSError as e:
+            raise SpecError(f"--metrics-port {settings.metrics_port}: {e.strerror or e}") from None
 
     def stop(signum: int, _frame: object) -> None:
         log.info("signal %d: stopping", signum)
