@@ -72,12 +72,13 @@ def held(status: dict[str, Any]) -> list[str]:
     return sorted(a["digest"] for a in status.get("artifacts") or [])
 
 
-async def pin(cluster: Cluster, status: dict[str, Any]) -> None:
-    """A ModelDeployment whose status pins (or asks to warm) some digests."""
+async def pin(cluster: Cluster, status: dict[str, Any]) -> str:
+    """A ModelDeployment whose status pins (or asks to warm) some digests; its status path."""
     ns = await new_namespace(cluster, f"t-{uuid.uuid4().hex[:8]}")
     name = "llama"
     await cluster.client.create(md_path(ns), model_deployment(name, SPEC))
     await cluster.client.patch(md_path(ns, name, "status"), {"status": status})
+    return md_path(ns, name, "status")
 
 
 def artifact_status(digest: str) -> dict[str, Any]:
@@ -205,7 +206,7 @@ async def test_warms_a_copy_a_model_deployment_asks_for_as_soon_as_it_asks(
     try:
         first = await eventually(lambda: report(cluster, node), what="the first report")
         assert not any(a["warm"] for a in first["artifacts"])
-        await pin(cluster, {"artifact": artifact_status(A), "nodeCache": {
+        asking = await pin(cluster, {"artifact": artifact_status(A), "nodeCache": {
             "digest": A, "phase": "Warming", "wanted": 1, "ready": 1,
             "nodes": [{"name": node, "state": "Ready"}]}})  # fmt: skip
         await pin(cluster, {"artifact": artifact_status(B), "nodeCache": {
@@ -220,6 +221,16 @@ async def test_warms_a_copy_a_model_deployment_asks_for_as_soon_as_it_asks(
         assert by_digest[A]["warm"] is True and by_digest[A]["warmedAt"]
         assert by_digest[B]["warm"] is False and "warmedAt" not in by_digest[B]
         assert metric(agent.metrics(), "modelstage_node_cache_warm_seconds_count", node) == 1
+
+        async def cold() -> bool:
+            return not any(a["warm"] for a in (await report(cluster, node))["artifacts"])
+
+        # The roll went on (Ready): the request ended; a later one reads the copy again.
+        await cluster.client.patch(asking, {"status": {"nodeCache": {"phase": "Ready"}}})
+        await eventually(cold, what="the ended request forgotten")
+        await cluster.client.patch(asking, {"status": {"nodeCache": {"phase": "Warming"}}})
+        await eventually(warm, what="the copy warmed again")
+        assert metric(agent.metrics(), "modelstage_node_cache_warm_seconds_count", node) == 2
     finally:
         assert await agent.stop() == 0
 

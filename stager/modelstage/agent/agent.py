@@ -132,9 +132,13 @@ class Agent:
         if plan.message:
             messages.append(plan.message)
         held = {c.digest for c in scan.copies}
-        self.warmed = {d: t for d, t in self.warmed.items() if d in held}
         if bodies is not None:
-            self._warm(eviction.warm_requests(bodies, self.settings.node) & held)
+            # Warm while asked: a request that ended (the roll went on) forgets it, so a later
+            # request (a roll back weeks later) reads the copy again.
+            wanted = eviction.warm_requests(bodies, self.settings.node) & held
+            self.warmed = {d: t for d, t in self.warmed.items() if d in wanted}
+            self._warm(wanted)
+        self.warmed = {d: t for d, t in self.warmed.items() if d in held}
         self._label(held, messages)
         report = self._report(scan, now, messages)
         self._write_status(report)
