@@ -24,7 +24,7 @@ from modelstage.core import node_cache
 from modelstage.core.node_cache import LABEL_PREFIX, node_label
 from modelstage.operator.kube_client import resource_path
 from support.killer import kill_after_writing
-from support.kube_cluster import Cluster, eventually, free_port, new_namespace
+from support.kube_cluster import Cluster, eventually, free_port, new_namespace, write_kubeconfig
 from support.modelstage_objects import SPEC, md_path, model_deployment
 from support.node_agent import AgentProcess, agent_kubeconfig, digest_of, fake_digest, make_copy
 
@@ -348,3 +348,22 @@ async def test_a_root_it_cannot_read_is_reported_and_a_bad_one_refused(
     )  # fmt: skip
     assert refused.returncode == 1
     assert refused.stderr.strip().splitlines()[-1].startswith(f"error: --root {tmp_path}/file/root")
+
+
+async def test_evicts_nothing_while_it_cannot_know_what_is_in_use(tmp_path: Path) -> None:
+    """No API server to list the ModelDeployments from: over budget, yet every copy stays."""
+    root = tmp_path / "root"
+    make_copy(root, A, SIZE)
+    make_copy(root, B, SIZE, partial=True)
+    kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", f"http://127.0.0.1:{free_port()}")
+    agent = AgentProcess("n1", root, 1, kubeconfig, tmp_path / "agent.log").start()
+    try:
+
+        async def passes() -> bool:
+            return agent.log.read_text().count("cannot list ModelDeployments") >= 2
+
+        await eventually(passes, what="two passes without the API server")
+    finally:
+        assert await agent.stop() == 0
+    assert (node_cache.copy_dir(root, A) / "modelstage.json").exists()
+    assert node_cache.partial_dir(root, B).is_dir()

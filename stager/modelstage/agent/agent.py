@@ -5,9 +5,10 @@ ModelDeployments of the cluster for what they pin and what they ask to be warmed
 use of pinned copies, evict least recently used unpinned copies while over the budget
 (``eviction.py`` decides), warm what is asked for, label this node with the digests it holds
 (only its own node, only labels under ``core.node_cache.LABEL_PREFIX``), and write the node's
-``NodeCache`` status (the report, with a heartbeat) and its metrics. A pass that cannot reach
-the API server still keeps the root within its budget: it pins what the last successful list
-pinned. SIGTERM (or SIGINT) ends the loop between passes, or a warm-up between blocks.
+``NodeCache`` status (the report, with a heartbeat) and its metrics. A pass that cannot list
+the ModelDeployments pins what the last successful list pinned; until one list succeeded,
+nothing is evicted (what is in use is unknown). SIGTERM (or SIGINT) ends the loop between
+passes, or a warm-up between blocks.
 """
 
 from __future__ import annotations
@@ -92,8 +93,8 @@ class Agent:
     stop: threading.Event = field(default_factory=threading.Event)
     wake: threading.Event = field(default_factory=threading.Event)
     """Set by a ModelDeployment's change (the watch) or by ``stop``: the next pass now."""
-    pinned: frozenset[str] = frozenset()
-    """What the last successful list of ModelDeployments pinned."""
+    pinned: frozenset[str] | None = None
+    """What the last successful list of ModelDeployments pinned (None: none succeeded yet)."""
     warmed: dict[str, datetime] = field(default_factory=dict)
     evictions: int = 0
     metrics: Any = None
@@ -116,21 +117,7 @@ class Agent:
             self._write_status(report)
             return report
         messages += [f"removed a broken copy {r}" for r in scan.removed]
-        scan.copies = [
-            store.touch(self.root, c, now) if c.digest in self.pinned else c for c in scan.copies
-        ]
-        plan = eviction.plan_eviction(
-            [eviction.HeldCopy(c.digest, c.bytes, _when(c.record.get("lastUsed")),
-                               c.digest in self.pinned) for c in scan.copies],
-            [eviction.PartialCopy(p.digest, p.bytes, p.locked, p.digest in self.pinned)
-             for p in scan.partials],
-            self.settings.budget,
-        )  # fmt: skip
-        self._evict(plan, messages)
-        if plan.evict or plan.drop_partials:
-            scan = store.scan(self.root)
-        if plan.message:
-            messages.append(plan.message)
+        scan = self._keep_within_budget(scan, now, messages)
         held = {c.digest for c in scan.copies}
         if bodies is not None:
             # Warm while asked: a request that ended (the roll went on) forgets it, so a later
@@ -145,6 +132,29 @@ class Agent:
         if self.metrics is not None:
             self.metrics.observe(report)
         return report
+
+    def _keep_within_budget(
+        self, scan: store.Scan, now: datetime, messages: list[str]
+    ) -> store.Scan:
+        """Records the use of pinned copies, then evicts what the planner says; the root's
+        scan after that."""
+        if self.pinned is None:
+            messages.append("not evicting: what ModelDeployments use is not known yet")
+            return scan
+        pins = self.pinned
+        scan.copies = [store.touch(self.root, c, now) if c.digest in pins else c
+                       for c in scan.copies]  # fmt: skip
+        plan = eviction.plan_eviction(
+            [eviction.HeldCopy(c.digest, c.bytes, _when(c.record.get("lastUsed")),
+                               c.digest in pins) for c in scan.copies],
+            [eviction.PartialCopy(p.digest, p.bytes, p.locked, p.digest in pins)
+             for p in scan.partials],
+            self.settings.budget,
+        )  # fmt: skip
+        self._evict(plan, messages)
+        if plan.message:
+            messages.append(plan.message)
+        return store.scan(self.root) if plan.evict or plan.drop_partials else scan
 
     def _model_deployments(self, messages: list[str]) -> list[dict[str, Any]] | None:
         try:
@@ -203,7 +213,7 @@ class Agent:
                 copied_at=_when(c.record.get("copiedAt")),
                 copy_seconds=_number(c.record.get("copySeconds")),
                 last_used=_when(c.record.get("lastUsed")),
-                pinned=c.digest in self.pinned,
+                pinned=c.digest in (self.pinned or ()),
                 warm=c.digest in self.warmed,
                 warmed_at=self.warmed.get(c.digest),
             )
