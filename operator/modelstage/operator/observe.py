@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Literal
 
+from .api import NodeCacheStatus
 from .kube import DIGEST_ANNOTATION, Manifest
 from .validation import Finding
 
@@ -59,12 +60,28 @@ class WorkloadObservation:
 
 
 @dataclass(frozen=True)
+class NodeCacheStep:
+    """Where the node-local copies of the staged artifact stand (``node_cache_plan``)."""
+
+    status: NodeCacheStatus
+    condition: tuple[Literal["True", "False"], str, str]
+    """``NodeCached``: (status, reason, message)."""
+    roll: bool
+    """The copies are ready, or the deadline passed: the workload may roll."""
+    create: tuple[Manifest, ...] = ()
+    """Copy Jobs to create."""
+
+
+@dataclass(frozen=True)
 class Observed:
     generation: int
     now: datetime
     job: JobObservation | None = None
     workload: WorkloadObservation | None = None
     findings: Sequence[Finding] = field(default_factory=tuple)
+    node_cache_enabled: bool = False
+    """``spec.nodeCache.enabled``: the roll waits for ``node_cache``."""
+    node_cache: NodeCacheStep | None = None
 
 
 def observe_job(job: Manifest, termination_message: str = "") -> JobObservation:
