@@ -53,3 +53,6 @@ _.tell
 _.TIMING_FIELDS
 _.ignored_sources
 _.itemsize  # TensorInfo's, checked against each dtype's size by the header fuzzer
+
+# Status fields the operator writes for people and dashboards to read.
+_.misses  # status.nodeCache.nodes[].misses

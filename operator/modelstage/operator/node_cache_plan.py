@@ -115,12 +115,9 @@ def selects(pod_spec: Manifest, node: Manifest) -> bool:
     for key, value in (pod_spec.get("nodeSelector") or {}).items():
         if node_labels.get(key) != value:
             return False
-    required = (
-        ((pod_spec.get("affinity") or {}).get("nodeAffinity") or {}).get(
-            "requiredDuringSchedulingIgnoredDuringExecution"
-        )
-        or {}
-    )
+    required = ((pod_spec.get("affinity") or {}).get("nodeAffinity") or {}).get(
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ) or {}
     if not required:
         return True
     return any(_term_matches(t, node) for t in required.get("nodeSelectorTerms") or [])
@@ -152,9 +149,7 @@ def tolerates(pod_spec: Manifest, node: Manifest) -> bool:
     if spec.get("unschedulable"):
         taints.append({"key": "node.kubernetes.io/unschedulable", "effect": "NoSchedule"})
     return all(
-        _tolerated(t, tolerations)
-        for t in taints
-        if t.get("effect") in ("NoSchedule", "NoExecute")
+        _tolerated(t, tolerations) for t in taints if t.get("effect") in ("NoSchedule", "NoExecute")
     )
 
 
@@ -399,29 +394,43 @@ def _condition(
         verb = "rolled" if status.phase == "Ready" else "rolled anyway"
         tail = f"; failed: {_names(failed)}" if failed else ""
         if status.phase == "DeadlinePassed":
-            return "False", "DeadlinePassed", (
-                f"the copies were not ready by {at}: {held}; {verb}: pods on other nodes read "
-                f"the artifact from its storage{tail}"
+            return (
+                "False",
+                "DeadlinePassed",
+                (
+                    f"the copies were not ready by {at}: {held}; {verb}: pods on other nodes read "
+                    f"the artifact from its storage{tail}"
+                ),
             )
         return "False", "CopyLost", f"{held}{tail}"
     if status.phase == "Ready":
         warm = " (warm)" if any(s == "Warm" for s, _ in states.values()) else ""
         return "True", "Ready", held + warm
     if wanted == 0:
-        return "False", "NoEligibleNodes", (
-            "no node the workload may run on is Ready with a reporting node agent; the roll "
-            f"waits for one until {at}"
+        return (
+            "False",
+            "NoEligibleNodes",
+            (
+                "no node the workload may run on is Ready with a reporting node agent; the roll "
+                f"waits for one until {at}"
+            ),
         )
     if failed:
         first = states[failed[0]][1]
-        return "False", "CopyFailed", (
-            f"{held}; the copy failed on {_names(failed)} ({failed[0]}: {first}); the roll "
-            f"waits for the other nodes until {at}"
+        return (
+            "False",
+            "CopyFailed",
+            (
+                f"{held}; the copy failed on {_names(failed)} ({failed[0]}: {first}); the roll "
+                f"waits for the other nodes until {at}"
+            ),
         )
     if status.phase == "Warming":
         warmed = sum(1 for s, _ in states.values() if s == "Warm")
-        return "False", "Warming", (
-            f"{held}; {warmed}/{wanted} read into the page cache; the roll waits until {at}"
+        return (
+            "False",
+            "Warming",
+            (f"{held}; {warmed}/{wanted} read into the page cache; the roll waits until {at}"),
         )
     return "False", "Copying", f"{held}; the roll waits for the copies until {at}"
 
