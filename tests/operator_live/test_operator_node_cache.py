@@ -147,7 +147,12 @@ async def cluster(
                 },
             ],
         )
-        yield real
+        try:
+            yield real
+        finally:  # the control plane outlives the test: its Nodes and reports go with it
+            for path in (resource_path("v1", "nodes"), resource_path(nc.API_VERSION, nc.PLURAL)):
+                for obj in await real.client.list(path):
+                    await real.client.delete(f"{path}/{obj['metadata']['name']}")
 
 
 def now() -> str:
@@ -174,6 +179,11 @@ async def add_node(
     await cluster.client.patch(
         resource_path("v1", "nodes", None, name, "status"),
         {"status": {"conditions": [{**ready, "lastHeartbeatTime": now()}]}},
+    )
+    # The real API server taints a new Node not-ready (admission); the node lifecycle
+    # controller lifts that once it is Ready: the tests play that controller too.
+    await cluster.client.patch(
+        resource_path("v1", "nodes", None, name), {"spec": {"taints": taints or None}}
     )
 
 
@@ -221,12 +231,17 @@ async def copy_jobs(cluster: Cluster, ns: str) -> dict[str, dict[str, Any]]:
     return {j["metadata"]["annotations"][NODE_ANNOTATION]: j for j in jobs}
 
 
+def gpu(ns: str) -> dict[str, str]:
+    """The labels of the test's GPU nodes (its own pool: Nodes are cluster-wide)."""
+    return {"gpu": "h100", "pool": ns}
+
+
 async def apply_gpu_workload(cluster: Cluster, ns: str, spec: dict[str, Any]) -> str:
-    """A 2-replica vLLM Deployment on ``gpu=h100`` nodes, tolerating the ``gpu`` taint,
-    and its ModelDeployment; returns the digest."""
+    """A 2-replica vLLM Deployment on the test's ``gpu=h100`` nodes, tolerating the ``gpu``
+    taint, and its ModelDeployment; returns the digest."""
     workload = vllm_deployment(replicas=2, model_deployment=MD)
     pod = workload["spec"]["template"]["spec"]
-    pod["nodeSelector"] = {"gpu": "h100"}
+    pod["nodeSelector"] = gpu(ns)
     pod["tolerations"] = [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}]
     await cluster.client.create(deploy_path(ns, None), workload)
     await cluster.client.create(resource_path("modelstage.io/v1alpha1", "modeldeployments", ns),
@@ -310,11 +325,11 @@ async def test_copies_go_to_the_matching_nodes_then_the_workload_rolls_onto_them
     a, b, cpu, tainted, agentless = (
         f"{n}-{tag}" for n in ("gpu-a", "gpu-b", "cpu", "gpu-t", "gpu-x")
     )
-    await add_node(cluster, a, {"gpu": "h100"})
-    await add_node(cluster, b, {"gpu": "h100"})
-    await add_node(cluster, cpu, {})
-    await add_node(cluster, tainted, {"gpu": "h100"}, [{"key": "maint", "effect": "NoSchedule"}])
-    await add_node(cluster, agentless, {"gpu": "h100"})
+    await add_node(cluster, a, gpu(ns))
+    await add_node(cluster, b, gpu(ns))
+    await add_node(cluster, cpu, {"pool": ns})
+    await add_node(cluster, tainted, gpu(ns), [{"key": "maint", "effect": "NoSchedule"}])
+    await add_node(cluster, agentless, gpu(ns))
     for node in (a, b, cpu, tainted):
         await report(cluster, node)
     spec = merged(SPEC, ON)
@@ -364,7 +379,7 @@ async def test_copies_go_to_the_matching_nodes_then_the_workload_rolls_onto_them
     assert template["affinity"]["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][
         0
     ]["preference"]["matchExpressions"] == [{"key": nc.node_label(digest), "operator": "Exists"}]
-    assert template["nodeSelector"] == {"gpu": "h100"}  # the user's own placement stays
+    assert template["nodeSelector"] == gpu(ns)  # the user's own placement stays
     await wait_event(cluster, ns, "CopyJobCreated")
 
     # Pods report hits and misses per node, a node without a copy included.
@@ -408,7 +423,7 @@ async def test_the_deadline_rolls_anyway_and_says_so(
 ) -> None:
     ns, tag = namespace, namespace[-6:]
     a = f"gpu-a-{tag}"
-    await add_node(cluster, a, {"gpu": "h100"})
+    await add_node(cluster, a, gpu(ns))
     await report(cluster, a)
     spec = merged(SPEC, {"nodeCache": {"enabled": True, "deadlineSeconds": 1}})
     digest = await apply_gpu_workload(cluster, ns, spec)
