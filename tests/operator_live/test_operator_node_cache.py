@@ -323,7 +323,8 @@ async def test_copies_go_to_the_matching_nodes_then_the_workload_rolls_onto_them
 ) -> None:
     ns, tag = namespace, namespace[-6:]
     a, b, cpu, tainted, agentless = (
-        f"{n}-{tag}" for n in ("gpu-a", "gpu-b", "cpu", "gpu-t", "gpu-x")
+        # The ineligible nodes sort first: the replicas' worth by name would pick them.
+        f"{n}-{tag}" for n in ("gpu-a", "gpu-b", "a-cpu", "gpu-0-tainted", "gpu-0-agentless")
     )
     await add_node(cluster, a, gpu(ns))
     await add_node(cluster, b, gpu(ns))
