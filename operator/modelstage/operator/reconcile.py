@@ -258,6 +258,10 @@ class Reconciler:
         self._locks: dict[tuple[str, str], threading.Lock] = {}
         self._locks_guard = threading.Lock()
 
+    def forget(self, namespace: str, name: str) -> None:
+        """A ModelDeployment is gone: drop what this process remembers of its serving pods."""
+        self._pod_starts.pop((namespace, name), None)
+
     def _lock(self, namespace: str, name: str) -> threading.Lock:
         with self._locks_guard:
             return self._locks.setdefault((namespace, name), threading.Lock())
