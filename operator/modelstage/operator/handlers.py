@@ -250,7 +250,6 @@ def modeldeployment_phase(
         reconciler: Reconciler | None = getattr(memo, "reconciler", None)
         if reconciler is not None:
             reconciler.slots.forget((namespace, name))
-            reconciler.forget(namespace, name)
     else:
         metrics.DEPLOYMENTS.set(namespace, name, str(status.get("phase") or "Pending"))
 

@@ -258,10 +258,6 @@ class Reconciler:
         self._locks: dict[tuple[str, str], threading.Lock] = {}
         self._locks_guard = threading.Lock()
 
-    def forget(self, namespace: str, name: str) -> None:
-        """A ModelDeployment is gone: drop what this process remembers of its serving pods."""
-        self._pod_starts.pop((namespace, name), None)
-
     def _lock(self, namespace: str, name: str) -> threading.Lock:
         with self._locks_guard:
             return self._locks.setdefault((namespace, name), threading.Lock())
@@ -720,6 +716,7 @@ class Reconciler:
         referenced that no other ModelDeployment references, unless ``onDelete: Retain``.
         None when nothing is to be done."""
         with self._lock(namespace, name):
+            self._pod_starts.pop((namespace, name), None)  # its serving pods are not ours now
             status = ModelDeploymentStatus.model_validate(body.get("status") or {})
             try:
                 spec = ModelDeploymentSpec.model_validate(body.get("spec") or {})
