@@ -704,3 +704,35 @@ def test_off_by_default_and_without_the_plugin_the_patch_has_no_node_cache_parts
         text = str(rolled)
         assert "node-cache" not in text and "affinity" not in rolled
         assert nc.ENV_NODE_CACHE not in text
+
+
+# --- the shell's reading ----------------------------------------------------------------------
+
+
+class ForbiddenKube:
+    """The API as an operator without the node cache's read rights sees it."""
+
+    def list(self, path: str, label_selector: Any = None) -> list[dict[str, Any]]:
+        from kubernetes.client.exceptions import ApiException
+
+        if path.endswith(("/nodes", "/nodecaches")):
+            raise ApiException(status=403, reason="nodes is forbidden")
+        return []
+
+
+def test_without_the_rights_to_read_nodes_the_status_says_so_and_the_deadline_holds(
+    spec: ModelDeploymentSpec, deployment: dict[str, Any]
+) -> None:
+    from modelstage.operator.reconcile import Reconciler, _World
+
+    a = artifact(spec)
+    reconciler = Reconciler(ForbiddenKube(), stager_image="x", post_event=lambda *_: None)  # type: ignore[arg-type]
+    world = _World(
+        body={}, owner=OWNER, status=staged_status(a), now=T0, desired=a, workload=deployment
+    )
+    reconciler._observe_node_cache(world, spec)
+    [finding] = world.findings
+    assert finding.reason == "NodeCacheForbidden" and "get, list and watch" in finding.message
+    assert world.node_cache is not None
+    assert world.node_cache.condition[1] == "NoEligibleNodes" and not world.node_cache.roll
+    assert world.node_cache.create == ()

@@ -415,10 +415,16 @@ class Reconciler:
             return
         digest = desired.digest
         pod_spec = ((workload.get("spec") or {}).get("template") or {}).get("spec") or {}
-        reports = self._node_cache_reports()
-        eligible = eligible_nodes(
-            pod_spec, self.kube.list(resource_path("v1", "nodes")), reports, world.now
-        )
+        try:
+            reports = self._node_cache_reports()
+            nodes = self.kube.list(resource_path("v1", "nodes"))
+        except ApiException as error:
+            if error.status != 403:
+                raise
+            # No node is eligible then: the roll waits until the deadline, and says why.
+            world.findings.append(Finding("NodeCacheForbidden", _forbidden(error), "nothing"))
+            reports, nodes = {}, []
+        eligible = eligible_nodes(pod_spec, nodes, reports, world.now)
         jobs = self._copy_jobs(world, digest)
         holding = [n for n in eligible if holds(reports.get(n), digest) or n in jobs]
         chosen = chosen_nodes(
@@ -1013,6 +1019,14 @@ class Reconciler:
                 f"Phase{new.phase}",
                 f"phase {old.phase} -> {new.phase}",
             )
+
+
+def _forbidden(error: ApiException) -> str:
+    return (
+        f"node caching: the operator may not read Nodes or NodeCaches ({error.reason}); grant "
+        "it get, list and watch on nodes and nodecaches.modelstage.io (the chart does with "
+        "nodeCache.enabled); until then no node gets a copy"
+    )
 
 
 def _result(outcome: Outcome) -> str:
