@@ -736,3 +736,34 @@ def test_without_the_rights_to_read_nodes_the_status_says_so_and_the_deadline_ho
     assert world.node_cache is not None
     assert world.node_cache.condition[1] == "NoEligibleNodes" and not world.node_cache.roll
     assert world.node_cache.create == ()
+
+
+def test_turning_node_caching_on_or_off_repatches_a_workload_already_on_the_artifact(
+    spec: ModelDeploymentSpec,
+) -> None:
+    a = artifact(spec)
+    current = staged_status(a).model_copy(update={"phase": "Ready"})
+    plain = WorkloadObservation(digest=a.digest)
+    cached = WorkloadObservation(digest=a.digest, node_cache=True)
+    copying = Observed(
+        generation=2, now=T0, workload=plain, node_cache_enabled=True,
+        node_cache=step_of(a, roll=False),
+    )  # fmt: skip
+    d = decide(a, current, copying)
+    assert (d.action, d.status.phase) == (Action.WAIT, "Ready")  # serves on while copying
+    ready = Observed(
+        generation=2, now=T0, workload=plain, node_cache_enabled=True,
+        node_cache=step_of(a, roll=True),
+    )  # fmt: skip
+    d = decide(a, current, ready)
+    assert d.action is Action.ROLL_OUT and d.artifact == current.artifact
+    assert decide(a, current, replace_workload(ready, cached)).action is Action.WAIT
+    off = Observed(generation=3, now=T0, workload=cached)
+    assert decide(a, current, off).action is Action.ROLL_OUT
+    assert decide(a, current, replace_workload(off, plain)).action is Action.WAIT
+
+
+def replace_workload(observed: Observed, workload: WorkloadObservation) -> Observed:
+    from dataclasses import replace
+
+    return replace(observed, workload=workload)

@@ -37,14 +37,17 @@ from support.kube_cluster import (
 from support.kube_fake import ResourceSpec
 from support.modelstage_objects import (
     SPEC,
+    complete_rollout,
     deploy_path,
     digest_of,
     finish_stage_job,
     job_path,
+    md_path,
     merged,
     model_deployment,
     pod_path,
     summary,
+    template_digest,
     vllm_deployment,
 )
 from support.operator_flow import (
@@ -53,6 +56,7 @@ from support.operator_flow import (
     status_of,
     wait_event,
     wait_job,
+    wait_phase,
     wait_rolled,
 )
 from support.operator_process import OperatorProcess
@@ -324,7 +328,8 @@ async def test_copies_go_to_the_matching_nodes_then_the_workload_rolls_onto_them
     ns, tag = namespace, namespace[-6:]
     a, b, cpu, tainted, agentless = (
         # The ineligible nodes sort first: the replicas' worth by name would pick them.
-        f"{n}-{tag}" for n in ("gpu-a", "gpu-b", "a-cpu", "gpu-0-tainted", "gpu-0-agentless")
+        f"{n}-{tag}"
+        for n in ("gpu-a", "gpu-b", "a-cpu", "gpu-0-tainted", "gpu-0-agentless")
     )
     await add_node(cluster, a, gpu(ns))
     await add_node(cluster, b, gpu(ns))
@@ -454,10 +459,13 @@ async def test_the_deadline_rolls_anyway_and_says_so(
     await wait_event(cluster, ns, "DeadlinePassed", "Warning")
 
 
-async def test_without_node_caching_nothing_of_it_appears(
+async def test_without_node_caching_nothing_of_it_appears_until_it_is_turned_on(
     cluster: Cluster, namespace: str, operator: OperatorProcess
 ) -> None:
-    ns = namespace
+    ns, tag = namespace, namespace[-6:]
+    a = f"gpu-a-{tag}"
+    await add_node(cluster, a, gpu(ns))
+    await report(cluster, a)
     digest = await apply_gpu_workload(cluster, ns, copy.deepcopy(SPEC))
     await wait_job(cluster, ns, digest)
     await finish_stage_job(cluster.client, ns, digest, message=summary(digest), succeeded=True)
@@ -466,3 +474,19 @@ async def test_without_node_caching_nothing_of_it_appears(
     assert "nodeCache" not in status and not condition(status, "NodeCached")
     assert "affinity" not in rolled["spec"]["template"]["spec"]
     assert not await copy_jobs(cluster, ns)
+    await complete_rollout(cluster.client, ns)
+    await wait_phase(cluster, ns, "Ready")
+
+    # Turned on for the artifact it serves: copied, then the template is patched (same digest).
+    await cluster.client.patch(md_path(ns, MD), {"spec": ON})
+    await eventually(lambda: _jobs_on(cluster, ns, {a}), what="the copy Job")
+    await finish_copy(cluster, ns, digest, a)
+    await report(cluster, a, digest)
+
+    async def patched() -> dict[str, Any] | None:
+        workload = await cluster.client.get(deploy_path(ns)) or {}
+        volumes = workload["spec"]["template"]["spec"].get("volumes") or []
+        return workload if any(v["name"] == "modelstage-node-cache" for v in volumes) else None
+
+    workload = await eventually(patched, what="the node cache in the template")
+    assert template_digest(workload) == digest

@@ -30,6 +30,7 @@ from .artifact import ARTIFACT_MOUNT, Artifact
 from .job_plan import _container, _job, _pod_spec
 from .kube import (
     VOLUME_ARTIFACTS,
+    VOLUME_NODE_CACHE,
     Manifest,
     Owner,
     ca_mount,
@@ -38,7 +39,7 @@ from .kube import (
 )
 from .node_cache_api import NodeCacheReport
 from .observe import JobState, NodeCacheStep, parse_summary
-from .rollout_plan import VOLUME_NODE_CACHE, _s3_serving_env
+from .rollout_plan import _s3_serving_env
 
 COPY_COMPONENT = "node-copy"
 COPY_CONTAINER = "copy"

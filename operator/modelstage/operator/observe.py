@@ -15,7 +15,7 @@ from datetime import UTC, datetime
 from typing import Any, Literal
 
 from .api import NodeCacheStatus
-from .kube import DIGEST_ANNOTATION, Manifest
+from .kube import DIGEST_ANNOTATION, VOLUME_NODE_CACHE, Manifest
 from .validation import Finding
 
 JobState = Literal["Running", "Succeeded", "Failed"]
@@ -49,6 +49,8 @@ class WorkloadObservation:
     """Why pods of the current template fail (crash loops, image pulls, init errors)."""
     stalled: bool = False
     """The workload controller gave up (Deployment ``ProgressDeadlineExceeded``)."""
+    node_cache: bool = False
+    """Its pod template mounts the nodes' cache root (``spec.nodeCache``)."""
 
     @property
     def complete(self) -> bool:
@@ -158,6 +160,10 @@ def observe_workload(workload: Manifest, failing: Sequence[str] = ()) -> Workloa
         available=int(status.get("availableReplicas", status.get("readyReplicas", 0))),
         failing=tuple(failing),
         stalled=stalled,
+        node_cache=any(
+            v.get("name") == VOLUME_NODE_CACHE
+            for v in ((spec.get("template") or {}).get("spec") or {}).get("volumes") or []
+        ),
     )
 
 

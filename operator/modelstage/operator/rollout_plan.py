@@ -29,6 +29,7 @@ from .kube import (
     TOKEN_DIR,
     VOLUME_ARTIFACTS,
     VOLUME_NO_TOKEN,
+    VOLUME_NODE_CACHE,
     VOLUME_PLUGINS,
     Manifest,
     ca_file,
@@ -42,7 +43,6 @@ from .patch import merge_diff
 from .vllm_args import VllmSettings, rewrite
 
 PREPARE_CONTAINER = "modelstage-prepare"
-VOLUME_NODE_CACHE = "modelstage-node-cache"
 NODE_CACHE_WEIGHT = 100
 """The weight of the preferred node affinity to nodes holding the artifact's copy."""
 ACCELERATORS = ("nvidia.com/gpu", "amd.com/gpu")

@@ -239,6 +239,10 @@ def _rolling_out(
         draft.details = f"the workload is not on artifact {desired.digest}: patching it"
     elif w.failing or w.stalled:
         _rollout_failed(draft, desired, status, w)
+    elif w.node_cache != observed.node_cache_enabled and _copies_done(observed):
+        draft.action, draft.target = Action.ROLL_OUT, status.artifact
+        on = "on" if observed.node_cache_enabled else "off"
+        draft.details = f"node caching turned {on}: patching the workload on {desired.digest}"
     elif w.complete:
         draft.phase = "Ready"
     return draft
