@@ -1,13 +1,14 @@
 """One reconciliation of one ModelDeployment: observe, decide, write the status, act.
 
 ``_once`` is those four phases: ``_observe`` reads what the planners need (the spec's
-findings, the source's resolution, the workload and its claim, the staging Jobs, turned into
-observations by ``observe.py``), ``_decide`` asks ``state.decide`` (plus retention and a
+findings, the source's resolution, the workload and its claim, the staging Jobs, with node
+caching the nodes, their agents' reports and the copy Jobs, turned into observations by
+``observe.py`` and ``node_cache_plan.py``), ``_decide`` asks ``state.decide`` (plus retention and a
 stager slot), ``_write_status`` writes the status, ``_act`` executes the one action.
 Everything decided comes from the planners (``decide``, ``staging_jobs``, ``plan_claim``,
-``plan_rollout``); this module only reads the objects they need and sends what they return.
-Nothing is kept in memory between calls, so a restarted operator continues from what the
-cluster says.
+``plan_rollout``, ``plan_node_cache``); this module only reads the objects they need and sends
+what they return. Nothing is kept in memory between calls (but which serving pods a counter
+has counted), so a restarted operator continues from what the cluster says.
 
 Order of writes, chosen for restart safety:
 
@@ -411,7 +412,7 @@ class Reconciler:
         staged = (status.artifact is not None and status.artifact.digest == desired.digest) or (
             world.job is not None and world.job.state == "Succeeded"
         )
-        if not staged:
+        if not staged or status.failed_digest == desired.digest:  # not rolled out again
             return
         digest = desired.digest
         pod_spec = ((workload.get("spec") or {}).get("template") or {}).get("spec") or {}
