@@ -767,3 +767,22 @@ def replace_workload(observed: Observed, workload: WorkloadObservation) -> Obser
     from dataclasses import replace
 
     return replace(observed, workload=workload)
+
+
+def test_a_digest_that_was_rolled_back_gets_no_copies(
+    spec: ModelDeploymentSpec, deployment: dict[str, Any]
+) -> None:
+    from modelstage.operator.reconcile import Reconciler, _World
+
+    a = artifact(spec)
+    rolled_back = ModelDeploymentStatus(phase="Failed", failed_digest=a.digest)
+    done = JobObservation("Succeeded", f'{{"digest": "{a.digest}"}}', T0)
+    reconciler = Reconciler(ForbiddenKube(), stager_image="x", post_event=lambda *_: None)  # type: ignore[arg-type]
+    world = _World(
+        body={}, owner=OWNER, status=rolled_back, now=T0, desired=a, workload=deployment, job=done
+    )
+    reconciler._observe_node_cache(world, spec)
+    assert world.node_cache is None and not world.findings
+    world.status = ModelDeploymentStatus()  # the same Job, not rolled back: it is copied
+    reconciler._observe_node_cache(world, spec)
+    assert world.node_cache is not None
