@@ -29,6 +29,7 @@ from .api import (
 from .artifact import ARTIFACT_MOUNT, Artifact
 from .job_plan import _container, _job, _pod_spec
 from .kube import (
+    SCRATCH_DIR,
     VOLUME_ARTIFACTS,
     VOLUME_NODE_CACHE,
     Manifest,
@@ -254,7 +255,7 @@ def plan_copy_job(
         claim = {"claimName": location.claim_name, "readOnly": True}
         volumes.append({"name": VOLUME_ARTIFACTS, "persistentVolumeClaim": claim})
         mounts.append({"name": VOLUME_ARTIFACTS, "mountPath": ARTIFACT_MOUNT, "readOnly": True})
-    env = [{"name": "HOME", "value": "/tmp"}, *_s3_serving_env(artifact, connection)]
+    env = [{"name": "HOME", "value": SCRATCH_DIR}, *_s3_serving_env(artifact, connection)]
     image = spec.stager.image or default_image
     container = _container(COPY_CONTAINER, image, command, env, [*mounts, *ca_mount(connection)])
     container["resources"] = {k: dict(v) for k, v in COPY_RESOURCES.items()}
