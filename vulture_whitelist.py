@@ -61,3 +61,5 @@ _.warmed_at
 _.copying
 _.heartbeat
 _.bytes_after
+# Status fields the operator writes for people and dashboards to read.
+_.misses  # status.nodeCache.nodes[].misses

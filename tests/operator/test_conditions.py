@@ -43,8 +43,9 @@ def test_a_new_type_gets_its_own_time_and_untouched_types_stay() -> None:
 
 def test_conditions_come_out_in_a_fixed_order_whatever_the_input_order() -> None:
     cs = [condition(t, "True", "R", "", now=T0) for t in reversed(ORDER)]
-    assert [c.type for c in merge_conditions(cs, [])] == ["Staged", "Ready", "Degraded"]
-    assert [c.type for c in merge_conditions([], cs)] == ["Staged", "Ready", "Degraded"]
+    order = ["Staged", "Ready", "Degraded", "NodeCached"]
+    assert [c.type for c in merge_conditions(cs, [])] == order
+    assert [c.type for c in merge_conditions([], cs)] == order
 
 
 def test_of_two_updates_of_one_type_the_last_wins_and_keeps_the_first_unchanged_time() -> None:

@@ -78,7 +78,7 @@ def _format_not_in(names: list[str]) -> str:
 
 Dtype = Literal["auto", "bfloat16", "float16", "float32"]
 Phase = Literal["Pending", "Staging", "Staged", "RollingOut", "Ready", "Failed"]
-ConditionType = Literal["Staged", "Ready", "Degraded"]
+ConditionType = Literal["Staged", "Ready", "Degraded", "NodeCached"]
 
 # Patterns are ECMA-262 and Python compatible (the API server evaluates them, so does pydantic).
 DNS_NAME = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"

@@ -13,6 +13,9 @@ reconciliation and never a wrong action:
 - a resolve Job or its pod changed → reconcile the ModelDeployment whose resolution round it is;
 - a target Deployment/StatefulSet changed, or a pod of it fails → reconcile the
   ModelDeployments that target it;
+- a node agent's ``NodeCache`` report changed, or a copy Job or its pod → reconcile the
+  ModelDeployments whose roll waits for node-local copies (and those the node's copies concern);
+- a serving pod's prepare reported a node cache hit or miss → reconcile its ModelDeployment;
 - a timer, as a safety net for anything missed (``MODELSTAGE_OPERATOR_RESYNC_INTERVAL``).
 
 Run with ``python -m modelstage.operator`` (or ``kopf run -m modelstage.operator.handlers``).
@@ -26,6 +29,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple, cast
 
 import kopf
+from modelstage.core import node_cache as nc
 
 from . import metrics
 from .api import GROUP, PLURAL, VERSION, ModelDeploymentSpec, SourceStatus, VllmVersionStatus
@@ -33,9 +37,11 @@ from .artifact import spec_digest
 from .job_plan import stage_job_name
 from .kube import DIGEST_ANNOTATION, LABEL_DIGEST, Manifest, model_deployment_owners
 from .kube_client import Conflict, KubeClient
+from .node_cache_plan import COPY_COMPONENT, pod_start
 from .observe import observe_job, pod_failures
 from .reconcile import JOB_NAME_LABEL, Outcome, Reconciler
 from .resolve_plan import chosen_format, concrete_spec, recorded_identity, resolve_job_name
+from .rollout_plan import PREPARE_CONTAINER
 from .serving_version import recorded_version, with_version
 from .settings import OperatorConfig, configure
 from .slots import StagerSlots
@@ -46,6 +52,8 @@ STAGER = {**MANAGED, "app.kubernetes.io/component": "stager"}
 STAGE_JOB_PREFIX = stage_job_name("")
 CLEANUP = {**MANAGED, "app.kubernetes.io/component": "cleanup"}
 RESOLVE = {**MANAGED, "app.kubernetes.io/component": "resolve"}
+NODE_COPY = {**MANAGED, "app.kubernetes.io/component": COPY_COMPONENT}
+NODE_CACHES = (nc.API_GROUP, nc.API_VERSION.split("/", 1)[1], nc.PLURAL)
 CONFIG = OperatorConfig.from_env()
 """Read at import: the timer's interval is fixed when the handlers are registered."""
 
@@ -64,6 +72,10 @@ class Ref(NamedTuple):
     """(kind, name) of the target workload."""
     resolve_job: str | None = None
     """The resolve Job of its current resolution round."""
+    node_cache: str | None = None
+    """With node caching on: ``status.nodeCache.phase`` ("" before there is one)."""
+    cache_nodes: frozenset[str] = frozenset()
+    """The nodes ``status.nodeCache`` lists."""
 
 
 def _post_event(obj: Manifest, type_: str, reason: str, message: str) -> None:
@@ -87,6 +99,7 @@ def startup(settings: kopf.OperatorSettings, memo: Any, logger: Logger, **_: Any
         allowed_images=config.allowed_stager_images,
         resolve_interval=config.resolve_interval,
         stager_logs=config.stager_logs,
+        node_cache_root=config.node_cache_root,
     )
     logger.info(
         "modelstage operator started",
@@ -120,7 +133,19 @@ def modeldeployment_refs(
     except Exception:  # an invalid spec routes nothing; its own handlers report it
         digest, target, resolve_job = None, None, None
     artifact = (status.get("artifact") or {}).get("digest")
-    return {namespace: Ref(name, digest, artifact, target, resolve_job)}
+    cache = status.get("nodeCache") or {}
+    enabled = bool((spec.get("nodeCache") or {}).get("enabled"))
+    return {
+        namespace: Ref(
+            name,
+            digest,
+            artifact,
+            target,
+            resolve_job,
+            node_cache=str(cache.get("phase") or "") if enabled else None,
+            cache_nodes=frozenset(str(n.get("name")) for n in cache.get("nodes") or []),
+        )
+    }
 
 
 def _reconcile(memo: Any, namespace: str, name: str, logger: Logger) -> Outcome | None:
@@ -221,6 +246,7 @@ def modeldeployment_phase(
     assert namespace is not None
     if type == "DELETED":
         metrics.DEPLOYMENTS.forget(namespace, name)
+        metrics.NODE_CACHE_NODES.set(namespace, name, None)
         reconciler: Reconciler | None = getattr(memo, "reconciler", None)
         if reconciler is not None:
             reconciler.slots.forget((namespace, name))
@@ -372,3 +398,64 @@ def serving_pod_event(
     if type == "DELETED" or not pod_failures([dict(body)], digest):
         return
     _reconcile_matching(memo, kwargs, namespace, logger, lambda r: digest in (r.artifact, r.digest))
+
+
+WAITING_PHASES = ("", "Copying", "Warming")
+"""``status.nodeCache.phase`` of a roll that waits for the copies ("": not begun)."""
+_reported: dict[str, frozenset[tuple[str, bool]]] = {}
+"""Per node, the copies (digest, warm) its agent last reported: a heartbeat alone wakes only
+the ModelDeployments that wait for copies (whose deadline it may bring)."""
+
+
+@kopf.on.event(*NODE_CACHES)
+def node_cache_event(
+    type: str, name: str, status: kopf.Status, memo: Any, logger: Logger, **kwargs: Any
+) -> None:
+    """A node agent reported: ModelDeployments waiting for copies, and those listing the node
+    when its copies changed, look again."""
+    held = frozenset(
+        (str(a.get("digest")), bool(a.get("warm"))) for a in status.get("artifacts") or []
+    )
+    changed = type == "DELETED" or _reported.get(name) != held
+    if type == "DELETED":
+        _reported.pop(name, None)
+    else:
+        _reported[name] = held
+    refs: kopf.Index[str | None, Ref] = kwargs["modeldeployment_refs"]
+    for namespace in list(refs):
+        for ref in list(refs.get(namespace, [])):
+            if ref.node_cache is None or namespace is None:
+                continue
+            if ref.node_cache in WAITING_PHASES or (changed and name in ref.cache_nodes):
+                _reconcile_settled(memo, namespace, ref.name, logger)
+
+
+@kopf.on.event("batch", "v1", "jobs", labels=NODE_COPY)
+@kopf.on.event("v1", "pods", labels=NODE_COPY)
+def node_copy_event(
+    namespace: str | None, labels: kopf.Labels, memo: Any, logger: Logger, **kwargs: Any
+) -> None:
+    """A copy Job (or its pod: the termination message lands there) changed."""
+    digest = labels.get(LABEL_DIGEST)
+    _reconcile_matching(
+        memo, kwargs, namespace, logger, lambda r: r.node_cache is not None and r.digest == digest
+    )
+
+
+@kopf.on.event("v1", "pods", annotations={DIGEST_ANNOTATION: kopf.PRESENT})
+def serving_pod_prepared(
+    type: str,
+    body: kopf.Body,
+    namespace: str | None,
+    annotations: kopf.Annotations,
+    memo: Any,
+    logger: Logger,
+    **kwargs: Any,
+) -> None:
+    """A serving pod's prepare said whether its node held the copy: the hits and misses."""
+    digest = annotations.get(DIGEST_ANNOTATION)
+    if type == "DELETED" or pod_start(dict(body), PREPARE_CONTAINER) is None:
+        return
+    _reconcile_matching(
+        memo, kwargs, namespace, logger, lambda r: r.node_cache is not None and r.digest == digest
+    )

@@ -36,6 +36,8 @@ VOLUME_CA = "modelstage-s3-ca"
 VOLUME_SOURCE = "modelstage-source"
 VOLUME_SCRATCH = "modelstage-scratch"
 VOLUME_NO_TOKEN = "modelstage-no-token"
+VOLUME_NODE_CACHE = "modelstage-node-cache"
+"""The nodes' cache root (a hostPath) in serving pods and copy Jobs (``spec.nodeCache``)."""
 TOKEN_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 """Where Kubernetes mounts a pod's service-account token. A container that already mounts
 something there does not get the token (the ServiceAccount admission plugin skips it): the

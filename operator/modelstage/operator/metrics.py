@@ -7,6 +7,10 @@
 - ``modelstage_operator_model_deployments{phase}``: ModelDeployments by ``status.phase``.
 - ``modelstage_operator_workload_patches_total{action}``: pod-template patches sent
   (``roll-out``, ``roll-back``).
+- ``modelstage_node_cache_nodes{namespace,model_deployment,state}``: per ModelDeployment with
+  node caching, its nodes by copy state (``status.nodeCache.nodes``).
+- ``modelstage_node_cache_pod_starts_total{result}``: serving pods whose prepare found the
+  node-local copy (``hit``) or not (``miss``), each pod counted once by this process.
 
 The two gauges are computed at scrape time from what the watch streams last delivered, so a
 restarted operator reports the cluster's state, not its own history.
@@ -15,7 +19,7 @@ restarted operator reports the cluster's state, not its own history.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, start_http_server
 from prometheus_client.core import GaugeMetricFamily
@@ -75,6 +79,50 @@ DEPLOYMENTS = _StateGauge(
 )
 REGISTRY.register(JOBS)
 REGISTRY.register(DEPLOYMENTS)
+
+NODE_STATES = ("Pending", "Copying", "Ready", "Warm", "Failed")
+NODE_CACHE_POD_STARTS = Counter(
+    "modelstage_node_cache_pod_starts",
+    "Serving pods that found the artifact's node-local copy (hit) or not (miss).",
+    ["result"],
+    registry=REGISTRY,
+)
+
+
+class _NodeCacheNodes(Collector):
+    """Per ModelDeployment, its nodes by copy state, as its last reconciliation saw them."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_object: dict[tuple[str, str], dict[str, int]] = {}
+
+    def set(self, namespace: str, name: str, states: Iterable[str] | None) -> None:
+        """``states``: one per node; None forgets the ModelDeployment (node caching off)."""
+        with self._lock:
+            if states is None:
+                self._by_object.pop((namespace, name), None)
+                return
+            counts = dict.fromkeys(NODE_STATES, 0)
+            for state in states:
+                counts[state] = counts.get(state, 0) + 1
+            self._by_object[namespace, name] = counts
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        with self._lock:
+            items = sorted(self._by_object.items())
+        family = GaugeMetricFamily(
+            "modelstage_node_cache_nodes",
+            "Nodes of a ModelDeployment with node caching, by the state of their copy.",
+            labels=["namespace", "model_deployment", "state"],
+        )
+        for (namespace, name), counts in items:
+            for state, count in sorted(counts.items()):
+                family.add_metric([namespace, name, state], count)
+        yield family
+
+
+NODE_CACHE_NODES = _NodeCacheNodes()
+REGISTRY.register(NODE_CACHE_NODES)
 
 
 def serve(port: int, host: str = "127.0.0.1") -> None:

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-from .kube import DIGEST_ANNOTATION, Manifest
+from .api import NodeCacheStatus
+from .kube import DIGEST_ANNOTATION, VOLUME_NODE_CACHE, Manifest
 from .validation import Finding
 
 JobState = Literal["Running", "Succeeded", "Failed"]
@@ -48,6 +49,8 @@ class WorkloadObservation:
     """Why pods of the current template fail (crash loops, image pulls, init errors)."""
     stalled: bool = False
     """The workload controller gave up (Deployment ``ProgressDeadlineExceeded``)."""
+    node_cache: bool = False
+    """Its pod template mounts the nodes' cache root (``spec.nodeCache``)."""
 
     @property
     def complete(self) -> bool:
@@ -59,12 +62,28 @@ class WorkloadObservation:
 
 
 @dataclass(frozen=True)
+class NodeCacheStep:
+    """Where the node-local copies of the staged artifact stand (``node_cache_plan``)."""
+
+    status: NodeCacheStatus
+    condition: tuple[Literal["True", "False"], str, str]
+    """``NodeCached``: (status, reason, message)."""
+    roll: bool
+    """The copies are ready, or the deadline passed: the workload may roll."""
+    create: tuple[Manifest, ...] = ()
+    """Copy Jobs to create."""
+
+
+@dataclass(frozen=True)
 class Observed:
     generation: int
     now: datetime
     job: JobObservation | None = None
     workload: WorkloadObservation | None = None
     findings: Sequence[Finding] = field(default_factory=tuple)
+    node_cache_enabled: bool = False
+    """``spec.nodeCache.enabled``: the roll waits for ``node_cache``."""
+    node_cache: NodeCacheStep | None = None
 
 
 def observe_job(job: Manifest, termination_message: str = "") -> JobObservation:
@@ -141,6 +160,10 @@ def observe_workload(workload: Manifest, failing: Sequence[str] = ()) -> Workloa
         available=int(status.get("availableReplicas", status.get("readyReplicas", 0))),
         failing=tuple(failing),
         stalled=stalled,
+        node_cache=any(
+            v.get("name") == VOLUME_NODE_CACHE
+            for v in ((spec.get("template") or {}).get("spec") or {}).get("volumes") or []
+        ),
     )
 
 

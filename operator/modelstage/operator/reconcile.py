@@ -1,13 +1,14 @@
 """One reconciliation of one ModelDeployment: observe, decide, write the status, act.
 
 ``_once`` is those four phases: ``_observe`` reads what the planners need (the spec's
-findings, the source's resolution, the workload and its claim, the staging Jobs, turned into
-observations by ``observe.py``), ``_decide`` asks ``state.decide`` (plus retention and a
+findings, the source's resolution, the workload and its claim, the staging Jobs, with node
+caching the nodes, their agents' reports and the copy Jobs, turned into observations by
+``observe.py`` and ``node_cache_plan.py``), ``_decide`` asks ``state.decide`` (plus retention and a
 stager slot), ``_write_status`` writes the status, ``_act`` executes the one action.
 Everything decided comes from the planners (``decide``, ``staging_jobs``, ``plan_claim``,
-``plan_rollout``); this module only reads the objects they need and sends what they return.
-Nothing is kept in memory between calls, so a restarted operator continues from what the
-cluster says.
+``plan_rollout``, ``plan_node_cache``); this module only reads the objects they need and sends
+what they return. Nothing is kept in memory between calls (but which serving pods a counter
+has counted), so a restarted operator continues from what the cluster says.
 
 Order of writes, chosen for restart safety:
 
@@ -33,6 +34,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from kubernetes.client.exceptions import ApiException
+from modelstage.core import node_cache as nc
 from modelstage.core.errors import SpecError
 from modelstage.core.formats import AUTO
 from modelstage.core.layouts import layout_for
@@ -52,10 +54,25 @@ from .job_plan import (
     staging_jobs,
     staging_step,
 )
-from .kube import LABEL_DIGEST, Manifest, Owner, model_deployment_owners
+from .kube import DIGEST_ANNOTATION, LABEL_DIGEST, Manifest, Owner, model_deployment_owners
 from .kube_client import Conflict, KubeClient, resource_path
+from .node_cache_api import NodeCacheObject, NodeCacheReport
+from .node_cache_plan import (
+    COPY_COMPONENT,
+    COPY_CONTAINER,
+    NODE_ANNOTATION,
+    CopyJob,
+    PodStart,
+    chosen_nodes,
+    eligible_nodes,
+    holds,
+    plan_copy_job,
+    plan_node_cache,
+    pod_start,
+)
 from .observe import (
     JobObservation,
+    NodeCacheStep,
     Observed,
     WorkloadObservation,
     observe_job,
@@ -78,7 +95,7 @@ from .resolve_plan import (
     source_key,
 )
 from .retention import Holder, RetentionPlan, plan_release, plan_retention, remember
-from .rollout_plan import plan_rollout
+from .rollout_plan import PREPARE_CONTAINER, plan_rollout
 from .serving_version import ServingVersion, recorded_version, serving_version, with_version
 from .slots import StagerSlots
 from .state import Action, Decision, decide, queued
@@ -98,6 +115,8 @@ CONFLICT_ATTEMPTS = 3
 LOG_TAIL_LINES = 20
 """Lines of a running stager's log read for its latest progress line."""
 LOG = logging.getLogger(__name__)
+NODE_CACHE_WARNINGS = ("DeadlinePassed", "CopyFailed", "CopyLost", "NoEligibleNodes")
+"""``NodeCached`` reasons posted as Warning events."""
 EventFn = Callable[[Manifest, str, str, str], None]
 """``(object, type, reason, message)``: posts a Kubernetes Event about ``object``."""
 
@@ -155,6 +174,8 @@ class _World:
     """The staging Job to create next."""
     serving: ServingVersion | None = None
     """The vLLM version staged for, and why (``serving_version.py``)."""
+    node_cache: NodeCacheStep | None = None
+    """Where the node-local copies of the staged artifact stand (``spec.nodeCache``)."""
 
 
 def _blocks_staging(findings: Sequence[Finding]) -> list[Finding]:
@@ -220,6 +241,7 @@ class Reconciler:
         resolve_interval: float = 0.0,
         stager_logs: bool = False,
         allowed_images: Sequence[str] = (),
+        node_cache_root: str = nc.DEFAULT_ROOT,
     ) -> None:
         self.kube = kube
         self.stager_image = stager_image
@@ -231,6 +253,9 @@ class Reconciler:
         """Seconds between resolutions of a moving source, when the spec does not say."""
         self.stager_logs = stager_logs
         """Read running stagers' log tails for their progress (needs ``get pods/log``)."""
+        self.node_cache_root = node_cache_root
+        self._pod_starts: dict[tuple[str, str], set[str]] = {}
+        """Serving pods (uids) whose node cache result is counted, per ModelDeployment."""
         self._locks: dict[tuple[str, str], threading.Lock] = {}
         self._locks_guard = threading.Lock()
 
@@ -269,6 +294,10 @@ class Reconciler:
         decision = self._decide(world, logger)
         outcome = Outcome(decision, invalid=world.invalid)
         outcome.status_written = self._write_status(world, decision)
+        cache = decision.status.node_cache
+        metrics.NODE_CACHE_NODES.set(
+            namespace, name, [n.state for n in cache.nodes] if cache is not None else None
+        )
         if decision.details:
             logger.info(
                 decision.details,
@@ -335,6 +364,8 @@ class Reconciler:
             self._observe_staging(world, spec)
         if world.workload is not None:
             world.observed_workload = self._observe_workload(namespace, world.workload)
+        if spec.node_cache.enabled:
+            self._observe_node_cache(world, spec)
 
     def _observe_staging(self, world: _World, spec: ModelDeploymentSpec) -> None:
         """The staging Jobs of the desired artifact; a source that changed between resolving
@@ -371,6 +402,151 @@ class Reconciler:
         if foreign is not None:
             world.findings.append(foreign)
 
+    def _observe_node_cache(self, world: _World, spec: ModelDeploymentSpec) -> None:
+        """Once the desired artifact is staged and the workload exists: the nodes, the node
+        agents' reports, the artifact's copy Jobs and the serving pods' cache results, turned
+        into the node cache's step by ``node_cache_plan``."""
+        desired, workload, status = world.desired, world.workload, world.status
+        if desired is None or workload is None:
+            return
+        staged = (status.artifact is not None and status.artifact.digest == desired.digest) or (
+            world.job is not None and world.job.state == "Succeeded"
+        )
+        if not staged or status.failed_digest == desired.digest:  # not rolled out again
+            return
+        digest = desired.digest
+        pod_spec = ((workload.get("spec") or {}).get("template") or {}).get("spec") or {}
+        try:
+            reports = self._node_cache_reports()
+            nodes = self.kube.list(resource_path("v1", "nodes"))
+        except ApiException as error:
+            if error.status != 403:
+                raise
+            # No node is eligible then: the roll waits until the deadline, and says why.
+            world.findings.append(Finding("NodeCacheForbidden", _forbidden(error), "nothing"))
+            reports, nodes = {}, []
+        eligible = eligible_nodes(pod_spec, nodes, reports, world.now)
+        jobs = self._copy_jobs(world, digest)
+        holding = [n for n in eligible if holds(reports.get(n), digest) or n in jobs]
+        chosen = chosen_nodes(
+            eligible,
+            mode=spec.node_cache.nodes,
+            replicas=int((workload.get("spec") or {}).get("replicas", 1)),
+            preferred=holding,
+        )
+        step, create = plan_node_cache(
+            spec.node_cache,
+            digest,
+            before=status.node_cache,
+            chosen=chosen,
+            reports=reports,
+            jobs=jobs,
+            pod_starts=self._pod_starts_of(world, workload, digest),
+            now=world.now,
+        )
+        manifests = tuple(
+            plan_copy_job(
+                spec,
+                desired,
+                node,
+                owner=world.owner,
+                root=self.node_cache_root,
+                tolerations=pod_spec.get("tolerations") or (),
+                default_image=self.stager_image,
+            )
+            for node in create
+        )
+        world.node_cache = replace(step, create=manifests)
+
+    def _node_cache_reports(self) -> dict[str, NodeCacheReport]:
+        """The node agents' reports by node; none while the NodeCache API is not installed."""
+        try:
+            objects = self.kube.list(resource_path(nc.API_VERSION, nc.PLURAL))
+        except ApiException as error:
+            if error.status == 404:
+                return {}
+            raise
+        reports: dict[str, NodeCacheReport] = {}
+        for obj in objects:
+            try:
+                parsed = NodeCacheObject.model_validate(obj)
+            except ValidationError as error:  # an agent of another version: not believed
+                LOG.debug("unreadable NodeCache %s: %s", obj.get("metadata"), error)
+                continue
+            if parsed.status is not None:
+                reports[str(parsed.metadata.get("name"))] = parsed.status
+        return reports
+
+    def _copy_jobs(self, world: _World, digest: str) -> dict[str, CopyJob]:
+        """The copy Jobs of ``digest`` in the namespace, by node; a Job no ModelDeployment of
+        the namespace owns is reported as failed (its name is predictable)."""
+        namespace = world.owner.namespace
+        found: dict[str, CopyJob] = {}
+        selector = {LABEL_DIGEST: digest, "app.kubernetes.io/component": COPY_COMPONENT}
+        for job in self.kube.list(resource_path("batch/v1", "jobs", namespace), selector):
+            meta = job.get("metadata") or {}
+            node = (meta.get("annotations") or {}).get(NODE_ANNOTATION)
+            if not node:
+                continue
+            name = str(meta.get("name"))
+            foreign = self._foreign_job(namespace, job, world.owner)
+            if foreign is not None:
+                found[node] = CopyJob(node, name, "Failed", foreign.message)
+                continue
+            state = observe_job(job).state
+            message = ""
+            if state != "Running":
+                pods = self.kube.list(
+                    resource_path("v1", "pods", namespace), label_selector={JOB_NAME_LABEL: name}
+                )
+                success = state == "Succeeded"
+                message = termination_message(pods, success=success, container=COPY_CONTAINER)
+            found[node] = CopyJob(node, name, state, message)
+        return found
+
+    def _pod_starts_of(self, world: _World, workload: Manifest, digest: str) -> list[PodStart]:
+        """Hits and misses of the serving pods of ``digest`` (their prepare summaries); each
+        pod counted once in ``modelstage_node_cache_pod_starts_total``."""
+        selector = ((workload.get("spec") or {}).get("selector") or {}).get("matchLabels")
+        pods = self.kube.list(
+            resource_path("v1", "pods", world.owner.namespace), label_selector=selector
+        )
+        key = (world.owner.namespace, world.owner.name)
+        counted = self._pod_starts.get(key, set())
+        seen: set[str] = set()
+        starts: list[PodStart] = []
+        for pod in pods:
+            meta = pod.get("metadata") or {}
+            if (meta.get("annotations") or {}).get(DIGEST_ANNOTATION) != digest:
+                continue
+            start = pod_start(pod, PREPARE_CONTAINER)
+            if start is None:
+                continue
+            starts.append(start)
+            uid = str(meta.get("uid"))
+            seen.add(uid)
+            if uid not in counted:
+                metrics.NODE_CACHE_POD_STARTS.labels(start.result).inc()
+        self._pod_starts[key] = seen
+        return starts
+
+    def _create_copy_jobs(
+        self,
+        world: _World,
+        jobs: Sequence[Manifest],
+        logger: logging.Logger | logging.LoggerAdapter[Any],
+    ) -> None:
+        path = resource_path("batch/v1", "jobs", world.owner.namespace)
+        for job in jobs:
+            name = job["metadata"]["name"]
+            node = job["metadata"]["annotations"][NODE_ANNOTATION]
+            if self.kube.create(path, job) is None:
+                logger.info("copy Job %s already exists: following it", name)
+                continue
+            message = f"created copy Job {name} for node {node}"
+            logger.info(message, extra={"job": name, "node": node})
+            self.post_event(world.body, "Normal", "CopyJobCreated", message)
+
     # -- decide ------------------------------------------------------------------------------
 
     def _decide(
@@ -384,6 +560,8 @@ class Reconciler:
             job=world.job,
             workload=world.observed_workload,
             findings=tuple(world.findings),
+            node_cache_enabled=world.spec is not None and world.spec.node_cache.enabled,
+            node_cache=world.node_cache,
         )
         decision = decide(world.desired, world.status, observed, world.source)
         if world.spec is not None:
@@ -440,6 +618,8 @@ class Reconciler:
         elif decision.action in (Action.ROLL_OUT, Action.ROLL_BACK):
             assert spec is not None and world.workload is not None
             self._roll(spec, world, decision, logger)
+        elif decision.action is Action.CREATE_COPY_JOBS and world.node_cache is not None:
+            self._create_copy_jobs(world, world.node_cache.create, logger)
 
     def _roll(
         self,
@@ -457,7 +637,11 @@ class Reconciler:
         if refused is not None:
             raise AssertionError(f"refusing to patch: {refused}")
         plan = plan_rollout(
-            spec, artifact_from_status(decision.artifact), workload, default_image=self.stager_image
+            spec,
+            artifact_from_status(decision.artifact),
+            workload,
+            default_image=self.stager_image,
+            node_cache_root=self.node_cache_root,
         )
         if not plan.changed:
             return
@@ -539,6 +723,7 @@ class Reconciler:
         referenced that no other ModelDeployment references, unless ``onDelete: Retain``.
         None when nothing is to be done."""
         with self._lock(namespace, name):
+            self._pod_starts.pop((namespace, name), None)  # its serving pods are not ours now
             status = ModelDeploymentStatus.model_validate(body.get("status") or {})
             try:
                 spec = ModelDeploymentSpec.model_validate(body.get("spec") or {})
@@ -818,6 +1003,7 @@ class Reconciler:
                 "StagingFailed",
                 "ArtifactMismatch",
                 "ResolveFailed",
+                *NODE_CACHE_WARNINGS,
             )
             self.post_event(
                 body,
@@ -834,6 +1020,14 @@ class Reconciler:
                 f"Phase{new.phase}",
                 f"phase {old.phase} -> {new.phase}",
             )
+
+
+def _forbidden(error: ApiException) -> str:
+    return (
+        f"node caching: the operator may not read Nodes or NodeCaches ({error.reason}); grant "
+        "it get, list and watch on nodes and nodecaches.modelstage.io (the chart does with "
+        "nodeCache.enabled); until then no node gets a copy"
+    )
 
 
 def _result(outcome: Outcome) -> str:

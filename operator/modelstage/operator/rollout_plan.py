@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from modelstage.core import node_cache as nc
 from modelstage.core.errors import SpecError
 from modelstage.core.formats import FORMATS, S3_READER_FORMAT
 
@@ -28,6 +29,7 @@ from .kube import (
     TOKEN_DIR,
     VOLUME_ARTIFACTS,
     VOLUME_NO_TOKEN,
+    VOLUME_NODE_CACHE,
     VOLUME_PLUGINS,
     Manifest,
     ca_file,
@@ -41,6 +43,8 @@ from .patch import merge_diff
 from .vllm_args import VllmSettings, rewrite
 
 PREPARE_CONTAINER = "modelstage-prepare"
+NODE_CACHE_WEIGHT = 100
+"""The weight of the preferred node affinity to nodes holding the artifact's copy."""
 ACCELERATORS = ("nvidia.com/gpu", "amd.com/gpu")
 
 
@@ -188,7 +192,11 @@ def _python_path(env: list[Manifest], plugin: bool) -> list[Manifest]:
 
 
 def _prepare_container(
-    artifact: Artifact, image: str, s3_env: list[Manifest], connection: S3Connection | None
+    artifact: Artifact,
+    image: str,
+    s3_env: list[Manifest],
+    connection: S3Connection | None,
+    node_cache: bool = False,
 ) -> Manifest:
     mounts: list[Manifest] = [
         {"name": VOLUME_PLUGINS, "mountPath": PLUGIN_DIR},
@@ -196,6 +204,8 @@ def _prepare_container(
     ]
     if artifact.location.on_pvc:
         mounts.append({"name": VOLUME_ARTIFACTS, "mountPath": ARTIFACT_MOUNT, "readOnly": True})
+    if node_cache:
+        mounts.append(_node_cache_mount())
     container: Manifest = {
         "name": PREPARE_CONTAINER,
         "image": image,
@@ -211,6 +221,7 @@ def _prepare_container(
             str(artifact.tensor_parallel),
             "--plugin-dir",
             PLUGIN_DIR,
+            *(["--node-cache", nc.POD_MOUNT] if node_cache else []),
         ],
         "volumeMounts": mounts + ca_mount(connection if not artifact.location.on_pvc else None),
         "resources": {
@@ -231,20 +242,27 @@ def plan_rollout(
     workload: Manifest,
     *,
     default_image: str = DEFAULT_STAGER_IMAGE,
+    node_cache_root: str = nc.DEFAULT_ROOT,
 ) -> RolloutPlan:
     """The merge patch that puts ``workload`` (a Deployment or StatefulSet) on ``artifact``.
 
-    ``spec`` supplies the serving choices (container, plugin, image, S3 connection);
-    ``artifact`` may be an older one (a rollback). Raises ``SpecError`` when the container or
-    its vLLM command cannot be found (``validation`` reports the same as a condition first).
+    ``spec`` supplies the serving choices (container, plugin, image, S3 connection, node
+    caching: the nodes' root ``node_cache_root`` mounted read-only, and a preference for the
+    nodes holding the artifact's copy); ``artifact`` may be an older one (a rollback). Raises
+    ``SpecError`` when the container or its vLLM command cannot be found (``validation``
+    reports the same as a condition first).
     """
     template: Manifest = copy.deepcopy(workload.get("spec", {}).get("template", {}))
     pod: Manifest = template.setdefault("spec", {})
     annotations: dict[str, str] = template.setdefault("metadata", {}).setdefault("annotations", {})
     container = select_container(spec, pod)
     connection = spec.storage.s3 if not artifact.location.on_pvc else None
-    settings = _serve_artifact(container, annotations, artifact, spec.serving.plugin, connection)
-    _mount_artifact(pod, container, artifact, spec.serving.plugin, connection)
+    cache_root = node_cache_root if spec.node_cache.enabled and spec.serving.plugin else None
+    settings = _serve_artifact(
+        container, annotations, artifact, spec.serving.plugin, connection, cache_root is not None
+    )
+    _mount_artifact(pod, container, artifact, spec.serving.plugin, connection, cache_root)
+    _prefer_nodes(pod, artifact.digest if cache_root is not None else None)
     prepare = (
         [
             _prepare_container(
@@ -252,6 +270,7 @@ def plan_rollout(
                 spec.stager.image or default_image,
                 _s3_serving_env(artifact, connection),
                 connection,
+                cache_root is not None,
             )
         ]
         if spec.serving.plugin
@@ -291,6 +310,7 @@ def _serve_artifact(
     artifact: Artifact,
     plugin: bool,
     connection: S3Connection | None,
+    node_cache: bool = False,
 ) -> VllmSettings:
     """Point the vLLM container's command and environment at ``artifact``."""
     # The artifact the container is on now (if any) is ours, not a model name clients use.
@@ -307,6 +327,8 @@ def _serve_artifact(
         else:
             container.pop(key, None)
     managed_env = _modelstage_env(artifact, plugin) + _s3_serving_env(artifact, connection)
+    if node_cache:
+        managed_env.append({"name": nc.ENV_NODE_CACHE, "value": nc.POD_MOUNT})
     previously = set(filter(None, annotations.get(MANAGED_ENV_ANNOTATION, "").split(",")))
     env = _upsert(
         container.get("env") or [],
@@ -325,8 +347,10 @@ def _mount_artifact(
     artifact: Artifact,
     plugin: bool,
     connection: S3Connection | None,
+    node_cache_root: str | None = None,
 ) -> None:
-    """The artifact's claim, the plugin's folder and the CA bundle, as volumes and mounts."""
+    """The artifact's claim, the plugin's folder, the CA bundle and the nodes' cache root
+    (read-only), as volumes and mounts."""
     volumes: list[Manifest] = []
     mounts: list[Manifest] = []
     if artifact.location.on_pvc:
@@ -340,5 +364,62 @@ def _mount_artifact(
         mounts.append({"name": VOLUME_PLUGINS, "mountPath": PLUGIN_DIR, "readOnly": True})
     volumes += ca_volume(connection)
     mounts += ca_mount(connection)
+    if node_cache_root is not None:
+        host_path = {"path": node_cache_root, "type": "DirectoryOrCreate"}
+        volumes.append({"name": VOLUME_NODE_CACHE, "hostPath": host_path})
+        mounts.append(_node_cache_mount())
     container["volumeMounts"] = _upsert(container.get("volumeMounts") or [], mounts, _owned_name)
     pod["volumes"] = _upsert(pod.get("volumes") or [], volumes, _owned_name)
+
+
+def _node_cache_mount() -> Manifest:
+    return {"name": VOLUME_NODE_CACHE, "mountPath": nc.POD_MOUNT, "readOnly": True}
+
+
+def _ours(term: Manifest) -> bool:
+    """A preferred scheduling term of ours: it asks for a node cache label."""
+    expressions = (term.get("preference") or {}).get("matchExpressions") or []
+    return any(str(e.get("key", "")).startswith(nc.LABEL_PREFIX) for e in expressions)
+
+
+def _prefer_nodes(pod: Manifest, digest: str | None) -> None:
+    """Prefer the nodes holding ``digest``'s copy (its node label), replacing a preference of
+    ours for another digest in place; None removes ours. The user's own terms stay as they
+    are, and nothing is added to a pod without ours when there is nothing to prefer."""
+    affinity: Manifest = pod.get("affinity") or {}
+    node_affinity: Manifest = affinity.get("nodeAffinity") or {}
+    preferred = "preferredDuringSchedulingIgnoredDuringExecution"
+    terms: list[Manifest] = node_affinity.get(preferred) or []
+    if digest is None and not any(_ours(t) for t in terms):
+        return
+    wanted = (
+        {
+            "weight": NODE_CACHE_WEIGHT,
+            "preference": {
+                "matchExpressions": [{"key": nc.node_label(digest), "operator": "Exists"}]
+            },
+        }
+        if digest is not None
+        else None
+    )
+    out: list[Manifest] = []
+    for term in terms:
+        if not _ours(term):
+            out.append(term)
+        elif wanted is not None:
+            out.append(wanted)
+            wanted = None
+    if wanted is not None:
+        out.append(wanted)
+    if out:
+        node_affinity[preferred] = out
+    else:
+        node_affinity.pop(preferred, None)
+    if node_affinity:
+        affinity["nodeAffinity"] = node_affinity
+    else:
+        affinity.pop("nodeAffinity", None)
+    if affinity:
+        pod["affinity"] = affinity
+    else:
+        pod.pop("affinity", None)

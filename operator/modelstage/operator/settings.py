@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import logging
 import os
+import posixpath
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import kopf
+from modelstage.core.node_cache import DEFAULT_ROOT
 
 from .api import DEFAULT_STAGER_IMAGE, GROUP
 
 PREFIX = "MODELSTAGE_OPERATOR_"
+NODE_CACHE_ROOT_ENV = "MODELSTAGE_NODE_CACHE_ROOT"
+"""The nodes' cache root on the host: one name for the operator and the chart's node agent."""
 FINALIZER = f"{GROUP}/finalizer"
 PEERING_NAME = "modelstage"
 """kopf's peering object: a second operator instance pauses instead of fighting."""
@@ -89,6 +93,9 @@ class OperatorConfig:
     0: no cap beyond ``max_stager_jobs``."""
     posting_level: int = logging.INFO
     """Least severity of kopf's own messages posted as Kubernetes Events."""
+    node_cache_root: str = DEFAULT_ROOT
+    """The node-local cache root on the hosts (``spec.nodeCache``): the hostPath that copy
+    Jobs write and serving pods mount read-only; the node agents' ``--root``."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> OperatorConfig:
@@ -123,6 +130,7 @@ class OperatorConfig:
             in ("1", "true", "yes", "on"),
             peering_lifetime=_float(env, "PEERING_LIFETIME", cls.peering_lifetime),
             posting_level=level,
+            node_cache_root=_root(env.get(NODE_CACHE_ROOT_ENV) or cls.node_cache_root),
         )
 
     @property
@@ -133,6 +141,16 @@ class OperatorConfig:
     def backoff(self, retry: int) -> float:
         """Delay before retry number ``retry`` (0-based) of a failed staging."""
         return float(min(self.failed_backoff * 2 ** min(retry, 30), self.failed_backoff_max))
+
+
+def _root(raw: str) -> str:
+    """An absolute, normalized host path other than ``/``: it becomes a hostPath volume."""
+    path = posixpath.normpath(raw)
+    if not raw.startswith("/") or path == "/" or path != raw.rstrip("/"):
+        raise ValueError(
+            f"{NODE_CACHE_ROOT_ENV}={raw!r} is not an absolute, normalized path below /"
+        )
+    return path
 
 
 def configure(settings: kopf.OperatorSettings, config: OperatorConfig) -> None:

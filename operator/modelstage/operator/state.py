@@ -14,6 +14,11 @@ resolved identity. Until one is known the phase stays ``Pending`` with ``Staged=
 Resolving`` (the resolve Job's creation is this machine's action); a later resolution that
 finds a changed source gives a new desired digest, staged and rolled out like a spec change.
 
+Node caching (``spec.nodeCache``): between staged and the roll, the artifact is copied to the
+nodes' local disks; the roll waits (phase ``Staged``) until ``node_cache_plan`` says the copies
+are ready or their deadline passed, and its copy Jobs are this machine's action meanwhile.
+The ``NodeCached`` condition and ``status.nodeCache`` say where the copies stand.
+
 Rollback: when pods on a new artifact fail, the workload goes back to ``previousArtifact``
 and the failed digest is remembered, so the same spec is not rolled out again (a spec change
 that alters the digest clears it).
@@ -41,6 +46,7 @@ class Action(Enum):
     WAIT = "wait"
     CREATE_JOB = "create-job"
     CREATE_RESOLVE_JOB = "create-resolve-job"
+    CREATE_COPY_JOBS = "create-copy-jobs"
     ROLL_OUT = "roll-out"
     ROLL_BACK = "roll-back"
 
@@ -133,6 +139,10 @@ def decide(
         draft = _situation(desired, status, observed)
     if source is not None and not unresolved and not blocks_staging:
         _resolution_beside(draft, source)
+    step = observed.node_cache
+    if step is not None and step.create and draft.action is Action.WAIT and not blocks_staging:
+        draft.action = Action.CREATE_COPY_JOBS
+        draft.details = f"copying artifact {step.status.digest} to {len(step.create)} node(s)"
     new_status = _new_status(draft, desired, status, observed, source)
     return Decision(draft.action, new_status, draft.target, draft.details)
 
@@ -144,7 +154,7 @@ def _situation(desired: Artifact, status: ModelDeploymentStatus, observed: Obser
     if status.failed_digest == desired.digest:
         return _rolled_back(desired, status, observed.workload, blocks_rollout)
     if current is not None and current.digest == desired.digest:
-        return _rolling_out(desired, status, observed.workload, blocks_rollout)
+        return _rolling_out(desired, status, observed, blocks_rollout)
     return _staging(desired, status, observed, blocks_rollout)
 
 
@@ -191,14 +201,23 @@ def _rolled_back(
     return draft
 
 
+def _copies_done(observed: Observed) -> bool:
+    """With node caching on, the roll waits until the copies are ready or the deadline
+    passed (``node_cache_plan``)."""
+    return not observed.node_cache_enabled or (
+        observed.node_cache is not None and observed.node_cache.roll
+    )
+
+
 def _rolling_out(
     desired: Artifact,
     status: ModelDeploymentStatus,
-    w: WorkloadObservation | None,
+    observed: Observed,
     blocks_rollout: bool,
 ) -> _Draft:
-    """The desired artifact is staged: patch the workload onto it, follow its rollout, and
-    roll back when its pods fail."""
+    """The desired artifact is staged: patch the workload onto it (once its node-local copies
+    are ready, with node caching on), follow its rollout, and roll back when its pods fail."""
+    w = observed.workload
     draft = _Draft("RollingOut", ("True", "Staged", f"artifact {desired.digest} is staged"))
     if w is not None and w.digest == desired.digest:
         draft.updates["workload_generation"] = w.generation
@@ -213,11 +232,17 @@ def _rolling_out(
             "the modelstage fields in its manifest, or change the ModelDeployment spec to "
             "roll out again",
         )
+    elif w.digest != desired.digest and not _copies_done(observed):
+        draft.phase = "Staged"
     elif w.digest != desired.digest:
         draft.action, draft.target = Action.ROLL_OUT, status.artifact
         draft.details = f"the workload is not on artifact {desired.digest}: patching it"
     elif w.failing or w.stalled:
         _rollout_failed(draft, desired, status, w)
+    elif w.node_cache != observed.node_cache_enabled and _copies_done(observed):
+        draft.action, draft.target = Action.ROLL_OUT, status.artifact
+        on = "on" if observed.node_cache_enabled else "off"
+        draft.details = f"node caching turned {on}: patching the workload on {desired.digest}"
     elif w.complete:
         draft.phase = "Ready"
     return draft
@@ -308,6 +333,9 @@ def _staged(
             "workload_generation": None,
         }
         draft.details = f"artifact {desired.digest} staged: rolling the workload onto it"
+        if not _copies_done(observed):  # recorded as staged; rolls once the copies are ready
+            draft.action, draft.target, draft.phase = Action.WAIT, None, "Staged"
+            draft.details = f"artifact {desired.digest} staged: copying it to the nodes"
     return draft
 
 
@@ -342,7 +370,16 @@ def _new_status(
         updates.append(condition("Degraded", "True", reason, message, now=now, generation=gen))
     else:
         updates.append(findings_condition(findings, now=now, generation=gen))
+    node_cache = status.node_cache
+    step = observed.node_cache
+    if step is not None:
+        node_cache = step.status
+        updates.append(condition("NodeCached", *step.condition, now=now, generation=gen))
     conditions = merge_conditions(status.conditions, updates)
+    if not observed.node_cache_enabled:
+        node_cache = None
+        conditions = [c for c in conditions if c.type != "NodeCached"]
+    cache_update = {"node_cache": node_cache} if node_cache != status.node_cache else {}
     return status.model_copy(
         update={
             "phase": draft.phase,
@@ -356,6 +393,7 @@ def _new_status(
             "failed_digest": status.failed_digest if still_failed else None,
             "failure_reason": status.failure_reason if still_failed else None,
             "queue_position": None,
+            **cache_update,
             **draft.updates,
         }
     )
@@ -393,15 +431,23 @@ def queued(
     return Decision(Action.WAIT, status, details=message if position == 1 else "")
 
 
+WAITING_FOR_COPIES = frozenset({"Copying", "Warming", "CopyFailed", "NoEligibleNodes"})
+"""``NodeCached`` reasons of a roll that waits for node-local copies."""
+
+
 def headline(conditions: Sequence[Condition]) -> str | None:
     """The one reason ``kubectl get`` shows: ``Degraded``'s when true, else ``Staged``'s until
-    the artifact is staged, else ``Ready``'s."""
+    the artifact is staged, else ``NodeCached``'s while the roll waits for the copies, else
+    ``Ready``'s."""
     by_type = {c.type: c for c in conditions}
     degraded, staged, ready = (by_type.get(t) for t in ("Degraded", "Staged", "Ready"))
+    cached = by_type.get("NodeCached")
     if degraded is not None and degraded.status == "True":
         return degraded.reason
     if staged is not None and staged.status != "True":
         return staged.reason
+    if cached is not None and cached.reason in WAITING_FOR_COPIES:
+        return cached.reason
     return ready.reason if ready is not None else None
 
 

@@ -89,6 +89,16 @@ def validate_spec(
         findings.append(
             Finding("UnsupportedVllmVersion", f"spec.serving.vllmVersion: {error}", "staging")
         )
+    if spec.node_cache.enabled and not spec.serving.plugin:
+        findings.append(
+            Finding(
+                "NodeCacheNeedsPlugin",
+                "spec.nodeCache.enabled needs spec.serving.plugin: true (the loader plugin and "
+                "its prepare initContainer read the node-local copy); turn the plugin on or "
+                "node caching off",
+                "staging",
+            )
+        )
     return findings
 
 

@@ -1,0 +1,490 @@
+"""``pod template + nodes + agents' reports + copy Jobs -> node copies to make, and when to roll``.
+
+With ``spec.nodeCache.enabled``, a staged artifact is copied to the local disks of the nodes
+the workload can run on before the workload is rolled onto it. Pure functions of what the kopf
+shell read: which nodes are eligible (the pod template's nodeSelector, required node affinity
+and tolerations; Ready, schedulable, with a node agent whose ``NodeCache`` report is fresh),
+which of them get a copy (the replicas' worth, or all), the copy Job per node, and each node's
+state, the phase (Copying, Warming, Ready, DeadlinePassed) and the ``NodeCached`` condition.
+Nothing here reads the cluster.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any, Literal
+
+from modelstage.core import node_cache as nc
+
+from .api import (
+    DEFAULT_STAGER_IMAGE,
+    ModelDeploymentSpec,
+    NodeCache,
+    NodeCacheStatus,
+    NodeCopyStatus,
+)
+from .artifact import ARTIFACT_MOUNT, Artifact
+from .job_plan import _container, _job, _pod_spec
+from .kube import (
+    SCRATCH_DIR,
+    VOLUME_ARTIFACTS,
+    VOLUME_NODE_CACHE,
+    Manifest,
+    Owner,
+    ca_mount,
+    ca_volume,
+    labels,
+)
+from .node_cache_api import NodeCacheReport
+from .observe import JobState, NodeCacheStep, parse_summary
+from .rollout_plan import _s3_serving_env
+
+COPY_COMPONENT = "node-copy"
+COPY_CONTAINER = "copy"
+LABEL_NODE_COPY = "modelstage.io/node-copy"
+"""On a copy Job: a hash of its node's name (node names may be longer than label values)."""
+NODE_ANNOTATION = "modelstage.io/node"
+HEARTBEAT_MAX_AGE = timedelta(minutes=3)
+"""A ``NodeCache`` report older than this means the node's agent is gone: no copy goes there."""
+COPY_RESOURCES: Manifest = {
+    "requests": {"cpu": "500m", "memory": "256Mi"},
+    "limits": {"memory": "1Gi"},
+}
+"""A copy streams through bounded buffers (``modelstage node-copy``)."""
+COPY_BACKOFF_LIMIT = 3
+COPY_TTL_SECONDS = 24 * 3600
+"""A finished copy Job stays a day (its pod's message says how it went), then goes by itself;
+the copy is known from the agent's report, not from the Job."""
+
+NodeState = Literal["Pending", "Copying", "Ready", "Warm", "Failed"]
+HOLDING: frozenset[NodeState] = frozenset({"Ready", "Warm"})
+
+
+# --- which nodes ------------------------------------------------------------------------------
+
+
+def _labels(node: Manifest) -> Mapping[str, str]:
+    return (node.get("metadata") or {}).get("labels") or {}
+
+
+def _name(node: Manifest) -> str:
+    return str((node.get("metadata") or {}).get("name") or "")
+
+
+def _expression_matches(expression: Mapping[str, Any], values: Mapping[str, str]) -> bool:
+    """One node selector requirement (In, NotIn, Exists, DoesNotExist, Gt, Lt) against a
+    node's labels or fields, as the scheduler reads it."""
+    key, operator = expression.get("key"), expression.get("operator")
+    wanted = [str(v) for v in expression.get("values") or []]
+    present = key in values
+    value = values.get(str(key), "")
+    if operator == "In":
+        return present and value in wanted
+    if operator == "NotIn":
+        return not present or value not in wanted
+    if operator == "Exists":
+        return present
+    if operator == "DoesNotExist":
+        return not present
+    if operator in ("Gt", "Lt") and present and len(wanted) == 1:
+        try:
+            have, bound = int(value), int(wanted[0])
+        except ValueError:
+            return False
+        return have > bound if operator == "Gt" else have < bound
+    return False
+
+
+def _term_matches(term: Mapping[str, Any], node: Manifest) -> bool:
+    """A node selector term: all its requirements hold; a term without any matches nothing."""
+    expressions = term.get("matchExpressions") or []
+    fields = term.get("matchFields") or []
+    if not expressions and not fields:
+        return False
+    node_fields = {"metadata.name": _name(node)}
+    return all(_expression_matches(e, _labels(node)) for e in expressions) and all(
+        _expression_matches(f, node_fields) for f in fields
+    )
+
+
+def selects(pod_spec: Manifest, node: Manifest) -> bool:
+    """Whether the pod's nodeSelector and required node affinity admit ``node`` (any of the
+    terms, all of each term's requirements)."""
+    node_labels = _labels(node)
+    for key, value in (pod_spec.get("nodeSelector") or {}).items():
+        if node_labels.get(key) != value:
+            return False
+    required = ((pod_spec.get("affinity") or {}).get("nodeAffinity") or {}).get(
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ) or {}
+    if not required:
+        return True
+    return any(_term_matches(t, node) for t in required.get("nodeSelectorTerms") or [])
+
+
+def _tolerated(taint: Mapping[str, Any], tolerations: Sequence[Mapping[str, Any]]) -> bool:
+    for toleration in tolerations:
+        effect = toleration.get("effect")
+        if effect and effect != taint.get("effect"):
+            continue
+        key = toleration.get("key")
+        if toleration.get("operator") == "Exists":
+            if not key or key == taint.get("key"):
+                return True
+            continue
+        if key == taint.get("key") and (toleration.get("value") or "") == (
+            taint.get("value") or ""
+        ):
+            return True
+    return False
+
+
+def tolerates(pod_spec: Manifest, node: Manifest) -> bool:
+    """Whether the pod tolerates every NoSchedule and NoExecute taint of ``node`` (and its
+    cordon: ``spec.unschedulable``)."""
+    tolerations = pod_spec.get("tolerations") or []
+    spec = node.get("spec") or {}
+    taints = list(spec.get("taints") or [])
+    if spec.get("unschedulable"):
+        taints.append({"key": "node.kubernetes.io/unschedulable", "effect": "NoSchedule"})
+    return all(
+        _tolerated(t, tolerations) for t in taints if t.get("effect") in ("NoSchedule", "NoExecute")
+    )
+
+
+def node_ready(node: Manifest) -> bool:
+    conditions = (node.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
+def fresh(report: NodeCacheReport | None, now: datetime) -> bool:
+    """A report written recently enough that the node's agent is taken to be running."""
+    return report is not None and report.heartbeat >= now - HEARTBEAT_MAX_AGE
+
+
+def eligible_nodes(
+    pod_spec: Manifest,
+    nodes: Iterable[Manifest],
+    reports: Mapping[str, NodeCacheReport],
+    now: datetime,
+) -> list[str]:
+    """The nodes the workload's pods may run on that can hold a copy, by name."""
+    return sorted(
+        _name(node)
+        for node in nodes
+        if selects(pod_spec, node)
+        and tolerates(pod_spec, node)
+        and node_ready(node)
+        and fresh(reports.get(_name(node)), now)
+    )
+
+
+def holds(report: NodeCacheReport | None, digest: str) -> bool:
+    return report is not None and any(a.digest == digest for a in report.artifacts)
+
+
+def chosen_nodes(
+    eligible: Sequence[str],
+    *,
+    mode: Literal["Replicas", "All"],
+    replicas: int,
+    preferred: Iterable[str] = (),
+) -> list[str]:
+    """Which eligible nodes get a copy: all, or the replicas' worth, ``preferred`` ones first
+    (those holding the copy or copying it: the choice stays put while copies run), then by
+    name. Sorted by name."""
+    if mode == "All":
+        return sorted(eligible)
+    first = set(preferred)
+    ordered = sorted(eligible, key=lambda n: (n not in first, n))
+    return sorted(ordered[: max(replicas, 0)])
+
+
+# --- the copy Job -----------------------------------------------------------------------------
+
+
+def node_hash(node: str) -> str:
+    return hashlib.sha256(node.encode()).hexdigest()[:8]
+
+
+def copy_job_name(digest: str, node: str) -> str:
+    """Deterministic per (artifact, node); at most 63 characters."""
+    return f"modelstage-copy-{nc.check_digest(digest)}-{node_hash(node)}"
+
+
+def copy_job_labels(owner_name: str, digest: str, node: str) -> dict[str, str]:
+    return {**labels(COPY_COMPONENT, owner_name, digest), LABEL_NODE_COPY: node_hash(node)}
+
+
+def plan_copy_job(
+    spec: ModelDeploymentSpec,
+    artifact: Artifact,
+    node: str,
+    *,
+    owner: Owner,
+    root: str = nc.DEFAULT_ROOT,
+    tolerations: Sequence[Manifest] = (),
+    default_image: str = DEFAULT_STAGER_IMAGE,
+) -> Manifest:
+    """The Job that copies ``artifact`` onto ``node``'s cache: pinned to the node, with the
+    workload's tolerations, the artifact mounted read-only as the serving pod's prepare
+    initContainer mounts it (the claim, or the S3 settings, credentials and CA by reference)
+    and the node's root as a hostPath; the stager image, restricted, no API token."""
+    location = artifact.location
+    connection = spec.storage.s3 if not location.on_pvc else None
+    command = [
+        "modelstage",
+        "node-copy",
+        "--artifact",
+        location.path,
+        "--digest",
+        artifact.digest,
+        "--tp",
+        str(artifact.tensor_parallel),
+        "--root",
+        nc.POD_MOUNT,
+    ]
+    mounts: list[Manifest] = [{"name": VOLUME_NODE_CACHE, "mountPath": nc.POD_MOUNT}]
+    volumes: list[Manifest] = [
+        {"name": VOLUME_NODE_CACHE, "hostPath": {"path": root, "type": "DirectoryOrCreate"}}
+    ]
+    if location.on_pvc:
+        claim = {"claimName": location.claim_name, "readOnly": True}
+        volumes.append({"name": VOLUME_ARTIFACTS, "persistentVolumeClaim": claim})
+        mounts.append({"name": VOLUME_ARTIFACTS, "mountPath": ARTIFACT_MOUNT, "readOnly": True})
+    env = [{"name": "HOME", "value": SCRATCH_DIR}, *_s3_serving_env(artifact, connection)]
+    image = spec.stager.image or default_image
+    container = _container(COPY_CONTAINER, image, command, env, [*mounts, *ca_mount(connection)])
+    container["resources"] = {k: dict(v) for k, v in COPY_RESOURCES.items()}
+    pod_spec = _pod_spec(container, "1Gi", [*volumes, *ca_volume(connection)], None)
+    pod_spec["affinity"] = {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [
+                    {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]}
+                ]
+            }
+        }
+    }
+    if tolerations:
+        pod_spec["tolerations"] = [dict(t) for t in tolerations]
+    job_labels = copy_job_labels(owner.name, artifact.digest, node)
+    job_spec = {
+        "backoffLimit": COPY_BACKOFF_LIMIT,
+        "ttlSecondsAfterFinished": COPY_TTL_SECONDS,
+        "template": {"metadata": {"labels": job_labels}, "spec": pod_spec},
+    }
+    annotations = {NODE_ANNOTATION: node, "modelstage.io/artifact-uri": location.uri}
+    name = copy_job_name(artifact.digest, node)
+    return _job(name, owner.namespace, job_labels, annotations, job_spec, owner)
+
+
+# --- where the copies stand -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CopyJob:
+    """A copy Job of the desired digest, as the shell observed it."""
+
+    node: str
+    name: str
+    state: JobState
+    message: str = ""
+    """Its pod's termination message: ``node-copy``'s summary, or why it failed."""
+
+
+@dataclass(frozen=True)
+class PodStart:
+    """A serving pod of the desired digest whose prepare initContainer reported on its node's
+    cache (its summary's ``nodeCache.result``)."""
+
+    node: str
+    result: str
+
+
+def pod_start(pod: Manifest, container: str) -> PodStart | None:
+    """``hit`` or ``miss`` from a serving pod's prepare summary, with the pod's node."""
+    node = (pod.get("spec") or {}).get("nodeName")
+    if not node:
+        return None
+    for status in (pod.get("status") or {}).get("initContainerStatuses") or []:
+        if status.get("name") != container:
+            continue
+        for key in ("state", "lastState"):
+            terminated = (status.get(key) or {}).get("terminated") or {}
+            summary = parse_summary(str(terminated.get("message") or ""))
+            result = ((summary or {}).get("nodeCache") or {}).get("result")
+            if result in (nc.HIT, nc.MISS):
+                return PodStart(str(node), str(result))
+    return None
+
+
+def _last_line(message: str) -> str:
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    return lines[-1][:300] if lines else ""
+
+
+def _node_state(
+    node: str,
+    digest: str,
+    report: NodeCacheReport | None,
+    job: CopyJob | None,
+    before: NodeCopyStatus | None,
+) -> tuple[NodeState, str]:
+    """One chosen node: holding the copy (warm or not), copying, failed, or still to start.
+    A node that held the copy earlier and no longer does lost it (evicted, wiped)."""
+    held = next((a for a in report.artifacts if a.digest == digest), None) if report else None
+    if held is not None:
+        return ("Warm" if held.warm else "Ready"), ""
+    copied = job is not None and job.state == "Succeeded"
+    if copied and before is not None and before.state in (*HOLDING, "Failed"):
+        return "Failed", (
+            f"the node no longer holds artifact {digest} (evicted or removed); delete "
+            f"Job {copy_job_name(digest, node)} to copy it again"
+        )
+    if job is None:
+        return "Pending", "the copy Job is to be created"
+    if job.state == "Failed":
+        why = _last_line(job.message) or "the copy Job failed"
+        return "Failed", f"Job {job.name}: {why}"
+    if job.state == "Succeeded":
+        return "Copying", "copied; waiting for the node agent's report"
+    partial = next((p for p in report.partial if p.digest == digest), None) if report else None
+    done = f": {partial.bytes / 1e9:.2f} GB so far" if partial is not None else ""
+    return "Copying", f"Job {job.name} copying{done}"
+
+
+def _phase(
+    cache: NodeCache,
+    before: NodeCacheStatus | None,
+    states: Sequence[NodeState],
+    deadline_passed: bool,
+) -> Literal["Copying", "Warming", "Ready", "DeadlinePassed"]:
+    """Copying until every chosen node holds the copy, Warming (when asked) until every one
+    is warm, then Ready; DeadlinePassed when the deadline came first. Once the workload may
+    roll it stays open (Ready, or DeadlinePassed until every copy is there)."""
+    every_held = bool(states) and all(s in HOLDING for s in states)
+    every_warm = bool(states) and all(s == "Warm" for s in states)
+    opened = before is not None and before.phase in ("Ready", "DeadlinePassed")
+    if opened and before is not None:
+        return "Ready" if before.phase == "Ready" or every_held else "DeadlinePassed"
+    if every_held and (not cache.warm or every_warm):
+        return "Ready"
+    if deadline_passed:
+        return "DeadlinePassed"
+    return "Warming" if every_held else "Copying"
+
+
+def _names(nodes: Sequence[str], limit: int = 5) -> str:
+    shown = ", ".join(nodes[:limit])
+    return shown + (f" and {len(nodes) - limit} more" if len(nodes) > limit else "")
+
+
+def _condition(
+    status: NodeCacheStatus, states: Mapping[str, tuple[NodeState, str]], deadline: datetime
+) -> tuple[Literal["True", "False"], str, str]:
+    """``NodeCached``: True/Ready once every chosen node holds the copy; else why not, with
+    words that stay the same between reconciliations until something changes."""
+    digest, wanted, ready = status.digest, status.wanted, status.ready
+    held = f"{ready}/{wanted} nodes hold artifact {digest}"
+    failed = sorted(n for n, (s, _) in states.items() if s == "Failed")
+    at = deadline.isoformat().replace("+00:00", "Z")
+    if status.phase == "DeadlinePassed" or (status.phase == "Ready" and ready < wanted):
+        verb = "rolled" if status.phase == "Ready" else "rolled anyway"
+        tail = f"; failed: {_names(failed)}" if failed else ""
+        if status.phase == "DeadlinePassed":
+            return (
+                "False",
+                "DeadlinePassed",
+                (
+                    f"the copies were not ready by {at}: {held}; {verb}: pods on other nodes read "
+                    f"the artifact from its storage{tail}"
+                ),
+            )
+        return "False", "CopyLost", f"{held}{tail}"
+    if status.phase == "Ready":
+        warm = " (warm)" if any(s == "Warm" for s, _ in states.values()) else ""
+        return "True", "Ready", held + warm
+    if wanted == 0:
+        return (
+            "False",
+            "NoEligibleNodes",
+            (
+                "no node the workload may run on is Ready with a reporting node agent; the roll "
+                f"waits for one until {at}"
+            ),
+        )
+    if failed:
+        first = states[failed[0]][1]
+        return (
+            "False",
+            "CopyFailed",
+            (
+                f"{held}; the copy failed on {_names(failed)} ({failed[0]}: {first}); the roll "
+                f"waits for the other nodes until {at}"
+            ),
+        )
+    if status.phase == "Warming":
+        warmed = sum(1 for s, _ in states.values() if s == "Warm")
+        return (
+            "False",
+            "Warming",
+            (f"{held}; {warmed}/{wanted} read into the page cache; the roll waits until {at}"),
+        )
+    return "False", "Copying", f"{held}; the roll waits for the copies until {at}"
+
+
+def plan_node_cache(
+    cache: NodeCache,
+    digest: str,
+    *,
+    before: NodeCacheStatus | None,
+    chosen: Sequence[str],
+    reports: Mapping[str, NodeCacheReport],
+    jobs: Mapping[str, CopyJob],
+    pod_starts: Sequence[PodStart] = (),
+    now: datetime,
+) -> tuple[NodeCacheStep, list[str]]:
+    """The node cache's step (the status, the ``NodeCached`` condition, whether the workload
+    may roll) and the chosen nodes a copy Job is to be created for."""
+    before = before if before is not None and before.digest == digest else None
+    since = before.since if before is not None and before.since is not None else now
+    deadline = since + timedelta(seconds=cache.deadline_seconds)
+    previous = {n.name: n for n in before.nodes} if before is not None else {}
+    states = {
+        node: _node_state(node, digest, reports.get(node), jobs.get(node), previous.get(node))
+        for node in chosen
+    }
+    hits: dict[str, list[int]] = {}
+    for start in pod_starts:
+        counts = hits.setdefault(start.node, [0, 0])
+        counts[0 if start.result == nc.HIT else 1] += 1
+    phase = _phase(cache, before, [s for s, _ in states.values()], now >= deadline)
+    nodes = []
+    for node in sorted({*chosen, *hits}):
+        if node in states:
+            state, message = states[node]
+        elif holds(reports.get(node), digest):
+            state, message = "Ready", "holds the copy (not among the chosen nodes)"
+        else:
+            state, message = "Pending", "not among the nodes chosen for a copy"
+        hit, miss = hits.get(node, [0, 0])
+        nodes.append(NodeCopyStatus(name=node, state=state, message=message, hits=hit, misses=miss))
+    status = NodeCacheStatus(
+        digest=digest,
+        phase=phase,
+        wanted=len(chosen),
+        ready=sum(1 for s, _ in states.values() if s in HOLDING),
+        since=since,
+        nodes=nodes,
+    )
+    create = [n for n in chosen if states[n][0] == "Pending" and n not in jobs]
+    step = NodeCacheStep(
+        status=status,
+        condition=_condition(status, states, deadline),
+        roll=phase in ("Ready", "DeadlinePassed"),
+    )
+    return step, create

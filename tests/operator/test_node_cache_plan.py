@@ -1,0 +1,788 @@
+"""Node caching on the operator's side: which nodes, the copy Job, the per-node states and the
+phase, the state machine's wait before the roll, and the roll patch's node-local parts."""
+
+from __future__ import annotations
+
+import copy
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import kubernetes_validate
+import pytest
+from modelstage.core import node_cache as nc
+from modelstage.operator.api import (
+    ArtifactStatus,
+    ModelDeploymentSpec,
+    ModelDeploymentStatus,
+    NodeCache,
+    NodeCacheStatus,
+)
+from modelstage.operator.artifact import Artifact, artifact_for
+from modelstage.operator.kube import Owner
+from modelstage.operator.node_cache_api import HeldArtifact, NodeCacheReport, PartialCopy
+from modelstage.operator.node_cache_plan import (
+    CopyJob,
+    PodStart,
+    chosen_nodes,
+    copy_job_name,
+    eligible_nodes,
+    plan_copy_job,
+    plan_node_cache,
+    pod_start,
+    selects,
+    tolerates,
+)
+from modelstage.operator.observe import JobObservation, NodeCacheStep, Observed, WorkloadObservation
+from modelstage.operator.patch import apply_merge_patch
+from modelstage.operator.rollout_plan import plan_rollout
+from modelstage.operator.settings import OperatorConfig
+from modelstage.operator.state import Action, decide, headline
+from modelstage.operator.validation import validate_spec
+
+from .conftest import SpecFactory
+
+IDENTITY = "commit:" + "ab" * 20
+T0 = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
+OWNER = Owner(name="llama", namespace="llm", uid="uid-1")
+ON = {"nodeCache": {"enabled": True}}
+
+
+def node(
+    name: str,
+    labels: dict[str, str] | None = None,
+    *,
+    ready: bool = True,
+    taints: list[dict[str, str]] | None = None,
+    unschedulable: bool = False,
+) -> dict[str, Any]:
+    spec: dict[str, Any] = {"taints": taints or []}
+    if unschedulable:
+        spec["unschedulable"] = True
+    return {
+        "metadata": {"name": name, "labels": labels or {}},
+        "spec": spec,
+        "status": {"conditions": [{"type": "Ready", "status": "True" if ready else "False"}]},
+    }
+
+
+def report(
+    node_name: str,
+    *held: str,
+    warm: bool = False,
+    at: datetime = T0,
+    partial: tuple[str, int] | None = None,
+) -> NodeCacheReport:
+    return NodeCacheReport(
+        node=node_name,
+        root=nc.DEFAULT_ROOT,
+        budget_bytes=10**12,
+        heartbeat=at,
+        artifacts=[HeldArtifact(digest=d, bytes=100, warm=warm) for d in held],
+        partial=[PartialCopy(digest=partial[0], bytes=partial[1])] if partial else [],
+    )
+
+
+def affinity(*terms: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "affinity": {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": list(terms)}
+            }
+        }
+    }
+
+
+def expr(key: str, operator: str, *values: str) -> dict[str, Any]:
+    out: dict[str, Any] = {"key": key, "operator": operator}
+    if values:
+        out["values"] = list(values)
+    return out
+
+
+# --- which nodes ------------------------------------------------------------------------------
+
+
+GPU = node("gpu-1", {"gpu": "h100", "zone": "a", "cores": "64"})
+
+
+@pytest.mark.parametrize(
+    ("pod_spec", "expected"),
+    [
+        ({}, True),
+        ({"nodeSelector": {"gpu": "h100"}}, True),
+        ({"nodeSelector": {"gpu": "a100"}}, False),
+        ({"nodeSelector": {"gpu": "h100", "zone": "b"}}, False),
+        (affinity({"matchExpressions": [expr("gpu", "In", "a100", "h100")]}), True),
+        (affinity({"matchExpressions": [expr("gpu", "In", "a100")]}), False),
+        (affinity({"matchExpressions": [expr("gpu", "NotIn", "a100")]}), True),
+        (affinity({"matchExpressions": [expr("gpu", "NotIn", "h100")]}), False),
+        (affinity({"matchExpressions": [expr("other", "NotIn", "x")]}), True),
+        (affinity({"matchExpressions": [expr("gpu", "Exists")]}), True),
+        (affinity({"matchExpressions": [expr("other", "Exists")]}), False),
+        (affinity({"matchExpressions": [expr("other", "DoesNotExist")]}), True),
+        (affinity({"matchExpressions": [expr("gpu", "DoesNotExist")]}), False),
+        (affinity({"matchExpressions": [expr("cores", "Gt", "32")]}), True),
+        (affinity({"matchExpressions": [expr("cores", "Gt", "64")]}), False),
+        (affinity({"matchExpressions": [expr("cores", "Lt", "65")]}), True),
+        (affinity({"matchExpressions": [expr("gpu", "Gt", "1")]}), False),  # not a number
+        (affinity({"matchFields": [expr("metadata.name", "In", "gpu-1")]}), True),
+        (affinity({"matchFields": [expr("metadata.name", "NotIn", "gpu-1")]}), False),
+        # All requirements of a term, any of the terms; an empty term matches nothing.
+        (
+            affinity({"matchExpressions": [expr("gpu", "Exists"), expr("zone", "In", "b")]}),
+            False,
+        ),
+        (
+            affinity(
+                {"matchExpressions": [expr("zone", "In", "b")]},
+                {"matchExpressions": [expr("zone", "In", "a")]},
+            ),
+            True,
+        ),
+        (affinity({}), False),
+        (
+            {
+                "nodeSelector": {"gpu": "a100"},
+                **affinity({"matchExpressions": [expr("gpu", "Exists")]}),
+            },
+            False,
+        ),
+    ],
+)
+def test_node_selector_and_required_affinity_as_the_scheduler_reads_them(
+    pod_spec: dict[str, Any], expected: bool
+) -> None:
+    assert selects(pod_spec, GPU) is expected
+
+
+NO_SCHEDULE = {"key": "gpu", "value": "true", "effect": "NoSchedule"}
+
+
+@pytest.mark.parametrize(
+    ("tolerations", "taints", "expected"),
+    [
+        ([], [], True),
+        ([], [NO_SCHEDULE], False),
+        ([], [{"key": "gpu", "effect": "NoExecute"}], False),
+        ([], [{"key": "gpu", "effect": "PreferNoSchedule"}], True),
+        ([{"key": "gpu", "operator": "Equal", "value": "true"}], [NO_SCHEDULE], True),
+        ([{"key": "gpu", "value": "false"}], [NO_SCHEDULE], False),
+        ([{"key": "gpu", "operator": "Exists"}], [NO_SCHEDULE], True),
+        ([{"operator": "Exists"}], [NO_SCHEDULE], True),
+        ([{"key": "gpu", "operator": "Exists", "effect": "NoExecute"}], [NO_SCHEDULE], False),
+        ([{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}], [NO_SCHEDULE], True),
+    ],
+)
+def test_every_no_schedule_and_no_execute_taint_must_be_tolerated(
+    tolerations: list[dict[str, str]], taints: list[dict[str, str]], expected: bool
+) -> None:
+    assert tolerates({"tolerations": tolerations}, node("n", taints=taints)) is expected
+
+
+def test_a_cordoned_node_is_not_eligible_unless_tolerated() -> None:
+    cordoned = node("n", unschedulable=True)
+    assert not tolerates({}, cordoned)
+    assert tolerates(
+        {"tolerations": [{"key": "node.kubernetes.io/unschedulable", "operator": "Exists"}]},
+        cordoned,
+    )
+
+
+def test_eligible_nodes_are_ready_matching_and_have_a_fresh_agent_report() -> None:
+    nodes = [
+        node("a", {"gpu": "h100"}),
+        node("b", {"gpu": "h100"}, ready=False),
+        node("c", {"gpu": "h100"}),  # its agent's report is old
+        node("d", {"gpu": "h100"}),  # no agent
+        node("e", {"gpu": "a100"}),
+        node("f", {"gpu": "h100"}),
+    ]
+    reports = {n: report(n, at=T0 - timedelta(seconds=30)) for n in ("a", "b", "e", "f")} | {
+        "c": report("c", at=T0 - timedelta(hours=1))
+    }
+    assert eligible_nodes({"nodeSelector": {"gpu": "h100"}}, nodes, reports, T0) == ["a", "f"]
+
+
+def test_replicas_worth_prefers_nodes_holding_or_copying_then_by_name() -> None:
+    eligible = ["a", "b", "c", "d"]
+    assert chosen_nodes(eligible, mode="Replicas", replicas=2) == ["a", "b"]
+    assert chosen_nodes(eligible, mode="Replicas", replicas=2, preferred=["d"]) == ["a", "d"]
+    assert chosen_nodes(eligible, mode="Replicas", replicas=9) == eligible
+    assert chosen_nodes(eligible, mode="Replicas", replicas=0) == []
+    assert chosen_nodes(eligible, mode="All", replicas=1) == eligible
+
+
+# --- the copy Job -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def spec(make_spec: SpecFactory) -> ModelDeploymentSpec:
+    return make_spec(**ON)
+
+
+def artifact(spec: ModelDeploymentSpec) -> Artifact:
+    return artifact_for(spec, namespace="llm", deployment_name="llama", identity=IDENTITY)
+
+
+def test_copy_job_is_pinned_to_its_node_and_mounts_the_artifact_read_only(
+    spec: ModelDeploymentSpec,
+) -> None:
+    a = artifact(spec)
+    toleration = {"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}
+    job = plan_copy_job(
+        spec, a, "gpu-node-7", owner=OWNER, root="/mnt/nvme/cache", tolerations=[toleration]
+    )
+    name = job["metadata"]["name"]
+    assert name == copy_job_name(a.digest, "gpu-node-7") and len(name) <= 63
+    assert name.startswith(f"modelstage-copy-{a.digest}-")
+    assert job["metadata"]["annotations"][nc_node_annotation()] == "gpu-node-7"
+    assert job["metadata"]["labels"]["modelstage.io/digest"] == a.digest
+    assert job["metadata"]["labels"]["modelstage.io/model-deployment"] == "llama"
+    assert len(job["metadata"]["labels"]["modelstage.io/node-copy"]) == 8
+    assert job["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+    pod = job["spec"]["template"]["spec"]
+    [term] = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"
+    ]
+    assert term == {
+        "matchFields": [{"key": "metadata.name", "operator": "In", "values": ["gpu-node-7"]}]
+    }
+    assert pod["tolerations"] == [toleration]
+    assert pod["automountServiceAccountToken"] is False
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    [container] = pod["containers"]
+    assert container["command"] == [
+        "modelstage", "node-copy", "--artifact", a.location.path, "--digest", a.digest,
+        "--tp", "2", "--root", nc.POD_MOUNT,
+    ]  # fmt: skip
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["modelstage-node-cache"]["hostPath"] == {
+        "path": "/mnt/nvme/cache",
+        "type": "DirectoryOrCreate",
+    }
+    assert volumes["modelstage-artifacts"]["persistentVolumeClaim"] == {
+        "claimName": "models",
+        "readOnly": True,
+    }
+    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    assert mounts["modelstage-artifacts"]["readOnly"] is True
+    assert mounts["modelstage-node-cache"]["mountPath"] == nc.POD_MOUNT
+    kubernetes_validate.validate(job, "1.28", strict=True)
+
+
+def nc_node_annotation() -> str:
+    from modelstage.operator.node_cache_plan import NODE_ANNOTATION
+
+    return NODE_ANNOTATION
+
+
+def test_copy_job_of_an_s3_artifact_gets_the_s3_settings_by_reference(
+    make_spec: SpecFactory,
+) -> None:
+    s3 = {
+        "pvc": None,
+        "s3": {
+            "uri": "s3://models/modelstage",
+            "endpoint": "http://seaweed.storage:8333",
+            "credentialsSecret": "s3-creds",
+            "caBundleSecret": "s3-ca",
+        },
+    }
+    spec = make_spec(storage=s3, loadFormat="runai_streamer_sharded", **ON)
+    job = plan_copy_job(spec, artifact(spec), "n1", owner=OWNER)
+    pod = job["spec"]["template"]["spec"]
+    [container] = pod["containers"]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["AWS_ENDPOINT_URL"]["value"] == "http://seaweed.storage:8333"
+    assert env["AWS_ACCESS_KEY_ID"]["valueFrom"]["secretKeyRef"]["name"] == "s3-creds"
+    assert "value" not in env["AWS_SECRET_ACCESS_KEY"]
+    assert {v["name"] for v in pod["volumes"]} >= {"modelstage-s3-ca", "modelstage-node-cache"}
+    assert "modelstage-artifacts" not in {v["name"] for v in pod["volumes"]}
+    assert container["command"][3].startswith("s3://")
+
+
+# --- per-node states and the phase ------------------------------------------------------------
+
+DIGEST = "0123456789abcdef0123"
+OTHER = "fedcba9876543210fedc"
+
+
+def plan(
+    cache: NodeCache | None = None,
+    *,
+    before: NodeCacheStatus | None = None,
+    chosen: tuple[str, ...] = ("a", "b"),
+    reports: dict[str, NodeCacheReport] | None = None,
+    jobs: dict[str, CopyJob] | None = None,
+    starts: tuple[PodStart, ...] = (),
+    now: datetime = T0,
+) -> tuple[NodeCacheStep, list[str]]:
+    return plan_node_cache(
+        cache or NodeCache(enabled=True),
+        DIGEST,
+        before=before,
+        chosen=list(chosen),
+        reports=reports or {},
+        jobs=jobs or {},
+        pod_starts=starts,
+        now=now,
+    )
+
+
+def states(step: NodeCacheStep) -> dict[str, str]:
+    return {n.name: n.state for n in step.status.nodes}
+
+
+def running(node_name: str) -> CopyJob:
+    return CopyJob(node_name, copy_job_name(DIGEST, node_name), "Running")
+
+
+def test_copies_are_asked_for_on_the_chosen_nodes_and_the_roll_waits() -> None:
+    step, create = plan()
+    assert create == ["a", "b"]
+    assert states(step) == {"a": "Pending", "b": "Pending"}
+    assert (step.status.phase, step.status.wanted, step.status.ready) == ("Copying", 2, 0)
+    assert step.status.since == T0
+    assert step.condition[:2] == ("False", "Copying")
+    assert "2030" not in step.condition[2] and "2026-03-01T12:30:00Z" in step.condition[2]
+    assert not step.roll
+
+
+def test_running_copies_are_followed_not_created_again() -> None:
+    reports = {"a": report("a", partial=(DIGEST, 2_500_000_000)), "b": report("b")}
+    step, create = plan(reports=reports, jobs={"a": running("a"), "b": running("b")})
+    assert create == []
+    assert states(step) == {"a": "Copying", "b": "Copying"}
+    assert "2.50 GB so far" in step.status.nodes[0].message
+
+
+def test_ready_when_every_chosen_node_reports_the_copy() -> None:
+    first, _ = plan(jobs={"a": running("a"), "b": running("b")})
+    reports = {"a": report("a", DIGEST), "b": report("b", DIGEST, OTHER)}
+    later = T0 + timedelta(minutes=2)
+    step, create = plan(before=first.status, reports=reports, now=later)
+    assert create == []
+    assert states(step) == {"a": "Ready", "b": "Ready"}
+    assert (step.status.phase, step.status.ready, step.status.since) == ("Ready", 2, T0)
+    assert step.condition[:2] == ("True", "Ready")
+    assert step.roll
+
+
+def test_one_node_ready_one_copying_still_waits() -> None:
+    reports = {"a": report("a", DIGEST), "b": report("b")}
+    step, _ = plan(reports=reports, jobs={"b": running("b")})
+    assert (step.status.phase, step.status.ready, step.roll) == ("Copying", 1, False)
+    assert "1/2 nodes hold" in step.condition[2]
+
+
+def test_warm_waits_for_every_node_to_read_its_copy_into_the_page_cache() -> None:
+    warm = NodeCache(enabled=True, warm=True)
+    held = {"a": report("a", DIGEST, warm=True), "b": report("b", DIGEST)}
+    step, _ = plan(warm, reports=held)
+    assert (step.status.phase, step.roll) == ("Warming", False)
+    assert states(step) == {"a": "Warm", "b": "Ready"}
+    assert step.condition[:2] == ("False", "Warming")
+    both = {"a": report("a", DIGEST, warm=True), "b": report("b", DIGEST, warm=True)}
+    step, _ = plan(warm, before=step.status, reports=both)
+    assert (step.status.phase, step.roll, step.condition[:2]) == ("Ready", True, ("True", "Ready"))
+
+
+def test_the_deadline_rolls_anyway_and_says_so() -> None:
+    first, _ = plan(jobs={"a": running("a")})
+    reports = {"a": report("a", DIGEST), "b": report("b")}
+    late = T0 + timedelta(seconds=1800)
+    step, _ = plan(before=first.status, reports=reports, jobs={"b": running("b")}, now=late)
+    assert (step.status.phase, step.roll) == ("DeadlinePassed", True)
+    assert step.condition[:2] == ("False", "DeadlinePassed")
+    assert "1/2 nodes hold" in step.condition[2] and "rolled anyway" in step.condition[2]
+    # Just before the deadline it still waits.
+    early = late - timedelta(seconds=1)
+    step, _ = plan(before=first.status, reports=reports, jobs={"b": running("b")}, now=early)
+    assert (step.status.phase, step.roll) == ("Copying", False)
+
+
+def test_once_the_roll_went_ahead_the_phase_stays_open() -> None:
+    passed = NodeCacheStatus(digest=DIGEST, phase="DeadlinePassed", since=T0, wanted=2)
+    reports = {"a": report("a", DIGEST), "b": report("b")}
+    step, _ = plan(before=passed, reports=reports, jobs={"b": running("b")})
+    assert (step.status.phase, step.roll) == ("DeadlinePassed", True)
+    reports["b"] = report("b", DIGEST)
+    step, _ = plan(before=step.status, reports=reports)
+    assert (step.status.phase, step.roll, step.condition[0]) == ("Ready", True, "True")
+
+
+def test_a_failed_copy_is_reported_with_its_reason_and_the_others_are_waited_for() -> None:
+    failed = CopyJob(
+        "b",
+        copy_job_name(DIGEST, "b"),
+        "Failed",
+        "copying rank 0\nerror: model-rank-0.safetensors: chunk 3 (bytes 3-4): expected aa, got bb",
+    )
+    reports = {"a": report("a", DIGEST), "b": report("b")}
+    step, create = plan(reports=reports, jobs={"b": failed})
+    assert create == []
+    assert states(step) == {"a": "Ready", "b": "Failed"}
+    assert "chunk 3" in step.status.nodes[1].message
+    assert "copying rank 0" not in step.status.nodes[1].message
+    assert step.condition[:2] == ("False", "CopyFailed")
+    assert "b" in step.condition[2] and not step.roll
+
+
+def test_a_node_that_loses_its_copy_shows_in_the_status() -> None:
+    done = CopyJob("b", copy_job_name(DIGEST, "b"), "Succeeded")
+    held = {"a": report("a", DIGEST), "b": report("b", DIGEST)}
+    ready, _ = plan(reports=held, jobs={"b": done})
+    assert ready.status.phase == "Ready"
+    lost = {"a": report("a", DIGEST), "b": report("b")}
+    step, create = plan(before=ready.status, reports=lost, jobs={"b": done})
+    assert create == []
+    assert states(step) == {"a": "Ready", "b": "Failed"}
+    assert "no longer holds" in step.status.nodes[1].message
+    assert (step.status.phase, step.status.ready) == ("Ready", 1)
+    assert step.condition[:2] == ("False", "CopyLost")
+    again, _ = plan(before=step.status, reports=lost, jobs={"b": done})
+    assert states(again)["b"] == "Failed"  # stays lost, not "waiting for the report"
+
+
+def test_a_copy_job_done_before_the_agent_reports_it_is_still_copying() -> None:
+    done = CopyJob("a", copy_job_name(DIGEST, "a"), "Succeeded")
+    first, _ = plan(chosen=("a",))
+    step, _ = plan(before=first.status, chosen=("a",), reports={"a": report("a")}, jobs={"a": done})
+    assert states(step) == {"a": "Copying"}
+
+
+def test_no_eligible_node_waits_until_the_deadline() -> None:
+    step, create = plan(chosen=())
+    assert create == [] and step.condition[:2] == ("False", "NoEligibleNodes")
+    assert not step.roll
+    late, _ = plan(before=step.status, chosen=(), now=T0 + timedelta(hours=1))
+    assert late.roll and late.status.phase == "DeadlinePassed"
+
+
+def test_a_new_digest_starts_its_own_deadline() -> None:
+    old = NodeCacheStatus(digest=OTHER, phase="Ready", since=T0 - timedelta(days=1))
+    step, _ = plan(before=old)
+    assert (step.status.since, step.status.phase) == (T0, "Copying")
+
+
+def test_hits_and_misses_per_node_including_nodes_without_a_copy() -> None:
+    starts = (PodStart("a", "hit"), PodStart("a", "hit"), PodStart("z", "miss"))
+    step, _ = plan(reports={"a": report("a", DIGEST), "b": report("b", DIGEST)}, starts=starts)
+    by_name = {n.name: n for n in step.status.nodes}
+    assert (by_name["a"].hits, by_name["a"].misses) == (2, 0)
+    assert (by_name["z"].state, by_name["z"].hits, by_name["z"].misses) == ("Pending", 0, 1)
+    assert step.status.wanted == 2  # a node without a copy is shown, not wanted
+
+
+def test_pod_start_reads_prepares_summary() -> None:
+    def pod(message: str, node_name: str | None = "a") -> dict[str, Any]:
+        terminated = {"exitCode": 0, "message": message}
+        return {
+            "spec": {"nodeName": node_name} if node_name else {},
+            "status": {
+                "initContainerStatuses": [
+                    {"name": "modelstage-prepare", "state": {"terminated": terminated}}
+                ]
+            },
+        }
+
+    hit = '{"digest": "d", "nodeCache": {"result": "hit", "path": "/x"}}'
+    miss = 'checking\n{"digest": "d", "nodeCache": {"result": "miss", "reason": "none"}}'
+    assert pod_start(pod(hit), "modelstage-prepare") == PodStart("a", "hit")
+    assert pod_start(pod(miss), "modelstage-prepare") == PodStart("a", "miss")
+    assert pod_start(pod('{"digest": "d"}'), "modelstage-prepare") is None
+    assert pod_start(pod(hit, None), "modelstage-prepare") is None
+    assert pod_start(pod(hit), "other") is None
+
+
+# --- the state machine ------------------------------------------------------------------------
+
+
+def staged_status(a: Artifact) -> ModelDeploymentStatus:
+    current = ArtifactStatus(
+        digest=a.digest, uri=a.location.uri, format="sharded_state", tensor_parallel_size=2
+    )
+    return ModelDeploymentStatus(phase="Staged", artifact=current)
+
+
+def step_of(a: Artifact, *, roll: bool, create: tuple[dict[str, Any], ...] = ()) -> NodeCacheStep:
+    status = NodeCacheStatus(
+        digest=a.digest, phase="Ready" if roll else "Copying", since=T0, wanted=1
+    )
+    reason = ("True", "Ready", "1/1") if roll else ("False", "Copying", "0/1")
+    return NodeCacheStep(status=status, condition=reason, roll=roll, create=create)
+
+
+def observed(step: NodeCacheStep | None, *, job: JobObservation | None = None) -> Observed:
+    return Observed(
+        generation=1,
+        now=T0,
+        job=job,
+        workload=WorkloadObservation(digest=None),
+        node_cache_enabled=True,
+        node_cache=step,
+    )
+
+
+def test_a_finished_staging_records_the_artifact_and_copies_before_rolling(
+    spec: ModelDeploymentSpec,
+) -> None:
+    a = artifact(spec)
+    job = JobObservation("Succeeded", f'{{"digest": "{a.digest}", "bytes": 10}}', T0)
+    create = ({"metadata": {"name": "copy"}},)
+    d = decide(a, ModelDeploymentStatus(), observed(step_of(a, roll=False, create=create), job=job))
+    assert d.action is Action.CREATE_COPY_JOBS
+    assert d.status.phase == "Staged"
+    assert d.status.artifact is not None and d.status.artifact.digest == a.digest
+    assert d.status.node_cache is not None and d.status.node_cache.phase == "Copying"
+    cached = d.status.condition("NodeCached")
+    assert cached is not None and (cached.status, cached.reason) == ("False", "Copying")
+    assert d.status.reason == "Copying"
+    # Without the step (not observed yet), it waits too: never a roll before the copies.
+    d = decide(a, ModelDeploymentStatus(), observed(None, job=job))
+    assert (d.action, d.status.phase) == (Action.WAIT, "Staged")
+
+
+def test_the_roll_waits_for_the_copies_then_goes(spec: ModelDeploymentSpec) -> None:
+    a = artifact(spec)
+    waiting = decide(a, staged_status(a), observed(step_of(a, roll=False)))
+    assert (waiting.action, waiting.status.phase) == (Action.WAIT, "Staged")
+    go = decide(a, waiting.status, observed(step_of(a, roll=True)))
+    assert (go.action, go.status.phase) == (Action.ROLL_OUT, "RollingOut")
+    assert go.artifact is not None and go.artifact.digest == a.digest
+    cached = go.status.condition("NodeCached")
+    assert cached is not None and (cached.status, cached.reason) == ("True", "Ready")
+
+
+def test_node_caching_off_leaves_no_trace_in_the_status(spec: ModelDeploymentSpec) -> None:
+    a = artifact(spec)
+    waiting = decide(a, staged_status(a), observed(step_of(a, roll=False)))
+    assert waiting.status.node_cache is not None
+    off = Observed(generation=1, now=T0, workload=WorkloadObservation(digest=None))
+    d = decide(a, waiting.status, off)
+    assert d.action is Action.ROLL_OUT
+    assert d.status.node_cache is None and d.status.condition("NodeCached") is None
+    assert "nodeCache" not in d.status.wire()
+
+
+def test_headline_shows_the_copy_wait_and_then_ready() -> None:
+    from modelstage.operator.conditions import condition
+
+    staged = condition("Staged", "True", "Staged", "", now=T0)
+    ready = condition("Ready", "True", "Serving", "", now=T0)
+    copying = condition("NodeCached", "False", "Copying", "", now=T0)
+    passed = condition("NodeCached", "False", "DeadlinePassed", "", now=T0)
+    assert headline([staged, ready, copying]) == "Copying"
+    assert headline([staged, ready, passed]) == "Serving"
+
+
+def test_node_caching_needs_the_plugin(make_spec: SpecFactory) -> None:
+    findings = validate_spec(make_spec(serving={"plugin": False}, **ON))
+    [finding] = [f for f in findings if f.reason == "NodeCacheNeedsPlugin"]
+    assert finding.blocks == "staging"
+    assert not [f for f in validate_spec(make_spec(**ON)) if f.reason == "NodeCacheNeedsPlugin"]
+
+
+def test_the_root_setting_is_an_absolute_normalized_path() -> None:
+    assert OperatorConfig.from_env({}).node_cache_root == nc.DEFAULT_ROOT
+    env = {"MODELSTAGE_NODE_CACHE_ROOT": "/mnt/nvme/modelstage"}
+    assert OperatorConfig.from_env(env).node_cache_root == "/mnt/nvme/modelstage"
+    for bad in ("relative/path", "/", "/a/../etc"):
+        with pytest.raises(ValueError, match="MODELSTAGE_NODE_CACHE_ROOT"):
+            OperatorConfig.from_env({"MODELSTAGE_NODE_CACHE_ROOT": bad})
+
+
+# --- the roll patch ---------------------------------------------------------------------------
+
+
+def roll(spec: ModelDeploymentSpec, workload: dict[str, Any], root: str = nc.DEFAULT_ROOT) -> Any:
+    patch = plan_rollout(spec, artifact(spec), workload, node_cache_root=root).merge_patch
+    return apply_merge_patch(workload, patch)
+
+
+def pod_of(workload: dict[str, Any]) -> dict[str, Any]:
+    result: dict[str, Any] = workload["spec"]["template"]["spec"]
+    return result
+
+
+def test_the_roll_mounts_the_node_root_read_only_and_prefers_nodes_with_the_copy(
+    spec: ModelDeploymentSpec, deployment: dict[str, Any]
+) -> None:
+    rolled = roll(spec, deployment, "/mnt/nvme/cache")
+    pod = pod_of(rolled)
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["modelstage-node-cache"]["hostPath"] == {
+        "path": "/mnt/nvme/cache",
+        "type": "DirectoryOrCreate",
+    }
+    vllm = next(c for c in pod["containers"] if c["name"] == "vllm")
+    prepare = next(c for c in pod["initContainers"] if c["name"] == "modelstage-prepare")
+    for container in (vllm, prepare):
+        [mount] = [m for m in container["volumeMounts"] if m["name"] == "modelstage-node-cache"]
+        assert mount == {
+            "name": "modelstage-node-cache",
+            "mountPath": nc.POD_MOUNT,
+            "readOnly": True,
+        }
+    assert {"name": nc.ENV_NODE_CACHE, "value": nc.POD_MOUNT} in vllm["env"]
+    assert prepare["command"][-2:] == ["--node-cache", nc.POD_MOUNT]
+    a = artifact(spec)
+    assert pod["affinity"]["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"] == [
+        {
+            "weight": 100,
+            "preference": {
+                "matchExpressions": [{"key": nc.node_label(a.digest), "operator": "Exists"}]
+            },
+        }
+    ]
+    replanned = plan_rollout(spec, a, rolled, node_cache_root="/mnt/nvme/cache")
+    assert replanned.merge_patch == {}
+    kubernetes_validate.validate(rolled, "1.28", strict=True)
+
+
+USER_AFFINITY = {
+    "nodeAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": [{"matchExpressions": [expr("gpu", "Exists")]}]
+        },
+        "preferredDuringSchedulingIgnoredDuringExecution": [
+            {"weight": 10, "preference": {"matchExpressions": [expr("zone", "In", "a")]}},
+            {"weight": 5, "preference": {"matchExpressions": [expr("disk", "In", "nvme")]}},
+        ],
+    },
+    "podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": []},
+}
+
+
+def test_the_next_artifact_replaces_the_preference_in_place_keeping_the_users_terms(
+    make_spec: SpecFactory, deployment: dict[str, Any]
+) -> None:
+    pod_of(deployment)["affinity"] = copy.deepcopy(USER_AFFINITY)
+    first_spec = make_spec(**ON)
+    rolled = roll(first_spec, deployment)
+    terms = pod_of(rolled)["affinity"]["nodeAffinity"][
+        "preferredDuringSchedulingIgnoredDuringExecution"
+    ]
+    assert (
+        terms[:2]
+        == USER_AFFINITY["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    )
+    # The operator's term moved between the user's by someone: replaced where it stands.
+    terms.insert(1, terms.pop())
+    second_spec = make_spec(parallelism={"tensor": 4}, **ON)
+    again = roll(second_spec, rolled)
+    affinity = pod_of(again)["affinity"]
+    new_terms = affinity["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert len(new_terms) == 3
+    assert new_terms[0]["weight"] == 10 and new_terms[2]["weight"] == 5
+    assert new_terms[1]["preference"]["matchExpressions"] == [
+        {"key": nc.node_label(artifact(second_spec).digest), "operator": "Exists"}
+    ]
+    assert (
+        affinity["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        == (USER_AFFINITY["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"])
+    )
+    assert affinity["podAntiAffinity"] == USER_AFFINITY["podAntiAffinity"]
+
+
+def test_turning_node_caching_off_removes_what_it_added(
+    make_spec: SpecFactory, deployment: dict[str, Any]
+) -> None:
+    pristine = roll(make_spec(), copy.deepcopy(deployment))
+    rolled = roll(make_spec(**ON), deployment)
+    off = roll(make_spec(), rolled)
+    assert off["spec"]["template"] == pristine["spec"]["template"]
+    assert "affinity" not in pod_of(off)
+
+
+def test_off_by_default_and_without_the_plugin_the_patch_has_no_node_cache_parts(
+    make_spec: SpecFactory, deployment: dict[str, Any]
+) -> None:
+    for spec in (make_spec(), make_spec(serving={"plugin": False}, **ON)):
+        rolled = pod_of(roll(spec, copy.deepcopy(deployment)))
+        text = str(rolled)
+        assert "node-cache" not in text and "affinity" not in rolled
+        assert nc.ENV_NODE_CACHE not in text
+
+
+# --- the shell's reading ----------------------------------------------------------------------
+
+
+class ForbiddenKube:
+    """The API as an operator without the node cache's read rights sees it."""
+
+    def list(self, path: str, label_selector: Any = None) -> list[dict[str, Any]]:
+        from kubernetes.client.exceptions import ApiException
+
+        if path.endswith(("/nodes", "/nodecaches")):
+            raise ApiException(status=403, reason="nodes is forbidden")
+        return []
+
+
+def test_without_the_rights_to_read_nodes_the_status_says_so_and_the_deadline_holds(
+    spec: ModelDeploymentSpec, deployment: dict[str, Any]
+) -> None:
+    from modelstage.operator.reconcile import Reconciler, _World
+
+    a = artifact(spec)
+    reconciler = Reconciler(ForbiddenKube(), stager_image="x", post_event=lambda *_: None)  # type: ignore[arg-type]
+    world = _World(
+        body={}, owner=OWNER, status=staged_status(a), now=T0, desired=a, workload=deployment
+    )
+    reconciler._observe_node_cache(world, spec)
+    [finding] = world.findings
+    assert finding.reason == "NodeCacheForbidden" and "get, list and watch" in finding.message
+    assert world.node_cache is not None
+    assert world.node_cache.condition[1] == "NoEligibleNodes" and not world.node_cache.roll
+    assert world.node_cache.create == ()
+
+
+def test_turning_node_caching_on_or_off_repatches_a_workload_already_on_the_artifact(
+    spec: ModelDeploymentSpec,
+) -> None:
+    a = artifact(spec)
+    current = staged_status(a).model_copy(update={"phase": "Ready"})
+    plain = WorkloadObservation(digest=a.digest)
+    cached = WorkloadObservation(digest=a.digest, node_cache=True)
+    copying = Observed(
+        generation=2, now=T0, workload=plain, node_cache_enabled=True,
+        node_cache=step_of(a, roll=False),
+    )  # fmt: skip
+    d = decide(a, current, copying)
+    assert (d.action, d.status.phase) == (Action.WAIT, "Ready")  # serves on while copying
+    ready = Observed(
+        generation=2, now=T0, workload=plain, node_cache_enabled=True,
+        node_cache=step_of(a, roll=True),
+    )  # fmt: skip
+    d = decide(a, current, ready)
+    assert d.action is Action.ROLL_OUT and d.artifact == current.artifact
+    assert decide(a, current, replace_workload(ready, cached)).action is Action.WAIT
+    off = Observed(generation=3, now=T0, workload=cached)
+    assert decide(a, current, off).action is Action.ROLL_OUT
+    assert decide(a, current, replace_workload(off, plain)).action is Action.WAIT
+
+
+def replace_workload(observed: Observed, workload: WorkloadObservation) -> Observed:
+    from dataclasses import replace
+
+    return replace(observed, workload=workload)
+
+
+def test_a_digest_that_was_rolled_back_gets_no_copies(
+    spec: ModelDeploymentSpec, deployment: dict[str, Any]
+) -> None:
+    from modelstage.operator.reconcile import Reconciler, _World
+
+    a = artifact(spec)
+    rolled_back = ModelDeploymentStatus(phase="Failed", failed_digest=a.digest)
+    done = JobObservation("Succeeded", f'{{"digest": "{a.digest}"}}', T0)
+    reconciler = Reconciler(ForbiddenKube(), stager_image="x", post_event=lambda *_: None)  # type: ignore[arg-type]
+    world = _World(
+        body={}, owner=OWNER, status=rolled_back, now=T0, desired=a, workload=deployment, job=done
+    )
+    reconciler._observe_node_cache(world, spec)
+    assert world.node_cache is None and not world.findings
+    world.status = ModelDeploymentStatus()  # the same Job, not rolled back: it is copied
+    reconciler._observe_node_cache(world, spec)
+    assert world.node_cache is not None

@@ -1,0 +1,492 @@
+"""Node caching, the operator's side, live: the operator process against the tests' API (kmock,
+or the real API server with ``KUBEBUILDER_ASSETS``). The tests play the node agents (they
+write the ``NodeCache`` reports) and the Job controller (they finish the copy Jobs as the
+existing tests finish stager Jobs); Nodes are created through the API.
+
+Proven here: staged -> copy Jobs on the matching nodes only (nodeSelector, taints, an agent's
+fresh report) -> Ready -> the roll with the read-only hostPath, ``--node-cache`` and the
+preferred affinity; the deadline rolls anyway with ``DeadlinePassed`` (condition and Warning
+event); a node that loses its copy shows in the status; pods' hits and misses per node.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import uuid
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+import yaml
+from modelstage.core import node_cache as nc
+from modelstage.operator.kube_client import resource_path
+from modelstage.operator.node_cache_plan import COPY_CONTAINER, NODE_ANNOTATION, copy_job_name
+from support.kube_cluster import (
+    Cluster,
+    ControlPlane,
+    chart_rbac,
+    create_all,
+    eventually,
+    kmock_cluster,
+    real_cluster,
+)
+from support.kube_fake import ResourceSpec
+from support.modelstage_objects import (
+    SPEC,
+    complete_rollout,
+    deploy_path,
+    digest_of,
+    finish_stage_job,
+    job_path,
+    md_path,
+    merged,
+    model_deployment,
+    pod_path,
+    summary,
+    template_digest,
+    vllm_deployment,
+)
+from support.operator_flow import (
+    MD,
+    condition,
+    status_of,
+    wait_event,
+    wait_job,
+    wait_phase,
+    wait_rolled,
+)
+from support.operator_process import OperatorProcess
+
+from .conftest import CRD, PEERING_CRDS, ROOT
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120)]
+
+NODE_CACHE_CRD_FILE = ROOT / "crds" / "modelstage.io_nodecaches.yaml"
+NODE_CACHE_CRD: dict[str, Any] = (
+    yaml.safe_load(NODE_CACHE_CRD_FILE.read_text())
+    if NODE_CACHE_CRD_FILE.exists()
+    else {
+        # The generated CRD's shape where this checkout does not have it yet: cluster-scoped,
+        # a status subresource (the agent's report).
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{nc.PLURAL}.{nc.API_GROUP}"},
+        "spec": {
+            "group": nc.API_GROUP,
+            "names": {"kind": nc.KIND, "plural": nc.PLURAL, "singular": "nodecache"},
+            "scope": "Cluster",
+            "versions": [
+                {
+                    "name": nc.API_VERSION.split("/")[1],
+                    "served": True,
+                    "storage": True,
+                    "subresources": {"status": {}},
+                    "schema": {
+                        "openAPIV3Schema": {
+                            "type": "object",
+                            "properties": {
+                                "status": {
+                                    "type": "object",
+                                    "x-kubernetes-preserve-unknown-fields": True,
+                                }
+                            },
+                        }
+                    },
+                }
+            ],
+        },
+    }
+)
+OPERATOR_NODE_CACHE_RULES = [
+    {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]},
+    {"apiGroups": [nc.API_GROUP], "resources": [nc.PLURAL], "verbs": ["get", "list", "watch"]},
+]
+"""What the chart grants the operator when node caching is on (read only)."""
+ON = {"nodeCache": {"enabled": True}}
+
+
+@pytest_asyncio.fixture
+async def cluster(
+    real_control_plane: ControlPlane | None, tmp_path: Path
+) -> AsyncIterator[Cluster]:
+    """The live tests' cluster with the NodeCache API and Nodes (kmock: registered here)."""
+    crds = [CRD, NODE_CACHE_CRD, *PEERING_CRDS]
+    if real_control_plane is None:
+        async with kmock_cluster(crds, tmp_path) as fake_cluster:
+            fake_cluster.fake.register(ResourceSpec("v1", "nodes", "Node"), namespaced=False)
+            yield fake_cluster
+        return
+    async with real_cluster(real_control_plane, crds, tmp_path) as real:
+        account = next(d for d in chart_rbac("default") if d["kind"] == "ServiceAccount")
+        name = "modelstage-test-node-cache"
+        await create_all(
+            real.client,
+            [
+                {
+                    "apiVersion": "rbac.authorization.k8s.io/v1",
+                    "kind": "ClusterRole",
+                    "metadata": {"name": name},
+                    "rules": OPERATOR_NODE_CACHE_RULES,
+                },
+                {
+                    "apiVersion": "rbac.authorization.k8s.io/v1",
+                    "kind": "ClusterRoleBinding",
+                    "metadata": {"name": name},
+                    "roleRef": {
+                        "apiGroup": "rbac.authorization.k8s.io",
+                        "kind": "ClusterRole",
+                        "name": name,
+                    },
+                    "subjects": [
+                        {
+                            "kind": "ServiceAccount",
+                            "name": account["metadata"]["name"],
+                            "namespace": account["metadata"]["namespace"],
+                        }
+                    ],
+                },
+            ],
+        )
+        try:
+            yield real
+        finally:  # the control plane outlives the test: its Nodes and reports go with it
+            for path in (resource_path("v1", "nodes"), resource_path(nc.API_VERSION, nc.PLURAL)):
+                for obj in await real.client.list(path):
+                    await real.client.delete(f"{path}/{obj['metadata']['name']}")
+
+
+def now() -> str:
+    return datetime.now(UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+
+
+async def add_node(
+    cluster: Cluster,
+    name: str,
+    labels: dict[str, str],
+    taints: list[dict[str, str]] | None = None,
+) -> None:
+    """A Node as the API holds one once its kubelet registered and reports Ready."""
+    await cluster.client.create(
+        resource_path("v1", "nodes"),
+        {
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {"name": name, "labels": labels},
+            "spec": {"taints": taints or []},
+        },
+    )
+    ready = {"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "ready"}
+    await cluster.client.patch(
+        resource_path("v1", "nodes", None, name, "status"),
+        {"status": {"conditions": [{**ready, "lastHeartbeatTime": now()}]}},
+    )
+    # The real API server taints a new Node not-ready (admission); the node lifecycle
+    # controller lifts that once it is Ready: the tests play that controller too.
+    await cluster.client.patch(
+        resource_path("v1", "nodes", None, name), {"spec": {"taints": taints or None}}
+    )
+
+
+async def report(cluster: Cluster, node: str, *held: str, warm: bool = False) -> None:
+    """What ``node``'s agent writes each pass: its NodeCache report, heartbeat now."""
+    path = resource_path(nc.API_VERSION, nc.PLURAL, None, node)
+    if await cluster.client.get(path) is None:
+        await cluster.client.create(
+            resource_path(nc.API_VERSION, nc.PLURAL),
+            {"apiVersion": nc.API_VERSION, "kind": nc.KIND, "metadata": {"name": node}},
+        )
+    artifacts = [{"digest": d, "bytes": 123456, "files": 4, "warm": warm} for d in held]
+    status = {
+        "node": node,
+        "root": nc.DEFAULT_ROOT,
+        "budgetBytes": 10**12,
+        "bytesHeld": 123456 * len(held),
+        "heartbeat": now(),
+        "artifacts": artifacts,
+        "partial": [],
+    }
+    await cluster.client.patch(
+        resource_path(nc.API_VERSION, nc.PLURAL, None, node, "status"), {"status": status}
+    )
+
+
+def copy_summary(digest: str) -> str:
+    return json.dumps(
+        {
+            "digest": digest,
+            "bytes": 123456,
+            "files": 4,
+            "seconds": 0.5,
+            "bytesPerSecond": 246912,
+            "resumedFiles": 0,
+            "root": nc.POD_MOUNT,
+        }
+    )
+
+
+async def copy_jobs(cluster: Cluster, ns: str) -> dict[str, dict[str, Any]]:
+    jobs = await cluster.client.list(
+        job_path(ns), labelSelector="app.kubernetes.io/component=node-copy"
+    )
+    return {j["metadata"]["annotations"][NODE_ANNOTATION]: j for j in jobs}
+
+
+def gpu(ns: str) -> dict[str, str]:
+    """The labels of the test's GPU nodes (its own pool: Nodes are cluster-wide)."""
+    return {"gpu": "h100", "pool": ns}
+
+
+async def apply_gpu_workload(cluster: Cluster, ns: str, spec: dict[str, Any]) -> str:
+    """A 2-replica vLLM Deployment on the test's ``gpu=h100`` nodes, tolerating the ``gpu``
+    taint, and its ModelDeployment; returns the digest."""
+    workload = vllm_deployment(replicas=2, model_deployment=MD)
+    pod = workload["spec"]["template"]["spec"]
+    pod["nodeSelector"] = gpu(ns)
+    pod["tolerations"] = [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    await cluster.client.create(deploy_path(ns, None), workload)
+    await cluster.client.create(resource_path("modelstage.io/v1alpha1", "modeldeployments", ns),
+                                model_deployment(MD, spec))  # fmt: skip
+    return digest_of(spec)
+
+
+async def wait_cache(
+    cluster: Cluster, ns: str, what: str, check: Any, timeout: float = 60.0
+) -> dict[str, Any]:
+    async def probe() -> dict[str, Any] | None:
+        status = await status_of(cluster, ns)
+        cache = status.get("nodeCache") or {}
+        return status if cache and check(status, cache) else None
+
+    return await eventually(probe, timeout=timeout, what=what)
+
+
+async def finish_copy(cluster: Cluster, ns: str, digest: str, node: str) -> None:
+    await finish_stage_job(
+        cluster.client,
+        ns,
+        digest,
+        message=copy_summary(digest),
+        succeeded=True,
+        job_name=copy_job_name(digest, node),
+        container=COPY_CONTAINER,
+    )
+
+
+async def serving_pod(cluster: Cluster, ns: str, digest: str, node: str, result: str) -> None:
+    """A serving pod of ``digest`` on ``node`` whose prepare reported the node cache."""
+    name = f"vllm-{node}-{uuid.uuid4().hex[:5]}"
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "labels": {"app": "vllm"},
+            "annotations": {"modelstage.io/artifact-digest": digest},
+        },
+        "spec": {
+            "nodeName": node,
+            "initContainers": [{"name": "modelstage-prepare", "image": "x"}],
+            "containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.32.0"}],
+        },
+    }
+    await cluster.client.create(pod_path(ns), pod)
+    prepared = json.dumps({"digest": digest, "nodeCache": {"result": result, "path": "/x"}})
+    terminated = {
+        "exitCode": 0,
+        "reason": "Completed",
+        "message": prepared,
+        "startedAt": "2030-01-01T00:00:01Z",
+        "finishedAt": "2030-01-01T00:00:02Z",
+    }
+    await cluster.client.patch(
+        pod_path(ns, name, "status"),
+        {
+            "status": {
+                "phase": "Running",
+                "initContainerStatuses": [
+                    {
+                        "name": "modelstage-prepare",
+                        "ready": True,
+                        "restartCount": 0,
+                        "image": "x",
+                        "imageID": "",
+                        "state": {"terminated": terminated},
+                    }
+                ],
+            }
+        },
+    )
+
+
+async def test_copies_go_to_the_matching_nodes_then_the_workload_rolls_onto_them(
+    cluster: Cluster, namespace: str, operator: OperatorProcess
+) -> None:
+    ns, tag = namespace, namespace[-6:]
+    a, b, cpu, tainted, agentless = (
+        # The ineligible nodes sort first: the replicas' worth by name would pick them.
+        f"{n}-{tag}"
+        for n in ("gpu-a", "gpu-b", "a-cpu", "gpu-0-tainted", "gpu-0-agentless")
+    )
+    await add_node(cluster, a, gpu(ns))
+    await add_node(cluster, b, gpu(ns))
+    await add_node(cluster, cpu, {"pool": ns})
+    await add_node(cluster, tainted, gpu(ns), [{"key": "maint", "effect": "NoSchedule"}])
+    await add_node(cluster, agentless, gpu(ns))
+    for node in (a, b, cpu, tainted):
+        await report(cluster, node)
+    spec = merged(SPEC, ON)
+    digest = await apply_gpu_workload(cluster, ns, spec)
+    await wait_job(cluster, ns, digest)
+    await finish_stage_job(cluster.client, ns, digest, message=summary(digest), succeeded=True)
+
+    status = await wait_cache(cluster, ns, "copying", lambda s, c: c.get("phase") == "Copying")
+    assert status["phase"] == "Staged"
+    assert status["artifact"]["digest"] == digest
+    assert condition(status, "NodeCached")["reason"] == "Copying"
+    assert status["nodeCache"]["wanted"] == 2
+    jobs = await eventually(
+        lambda: _jobs_on(cluster, ns, {a, b}), what="copy Jobs on the two matching nodes"
+    )
+    assert set(jobs) == {a, b}  # not the CPU node, the tainted one, or the one without an agent
+    pod = jobs[a]["spec"]["template"]["spec"]
+    assert pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"
+    ] == [{"matchFields": [{"key": "metadata.name", "operator": "In", "values": [a]}]}]
+    assert pod["tolerations"] == [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    workload = await cluster.client.get(deploy_path(ns))
+    assert workload is not None
+    annotations = workload["spec"]["template"].get("metadata", {}).get("annotations") or {}
+    assert "modelstage.io/artifact-digest" not in annotations  # not rolled while copying
+
+    await finish_copy(cluster, ns, digest, a)
+    await report(cluster, a, digest)
+    status = await wait_cache(cluster, ns, "one node ready", lambda s, c: c.get("ready") == 1)
+    assert status["phase"] == "Staged"
+    await finish_copy(cluster, ns, digest, b)
+    await report(cluster, b, digest)
+
+    rolled = await wait_rolled(cluster, ns, digest)
+    status = await status_of(cluster, ns)
+    assert status["nodeCache"]["phase"] == "Ready"
+    assert condition(status, "NodeCached")["status"] == "True"
+    assert {n["name"]: n["state"] for n in status["nodeCache"]["nodes"]} == {a: "Ready", b: "Ready"}
+    template = rolled["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in template["volumes"]}
+    assert volumes["modelstage-node-cache"]["hostPath"] == {
+        "path": nc.DEFAULT_ROOT,
+        "type": "DirectoryOrCreate",
+    }
+    prepare = next(c for c in template["initContainers"] if c["name"] == "modelstage-prepare")
+    assert prepare["command"][-2:] == ["--node-cache", nc.POD_MOUNT]
+    assert template["affinity"]["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][
+        0
+    ]["preference"]["matchExpressions"] == [{"key": nc.node_label(digest), "operator": "Exists"}]
+    assert template["nodeSelector"] == gpu(ns)  # the user's own placement stays
+    await wait_event(cluster, ns, "CopyJobCreated")
+
+    # Pods report hits and misses per node, a node without a copy included.
+    await serving_pod(cluster, ns, digest, a, nc.HIT)
+    await serving_pod(cluster, ns, digest, cpu, nc.MISS)
+
+    def counted(_: dict[str, Any], cache: dict[str, Any]) -> bool:
+        nodes = {n["name"]: n for n in cache.get("nodes") or []}
+        return nodes.get(a, {}).get("hits") == 1 and nodes.get(cpu, {}).get("misses") == 1
+
+    await wait_cache(cluster, ns, "hits and misses", counted)
+    metrics = await operator.scrape()
+    assert 'modelstage_node_cache_pod_starts_total{result="hit"} 1.0' in metrics
+    assert 'modelstage_node_cache_pod_starts_total{result="miss"} 1.0' in metrics
+    assert (
+        f'modelstage_node_cache_nodes{{model_deployment="{MD}",namespace="{ns}",state="Ready"}} 2.0'
+        in metrics
+    )
+
+    # A node that loses its copy (wiped, evicted) shows in the status.
+    await report(cluster, b)
+
+    def lost(_: dict[str, Any], cache: dict[str, Any]) -> bool:
+        nodes = {n["name"]: n for n in cache.get("nodes") or []}
+        return nodes.get(b, {}).get("state") == "Failed"
+
+    status = await wait_cache(cluster, ns, f"{b} without its copy", lost)
+    node_b = next(n for n in status["nodeCache"]["nodes"] if n["name"] == b)
+    assert "no longer holds" in node_b["message"]
+    assert status["nodeCache"]["ready"] == 1
+    assert condition(status, "NodeCached")["reason"] == "CopyLost"
+
+
+async def _jobs_on(cluster: Cluster, ns: str, nodes: set[str]) -> dict[str, dict[str, Any]] | None:
+    jobs = await copy_jobs(cluster, ns)
+    return jobs if set(jobs) >= nodes else None
+
+
+async def test_the_deadline_rolls_anyway_and_says_so(
+    cluster: Cluster, namespace: str, operator: OperatorProcess
+) -> None:
+    ns, tag = namespace, namespace[-6:]
+    a = f"gpu-a-{tag}"
+    await add_node(cluster, a, gpu(ns))
+    await report(cluster, a)
+    spec = merged(SPEC, {"nodeCache": {"enabled": True, "deadlineSeconds": 1}})
+    digest = await apply_gpu_workload(cluster, ns, spec)
+    await wait_job(cluster, ns, digest)
+    await finish_stage_job(cluster.client, ns, digest, message=summary(digest), succeeded=True)
+    await wait_cache(cluster, ns, "copying", lambda s, c: c.get("phase") == "Copying")
+    assert await copy_jobs(cluster, ns)
+
+    async def agent_pass_until_rolled() -> dict[str, Any] | None:
+        # The agent's next pass (a heartbeat) wakes the waiting ModelDeployment.
+        await report(cluster, a)
+        workload = await cluster.client.get(deploy_path(ns))
+        annotations = ((workload or {})["spec"]["template"].get("metadata") or {}).get(
+            "annotations"
+        ) or {}
+        return workload if annotations.get("modelstage.io/artifact-digest") == digest else None
+
+    rolled = await eventually(agent_pass_until_rolled, interval=0.5, what="the roll anyway")
+    status = await status_of(cluster, ns)
+    assert status["nodeCache"]["phase"] == "DeadlinePassed"
+    cached = condition(status, "NodeCached")
+    assert (cached["status"], cached["reason"]) == ("False", "DeadlinePassed")
+    assert "0/1 nodes hold" in cached["message"]
+    assert "modelstage-node-cache" in {
+        v["name"] for v in rolled["spec"]["template"]["spec"]["volumes"]
+    }
+    await wait_event(cluster, ns, "DeadlinePassed", "Warning")
+
+
+async def test_without_node_caching_nothing_of_it_appears_until_it_is_turned_on(
+    cluster: Cluster, namespace: str, operator: OperatorProcess
+) -> None:
+    ns, tag = namespace, namespace[-6:]
+    a = f"gpu-a-{tag}"
+    await add_node(cluster, a, gpu(ns))
+    await report(cluster, a)
+    digest = await apply_gpu_workload(cluster, ns, copy.deepcopy(SPEC))
+    await wait_job(cluster, ns, digest)
+    await finish_stage_job(cluster.client, ns, digest, message=summary(digest), succeeded=True)
+    rolled = await wait_rolled(cluster, ns, digest)
+    status = await status_of(cluster, ns)
+    assert "nodeCache" not in status and not condition(status, "NodeCached")
+    assert "affinity" not in rolled["spec"]["template"]["spec"]
+    assert not await copy_jobs(cluster, ns)
+    await complete_rollout(cluster.client, ns)
+    await wait_phase(cluster, ns, "Ready")
+
+    # Turned on for the artifact it serves: copied, then the template is patched (same digest).
+    await cluster.client.patch(md_path(ns, MD), {"spec": ON})
+    await eventually(lambda: _jobs_on(cluster, ns, {a}), what="the copy Job")
+    await finish_copy(cluster, ns, digest, a)
+    await report(cluster, a, digest)
+
+    async def patched() -> dict[str, Any] | None:
+        workload = await cluster.client.get(deploy_path(ns)) or {}
+        volumes = workload["spec"]["template"]["spec"].get("volumes") or []
+        return workload if any(v["name"] == "modelstage-node-cache" for v in volumes) else None
+
+    workload = await eventually(patched, what="the node cache in the template")
+    assert template_digest(workload) == digest
