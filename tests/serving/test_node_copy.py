@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from modelstage.core.errors import ArtifactError
 from modelstage.core.integrity import ChunkMismatch, digest_bytes
 from modelstage.core.location import verify_directory
 from modelstage.core.manifest import MANIFEST, FileEntry, read_manifest
@@ -318,6 +319,22 @@ def test_a_trusted_copy_with_a_flipped_byte_fails_the_read_naming_the_node_file(
     assert e.value.where == str(victim)
     remedy = sharded_state._remedy(verified)
     assert remedy.startswith(f"the node-local copy {copy_dir(node, digest)} is corrupt: remove it")
+
+
+def test_a_trusted_copy_with_a_corrupt_header_chunk_is_refused_at_verify(
+    staged: tuple[Path, str], artifact: Path, node: Path
+) -> None:
+    _, digest = staged
+    copy = copy_dir(node, digest)
+    flip(copy / VICTIM, 0)
+    ld = loader(ModelstageShardedStateLoader, settings(node, digest))
+    with pytest.raises(ArtifactError) as e:
+        ld.verify(str(artifact), 2, "0.32.0")
+    assert str(e.value).startswith(f"modelstage: refusing to load {copy / VICTIM}: chunk 0 ")
+    assert str(e.value).endswith(
+        f"the file is corrupt: the node-local copy {copy} is corrupt: remove it so that it is "
+        "copied again (pods on other nodes, or without a node cache, read the artifact)"
+    )
 
 
 def test_without_a_node_cache_nothing_changes(staged: tuple[Path, str], artifact: Path) -> None:

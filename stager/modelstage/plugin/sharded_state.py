@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import ClassVar
 
 import torch
+from modelstage.core.errors import ArtifactError
 from modelstage.core.integrity import ChunkMismatch
 from modelstage.core.node_cache import HIT, MISS
 from modelstage.core.s3_client import S3Client
@@ -59,7 +60,10 @@ def verify_rank_files(
     if settings.node_cache is not None and loader.reads_node_copy:
         node = choose_node_copy(Path(settings.node_cache), settings.digest, location, s3)
         if node.path is not None:
-            return replace(local(node.path), node_cache=HIT)
+            try:
+                return replace(local(node.path), node_cache=HIT)
+            except ArtifactError as e:  # trusted, then corrupt: shown, not worked around
+                raise _on_node(e, node.path) from None
     if s3 is not None:
         verified = verify_s3(
             location,
@@ -73,6 +77,16 @@ def verify_rank_files(
     else:
         verified = local(loader.verify_local_location(location))
     return verified if node is None else replace(verified, node_cache=MISS)
+
+
+def _on_node(e: ArtifactError, directory: Path) -> ArtifactError:
+    """A refusal of the node copy, saying what to do where it is corruption (re-staging
+    would not help: the artifact's files are not the ones read)."""
+    text = str(e)
+    for suffix in (": re-stage it", "; re-stage"):
+        if text.endswith(suffix):
+            return ArtifactError(f"{text.removesuffix(suffix)}: {node_copy_remedy(directory)}")
+    return e
 
 
 def _s3_client(location: str, settings: PluginSettings) -> S3Client:
@@ -161,11 +175,15 @@ def _remedy(verified: VerifiedArtifact) -> str:
     """What to do about a corrupt file: a node copy is refused like the artifact (an
     integrity error is shown, never hidden by a silent fall back), but fixed on the node."""
     if verified.node_cache == HIT:
-        return (
-            f"the node-local copy {verified.location} is corrupt: remove it so that it is "
-            "copied again (pods on other nodes, or without a node cache, read the artifact)"
-        )
+        return node_copy_remedy(Path(verified.location))
     return "re-stage it"
+
+
+def node_copy_remedy(directory: Path) -> str:
+    return (
+        f"the node-local copy {directory} is corrupt: remove it so that it is copied again "
+        "(pods on other nodes, or without a node cache, read the artifact)"
+    )
 
 
 def check_keys(where: str, in_files: set[str], in_model: set[str]) -> None:
