@@ -524,6 +524,7 @@ def _bench(args: argparse.Namespace) -> dict[str, Any]:
             s3_flags=_s3_flags(args),
             moe_rss_gib=args.moe_rss_gib,
             moe_only=args.moe_only,
+            node_cache_only=args.node_cache_only,
         )
     finally:
         if not args.workdir:
@@ -566,6 +567,12 @@ def _add_bench_parser(sub: Any) -> None:
         "and tensorizer (none to skip)",
     )
     be.add_argument("--moe-only", action="store_true", help="only the MoE peak-RSS comparison")
+    be.add_argument(
+        "--node-cache-only",
+        action="store_true",
+        help="only the node-cache sections (rank 0 from a node copy, cold and warm, vs a raw "
+        "read of the PVC path; node-copy vs cp)",
+    )
     be.add_argument(
         "--warm",
         action="store_true",
