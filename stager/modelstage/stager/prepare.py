@@ -6,6 +6,9 @@ also every file's size; with ``--hash`` every byte against the manifest's chunk 
 same chunked verification as ``modelstage verify``: the loader plugin verifies what each rank
 reads as it streams in anyway); (2) copy the loader plugin into the
 plugin directory (an ``emptyDir`` the vLLM container gets on ``PYTHONPATH``).
+With ``--node-cache DIR`` it also says whether this node holds a copy of the artifact that the
+plugin will read (``plugin/node_copy.py``): a hit or a miss with its reason in the summary,
+which the operator reads from the termination message; never a failure.
 
 How the plugin travels: the two packages it consists of, ``modelstage.core`` and
 ``modelstage.plugin``, copied whole under ``DIR/modelstage/`` (a namespace package, as in the
