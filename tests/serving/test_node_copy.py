@@ -22,7 +22,7 @@ from modelstage.core.errors import ArtifactError
 from modelstage.core.integrity import ChunkMismatch, digest_bytes
 from modelstage.core.location import verify_directory
 from modelstage.core.manifest import MANIFEST, FileEntry, read_manifest
-from modelstage.core.node_cache import copy_dir, partial_dir
+from modelstage.core.node_cache import POD_MOUNT, copy_dir, partial_dir
 from modelstage.devtools.synthetic import SyntheticModel, write_checkpoint
 from modelstage.plugin import sharded_state
 from modelstage.plugin.checks import VerifiedArtifact, content_checker
@@ -382,3 +382,17 @@ def test_the_fixture_artifact_has_small_chunks(staged: tuple[Path, str]) -> None
     assert manifest is not None
     digest = manifest.files[VICTIM].digest
     assert digest is not None and len(digest.chunks) > 4
+
+
+def test_the_node_cache_root_comes_from_the_pods_environment() -> None:
+    env = {"MODELSTAGE_NODE_CACHE": POD_MOUNT}
+    assert PluginSettings.from_env(env).node_cache == POD_MOUNT
+    assert PluginSettings.from_env({}).node_cache is None
+
+
+def test_without_an_expected_digest_the_copy_is_looked_up_by_the_artifacts_own(
+    staged: tuple[Path, str], artifact: Path, node: Path
+) -> None:
+    unpinned = PluginSettings(tp=2, node_cache=str(node))
+    verified = loader(ModelstageShardedStateLoader, unpinned).verify(str(artifact), 2, "0.32.0")
+    assert verified.node_cache == "hit" and verified.location == str(copy_dir(node, staged[1]))
