@@ -7,6 +7,7 @@ measured, written to JSON and drawn, and that nothing is left behind, on disk or
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -87,3 +88,50 @@ def test_bench_moe_only_measures_peak_rss_per_format_and_size_and_cleans_up(
     assert all(0 < m["peak_rss"] < 2**30 and m["seconds"] for m in rows)
     assert (out / "bench.png").stat().st_size > 0
     assert not [p.name for p in work.iterdir() if not p.name.endswith(".lock")]
+
+
+def test_bench_node_cache_sections_measure_the_node_copy_and_cp_and_clean_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The copy row times whatever ``node-copy``'s function is (here a stand-in that records
+    its call, so the section is checked with or without the agent installed)."""
+    calls: list[tuple[str, str, Path]] = []
+
+    def copy(artifact: str, *, digest: str, root: Path) -> None:
+        calls.append((artifact, digest, root))
+        shutil.copytree(artifact, root / digest)
+
+    monkeypatch.setattr(bench, "_node_copy_function", lambda: copy)
+    work, out = tmp_path / "work", tmp_path / "results"
+    code = cli.main(["bench", "--size-gib", "0.03", "--load-tp", "2", "--repeats", "2",
+                     "--node-cache-only", "--warm", "--workdir", str(work), "--out", str(out)])  # fmt: skip
+    assert code == 0
+    sections = json.loads((out / "bench.json").read_text())["sections"]
+    names = {title: [m["name"] for m in rows] for title, rows in sections.items()}
+    assert names == {
+        "node cache: loading rank 0 of TP=2": [
+            "load rank 0: raw read of the PVC path, warm",
+            "load rank 0: plugin from node copy, warm",
+        ],
+        "node cache: copying the TP=2 artifact to a node": [
+            "copy to node: cp -r + sync",
+            "copy to node: modelstage node-copy",
+        ],
+    }
+    for rows in sections.values():
+        for m in rows:
+            assert len(m["seconds"]) == 2 and all(s > 0 for s in m["seconds"]), m
+    assert len(calls) == 2 and calls[0][2] == work / "node"
+    assert not [p.name for p in work.iterdir() if not p.name.endswith(".lock")]
+
+
+def test_without_the_agent_the_copy_section_has_the_cp_row_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(bench, "NODE_COPY_MODULE", "modelstage.no_such_module")
+    assert bench._node_copy_function() is None
+    artifact = tmp_path / "a"
+    artifact.mkdir()
+    (artifact / "f").write_bytes(b"x" * 100)
+    rows = bench.bench_node_copy(artifact, "d" * 20, tmp_path / "node", 1)
+    assert [m.name for m in rows] == ["copy to node: cp -r + sync"] and rows[0].seconds

@@ -7,7 +7,10 @@ Loading is compared with a raw sequential read of the same rank files and with v
 sharded-state read path (``safe_open`` + ``get_tensor`` + ``copy_`` into preallocated tensors);
 the plugin's reader runs twice, verifying every byte as it streams (its default) and not
 (``MODELSTAGE_VERIFY=0``). ``modelstage verify`` of the whole artifact (every byte hashed against
-the manifest) is compared with a raw read of the same files.
+the manifest) is compared with a raw read of the same files. Node caching: rank 0 read by
+the plugin's reader (verified) from a node-local copy, cold and warm, against a raw read of
+the PVC path; and copying the artifact to a node (``modelstage node-copy``, verified and
+fsynced) against ``cp -r`` + ``sync``.
 """
 
 from __future__ import annotations
@@ -246,6 +249,103 @@ def bench_verify(artifact: Path, repeats: int, cold: bool) -> list[Measurement]:
     return [raw, verify]
 
 
+NODE_COPY_MODULE = "modelstage.agent.copy"
+"""Where ``modelstage node-copy``'s function lives (the node agent's package): imported by
+name, so the bench runs (without its copy row) in an install that lacks the agent."""
+
+
+def _node_copy_function() -> Callable[..., Any] | None:
+    import importlib
+
+    try:
+        module = importlib.import_module(NODE_COPY_MODULE)
+    except ImportError:
+        return None
+    copy: Callable[..., Any] = module.node_copy
+    return copy
+
+
+def bench_node_copy(artifact: Path, digest: str, root: Path, repeats: int) -> list[Measurement]:
+    """The time to put an artifact on a node: ``cp -r`` + ``sync`` (the baseline) vs
+    ``node-copy`` (every chunk verified against the manifest, files fsynced, renamed into
+    place); the source in the page cache for both, as a warm PVC client would have it."""
+    size = dir_bytes(artifact)
+    cp = Measurement("copy to node: cp -r + sync", nbytes=size)
+    rows = [cp]
+    copy = _node_copy_function()
+    if copy is None:
+        print(f"bench: {NODE_COPY_MODULE} is not installed: no node-copy row", file=sys.stderr)
+    else:
+        rows.append(Measurement("copy to node: modelstage node-copy", nbytes=size))
+    _read_all(artifact)
+    by_name = {m.name: m for m in rows}
+    for i in range(repeats):
+        for row in (by_name[n] for n in rotated(list(by_name), i)):
+            shutil.rmtree(root, ignore_errors=True)
+            root.mkdir(parents=True)
+            os.sync()
+            start = time.perf_counter()
+            if row is cp:
+                subprocess.run(["cp", "-r", str(artifact), str(root / digest)], check=True)
+                os.sync()
+            else:
+                assert copy is not None
+                copy(str(artifact), digest=digest, root=root)
+            row.seconds.append(time.perf_counter() - start)
+    return rows
+
+
+def bench_node_cache_loading(
+    artifact: Path, root: Path, rank: int, repeats: int, cold: bool
+) -> list[Measurement]:
+    """Rank ``rank`` read the way a serving pod on a node holding the copy reads it: the
+    plugin's choice (the copy's manifest equal to the artifact's, its files' sizes), then
+    its reader, every byte verified; cold (page cache dropped: a node copy not warmed) and
+    warm (after warm-before-roll), against a raw read of the PVC path, cold."""
+    from modelstage.core.manifest import read_manifest
+    from modelstage.plugin.node_copy import choose_node_copy
+
+    pattern = FORMATS["sharded_state"].rank_glob(rank)
+    pvc_files = sorted(artifact.glob(pattern))
+    size = sum(f.stat().st_size for f in pvc_files)
+    manifest = read_manifest(artifact)
+    assert manifest is not None, f"{artifact}: no manifest"
+    shutil.rmtree(root, ignore_errors=True)
+    shutil.copytree(artifact, root / manifest.digest)
+    params = _parameters(pvc_files)
+    plugin = _plugin_read()
+    assert plugin is not None, "the plugin's reader needs torch"
+
+    def from_node() -> None:
+        node = choose_node_copy(root, manifest.digest, str(artifact))
+        assert node.path is not None, node.reason
+        plugin(sorted(node.path.glob(pattern)), params, True)
+
+    raw = Measurement(f"load rank {rank}: raw read of the PVC path, cold", nbytes=size)
+    node_cold = Measurement(f"load rank {rank}: plugin from node copy, cold", nbytes=size)
+    node_warm = Measurement(f"load rank {rank}: plugin from node copy, warm", nbytes=size)
+    runs: dict[str, tuple[Measurement, Callable[[], None], bool]] = {
+        "raw": (raw, lambda: _raw_read(pvc_files), True),
+        "cold": (node_cold, from_node, True),
+        "warm": (node_warm, from_node, False),
+    }
+    if not cold:  # the page cache cannot be dropped here: warm rows only
+        raw.name = f"load rank {rank}: raw read of the PVC path, warm"
+        runs = {"raw": (raw, lambda: _raw_read(pvc_files), False), "warm": runs["warm"]}
+    for i in range(repeats):
+        for name in rotated(list(runs), i):
+            m, run, drop = runs[name]
+            if drop:
+                drop_page_cache()
+            else:
+                run()  # once untimed: its files in the page cache, as warming leaves them
+            start = time.perf_counter()
+            run()
+            m.seconds.append(time.perf_counter() - start)
+    shutil.rmtree(root)
+    return [m for m, _, _ in runs.values()]
+
+
 def _plugin_read() -> Callable[[list[Path], dict[str, Any], bool], None] | None:
     """The loader plugin's pipelined reader, when the serving side is installed."""
     try:
@@ -319,8 +419,38 @@ def _bench_reading(
         f"verify TP={load_tp} artifact, page cache warm",
         bench_verify(artifact, repeats, cold=False),
     )
+    bench_node_cache(artifact, artifact.parent / "node", load_tp, repeats, cache, section)
     shutil.rmtree(artifact)
     return cache
+
+
+NODE_LOAD_SECTION = "node cache: loading rank 0 of TP={tp}"
+NODE_COPY_SECTION = "node cache: copying the TP={tp} artifact to a node"
+
+
+def bench_node_cache(
+    artifact: Path,
+    root: Path,
+    load_tp: int,
+    repeats: int,
+    cache: str,
+    section: Callable[[str, list[Measurement]], None],
+) -> None:
+    """The node-cache sections on a staged artifact; ``root``: the node root (scratch)."""
+    from modelstage.core.manifest import read_manifest
+
+    cold = cache.startswith("dropped")
+    section(
+        NODE_LOAD_SECTION.format(tp=load_tp),
+        bench_node_cache_loading(artifact, root, 0, repeats, cold),
+    )
+    manifest = read_manifest(artifact)
+    assert manifest is not None, f"{artifact}: no manifest"
+    section(
+        NODE_COPY_SECTION.format(tp=load_tp),
+        bench_node_copy(artifact, manifest.digest, root, repeats),
+    )
+    shutil.rmtree(root, ignore_errors=True)
 
 
 def run_bench(
@@ -338,9 +468,11 @@ def run_bench(
     s3_flags: Sequence[str] = (),
     moe_rss_gib: Sequence[float] = (),
     moe_only: bool = False,
+    node_cache_only: bool = False,
 ) -> dict[str, Any]:
     """``s3_options``/``s3_flags``: how this process and a stager child reach ``s3``;
-    ``moe_only``: only the MoE peak-RSS section."""
+    ``moe_only``: only the MoE peak-RSS section; ``node_cache_only``: only the node-cache
+    sections."""
     workdir.mkdir(parents=True, exist_ok=True)
     log = sys.stderr
     sections: dict[str, list[Measurement]] = {}
@@ -355,6 +487,15 @@ def run_bench(
         return _write_results(sections, out, {"tp": load_tp})
     src = write_checkpoint(llama70b_scaled(int(size_gib * GIB)), workdir / "source")
     print(f"bench: source {human_bytes(dir_bytes(src))} in {src}", file=log)
+    if node_cache_only:
+        artifact = workdir / "artifact"
+        run_child(stager_argv(src, artifact, load_tp))
+        cache = "dropped before each cold read" if cold and drop_page_cache() else "warm only"
+        bench_node_cache(artifact, workdir / "node", load_tp, repeats, cache, section)
+        info = {"source_bytes": dir_bytes(src), "page_cache": cache, "repeats": repeats}
+        shutil.rmtree(artifact)
+        shutil.rmtree(src)
+        return _write_results(sections, out, info) | {"page_cache": cache}
 
     staging = bench_staging(src, workdir, tps, repeats)
     section("staging vs cp + sync (source in page cache)", staging)

@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 
 import torch
 from modelstage.core.layouts import layout_for
+from modelstage.core.node_cache import MISS
 from torch import nn
 from vllm.config import ModelConfig, VllmConfig
 from vllm.config.load import LoadConfig
@@ -62,6 +63,9 @@ class ModelstageLoader(BaseModelLoader):
     streams_verification: ClassVar[bool] = False
     """Whether ``transfer`` moves the bytes through the plugin's reader, which checks each hash
     chunk as it lands; else content is verified in a pass before loading."""
+    reads_node_copy: ClassVar[bool] = False
+    """Whether ``transfer`` reads the verified files wherever they are, so they may be the
+    node-local copy's (``node_copy.py``); a stock reader reads vLLM's ``--model`` instead."""
 
     def __init__(self, load_config: LoadConfig) -> None:
         super().__init__(load_config)
@@ -141,6 +145,7 @@ class ModelstageLoader(BaseModelLoader):
         verified = self.verify(location, tp, vllm_version())
         if self.per_rank:
             check_proven(verified.location, model_config, vllm_version())
+        record.node_cache = self._node_cache(verified)
         self.verification = record.verification = self._verify_content(verified, record)
         record.seconds["verify"] = time.perf_counter() - t0
         manifest = verified.manifest
@@ -148,6 +153,17 @@ class ModelstageLoader(BaseModelLoader):
         record.layout_version = manifest.layoutVersion
         self._record, self._verified, self._weights_done = record, verified, None
         return record
+
+    def _node_cache(self, verified: VerifiedArtifact) -> str:
+        """``hit``/``miss`` when a node cache is configured (logged where chosen), else ""."""
+        if self.settings.node_cache is None or verified.node_cache:
+            return verified.node_cache
+        LOG.info(
+            "modelstage: node cache miss: --load-format %s reads %s through vLLM's reader",
+            self.load_format,
+            verified.location,
+        )
+        return MISS
 
     def _verify_content(self, verified: VerifiedArtifact, record: LoadRecord) -> str:
         """Decide how this load verifies content, and run the pass when it is one."""

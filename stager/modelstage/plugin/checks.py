@@ -82,6 +82,9 @@ class VerifiedArtifact:
     """The files this rank reads, in load order (part number for per-rank formats)."""
     artifact: ArtifactLocation
     """Where it is, to read it again the way it was verified."""
+    node_cache: str = ""
+    """``hit`` when these are the files of the node-local copy, ``miss`` when a node cache was
+    configured but the artifact is read instead, "" without a node cache."""
 
     @property
     def s3(self) -> S3Client | None:

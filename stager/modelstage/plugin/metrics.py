@@ -47,6 +47,8 @@ class LoadRecord:
     verified_bytes: int = 0
     hash_seconds: float = 0.0
     """Seconds spent hashing, summed over threads (overlapping the reads when streaming)."""
+    node_cache: str = ""
+    """``hit`` (read from the node-local copy), ``miss``, or "" (no node cache configured)."""
 
     @property
     def throughput(self) -> float:
@@ -116,6 +118,12 @@ class _Metrics:
             "overlap the reads when streaming).",
             labels,
         )
+        self.node_cache = Counter(
+            "modelstage_node_cache_load",
+            "This rank's loads with a node cache configured, by result: hit (read from the "
+            "node-local copy) or miss (read from the artifact).",
+            (*labels, "result"),
+        )
         self.info = Gauge(
             "modelstage_artifact_info",
             "The artifact this rank loaded last (value 1).",
@@ -149,6 +157,8 @@ def publish(record: LoadRecord, *, port: int | None, addr: str) -> int | None:
         m.verification.labels(**labels, mode=mode).set(1 if mode == record.verification else 0)
     m.verified.labels(**labels).inc(record.verified_bytes)
     m.hash_seconds.labels(**labels).set(record.hash_seconds)
+    if record.node_cache:
+        m.node_cache.labels(**labels, result=record.node_cache).inc()
     m.throughput.labels(**labels).set(record.throughput)
     m.completed.labels(**labels).set(time.time())
     m.info.labels(

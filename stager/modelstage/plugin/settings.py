@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from modelstage.core.errors import SpecError
 from modelstage.core.formats import S3_READER_FORMAT as S3_READER_FORMAT
+from modelstage.core.node_cache import ENV_NODE_CACHE
 from modelstage.core.s3_client import S3Options
 
 ENV_DIGEST = "MODELSTAGE_DIGEST"
@@ -77,6 +78,9 @@ class PluginSettings:
     s3_reader: bool = False
     s3_chunk_bytes: int = DEFAULT_S3_CHUNK_MIB * MiB
     s3_depth: int = DEFAULT_S3_CONCURRENCY
+    node_cache: str | None = None
+    """The node-local cache root (``MODELSTAGE_NODE_CACHE``): a rank reads its files from
+    ``<root>/<digest>`` when that copy is the artifact (``node_copy.py``)."""
 
     @staticmethod
     def from_env(env: Mapping[str, str] | None = None) -> PluginSettings:
@@ -96,6 +100,7 @@ class PluginSettings:
             * MiB,
             s3_depth=_int(env, ENV_S3_READ_CONCURRENCY, minimum=1, maximum=64)
             or DEFAULT_S3_CONCURRENCY,
+            node_cache=env.get(ENV_NODE_CACHE) or None,
         )
 
 

@@ -9,10 +9,14 @@ key mismatch is refused, naming the keys, before the first data byte is read.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
+from pathlib import Path
 from typing import ClassVar
 
 import torch
+from modelstage.core.errors import ArtifactError
 from modelstage.core.integrity import ChunkMismatch
+from modelstage.core.node_cache import HIT, MISS
 from modelstage.core.s3_client import S3Client
 from modelstage.core.safetensors_format import TensorInfo
 from torch import nn
@@ -21,8 +25,9 @@ from vllm.model_executor.model_loader.sharded_state_loader import ShardedStateLo
 
 from .base import STREAM, ModelstageLoader, Transfer
 from .checks import VerifiedArtifact, content_checker, refuse, verify_local, verify_s3
+from .node_copy import choose_node_copy
 from .reader import TORCH_DTYPES, PipelinedReader, Target, flat_bytes, staging_for
-from .settings import local_reads, serving_s3_options
+from .settings import PluginSettings, local_reads, serving_s3_options
 from .stores import S3Objects, store_for
 
 LOG = logging.getLogger("vllm.modelstage")
@@ -32,33 +37,64 @@ def verify_rank_files(
     loader: ModelstageLoader, location: str, running_tp: int, vllm_version: str
 ) -> VerifiedArtifact:
     """Checks of a per-rank artifact whose stock loader is a ``ShardedStateLoader``: local,
-    or on S3 where the loader reads object storage itself."""
+    or on S3 where the loader reads object storage itself; with a node cache configured and
+    a loader that reads the verified files itself, this node's copy when it is the artifact
+    (a local directory, whatever the artifact's kind)."""
     assert isinstance(loader.stock, ShardedStateLoader)
+    settings = loader.settings
     rank_glob = rank_file_glob(loader.stock)
-    settings, load_format = loader.settings, loader.load_format
-    if loader.reads_s3 and location.startswith("s3://"):
-        try:
-            s3 = S3Client(serving_s3_options(), concurrency=settings.s3_depth)
-        except ImportError as e:
-            reason = f"the S3 reader needs boto3 ({e}); vLLM's images ship it: install it, "
-            raise refuse(location, reason + "or unset MODELSTAGE_S3_READER to use Run:ai") from None
-        return verify_s3(
-            location,
-            s3,
-            load_format=load_format,
+
+    def local(directory: Path) -> VerifiedArtifact:
+        return verify_local(
+            directory,
+            load_format=loader.load_format,
             settings=settings,
             running_tp=running_tp,
             vllm_version=vllm_version,
             rank_glob=rank_glob,
         )
-    return verify_local(
-        loader.verify_local_location(location),
-        load_format=load_format,
-        settings=settings,
-        running_tp=running_tp,
-        vllm_version=vllm_version,
-        rank_glob=rank_glob,
-    )
+
+    on_s3 = loader.reads_s3 and location.startswith("s3://")
+    s3 = _s3_client(location, settings) if on_s3 else None
+    node = None
+    if settings.node_cache is not None and loader.reads_node_copy:
+        node = choose_node_copy(Path(settings.node_cache), settings.digest, location, s3)
+        if node.path is not None:
+            try:
+                return replace(local(node.path), node_cache=HIT)
+            except ArtifactError as e:  # trusted, then corrupt: shown, not worked around
+                raise _on_node(e, node.path) from None
+    if s3 is not None:
+        verified = verify_s3(
+            location,
+            s3,
+            load_format=loader.load_format,
+            settings=settings,
+            running_tp=running_tp,
+            vllm_version=vllm_version,
+            rank_glob=rank_glob,
+        )
+    else:
+        verified = local(loader.verify_local_location(location))
+    return verified if node is None else replace(verified, node_cache=MISS)
+
+
+def _on_node(e: ArtifactError, directory: Path) -> ArtifactError:
+    """A refusal of the node copy, saying what to do where it is corruption (re-staging
+    would not help: the artifact's files are not the ones read)."""
+    text = str(e)
+    for suffix in (": re-stage it", "; re-stage"):
+        if text.endswith(suffix):
+            return ArtifactError(f"{text.removesuffix(suffix)}: {node_copy_remedy(directory)}")
+    return e
+
+
+def _s3_client(location: str, settings: PluginSettings) -> S3Client:
+    try:
+        return S3Client(serving_s3_options(), concurrency=settings.s3_depth)
+    except ImportError as e:
+        reason = f"the S3 reader needs boto3 ({e}); vLLM's images ship it: install it, "
+        raise refuse(location, reason + "or unset MODELSTAGE_S3_READER to use Run:ai") from None
 
 
 def rank_file_glob(stock: ShardedStateLoader) -> str:
@@ -81,6 +117,7 @@ class ModelstageShardedStateLoader(ModelstageLoader):
     stock_class = ShardedStateLoader
     per_rank: ClassVar[bool] = True
     streams_verification: ClassVar[bool] = True
+    reads_node_copy: ClassVar[bool] = True
 
     def verify(self, location: str, running_tp: int, vllm_version: str) -> VerifiedArtifact:
         return verify_rank_files(self, location, running_tp, vllm_version)
@@ -111,7 +148,7 @@ class ModelstageShardedStateLoader(ModelstageLoader):
                 store, lambda info: target_for(info, state_dict[info.name]), checker
             )
         except ChunkMismatch as e:
-            raise refuse(e.where, f"{e.reason}: re-stage it") from None
+            raise refuse(e.where, f"{e.reason}: {_remedy(verified)}") from None
         verified_note = (
             f", every byte verified ({checker.stats.seconds:.2f} s of hashing)" if checker else ""
         )
@@ -132,6 +169,21 @@ class ModelstageShardedStateLoader(ModelstageLoader):
             verified_bytes=checker.stats.bytes if checker else 0,
             hash_seconds=checker.stats.seconds if checker else 0.0,
         )
+
+
+def _remedy(verified: VerifiedArtifact) -> str:
+    """What to do about a corrupt file: a node copy is refused like the artifact (an
+    integrity error is shown, never hidden by a silent fall back), but fixed on the node."""
+    if verified.node_cache == HIT:
+        return node_copy_remedy(Path(verified.location))
+    return "re-stage it"
+
+
+def node_copy_remedy(directory: Path) -> str:
+    return (
+        f"the node-local copy {directory} is corrupt: remove it so that it is copied again "
+        "(pods on other nodes, or without a node cache, read the artifact)"
+    )
 
 
 def check_keys(where: str, in_files: set[str], in_model: set[str]) -> None:

@@ -251,6 +251,7 @@ def _prepare(args: argparse.Namespace) -> dict[str, Any]:
         plugin_dir=Path(args.plugin_dir),
         hash_content=args.hash,
         s3=_s3_options(args),
+        node_cache=Path(args.node_cache) if args.node_cache else None,
     )
 
 
@@ -314,6 +315,13 @@ def _add_prepare_parser(sub: Any) -> None:
         action="store_true",
         help="also hash every byte against the manifest (reads every file; the loader plugin "
         "verifies what each rank reads as it streams in anyway)",
+    )
+    pr.add_argument(
+        "--node-cache",
+        metavar="DIR",
+        help="the node-local cache root (mounted read-only): the summary's nodeCache says "
+        "whether this node holds a copy equal to the artifact (hit) or why not (miss); a miss "
+        "never fails the pod",
     )
     _add_s3_options(pr)
     _add_network_options(pr)
@@ -517,6 +525,7 @@ def _bench(args: argparse.Namespace) -> dict[str, Any]:
             s3_flags=_s3_flags(args),
             moe_rss_gib=args.moe_rss_gib,
             moe_only=args.moe_only,
+            node_cache_only=args.node_cache_only,
         )
     finally:
         if not args.workdir:
@@ -559,6 +568,12 @@ def _add_bench_parser(sub: Any) -> None:
         "and tensorizer (none to skip)",
     )
     be.add_argument("--moe-only", action="store_true", help="only the MoE peak-RSS comparison")
+    be.add_argument(
+        "--node-cache-only",
+        action="store_true",
+        help="only the node-cache sections (rank 0 from a node copy, cold and warm, vs a raw "
+        "read of the PVC path; node-copy vs cp)",
+    )
     be.add_argument(
         "--warm",
         action="store_true",

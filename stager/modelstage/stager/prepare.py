@@ -6,6 +6,9 @@ also every file's size; with ``--hash`` every byte against the manifest's chunk 
 same chunked verification as ``modelstage verify``: the loader plugin verifies what each rank
 reads as it streams in anyway); (2) copy the loader plugin into the
 plugin directory (an ``emptyDir`` the vLLM container gets on ``PYTHONPATH``).
+With ``--node-cache DIR`` it also says whether this node holds a copy of the artifact that the
+plugin will read (``plugin/node_copy.py``): a hit or a miss with its reason in the summary,
+which the operator reads from the termination message; never a failure.
 
 How the plugin travels: the two packages it consists of, ``modelstage.core`` and
 ``modelstage.plugin``, copied whole under ``DIR/modelstage/`` (a namespace package, as in the
@@ -28,11 +31,12 @@ from importlib.metadata import version as dist_version
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from modelstage.core.errors import ArtifactError, DestinationError
+from modelstage.core.errors import ArtifactError, DestinationError, ModelstageError
 from modelstage.core.formats import LOCAL, S3
 from modelstage.core.location import open_artifact, parse_location, verify
 from modelstage.core.manifest import Manifest
 from modelstage.plugin import ENTRY_POINT, ENTRY_POINT_GROUP, ENTRY_POINT_NAME
+from modelstage.plugin.node_copy import NodeCopy, miss, node_copy_for
 
 PLUGIN_PACKAGES = ("core", "plugin")
 """The ``modelstage.*`` packages copied into the plugin directory, whole."""
@@ -50,11 +54,29 @@ def prepare(
     plugin_dir: Path,
     hash_content: bool = False,
     s3: S3Options | None = None,
+    node_cache: Path | None = None,
 ) -> dict[str, Any]:
-    """Verify, then install the plugin; returns the one-line summary."""
+    """Verify, then install the plugin; returns the one-line summary. With ``node_cache``
+    (the node-local root, mounted) the summary also says whether this node holds a copy the
+    plugin will read (``nodeCache``: hit, or miss and why): a verdict, never a failure."""
     summary = verify_artifact(artifact, digest=digest, tp=tp, hash_content=hash_content, s3=s3)
     installed = install_plugin(plugin_dir)
-    return {**summary, "pluginDir": str(plugin_dir), "plugin": installed}
+    summary = {**summary, "pluginDir": str(plugin_dir), "plugin": installed}
+    if node_cache is not None:
+        summary["nodeCache"] = node_cache_verdict(artifact, digest, node_cache, s3).summary()
+    return summary
+
+
+def node_cache_verdict(
+    artifact: str, digest: str, root: Path, s3: S3Options | None = None
+) -> NodeCopy:
+    """This node's copy of the (already verified) artifact against its manifest
+    (``plugin/node_copy.py``); a miss, with the reason, when the artifact cannot be read."""
+    try:
+        location = open_artifact(artifact, s3)
+    except (ModelstageError, OSError) as e:
+        return miss(f"cannot open the artifact: {e}")
+    return node_copy_for(root, digest, location)
 
 
 def verify_artifact(

@@ -1,0 +1,169 @@
+"""Is this node's local copy of the artifact the artifact? The one check ``prepare`` and the
+loader plugin share, so that the initContainer's verdict and the rank's choice agree.
+
+A node copy is trusted only when its manifest equals the artifact's byte for byte: a copy
+whose manifest is merely well-formed could describe poisoned files consistently (its own
+chunk hashes matching its own bytes). Equal manifests carry the artifact's chunk hashes, so
+every byte then read from the copy is checked against the artifact's hashes as it streams in.
+Every file the manifest lists must be there with its size and nothing else beside it (what a
+partial or damaged copy lacks), else the copy is a miss and the artifact is read as without
+a cache. Never raises: a cache can only make a load faster, never make it fail to start.
+Torch-free, so it is unit-tested without vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from modelstage.core.errors import ArtifactError, ModelstageError
+from modelstage.core.location import ArtifactLocation, LocalArtifact, S3Artifact
+from modelstage.core.manifest import MANIFEST, MAX_MANIFEST_BYTES, Manifest
+from modelstage.core.node_cache import HIT, MISS, copy_dir, partial_dir
+from modelstage.core.s3_client import S3Client, S3Location
+
+LOG = logging.getLogger("vllm.modelstage")
+
+MAX_REASON = 300
+"""Reasons end up in a termination message (4 KiB for the whole summary)."""
+
+
+@dataclass(frozen=True)
+class NodeCopy:
+    """The verdict on one node's copy: ``HIT`` with its directory, or ``MISS`` with why."""
+
+    result: str
+    path: Path | None = None
+    reason: str = ""
+
+    @property
+    def hit(self) -> bool:
+        return self.result == HIT
+
+    def summary(self) -> dict[str, Any]:
+        """``prepare``'s ``nodeCache`` field (the operator reads ``result``)."""
+        if self.hit:
+            return {"result": HIT, "path": str(self.path)}
+        return {"result": MISS, "reason": self.reason}
+
+
+def miss(reason: str) -> NodeCopy:
+    return NodeCopy(MISS, reason=reason[:MAX_REASON])
+
+
+def node_copy_for(root: Path, digest: str | None, artifact: ArtifactLocation) -> NodeCopy:
+    """The verdict on this node's copy of ``artifact`` (``digest``: the one the workload
+    expects; None: the artifact manifest's own). A miss when the artifact is unreadable: its
+    own checks then say why, without a cache in the way."""
+    try:
+        want = manifest_bytes(artifact)
+        if digest is None and want is not None:
+            digest = Manifest.from_json(want, artifact.where(MANIFEST)).digest
+    except (ModelstageError, OSError) as e:
+        return miss(f"cannot read the artifact's manifest: {e}")
+    return check_node_copy(root, digest or "", want)
+
+
+def manifest_bytes(location: ArtifactLocation) -> bytes | None:
+    """The artifact's manifest as stored (None when it has none); one GET on S3."""
+    if isinstance(location, S3Artifact):
+        return location.get(MANIFEST, MAX_MANIFEST_BYTES + 1)
+    if isinstance(location, LocalArtifact):
+        return _read_small(location.directory / MANIFEST)
+    raise ArtifactError(f"{location.uri}: no node copy for this kind of location")
+
+
+def check_node_copy(root: Path, digest: str, artifact_manifest: bytes | None) -> NodeCopy:
+    """The verdict on ``root/<digest>`` against the artifact's manifest bytes."""
+    if artifact_manifest is None:
+        return miss("the artifact has no manifest to compare the node copy with")
+    try:
+        directory = copy_dir(root, digest)
+        if not directory.is_dir():
+            return miss(_absent(root, digest))
+        copied = _read_small(directory / MANIFEST)
+        if copied is None:
+            return miss(f"{directory}: no {MANIFEST}; the copy is incomplete")
+        if copied != artifact_manifest:
+            return miss(
+                f"{directory}/{MANIFEST} differs from the artifact's manifest; the node copy "
+                "is not this artifact"
+            )
+        manifest = Manifest.from_json(copied, str(directory / MANIFEST))
+        if manifest.digest != digest:
+            return miss(f"{directory}: holds artifact {manifest.digest}, not {digest}")
+        problem = _file_problem(directory, manifest)
+    except (ModelstageError, OSError) as e:
+        return miss(str(e))
+    if problem:
+        return miss(problem)
+    return NodeCopy(HIT, path=directory)
+
+
+def _absent(root: Path, digest: str) -> str:
+    if partial_dir(root, digest).exists():
+        return f"the copy of {digest} on this node is not complete yet"
+    if not root.is_dir():
+        return f"{root}: no node cache mounted"
+    return f"this node holds no copy of {digest}"
+
+
+def _file_problem(directory: Path, manifest: Manifest) -> str:
+    """The first file that is missing, of another size or not in the manifest; "" if none."""
+    present: dict[str, int] = {}
+    with os.scandir(directory) as entries:
+        for found in entries:
+            if found.name != MANIFEST:
+                present[found.name] = found.stat(follow_symlinks=False).st_size
+    for name, entry in sorted(manifest.files.items()):
+        size = present.pop(name, None)
+        if size is None:
+            return f"{directory / name}: listed in the manifest but missing; the copy is partial"
+        if size != entry.size:
+            return f"{directory / name}: {size} bytes, the manifest says {entry.size}"
+    if present:
+        return f"{directory}: files not in the manifest: {', '.join(sorted(present)[:3])}"
+    return ""
+
+
+def _read_small(path: Path) -> bytes | None:
+    """A manifest's bytes, at most one more than any valid manifest; None when absent."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(MAX_MANIFEST_BYTES + 1)
+    except FileNotFoundError:
+        return None
+
+
+def choose_node_copy(
+    root: Path, digest: str | None, location: str, s3: S3Client | None = None
+) -> NodeCopy:
+    """The loader's choice for the artifact vLLM was pointed at (a directory, or an S3
+    prefix read with ``s3``): this node's copy, or the artifact and why; logged either way."""
+    node = _node_copy(root, digest, location, s3)
+    if node.hit:
+        LOG.info(
+            "modelstage: node cache hit: reading this rank's files from the node-local copy "
+            "%s (its manifest equals the one of %s)",
+            node.path,
+            location,
+        )
+    else:
+        LOG.info("modelstage: node cache miss: reading %s (%s)", location, node.reason)
+    return node
+
+
+def _node_copy(root: Path, digest: str | None, location: str, s3: S3Client | None) -> NodeCopy:
+    if s3 is not None:
+        try:
+            artifact: ArtifactLocation = S3Artifact(S3Location.parse(location), s3)
+        except ModelstageError as e:
+            return miss(str(e))
+    elif "://" in location:
+        return miss(f"no node copy for a {location.split('://')[0]}:// artifact")
+    else:
+        artifact = LocalArtifact(location)
+    return node_copy_for(root, digest, artifact)
