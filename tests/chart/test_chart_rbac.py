@@ -22,6 +22,7 @@ import ast
 from collections.abc import Iterator
 from typing import Any
 
+from modelstage.core import node_cache
 from modelstage.operator import api as operator_api
 from modelstage.operator.kube import Owner
 from support.charts import ROOT, SCENARIOS, is_namespaced, of_kind, render
@@ -41,8 +42,14 @@ CLIENT_VERBS = {
 WATCH_DECORATORS = {"event", "index", "create", "update", "resume", "delete", "field", "timer", "daemon"}  # fmt: skip
 CHANGE_HANDLERS = {"create", "update", "resume", "delete", "field", "timer", "daemon"}
 """kopf stores progress and the diff base in annotations of the object: it patches it."""
-OPT_IN: dict[Triple, str] = {("", "pods/log", "get"): "operator.stagerProgressFromLogs=true"}
-"""Calls the operator makes only when a chart value turns them on, which also grants them."""
+NODE_CACHE = "nodeCache.enabled=true"
+OPT_IN: dict[Triple, str] = {
+    ("", "pods/log", "get"): "operator.stagerProgressFromLogs=true",
+    **{("", "nodes", verb): NODE_CACHE for verb in ("get", "list", "watch")},
+    **{(node_cache.API_GROUP, node_cache.PLURAL, verb): NODE_CACHE for verb in ("get", "list", "watch")},  # fmt: skip
+}
+"""Calls the operator makes only when a chart value turns them on, which also grants them
+(node caching: ModelDeployments with spec.nodeCache need the Nodes and the agents' reports)."""
 CONSTANTS = {
     "GROUP": operator_api.GROUP,
     "VERSION": operator_api.VERSION,
@@ -164,10 +171,32 @@ def operator_uses() -> set[Triple]:
     return uses
 
 
-def granted(docs: list[dict[str, Any]]) -> tuple[set[Triple], list[str]]:
+def bound_to(docs: list[dict[str, Any]], account: str) -> list[dict[str, Any]]:
+    """The Roles and ClusterRoles that bindings give the ServiceAccount ``account``."""
+    refs = {
+        (b["roleRef"]["kind"], b["roleRef"]["name"], b["metadata"].get("namespace"))
+        for b in of_kind(docs, "ClusterRoleBinding") + of_kind(docs, "RoleBinding")
+        if any(s["kind"] == "ServiceAccount" and s["name"] == account for s in b["subjects"])
+    }
+    return [
+        r
+        for r in of_kind(docs, "ClusterRole") + of_kind(docs, "Role")
+        if (r["kind"], r["metadata"]["name"], r["metadata"].get("namespace")) in refs
+    ]
+
+
+def operator_account(docs: list[dict[str, Any]]) -> str:
+    name: str = of_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]["serviceAccountName"]
+    return name
+
+
+def granted(
+    docs: list[dict[str, Any]], roles: list[dict[str, Any]] | None = None
+) -> tuple[set[Triple], list[str]]:
+    """(group, resource, verb) of ``roles`` (default: every role rendered), and wildcards."""
     triples: set[Triple] = set()
     wildcards: list[str] = []
-    for role in of_kind(docs, "ClusterRole") + of_kind(docs, "Role"):
+    for role in of_kind(docs, "ClusterRole") + of_kind(docs, "Role") if roles is None else roles:
         for rule in role["rules"]:
             for key in ("apiGroups", "resources", "verbs", "resourceNames", "nonResourceURLs"):
                 if any("*" in item for item in rule.get(key, [])):
@@ -191,7 +220,8 @@ def test_the_derivation_sees_the_operators_calls() -> None:
 
 def test_rbac_has_no_wildcard_and_is_exactly_what_the_operator_uses(scenario: str) -> None:
     docs = render(scenario)
-    triples, wildcards = granted(docs)
+    assert not granted(docs)[1]
+    triples, wildcards = granted(docs, bound_to(docs, operator_account(docs)))
     assert not wildcards
     namespaced = is_namespaced(scenario)
     expected = operator_uses() | framework(namespaced, "no-peering" not in scenario)
@@ -205,7 +235,12 @@ def test_rbac_has_no_wildcard_and_is_exactly_what_the_operator_uses(scenario: st
 
 
 def test_roles_bind_only_the_operators_service_account(scenario: str) -> None:
-    docs = render(scenario)
+    """The node agent's own role and binding are checked in test_chart_node_cache.py."""
+    docs = [
+        d
+        for d in render(scenario)
+        if d["metadata"].get("labels", {}).get("app.kubernetes.io/component") != "node-agent"
+    ]
     (account,) = of_kind(docs, "ServiceAccount")
     roles = {
         (r["kind"], r["metadata"]["name"])
@@ -229,11 +264,12 @@ def test_roles_bind_only_the_operators_service_account(scenario: str) -> None:
 
 
 def test_rbac_rules_are_commented_in_the_template() -> None:
-    """Every rule in templates/rbac.yaml has a comment line right above it."""
-    lines = (ROOT / "charts" / "modelstage" / "templates" / "rbac.yaml").read_text().splitlines()
-    for i, line in enumerate(lines):
-        if line.strip().startswith("- apiGroups:"):
-            assert lines[i - 1].strip().startswith("#"), f"rbac.yaml:{i + 1}: rule without a reason"
+    """Every rule in the RBAC templates has a comment line right above it."""
+    for name in ("rbac.yaml", "node-cache-rbac.yaml"):
+        lines = (ROOT / "charts" / "modelstage" / "templates" / name).read_text().splitlines()
+        for i, line in enumerate(lines):
+            if line.strip().startswith("- apiGroups:"):
+                assert lines[i - 1].strip().startswith("#"), f"{name}:{i + 1}: rule without a reason"
 
 
 def test_no_permission_on_secrets_anywhere(scenario: str) -> None:
