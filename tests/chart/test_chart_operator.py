@@ -28,7 +28,6 @@ from support.charts import (
     tool,
 )
 
-
 NODE_CACHE_ROOT_ENV = "MODELSTAGE_NODE_CACHE_ROOT"
 """The node root on the host (node caching; test_chart_node_cache.py checks its value)."""
 

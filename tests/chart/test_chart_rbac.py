@@ -46,7 +46,7 @@ NODE_CACHE = "nodeCache.enabled=true"
 OPT_IN: dict[Triple, str] = {
     ("", "pods/log", "get"): "operator.stagerProgressFromLogs=true",
     **{("", "nodes", verb): NODE_CACHE for verb in ("get", "list", "watch")},
-    **{(node_cache.API_GROUP, node_cache.PLURAL, verb): NODE_CACHE for verb in ("get", "list", "watch")},  # fmt: skip
+    **{(node_cache.API_GROUP, node_cache.PLURAL, v): NODE_CACHE for v in ("get", "list", "watch")},
 }
 """Calls the operator makes only when a chart value turns them on, which also grants them
 (node caching: ModelDeployments with spec.nodeCache need the Nodes and the agents' reports)."""
