@@ -36,23 +36,19 @@ ENABLED = ("--set", "nodeCache.enabled=true")
 GROUP, PLURAL = node_cache.API_GROUP, node_cache.PLURAL
 
 AGENT_RULES: set[Triple] = {
-    (GROUP, "modeldeployments", "get"),
     (GROUP, "modeldeployments", "list"),
-    (GROUP, "modeldeployments", "watch"),
     (GROUP, PLURAL, "get"),
     (GROUP, PLURAL, "create"),
-    (GROUP, f"{PLURAL}/status", "get"),
     (GROUP, f"{PLURAL}/status", "patch"),
-    (GROUP, f"{PLURAL}/status", "update"),
     ("", "nodes", "get"),
     ("", "nodes", "patch"),
 }
-"""The agent's permissions: read ModelDeployments (pins, warm requests), create its NodeCache
-and write its status, read and label its node."""
+"""The agent's permissions, exactly what its code calls (test_chart_node_cache_parts.py
+derives that from its source): list ModelDeployments (pins, warm requests), read and create
+its NodeCache and patch its status, read and label its node."""
 AGENT_WRITES: set[Triple] = {
     (GROUP, PLURAL, "create"),
     (GROUP, f"{PLURAL}/status", "patch"),
-    (GROUP, f"{PLURAL}/status", "update"),
     ("", "nodes", "patch"),
 }
 """All it may change: its own NodeCache (created once), that object's status, and its node's
@@ -312,6 +308,7 @@ def test_the_agent_pods_are_selected_only_by_their_own_objects(
         (["--set", "nodeCache.root=/var/lib/modelstage/./x"], "does not match pattern"),
         (["--set", "nodeCache.agent.budget=lots"], "does not match pattern"),
         (["--set", "nodeCache.agent.budget=-1"], "/nodeCache/agent/budget"),
+        (["--set", "nodeCache.agent.budget=1Pi"], "does not match pattern"),  # the agent's units
         (["--set", "nodeCache.agent.metricsPort=0"], "minimum"),
         (["--set", "nodeCache.agent.interval=0"], "exclusiveMinimum"),
         (["--set", "nodeCache.agent.hostNetwork=true"], "additional properties 'hostNetwork'"),

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ast
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from modelstage.core import node_cache
@@ -81,6 +82,8 @@ def _group(api_version: str) -> str:
 def _value(node: ast.expr, scope: dict[str, ast.expr]) -> Any:
     if isinstance(node, ast.Constant):
         return node.value
+    if isinstance(node, ast.Attribute) and ast.unparse(node.value) == "node_cache":
+        return getattr(node_cache, node.attr, None)  # the names core.node_cache shares
     if isinstance(node, ast.Name):
         if node.id in CONSTANTS:
             return CONSTANTS[node.id]
@@ -99,6 +102,16 @@ def _paths(
     """(group, resource) of a path expression."""
     if isinstance(node, ast.Name) and node.id in scope:
         yield from _paths(scope[node.id], scope, module)
+        return
+    if (
+        isinstance(node, ast.JoinedStr)
+        and len(node.values) == 2
+        and isinstance(node.values[0], ast.FormattedValue)
+        and isinstance(node.values[1], ast.Constant)
+        and str(node.values[1].value).startswith("/")
+    ):  # f"{path}/status": a subresource of a resolved path
+        for group, resource in _paths(node.values[0].value, scope, module):
+            yield group, resource + str(node.values[1].value)
         return
     if not isinstance(node, ast.Call):
         raise AssertionError(f"cannot resolve the API path {ast.unparse(node)}")
@@ -128,9 +141,22 @@ def _kopf_resource(args: list[Any]) -> tuple[str, str]:
     return group, plural
 
 
-def operator_uses() -> set[Triple]:
+def _outside_functions(tree: ast.AST) -> list[ast.AST]:
+    """The nodes of a module that no function contains (each function is its own scope: a
+    ``path`` assigned in one must not resolve a ``path`` used in another)."""
+    found: list[ast.AST] = []
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        found.append(node)
+        stack += [c for c in ast.iter_child_nodes(node) if not isinstance(c, ast.FunctionDef)]
+    return found
+
+
+def operator_uses(folder: Path = OPERATOR) -> set[Triple]:
+    """What the modules in ``folder`` (default: the operator's) do through the API."""
     uses: set[Triple] = set()
-    for path in sorted(OPERATOR.glob("*.py")):
+    for path in sorted(folder.glob("*.py")):
         tree = ast.parse(path.read_text(), str(path))
         module: dict[str, Any] = {}
         for stmt in tree.body:
@@ -139,14 +165,15 @@ def operator_uses() -> set[Triple]:
                     module[stmt.targets[0].id] = ast.literal_eval(stmt.value)
                 except ValueError:
                     module[stmt.targets[0].id] = stmt.value
-        for func in [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)] + [tree]:
+        functions = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)]
+        for nodes in [list(ast.walk(f)) for f in functions] + [_outside_functions(tree)]:
             scope: dict[str, ast.expr] = {
                 n.targets[0].id: n.value
-                for n in ast.walk(func)
+                for n in nodes
                 if isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Name)
             }
             scope.update({k: v for k, v in module.items() if isinstance(v, ast.expr)})
-            for node in ast.walk(func):
+            for node in nodes:
                 if not isinstance(node, ast.Call):
                     continue
                 name = _call_name(node)

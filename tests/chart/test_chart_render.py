@@ -227,6 +227,7 @@ def test_helm_installs_the_crds_with_the_chart() -> None:
     }
     assert names == {
         "modeldeployments.modelstage.io",
+        "nodecaches.modelstage.io",
         "clusterkopfpeerings.kopf.dev",
         "kopfpeerings.kopf.dev",
     }
