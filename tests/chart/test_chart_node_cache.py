@@ -54,13 +54,11 @@ AGENT_WRITES: set[Triple] = {
 """All it may change: its own NodeCache (created once), that object's status, and its node's
 labels (the node and the label prefix are enforced by the agent's code: RBAC cannot)."""
 OPERATOR_NODE_CACHE_RULES: set[Triple] = {
-    ("", "nodes", "get"),
     ("", "nodes", "list"),
-    ("", "nodes", "watch"),
-    (GROUP, PLURAL, "get"),
     (GROUP, PLURAL, "list"),
     (GROUP, PLURAL, "watch"),
 }
+"""The operator's node-cache role (test_chart_rbac.py checks it against the operator's code)."""
 READ_VERBS = {"get", "list", "watch"}
 NODE_CACHE_SCENARIOS = sorted(s for s in SCENARIOS if "nodeCache.enabled=true" in SCENARIOS[s])
 

@@ -82,8 +82,10 @@ def _group(api_version: str) -> str:
 def _value(node: ast.expr, scope: dict[str, ast.expr]) -> Any:
     if isinstance(node, ast.Constant):
         return node.value
-    if isinstance(node, ast.Attribute) and ast.unparse(node.value) == "node_cache":
-        return getattr(node_cache, node.attr, None)  # the names core.node_cache shares
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+        base = scope.get(node.value.id, node.value)
+        if isinstance(base, ast.Name) and base.id == "node_cache":
+            return getattr(node_cache, node.attr, None)  # the names core.node_cache shares
     if isinstance(node, ast.Name):
         if node.id in CONSTANTS:
             return CONSTANTS[node.id]
@@ -158,6 +160,13 @@ def operator_uses(folder: Path = OPERATOR) -> set[Triple]:
     uses: set[Triple] = set()
     for path in sorted(folder.glob("*.py")):
         tree = ast.parse(path.read_text(), str(path))
+        aliases: dict[str, ast.expr] = {  # `from modelstage.core import node_cache as nc`
+            alias.asname: ast.Name(id="node_cache")
+            for stmt in tree.body
+            if isinstance(stmt, ast.ImportFrom) and stmt.module == "modelstage.core"
+            for alias in stmt.names
+            if alias.name == "node_cache" and alias.asname
+        }
         module: dict[str, Any] = {}
         for stmt in tree.body:
             if isinstance(stmt, ast.Assign) and isinstance(stmt.targets[0], ast.Name):
@@ -173,6 +182,7 @@ def operator_uses(folder: Path = OPERATOR) -> set[Triple]:
                 if isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Name)
             }
             scope.update({k: v for k, v in module.items() if isinstance(v, ast.expr)})
+            scope.update(aliases)
             for node in nodes:
                 if not isinstance(node, ast.Call):
                     continue
