@@ -346,3 +346,17 @@ def test_helm_lint_passes_strict_with_node_caching() -> None:
     result = run([tool("helm"), "lint", "--strict", str(CHART), *ENABLED,
                   "--set", "podMonitor.nodeAgent.enabled=true"])  # fmt: skip
     assert "0 chart(s) failed" in result.stdout
+
+
+def test_notes_tell_how_to_check_the_agents_only_when_enabled() -> None:
+    def notes(*values: str) -> str:
+        text = run([tool("helm"), "install", RELEASE, str(CHART), "--dry-run=client",
+                    "-n", RELEASE_NAMESPACE, *values]).stdout  # fmt: skip
+        return text.split("NOTES:", 1)[1]
+
+    assert "nodecaches" not in notes()
+    text = notes(*ENABLED)
+    assert f"rollout status daemonset/{AGENT}" in text
+    assert "kubectl get nodecaches" in text
+    assert "examples/modeldeployment-node-cache.yaml" in text
+    assert "privileged" in text
