@@ -190,9 +190,7 @@ def test_the_agent_image_defaults_to_the_stager_image() -> None:
 
 
 def test_values_reach_the_agent() -> None:
-    docs = render(
-        "node-cache-cluster-wide"
-    )  # budget in bytes, a selector, a toleration, a priority class
+    docs = render("node-cache-cluster-wide")  # bytes, a selector, a toleration, a priority
     pod = _agent_pod(docs)
     assert _args(_agent_container(docs))["budget"] == "1500000000000", "not 1.5e+12"
     assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
@@ -269,7 +267,7 @@ def test_the_agent_pods_are_selected_only_by_their_own_objects(
 ) -> None:
     """The operator's Service and NetworkPolicy must not pick the agents up, nor the agent's
     monitor and policy the operator."""
-    scenario, docs = enabled
+    _, docs = enabled
     agent_labels = one(docs, "DaemonSet")["spec"]["template"]["metadata"]["labels"]
     operator_labels = one(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
 
@@ -293,7 +291,6 @@ def test_the_agent_pods_are_selected_only_by_their_own_objects(
     assert not selects(monitor["spec"]["selector"]["matchLabels"], operator_labels)
     assert monitor["spec"]["namespaceSelector"] == {"matchNames": [RELEASE_NAMESPACE]}
     assert [e["port"] for e in monitor["spec"]["podMetricsEndpoints"]] == ["metrics"]
-    assert scenario
 
 
 @pytest.mark.parametrize(
