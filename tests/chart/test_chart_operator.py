@@ -28,6 +28,9 @@ from support.charts import (
     tool,
 )
 
+NODE_CACHE_ROOT_ENV = "MODELSTAGE_NODE_CACHE_ROOT"
+"""The node root on the host (node caching; test_chart_node_cache.py checks its value)."""
+
 
 def _container(docs: list[dict[str, Any]]) -> dict[str, Any]:
     pod = one(docs, "Deployment")["spec"]["template"]["spec"]
@@ -92,7 +95,7 @@ def test_arguments_parse_with_the_operators_parser(scenario: str) -> None:
 def test_environment_is_what_the_operator_reads(rendered: list[dict[str, Any]]) -> None:
     container = _container(rendered)
     env = {e["name"]: e.get("value") for e in container["env"]}
-    ours = {k for k in env if k.startswith("MODELSTAGE_")}
+    ours = {k for k in env if k.startswith("MODELSTAGE_")} - {NODE_CACHE_ROOT_ENV}
     assert ours and all(k.startswith(operator_settings.PREFIX) for k in ours)
     config = OperatorConfig.from_env({k: v for k, v in env.items() if v is not None})
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
@@ -206,7 +209,11 @@ def test_endpoints_bind_the_pods_ip_not_every_address(rendered: list[dict[str, A
 def test_a_network_policy_admits_metrics_from_the_monitoring_namespace_only(
     rendered: list[dict[str, Any]],
 ) -> None:
-    policy = one(rendered, "NetworkPolicy")
+    (policy,) = [
+        p
+        for p in of_kind(rendered, "NetworkPolicy")
+        if p["metadata"]["labels"]["app.kubernetes.io/component"] == "operator"
+    ]
     assert policy["spec"]["policyTypes"] == ["Ingress"]
     pod_labels = one(rendered, "Deployment")["spec"]["template"]["metadata"]["labels"]
     assert policy["spec"]["podSelector"]["matchLabels"].items() <= pod_labels.items()

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import ast
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+from modelstage.core import node_cache
 from modelstage.operator import api as operator_api
 from modelstage.operator.kube import Owner
 from support.charts import ROOT, SCENARIOS, is_namespaced, of_kind, render
@@ -41,8 +43,14 @@ CLIENT_VERBS = {
 WATCH_DECORATORS = {"event", "index", "create", "update", "resume", "delete", "field", "timer", "daemon"}  # fmt: skip
 CHANGE_HANDLERS = {"create", "update", "resume", "delete", "field", "timer", "daemon"}
 """kopf stores progress and the diff base in annotations of the object: it patches it."""
-OPT_IN: dict[Triple, str] = {("", "pods/log", "get"): "operator.stagerProgressFromLogs=true"}
-"""Calls the operator makes only when a chart value turns them on, which also grants them."""
+NODE_CACHE = "nodeCache.enabled=true"
+OPT_IN: dict[Triple, str] = {
+    ("", "pods/log", "get"): "operator.stagerProgressFromLogs=true",
+    **{("", "nodes", verb): NODE_CACHE for verb in ("get", "list", "watch")},
+    **{(node_cache.API_GROUP, node_cache.PLURAL, v): NODE_CACHE for v in ("get", "list", "watch")},
+}
+"""Calls the operator makes only when a chart value turns them on, which also grants them
+(node caching: ModelDeployments with spec.nodeCache need the Nodes and the agents' reports)."""
 CONSTANTS = {
     "GROUP": operator_api.GROUP,
     "VERSION": operator_api.VERSION,
@@ -74,6 +82,10 @@ def _group(api_version: str) -> str:
 def _value(node: ast.expr, scope: dict[str, ast.expr]) -> Any:
     if isinstance(node, ast.Constant):
         return node.value
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+        base = scope.get(node.value.id, node.value)
+        if isinstance(base, ast.Name) and base.id == "node_cache":
+            return getattr(node_cache, node.attr, None)  # the names core.node_cache shares
     if isinstance(node, ast.Name):
         if node.id in CONSTANTS:
             return CONSTANTS[node.id]
@@ -92,6 +104,16 @@ def _paths(
     """(group, resource) of a path expression."""
     if isinstance(node, ast.Name) and node.id in scope:
         yield from _paths(scope[node.id], scope, module)
+        return
+    if (
+        isinstance(node, ast.JoinedStr)
+        and len(node.values) == 2
+        and isinstance(node.values[0], ast.FormattedValue)
+        and isinstance(node.values[1], ast.Constant)
+        and str(node.values[1].value).startswith("/")
+    ):  # f"{path}/status": a subresource of a resolved path
+        for group, resource in _paths(node.values[0].value, scope, module):
+            yield group, resource + str(node.values[1].value)
         return
     if not isinstance(node, ast.Call):
         raise AssertionError(f"cannot resolve the API path {ast.unparse(node)}")
@@ -121,10 +143,30 @@ def _kopf_resource(args: list[Any]) -> tuple[str, str]:
     return group, plural
 
 
-def operator_uses() -> set[Triple]:
+def _outside_functions(tree: ast.AST) -> list[ast.AST]:
+    """The nodes of a module that no function contains (each function is its own scope: a
+    ``path`` assigned in one must not resolve a ``path`` used in another)."""
+    found: list[ast.AST] = []
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        found.append(node)
+        stack += [c for c in ast.iter_child_nodes(node) if not isinstance(c, ast.FunctionDef)]
+    return found
+
+
+def operator_uses(folder: Path = OPERATOR) -> set[Triple]:
+    """What the modules in ``folder`` (default: the operator's) do through the API."""
     uses: set[Triple] = set()
-    for path in sorted(OPERATOR.glob("*.py")):
+    for path in sorted(folder.glob("*.py")):
         tree = ast.parse(path.read_text(), str(path))
+        aliases: dict[str, ast.expr] = {  # `from modelstage.core import node_cache as nc`
+            alias.asname: ast.Name(id="node_cache")
+            for stmt in tree.body
+            if isinstance(stmt, ast.ImportFrom) and stmt.module == "modelstage.core"
+            for alias in stmt.names
+            if alias.name == "node_cache" and alias.asname
+        }
         module: dict[str, Any] = {}
         for stmt in tree.body:
             if isinstance(stmt, ast.Assign) and isinstance(stmt.targets[0], ast.Name):
@@ -132,14 +174,16 @@ def operator_uses() -> set[Triple]:
                     module[stmt.targets[0].id] = ast.literal_eval(stmt.value)
                 except ValueError:
                     module[stmt.targets[0].id] = stmt.value
-        for func in [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)] + [tree]:
+        functions = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)]
+        for nodes in [list(ast.walk(f)) for f in functions] + [_outside_functions(tree)]:
             scope: dict[str, ast.expr] = {
                 n.targets[0].id: n.value
-                for n in ast.walk(func)
+                for n in nodes
                 if isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Name)
             }
             scope.update({k: v for k, v in module.items() if isinstance(v, ast.expr)})
-            for node in ast.walk(func):
+            scope.update(aliases)
+            for node in nodes:
                 if not isinstance(node, ast.Call):
                     continue
                 name = _call_name(node)
@@ -164,10 +208,32 @@ def operator_uses() -> set[Triple]:
     return uses
 
 
-def granted(docs: list[dict[str, Any]]) -> tuple[set[Triple], list[str]]:
+def bound_to(docs: list[dict[str, Any]], account: str) -> list[dict[str, Any]]:
+    """The Roles and ClusterRoles that bindings give the ServiceAccount ``account``."""
+    refs = {
+        (b["roleRef"]["kind"], b["roleRef"]["name"], b["metadata"].get("namespace"))
+        for b in of_kind(docs, "ClusterRoleBinding") + of_kind(docs, "RoleBinding")
+        if any(s["kind"] == "ServiceAccount" and s["name"] == account for s in b["subjects"])
+    }
+    return [
+        r
+        for r in of_kind(docs, "ClusterRole") + of_kind(docs, "Role")
+        if (r["kind"], r["metadata"]["name"], r["metadata"].get("namespace")) in refs
+    ]
+
+
+def operator_account(docs: list[dict[str, Any]]) -> str:
+    name: str = of_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]["serviceAccountName"]
+    return name
+
+
+def granted(
+    docs: list[dict[str, Any]], roles: list[dict[str, Any]] | None = None
+) -> tuple[set[Triple], list[str]]:
+    """(group, resource, verb) of ``roles`` (default: every role rendered), and wildcards."""
     triples: set[Triple] = set()
     wildcards: list[str] = []
-    for role in of_kind(docs, "ClusterRole") + of_kind(docs, "Role"):
+    for role in of_kind(docs, "ClusterRole") + of_kind(docs, "Role") if roles is None else roles:
         for rule in role["rules"]:
             for key in ("apiGroups", "resources", "verbs", "resourceNames", "nonResourceURLs"):
                 if any("*" in item for item in rule.get(key, [])):
@@ -191,7 +257,8 @@ def test_the_derivation_sees_the_operators_calls() -> None:
 
 def test_rbac_has_no_wildcard_and_is_exactly_what_the_operator_uses(scenario: str) -> None:
     docs = render(scenario)
-    triples, wildcards = granted(docs)
+    assert not granted(docs)[1]
+    triples, wildcards = granted(docs, bound_to(docs, operator_account(docs)))
     assert not wildcards
     namespaced = is_namespaced(scenario)
     expected = operator_uses() | framework(namespaced, "no-peering" not in scenario)
@@ -205,7 +272,12 @@ def test_rbac_has_no_wildcard_and_is_exactly_what_the_operator_uses(scenario: st
 
 
 def test_roles_bind_only_the_operators_service_account(scenario: str) -> None:
-    docs = render(scenario)
+    """The node agent's own role and binding are checked in test_chart_node_cache.py."""
+    docs = [
+        d
+        for d in render(scenario)
+        if d["metadata"].get("labels", {}).get("app.kubernetes.io/component") != "node-agent"
+    ]
     (account,) = of_kind(docs, "ServiceAccount")
     roles = {
         (r["kind"], r["metadata"]["name"])
@@ -229,11 +301,12 @@ def test_roles_bind_only_the_operators_service_account(scenario: str) -> None:
 
 
 def test_rbac_rules_are_commented_in_the_template() -> None:
-    """Every rule in templates/rbac.yaml has a comment line right above it."""
-    lines = (ROOT / "charts" / "modelstage" / "templates" / "rbac.yaml").read_text().splitlines()
-    for i, line in enumerate(lines):
-        if line.strip().startswith("- apiGroups:"):
-            assert lines[i - 1].strip().startswith("#"), f"rbac.yaml:{i + 1}: rule without a reason"
+    """Every rule in the RBAC templates has a comment line right above it."""
+    for name in ("rbac.yaml", "node-cache-rbac.yaml"):
+        lines = (ROOT / "charts" / "modelstage" / "templates" / name).read_text().splitlines()
+        for i, line in enumerate(lines):
+            if line.strip().startswith("- apiGroups:"):
+                assert lines[i - 1].strip().startswith("#"), f"{name}:{i + 1}: rule without a reason"
 
 
 def test_no_permission_on_secrets_anywhere(scenario: str) -> None:

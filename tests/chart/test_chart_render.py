@@ -11,6 +11,7 @@ time, and that Prometheus discovers the targets.
 
 from __future__ import annotations
 
+import ast
 import filecmp
 import json
 import re
@@ -35,7 +36,7 @@ KUBERNETES_VERSIONS = ("1.29.0", "1.35.0", kubernetes_validate.utils.latest_vers
 """The chart's minimum (Chart.yaml kubeVersion), the helm/kubectl client's, the newest known."""
 PEERING_KINDS = {"ClusterKopfPeering", "KopfPeering"}
 MONITOR_KINDS = {"ServiceMonitor", "PodMonitor"}
-METRIC_DEFINITION = r'(Counter|Gauge|Histogram|Summary|_StateGauge)\(\s*"(modelstage_[a-z_]+)"'
+METRIC_NAME = r"modelstage_[a-z_]+"
 
 _LABELS = {"type": "object", "additionalProperties": {"type": "string"}}
 _METADATA = {
@@ -291,17 +292,37 @@ def test_dashboard_is_valid_json_and_only_queries_exported_metrics() -> None:
     assert queried <= exported, f"not exported by any module: {sorted(queried - exported)}"
     assert any(m.startswith("modelstage_load_") for m in queried)
     assert any(m.startswith("modelstage_operator_") for m in queried)
+    node_cache = {m for m in queried if m.startswith("modelstage_node_cache_")}
+    assert {"modelstage_node_cache_bytes_held", "modelstage_node_cache_budget_bytes",
+            "modelstage_node_cache_copy_bytes_per_second", "modelstage_node_cache_evictions_total",
+            "modelstage_node_cache_pod_starts_total", "modelstage_node_cache_load_total",
+            "modelstage_node_cache_nodes"} <= node_cache  # fmt: skip
     ids = [p["id"] for p in dashboard["panels"]]
     assert len(ids) == len(set(ids))
 
 
 def _exported_metrics() -> set[str]:
-    """Metric names as Prometheus sees them, from the prometheus-client calls in the source:
-    a ``Counter("x")`` is exposed as ``x_total``."""
+    """Metric names as Prometheus sees them, from the metric definitions in the source: a call
+    whose first argument names a ``modelstage_*`` metric (prometheus-client's classes, the
+    collectors' metric families, a module's own helper around them). A counter is exposed as
+    ``x_total``, a histogram as ``x_bucket``, ``x_sum`` and ``x_count``."""
     names: set[str] = set()
-    for path in (ROOT / "stager" / "modelstage" / "plugin" / "metrics.py",
-                 ROOT / "operator" / "modelstage" / "operator" / "metrics.py"):
-        source = path.read_text()
-        for kind, name in re.findall(METRIC_DEFINITION, source):
-            names.add(f"{name}_total" if kind == "Counter" else name)
+    for folder in (ROOT / "stager" / "modelstage", ROOT / "operator" / "modelstage"):
+        for path in sorted(folder.rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if not (isinstance(node, ast.Call) and node.args):
+                    continue
+                first = node.args[0]
+                if not (isinstance(first, ast.Constant) and isinstance(first.value, str)
+                        and re.fullmatch(METRIC_NAME, first.value)):  # fmt: skip
+                    continue
+                name, kind = first.value, ast.unparse(node.func)
+                if "Counter" in kind:
+                    names.add(name if name.endswith("_total") else f"{name}_total")
+                elif "Histogram" in kind:
+                    names |= {name, f"{name}_bucket", f"{name}_sum", f"{name}_count"}
+                elif "Summary" in kind:
+                    names |= {name, f"{name}_sum", f"{name}_count"}
+                else:
+                    names.add(name)
     return names

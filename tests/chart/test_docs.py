@@ -57,7 +57,7 @@ def test_install_doc_table_matches_the_chart_rules() -> None:
     from support.charts import of_kind, render
 
     text = (ROOT / "docs" / "install.md").read_text()
-    for scenario in ("default", "namespaced"):
+    for scenario in ("default", "namespaced", "node-cache"):
         for role in of_kind(render(scenario), "ClusterRole") + of_kind(render(scenario), "Role"):
             for rule in role["rules"]:
                 for resource in rule["resources"]:

@@ -56,6 +56,23 @@ SCENARIOS: dict[str, list[str]] = {
         "--set", "operator.stagerProgressFromLogs=true",
         "--set", "operator.resolveInterval=3600",
     ],
+    "node-cache": [
+        "--set", "nodeCache.enabled=true",
+        "--set", "podMonitor.nodeAgent.enabled=true",
+    ],
+    "node-cache-cluster-wide": [
+        "--set", "watch.namespaced=false",
+        "--set", "nodeCache.enabled=true",
+        "--set", "nodeCache.root=/mnt/nvme0/modelstage",
+        "--set", "nodeCache.agent.budget=1500000000000",
+        "--set-string", "nodeCache.agent.nodeSelector.nvidia\\.com/gpu\\.present=true",
+        "--set", "nodeCache.agent.tolerations[0].key=nvidia.com/gpu",
+        "--set", "nodeCache.agent.tolerations[0].operator=Exists",
+        "--set", "nodeCache.agent.tolerations[0].effect=NoSchedule",
+        "--set", "nodeCache.agent.priorityClassName=system-node-critical",
+        "--set", "serviceMonitor.enabled=true",
+        "--set", "podMonitor.nodeAgent.enabled=true",
+    ],
 }  # fmt: skip
 """``helm template`` value sets every rendering check runs over."""
 
