@@ -37,6 +37,7 @@ GROUP, PLURAL = node_cache.API_GROUP, node_cache.PLURAL
 
 AGENT_RULES: set[Triple] = {
     (GROUP, "modeldeployments", "list"),
+    (GROUP, "modeldeployments", "watch"),
     (GROUP, PLURAL, "get"),
     (GROUP, PLURAL, "create"),
     (GROUP, f"{PLURAL}/status", "patch"),
@@ -44,7 +45,7 @@ AGENT_RULES: set[Triple] = {
     ("", "nodes", "patch"),
 }
 """The agent's permissions, exactly what its code calls (test_chart_node_cache_parts.py
-derives that from its source): list ModelDeployments (pins, warm requests), read and create
+derives that from its source): list and watch ModelDeployments (pins, warm requests), read and create
 its NodeCache and patch its status, read and label its node."""
 AGENT_WRITES: set[Triple] = {
     (GROUP, PLURAL, "create"),

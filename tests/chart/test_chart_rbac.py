@@ -39,6 +39,7 @@ CLIENT_VERBS = {
     "create": "create",
     "merge_patch": "patch",
     "delete": "delete",
+    "watch": "watch",
 }
 WATCH_DECORATORS = {"event", "index", "create", "update", "resume", "delete", "field", "timer", "daemon"}  # fmt: skip
 CHANGE_HANDLERS = {"create", "update", "resume", "delete", "field", "timer", "daemon"}

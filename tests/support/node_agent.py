@@ -20,6 +20,7 @@ from modelstage.core import node_cache
 from modelstage.core.integrity import digest_bytes
 from modelstage.core.manifest import MANIFEST, FileEntry, Manifest
 
+from support.charts import RELEASE, of_kind, render_docs
 from support.kube_cluster import Cluster, create_all, service_account_token, write_kubeconfig
 
 CHUNK = 256 * 1024
@@ -63,20 +64,19 @@ def make_copy(
     return directory
 
 
-AGENT_RULES: list[dict[str, Any]] = [
-    {"apiGroups": ["modelstage.io"], "resources": ["modeldeployments"],
-     "verbs": ["get", "list", "watch"]},
-    {"apiGroups": ["modelstage.io"], "resources": ["nodecaches"], "verbs": ["get", "create"]},
-    {"apiGroups": ["modelstage.io"], "resources": ["nodecaches/status"],
-     "verbs": ["get", "patch", "update"]},
-    {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]},
-]  # fmt: skip
-"""The node agent's permissions (least privilege): what the chart's ClusterRole must grant;
-on the real tier the agent under test holds exactly these."""
+def agent_rules() -> list[dict[str, Any]]:
+    """The node agent's permissions as the chart grants them (its ClusterRole with node
+    caching on): on the real tier the agent under test holds exactly these, so the tests prove
+    that the chart's least-privilege role is enough."""
+    name = f"{RELEASE}-modelstage-node-agent"
+    role = next(r for r in of_kind(render_docs("--set", "nodeCache.enabled=true"), "ClusterRole")
+                if r["metadata"]["name"] == name)  # fmt: skip
+    rules: list[dict[str, Any]] = role["rules"]
+    return rules
 
 
 async def agent_kubeconfig(cluster: Cluster, path: Path) -> Path:
-    """A kubeconfig for the agent: on the real tier a ServiceAccount bound to ``AGENT_RULES``
+    """A kubeconfig for the agent: on the real tier a ServiceAccount bound to the chart's agent role (``agent_rules``)
     only; on kmock (no authorization) the tests' own."""
     if cluster.tier != "real":
         return cluster.kubeconfig
@@ -84,7 +84,7 @@ async def agent_kubeconfig(cluster: Cluster, path: Path) -> Path:
     docs: list[dict[str, Any]] = [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": name, "namespace": ns}},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
-         "metadata": {"name": name}, "rules": AGENT_RULES},
+         "metadata": {"name": name}, "rules": agent_rules()},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
          "metadata": {"name": name},
          "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": name},

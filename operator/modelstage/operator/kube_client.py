@@ -10,7 +10,7 @@ create and "not found" on read are answers, not errors.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote, urlencode
@@ -131,6 +131,28 @@ class KubeClient:
             query["labelSelector"] = ",".join(f"{k}={v}" for k, v in sorted(label_selector.items()))
         items: list[Manifest] = self._call("GET", path, query=query).get("items") or []
         return items
+
+    def watch(self, path: str, seconds: int = 300) -> Iterator[Manifest]:
+        """The events of one watch request of a collection (``{"type", "object"}`` each),
+        lasting at most ``seconds`` on the server; errors raise ``ApiException``."""
+        query = urlencode({"watch": "true", "timeoutSeconds": str(seconds)})
+        _, url, headers, _, _ = self.api.param_serialize(
+            "GET", f"{path}?{query}", header_params={"Accept": "application/json"},
+            auth_settings=["BearerToken"],
+        )  # fmt: skip
+        response = self.api.call_api(
+            "GET", url, header_params=headers, _request_timeout=(self.timeout, seconds + 30)
+        )
+        raw = response.response
+        try:
+            if response.status != 200:
+                raise ApiException(status=response.status, reason=response.reason)
+            for line in raw:
+                if line.strip():
+                    event: Manifest = json.loads(line)
+                    yield event
+        finally:
+            raw.release_conn()
 
     def create(self, path: str, body: Manifest) -> Manifest | None:
         """The created object, or None when one of that name already exists."""

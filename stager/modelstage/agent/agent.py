@@ -16,12 +16,11 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlencode
 
 from modelstage.core import node_cache
 from modelstage.core.errors import SpecError
@@ -275,7 +274,7 @@ class Agent:
         a warm request or a new pin is acted on without waiting for the interval."""
         while not self.stop.is_set():
             try:
-                for _ in watch_events(self.kube, MD_PATH):
+                for _ in self.kube.watch(MD_PATH, WATCH_SECONDS):
                     self.wake.set()
                     if self.stop.is_set():
                         return
@@ -287,27 +286,6 @@ class Agent:
 WATCH_SECONDS = 300
 """How long one watch request lasts on the server; then the agent opens the next one."""
 WATCH_RETRY_S = 5.0
-
-
-def watch_events(kube: KubeClient, path: str) -> Iterator[bytes]:
-    """The raw events of one watch request of ``path`` (one JSON document per line)."""
-    query = urlencode({"watch": "true", "timeoutSeconds": str(WATCH_SECONDS)})
-    _, url, headers, _, _ = kube.api.param_serialize(
-        "GET", f"{path}?{query}", header_params={"Accept": "application/json"},
-        auth_settings=["BearerToken"],
-    )  # fmt: skip
-    response = kube.api.call_api(
-        "GET", url, header_params=headers, _request_timeout=(kube.timeout, WATCH_SECONDS + 30)
-    )
-    raw = response.response
-    try:
-        if response.status != 200:
-            raise RuntimeError(f"watch of {path}: HTTP {response.status}")
-        for line in raw:
-            if line.strip():
-                yield line
-    finally:
-        raw.release_conn()
 
 
 class AgentMetrics:
