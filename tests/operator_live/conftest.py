@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 import yaml
+from support import node_cluster
 from support.kube_cluster import (
     Cluster,
     ControlPlane,
@@ -52,6 +53,16 @@ async def cluster(
         return
     async with real_cluster(real_control_plane, [CRD, *PEERING_CRDS], tmp_path) as real:
         yield real
+
+
+@pytest_asyncio.fixture
+async def node_cache_cluster(
+    real_control_plane: ControlPlane | None, tmp_path: Path
+) -> AsyncIterator[Cluster]:
+    """The cluster with node caching's APIs (``support.node_cluster``); a test module uses it
+    as its ``cluster``."""
+    async with node_cluster.node_cache_cluster(real_control_plane, tmp_path) as c:
+        yield c
 
 
 @pytest_asyncio.fixture

@@ -14,27 +14,16 @@ from __future__ import annotations
 import copy
 import json
 import uuid
-from collections.abc import AsyncIterator
-from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 import pytest
-import pytest_asyncio
-import yaml
 from modelstage.core import node_cache as nc
 from modelstage.operator.kube_client import resource_path
 from modelstage.operator.node_cache_plan import COPY_CONTAINER, NODE_ANNOTATION, copy_job_name
 from support.kube_cluster import (
     Cluster,
-    ControlPlane,
-    chart_rbac,
-    create_all,
     eventually,
-    kmock_cluster,
-    real_cluster,
 )
-from support.kube_fake import ResourceSpec
 from support.modelstage_objects import (
     SPEC,
     complete_rollout,
@@ -50,6 +39,7 @@ from support.modelstage_objects import (
     template_digest,
     vllm_deployment,
 )
+from support.node_cluster import add_node, now
 from support.operator_flow import (
     MD,
     condition,
@@ -61,134 +51,15 @@ from support.operator_flow import (
 )
 from support.operator_process import OperatorProcess
 
-from .conftest import CRD, PEERING_CRDS, ROOT
-
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120)]
 
-NODE_CACHE_CRD_FILE = ROOT / "crds" / "modelstage.io_nodecaches.yaml"
-NODE_CACHE_CRD: dict[str, Any] = (
-    yaml.safe_load(NODE_CACHE_CRD_FILE.read_text())
-    if NODE_CACHE_CRD_FILE.exists()
-    else {
-        # The generated CRD's shape where this checkout does not have it yet: cluster-scoped,
-        # a status subresource (the agent's report).
-        "apiVersion": "apiextensions.k8s.io/v1",
-        "kind": "CustomResourceDefinition",
-        "metadata": {"name": f"{nc.PLURAL}.{nc.API_GROUP}"},
-        "spec": {
-            "group": nc.API_GROUP,
-            "names": {"kind": nc.KIND, "plural": nc.PLURAL, "singular": "nodecache"},
-            "scope": "Cluster",
-            "versions": [
-                {
-                    "name": nc.API_VERSION.split("/")[1],
-                    "served": True,
-                    "storage": True,
-                    "subresources": {"status": {}},
-                    "schema": {
-                        "openAPIV3Schema": {
-                            "type": "object",
-                            "properties": {
-                                "status": {
-                                    "type": "object",
-                                    "x-kubernetes-preserve-unknown-fields": True,
-                                }
-                            },
-                        }
-                    },
-                }
-            ],
-        },
-    }
-)
-OPERATOR_NODE_CACHE_RULES = [
-    {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]},
-    {"apiGroups": [nc.API_GROUP], "resources": [nc.PLURAL], "verbs": ["get", "list", "watch"]},
-]
-"""What the chart grants the operator when node caching is on (read only)."""
 ON = {"nodeCache": {"enabled": True}}
 
 
-@pytest_asyncio.fixture
-async def cluster(
-    real_control_plane: ControlPlane | None, tmp_path: Path
-) -> AsyncIterator[Cluster]:
-    """The live tests' cluster with the NodeCache API and Nodes (kmock: registered here)."""
-    crds = [CRD, NODE_CACHE_CRD, *PEERING_CRDS]
-    if real_control_plane is None:
-        async with kmock_cluster(crds, tmp_path) as fake_cluster:
-            fake_cluster.fake.register(ResourceSpec("v1", "nodes", "Node"), namespaced=False)
-            yield fake_cluster
-        return
-    async with real_cluster(real_control_plane, crds, tmp_path) as real:
-        account = next(d for d in chart_rbac("default") if d["kind"] == "ServiceAccount")
-        name = "modelstage-test-node-cache"
-        await create_all(
-            real.client,
-            [
-                {
-                    "apiVersion": "rbac.authorization.k8s.io/v1",
-                    "kind": "ClusterRole",
-                    "metadata": {"name": name},
-                    "rules": OPERATOR_NODE_CACHE_RULES,
-                },
-                {
-                    "apiVersion": "rbac.authorization.k8s.io/v1",
-                    "kind": "ClusterRoleBinding",
-                    "metadata": {"name": name},
-                    "roleRef": {
-                        "apiGroup": "rbac.authorization.k8s.io",
-                        "kind": "ClusterRole",
-                        "name": name,
-                    },
-                    "subjects": [
-                        {
-                            "kind": "ServiceAccount",
-                            "name": account["metadata"]["name"],
-                            "namespace": account["metadata"]["namespace"],
-                        }
-                    ],
-                },
-            ],
-        )
-        try:
-            yield real
-        finally:  # the control plane outlives the test: its Nodes and reports go with it
-            for path in (resource_path("v1", "nodes"), resource_path(nc.API_VERSION, nc.PLURAL)):
-                for obj in await real.client.list(path):
-                    await real.client.delete(f"{path}/{obj['metadata']['name']}")
-
-
-def now() -> str:
-    return datetime.now(UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
-
-
-async def add_node(
-    cluster: Cluster,
-    name: str,
-    labels: dict[str, str],
-    taints: list[dict[str, str]] | None = None,
-) -> None:
-    """A Node as the API holds one once its kubelet registered and reports Ready."""
-    await cluster.client.create(
-        resource_path("v1", "nodes"),
-        {
-            "apiVersion": "v1",
-            "kind": "Node",
-            "metadata": {"name": name, "labels": labels},
-            "spec": {"taints": taints or []},
-        },
-    )
-    ready = {"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "ready"}
-    await cluster.client.patch(
-        resource_path("v1", "nodes", None, name, "status"),
-        {"status": {"conditions": [{**ready, "lastHeartbeatTime": now()}]}},
-    )
-    # The real API server taints a new Node not-ready (admission); the node lifecycle
-    # controller lifts that once it is Ready: the tests play that controller too.
-    await cluster.client.patch(
-        resource_path("v1", "nodes", None, name), {"spec": {"taints": taints or None}}
-    )
+@pytest.fixture
+def cluster(node_cache_cluster: Cluster) -> Cluster:
+    """Node caching's APIs served (Nodes, NodeCaches; the operator's chart role for them)."""
+    return node_cache_cluster
 
 
 async def report(cluster: Cluster, node: str, *held: str, warm: bool = False) -> None:
