@@ -13,6 +13,7 @@ which the manifest parser allows only as plain names: nothing outside the root i
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -30,6 +31,7 @@ from modelstage.core.errors import ArtifactError
 from modelstage.core.integrity import (
     DEFAULT_CHUNK_BYTES,
     ChunkMismatch,
+    FileDigest,
     blake3_module,
     chunk_count,
     chunk_range,
@@ -58,6 +60,8 @@ if TYPE_CHECKING:
 
 READ_AHEAD = 4
 """Chunks read ahead of the one being checked and written (S3: GETs in flight)."""
+LOCAL_COPIES = 4
+"""Files of a local source copied at once (``_copy_local_files``)."""
 
 
 @dataclass
@@ -115,15 +119,18 @@ def node_copy(
         check_files(source, manifest, sorted(manifest.files), listing)
         partial = own_dir(node_cache.partial_dir(root, digest))
         _remove_strays(partial, manifest)
-        copied = resumed = 0
-        for name in sorted(manifest.files):
-            entry = manifest.files[name]
-            target = _inside(partial, name)
-            if _resumable(target, entry):
-                resumed += 1
-                continue
-            _copy_file(source, name, entry, listing[name], target)
-            copied += entry.size
+        todo = [n for n in sorted(manifest.files)
+                if not _resumable(_inside(partial, n), manifest.files[n])]  # fmt: skip
+        resumed = len(manifest.files) - len(todo)
+        local = [n for n in todo if isinstance(source, LocalArtifact)
+                 and manifest.files[n].digest is not None]  # fmt: skip
+        _copy_local_files(source, local, manifest, partial)
+        for name in todo:
+            if name not in local:
+                _copy_file(
+                    source, name, manifest.files[name], listing[name], _inside(partial, name)
+                )
+        copied = sum(manifest.files[n].size for n in todo)
         write_atomic(partial / MANIFEST, raw)
         fsync_dir(partial)
         os.rename(partial, final)
@@ -209,6 +216,96 @@ def _resumable(target: Path, entry: FileEntry) -> bool:
     except ArtifactError:
         return False
     return True
+
+
+def _copy_local_files(
+    source: ArtifactLocation, names: list[str], manifest: Manifest, partial: Path
+) -> None:
+    """``_copy_local_file`` for each of ``names``, ``LOCAL_COPIES`` at a time: one file's
+    kernel copy, another's hashing and a third's ``fsync`` overlap (the first failure is
+    raised once the files in flight have ended, each removing what it wrote)."""
+    if not names:
+        return
+    assert isinstance(source, LocalArtifact)
+    with ThreadPoolExecutor(LOCAL_COPIES, thread_name_prefix="modelstage-copy") as pool:
+        futures = [
+            pool.submit(
+                _copy_local_file, source, n, _digest_of(manifest.files[n]), _inside(partial, n)
+            )
+            for n in names
+        ]
+        try:
+            for future in futures:
+                future.result()
+        finally:
+            for future in futures:
+                future.cancel()
+
+
+def _digest_of(entry: FileEntry) -> FileDigest:
+    assert entry.digest is not None
+    return entry.digest
+
+
+def _copy_local_file(source: LocalArtifact, name: str, want: FileDigest, target: Path) -> None:
+    """A local source: the kernel copies the bytes (``copy_file_range``, else ``sendfile``:
+    they never pass through this process), then the copy is verified where it landed, every
+    chunk against the manifest on the hashing threads, so what is checked is the node's bytes
+    themselves, read back from the page cache the copy just filled."""
+    where = source.where(name)
+    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+    try:
+        try:
+            src = os.open(source.directory / name, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError as e:
+            raise ArtifactError(f"{where}: cannot read: {e.strerror}") from None
+        try:
+            _kernel_copy(src, fd, want.size)
+        finally:
+            os.close(src)
+        try:
+            hash_local_files([target], [want])
+        except ChunkMismatch as e:
+            raise _mismatch(where, e) from None
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        fd = -1
+        target.unlink(missing_ok=True)  # nothing unverified stays in the partial copy
+        raise
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def _kernel_copy(src: int, dst: int, size: int) -> None:
+    """``size`` bytes from ``src`` to ``dst`` inside the kernel; a source that ends early
+    is refused (the verification would refuse it anyway, less clearly)."""
+    done = 0
+    copy: Callable[[int, int, int], int] = _copy_file_range
+    while done < size:
+        try:
+            n = copy(src, dst, size - done)
+        except OSError as e:
+            if copy is _copy_file_range and e.errno in _NO_COPY_FILE_RANGE:
+                copy = _sendfile  # another filesystem, or a kernel without it
+                continue
+            raise
+        if n == 0:
+            raise ArtifactError(f"the source file ended after {done} of {size} bytes")
+        done += n
+
+
+def _copy_file_range(src: int, dst: int, count: int) -> int:
+    return os.copy_file_range(src, dst, min(count, _KERNEL_COPY_BYTES))
+
+
+def _sendfile(src: int, dst: int, count: int) -> int:
+    return os.sendfile(dst, src, None, min(count, _KERNEL_COPY_BYTES))
+
+
+_KERNEL_COPY_BYTES = 1 << 30
+_NO_COPY_FILE_RANGE = frozenset({errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP})
 
 
 def _copy_file(
