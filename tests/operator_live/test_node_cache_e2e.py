@@ -6,7 +6,8 @@ a local process (``support.mini_kubelet``), one node agent per simulated node (a
 
 Proves: copies land only on the nodes the workload's nodeSelector admits, each byte-equal to
 the staged artifact; the agents label exactly those nodes and report them; the roll waits for
-the copies and patches the node-local path and the node affinity; a new spec stages and copies
+the copies and for the agents to read them into the page cache (``warm``; the deadline is far
+away), and patches the node-local path and the node affinity; a new spec stages and copies
 a new artifact while the old one, kept for rollback, is never evicted under a tight budget.
 """
 
@@ -48,7 +49,7 @@ SPEC: dict[str, Any] = {
     "loadFormat": "sharded_state",
     "storage": {"pvc": {"claimName": "artifacts", "path": "/staged"}},
     "serving": {"targetRef": {"kind": "Deployment", "name": "vllm"}, "containerName": "vllm"},
-    "nodeCache": {"enabled": True, "nodes": "Replicas"},
+    "nodeCache": {"enabled": True, "nodes": "Replicas", "warm": True},
 }
 
 
@@ -150,7 +151,7 @@ async def test_staged_copied_to_the_matching_nodes_then_rolled_and_kept_for_roll
     running: tuple[MiniKubelet, list[AgentProcess]],
     world: tuple[Path, dict[str, Path]],
 ) -> None:
-    kubelet, _ = running
+    kubelet, agents = running
     claims, roots = world
     gpus = ("gpu-a", "gpu-b")
     await cluster.client.create(deploy_path(namespace, None), workload())
@@ -165,6 +166,8 @@ async def test_staged_copied_to_the_matching_nodes_then_rolled_and_kept_for_roll
         assert same_tree(staged, roots[name] / first), name
         assert (await node_labels(cluster, name)).get(node_label(first)) == "true"
         assert first in await held(cluster, name)
+    for agent in agents:  # read into the page cache before the roll, on the GPU nodes only
+        assert (f"warmed {first}" in agent.log.read_text()) == (agent.node in gpus), agent.node
     assert not any(roots["cpu-c"].iterdir()), "the CPU node got a copy"
     assert node_label(first) not in await node_labels(cluster, "cpu-c")
     assert sorted(r["node"] for r in kubelet.ran if r["node"]) == list(gpus), kubelet.ran
