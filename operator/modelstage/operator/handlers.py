@@ -393,11 +393,21 @@ def serving_pod_event(
     logger: Logger,
     **kwargs: Any,
 ) -> None:
-    """Only failing pods matter here: progress shows in the workload's own status."""
+    """Two kinds of serving pod matter here (progress shows in the workload's own status):
+    a failing one (a rollback may be due), and one whose prepare said whether its node held
+    the copy (the node cache's hits and misses)."""
     digest = annotations.get(DIGEST_ANNOTATION)
-    if type == "DELETED" or not pod_failures([dict(body)], digest):
+    if type == "DELETED":
         return
-    _reconcile_matching(memo, kwargs, namespace, logger, lambda r: digest in (r.artifact, r.digest))
+    if pod_failures([dict(body)], digest):
+        _reconcile_matching(
+            memo, kwargs, namespace, logger, lambda r: digest in (r.artifact, r.digest)
+        )
+    elif pod_start(dict(body), PREPARE_CONTAINER) is not None:
+        _reconcile_matching(
+            memo, kwargs, namespace, logger,
+            lambda r: r.node_cache is not None and r.digest == digest,
+        )  # fmt: skip
 
 
 WAITING_PHASES = ("", "Copying", "Warming")
@@ -437,25 +447,6 @@ def node_copy_event(
 ) -> None:
     """A copy Job (or its pod: the termination message lands there) changed."""
     digest = labels.get(LABEL_DIGEST)
-    _reconcile_matching(
-        memo, kwargs, namespace, logger, lambda r: r.node_cache is not None and r.digest == digest
-    )
-
-
-@kopf.on.event("v1", "pods", annotations={DIGEST_ANNOTATION: kopf.PRESENT})
-def serving_pod_prepared(
-    type: str,
-    body: kopf.Body,
-    namespace: str | None,
-    annotations: kopf.Annotations,
-    memo: Any,
-    logger: Logger,
-    **kwargs: Any,
-) -> None:
-    """A serving pod's prepare said whether its node held the copy: the hits and misses."""
-    digest = annotations.get(DIGEST_ANNOTATION)
-    if type == "DELETED" or pod_start(dict(body), PREPARE_CONTAINER) is None:
-        return
     _reconcile_matching(
         memo, kwargs, namespace, logger, lambda r: r.node_cache is not None and r.digest == digest
     )

@@ -13,6 +13,7 @@ which the manifest parser allows only as plain names: nothing outside the root i
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -253,8 +254,7 @@ def _copy_local_file(source: LocalArtifact, name: str, want: FileDigest, target:
     chunk against the manifest on the hashing threads, so what is checked is the node's bytes
     themselves, read back from the page cache the copy just filled."""
     where = source.where(name)
-    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
-    try:
+    with _new_file(target) as fd:
         try:
             src = os.open(source.directory / name, os.O_RDONLY | os.O_NOFOLLOW)
         except OSError as e:
@@ -268,10 +268,19 @@ def _copy_local_file(source: LocalArtifact, name: str, want: FileDigest, target:
         except ChunkMismatch as e:
             raise _mismatch(where, e) from None
         os.fsync(fd)
+
+
+@contextlib.contextmanager
+def _new_file(target: Path) -> Iterator[int]:
+    """``target`` created (never through a link) for writing; removed if the block fails, so
+    that nothing unverified stays in the partial copy."""
+    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+    try:
+        yield fd
     except BaseException:
         os.close(fd)
         fd = -1
-        target.unlink(missing_ok=True)  # nothing unverified stays in the partial copy
+        target.unlink(missing_ok=True)
         raise
     finally:
         if fd >= 0:
@@ -317,8 +326,7 @@ def _copy_file(
     chunk_bytes = want.chunk_bytes if want is not None else DEFAULT_CHUNK_BYTES
     sha256 = hashlib.sha256() if want is None else None
     new_hash = blake3_module().blake3
-    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
-    try:
+    with _new_file(target) as fd:
         with source.reader(name, listed) as read_into:
             for index, data in _chunks(read_into, entry.size, chunk_bytes, source.workers):
                 if want is not None:
@@ -334,14 +342,6 @@ def _copy_file(
                 "the source is corrupt"
             )
         os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        fd = -1
-        target.unlink(missing_ok=True)  # nothing unverified stays in the partial copy
-        raise
-    finally:
-        if fd >= 0:
-            os.close(fd)
 
 
 def _mismatch(where: str, error: ChunkMismatch) -> ArtifactError:
