@@ -1,10 +1,12 @@
 """``modelstage node-copy``: one artifact from the PVC or S3 into the node-local root.
 
-The copy is made in ``.partial/<digest>`` under the digest's lock: each file read in chunks
-(a local read or S3 ranged GETs, a few in flight), every chunk checked against the source
-manifest's hash before its bytes are written, each file fsynced, the manifest (the source's
-bytes, unchanged) written last, then the directory renamed to ``<digest>``: a directory named
-by a digest is always complete and verified. A copy that stops (killed, a node reboot) leaves
+The copy is made in ``.partial/<digest>`` under the digest's lock, every chunk checked
+against the source manifest's hash: from a local source (a mounted PVC) the kernel copies each
+file and the copy is verified where it landed, a few files at a time (``_copy_local_files``);
+from S3 each file is read in chunks (ranged GETs, a few in flight), each chunk checked before
+its bytes are written. Each file is fsynced, the manifest (the source's bytes, unchanged)
+written last, then the directory renamed to ``<digest>``: a directory named by a digest is
+always complete and verified. A copy that stops (killed, a node reboot) leaves
 its partial directory; the next run keeps every file there whose size is right and whose
 chunks verify, and rewrites the rest. A complete copy whose manifest equals the source's makes
 the command a no-op. Paths are built only from a checked digest and the manifest's file names,
