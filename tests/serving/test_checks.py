@@ -229,9 +229,9 @@ def test_the_safetensors_loader_checks_every_file_of_the_hugging_face_layout(
     victim.write_bytes(bytes(data))
     with pytest.raises(ArtifactError) as e:
         verify_content(verified)
-    assert str(e.value).startswith(
-        f"modelstage: refusing to load {victim}: chunk "
-    ) and str(e.value).endswith("; the file is corrupt: re-stage it"), e.value
+    assert str(e.value).startswith(f"modelstage: refusing to load {victim}: chunk ") and str(
+        e.value
+    ).endswith("; the file is corrupt: re-stage it"), e.value
     assert " has BLAKE3 " in str(e.value) and "the manifest says" in str(e.value)
     runai = stage_artifact(tied_root, TIED, 1, "runai_streamer")
     with pytest.raises(

@@ -3,10 +3,11 @@
 The pod is pointed at an artifact whose rank files are damaged (its manifest intact), so only
 the node-local copy can give the right answer: log-probabilities must equal vLLM's stock
 ``sharded_state`` on the intact artifact, exactly. Then one byte of the node copy is flipped,
-its manifest still equal to the artifact's: the load is refused naming the node file and its
-chunk. Falling back to the artifact there would hide an integrity error that an operator must
-see (as a corrupt PVC is refused, not worked around); a copy that is not the artifact at all
-is a miss and read from the artifact instead (tests/serving/test_node_copy.py).
+its manifest still equal to the artifact's, and the artifact is intact again: the rank whose
+copy is corrupt logs the error (the node file, the chunk, what to do), counts ``corrupt`` and
+reads the artifact instead, and the answers are still exactly stock's. With both damaged the
+load is refused: corrupt bytes are never served, from the node or from the PVC. A copy that is
+not the artifact at all is a miss (tests/serving/test_node_copy.py).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def node_cache_loads(metrics_text: str) -> dict[str, float]:
     }
 
 
-def test_a_pod_reads_its_ranks_from_the_node_copy_and_a_corrupt_copy_is_refused(
+def test_a_pod_reads_its_ranks_from_the_node_copy_and_reads_past_a_corrupt_one(
     llama_tp2: Artifact,
     stock_results: Callable[[Artifact], Any],
     pod_site: Path,
@@ -87,13 +88,30 @@ def test_a_pod_reads_its_ranks_from_the_node_copy_and_a_corrupt_copy_is_refused(
 
     victim = copy / "model-rank-1-part-0.safetensors"
     index = flip_middle(victim)
-    proc, pod = pod_run(artifact, plugin_dir, pod_site, tmp_path, settings=settings)
+    shutil.rmtree(pvc)
+    shutil.copytree(tmp_path / "staged", pvc)  # the artifact intact again
+    proc, pod = pod_run(
+        artifact, plugin_dir, pod_site, tmp_path, metrics_port=free_ports(2), settings=settings
+    )
     log = proc.stdout + proc.stderr
-    assert proc.returncode != 0 and pod is None, "vLLM served a corrupt node copy"
+    assert proc.returncode == 0 and pod is not None, log[-4000:]
+    assert pod["result"]["results"] == stock_results(llama_tp2)["results"], (
+        "log-probabilities differ from stock sharded_state after the fall back"
+    )
     assert re.search(
-        re.escape(f"modelstage: refusing to load {victim}: chunk {index} (bytes "
-                  f"{index * CHUNK}-{(index + 1) * CHUNK - 1}) has BLAKE3 ")
+        re.escape(f"modelstage: node cache: {victim}: chunk {index} "
+                  f"(bytes {index * CHUNK}-{(index + 1) * CHUNK - 1}) has BLAKE3 ")
         + "[0-9a-f]{64}, the manifest says [0-9a-f]{64}; the file is corrupt: "
-        + re.escape(f"the node-local copy {copy} is corrupt: remove it so that it is copied again"),
+        + re.escape(f"the node-local copy {copy} is corrupt: remove it")
+        + ".*; reading the artifact instead",
         log,
     ), log[-4000:]  # fmt: skip
+    assert node_cache_loads(pod["metrics"]["0"]) == {"hit": 1.0}
+    assert node_cache_loads(pod["metrics"]["1"]) == {"corrupt": 1.0}
+
+    for rank_file in sorted(pvc.glob("model-rank-1-part-*.safetensors")):
+        flip_middle(rank_file)
+    proc, pod = pod_run(artifact, plugin_dir, pod_site, tmp_path, settings=settings)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and pod is None, "vLLM served corrupt bytes"
+    assert f"modelstage: refusing to load {pvc / 'model-rank-1-part-0.safetensors'}: chunk" in log

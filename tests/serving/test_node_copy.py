@@ -5,7 +5,8 @@ pod because of the cache; the loader plugin reads this rank's files from the nod
 when prepare would say hit, else the artifact, and says which in its log and metrics. The copy
 is trusted only when its manifest equals the artifact's byte for byte: a poisoned copy with a
 self-consistent manifest of its own is a miss. A copy that is trusted and then fails a chunk
-check is refused like a corrupt artifact (tests/serving/test_node_cache_vllm.py in vLLM).
+check is never served: the error is logged and the artifact read instead
+(tests/serving/test_node_cache_vllm.py in vLLM).
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from modelstage.core.errors import ArtifactError
 from modelstage.core.integrity import ChunkMismatch, digest_bytes
 from modelstage.core.location import verify_directory
 from modelstage.core.manifest import MANIFEST, FileEntry, read_manifest
@@ -302,11 +302,13 @@ def test_a_miss_reads_the_artifact_and_says_why(
     read_rank(verified)  # the artifact, verified as it streams
 
 
-def test_a_trusted_copy_with_a_flipped_byte_fails_the_read_naming_the_node_file(
-    staged: tuple[Path, str], artifact: Path, node: Path
+def test_a_trusted_copy_with_a_flipped_byte_fails_its_chunk_check_and_is_read_past(
+    staged: tuple[Path, str], artifact: Path, node: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Equal manifests, so it is a hit; the chunk check then refuses the load (no silent
-    fall back: an integrity error must be seen, as on a corrupt PVC)."""
+    """Equal manifests, so it is a hit; the chunk check then catches the flipped byte in the
+    node's file. The loader's transfer then reads the artifact instead (in vLLM:
+    tests/serving/test_node_cache_vllm.py), logging this error, which names the node file,
+    the chunk and the remedy."""
     _, digest = staged
     victim = copy_dir(node, digest) / VICTIM
     flip(victim, middle(victim))
@@ -317,24 +319,39 @@ def test_a_trusted_copy_with_a_flipped_byte_fails_the_read_naming_the_node_file(
     with pytest.raises(ChunkMismatch) as e:
         read_rank(verified)
     assert e.value.where == str(victim)
-    remedy = sharded_state._remedy(verified)
-    assert remedy.startswith(f"the node-local copy {copy_dir(node, digest)} is corrupt: remove it")
+    detail = f"{e.value.where}: {e.value.reason}"
+    assert sharded_state.corrupt_node_copy(detail, copy_dir(node, digest)) == "corrupt"
+    (logged,) = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert logged.getMessage() == (
+        f"modelstage: node cache: {detail}: the node-local copy {copy_dir(node, digest)} is "
+        "corrupt: remove it (and its ModelDeployment's copy Job for this node) so that it is "
+        "copied again; reading the artifact instead"
+    )
 
 
-def test_a_trusted_copy_with_a_corrupt_header_chunk_is_refused_at_verify(
-    staged: tuple[Path, str], artifact: Path, node: Path
+def test_a_trusted_copy_with_a_corrupt_header_chunk_is_read_past_at_verify(
+    staged: tuple[Path, str], artifact: Path, node: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """The header's chunk is checked at verify: the node copy fails it, the error is logged,
+    and the verified files are the artifact's (``corrupt``), read and checked as they stream."""
     _, digest = staged
     copy = copy_dir(node, digest)
     flip(copy / VICTIM, 0)
-    ld = loader(ModelstageShardedStateLoader, settings(node, digest))
-    with pytest.raises(ArtifactError) as e:
-        ld.verify(str(artifact), 2, "0.32.0")
-    assert str(e.value).startswith(f"modelstage: refusing to load {copy / VICTIM}: chunk 0 ")
-    assert str(e.value).endswith(
-        f"the file is corrupt: the node-local copy {copy} is corrupt: remove it so that it is "
-        "copied again (pods on other nodes, or without a node cache, read the artifact)"
+    verified = loader(ModelstageShardedStateLoader, settings(node, digest)).verify(
+        str(artifact), 2, "0.32.0"
     )
+    assert verified.node_cache == "corrupt" and verified.location == str(artifact)
+    assert {f.path.parent for f in verified.files} == {artifact}
+    (logged,) = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert logged.getMessage().startswith(f"modelstage: node cache: {copy / VICTIM}: chunk 0 ")
+    assert logged.getMessage().endswith(
+        f"the file is corrupt: the node-local copy {copy} is corrupt: remove it (and its "
+        "ModelDeployment's copy Job for this node) so that it is copied again; reading the "
+        "artifact instead"
+    )
+    want = load_file(staged[0] / VICTIM)
+    got = read_rank(verified)
+    assert all(torch.equal(got[name], tensor) for name, tensor in want.items())
 
 
 def test_without_a_node_cache_nothing_changes(staged: tuple[Path, str], artifact: Path) -> None:

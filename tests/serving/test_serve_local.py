@@ -142,7 +142,9 @@ def _wait_for_models(port: int, proc: subprocess.Popen[bytes], log: Path) -> dic
     """Poll until the server lists its model (vLLM on CPU takes minutes to start)."""
     while True:
         if proc.poll() is not None:
-            raise AssertionError(f"the server exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
+            raise AssertionError(
+                f"the server exited ({proc.returncode}):\n{log.read_text()[-3000:]}"
+            )
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5) as r:
                 result: dict[str, Any] = json.loads(r.read())

@@ -43,6 +43,9 @@ the page cache now (the agents on the nodes listed in ``status.nodeCache.nodes``
 
 HIT, MISS = "hit", "miss"
 """``prepare``'s verdict on a pod's node (its summary's ``nodeCache.result``)."""
+CORRUPT = "corrupt"
+"""The loader plugin's third outcome: the node copy was trusted, then failed its verification,
+and the artifact was read instead (logged as an error, counted by this name)."""
 
 _DIGEST = re.compile(rf"^[0-9a-f]{{{DIGEST_HEX_CHARS}}}$")
 

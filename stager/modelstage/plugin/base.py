@@ -48,6 +48,8 @@ class Transfer:
     read_wait_seconds: float = 0.0
     verified_bytes: int = 0
     hash_seconds: float = 0.0
+    node_cache: str = ""
+    """Set when the transfer left the node copy for the artifact (``corrupt``)."""
 
 
 class ModelstageLoader(BaseModelLoader):
@@ -120,6 +122,7 @@ class ModelstageLoader(BaseModelLoader):
         moved = self.transfer(model, model_config, self._verified)
         self._weights_done = t1 = time.perf_counter()
         record.bytes, record.files = moved.bytes, moved.files
+        record.node_cache = moved.node_cache or record.node_cache
         record.seconds["read"] = moved.read_seconds
         record.seconds["host_to_device"] = moved.copy_seconds
         record.read_wait_seconds = moved.read_wait_seconds

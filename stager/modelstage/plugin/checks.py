@@ -84,7 +84,8 @@ class VerifiedArtifact:
     """Where it is, to read it again the way it was verified."""
     node_cache: str = ""
     """``hit`` when these are the files of the node-local copy, ``miss`` when a node cache was
-    configured but the artifact is read instead, "" without a node cache."""
+    configured but the artifact is read instead, ``corrupt`` when the node copy failed its
+    verification and the artifact is read instead, "" without a node cache."""
 
     @property
     def s3(self) -> S3Client | None:
@@ -100,9 +101,12 @@ class VerifiedArtifact:
         return {name for f in self.files for name in f.header.tensors}
 
 
+REFUSING = "modelstage: refusing to load "
+
+
 def refuse(where: str, reason: str) -> ArtifactError:
     """The one shape of every refusal, so that operators can grep pod logs for it."""
-    return ArtifactError(f"modelstage: refusing to load {where}: {reason}")
+    return ArtifactError(f"{REFUSING}{where}: {reason}")
 
 
 def check_manifest(

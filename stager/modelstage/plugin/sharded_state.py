@@ -16,15 +16,29 @@ from typing import ClassVar
 import torch
 from modelstage.core.errors import ArtifactError
 from modelstage.core.integrity import ChunkMismatch
-from modelstage.core.node_cache import HIT, MISS
+from modelstage.core.node_cache import CORRUPT, HIT, MISS
 from modelstage.core.s3_client import S3Client
 from modelstage.core.safetensors_format import TensorInfo
 from torch import nn
 from vllm.config import ModelConfig
 from vllm.model_executor.model_loader.sharded_state_loader import ShardedStateLoader
 
-from .base import STREAM, ModelstageLoader, Transfer
-from .checks import VerifiedArtifact, content_checker, refuse, verify_local, verify_s3
+from .base import (
+    STREAM,
+    ModelstageLoader,
+    Transfer,
+    tensor_parallel_rank_and_size,
+    vllm_version,
+    weights_location,
+)
+from .checks import (
+    REFUSING,
+    VerifiedArtifact,
+    content_checker,
+    refuse,
+    verify_local,
+    verify_s3,
+)
 from .node_copy import choose_node_copy
 from .reader import TORCH_DTYPES, PipelinedReader, Target, flat_bytes, staging_for
 from .settings import PluginSettings, local_reads, serving_s3_options
@@ -34,12 +48,18 @@ LOG = logging.getLogger("vllm.modelstage")
 
 
 def verify_rank_files(
-    loader: ModelstageLoader, location: str, running_tp: int, vllm_version: str
+    loader: ModelstageLoader,
+    location: str,
+    running_tp: int,
+    vllm_version: str,
+    *,
+    node_copy: bool = True,
 ) -> VerifiedArtifact:
     """Checks of a per-rank artifact whose stock loader is a ``ShardedStateLoader``: local,
-    or on S3 where the loader reads object storage itself; with a node cache configured and
-    a loader that reads the verified files itself, this node's copy when it is the artifact
-    (a local directory, whatever the artifact's kind)."""
+    or on S3 where the loader reads object storage itself; with a node cache configured, a
+    loader that reads the verified files itself and ``node_copy``, this node's copy when it is
+    the artifact (a local directory, whatever the artifact's kind). A node copy that is the
+    artifact's but fails these checks is read past: the artifact instead (``CORRUPT``)."""
     assert isinstance(loader.stock, ShardedStateLoader)
     settings = loader.settings
     rank_glob = rank_file_glob(loader.stock)
@@ -56,14 +76,17 @@ def verify_rank_files(
 
     on_s3 = loader.reads_s3 and location.startswith("s3://")
     s3 = _s3_client(location, settings) if on_s3 else None
-    node = None
-    if settings.node_cache is not None and loader.reads_node_copy:
+    outcome = ""
+    if settings.node_cache is not None and loader.reads_node_copy and node_copy:
         node = choose_node_copy(Path(settings.node_cache), settings.digest, location, s3)
+        outcome = MISS
         if node.path is not None:
             try:
                 return replace(local(node.path), node_cache=HIT)
-            except ArtifactError as e:  # trusted, then corrupt: shown, not worked around
-                raise _on_node(e, node.path) from None
+            except ArtifactError as e:
+                outcome = corrupt_node_copy(str(e).removeprefix(REFUSING), node.path)
+    elif settings.node_cache is not None and loader.reads_node_copy:
+        outcome = CORRUPT
     if s3 is not None:
         verified = verify_s3(
             location,
@@ -76,17 +99,21 @@ def verify_rank_files(
         )
     else:
         verified = local(loader.verify_local_location(location))
-    return verified if node is None else replace(verified, node_cache=MISS)
+    return replace(verified, node_cache=outcome) if outcome else verified
 
 
-def _on_node(e: ArtifactError, directory: Path) -> ArtifactError:
-    """A refusal of the node copy, saying what to do where it is corruption (re-staging
-    would not help: the artifact's files are not the ones read)."""
-    text = str(e)
+def corrupt_node_copy(detail: str, directory: Path) -> str:
+    """The node copy was the artifact's and failed its verification (``detail``: the file and
+    what is wrong; bit rot, a torn or overwritten file on the node): never served, logged as an
+    error with what to do, and the artifact read instead, so that a bad node disk costs one
+    slower start, not a crash loop and a rollback of a good artifact."""
     for suffix in (": re-stage it", "; re-stage"):
-        if text.endswith(suffix):
-            return ArtifactError(f"{text.removesuffix(suffix)}: {node_copy_remedy(directory)}")
-    return e
+        detail = detail.removesuffix(suffix)
+    LOG.error(
+        "modelstage: node cache: %s: %s; reading the artifact instead", detail,
+        node_copy_remedy(directory),
+    )  # fmt: skip
+    return CORRUPT
 
 
 def _s3_client(location: str, settings: PluginSettings) -> S3Client:
@@ -148,7 +175,16 @@ class ModelstageShardedStateLoader(ModelstageLoader):
                 store, lambda info: target_for(info, state_dict[info.name]), checker
             )
         except ChunkMismatch as e:
-            raise refuse(e.where, f"{e.reason}: {_remedy(verified)}") from None
+            if verified.node_cache != HIT:
+                raise refuse(e.where, f"{e.reason}: re-stage it") from None
+            corrupt_node_copy(f"{e.where}: {e.reason}", Path(verified.location))
+            # Every parameter is written again by the artifact's files (check_keys: the
+            # same keys), so what the corrupt copy had put in place is overwritten.
+            again = verify_rank_files(
+                self, weights_location(model_config), tensor_parallel_rank_and_size()[1],
+                vllm_version(), node_copy=False,
+            )  # fmt: skip
+            return replace(self.transfer(model, model_config, again), node_cache=CORRUPT)
         verified_note = (
             f", every byte verified ({checker.stats.seconds:.2f} s of hashing)" if checker else ""
         )
@@ -171,18 +207,10 @@ class ModelstageShardedStateLoader(ModelstageLoader):
         )
 
 
-def _remedy(verified: VerifiedArtifact) -> str:
-    """What to do about a corrupt file: a node copy is refused like the artifact (an
-    integrity error is shown, never hidden by a silent fall back), but fixed on the node."""
-    if verified.node_cache == HIT:
-        return node_copy_remedy(Path(verified.location))
-    return "re-stage it"
-
-
 def node_copy_remedy(directory: Path) -> str:
     return (
-        f"the node-local copy {directory} is corrupt: remove it so that it is copied again "
-        "(pods on other nodes, or without a node cache, read the artifact)"
+        f"the node-local copy {directory} is corrupt: remove it (and its ModelDeployment's copy "
+        "Job for this node) so that it is copied again"
     )
 
 
