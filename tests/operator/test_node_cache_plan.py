@@ -26,6 +26,7 @@ from modelstage.operator.node_cache_plan import (
     chosen_nodes,
     copy_job_name,
     eligible_nodes,
+    fresh,
     plan_copy_job,
     plan_node_cache,
     pod_start,
@@ -201,6 +202,18 @@ def test_eligible_nodes_are_ready_matching_and_have_a_fresh_agent_report() -> No
         "c": report("c", at=T0 - timedelta(hours=1))
     }
     assert eligible_nodes({"nodeSelector": {"gpu": "h100"}}, nodes, reports, T0) == ["a", "f"]
+
+
+def test_a_report_is_fresh_for_three_of_its_agents_intervals_when_that_is_longer() -> None:
+    def at(age: timedelta, interval: float | None) -> NodeCacheReport:
+        return report("a", at=T0 - age).model_copy(update={"interval_seconds": interval})
+
+    assert fresh(at(timedelta(minutes=2), None), T0)
+    assert not fresh(at(timedelta(minutes=4), None), T0)
+    assert not fresh(at(timedelta(minutes=4), 10.0), T0)  # three intervals: 30 s, less than 3 min
+    assert fresh(at(timedelta(minutes=29), 600.0), T0)
+    assert not fresh(at(timedelta(minutes=31), 600.0), T0)
+    assert not fresh(None, T0)
 
 
 def test_replicas_worth_prefers_nodes_holding_or_copying_then_by_name() -> None:

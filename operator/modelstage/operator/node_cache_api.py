@@ -63,6 +63,8 @@ class NodeCacheReport(Model):
     """Copies evicted since the agent started."""
     copy_bytes_per_second: float | None = None
     """The most recent copy's rate."""
+    interval_seconds: float | None = None
+    """The agent's pass interval: how old a heartbeat may get while the agent still runs."""
     message: str = ""
     """What the agent could not do (over budget with everything pinned, a root it cannot read)."""
 

@@ -48,7 +48,9 @@ LABEL_NODE_COPY = "modelstage.io/node-copy"
 """On a copy Job: a hash of its node's name (node names may be longer than label values)."""
 NODE_ANNOTATION = "modelstage.io/node"
 HEARTBEAT_MAX_AGE = timedelta(minutes=3)
-"""A ``NodeCache`` report older than this means the node's agent is gone: no copy goes there."""
+"""A ``NodeCache`` report older than this (or than ``HEARTBEAT_INTERVALS`` of the agent's
+interval, when longer) means the node's agent is gone: no copy goes there."""
+HEARTBEAT_INTERVALS = 3
 COPY_RESOURCES: Manifest = {
     "requests": {"cpu": "500m", "memory": "256Mi"},
     "limits": {"memory": "1Gi"},
@@ -162,7 +164,10 @@ def node_ready(node: Manifest) -> bool:
 
 def fresh(report: NodeCacheReport | None, now: datetime) -> bool:
     """A report written recently enough that the node's agent is taken to be running."""
-    return report is not None and report.heartbeat >= now - HEARTBEAT_MAX_AGE
+    if report is None:
+        return False
+    interval = timedelta(seconds=report.interval_seconds or 0)
+    return report.heartbeat >= now - max(HEARTBEAT_MAX_AGE, HEARTBEAT_INTERVALS * interval)
 
 
 def eligible_nodes(

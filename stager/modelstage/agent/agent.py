@@ -1,14 +1,14 @@
 """``modelstage agent``: the node cache's DaemonSet process, one per node.
 
 Each pass: scan the root (complete copies, partial ones; a broken copy is removed), list the
-ModelDeployments of the cluster for what they pin and what they ask to be warmed, record the
-use of pinned copies, evict least recently used unpinned copies while over the budget
-(``eviction.py`` decides), warm what is asked for, label this node with the digests it holds
-(only its own node, only labels under ``core.node_cache.LABEL_PREFIX``), and write the node's
-``NodeCache`` status (the report, with a heartbeat) and its metrics. A pass that cannot list
-the ModelDeployments pins what the last successful list pinned; until one list succeeded,
-nothing is evicted (what is in use is unknown). SIGTERM (or SIGINT) ends the loop between
-passes, or a warm-up between blocks.
+ModelDeployments of the cluster for what they pin and what they ask to be warmed, evict least
+recently used unpinned copies while over the budget (``eviction.py`` decides), record the use
+of pinned copies, start warming what is asked for (a thread of its own), label this node with
+the digests it holds (only its own node, only labels under ``core.node_cache.LABEL_PREFIX``),
+and write the node's ``NodeCache`` status (the report, with a heartbeat) and its metrics. A
+pass that cannot list the ModelDeployments pins what the last successful list pinned; until
+one list succeeded, nothing is evicted (what is in use is unknown). SIGTERM (or SIGINT) ends
+the loop between passes, or a warm-up between blocks.
 """
 
 from __future__ import annotations
@@ -16,14 +16,15 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-from collections.abc import Iterable, Mapping
+import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from modelstage.core import node_cache
-from modelstage.core.errors import SpecError
+from modelstage.core.errors import ModelstageError, SpecError
 from modelstage.operator.kube_client import KubeClient, resource_path
 from modelstage.operator.node_cache_api import (
     HeldArtifact,
@@ -85,25 +86,37 @@ def copy_rate(copies: Iterable[store.Copy]) -> float | None:
     return max(timed, key=lambda t: t[0] or datetime.min.replace(tzinfo=UTC))[1] if timed else None
 
 
+def utc_now() -> datetime:
+    return datetime.now(UTC)
+
+
 @dataclass
 class Agent:
     settings: AgentSettings
     kube: KubeClient
     stop: threading.Event = field(default_factory=threading.Event)
     wake: threading.Event = field(default_factory=threading.Event)
-    """Set by a ModelDeployment's change (the watch) or by ``stop``: the next pass now."""
+    """Set by a change of what ModelDeployments pin or ask to warm (the watch), by a finished
+    warm-up or by ``stop``: the next pass soon (``MIN_PASS_GAP``)."""
     pinned: frozenset[str] | None = None
     """What the last successful list of ModelDeployments pinned (None: none succeeded yet)."""
     warmed: dict[str, datetime] = field(default_factory=dict)
+    warm_failed: dict[str, tuple[float, str]] = field(default_factory=dict)
+    """Warm-ups that failed: when (monotonic) and why; retried once an interval."""
+    warming: str | None = None
+    """The digest the warm-up thread reads now."""
     evictions: int = 0
     metrics: Any = None
+    clock: Callable[[], datetime] = utc_now
+    _warm_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _warmer: threading.Thread | None = field(default=None, repr=False)
 
     @property
     def root(self) -> Path:
         return self.settings.root
 
     def run_pass(self) -> NodeCacheReport:
-        now = datetime.now(UTC)
+        now = self.clock()
         messages: list[str] = []
         bodies = self._model_deployments(messages)
         if bodies is not None:
@@ -112,9 +125,7 @@ class Agent:
             scan = store.scan(self.root)
         except OSError as e:  # the report says so; the next pass tries again
             messages.append(f"cannot read the root {self.root}: {e.strerror or e}")
-            report = self._report(store.Scan(), now, messages)
-            self._write_status(report)
-            return report
+            return self._write_status(self._report(store.Scan(), now, messages))
         messages += [f"removed a broken copy {r}" for r in scan.removed]
         scan = self._keep_within_budget(scan, now, messages)
         held = {c.digest for c in scan.copies}
@@ -122,12 +133,11 @@ class Agent:
             # Warm while asked: a request that ended (the roll went on) forgets it, so a later
             # request (a roll back weeks later) reads the copy again.
             wanted = eviction.warm_requests(bodies, self.settings.node) & held
-            self.warmed = {d: t for d, t in self.warmed.items() if d in wanted}
-            self._warm(wanted)
-        self.warmed = {d: t for d, t in self.warmed.items() if d in held}
+            self._warm(wanted, messages)
+        with self._warm_lock:
+            self.warmed = {d: t for d, t in self.warmed.items() if d in held}
         self._label(held, messages)
-        report = self._report(scan, now, messages)
-        self._write_status(report)
+        report = self._write_status(self._report(scan, now, messages))
         if self.metrics is not None:
             self.metrics.observe(report)
         return report
@@ -135,14 +145,14 @@ class Agent:
     def _keep_within_budget(
         self, scan: store.Scan, now: datetime, messages: list[str]
     ) -> store.Scan:
-        """Records the use of pinned copies, then evicts what the planner says; the root's
-        scan after that."""
+        """Evicts what the planner says, then records the use of pinned copies (in that
+        order: on a full disk the record cannot be written, and eviction is what frees the
+        disk; a pinned copy is never evicted, so its old ``lastUsed`` does not matter here);
+        the root's scan after that."""
         if self.pinned is None:
             messages.append("not evicting: what ModelDeployments use is not known yet")
             return scan
         pins = self.pinned
-        scan.copies = [store.touch(self.root, c, now) if c.digest in pins else c
-                       for c in scan.copies]  # fmt: skip
         plan = eviction.plan_eviction(
             [eviction.HeldCopy(c.digest, c.bytes, _when(c.record.get("lastUsed")),
                                c.digest in pins) for c in scan.copies],
@@ -153,7 +163,18 @@ class Agent:
         self._evict(plan, messages)
         if plan.message:
             messages.append(plan.message)
-        return store.scan(self.root) if plan.evict or plan.drop_partials else scan
+        if plan.evict or plan.drop_partials:
+            scan = store.scan(self.root)
+        copies = []
+        for c in scan.copies:
+            if c.digest in pins:
+                c, why = store.touch(self.root, c, now)
+                if why:
+                    messages.append(why)
+                    log.warning("%s", why)
+            copies.append(c)
+        scan.copies = copies
+        return scan
 
     def _model_deployments(self, messages: list[str]) -> list[dict[str, Any]] | None:
         try:
@@ -176,17 +197,56 @@ class Agent:
             if store.remove_partial(self.root, digest):
                 log.info("removed the abandoned partial copy of %s", digest)
 
-    def _warm(self, wanted: frozenset[str]) -> None:
-        for digest in sorted(wanted - set(self.warmed)):
-            if self.stop.is_set():
-                return
+    def _warm(self, wanted: frozenset[str], messages: list[str]) -> None:
+        """Forgets what is no longer asked for (a request that ended, the roll went on: a
+        later one reads the copy again) and starts the next warm-up asked for in a thread of
+        its own: reading a large artifact takes minutes, and the pass goes on meanwhile (its
+        report says what is warming; the finished warm-up wakes the loop). One at a time."""
+        with self._warm_lock:
+            self.warmed = {d: t for d, t in self.warmed.items() if d in wanted}
+            self.warm_failed = {d: f for d, f in self.warm_failed.items() if d in wanted}
+            failed = sorted(self.warm_failed.items())
+            messages += [f"{digest}: cannot warm: {why}" for digest, (_, why) in failed]
+            if self.warming is None and not self.stop.is_set():
+                retry = time.monotonic() - self.settings.interval
+                todo = [d for d in sorted(wanted - set(self.warmed))
+                        if self.warm_failed.get(d, (retry, ""))[0] <= retry]  # fmt: skip
+                if todo:
+                    self.warming = todo[0]
+                    self._warmer = threading.Thread(
+                        target=self._warm_one, args=(todo[0],), name="modelstage-warm", daemon=True
+                    )
+                    self._warmer.start()
+            if self.warming is not None:
+                messages.append(f"warming {self.warming}")
+
+    def _warm_one(self, digest: str) -> None:
+        """The warm-up thread: one copy read into the page cache, or why it could not be."""
+        try:
             seconds = store.warm(self.root, digest, self.stop)
-            if self.stop.is_set():
-                return
-            self.warmed[digest] = datetime.now(UTC)
-            if self.metrics is not None:
-                self.metrics.warmed(seconds)
-            log.info("warmed %s in %.1f s", digest, seconds)
+        except (OSError, ModelstageError) as e:
+            why = str(e.strerror or e) if isinstance(e, OSError) else str(e)
+            log.warning("cannot warm %s: %s", digest, why)
+            with self._warm_lock:
+                self.warm_failed[digest] = (time.monotonic(), why)
+        else:
+            if not self.stop.is_set():
+                with self._warm_lock:
+                    self.warmed[digest] = self.clock()
+                    self.warm_failed.pop(digest, None)
+                if self.metrics is not None:
+                    self.metrics.warmed(seconds)
+                log.info("warmed %s in %.1f s", digest, seconds)
+        finally:
+            with self._warm_lock:
+                self.warming = None
+            self.wake.set()
+
+    def join_warm(self) -> None:
+        """Wait for the warm-up in progress (if any) to end."""
+        warmer = self._warmer
+        if warmer is not None:
+            warmer.join()
 
     def _label(self, held: set[str], messages: list[str]) -> None:
         path = resource_path("v1", "nodes", name=self.settings.node)
@@ -204,6 +264,8 @@ class Agent:
             log.warning("cannot label node %s: %s", self.settings.node, e)
 
     def _report(self, scan: store.Scan, now: datetime, messages: list[str]) -> NodeCacheReport:
+        with self._warm_lock:
+            warmed = dict(self.warmed)
         artifacts = [
             HeldArtifact(
                 digest=c.digest,
@@ -213,8 +275,8 @@ class Agent:
                 copy_seconds=_number(c.record.get("copySeconds")),
                 last_used=_when(c.record.get("lastUsed")),
                 pinned=c.digest in (self.pinned or ()),
-                warm=c.digest in self.warmed,
-                warmed_at=self.warmed.get(c.digest),
+                warm=c.digest in warmed,
+                warmed_at=warmed.get(c.digest),
             )
             for c in scan.copies
         ]
@@ -230,19 +292,28 @@ class Agent:
             partial=partial,
             evictions=self.evictions,
             copy_bytes_per_second=copy_rate(scan.copies),
+            interval_seconds=self.settings.interval,
             message="; ".join(messages),
         )
 
-    def _write_status(self, report: NodeCacheReport) -> None:
+    def _write_status(self, report: NodeCacheReport) -> NodeCacheReport:
+        """The report as the NodeCache's status, its heartbeat stamped now (a long pass does
+        not make a report look old as it is written). A merge patch: a top-level field that
+        became empty is sent as null, else the old value would stay."""
         name = self.settings.node
         path = resource_path(node_cache.API_VERSION, node_cache.PLURAL, name=name)
-        status = report.model_dump(mode="json", by_alias=True, exclude_none=True)
+        report = report.model_copy(update={"heartbeat": self.clock()})
+        status: dict[str, Any] = {
+            key: None for key, value in report.model_dump(by_alias=True).items() if value is None
+        }
+        status |= report.model_dump(mode="json", by_alias=True, exclude_none=True)
         try:
             if self.kube.get(path) is None:
                 self.kube.create(NODE_CACHES, self._new_object())
             self.kube.merge_patch(f"{path}/status", {"status": status})
         except Exception as e:
             log.warning("cannot write NodeCache %s: %s", name, e)
+        return report
 
     def _new_object(self) -> dict[str, Any]:
         """The NodeCache, owned by its Node when that exists (gone with the node)."""
@@ -258,7 +329,8 @@ class Agent:
         return body
 
     def run(self) -> None:
-        """Passes every ``interval`` seconds, and at once after a ModelDeployment changed."""
+        """Passes every ``interval`` seconds, and sooner when woken (a ModelDeployment's
+        change, a finished warm-up), but then never within ``MIN_PASS_GAP`` of the last."""
         watcher = threading.Thread(target=self.watch, name="modelstage-watch", daemon=True)
         watcher.start()
         while not self.stop.is_set():
@@ -267,22 +339,50 @@ class Agent:
                 self.run_pass()
             except Exception:
                 log.exception("node cache pass failed; retrying in %.0f s", self.settings.interval)
-            self.wake.wait(self.settings.interval)
+            ended = time.monotonic()
+            if self.wake.wait(self.settings.interval):
+                gap = min(MIN_PASS_GAP, self.settings.interval)
+                self.stop.wait(max(0.0, gap - (time.monotonic() - ended)))
+        self.join_warm()
 
     def watch(self) -> None:
-        """Watches ModelDeployments (cluster-wide) and wakes the loop on every event, so that
-        a warm request or a new pin is acted on without waiting for the interval."""
+        """Watches ModelDeployments (cluster-wide) and wakes the loop when what one pins or
+        asks this node to warm changed (not on its other status writes: the operator writes
+        status as copies progress), so that a warm request or a new pin is acted on without
+        waiting for the interval."""
+        seen: dict[str, tuple[frozenset[str], frozenset[str]]] = {}
+        nothing: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())
         while not self.stop.is_set():
             try:
-                for _ in self.kube.watch(MD_PATH, WATCH_SECONDS):
-                    self.wake.set()
+                for event in self.kube.watch(MD_PATH, WATCH_SECONDS):
                     if self.stop.is_set():
                         return
+                    kind, body = event.get("type"), event.get("object") or {}
+                    if kind not in ("ADDED", "MODIFIED", "DELETED"):
+                        self.wake.set()  # an ERROR: nothing to compare, a pass to be sure
+                        continue
+                    meta = body.get("metadata") or {}
+                    key = f"{meta.get('namespace')}/{meta.get('name')}"
+                    interest = nothing if kind == "DELETED" else (
+                        frozenset(eviction.pins_of(body)),
+                        eviction.warm_requests([body], self.settings.node),
+                    )  # fmt: skip
+                    if seen.get(key, nothing) != interest:
+                        self.wake.set()
+                    if interest == nothing:
+                        seen.pop(key, None)
+                    else:
+                        seen[key] = interest
             except Exception as e:
                 log.warning("watch of ModelDeployments failed: %s", e)
                 self.stop.wait(min(self.settings.interval, WATCH_RETRY_S))
 
 
+MIN_PASS_GAP = 5.0
+"""Least seconds from the end of a pass to a pass that a wake asks for. ModelDeployments'
+pins change in bursts (a roll writes several status fields in a row, every node's report makes
+the operator write status): without a gap each agent would run a pass per write, each pass
+writing its NodeCache status (a new heartbeat), which wakes the operator, which writes status."""
 WATCH_SECONDS = 300
 """How long one watch request lasts on the server; then the agent opens the next one."""
 WATCH_RETRY_S = 5.0

@@ -11,6 +11,7 @@ import contextlib
 import errno
 import fcntl
 import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,17 +34,22 @@ def own_dir(path: Path) -> Path:
 
 
 def write_atomic(path: Path, data: bytes) -> None:
-    """``path`` holds ``data`` or what it held before, never a part (tmp, fsync, rename);
-    a link planted at the temporary name is replaced, not followed."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(tmp)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    with open(fd, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """``path`` holds ``data`` or what it held before, never a part (tmp, fsync, rename).
+    The temporary name is random and created exclusively: two writers of the same file (the
+    copy Job and the agent, each likely PID 1 in its container) never share one, and a link
+    planted there is never followed. A failed write (a full disk) leaves no temporary file."""
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = Path(name)
+    try:
+        os.fchmod(fd, 0o644)
+        with open(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     fsync_dir(path.parent)
 
 

@@ -156,11 +156,23 @@ def remove_partial(root: Path, digest: str) -> bool:
     return True
 
 
-def touch(root: Path, copy: Copy, now: datetime) -> Copy:
-    """Record that a ModelDeployment uses the copy now (its ``lastUsed``)."""
-    record = {**copy.record, "digest": copy.digest, "lastUsed": now.isoformat()}
-    write_record(root, copy.digest, record)
-    return Copy(copy.digest, copy.bytes, copy.files, record)
+def touch(root: Path, copy: Copy, now: datetime) -> tuple[Copy, str]:
+    """Record that a ModelDeployment uses the copy now (its ``lastUsed``), merged into the
+    record as it is on disk now (the copier may have written it since the scan); the copy as
+    recorded, and why nothing was recorded when that failed (a full disk: the caller goes on,
+    since eviction is what frees it). Skipped while a copier holds the digest's lock: it
+    writes the record itself, ``lastUsed`` included."""
+    try:
+        own_dir(root / node_cache.PARTIAL)
+        with try_digest_lock(node_cache.lock_file(root, copy.digest), unlink=True) as free:
+            if not free:
+                return copy, ""
+            record = {**read_record(root, copy.digest), "digest": copy.digest,
+                      "lastUsed": now.isoformat()}  # fmt: skip
+            write_record(root, copy.digest, record)
+    except OSError as e:
+        return copy, f"cannot record the use of {copy.digest}: {e.strerror or e}"
+    return Copy(copy.digest, copy.bytes, copy.files, record), ""
 
 
 def warm(root: Path, digest: str, stop: Any = None) -> float:
