@@ -4,12 +4,14 @@ phase, the state machine's wait before the roll, and the roll patch's node-local
 from __future__ import annotations
 
 import copy
+import logging
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import kubernetes_validate
 import pytest
 from modelstage.core import node_cache as nc
+from modelstage.operator import handlers
 from modelstage.operator.api import (
     ArtifactStatus,
     ModelDeploymentSpec,
@@ -23,6 +25,7 @@ from modelstage.operator.node_cache_api import HeldArtifact, NodeCacheReport, Pa
 from modelstage.operator.node_cache_plan import (
     CopyJob,
     PodStart,
+    choose_nodes,
     chosen_nodes,
     copy_job_name,
     eligible_nodes,
@@ -223,6 +226,9 @@ def test_replicas_worth_prefers_nodes_holding_or_copying_then_by_name() -> None:
     assert chosen_nodes(eligible, mode="Replicas", replicas=9) == eligible
     assert chosen_nodes(eligible, mode="Replicas", replicas=0) == []
     assert chosen_nodes(eligible, mode="All", replicas=1) == eligible
+    avoid = {"preferred": ["d"], "avoided": ["a"]}
+    assert chosen_nodes(eligible, mode="Replicas", replicas=2, **avoid) == ["b", "d"]
+    assert chosen_nodes(eligible, mode="Replicas", replicas=4, **avoid) == eligible
 
 
 # --- the copy Job -----------------------------------------------------------------------------
@@ -330,6 +336,7 @@ def plan(
     jobs: dict[str, CopyJob] | None = None,
     starts: tuple[PodStart, ...] = (),
     now: datetime = T0,
+    replicas: int = 2,
 ) -> tuple[NodeCacheStep, list[str]]:
     return plan_node_cache(
         cache or NodeCache(enabled=True),
@@ -338,6 +345,7 @@ def plan(
         chosen=list(chosen),
         reports=reports or {},
         jobs=jobs or {},
+        replicas=replicas,
         pod_starts=starts,
         now=now,
     )
@@ -367,7 +375,59 @@ def test_running_copies_are_followed_not_created_again() -> None:
     step, create = plan(reports=reports, jobs={"a": running("a"), "b": running("b")})
     assert create == []
     assert states(step) == {"a": "Copying", "b": "Copying"}
-    assert "2.50 GB so far" in step.status.nodes[0].message
+    assert step.status.nodes[0].message == f"Job {copy_job_name(DIGEST, 'a')} copying"
+
+
+def test_a_running_copys_status_does_not_change_as_its_bytes_grow() -> None:
+    """Each agent report would otherwise rewrite the ModelDeployment's status, whose write
+    wakes every agent, whose reports wake the operator again."""
+    jobs = {"a": running("a"), "b": running("b")}
+    early = {"a": report("a", partial=(DIGEST, 10**9)), "b": report("b")}
+    first, _ = plan(reports=early, jobs=jobs)
+    later = T0 + timedelta(seconds=20)
+    grown = {
+        "a": report("a", at=later, partial=(DIGEST, 25 * 10**8)),
+        "b": report("b", at=later, partial=(DIGEST, 10**8)),
+    }
+    step, _ = plan(before=first.status, reports=grown, jobs=jobs, now=later)
+    assert step.status == first.status
+    assert step.condition == first.condition
+
+
+def test_an_agents_heartbeat_wakes_only_the_deployments_waiting_for_copies(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Not those still staging (no ``status.nodeCache`` yet): their stager Job's events
+    bring their reconciliation; a heartbeat would reconcile them once per node and pass."""
+    woken: list[str] = []
+    monkeypatch.setattr(handlers, "_reported", {"n1": frozenset({(DIGEST, False)})})
+    monkeypatch.setattr(
+        handlers, "_reconcile_settled", lambda memo, namespace, name, logger: woken.append(name)
+    )
+    refs = {
+        "ns": [
+            handlers.Ref("staging", OTHER, None, None, node_cache=""),
+            handlers.Ref("copying", DIGEST, None, None, node_cache="Copying"),
+            handlers.Ref("warming", DIGEST, None, None, node_cache="Warming"),
+            handlers.Ref(
+                "ready", DIGEST, DIGEST, None, node_cache="Ready", cache_nodes=frozenset({"n1"})
+            ),
+            handlers.Ref("off", DIGEST, None, None),
+        ]
+    }
+    log = logging.getLogger("test")
+
+    def report_of(warm: bool) -> None:
+        status = {"artifacts": [{"digest": DIGEST, "warm": warm}]}
+        handlers.node_cache_event(
+            type="MODIFIED", name="n1", status=status, memo=None, logger=log,
+            modeldeployment_refs=refs,
+        )  # fmt: skip
+
+    report_of(warm=False)  # a heartbeat: the same copies as before
+    assert woken == ["copying", "warming"]
+    report_of(warm=True)
+    assert woken[2:] == ["copying", "warming", "ready"]  # its copies changed
 
 
 def test_ready_when_every_chosen_node_reports_the_copy() -> None:
@@ -456,6 +516,83 @@ def test_a_node_that_loses_its_copy_shows_in_the_status() -> None:
     assert step.condition[:2] == ("False", "CopyLost")
     again, _ = plan(before=step.status, reports=lost, jobs={"b": done})
     assert states(again)["b"] == "Failed"  # stays lost, not "waiting for the report"
+
+
+def choose_and_plan(
+    eligible: list[str],
+    *,
+    before: NodeCacheStatus | None,
+    reports: dict[str, NodeCacheReport],
+    jobs: dict[str, CopyJob],
+    replicas: int,
+) -> tuple[NodeCacheStep, list[str]]:
+    """One reconciliation's choice of nodes, then its plan (as ``reconcile`` does)."""
+    chosen = choose_nodes(
+        eligible,
+        DIGEST,
+        mode="Replicas",
+        replicas=replicas,
+        reports=reports,
+        jobs=jobs,
+        before=before,
+    )
+    return plan(before=before, chosen=tuple(chosen), reports=reports, jobs=jobs, replicas=replicas)
+
+
+def test_a_node_whose_copy_failed_gives_way_to_another_eligible_node() -> None:
+    failed = CopyJob("a", copy_job_name(DIGEST, "a"), "Failed", "error: no space left on device")
+    reports = {n: report(n) for n in ("a", "b", "c")}
+    kept = {"b": running("b")}
+    step, create = choose_and_plan(
+        ["a", "b", "c"], before=None, reports=reports, jobs={"a": failed, **kept}, replicas=2
+    )
+    assert create == ["c"]
+    assert states(step) == {"a": "Failed", "b": "Copying", "c": "Pending"}
+    assert (step.status.wanted, step.condition[1]) == (2, "Copying")  # not CopyFailed
+    # With no other node left, the failed one is still chosen (and says why it waits).
+    step, create = choose_and_plan(
+        ["a", "b"], before=None, reports=reports, jobs={"a": failed, **kept}, replicas=2
+    )
+    assert (create, step.status.wanted, step.condition[1]) == ([], 2, "CopyFailed")
+
+
+def test_a_node_that_lost_its_copy_gives_way_and_stays_known_as_lost() -> None:
+    done = CopyJob("b", copy_job_name(DIGEST, "b"), "Succeeded")
+    eligible = ["b", "c"]
+    held = {"b": report("b", DIGEST), "c": report("c")}
+    ready, create = choose_and_plan(
+        eligible, before=None, reports=held, jobs={"b": done}, replicas=1
+    )
+    assert (states(ready), create) == ({"b": "Ready"}, [])
+    lost = {"b": report("b"), "c": report("c")}
+    step, create = choose_and_plan(
+        eligible, before=ready.status, reports=lost, jobs={"b": done}, replicas=1
+    )
+    assert create == ["c"]
+    assert states(step) == {"b": "Failed", "c": "Pending"}
+    assert "no longer holds" in step.status.nodes[0].message
+    # The next reconciliation: b's Job still says Succeeded; b must not look like a copy
+    # that just finished (and win the choice back from c).
+    jobs = {"b": done, "c": running("c")}
+    again, create = choose_and_plan(
+        eligible, before=step.status, reports=lost, jobs=jobs, replicas=1
+    )
+    assert create == []
+    assert states(again) == {"b": "Failed", "c": "Copying"}
+    assert (again.status.wanted, again.status.ready) == (1, 0)
+
+
+def test_a_workload_without_replicas_does_not_wait_for_copies() -> None:
+    step, create = plan(chosen=(), replicas=0)
+    assert (create, step.roll, step.status.phase) == ([], True, "Ready")
+    assert step.condition[:2] == ("True", "Ready")
+    assert "no replicas" in step.condition[2]
+    # Scaled up again later: copies are asked for, the open phase stays open.
+    step, create = plan(before=step.status, chosen=("a",), replicas=1)
+    assert (create, step.roll, step.status.phase) == (["a"], True, "Ready")
+    # With replicas but no eligible node, the roll still waits.
+    waiting, _ = plan(chosen=(), replicas=1)
+    assert (waiting.roll, waiting.condition[1]) == (False, "NoEligibleNodes")
 
 
 def test_a_copy_job_done_before_the_agent_reports_it_is_still_copying() -> None:

@@ -410,8 +410,10 @@ def serving_pod_event(
         )  # fmt: skip
 
 
-WAITING_PHASES = ("", "Copying", "Warming")
-"""``status.nodeCache.phase`` of a roll that waits for the copies ("": not begun)."""
+WAITING_PHASES = ("Copying", "Warming")
+"""``status.nodeCache.phase`` of a roll that waits for the copies. Not "" (no
+``status.nodeCache`` yet): the artifact is still staging or the workload is missing, and the
+stager Job's or the workload's own events bring that reconciliation, not a heartbeat."""
 _reported: dict[str, frozenset[tuple[str, bool]]] = {}
 """Per node, the copies (digest, warm) its agent last reported: a heartbeat alone wakes only
 the ModelDeployments that wait for copies (whose deadline it may bring)."""

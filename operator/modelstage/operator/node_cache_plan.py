@@ -197,14 +197,16 @@ def chosen_nodes(
     mode: Literal["Replicas", "All"],
     replicas: int,
     preferred: Iterable[str] = (),
+    avoided: Iterable[str] = (),
 ) -> list[str]:
     """Which eligible nodes get a copy: all, or the replicas' worth, ``preferred`` ones first
-    (those holding the copy or copying it: the choice stays put while copies run), then by
-    name. Sorted by name."""
+    (those holding the copy or copying it: the choice stays put while copies run), ``avoided``
+    ones last (their copy failed or was lost: another node gets one instead), then by name.
+    Sorted by name."""
     if mode == "All":
         return sorted(eligible)
-    first = set(preferred)
-    ordered = sorted(eligible, key=lambda n: (n not in first, n))
+    first, last = set(preferred), set(avoided)
+    ordered = sorted(eligible, key=lambda n: (0 if n in first else 2 if n in last else 1, n))
     return sorted(ordered[: max(replicas, 0)])
 
 
@@ -357,9 +359,43 @@ def _node_state(
         return "Failed", f"Job {job.name}: {why}"
     if job.state == "Succeeded":
         return "Copying", "copied; waiting for the node agent's report"
-    partial = next((p for p in report.partial if p.digest == digest), None) if report else None
-    done = f": {partial.bytes / 1e9:.2f} GB so far" if partial is not None else ""
-    return "Copying", f"Job {job.name} copying{done}"
+    # No byte count here: a message that changes with every agent report would rewrite the
+    # status on each one (the progress is in the NodeCache report and the agent's metrics).
+    return "Copying", f"Job {job.name} copying"
+
+
+def _previous(before: NodeCacheStatus | None, digest: str) -> dict[str, NodeCopyStatus]:
+    """The nodes of the last status, when it was of ``digest``."""
+    if before is None or before.digest != digest:
+        return {}
+    return {n.name: n for n in before.nodes}
+
+
+def choose_nodes(
+    eligible: Sequence[str],
+    digest: str,
+    *,
+    mode: Literal["Replicas", "All"],
+    replicas: int,
+    reports: Mapping[str, NodeCacheReport],
+    jobs: Mapping[str, CopyJob],
+    before: NodeCacheStatus | None,
+) -> list[str]:
+    """``chosen_nodes`` with each eligible node's state: nodes holding the copy or with a copy
+    under way first, nodes whose copy failed or was lost last (a failed Job lingers for a day;
+    choosing its node would hold the roll until the deadline)."""
+    previous = _previous(before, digest)
+    states = {
+        node: _node_state(node, digest, reports.get(node), jobs.get(node), previous.get(node))[0]
+        for node in eligible
+    }
+    return chosen_nodes(
+        eligible,
+        mode=mode,
+        replicas=replicas,
+        preferred=[n for n, s in states.items() if s in HOLDING or s == "Copying"],
+        avoided=[n for n, s in states.items() if s == "Failed"],
+    )
 
 
 def _phase(
@@ -367,12 +403,14 @@ def _phase(
     before: NodeCacheStatus | None,
     states: Sequence[NodeState],
     deadline_passed: bool,
+    idle: bool,
 ) -> Literal["Copying", "Warming", "Ready", "DeadlinePassed"]:
     """Copying until every chosen node holds the copy, Warming (when asked) until every one
     is warm, then Ready; DeadlinePassed when the deadline came first. Once the workload may
-    roll it stays open (Ready, or DeadlinePassed until every copy is there)."""
-    every_held = bool(states) and all(s in HOLDING for s in states)
-    every_warm = bool(states) and all(s == "Warm" for s in states)
+    roll it stays open (Ready, or DeadlinePassed until every copy is there). ``idle``: the
+    workload has no replicas and no node was chosen, so nothing is to be waited for."""
+    every_held = idle or (bool(states) and all(s in HOLDING for s in states))
+    every_warm = idle or (bool(states) and all(s == "Warm" for s in states))
     opened = before is not None and before.phase in ("Ready", "DeadlinePassed")
     if opened and before is not None:
         return "Ready" if before.phase == "Ready" or every_held else "DeadlinePassed"
@@ -389,11 +427,17 @@ def _names(nodes: Sequence[str], limit: int = 5) -> str:
 
 
 def _condition(
-    status: NodeCacheStatus, states: Mapping[str, tuple[NodeState, str]], deadline: datetime
+    status: NodeCacheStatus,
+    states: Mapping[str, tuple[NodeState, str]],
+    deadline: datetime,
+    idle: bool,
 ) -> tuple[Literal["True", "False"], str, str]:
-    """``NodeCached``: True/Ready once every chosen node holds the copy; else why not, with
-    words that stay the same between reconciliations until something changes."""
+    """``NodeCached``: True/Ready once every chosen node holds the copy (or the workload has
+    no replicas: no node needs one); else why not, with words that stay the same between
+    reconciliations until something changes."""
     digest, wanted, ready = status.digest, status.wanted, status.ready
+    if idle and status.phase == "Ready":
+        return "True", "Ready", f"the workload has no replicas: no node needs artifact {digest}"
     held = f"{ready}/{wanted} nodes hold artifact {digest}"
     failed = sorted(n for n, (s, _) in states.items() if s == "Failed")
     at = deadline.isoformat().replace("+00:00", "Z")
@@ -450,15 +494,19 @@ def plan_node_cache(
     chosen: Sequence[str],
     reports: Mapping[str, NodeCacheReport],
     jobs: Mapping[str, CopyJob],
+    replicas: int,
     pod_starts: Sequence[PodStart] = (),
     now: datetime,
 ) -> tuple[NodeCacheStep, list[str]]:
     """The node cache's step (the status, the ``NodeCached`` condition, whether the workload
-    may roll) and the chosen nodes a copy Job is to be created for."""
+    may roll) and the chosen nodes a copy Job is to be created for. Nodes with a copy Job of
+    ``digest`` are listed whether chosen or not: a failed or lost copy stays known as such
+    after another node was chosen in its place."""
     before = before if before is not None and before.digest == digest else None
     since = before.since if before is not None and before.since is not None else now
     deadline = since + timedelta(seconds=cache.deadline_seconds)
-    previous = {n.name: n for n in before.nodes} if before is not None else {}
+    previous = _previous(before, digest)
+    idle = replicas <= 0 and not chosen
     states = {
         node: _node_state(node, digest, reports.get(node), jobs.get(node), previous.get(node))
         for node in chosen
@@ -467,13 +515,16 @@ def plan_node_cache(
     for start in pod_starts:
         counts = hits.setdefault(start.node, [0, 0])
         counts[0 if start.result == nc.HIT else 1] += 1
-    phase = _phase(cache, before, [s for s, _ in states.values()], now >= deadline)
+    phase = _phase(cache, before, [s for s, _ in states.values()], now >= deadline, idle)
     nodes = []
-    for node in sorted({*chosen, *hits}):
+    for node in sorted({*chosen, *hits, *jobs}):
         if node in states:
             state, message = states[node]
         elif holds(reports.get(node), digest):
             state, message = "Ready", "holds the copy (not among the chosen nodes)"
+        elif node in jobs:
+            job = jobs[node]
+            state, message = _node_state(node, digest, reports.get(node), job, previous.get(node))
         else:
             state, message = "Pending", "not among the nodes chosen for a copy"
         hit, miss = hits.get(node, [0, 0])
@@ -489,7 +540,7 @@ def plan_node_cache(
     create = [n for n in chosen if states[n][0] == "Pending" and n not in jobs]
     step = NodeCacheStep(
         status=status,
-        condition=_condition(status, states, deadline),
+        condition=_condition(status, states, deadline, idle),
         roll=phase in ("Ready", "DeadlinePassed"),
     )
     return step, create

@@ -63,9 +63,8 @@ from .node_cache_plan import (
     NODE_ANNOTATION,
     CopyJob,
     PodStart,
-    chosen_nodes,
+    choose_nodes,
     eligible_nodes,
-    holds,
     plan_copy_job,
     plan_node_cache,
     pod_start,
@@ -427,12 +426,15 @@ class Reconciler:
             reports, nodes = {}, []
         eligible = eligible_nodes(pod_spec, nodes, reports, world.now)
         jobs = self._copy_jobs(world, digest)
-        holding = [n for n in eligible if holds(reports.get(n), digest) or n in jobs]
-        chosen = chosen_nodes(
+        replicas = int((workload.get("spec") or {}).get("replicas", 1))
+        chosen = choose_nodes(
             eligible,
+            digest,
             mode=spec.node_cache.nodes,
-            replicas=int((workload.get("spec") or {}).get("replicas", 1)),
-            preferred=holding,
+            replicas=replicas,
+            reports=reports,
+            jobs=jobs,
+            before=status.node_cache,
         )
         step, create = plan_node_cache(
             spec.node_cache,
@@ -441,6 +443,7 @@ class Reconciler:
             chosen=chosen,
             reports=reports,
             jobs=jobs,
+            replicas=replicas,
             pod_starts=self._pod_starts_of(world, workload, digest),
             now=world.now,
         )
