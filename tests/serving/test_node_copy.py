@@ -36,6 +36,7 @@ from modelstage.stager.prepare import node_cache_verdict
 from modelstage.stager.stage import StageRequest, stage
 from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import load_file
+from serving.test_reader_verify import flip
 from support.serving import free_ports, last_line, prepare_cli
 
 CHUNK = 64 * 1024
@@ -64,14 +65,6 @@ def node(staged: tuple[Path, str], tmp_path: Path) -> Path:
     root = tmp_path / "node"
     shutil.copytree(staged[0], copy_dir(root, staged[1]))
     return root
-
-
-def flip(path: Path, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0x5A]))
 
 
 def middle(path: Path) -> int:
