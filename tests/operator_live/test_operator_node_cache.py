@@ -313,10 +313,7 @@ async def test_the_deadline_rolls_anyway_and_says_so(
         # The agent's next pass (a heartbeat) wakes the waiting ModelDeployment.
         await report(cluster, a)
         workload = await cluster.client.get(deploy_path(ns))
-        annotations = ((workload or {})["spec"]["template"].get("metadata") or {}).get(
-            "annotations"
-        ) or {}
-        return workload if annotations.get("modelstage.io/artifact-digest") == digest else None
+        return workload if template_digest(workload) == digest else None
 
     rolled = await eventually(agent_pass_until_rolled, interval=0.5, what="the roll anyway")
     status = await status_of(cluster, ns)

@@ -31,6 +31,7 @@ from .manifest import (
     Manifest,
     check_ranks_present,
     read_manifest,
+    read_manifest_bytes,
 )
 
 if TYPE_CHECKING:
@@ -107,6 +108,11 @@ class ArtifactLocation(abc.ABC):
         """The manifest, or None when there is none (an incomplete artifact)."""
 
     @abc.abstractmethod
+    def manifest_bytes(self) -> bytes | None:
+        """The manifest as stored (what a copy must equal byte for byte), or None when there
+        is none; a local file that cannot be read raises ``OSError``."""
+
+    @abc.abstractmethod
     def listing(self) -> dict[str, Listed]:
         """Every file in the artifact, by name."""
 
@@ -143,6 +149,9 @@ class LocalArtifact(ArtifactLocation):
 
     def read_manifest(self) -> Manifest | None:
         return read_manifest(self.directory)
+
+    def manifest_bytes(self) -> bytes | None:
+        return read_manifest_bytes(self.directory)
 
     def require_manifest(self, *, digest: str | None = None, tp: int | None = None) -> Manifest:
         if not self.directory.is_dir():
@@ -204,8 +213,11 @@ class S3Artifact(ArtifactLocation):
             raise self.s3.error(e, f"s3://{self.location.bucket}/{key}") from None
 
     def read_manifest(self) -> Manifest | None:
-        raw = self.get(MANIFEST, MAX_MANIFEST_BYTES + 1)  # one byte more: longer is refused
+        raw = self.manifest_bytes()
         return None if raw is None else Manifest.from_json(raw, self.where(MANIFEST))
+
+    def manifest_bytes(self) -> bytes | None:
+        return self.get(MANIFEST, MAX_MANIFEST_BYTES + 1)  # one byte more: longer is refused
 
     def get(self, name: str, limit: int | None = None) -> bytes | None:
         """A whole (small) object, at most ``limit`` bytes of it; None when there is none."""

@@ -254,13 +254,20 @@ def _chunked_entry(loc: str, entry: object) -> FileEntry:
 def read_manifest(directory: Path) -> Manifest | None:
     path = directory / MANIFEST
     try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_MANIFEST_BYTES + 1)
-    except FileNotFoundError:
-        return None
+        raw = read_manifest_bytes(directory)
     except OSError as e:
         raise ArtifactError(f"{path}: cannot read: {e.strerror}") from None
-    return Manifest.from_json(raw, str(path))
+    return None if raw is None else Manifest.from_json(raw, str(path))
+
+
+def read_manifest_bytes(directory: Path) -> bytes | None:
+    """The manifest file's bytes as stored, at most one more than any valid manifest (longer
+    is refused when parsed); None when there is none. Other ``OSError``s are the caller's."""
+    try:
+        with open(directory / MANIFEST, "rb") as f:
+            return f.read(MAX_MANIFEST_BYTES + 1)
+    except FileNotFoundError:
+        return None
 
 
 def check_ranks_present(directory: Path | str, manifest: Manifest) -> None:

@@ -44,13 +44,11 @@ from modelstage.core.location import (
     ArtifactLocation,
     Listed,
     LocalArtifact,
-    S3Artifact,
     check_files,
     open_artifact,
 )
 from modelstage.core.manifest import (
     MANIFEST,
-    MAX_MANIFEST_BYTES,
     FileEntry,
     Manifest,
     check_ranks_present,
@@ -146,18 +144,10 @@ def node_copy(
 
 def _raw_manifest(source: ArtifactLocation) -> bytes:
     """The source's manifest bytes, as they are (the copy's manifest is byte-identical)."""
-    raw: bytes | None
-    if isinstance(source, S3Artifact):
-        raw = source.get(MANIFEST, MAX_MANIFEST_BYTES + 1)
-    else:
-        assert isinstance(source, LocalArtifact)
-        try:
-            with open(source.directory / MANIFEST, "rb") as f:
-                raw = f.read(MAX_MANIFEST_BYTES + 1)
-        except FileNotFoundError:
-            raw = None
-        except OSError as e:
-            raise ArtifactError(f"{source.where(MANIFEST)}: cannot read: {e.strerror}") from None
+    try:
+        raw = source.manifest_bytes()
+    except OSError as e:
+        raise ArtifactError(f"{source.where(MANIFEST)}: cannot read: {e.strerror}") from None
     if raw is None:
         raise ArtifactError(f"{source.uri}: no {MANIFEST}; the artifact is incomplete")
     return raw

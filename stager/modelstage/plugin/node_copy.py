@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from modelstage.core.errors import ArtifactError, ModelstageError
+from modelstage.core.errors import ModelstageError
 from modelstage.core.location import ArtifactLocation, LocalArtifact, S3Artifact
-from modelstage.core.manifest import MANIFEST, MAX_MANIFEST_BYTES, Manifest
+from modelstage.core.manifest import MANIFEST, Manifest, read_manifest_bytes
 from modelstage.core.node_cache import HIT, MISS, copy_dir, partial_dir
 from modelstage.core.s3_client import S3Client, S3Location
 
@@ -59,21 +59,12 @@ def node_copy_for(root: Path, digest: str | None, artifact: ArtifactLocation) ->
     expects; None: the artifact manifest's own). A miss when the artifact is unreadable: its
     own checks then say why, without a cache in the way."""
     try:
-        want = manifest_bytes(artifact)
+        want = artifact.manifest_bytes()
         if digest is None and want is not None:
             digest = Manifest.from_json(want, artifact.where(MANIFEST)).digest
     except (ModelstageError, OSError) as e:
         return miss(f"cannot read the artifact's manifest: {e}")
     return check_node_copy(root, digest or "", want)
-
-
-def manifest_bytes(location: ArtifactLocation) -> bytes | None:
-    """The artifact's manifest as stored (None when it has none); one GET on S3."""
-    if isinstance(location, S3Artifact):
-        return location.get(MANIFEST, MAX_MANIFEST_BYTES + 1)
-    if isinstance(location, LocalArtifact):
-        return _read_small(location.directory / MANIFEST)
-    raise ArtifactError(f"{location.uri}: no node copy for this kind of location")
 
 
 def check_node_copy(root: Path, digest: str, artifact_manifest: bytes | None) -> NodeCopy:
@@ -84,7 +75,7 @@ def check_node_copy(root: Path, digest: str, artifact_manifest: bytes | None) ->
         directory = copy_dir(root, digest)
         if not directory.is_dir():
             return miss(_absent(root, digest))
-        copied = _read_small(directory / MANIFEST)
+        copied = read_manifest_bytes(directory)
         if copied is None:
             return miss(f"{directory}: no {MANIFEST}; the copy is incomplete")
         if copied != artifact_manifest:
@@ -127,15 +118,6 @@ def _file_problem(directory: Path, manifest: Manifest) -> str:
     if present:
         return f"{directory}: files not in the manifest: {', '.join(sorted(present)[:3])}"
     return ""
-
-
-def _read_small(path: Path) -> bytes | None:
-    """A manifest's bytes, at most one more than any valid manifest; None when absent."""
-    try:
-        with open(path, "rb") as f:
-            return f.read(MAX_MANIFEST_BYTES + 1)
-    except FileNotFoundError:
-        return None
 
 
 def choose_node_copy(

@@ -268,6 +268,8 @@ def _fp8_channel(rules: tuple[Rule, ...]) -> tuple[Rule, ...]:
             )
         )
     return tuple(out)
+
+
 _FEEDFORWARD_NORMS = tuple(
     Rule(f"model.layers.{{L}}.{x}_feedforward_layernorm.weight",
          f"model.layers.{{L}}.{x}_feedforward_layernorm.weight", Split.REPLICATED, ("hidden",))
