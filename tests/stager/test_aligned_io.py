@@ -142,7 +142,7 @@ def test_a_filesystem_that_refuses_direct_writes_gets_buffered_ones(
         return real_pwrite(fd, data, offset)
 
     monkeypatch.setattr(aligned_io.os, "pwrite", pwrite)
-    data = os.urandom(10 * ALIGN + 123)  # six writes: two in flight at most before a refusal
+    data = os.urandom(40 * ALIGN + 123)  # 21 writes, a file's buffers' worth in flight at most
     path = tmp_path / "out.bin"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
     writer = AlignedWriter(fd, direct=True, buffer_bytes=2 * ALIGN)
@@ -152,10 +152,11 @@ def test_a_filesystem_that_refuses_direct_writes_gets_buffered_ones(
     os.close(fd)
     assert path.read_bytes() == data
     assert was_direct, "the writer did not try O_DIRECT on a filesystem that takes it"
-    # Both buffers may be in flight (in either order) when the first refusal comes; every
-    # later write waits for one of them, so it is never tried with O_DIRECT.
+    # Every buffer of the file may be in flight (in any order) when the first refusal comes;
+    # every later write waits for one of them, so it is never tried with O_DIRECT.
     assert refused, "no direct write was tried"
-    assert set(refused) <= {0, 2 * ALIGN}, f"direct writes tried after a refusal: {refused}"
+    first = {i * 2 * ALIGN for i in range(aligned_io.MAX_BUFFERS_PER_FILE)}
+    assert set(refused) <= first, f"direct writes tried after a refusal: {refused}"
     assert not writer.direct
 
 
@@ -186,3 +187,75 @@ def test_buffers_scale_with_the_file_between_64_kib_and_8_mib() -> None:
     assert buffer_bytes_for(10 * 2**20) % ALIGN == 0
     assert MIN_BUFFER_BYTES < buffer_bytes_for(10 * 2**20) < BUFFER_BYTES
     assert buffer_bytes_for(10 * 2**30) == BUFFER_BYTES
+
+
+class _GatedWrites:
+    """``os.pwrite`` held until ``expected`` writes are in flight at once (or 10 s passed):
+    the peak then shows how many writes the writer keeps in flight."""
+
+    def __init__(self, expected: int) -> None:
+        import threading
+
+        self.expected, self.now, self.peak = expected, 0, 0
+        self.lock, self.open = threading.Lock(), threading.Event()
+        self.real = os.pwrite
+
+    def __call__(self, fd: int, data: memoryview, offset: int) -> int:
+        with self.lock:
+            self.now += 1
+            self.peak = max(self.peak, self.now)
+            if self.now >= self.expected:
+                self.open.set()
+        if not self.open.wait(10):
+            self.open.set()  # it never came: let the rest through, the peak tells
+        try:
+            return self.real(fd, data, offset)
+        finally:
+            with self.lock:
+                self.now -= 1
+
+
+def _open(path: Path) -> int:
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+
+
+def test_one_large_file_keeps_several_writes_in_flight(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One file alone (TP=1) takes extra buffers from the shared budget: the disk's queue
+    holds ``MAX_BUFFERS_PER_FILE`` of its writes, not one."""
+    gate = _GatedWrites(aligned_io.MAX_BUFFERS_PER_FILE)
+    monkeypatch.setattr(aligned_io.os, "pwrite", gate)
+    data = os.urandom(30 * 2 * ALIGN)
+    fd = _open(tmp_path / "out.bin")
+    writer = AlignedWriter(fd, direct=False, buffer_bytes=2 * ALIGN)
+    writer.write(memoryview(data))
+    writer.finish(len(data))
+    os.close(fd)
+    assert (tmp_path / "out.bin").read_bytes() == data
+    assert gate.peak == aligned_io.MAX_BUFFERS_PER_FILE
+
+
+def test_files_past_the_shared_budget_keep_their_own_two_buffers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Many files at once (TP=8) already keep the queue full: no file takes extras past the
+    budget, so memory stays ``BUFFERS_PER_FILE`` buffers a file; what a finished file gives
+    back is there for the others."""
+    assert 2 * aligned_io.BUFFERS_PER_FILE < aligned_io.MAX_BUFFERS_PER_FILE
+    size = 2 * ALIGN
+    monkeypatch.setattr(aligned_io, "SHARED_BUFFER_BYTES", 2 * aligned_io.BUFFERS_PER_FILE * size)
+    data = os.urandom(20 * size)
+    fds = [_open(tmp_path / f"{i}.bin") for i in range(2)]
+    first, second = (AlignedWriter(fd, direct=False, buffer_bytes=size) for fd in fds)
+    first.write(memoryview(data))
+    assert len(first.buffers) == aligned_io.BUFFERS_PER_FILE
+    second.write(memoryview(data))
+    second.finish(len(data))
+    first.write(memoryview(data))
+    assert len(first.buffers) == 2 * aligned_io.BUFFERS_PER_FILE  # the whole budget
+    first.finish(2 * len(data))
+    for fd in fds:
+        os.close(fd)
+    assert (tmp_path / "0.bin").read_bytes() == data + data
+    assert (tmp_path / "1.bin").read_bytes() == data

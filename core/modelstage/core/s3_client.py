@@ -9,7 +9,6 @@ boto3 sends by default, so checksums are computed only where the API requires th
 from __future__ import annotations
 
 import configparser
-import http.client
 import os
 import random
 import time
@@ -335,6 +334,8 @@ def _body_into(body: Any, views: list[memoryview]) -> None:
     ``http.client``'s ``readinto`` where botocore's stream exposes it (urllib3's ``readinto``
     reads into a fresh ``bytes`` and copies); otherwise ``read`` + copy. A short or broken
     body raises botocore's ``IncompleteReadError``, which ``with_retries`` retries."""
+    import http.client  # here, not at the top: a local staging run never needs it (nor ssl)
+
     from botocore.exceptions import IncompleteReadError
 
     raw = getattr(getattr(body, "_raw_stream", None), "_fp", None)

@@ -30,7 +30,7 @@ from modelstage.core.formats import FORMATS
 from modelstage.core.progress import human_bytes
 from modelstage.core.s3_client import S3Options
 
-from .measure import Measurement, drop_page_cache, run_child, stager_argv
+from .measure import Measurement, compile_package, drop_page_cache, run_child, stager_argv
 from .synthetic import SyntheticModel, write_checkpoint
 
 GIB = 1024**3
@@ -474,6 +474,7 @@ def run_bench(
     ``moe_only``: only the MoE peak-RSS section; ``node_cache_only``: only the node-cache
     sections."""
     workdir.mkdir(parents=True, exist_ok=True)
+    compile_package()
     log = sys.stderr
     sections: dict[str, list[Measurement]] = {}
 

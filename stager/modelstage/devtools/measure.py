@@ -58,6 +58,18 @@ def run_child(argv: list[str], env: dict[str, str] | None = None) -> tuple[float
     return seconds, peak
 
 
+def compile_package() -> None:
+    """Write the package's bytecode before a stager child is timed: the stager image has it
+    (pip compiles at install), but a checkout run with ``PYTHONDONTWRITEBYTECODE=1`` would
+    compile some 40 modules at every start (40 ms of a 2 s staging run here)."""
+    import compileall
+
+    import modelstage
+
+    for path in modelstage.__path__:
+        compileall.compile_dir(path, quiet=2)
+
+
 def stager_argv(source: Path, out: Path | str, tp: int, *flags: str) -> list[str]:
     return [
         sys.executable,

@@ -305,12 +305,17 @@ def _chunk_bytes(slot: Slot, checkpoint: Checkpoint) -> int:
 
 
 class _BufferPool:
+    """``count`` buffers of ``size`` bytes, each made when first needed (a part of whole
+    rows alone, e.g. everything at TP=1, never needs one)."""
+
     def __init__(self, count: int, size: int) -> None:
         self.free: queue.Queue[bytearray] = queue.Queue()
-        for _ in range(count):
-            self.free.put(bytearray(size))
+        self.unmade, self.size = count, size
 
     def acquire(self, cancel: threading.Event) -> bytearray | None:
+        if self.free.empty() and self.unmade:
+            self.unmade -= 1
+            return bytearray(self.size)
         while not cancel.is_set():
             try:
                 return self.free.get(timeout=0.1)
