@@ -242,9 +242,10 @@ def test_files_past_the_shared_budget_keep_their_own_two_buffers(
     """Many files at once (TP=8) already keep the queue full: no file takes extras past the
     budget, so memory stays ``BUFFERS_PER_FILE`` buffers a file; what a finished file gives
     back is there for the others."""
-    assert 2 * aligned_io.BUFFERS_PER_FILE < aligned_io.MAX_BUFFERS_PER_FILE
     size = 2 * ALIGN
-    monkeypatch.setattr(aligned_io, "SHARED_BUFFER_BYTES", 2 * aligned_io.BUFFERS_PER_FILE * size)
+    budget = aligned_io.MAX_BUFFERS_PER_FILE - 1  # buffers: two files' own ones exceed it
+    assert 2 * aligned_io.BUFFERS_PER_FILE > budget > aligned_io.BUFFERS_PER_FILE
+    monkeypatch.setattr(aligned_io, "SHARED_BUFFER_BYTES", budget * size)
     data = os.urandom(20 * size)
     fds = [_open(tmp_path / f"{i}.bin") for i in range(2)]
     first, second = (AlignedWriter(fd, direct=False, buffer_bytes=size) for fd in fds)
@@ -253,7 +254,7 @@ def test_files_past_the_shared_budget_keep_their_own_two_buffers(
     second.write(memoryview(data))
     second.finish(len(data))
     first.write(memoryview(data))
-    assert len(first.buffers) == 2 * aligned_io.BUFFERS_PER_FILE  # the whole budget
+    assert len(first.buffers) == budget
     first.finish(2 * len(data))
     for fd in fds:
         os.close(fd)

@@ -38,10 +38,10 @@ MIN_BUFFER_BYTES = 64 * 1024
 WRITES_PER_FILE = 16
 BUFFERS_PER_FILE = 2
 """What every file gets: one buffer is written while the next one fills."""
-MAX_BUFFERS_PER_FILE = 6
+MAX_BUFFERS_PER_FILE = 4
 """A file may take more while the shared budget lasts: writes in flight keep the disk's
 queue full (one file alone writes at 2.0 GB/s here with one write in flight, 2.8 with four)."""
-SHARED_BUFFER_BYTES = 96 * 1024 * 1024
+SHARED_BUFFER_BYTES = 64 * 1024 * 1024
 """The budget beyond which files get only ``BUFFERS_PER_FILE`` (many files at once already
 keep the queue full)."""
 DIRECT_MIN_BYTES = 1024 * 1024
