@@ -78,7 +78,9 @@ def capture(
         config = ServingConfig(ran["vllmVersion"], ran["torchVersion"], str(artifact), args,
                                compile_environment(child_env))  # fmt: skip
         factors = key_factors(weights.digest, config, hardware or this_node())
-        manifest = _write(work, factors, time.monotonic() - started, ran["seconds"]["compile"])
+        manifest = write_engine_cache(
+            work, factors, time.monotonic() - started, ran["seconds"]["compile"]
+        )
         _publish(work, out)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -122,7 +124,7 @@ def run_engine(
     return result
 
 
-def _write(
+def write_engine_cache(
     work: Path, factors: dict[str, Any], seconds: float, compile_seconds: float
 ) -> EngineCacheManifest:
     """Hash and fsync every file the start wrote, then the manifest, last."""
