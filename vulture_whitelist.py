@@ -19,6 +19,9 @@ _.operator
 _.requests
 _.staged_at
 _.queue_position
+_.enforceEager  # engine_key.EngineArgs, keyed through asdict()
+_.compilationConfig
+_.loadFormat
 
 # kopf's handlers, registered by the decorator call that assigns them.
 _.deployment_event

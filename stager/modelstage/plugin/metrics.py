@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from modelstage.core.engine_cache import RESULTS
+
 PHASES = ("verify", "read", "host_to_device", "post_process", "total")
 VERIFICATION_MODES = ("stream", "pass", "off")
 STARTUP_RECORD = "startup.json"
@@ -28,7 +30,6 @@ engine-cache verdict, exported by every rank with the rank's own phases."""
 WEIGHT_PHASES = {"verify": "weights_verify", "read": "weights_read",
                  "host_to_device": "weights_to_device", "total": "weights_total"}  # fmt: skip
 """The load phases that are also start-up phases, under their start-up names."""
-ENGINE_CACHE_RESULTS = ("hit", "miss", "corrupt", "absent")
 LOG = logging.getLogger("vllm.modelstage")
 """Under ``vllm.`` so that vLLM's own log handler and format apply."""
 
@@ -214,8 +215,8 @@ def publish_startup(record: LoadRecord, prepared: dict[str, Any]) -> None:
     for phase, seconds in startup_phases(record, prepared).items():
         m.startup.labels(rank=rank, phase=phase).set(seconds)
     result = prepared.get("engineCache", "")
-    if result in ENGINE_CACHE_RESULTS:
-        for name in ENGINE_CACHE_RESULTS:
+    if result in RESULTS:
+        for name in RESULTS:
             m.engine_cache.labels(rank=rank, result=name).set(1 if name == result else 0)
 
 
