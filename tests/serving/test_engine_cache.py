@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +22,7 @@ from modelstage.core.engine_key import EngineArgs, ServingConfig, key_factors
 from modelstage.plugin.metrics import LoadRecord, publish_startup, startup_phases, startup_record
 from modelstage.stager.engine_capture import write_engine_cache
 from modelstage.stager.engine_hardware import this_node
-from support.serving import Artifact, last_line, prepare_cli
+from support.serving import Artifact, base_env, last_line, prepare_cli
 
 ARGS = EngineArgs(maxModelLen=128, dtype="float32")
 FILES = {
@@ -174,3 +176,34 @@ def test_a_missing_or_bad_startup_record_is_empty(tmp_path: Path, content: str) 
     if content:
         path.write_text(content)
     assert startup_record(path) == {}
+
+
+def capture_cli(tmp: Path, artifact: Path, engine_args: str) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "modelstage.stager.cli", "capture-engine-cache",
+           "--artifact", str(artifact), "--out", str(tmp / "out" / "cache"),
+           "--engine-args", engine_args]  # fmt: skip
+    return subprocess.run(cmd, env=base_env(), cwd=tmp, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+
+
+def test_capture_refuses_an_artifact_that_was_not_staged(tmp_path: Path) -> None:
+    proc = capture_cli(tmp_path, tmp_path, '{"maxModelLen": 64}')
+    assert proc.returncode == 1
+    assert last_line(proc) == f"error: {tmp_path}: no modelstage.json: stage the artifact first"
+
+
+def test_capture_refuses_bad_engine_arguments_by_name(tied_tp1: Artifact, tmp_path: Path) -> None:
+    proc = capture_cli(tmp_path, tied_tp1.path, '{"maxModelLen": 64, "tp": 2}')
+    assert proc.returncode == 1
+    assert "unknown engine argument 'tp'" in last_line(proc)
+
+
+def test_a_failed_vllm_start_leaves_nothing_that_looks_captured(
+    tied_tp1: Artifact, tmp_path: Path
+) -> None:
+    proc = capture_cli(tmp_path, tied_tp1.path, '{"maxModelLen": 64, "loadFormat": "no_such"}')
+    assert proc.returncode == 1
+    line = last_line(proc)
+    assert line.startswith(f"error: {tied_tp1.path}: vLLM failed (exit 1): "), line
+    assert "no_such" in line
+    assert list((tmp_path / "out").iterdir()) == []  # no cache, no .tmp- folder, no log
