@@ -207,3 +207,41 @@ def test_a_failed_vllm_start_leaves_nothing_that_looks_captured(
     assert line.startswith(f"error: {tied_tp1.path}: vLLM failed (exit 1): "), line
     assert "no_such" in line
     assert list((tmp_path / "out").iterdir()) == []  # no cache, no .tmp- folder, no log
+
+
+def test_the_ready_phase_is_the_process_age_at_the_first_200(tmp_path: Path) -> None:
+    """A readiness endpoint on 127.0.0.1 that answers 503 twice, then 200."""
+    import http.server
+    import threading
+
+    from modelstage.plugin.metrics import process_age, watch_ready
+    from prometheus_client import REGISTRY
+
+    answers = [503, 503, 200]
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(answers.pop(0) if len(answers) > 1 else answers[0])
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        before = process_age()
+        age = watch_ready(f"http://127.0.0.1:{server.server_port}/health", interval=0.05)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert age is not None and before is not None and age >= before
+    assert answers == [200]  # it waited through both 503s
+    labels = {"rank": "0", "phase": "process_to_ready"}
+    assert REGISTRY.get_sample_value("modelstage_startup_phase_seconds", labels) == age
+
+
+def test_an_endpoint_that_never_answers_gives_up_at_the_deadline() -> None:
+    from modelstage.plugin.metrics import watch_ready
+
+    assert watch_ready("http://127.0.0.1:9/health", interval=0.05, deadline=0.2) is None

@@ -30,6 +30,7 @@ engine-cache verdict, exported by every rank with the rank's own phases."""
 WEIGHT_PHASES = {"verify": "weights_verify", "read": "weights_read",
                  "host_to_device": "weights_to_device", "total": "weights_total"}  # fmt: skip
 """The load phases that are also start-up phases, under their start-up names."""
+READY_URL_ENV = "MODELSTAGE_READY_URL"
 LOG = logging.getLogger("vllm.modelstage")
 """Under ``vllm.`` so that vLLM's own log handler and format apply."""
 
@@ -218,6 +219,33 @@ def publish_startup(record: LoadRecord, prepared: dict[str, Any]) -> None:
     if result in RESULTS:
         for name in RESULTS:
             m.engine_cache.labels(rank=rank, result=name).set(1 if name == result else 0)
+    url = os.environ.get(READY_URL_ENV)
+    if url and record.rank == 0:
+        threading.Thread(target=watch_ready, args=(url,), daemon=True,
+                         name="modelstage-ready").start()  # fmt: skip
+
+
+def watch_ready(url: str, interval: float = 0.5, deadline: float = 7200.0) -> float | None:
+    """Poll the pod's readiness endpoint (``MODELSTAGE_READY_URL``, e.g. vLLM's
+    ``http://127.0.0.1:8000/health``) until it first answers 200, then set the ``ready`` phase:
+    this process's age at that moment (``process_to_ready``). Gives up after ``deadline``."""
+    import urllib.error
+    import urllib.request
+
+    waited = 0.0
+    while waited < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as answer:
+                if answer.status == 200:
+                    age = process_age()
+                    if age is not None:
+                        metrics().startup.labels(rank="0", phase="process_to_ready").set(age)
+                    return age
+        except (urllib.error.URLError, OSError, ValueError):
+            pass
+        time.sleep(interval)
+        waited += interval
+    return None
 
 
 def startup_record(path: Path | None = None) -> dict[str, Any]:
