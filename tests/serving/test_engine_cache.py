@@ -245,3 +245,18 @@ def test_an_endpoint_that_never_answers_gives_up_at_the_deadline() -> None:
     from modelstage.plugin.metrics import watch_ready
 
     assert watch_ready("http://127.0.0.1:9/health", interval=0.05, deadline=0.2) is None
+
+
+def test_an_unwritable_cache_folder_is_the_pods_error_named(
+    tied_tp1: Artifact, tmp_path: Path
+) -> None:
+    (tmp_path / "not-a-dir").write_text("")
+    proc = prepare_cli(
+        "--artifact", str(tied_tp1.path), "--digest", tied_tp1.digest, "--tp", "1",
+        "--plugin-dir", str(tmp_path / "plugins"),
+        "--engine-cache-dir", str(tmp_path / "not-a-dir" / "cache"),
+        "--engine-config", json.dumps(config_for(tied_tp1).to_doc()), cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 1
+    assert last_line(proc).startswith(f"error: {tmp_path / 'not-a-dir' / 'cache'}: cannot prepare")
+    assert "mount a writable volume" in last_line(proc)

@@ -32,7 +32,7 @@ from modelstage.core.engine_cache import (
     Verdict,
     decide,
 )
-from modelstage.core.errors import ArtifactError, ModelstageError
+from modelstage.core.errors import ArtifactError, DestinationError, ModelstageError
 from modelstage.core.formats import S3
 from modelstage.core.integrity import hash_local_files
 from modelstage.core.location import LocalArtifact, S3Artifact, parse_location
@@ -109,9 +109,17 @@ def _try(
 
 
 def _empty_roots(dest: Path) -> None:
-    for name in ROOTS:
-        shutil.rmtree(dest / name, ignore_errors=True)
-        (dest / name).mkdir(parents=True)
+    """Each root, empty: where vLLM compiles when no cache is used. A folder that cannot be
+    written is the pod's mistake (the volume is not mounted writable), not the cache's."""
+    try:
+        for name in ROOTS:
+            shutil.rmtree(dest / name, ignore_errors=True)
+            (dest / name).mkdir(parents=True)
+    except OSError as e:
+        raise DestinationError(
+            f"{dest}: cannot prepare the engine-cache folders: {e.strerror}; mount a writable "
+            "volume (an emptyDir) there"
+        ) from None
 
 
 class _Reader:
