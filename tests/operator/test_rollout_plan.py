@@ -94,6 +94,7 @@ def test_serving_contract_env_init_container_and_volumes(
         "MODELSTAGE_FORMAT": "sharded_state",
         "MODELSTAGE_TP": "4",
         "MODELSTAGE_ARTIFACT": art.location.path,
+        "MODELSTAGE_READY_URL": "http://127.0.0.1:8000/health",
         "PYTHONPATH": "/opt/modelstage/plugins",
     }
     assert container["volumeMounts"] == [

@@ -78,7 +78,7 @@ def _format_not_in(names: list[str]) -> str:
 
 Dtype = Literal["auto", "bfloat16", "float16", "float32"]
 Phase = Literal["Pending", "Staging", "Staged", "RollingOut", "Ready", "Failed"]
-ConditionType = Literal["Staged", "Ready", "Degraded", "NodeCached"]
+ConditionType = Literal["Staged", "Ready", "Degraded", "NodeCached", "EngineCached"]
 
 # Patterns are ECMA-262 and Python compatible (the API server evaluates them, so does pydantic).
 DNS_NAME = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
@@ -392,6 +392,29 @@ class NodeCache(Model):
     node without a copy read the artifact from the PVC or S3) and the status says so."""
 
 
+class EngineCapture(Model):
+    """Where the capture Job runs: a node of the serving class. Unset fields take the vLLM
+    container's resources and the workload pod's nodeSelector and tolerations."""
+
+    resources: Resources | None = None
+    node_selector: dict[str, str] | None = None
+    """Also the hardware class the cache is keyed by: a changed selector captures again."""
+    tolerations: Annotated[list[Toleration], Field(max_length=32)] | None = None
+
+
+class EngineCache(Model):
+    """vLLM's compile caches captured once per artifact, serving configuration and hardware
+    class by a capture Job, and placed by the serving pods' prepare before vLLM starts
+    (docs/api.md, "The engine cache")."""
+
+    enabled: bool = False
+    capture: EngineCapture = EngineCapture()
+    deadline_seconds: Annotated[int, Field(ge=0, le=24 * 3600)] = 1800
+    """How long after staging the roll waits for the capture; then it rolls without the cache
+    (the pods compile as they would have) and the status says so. Also the capture Job's
+    ``activeDeadlineSeconds`` (at least 60)."""
+
+
 class ModelDeploymentSpec(Model):
     """What to stage and which vLLM workload to roll onto it."""
 
@@ -406,6 +429,7 @@ class ModelDeploymentSpec(Model):
     serving: Serving
     retention: Retention = Retention()
     node_cache: NodeCache = NodeCache()
+    engine_cache: EngineCache = EngineCache()
 
     rules: ClassVar[tuple[Rule, ...]] = (
         Rule(
@@ -542,6 +566,31 @@ class NodeCacheStatus(Model):
     nodes: list[NodeCopyStatus] = Field(default_factory=list)
 
 
+class EngineCacheStatus(Model):
+    """The engine cache of the desired artifact and serving configuration
+    (``spec.engineCache.enabled``)."""
+
+    model_config = ConfigDict(extra="ignore", strict=False)
+    digest: str
+    """The weights artifact it belongs to."""
+    key: str
+    """The operator's capture key: the artifact digest, the vLLM image, the engine arguments,
+    the compile environment and the capture's node selector (``engine_cache_plan``)."""
+    uri: str
+    """Where it is: beside the artifact, ``pvc://claim/path/namespace/<digest>.engine-<key>``."""
+    phase: Literal["Capturing", "Captured", "Failed", "DeadlinePassed", "Unavailable"]
+    reason: str = ""
+    since: datetime | None = None
+    """When the capture was first asked for: the deadline counts from here."""
+    config: str | None = None
+    """The serving configuration the capture ran with (JSON, as ``capture-engine-cache``
+    reports it: vLLM and torch versions, engine arguments, environment): what the serving
+    pods' prepare checks the cache's key against."""
+    hardware: str | None = None
+    """The hardware class the capture measured (JSON), given to prepare for GPUs (an
+    initContainer sees no GPU)."""
+
+
 class Condition(Model):
     """A Kubernetes-style condition; lastTransitionTime changes only when status changes."""
 
@@ -589,6 +638,8 @@ class ModelDeploymentStatus(Model):
     (1 = next); see the ``Staged`` condition (reason ``Queued``)."""
     node_cache: NodeCacheStatus | None = None
     """Node-local copies of the desired artifact (``spec.nodeCache``)."""
+    engine_cache: EngineCacheStatus | None = None
+    """The engine cache of the desired artifact (``spec.engineCache``)."""
     artifacts: list[ArtifactStatus] = Field(default_factory=list)
     """Artifacts this ModelDeployment staged or used, most recently used first: what
     ``retention.keep`` counts and the clean-up deletes from."""

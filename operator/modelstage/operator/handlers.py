@@ -15,6 +15,8 @@ reconciliation and never a wrong action:
   ModelDeployments that target it;
 - a node agent's ``NodeCache`` report changed, or a copy Job or its pod → reconcile the
   ModelDeployments whose roll waits for node-local copies (and those the node's copies concern);
+- an engine-cache capture Job or its pod changed → reconcile the ModelDeployments whose spec
+  asks for that digest (the roll waits for the capture);
 - a serving pod's prepare reported a node cache hit or miss → reconcile its ModelDeployment;
 - a timer, as a safety net for anything missed (``MODELSTAGE_OPERATOR_RESYNC_INTERVAL``).
 
@@ -34,6 +36,7 @@ from modelstage.core import node_cache as nc
 from . import metrics
 from .api import GROUP, PLURAL, VERSION, ModelDeploymentSpec, SourceStatus, VllmVersionStatus
 from .artifact import spec_digest
+from .engine_cache_plan import CAPTURE_COMPONENT
 from .job_plan import stage_job_name
 from .kube import DIGEST_ANNOTATION, LABEL_DIGEST, Manifest, model_deployment_owners
 from .kube_client import Conflict, KubeClient
@@ -53,6 +56,7 @@ STAGE_JOB_PREFIX = stage_job_name("")
 CLEANUP = {**MANAGED, "app.kubernetes.io/component": "cleanup"}
 RESOLVE = {**MANAGED, "app.kubernetes.io/component": "resolve"}
 NODE_COPY = {**MANAGED, "app.kubernetes.io/component": COPY_COMPONENT}
+ENGINE_CAPTURE = {**MANAGED, "app.kubernetes.io/component": CAPTURE_COMPONENT}
 NODE_CACHES = (nc.API_GROUP, nc.API_VERSION.split("/", 1)[1], nc.PLURAL)
 CONFIG = OperatorConfig.from_env()
 """Read at import: the timer's interval is fixed when the handlers are registered."""
@@ -452,3 +456,13 @@ def node_copy_event(
     _reconcile_matching(
         memo, kwargs, namespace, logger, lambda r: r.node_cache is not None and r.digest == digest
     )
+
+
+@kopf.on.event("batch", "v1", "jobs", labels=ENGINE_CAPTURE)
+@kopf.on.event("v1", "pods", labels=ENGINE_CAPTURE)
+def engine_capture_event(
+    namespace: str | None, labels: kopf.Labels, memo: Any, logger: Logger, **kwargs: Any
+) -> None:
+    """A capture Job (or its pod: the termination message lands there) changed."""
+    digest = labels.get(LABEL_DIGEST)
+    _reconcile_matching(memo, kwargs, namespace, logger, lambda r: r.digest == digest)

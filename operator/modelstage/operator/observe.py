@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-from .api import NodeCacheStatus
-from .kube import DIGEST_ANNOTATION, VOLUME_NODE_CACHE, Manifest
+from .api import EngineCacheStatus, NodeCacheStatus
+from .kube import DIGEST_ANNOTATION, ENGINE_CACHE_ANNOTATION, VOLUME_NODE_CACHE, Manifest
+from .rollout_plan import EngineCacheUse
 from .validation import Finding
 
 JobState = Literal["Running", "Succeeded", "Failed"]
@@ -51,6 +52,8 @@ class WorkloadObservation:
     """The workload controller gave up (Deployment ``ProgressDeadlineExceeded``)."""
     node_cache: bool = False
     """Its pod template mounts the nodes' cache root (``spec.nodeCache``)."""
+    engine_cache: str | None = None
+    """The engine cache its pod template's prepare is given (its annotation), or None."""
 
     @property
     def complete(self) -> bool:
@@ -75,6 +78,21 @@ class NodeCacheStep:
 
 
 @dataclass(frozen=True)
+class EngineCacheStep:
+    """Where the engine cache of the desired artifact stands (``engine_cache_plan``)."""
+
+    status: EngineCacheStatus | None
+    condition: tuple[Literal["True", "False"], str, str]
+    """``EngineCached``: (status, reason, message)."""
+    roll: bool
+    """Captured, failed, unavailable or past the deadline: the workload may roll."""
+    create: Manifest | None = None
+    """The capture Job to create (``plan_capture_job``'s)."""
+    use: EngineCacheUse | None = None
+    """What the serving pods are given, once captured."""
+
+
+@dataclass(frozen=True)
 class Observed:
     generation: int
     now: datetime
@@ -84,6 +102,9 @@ class Observed:
     node_cache_enabled: bool = False
     """``spec.nodeCache.enabled``: the roll waits for ``node_cache``."""
     node_cache: NodeCacheStep | None = None
+    engine_cache_enabled: bool = False
+    """``spec.engineCache.enabled``: the roll waits for ``engine_cache``."""
+    engine_cache: EngineCacheStep | None = None
 
 
 def observe_job(job: Manifest, termination_message: str = "") -> JobObservation:
@@ -164,6 +185,7 @@ def observe_workload(workload: Manifest, failing: Sequence[str] = ()) -> Workloa
             v.get("name") == VOLUME_NODE_CACHE
             for v in ((spec.get("template") or {}).get("spec") or {}).get("volumes") or []
         ),
+        engine_cache=annotations.get(ENGINE_CACHE_ANNOTATION),
     )
 
 
@@ -256,6 +278,22 @@ def parse_summary(message: str) -> Mapping[str, Any] | None:
     except (ValueError, RecursionError):  # whatever a pod wrote: not a summary
         return None
     return summary if isinstance(summary, dict) and "digest" in summary else None
+
+
+def parse_capture(message: str) -> Mapping[str, Any] | None:
+    """``capture-engine-cache``'s one-line JSON summary (its last line) when it names the key,
+    the serving configuration and the hardware class it captured for, or None."""
+    lines = [line for line in message.strip().splitlines() if line.strip()]
+    try:
+        summary = json.loads(lines[-1]) if lines else None
+    except (ValueError, RecursionError):
+        return None
+    wanted = ("key", "config", "hardware")
+    if not isinstance(summary, dict) or not all(k in summary for k in wanted):
+        return None
+    if not isinstance(summary["config"], dict) or not isinstance(summary["hardware"], dict):
+        return None
+    return summary
 
 
 def _time(value: Any) -> datetime | None:

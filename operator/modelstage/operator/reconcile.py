@@ -44,6 +44,14 @@ from . import metrics
 from .api import API_VERSION, PLURAL, ModelDeploymentSpec, ModelDeploymentStatus, TargetRef
 from .artifact import Artifact, artifact_for, artifact_from_status
 from .claim_plan import check_claim_size, plan_claim
+from .engine_cache_plan import (
+    CAPTURE_CONTAINER,
+    Unavailable,
+    capture_inputs,
+    capture_job_name,
+    plan_capture_job,
+    plan_engine_cache,
+)
 from .job_plan import (
     RESOLVE_CONTAINER,
     cleanup_job_name,
@@ -70,6 +78,7 @@ from .node_cache_plan import (
     pod_start,
 )
 from .observe import (
+    EngineCacheStep,
     JobObservation,
     NodeCacheStep,
     Observed,
@@ -175,6 +184,8 @@ class _World:
     """The vLLM version staged for, and why (``serving_version.py``)."""
     node_cache: NodeCacheStep | None = None
     """Where the node-local copies of the staged artifact stand (``spec.nodeCache``)."""
+    engine_cache: EngineCacheStep | None = None
+    """Where the staged artifact's engine cache stands (``spec.engineCache``)."""
 
 
 def _blocks_staging(findings: Sequence[Finding]) -> list[Finding]:
@@ -365,6 +376,8 @@ class Reconciler:
             world.observed_workload = self._observe_workload(namespace, world.workload)
         if spec.node_cache.enabled:
             self._observe_node_cache(world, spec)
+        if spec.engine_cache.enabled:
+            self._observe_engine_cache(world, spec)
 
     def _observe_staging(self, world: _World, spec: ModelDeploymentSpec) -> None:
         """The staging Jobs of the desired artifact; a source that changed between resolving
@@ -460,6 +473,59 @@ class Reconciler:
             for node in create
         )
         world.node_cache = replace(step, create=manifests)
+
+    def _observe_engine_cache(self, world: _World, spec: ModelDeploymentSpec) -> None:
+        """Once the desired artifact is staged and the workload exists: the capture's inputs
+        (from the workload), its Job and that Job's report, turned into the engine cache's
+        step by ``engine_cache_plan``. A Job of the key no ModelDeployment of the namespace
+        owns is a failed capture (its name is predictable)."""
+        desired, workload, status = world.desired, world.workload, world.status
+        if desired is None or workload is None or status.failed_digest == desired.digest:
+            return
+        staged = (status.artifact is not None and status.artifact.digest == desired.digest) or (
+            world.job is not None and world.job.state == "Succeeded"
+        )
+        if not staged:
+            return
+        inputs = capture_inputs(spec, desired, workload)
+        if isinstance(inputs, Unavailable):
+            if inputs.finding:
+                world.findings.append(Finding(inputs.reason, inputs.message, "nothing"))
+            world.engine_cache = plan_engine_cache(
+                spec.engine_cache, desired, inputs, before=status.engine_cache, job=None,
+                planned=None, now=world.now,
+            )  # fmt: skip
+            return
+        namespace = world.owner.namespace
+        name = capture_job_name(inputs.key(desired.digest))
+        manifest = self.kube.get(resource_path("batch/v1", "jobs", namespace, name))
+        job: JobObservation | None = None
+        if manifest is not None:
+            foreign = self._foreign_job(namespace, manifest, world.owner)
+            job = (
+                JobObservation("Failed", foreign.message, name=name)
+                if foreign is not None
+                else self._finished(namespace, manifest, CAPTURE_CONTAINER)
+            )
+        planned = plan_capture_job(
+            spec, desired, inputs, owner=world.owner, default_image=self.stager_image
+        )
+        world.engine_cache = plan_engine_cache(
+            spec.engine_cache, desired, inputs, before=status.engine_cache, job=job,
+            planned=planned, now=world.now,
+        )  # fmt: skip
+
+    def _finished(self, namespace: str, job: Manifest, container: str) -> JobObservation:
+        """A Job's observation with, once it ended, its pod's termination message."""
+        state = observe_job(job).state
+        if state == "Running":
+            return observe_job(job)
+        pods = self.kube.list(
+            resource_path("v1", "pods", namespace),
+            label_selector={JOB_NAME_LABEL: job["metadata"]["name"]},
+        )
+        message = termination_message(pods, success=state == "Succeeded", container=container)
+        return observe_job(job, message)
 
     def _node_cache_reports(self) -> dict[str, NodeCacheReport]:
         """The node agents' reports by node; none while the NodeCache API is not installed."""
@@ -565,6 +631,8 @@ class Reconciler:
             findings=tuple(world.findings),
             node_cache_enabled=world.spec is not None and world.spec.node_cache.enabled,
             node_cache=world.node_cache,
+            engine_cache_enabled=world.spec is not None and world.spec.engine_cache.enabled,
+            engine_cache=world.engine_cache,
         )
         decision = decide(world.desired, world.status, observed, world.source)
         if world.spec is not None:
@@ -623,6 +691,24 @@ class Reconciler:
             self._roll(spec, world, decision, logger)
         elif decision.action is Action.CREATE_COPY_JOBS and world.node_cache is not None:
             self._create_copy_jobs(world, world.node_cache.create, logger)
+        elif decision.action is Action.CREATE_CAPTURE_JOB and world.engine_cache is not None:
+            assert world.engine_cache.create is not None
+            self._create_capture_job(world, world.engine_cache.create, logger)
+
+    def _create_capture_job(
+        self,
+        world: _World,
+        job: Manifest,
+        logger: logging.Logger | logging.LoggerAdapter[Any],
+    ) -> None:
+        name = job["metadata"]["name"]
+        if self.kube.create(resource_path("batch/v1", "jobs", world.owner.namespace), job) is None:
+            logger.info("capture Job %s already exists: following it", name)
+            return
+        uri = job["metadata"]["annotations"]["modelstage.io/engine-cache-uri"]
+        message = f"created capture Job {name} for the engine cache {uri}"
+        logger.info(message, extra={"job": name})
+        self.post_event(world.body, "Normal", "CaptureJobCreated", message)
 
     def _roll(
         self,
@@ -639,12 +725,17 @@ class Reconciler:
         refused = opt_in_problem(workload, namespace=namespace, deployment_name=world.owner.name)
         if refused is not None:
             raise AssertionError(f"refusing to patch: {refused}")
+        step = world.engine_cache
+        engine = step.use if step is not None and step.status is not None else None
+        if engine is not None and step is not None and step.status is not None:
+            engine = engine if step.status.digest == decision.artifact.digest else None
         plan = plan_rollout(
             spec,
             artifact_from_status(decision.artifact),
             workload,
             default_image=self.stager_image,
             node_cache_root=self.node_cache_root,
+            engine_cache=engine,
         )
         if not plan.changed:
             return
@@ -1007,6 +1098,7 @@ class Reconciler:
                 "ArtifactMismatch",
                 "ResolveFailed",
                 *NODE_CACHE_WARNINGS,
+                "CaptureFailed",
             )
             self.post_event(
                 body,

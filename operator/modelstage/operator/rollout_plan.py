@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from modelstage.core import node_cache as nc
+from modelstage.core.engine_cache import ROOTS
 from modelstage.core.errors import SpecError
 from modelstage.core.formats import FORMATS, S3_READER_FORMAT
 
@@ -23,11 +24,14 @@ from .api import DEFAULT_STAGER_IMAGE, ModelDeploymentSpec, S3Connection
 from .artifact import ARTIFACT_MOUNT, Artifact
 from .kube import (
     DIGEST_ANNOTATION,
+    ENGINE_CACHE_ANNOTATION,
+    ENGINE_CACHE_DIR,
     MANAGED_ENV_ANNOTATION,
     OWNED_PREFIX,
     PLUGIN_DIR,
     TOKEN_DIR,
     VOLUME_ARTIFACTS,
+    VOLUME_ENGINE_CACHE,
     VOLUME_NO_TOKEN,
     VOLUME_NODE_CACHE,
     VOLUME_PLUGINS,
@@ -46,6 +50,23 @@ PREPARE_CONTAINER = "modelstage-prepare"
 NODE_CACHE_WEIGHT = 100
 """The weight of the preferred node affinity to nodes holding the artifact's copy."""
 ACCELERATORS = ("nvidia.com/gpu", "amd.com/gpu")
+
+
+@dataclass(frozen=True)
+class EngineCacheUse:
+    """A captured engine cache the serving pods are given (``engine_cache_plan``): prepare
+    verifies it and places it in the ``emptyDir`` the vLLM container's cache roots point at."""
+
+    path: str
+    """Its folder in pods (on the artifact's PVC)."""
+    uri: str
+    config: str
+    """The serving configuration (JSON) prepare checks the cache's key against."""
+    hardware: str | None = None
+    """The hardware class (JSON) when prepare cannot measure it (a GPU)."""
+    env: tuple[tuple[str, str], ...] = ()
+    """Variables the capture ran with by default: the vLLM container gets those it does not
+    set itself (they are in vLLM's key)."""
 
 
 @dataclass(frozen=True)
@@ -197,6 +218,7 @@ def _prepare_container(
     s3_env: list[Manifest],
     connection: S3Connection | None,
     node_cache: bool = False,
+    engine: EngineCacheUse | None = None,
 ) -> Manifest:
     mounts: list[Manifest] = [
         {"name": VOLUME_PLUGINS, "mountPath": PLUGIN_DIR},
@@ -206,6 +228,8 @@ def _prepare_container(
         mounts.append({"name": VOLUME_ARTIFACTS, "mountPath": ARTIFACT_MOUNT, "readOnly": True})
     if node_cache:
         mounts.append(_node_cache_mount())
+    if engine is not None:
+        mounts.append({"name": VOLUME_ENGINE_CACHE, "mountPath": ENGINE_CACHE_DIR})
     container: Manifest = {
         "name": PREPARE_CONTAINER,
         "image": image,
@@ -222,6 +246,7 @@ def _prepare_container(
             "--plugin-dir",
             PLUGIN_DIR,
             *(["--node-cache", nc.POD_MOUNT] if node_cache else []),
+            *_engine_flags(engine),
         ],
         "volumeMounts": mounts + ca_mount(connection if not artifact.location.on_pvc else None),
         "resources": {
@@ -236,6 +261,16 @@ def _prepare_container(
     return container
 
 
+def _engine_flags(engine: EngineCacheUse | None) -> list[str]:
+    """prepare's engine-cache flags: the cache, where to place it, this start's serving
+    configuration, and the hardware class when prepare cannot see it."""
+    if engine is None:
+        return []
+    flags = ["--engine-cache", engine.path, "--engine-cache-dir", ENGINE_CACHE_DIR,
+             "--engine-config", engine.config]  # fmt: skip
+    return flags + (["--engine-hardware", engine.hardware] if engine.hardware else [])
+
+
 def plan_rollout(
     spec: ModelDeploymentSpec,
     artifact: Artifact,
@@ -243,12 +278,14 @@ def plan_rollout(
     *,
     default_image: str = DEFAULT_STAGER_IMAGE,
     node_cache_root: str = nc.DEFAULT_ROOT,
+    engine_cache: EngineCacheUse | None = None,
 ) -> RolloutPlan:
     """The merge patch that puts ``workload`` (a Deployment or StatefulSet) on ``artifact``.
 
     ``spec`` supplies the serving choices (container, plugin, image, S3 connection, node
     caching: the nodes' root ``node_cache_root`` mounted read-only, and a preference for the
-    nodes holding the artifact's copy); ``artifact`` may be an older one (a rollback). Raises
+    nodes holding the artifact's copy); ``artifact`` may be an older one (a rollback);
+    ``engine_cache``: the captured engine cache prepare places (None: none). Raises
     ``SpecError`` when the container or its vLLM command cannot be found (``validation``
     reports the same as a condition first).
     """
@@ -258,10 +295,12 @@ def plan_rollout(
     container = select_container(spec, pod)
     connection = spec.storage.s3 if not artifact.location.on_pvc else None
     cache_root = node_cache_root if spec.node_cache.enabled and spec.serving.plugin else None
+    engine = engine_cache if spec.serving.plugin else None
     settings = _serve_artifact(
-        container, annotations, artifact, spec.serving.plugin, connection, cache_root is not None
-    )
-    _mount_artifact(pod, container, artifact, spec.serving.plugin, connection, cache_root)
+        container, annotations, artifact, spec.serving.plugin, connection, cache_root is not None,
+        engine,
+    )  # fmt: skip
+    _mount_artifact(pod, container, artifact, spec.serving.plugin, connection, cache_root, engine)
     _prefer_nodes(pod, artifact.digest if cache_root is not None else None)
     prepare = (
         [
@@ -271,6 +310,7 @@ def plan_rollout(
                 _s3_serving_env(artifact, connection),
                 connection,
                 cache_root is not None,
+                engine,
             )
         ]
         if spec.serving.plugin
@@ -283,7 +323,17 @@ def plan_rollout(
     for key in ("volumeMounts", "env"):
         if not container[key]:
             del container[key]
+    return _plan(workload, template, artifact, settings, engine)
 
+
+def _plan(
+    workload: Manifest,
+    template: Manifest,
+    artifact: Artifact,
+    settings: VllmSettings,
+    engine: EngineCacheUse | None,
+) -> RolloutPlan:
+    """The merge patch from ``workload`` to its ``template`` edited, and what it does."""
     new_workload = {**workload, "spec": {**workload.get("spec", {}), "template": template}}
     patch = merge_diff(workload, new_workload)
     old_digest = (
@@ -291,10 +341,11 @@ def plan_rollout(
     ).get(DIGEST_ANNOTATION)
     details = []
     if patch:
+        cache = f", engine cache {engine.uri}" if engine is not None else ", no engine cache"
         details.append(
             f"{workload.get('kind', 'workload')} {workload.get('metadata', {}).get('name')}: "
             f"artifact {old_digest or 'none'} -> {artifact.digest} "
-            f"({settings.load_format}, TP {artifact.tensor_parallel})"
+            f"({settings.load_format}, TP {artifact.tensor_parallel}{cache})"
         )
     return RolloutPlan(
         merge_patch=patch,
@@ -311,8 +362,10 @@ def _serve_artifact(
     plugin: bool,
     connection: S3Connection | None,
     node_cache: bool = False,
+    engine: EngineCacheUse | None = None,
 ) -> VllmSettings:
-    """Point the vLLM container's command and environment at ``artifact``."""
+    """Point the vLLM container's command and environment at ``artifact`` (and its caches'
+    roots at the engine cache's folder)."""
     # The artifact the container is on now (if any) is ours, not a model name clients use.
     previous = [
         e.get("value", "")
@@ -330,6 +383,7 @@ def _serve_artifact(
     if node_cache:
         managed_env.append({"name": nc.ENV_NODE_CACHE, "value": nc.POD_MOUNT})
     previously = set(filter(None, annotations.get(MANAGED_ENV_ANNOTATION, "").split(",")))
+    managed_env += _engine_env(container, engine, previously) + _ready_env(container, plugin)
     env = _upsert(
         container.get("env") or [],
         managed_env,
@@ -338,7 +392,41 @@ def _serve_artifact(
     container["env"] = _python_path(env, plugin)
     annotations[MANAGED_ENV_ANNOTATION] = ",".join(sorted(e["name"] for e in managed_env))
     annotations[DIGEST_ANNOTATION] = artifact.digest
+    if engine is not None:
+        annotations[ENGINE_CACHE_ANNOTATION] = engine.uri
+    else:
+        annotations.pop(ENGINE_CACHE_ANNOTATION, None)
     return settings
+
+
+def _engine_env(
+    container: Manifest, engine: EngineCacheUse | None, managed: set[str]
+) -> list[Manifest]:
+    """The cache roots in the engine cache's folder, and the capture's defaults the user
+    does not set (``managed``: the names the operator set before)."""
+    if engine is None:
+        return []
+    own = {e.get("name") for e in container.get("env") or []} - managed
+    env = [{"name": var, "value": f"{ENGINE_CACHE_DIR}/{name}"} for name, var in ROOTS.items()]
+    return env + [{"name": n, "value": v} for n, v in engine.env if n not in own]
+
+
+def _ready_env(container: Manifest, plugin: bool) -> list[Manifest]:
+    """``MODELSTAGE_READY_URL``: the readiness probe's URL, which the plugin polls for the
+    start-up timeline's time to ready (``plugin/metrics.py``); only for an HTTP probe."""
+    probe = (container.get("readinessProbe") or {}).get("httpGet")
+    if not plugin or not isinstance(probe, dict):
+        return []
+    port = probe.get("port")
+    if isinstance(port, str) and not port.isdigit():
+        named = [p for p in container.get("ports") or [] if p.get("name") == port]
+        port = named[0].get("containerPort") if named else None
+    if port is None:
+        return []
+    scheme = str(probe.get("scheme") or "HTTP").lower()
+    path = str(probe.get("path") or "/")
+    url = f"{scheme}://127.0.0.1:{port}{path if path.startswith('/') else '/' + path}"
+    return [{"name": "MODELSTAGE_READY_URL", "value": url}]
 
 
 def _mount_artifact(
@@ -348,9 +436,10 @@ def _mount_artifact(
     plugin: bool,
     connection: S3Connection | None,
     node_cache_root: str | None = None,
+    engine: EngineCacheUse | None = None,
 ) -> None:
-    """The artifact's claim, the plugin's folder, the CA bundle and the nodes' cache root
-    (read-only), as volumes and mounts."""
+    """The artifact's claim, the plugin's folder, the CA bundle, the nodes' cache root
+    (read-only) and the engine cache's folder (written by vLLM), as volumes and mounts."""
     volumes: list[Manifest] = []
     mounts: list[Manifest] = []
     if artifact.location.on_pvc:
@@ -368,6 +457,9 @@ def _mount_artifact(
         host_path = {"path": node_cache_root, "type": "DirectoryOrCreate"}
         volumes.append({"name": VOLUME_NODE_CACHE, "hostPath": host_path})
         mounts.append(_node_cache_mount())
+    if engine is not None:
+        volumes.append({"name": VOLUME_ENGINE_CACHE, "emptyDir": {}})
+        mounts.append({"name": VOLUME_ENGINE_CACHE, "mountPath": ENGINE_CACHE_DIR})
     container["volumeMounts"] = _upsert(container.get("volumeMounts") or [], mounts, _owned_name)
     pod["volumes"] = _upsert(pod.get("volumes") or [], volumes, _owned_name)
 

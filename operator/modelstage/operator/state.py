@@ -47,6 +47,7 @@ class Action(Enum):
     CREATE_JOB = "create-job"
     CREATE_RESOLVE_JOB = "create-resolve-job"
     CREATE_COPY_JOBS = "create-copy-jobs"
+    CREATE_CAPTURE_JOB = "create-capture-job"
     ROLL_OUT = "roll-out"
     ROLL_BACK = "roll-back"
 
@@ -143,6 +144,10 @@ def decide(
     if step is not None and step.create and draft.action is Action.WAIT and not blocks_staging:
         draft.action = Action.CREATE_COPY_JOBS
         draft.details = f"copying artifact {step.status.digest} to {len(step.create)} node(s)"
+    capture = observed.engine_cache
+    if capture is not None and capture.create and draft.action is Action.WAIT:
+        draft.action = Action.CREATE_CAPTURE_JOB
+        draft.details = f"capturing the engine cache {capture.status.uri if capture.status else ''}"
     new_status = _new_status(draft, desired, status, observed, source)
     return Decision(draft.action, new_status, draft.target, draft.details)
 
@@ -209,6 +214,34 @@ def _copies_done(observed: Observed) -> bool:
     )
 
 
+def _capture_done(observed: Observed) -> bool:
+    """With the engine cache on, the roll waits until it is captured, or cannot be, or its
+    deadline passed (``engine_cache_plan``)."""
+    return not observed.engine_cache_enabled or (
+        observed.engine_cache is not None and observed.engine_cache.roll
+    )
+
+
+def _may_roll(observed: Observed) -> bool:
+    return _copies_done(observed) and _capture_done(observed)
+
+
+def _engine_cache_moved(w: WorkloadObservation, observed: Observed) -> str | None:
+    """Why the workload, on the desired artifact, is patched again for its engine cache: it
+    is given a cache that is no longer the one wanted (an engine argument, the image or the
+    setting changed), and the wanted one is captured or will not be. A workload rolled
+    without a cache is not restarted for one captured later: the next roll takes it."""
+    if w.engine_cache is None or not _capture_done(observed):
+        return None
+    step = observed.engine_cache
+    wanted = step.use.uri if step is not None and step.use is not None else None
+    if wanted == w.engine_cache:
+        return None
+    if wanted is None:
+        return f"the workload's engine cache {w.engine_cache} is not this configuration's"
+    return f"the engine cache is now {wanted} (was {w.engine_cache})"
+
+
 def _rolling_out(
     desired: Artifact,
     status: ModelDeploymentStatus,
@@ -232,7 +265,7 @@ def _rolling_out(
             "the modelstage fields in its manifest, or change the ModelDeployment spec to "
             "roll out again",
         )
-    elif w.digest != desired.digest and not _copies_done(observed):
+    elif w.digest != desired.digest and not _may_roll(observed):
         draft.phase = "Staged"
     elif w.digest != desired.digest:
         draft.action, draft.target = Action.ROLL_OUT, status.artifact
@@ -243,6 +276,9 @@ def _rolling_out(
         draft.action, draft.target = Action.ROLL_OUT, status.artifact
         on = "on" if observed.node_cache_enabled else "off"
         draft.details = f"node caching turned {on}: patching the workload on {desired.digest}"
+    elif (moved := _engine_cache_moved(w, observed)) is not None:
+        draft.action, draft.target = Action.ROLL_OUT, status.artifact
+        draft.details = f"{moved}: patching the workload on {desired.digest}"
     elif w.complete:
         draft.phase = "Ready"
     return draft
@@ -333,9 +369,10 @@ def _staged(
             "workload_generation": None,
         }
         draft.details = f"artifact {desired.digest} staged: rolling the workload onto it"
-        if not _copies_done(observed):  # recorded as staged; rolls once the copies are ready
+        if not _may_roll(observed):  # recorded as staged; rolls once copied and captured
             draft.action, draft.target, draft.phase = Action.WAIT, None, "Staged"
-            draft.details = f"artifact {desired.digest} staged: copying it to the nodes"
+            what = "copying it to the nodes" if not _copies_done(observed) else "capturing"
+            draft.details = f"artifact {desired.digest} staged: {what}"
     return draft
 
 
@@ -380,6 +417,7 @@ def _new_status(
         node_cache = None
         conditions = [c for c in conditions if c.type != "NodeCached"]
     cache_update = {"node_cache": node_cache} if node_cache != status.node_cache else {}
+    conditions, engine_update = _engine_cache_status(conditions, status, observed)
     return status.model_copy(
         update={
             "phase": draft.phase,
@@ -394,9 +432,28 @@ def _new_status(
             "failure_reason": status.failure_reason if still_failed else None,
             "queue_position": None,
             **cache_update,
+            **engine_update,
             **draft.updates,
         }
     )
+
+
+def _engine_cache_status(
+    conditions: list[Condition], status: ModelDeploymentStatus, observed: Observed
+) -> tuple[list[Condition], dict[str, Any]]:
+    """``EngineCached`` and ``status.engineCache`` from the engine cache's step; both go when
+    the engine cache is off. Kept as they were while there is no step (not staged yet)."""
+    if not observed.engine_cache_enabled:
+        without = [c for c in conditions if c.type != "EngineCached"]
+        return without, {"engine_cache": None} if status.engine_cache is not None else {}
+    step = observed.engine_cache
+    if step is None:
+        return conditions, {}
+    update = condition(
+        "EngineCached", *step.condition, now=observed.now, generation=observed.generation
+    )
+    merged = merge_conditions(conditions, [update])
+    return merged, {"engine_cache": step.status} if step.status != status.engine_cache else {}
 
 
 def _format(desired: Artifact) -> FormatStatus:

@@ -85,6 +85,19 @@ def _flag_name(token: str) -> str | None:
     return name
 
 
+def flag_name(token: str) -> str | None:
+    """The flag a token names, spelled canonically; None for a value (``_flag_name``)."""
+    return _flag_name(token)
+
+
+def vllm_arguments(command: list[str] | None, args: list[str] | None) -> list[str]:
+    """The tokens vLLM parses (after ``vllm serve`` or the API server module), for planners
+    that read its flags; raises ``SpecError`` like ``rewrite`` when vLLM is not found."""
+    argv = [*(command or []), *(args or [])]
+    start, _, _ = _vllm_start(argv, has_command=bool(command))
+    return argv[start:]
+
+
 def _canonical(token: str) -> str | None:
     """The owned flag a token names, or None."""
     name = _flag_name(token)

@@ -253,6 +253,7 @@ def _prepare(args: argparse.Namespace) -> dict[str, Any]:
         s3=_s3_options(args),
         node_cache=Path(args.node_cache) if args.node_cache else None,
         engine=_engine_cache_request(args),
+        install_capture=args.install_capture,
     )
 
 
@@ -325,6 +326,11 @@ def _add_prepare_parser(sub: Any) -> None:
         "never fails the pod",
     )
     _add_engine_cache_options(pr)
+    pr.add_argument(
+        "--install-capture", action="store_true",
+        help="also copy the capture command (the stager package) into --plugin-dir: the "
+        "engine-cache capture Job's initContainer, for a vLLM image without modelstage",
+    )  # fmt: skip
     _add_s3_options(pr)
     _add_network_options(pr)
     pr.set_defaults(run=_prepare)

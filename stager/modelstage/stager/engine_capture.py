@@ -49,6 +49,9 @@ DEFAULT_ENV = {"VLLM_USE_AOT_COMPILE": "0"}
 RUNTIME_SUFFIXES = (".lock",)
 """Files the caches hold only while a process runs (inductor's ``locks/``): not kept."""
 LOG_TAIL_LINES = 15
+CONFIG_FACTORS = ("vllmVersion", "torchVersion", "modelPath", "engineArgs", "environment")
+"""The factors of a cache's key that make up its serving configuration (``ServingConfig``):
+what a rerun that finds the cache complete reports, as the first run did."""
 
 
 def capture(
@@ -66,8 +69,11 @@ def capture(
         raise ArtifactError(f"{artifact}: no modelstage.json: stage the artifact first")
     existing = _existing(out)
     if existing is not None:
+        factors = existing.factors
+        recorded = {k: factors.get(k) for k in CONFIG_FACTORS}
         return {"engineCache": str(out), "key": existing.key, "alreadyCaptured": True,
-                "files": len(existing.files), "bytes": existing.bytes}  # fmt: skip
+                "files": len(existing.files), "bytes": existing.bytes, "config": recorded,
+                "hardware": factors.get("hardware")}  # fmt: skip
     started = time.monotonic()
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f"{out.name}.tmp-", dir=out.parent))

@@ -53,6 +53,9 @@ from .engine_place import place_engine_cache
 
 PLUGIN_PACKAGES = ("core", "plugin")
 """The ``modelstage.*`` packages copied into the plugin directory, whole."""
+CAPTURE_PACKAGES = (*PLUGIN_PACKAGES, "stager")
+"""With ``--install-capture`` (the engine-cache capture Job's initContainer): also the stager,
+so that the vLLM image runs ``python3 -m modelstage.stager.cli capture-engine-cache``."""
 DIST_NAME = "modelstage"
 
 if TYPE_CHECKING:
@@ -69,14 +72,16 @@ def prepare(
     s3: S3Options | None = None,
     node_cache: Path | None = None,
     engine: EngineCacheRequest | None = None,
+    install_capture: bool = False,
 ) -> dict[str, Any]:
-    """Verify, then install the plugin; returns the one-line summary. With ``node_cache``
+    """Verify, then install the plugin (and with ``install_capture`` the capture command);
+    returns the one-line summary. With ``node_cache``
     (the node-local root, mounted) the summary also says whether this node holds a copy the
     plugin will read (``nodeCache``: hit, or miss and why): a verdict, never a failure."""
     t0 = time.monotonic()
     summary = verify_artifact(artifact, digest=digest, tp=tp, hash_content=hash_content, s3=s3)
     t1 = time.monotonic()
-    installed = install_plugin(plugin_dir)
+    installed = install_plugin(plugin_dir, CAPTURE_PACKAGES if install_capture else PLUGIN_PACKAGES)
     phases = {"prepare_verify": t1 - t0, "prepare_plugin_install": time.monotonic() - t1}
     summary = {**summary, "pluginDir": str(plugin_dir), "plugin": installed}
     if node_cache is not None:
@@ -166,7 +171,9 @@ def _summary(where: str, manifest: Manifest, *, hashed: bool) -> dict[str, Any]:
     }
 
 
-def install_plugin(plugin_dir: Path) -> dict[str, Any]:
+def install_plugin(
+    plugin_dir: Path, packages: tuple[str, ...] = PLUGIN_PACKAGES
+) -> dict[str, Any]:
     """Copy the plugin and its dist-info into ``plugin_dir``; idempotent (an initContainer
     restarts on failure, and the ``emptyDir`` survives the restart)."""
     try:
@@ -177,7 +184,7 @@ def install_plugin(plugin_dir: Path) -> dict[str, Any]:
         plugin_dir.mkdir(parents=True, exist_ok=True)
         work = Path(tempfile.mkdtemp(prefix=".modelstage-", dir=plugin_dir))
         try:
-            files = _write_tree(work, version)
+            files = _write_tree(work, version, packages)
             stale = [plugin_dir / "modelstage", *plugin_dir.glob(f"{DIST_NAME}-*.dist-info")]
             for path in stale:
                 if path.exists():
@@ -197,9 +204,9 @@ def package_dir(name: str) -> Path:
     return Path(module.__file__ or "").resolve().parent
 
 
-def _write_tree(root: Path, version: str) -> int:
+def _write_tree(root: Path, version: str, packages: tuple[str, ...]) -> int:
     copied: list[Path] = []
-    for name in PLUGIN_PACKAGES:
+    for name in packages:
         source = package_dir(name)
         for path in sorted(source.rglob("*")):
             if path.suffix not in (".py", ".typed") or "__pycache__" in path.parts:
