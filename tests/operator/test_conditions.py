@@ -43,7 +43,7 @@ def test_a_new_type_gets_its_own_time_and_untouched_types_stay() -> None:
 
 def test_conditions_come_out_in_a_fixed_order_whatever_the_input_order() -> None:
     cs = [condition(t, "True", "R", "", now=T0) for t in reversed(ORDER)]
-    order = ["Staged", "Ready", "Degraded", "NodeCached"]
+    order = ["Staged", "Ready", "Degraded", "NodeCached", "EngineCached"]
     assert [c.type for c in merge_conditions(cs, [])] == order
     assert [c.type for c in merge_conditions([], cs)] == order
 

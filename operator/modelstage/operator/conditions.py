@@ -10,7 +10,7 @@ from typing import Literal
 from .api import Condition, ConditionType
 
 Status = Literal["True", "False", "Unknown"]
-ORDER: tuple[ConditionType, ...] = ("Staged", "Ready", "Degraded", "NodeCached")
+ORDER: tuple[ConditionType, ...] = ("Staged", "Ready", "Degraded", "NodeCached", "EngineCached")
 
 
 def condition(
