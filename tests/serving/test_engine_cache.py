@@ -178,9 +178,11 @@ def test_a_missing_or_bad_startup_record_is_empty(tmp_path: Path, content: str) 
     assert startup_record(path) == {}
 
 
-def capture_cli(tmp: Path, artifact: Path, engine_args: str) -> subprocess.CompletedProcess[str]:
+def capture_cli(
+    tmp: Path, artifact: Path, engine_args: str, out: Path | None = None
+) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "modelstage.stager.cli", "capture-engine-cache",
-           "--artifact", str(artifact), "--out", str(tmp / "out" / "cache"),
+           "--artifact", str(artifact), "--out", str(out or tmp / "out" / "cache"),
            "--engine-args", engine_args]  # fmt: skip
     return subprocess.run(cmd, env=base_env(), cwd=tmp, capture_output=True, text=True,
                           timeout=600)  # fmt: skip
@@ -260,3 +262,18 @@ def test_an_unwritable_cache_folder_is_the_pods_error_named(
     assert proc.returncode == 1
     assert last_line(proc).startswith(f"error: {tmp_path / 'not-a-dir' / 'cache'}: cannot prepare")
     assert "mount a writable volume" in last_line(proc)
+
+
+def test_a_rerun_on_a_complete_cache_reports_its_configuration(
+    tied_tp1: Artifact, tmp_path: Path
+) -> None:
+    """A capture Job run again (its first pod's report lost) finds the cache complete and
+    reports the serving configuration and hardware class from its manifest, as the first run
+    did: the operator hands those to the serving pods' prepare."""
+    cache = make_cache(tmp_path, tied_tp1)
+    proc = capture_cli(tmp_path, tied_tp1.path, '{"maxModelLen": 128}', out=cache)
+    assert proc.returncode == 0, last_line(proc)
+    summary = json.loads(last_line(proc))
+    assert summary["alreadyCaptured"] is True
+    assert summary["config"] == config_for(tied_tp1).to_doc()
+    assert summary["hardware"] == this_node().to_doc()

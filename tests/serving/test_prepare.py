@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from modelstage.core.manifest import MANIFEST
-from modelstage.stager.prepare import PLUGIN_PACKAGES, install_plugin
+from modelstage.stager.prepare import CAPTURE_PACKAGES, PLUGIN_PACKAGES, install_plugin
 from support.serving import Artifact, base_env, last_line, prepare_cli
 
 ALLOWED_IMPORTS = {"vllm", "torch", "prometheus_client", "pydantic", "boto3", "botocore", "blake3"}
@@ -236,3 +236,27 @@ def test_copied_plugin_imports_in_a_clean_interpreter_with_only_the_copy(
     assert set(result["files"]) >= set(modules)
     for name, file in result["files"].items():
         assert file is not None and file.startswith(str(plugin_dir)), (name, file)
+
+
+def test_the_capture_command_runs_from_the_copy_in_a_vllm_image(
+    tmp_path: Path, pod_site: Path
+) -> None:
+    """``--install-capture`` (the capture Job's initContainer) also copies the stager, so a
+    stock vLLM image runs ``python3 -m modelstage.stager.cli capture-engine-cache`` from the
+    copy alone: here it gets as far as its first check (the artifact is not staged)."""
+    plugin_dir = tmp_path / "plugins"
+    install_plugin(plugin_dir, CAPTURE_PACKAGES)
+    assert sorted(p.name for p in (plugin_dir / "modelstage").iterdir()) == sorted(
+        CAPTURE_PACKAGES
+    )
+    argv = [sys.executable, "-S", "-m", "modelstage.stager.cli", "capture-engine-cache",
+            "--artifact", str(tmp_path), "--out", str(tmp_path / "out"),
+            "--engine-args", '{"maxModelLen": 64}']  # fmt: skip
+    done = subprocess.run(
+        argv, env={**base_env(), "PYTHONPATH": f"{plugin_dir}:{pod_site}"},
+        cwd=tmp_path, capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"error: {tmp_path}: no modelstage.json: stage the artifact first"
+    )
