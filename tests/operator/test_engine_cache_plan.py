@@ -406,3 +406,14 @@ def test_the_ready_url_is_the_containers_http_readiness_probe(
 
 def test_engine_cache_defaults_are_off() -> None:
     assert EngineCache().enabled is False and EngineCache().deadline_seconds == 1800
+
+
+def test_deleting_a_failed_capture_job_captures_again_with_a_new_deadline(
+    make_spec: SpecFactory, deployment: dict[str, Any]
+) -> None:
+    spec = enabled(make_spec, deadlineSeconds=600)
+    failed = step_for(spec, deployment, job=JobObservation("Failed", "error: oom"))
+    later = T0 + timedelta(hours=2)
+    again = step_for(spec, deployment, before=failed.status, now=later)
+    assert again.create is not None and not again.roll
+    assert again.status.phase == "Capturing" and again.status.since == later

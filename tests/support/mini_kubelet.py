@@ -67,12 +67,32 @@ class MiniKubelet:
         pod = job["spec"]["template"]["spec"]
         container = pod["containers"][0]
         node = _pinned_node(pod)
+        rc, message = await self.run_container(name, pod, container, node)
+        self.ran.append({"name": name, "node": node, "rc": rc, "message": message})
+        await finish_stage_job(
+            self.cluster.client,
+            self.namespace,
+            "",
+            message=message,
+            succeeded=rc == 0,
+            job_name=name,
+            container=container["name"],
+        )
+
+    async def run_container(
+        self, name: str, pod: dict[str, Any], container: dict[str, Any], node: str | None = None
+    ) -> tuple[int, str]:
+        """Runs one container of ``pod`` (a Job's, or an initContainer of a workload's pod
+        template) as a local process; its exit code and last line. ``python3``/``python`` is
+        this interpreter: a vLLM image's Python, with the checkout's modelstage and vLLM."""
         mounts = self._mounts(name, pod, container, node)
         argv = [
             _local(a, mounts) for a in [*container.get("command", []), *container.get("args", [])]
         ]
         if argv and argv[0] == "modelstage":
             argv[0] = str(BIN / "modelstage")
+        elif argv and argv[0] in ("python", "python3"):
+            argv[0] = sys.executable
         env = {**os.environ, "PYTHONSAFEPATH": "1"}
         for item in container.get("env") or []:
             if "value" in item:
@@ -88,17 +108,7 @@ class MiniKubelet:
         lines = [ln for ln in (out.decode() or err.decode()).splitlines() if ln.strip()]
         if proc.returncode != 0:
             lines = [ln for ln in err.decode().splitlines() if ln.startswith("error:")] or lines
-        message = lines[-1] if lines else ""
-        self.ran.append({"name": name, "node": node, "rc": proc.returncode, "message": message})
-        await finish_stage_job(
-            self.cluster.client,
-            self.namespace,
-            "",
-            message=message,
-            succeeded=proc.returncode == 0,
-            job_name=name,
-            container=container["name"],
-        )
+        return int(proc.returncode or 0), lines[-1] if lines else ""
 
     def _mounts(
         self, job: str, pod: dict[str, Any], container: dict[str, Any], node: str | None

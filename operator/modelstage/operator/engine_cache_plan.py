@@ -360,7 +360,8 @@ def plan_engine_cache(
     key = inputs.key(artifact.digest)
     uri = cache_uri(artifact, key)
     same = before is not None and before.key == key and before.digest == artifact.digest
-    since = before.since if same and before is not None and before.since else now
+    retried = job is None and same and before is not None and before.phase != "Capturing"
+    since = before.since if same and before is not None and before.since and not retried else now
     base = EngineCacheStatus(digest=artifact.digest, key=key, uri=uri, phase="Capturing",
                              since=since)  # fmt: skip
     if same and before is not None and before.phase == "Captured" and before.config:
