@@ -239,13 +239,15 @@ def test_copied_plugin_imports_in_a_clean_interpreter_with_only_the_copy(
 
 
 def test_the_capture_command_runs_from_the_copy_in_a_vllm_image(
-    tmp_path: Path, pod_site: Path
+    tied_tp1: Artifact, tmp_path: Path, pod_site: Path
 ) -> None:
-    """``--install-capture`` (the capture Job's initContainer) also copies the stager, so a
-    stock vLLM image runs ``python3 -m modelstage.stager.cli capture-engine-cache`` from the
-    copy alone: here it gets as far as its first check (the artifact is not staged)."""
+    """``prepare --install-capture`` (the capture Job's initContainer) also copies the stager,
+    so a stock vLLM image runs ``python3 -m modelstage.stager.cli capture-engine-cache`` from
+    the copy alone: here it gets as far as its first check (the artifact is not staged)."""
     plugin_dir = tmp_path / "plugins"
-    install_plugin(plugin_dir, CAPTURE_PACKAGES)
+    proc = prepare_cli("--artifact", str(tied_tp1.path), "--digest", tied_tp1.digest, "--tp",
+                       "1", "--plugin-dir", str(plugin_dir), "--install-capture", cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, last_line(proc)
     assert sorted(p.name for p in (plugin_dir / "modelstage").iterdir()) == sorted(
         CAPTURE_PACKAGES
     )
