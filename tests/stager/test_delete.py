@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+from modelstage.core.engine_cache import ENGINE_MANIFEST
 from modelstage.core.errors import ArtifactError, SpecError
 from modelstage.core.manifest import MANIFEST
 from modelstage.stager import cli
@@ -94,3 +95,20 @@ def test_a_named_folder_without_a_manifest_is_refused_and_left_alone(tmp_path: P
     with pytest.raises(SpecError, match="remove such a folder or prefix by hand"):
         delete_artifact(str(folder))
     assert (folder / "weights.bin").exists()
+
+
+def test_an_artifacts_engine_caches_go_with_it_and_no_other(
+    llama_ckpt: Path, tmp_path: Path
+) -> None:
+    """The engine caches beside the artifact (``<digest>.engine-<key>``, a capture's leftover
+    included) are deleted with it; another artifact's stay."""
+    out = _staged(llama_ckpt, tmp_path)
+    ns = tmp_path / "ns"
+    for name in (f"{DIGEST}.engine-{'a' * 20}", f"{DIGEST}.engine-{'b' * 20}.tmp-x1"):
+        (ns / name / "inductor").mkdir(parents=True)
+        (ns / name / "inductor" / "k.so").write_bytes(b"\0" * 10)
+    (ns / f"{DIGEST}.engine-{'a' * 20}" / ENGINE_MANIFEST).write_text("{}")
+    other = ns / f"{'f' * 20}.engine-{'a' * 20}"
+    other.mkdir()
+    delete_artifact(str(out), digest=DIGEST)
+    assert sorted(p.name for p in ns.iterdir()) == [other.name]

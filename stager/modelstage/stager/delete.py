@@ -6,10 +6,11 @@ credentials itself) for artifacts that retention or a ModelDeployment's deletion
 Deleting is idempotent: an artifact already gone is success, and a rerun finishes what a
 killed run left. The manifest goes first (and, locally, the directory is renamed aside
 before the tree is removed), so a reader that races the delete sees "incomplete", never a
-complete artifact with files missing. Only artifacts are touched: a location named by its
-digest (the operator's layout; a manifest there must carry that digest), or any folder or
-prefix holding a manifest (what ``stage --out DIR`` makes), whose digest ``--digest``, when
-given, must match.
+complete artifact with files missing. A local artifact's engine caches (its siblings
+``<digest>.engine-<key>``, ``core/engine_cache.py``) go with it. Only artifacts are touched:
+a location named by its digest (the operator's layout; a manifest there must carry that
+digest), or any folder or prefix holding a manifest (what ``stage --out DIR`` makes), whose
+digest ``--digest``, when given, must match.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from modelstage.core.digest import DIGEST_HEX_CHARS
+from modelstage.core.engine_cache import ENGINE_MANIFEST
 from modelstage.core.errors import ArtifactError, DestinationError, SpecError
 from modelstage.core.location import LocalArtifact, S3Artifact, open_artifact, parse_location
 from modelstage.core.manifest import MANIFEST, read_manifest
@@ -120,6 +122,22 @@ def _remove_tree(out: Path, digest: str) -> int:
         raise ArtifactError(f"{out} is not a directory; not deleted")
     for stale in out.parent.glob(f"{out.name}.tmp-*"):
         removed += remove_leftover(stale)
+    return removed + _remove_engine_caches(out)
+
+
+def _remove_engine_caches(out: Path) -> int:
+    """The artifact's engine caches, its siblings ``<digest>.engine-<key>`` (and what a killed
+    capture left beside them): each one's manifest first, so none looks complete while its
+    files go."""
+    removed = 0
+    for cache in sorted(out.parent.glob(f"{out.name}.engine-*")):
+        manifest = cache / ENGINE_MANIFEST
+        if not cache.is_symlink() and cache.is_dir() and manifest.is_file():
+            manifest.unlink()
+            fsync_dir(cache)
+        removed += remove_leftover(cache)
+    if removed:
+        fsync_dir(out.parent)
     return removed
 
 
