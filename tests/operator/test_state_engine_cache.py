@@ -120,6 +120,7 @@ def test_staged_waits_for_the_capture_then_rolls_with_the_cache(
     d = run(spec, ModelDeploymentStatus(), first, workload=WorkloadObservation(None),
             stage_job=stage_done(a))  # fmt: skip
     assert d.action is Action.CREATE_CAPTURE_JOB and d.status.phase == "Staged"
+    assert d.status.reason == "Capturing"
     assert d.status.artifact is not None and d.status.artifact.digest == a.digest
     assert cond(d, "EngineCached") == ("False", "Capturing")
     assert d.status.engine_cache is not None and d.status.engine_cache.phase == "Capturing"

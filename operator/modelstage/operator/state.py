@@ -495,6 +495,7 @@ WAITING_FOR_COPIES = frozenset({"Copying", "Warming", "CopyFailed", "NoEligibleN
 def headline(conditions: Sequence[Condition]) -> str | None:
     """The one reason ``kubectl get`` shows: ``Degraded``'s when true, else ``Staged``'s until
     the artifact is staged, else ``NodeCached``'s while the roll waits for the copies, else
+    ``EngineCached``'s while a workload not serving yet waits for the capture, else
     ``Ready``'s."""
     by_type = {c.type: c for c in conditions}
     degraded, staged, ready = (by_type.get(t) for t in ("Degraded", "Staged", "Ready"))
@@ -505,6 +506,10 @@ def headline(conditions: Sequence[Condition]) -> str | None:
         return staged.reason
     if cached is not None and cached.reason in WAITING_FOR_COPIES:
         return cached.reason
+    capture = by_type.get("EngineCached")
+    serving = ready is not None and ready.status == "True"
+    if capture is not None and capture.reason == "Capturing" and not serving:
+        return capture.reason
     return ready.reason if ready is not None else None
 
 
