@@ -93,8 +93,8 @@ class Receiver:
         content = node_cache.content_address(body)
         with self._lock:
             complete, record = self._complete(content)
-            granted = (namespace, digest) in store.record_grants(record)
-            if not any(ns == namespace for ns, _ in store.record_grants(record)):
+            granted = _holds(record, namespace)
+            if not granted:
                 self._check_quota(namespace, manifest.bytes + len(canonical))
             offer = self.offers.get(content)
             if offer is None:
@@ -215,6 +215,8 @@ class Receiver:
         with self._lock:
             proven = self.proofs.get((namespace, content), set())
         missing = sorted(set(offer.manifest.files) - proven)
+        if missing and self._complete(content)[0]:
+            missing = [] if _holds(self._complete(content)[1], namespace) else missing
         if missing:
             raise Refused(409, (
                 f"namespace {namespace} has not streamed {len(missing)} file(s) of {content}: "
@@ -278,6 +280,11 @@ def _remove_entry(dir_fd: int, path: Path, name: str) -> None:
         shutil.rmtree(path)
     else:
         os.unlink(name, dir_fd=dir_fd)
+
+
+def _holds(record: dict[str, Any], namespace: str) -> bool:
+    """Whether ``namespace`` proved possession of the record's content before (a grant)."""
+    return any(ns == namespace for ns, _ in store.record_grants(record))
 
 
 def _granted(record: dict[str, Any], grant: dict[str, str], offer: Offer, already: bool) -> None:
