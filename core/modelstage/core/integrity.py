@@ -405,13 +405,14 @@ class _HashRun:
         self.free.append(buf)
 
 
-def open_regular(path: Path | str, *, follow: bool = False) -> int:
+def open_regular(path: Path | str, *, follow: bool = False, dir_fd: int | None = None) -> int:
     """A read-only descriptor of ``path``, refused (``OSError``) unless it is a regular file:
     a FIFO or a device is never waited on (``O_NONBLOCK``), a link is not followed unless
     ``follow`` (a link at the last component fails with ``ELOOP``). What a hostile writer
-    may have put in a directory (the node cache's root) is opened only through this."""
+    may have put in a directory (the node cache's root) is opened only through this;
+    ``dir_fd``: ``path`` is relative to that open directory."""
     flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
-    fd = os.open(path, flags)
+    fd = os.open(path, flags, dir_fd=dir_fd)
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
