@@ -119,7 +119,9 @@ def test_a_stager_image_must_be_one_the_operator_allows(
     (finding,) = findings
     assert (finding.reason, finding.blocks) == ("StagerImageNotAllowed", "staging")
     assert f"spec.stager.image {image!r} is not one of the stager images" in finding.message
-    assert "remove spec.stager.image to use the operator's default " + DEFAULT_IMAGE in finding.message
+    assert (
+        "remove spec.stager.image to use the operator's default " + DEFAULT_IMAGE in finding.message
+    )
 
 
 def test_no_stager_image_in_the_spec_takes_the_operators_default(make_spec: SpecFactory) -> None:
