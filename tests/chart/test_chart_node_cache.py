@@ -296,7 +296,8 @@ def test_the_agent_pods_are_selected_only_by_their_own_objects(
         assert not selects(policy["spec"]["podSelector"]["matchLabels"], agent_labels)
     assert agent_policy["spec"]["policyTypes"] == ["Ingress"]
     assert [r["ports"] for r in agent_policy["spec"]["ingress"]] == [
-        [{"port": "metrics", "protocol": "TCP"}]
+        [{"port": "metrics", "protocol": "TCP"}],
+        [{"port": "copy", "protocol": "TCP"}],  # copy Jobs, from the tenants' namespaces
     ]
     (monitor,) = [m for m in of_kind(docs, "PodMonitor") if m["metadata"]["name"] == AGENT]
     assert selects(monitor["spec"]["selector"]["matchLabels"], agent_labels)
