@@ -380,6 +380,16 @@ KIND_PATHS = {
     "RoleBinding": ("rbac.authorization.k8s.io/v1", "rolebindings", True),
     "ClusterKopfPeering": ("kopf.dev/v1", "clusterkopfpeerings", False),
     "KopfPeering": ("kopf.dev/v1", "kopfpeerings", True),
+    "ValidatingAdmissionPolicy": (
+        "admissionregistration.k8s.io/v1",
+        "validatingadmissionpolicies",
+        False,
+    ),
+    "ValidatingAdmissionPolicyBinding": (
+        "admissionregistration.k8s.io/v1",
+        "validatingadmissionpolicybindings",
+        False,
+    ),
 }
 RBAC_KINDS = ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding")
 
@@ -406,13 +416,24 @@ async def create_all(client: KubeHTTP, docs: list[dict[str, Any]]) -> None:
                 raise
 
 
-async def service_account_token(client: KubeHTTP, namespace: str, name: str) -> str:
-    """A bound token of the ServiceAccount (the TokenRequest API, as the kubelet gets one)."""
-    request = {
-        "apiVersion": "authentication.k8s.io/v1",
-        "kind": "TokenRequest",
-        "spec": {"expirationSeconds": 24 * 3600},
-    }
+async def service_account_token(
+    client: KubeHTTP,
+    namespace: str,
+    name: str,
+    *,
+    bound_pod: tuple[str, str] | None = None,
+    audience: str | None = None,
+) -> str:
+    """A token of the ServiceAccount (the TokenRequest API, as the kubelet gets one); with
+    ``bound_pod`` (name, uid) bound to that pod, so that it carries the pod's node (the
+    node-name claim) and dies with the pod; ``audience`` for a projected token's."""
+    spec: dict[str, Any] = {"expirationSeconds": 24 * 3600}
+    if bound_pod is not None:
+        spec["boundObjectRef"] = {"kind": "Pod", "apiVersion": "v1", "name": bound_pod[0],
+                                  "uid": bound_pod[1]}  # fmt: skip
+    if audience is not None:
+        spec["audiences"] = [audience]
+    request = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": spec}
     path = f"/api/v1/namespaces/{namespace}/serviceaccounts/{name}/token"
     answer = await client.create(path, request)
     token: str = answer["status"]["token"]
