@@ -123,7 +123,7 @@ def check_copy(fd: int, content: str) -> tuple[Manifest | None, int, str]:
         return None, 0, f"no {MANIFEST}"
     if raw != node_cache.canonical_manifest(raw) or node_cache.content_address(raw) != content:
         return None, 0, f"its {MANIFEST} is not the canonical manifest of {content}"
-    manifest = node_cache.parse_copy_manifest(raw, f"{content}/{MANIFEST}")
+    manifest = Manifest.from_json(raw, f"{content}/{MANIFEST}")
     sizes = _regular_sizes(fd)
     sizes.pop(MANIFEST, None)
     for name, entry in sorted(manifest.files.items()):
