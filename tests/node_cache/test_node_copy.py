@@ -8,6 +8,7 @@ past a file's declared size; nothing written outside the root."""
 from __future__ import annotations
 
 import http.client
+import io
 import json
 import os
 import re
@@ -188,8 +189,7 @@ def test_files_verified_before_a_stop_are_not_rewritten(
     offer = receiver.offer("team-a", digest, raw)
     first = str(offer["need"][0])  # type: ignore[index]
     data = (artifact / first).read_bytes()
-    receiver.put_file("team-a", str(offer["content"]), first, len(data),
-                      open(artifact / first, "rb").read)  # fmt: skip
+    receiver.put_file("team-a", str(offer["content"]), first, len(data), io.BytesIO(data).read)
     partial = node_cache.partial_dir(agent.root, str(offer["content"]))
     inode = (partial / first).stat().st_ino
     code, summary = run_cli(capsys, agent, agent.token("a", Token("team-a")), "--artifact",
