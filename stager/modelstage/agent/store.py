@@ -335,6 +335,7 @@ def verify_copy(root: Path, content: str, pace: Pace) -> str:
     """Read every chunk of the copy back and check it against its manifest; "" when all
     match, else the file and chunk that did not (or why the copy could not be read). Holds
     the content's lock shared, so it is not removed meanwhile."""
+    own_dir(root / node_cache.PARTIAL)
     with digest_lock(node_cache.lock_file(root, content), shared=True):
         try:
             with open_dir(node_cache.copy_dir(root, content)) as dir_fd:
