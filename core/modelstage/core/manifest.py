@@ -89,8 +89,9 @@ class Manifest:
     files: dict[str, FileEntry]
     bytes: int
     modelstageVersion: str
-    createdAt: str
-    stageSeconds: float
+    createdAt: str = ""
+    """Absent from a node copy's canonical manifest (``TIMING_FIELDS``), as ``stageSeconds``."""
+    stageSeconds: float = 0.0
     pipelineParallelSize: int = 1
     schemaVersion: int = SCHEMA_VERSION
 
@@ -183,9 +184,9 @@ def _scalars(values: dict[str, Any]) -> dict[str, Any]:
         "modelstageVersion",
         "createdAt",
     ):
-        if not isinstance(values[name], str):
+        if not isinstance(values.setdefault(name, ""), str):
             raise _Invalid(name, "must be a string")
-    seconds = values["stageSeconds"]
+    seconds = values.setdefault("stageSeconds", 0.0)
     if isinstance(seconds, bool) or not isinstance(seconds, int | float):
         raise _Invalid("stageSeconds", "must be a number")
     values["stageSeconds"] = float(seconds)

@@ -22,7 +22,7 @@ from pathlib import Path
 from .digest import DIGEST_HEX_CHARS
 from .errors import ArtifactError
 from .integrity import MAX_CHUNK_BYTES
-from .manifest import MAX_MANIFEST_BYTES, TIMING_FIELDS, Manifest
+from .manifest import MAX_MANIFEST_BYTES, TIMING_FIELDS
 
 __all__ = ["MAX_CHUNK_BYTES"]
 
@@ -107,18 +107,6 @@ def canonical_manifest(manifest_bytes: bytes) -> bytes:
         doc.pop(name, None)
     text = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
     return text.encode()
-
-
-def parse_copy_manifest(canonical: bytes, where: str) -> Manifest:
-    """A copy's manifest (canonical: no timing fields) parsed with every check of an
-    artifact's, its timing fields empty."""
-    try:
-        doc = json.loads(canonical)
-    except (ValueError, RecursionError) as e:
-        raise ArtifactError(f"{where}: invalid manifest: not JSON: {e}") from None
-    if isinstance(doc, dict):
-        doc |= {"createdAt": "", "stageSeconds": 0}
-    return Manifest.from_json(json.dumps(doc), where)
 
 
 def content_address(manifest_bytes: bytes) -> str:

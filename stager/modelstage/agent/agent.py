@@ -333,7 +333,8 @@ class Agent:
             for c in scan.copies
         ]
         receiving = self.receiver.active() if self.receiver is not None else set()
-        partial = [PartialCopy(content=p.content, bytes=p.bytes, copying=p.content in receiving)
+        partial = [PartialCopy(content=p.content, bytes=p.bytes, copying=p.content in receiving
+                               or store.partial_locked(self.root, p.content))
                    for p in scan.partials]  # fmt: skip
         if len(messages) > MAX_MESSAGES:
             messages = [*messages[:MAX_MESSAGES], f"and {len(messages) - MAX_MESSAGES} more"]
@@ -436,6 +437,7 @@ class Agent:
             ]
         body = NodeCacheObject(metadata=metadata).model_dump(mode="json", by_alias=True)
         body.pop("status", None)
+        body["spec"] = {}  # the operator's to write
         return body
 
     def run(self) -> None:

@@ -59,6 +59,8 @@ class Offer:
     written: int = 0
     verified: set[str] = field(default_factory=set)
     """Files of ``.partial/<content>`` received and verified by this agent."""
+    committed: bool = False
+    """Published: its ``verified`` files are in the copy now, not in a partial one."""
 
     @property
     def outstanding(self) -> int:
@@ -91,16 +93,17 @@ class Receiver:
         manifest = parse_offer(body, digest)
         canonical = node_cache.canonical_manifest(body)
         content = node_cache.content_address(body)
+        self.active()  # expired offers give their reservations back first
         with self._lock:
             complete, record = self._complete(content)
             granted = _holds(record, namespace)
             if not granted:
                 self._check_quota(namespace, manifest.bytes + len(canonical))
             offer = self.offers.get(content)
-            if offer is None:
-                need = 0 if complete else self._check_room(content, manifest, canonical)
+            if offer is None or (offer.committed and not complete):  # evicted since: anew
+                reserve = 0 if complete else self._check_room(content, manifest, canonical)
                 now = self.clock()
-                offer = Offer(content, manifest, canonical, need, now, now)
+                offer = Offer(content, manifest, canonical, reserve, now, now)
                 self.offers[content] = offer
             offer.touched = self.clock()
             proven = self.proofs.get((namespace, content), set())
@@ -181,6 +184,8 @@ class Receiver:
         own_dir(self.root / node_cache.PARTIAL)
         with digest_lock(lock, shared=True):
             complete, _ = self._complete(content)
+            if not complete and offer.committed:
+                raise Refused(409, f"{content} was removed since it was offered: offer again")
             if complete or name in offer.verified:
                 check_stream(name, entry.digest, read, None)
             else:
@@ -225,12 +230,15 @@ class Receiver:
         own_dir(self.root / node_cache.PARTIAL)
         with digest_lock(node_cache.lock_file(self.root, content)):
             already, _ = self._complete(content)
+            if not already and offer.committed:
+                raise Refused(409, f"{content} was removed since it was offered: offer again")
             if not already:
                 self._publish(offer)
             grant = {"namespace": namespace, "digest": digest}
             store.update_record(self.root, content, lambda r: _granted(r, grant, offer, already))
         with self._lock:
             offer.reserved = offer.written = 0
+            offer.committed = True
         if self.on_commit is not None:
             self.on_commit()
         with store.open_dir(node_cache.copy_dir(self.root, content)) as fd:

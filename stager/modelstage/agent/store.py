@@ -123,7 +123,7 @@ def check_copy(fd: int, content: str) -> tuple[Manifest | None, int, str]:
         return None, 0, f"no {MANIFEST}"
     if raw != node_cache.canonical_manifest(raw) or node_cache.content_address(raw) != content:
         return None, 0, f"its {MANIFEST} is not the canonical manifest of {content}"
-    manifest = node_cache.parse_copy_manifest(raw, f"{content}/{MANIFEST}")
+    manifest = Manifest.from_json(raw, f"{content}/{MANIFEST}")
     sizes = _regular_sizes(fd)
     sizes.pop(MANIFEST, None)
     for name, entry in sorted(manifest.files.items()):
@@ -335,6 +335,7 @@ def verify_copy(root: Path, content: str, pace: Pace) -> str:
     """Read every chunk of the copy back and check it against its manifest; "" when all
     match, else the file and chunk that did not (or why the copy could not be read). Holds
     the content's lock shared, so it is not removed meanwhile."""
+    own_dir(root / node_cache.PARTIAL)
     with digest_lock(node_cache.lock_file(root, content), shared=True):
         try:
             with open_dir(node_cache.copy_dir(root, content)) as dir_fd:

@@ -25,7 +25,7 @@ from typing import Any
 from modelstage.core.errors import ModelstageError
 from modelstage.core.location import ArtifactLocation, LocalArtifact, S3Artifact
 from modelstage.core.manifest import MANIFEST, Manifest, read_manifest_bytes
-from modelstage.core.node_cache import HIT, MISS, canonical_manifest, parse_copy_manifest
+from modelstage.core.node_cache import HIT, MISS, canonical_manifest
 from modelstage.core.s3_client import S3Client, S3Location
 
 LOG = logging.getLogger("vllm.modelstage")
@@ -85,7 +85,7 @@ def check_node_copy(directory: Path, digest: str, artifact_manifest: bytes | Non
                 f"{directory}/{MANIFEST} is not the artifact's manifest; the node copy is not "
                 "this artifact"
             )
-        manifest = parse_copy_manifest(copied, str(directory / MANIFEST))
+        manifest = Manifest.from_json(copied, str(directory / MANIFEST))
         if manifest.digest != digest:
             return miss(f"{directory}: holds artifact {manifest.digest}, not {digest}")
         problem = _file_problem(directory, manifest)
