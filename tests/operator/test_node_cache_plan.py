@@ -287,6 +287,7 @@ def test_copy_job_is_pinned_to_its_node_and_mounts_the_artifact_read_only(
     }
     assert pod["tolerations"] == [toleration]
     assert pod["automountServiceAccountToken"] is False
+    assert pod["serviceAccountName"] == "default"  # the token's account, named
     assert pod["securityContext"]["runAsNonRoot"] is True
     [container] = pod["containers"]
     assert container["command"] == [

@@ -3,8 +3,10 @@
 - **real**: when ``KUBEBUILDER_ASSETS`` names a folder holding ``kube-apiserver`` and ``etcd``
   (envtest's convention), ``ControlPlane`` starts them on 127.0.0.1 (and
   ``kube-controller-manager`` from the same folder when present, with only the garbage
-  collector and namespace controllers: the tests play the Job and Deployment controllers by
-  patching statuses, so those controllers must not run) and applies the CRDs. The API server
+  collector, namespace and PersistentVolume binder controllers: the tests play the Job and
+  Deployment controllers by patching statuses, so those controllers must not run) and applies
+  the CRDs. Admission as a cluster has it by default (Pod Security, ValidatingAdmissionPolicy),
+  but the ServiceAccount plugin (pods of the tests name accounts that no controller makes). The API server
   serves HTTPS only: the kubeconfig carries a static bearer token (``--token-auth-file``,
   group ``system:masters``) and skips TLS verification of the throw-away serving certificate.
 - **kmock**: otherwise ``tests.support.kube_fake.FakeKubeAPI`` in the test's event loop, over
@@ -280,7 +282,8 @@ class ControlPlane:
                     f"--kubeconfig={self.kubeconfig}",
                     f"--authentication-kubeconfig={self.kubeconfig}",
                     f"--authorization-kubeconfig={self.kubeconfig}",
-                    "--controllers=garbagecollector,namespace",
+                    # The PV binder binds the node-cache claims to their pre-bound PVs.
+                    "--controllers=garbagecollector,namespace,persistentvolume-binder",
                     "--leader-elect=false",
                     "--bind-address=127.0.0.1",
                     f"--secure-port={free_port()}",

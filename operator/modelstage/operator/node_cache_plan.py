@@ -294,6 +294,9 @@ def plan_copy_job(
     container = _container(COPY_CONTAINER, image, command, env, [*mounts, *ca_mount(connection)])
     container["resources"] = {k: dict(v) for k, v in COPY_RESOURCES.items()}
     pod_spec = _pod_spec(container, "1Gi", [*volumes, *ca_volume(connection)], None)
+    # A projected token needs the account named (the ServiceAccount admission plugin names
+    # "default" when it runs; the API server refuses the pod without one when it does not).
+    pod_spec["serviceAccountName"] = spec.stager.service_account_name or "default"
     pod_spec["affinity"] = {
         "nodeAffinity": {
             "requiredDuringSchedulingIgnoredDuringExecution": {
