@@ -63,10 +63,11 @@ def test_a_pv_per_namespace_and_content_pre_bound_to_the_tenants_claim() -> None
 
 def test_a_pv_whose_claim_is_gone_is_released() -> None:
     pv, pvc = plan_volume(OWNER, CONTENT, 1)
-    assert released(pv, None)
+    assert not released(pv, None)  # not bound yet: its claim comes right after it
     pvc["metadata"]["uid"] = "claim-1"
-    pv["spec"]["claimRef"]["uid"] = "claim-1"
+    pv["spec"]["claimRef"]["uid"] = "claim-1"  # bound by the PV controller
     assert not released(pv, pvc)
+    assert released(pv, None)
     assert released(pv, {**pvc, "metadata": {**pvc["metadata"], "uid": "claim-2"}})
     foreign = {**pv, "metadata": {"name": "someone-elses", "labels": {}}}
     assert not released(foreign, None)  # not one of ours: never deleted

@@ -3,7 +3,7 @@
 - **real**: when ``KUBEBUILDER_ASSETS`` names a folder holding ``kube-apiserver`` and ``etcd``
   (envtest's convention), ``ControlPlane`` starts them on 127.0.0.1 (and
   ``kube-controller-manager`` from the same folder when present, with only the garbage
-  collector, namespace and PersistentVolume binder controllers: the tests play the Job and
+  collector, namespace, PersistentVolume binder and protection controllers: the tests play the Job and
   Deployment controllers by patching statuses, so those controllers must not run) and applies
   the CRDs. Admission as a cluster has it by default (Pod Security, ValidatingAdmissionPolicy),
   but the ServiceAccount plugin (pods of the tests name accounts that no controller makes). The API server
@@ -282,8 +282,10 @@ class ControlPlane:
                     f"--kubeconfig={self.kubeconfig}",
                     f"--authentication-kubeconfig={self.kubeconfig}",
                     f"--authorization-kubeconfig={self.kubeconfig}",
-                    # The PV binder binds the node-cache claims to their pre-bound PVs.
-                    "--controllers=garbagecollector,namespace,persistentvolume-binder",
+                    # The PV binder binds the node-cache claims to their pre-bound PVs; the
+                    # protection controllers let a PV and a claim nothing uses be deleted.
+                    "--controllers=garbagecollector,namespace,persistentvolume-binder,"
+                    "pv-protection,pvc-protection",
                     "--leader-elect=false",
                     "--bind-address=127.0.0.1",
                     f"--secure-port={free_port()}",

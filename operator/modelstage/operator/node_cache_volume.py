@@ -96,13 +96,15 @@ def plan_volume(
 
 
 def released(pv: Manifest, claim: Manifest | None) -> bool:
-    """Whether ``pv`` is one of the operator's node-cache PVs whose claim is gone: deleted, or
-    replaced by another object of that name (a different uid than the PV was bound to)."""
+    """Whether ``pv`` is one of the operator's node-cache PVs whose claim is gone: it was bound
+    (the PV controller wrote the claim's uid into ``claimRef``) and that claim is deleted or
+    replaced by another object of its name. A PV not bound yet is not: its claim is created
+    right after it."""
     meta = pv.get("metadata") or {}
     labels = meta.get("labels") or {}
     if any(labels.get(k) != v for k, v in PV_LABELS.items()):
         return False
-    if claim is None:
-        return True
     bound = ((pv.get("spec") or {}).get("claimRef") or {}).get("uid")
-    return bool(bound) and bound != (claim.get("metadata") or {}).get("uid")
+    if not bound:
+        return False
+    return claim is None or bound != (claim.get("metadata") or {}).get("uid")
