@@ -494,6 +494,19 @@ def test_ready_when_every_chosen_node_reports_the_copy() -> None:
     assert step.roll
 
 
+def test_a_copy_another_namespace_proved_is_not_this_namespaces() -> None:
+    """The same content on a node, granted to another tenant only: this namespace's copy
+    is still to be made (its Job streams every byte: proof of possession), and its pods are
+    given no volume of it."""
+    theirs = {n: report(n, DIGEST, namespace="team-b") for n in ("a", "b")}
+    step, create = plan(reports=theirs)
+    assert create == ["a", "b"] and states(step) == {"a": "Pending", "b": "Pending"}
+    assert step.copy is None
+    ours = {n: report(n, DIGEST) for n in ("a", "b")}
+    step, create = plan(reports=ours)
+    assert create == [] and step.copy is not None and step.copy.content == CONTENT
+
+
 def test_one_node_ready_one_copying_still_waits() -> None:
     reports = {"a": report("a", DIGEST), "b": report("b")}
     step, _ = plan(reports=reports, jobs={"b": running("b")})
