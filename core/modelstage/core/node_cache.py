@@ -121,11 +121,6 @@ def content_label(content: str) -> str:
     return LABEL_PREFIX + salted[:20]
 
 
-def node_label(digest: str) -> str:
-    """A label naming a spec digest (read by the operator's older placement preference)."""
-    return LABEL_PREFIX + check_digest(digest)
-
-
 def copy_dir(root: Path, content: str) -> Path:
     """Where the complete copy of ``content`` lives (present only when complete)."""
     return root / check_content(content)
