@@ -95,7 +95,7 @@ def test_a_sparse_artifact_declaring_more_than_the_budget_is_refused_before_any_
     content = node_cache.content_address(raw)
     with pytest.raises(Refused) as no_offer:  # no reservation: no file is taken either
         r.put_file("team-a", content, NAME, 2 << 30, reader(b"\0" * 100))
-    assert no_offer.value.status == 409 and tree_bytes(tmp_path) == 0
+    assert no_offer.value.status == 404 and tree_bytes(tmp_path) == 0
 
 
 def test_reservations_of_copies_in_progress_count_against_the_budget(tmp_path: Path) -> None:
