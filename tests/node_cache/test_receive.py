@@ -95,7 +95,7 @@ def test_a_sparse_artifact_declaring_more_than_the_budget_is_refused_before_any_
     content = node_cache.content_address(raw)
     with pytest.raises(Refused) as no_offer:  # no reservation: no file is taken either
         r.put_file("team-a", content, NAME, 2 << 30, reader(b"\0" * 100))
-    assert no_offer.value.status == 409 and tree_bytes(tmp_path) == 0
+    assert no_offer.value.status == 404 and tree_bytes(tmp_path) == 0
 
 
 def test_reservations_of_copies_in_progress_count_against_the_budget(tmp_path: Path) -> None:
@@ -235,3 +235,17 @@ def test_schema_1_and_inconsistent_manifests_are_refused(tmp_path: Path) -> None
         r.offer("a", D1, json.dumps(doc).encode())
     with pytest.raises(Refused, match="artifact digest is"):
         r.offer("a", D2, copy_manifest(D1, b"abc"))
+
+
+def test_an_offer_declaring_2_gib_chunks_is_refused_before_any_byte(tmp_path: Path) -> None:
+    r = Receiver(tmp_path, "n1", budget=1 << 40)
+    doc = json.loads(copy_manifest(D1, b"x" * 10))
+    doc["files"][NAME] |= {"size": 1 << 31, "chunkBytes": 1 << 31, "chunks": ["0" * 64]}
+    doc["bytes"] = 1 << 31
+    with pytest.raises(Refused) as e:
+        r.offer("a", D1, json.dumps(doc).encode())
+    assert e.value.status == 400 and e.value.message == (
+        "the offered manifest: invalid manifest: files.model.safetensors.chunkBytes: 2147483648 "
+        "is more than 67108864 (64 MiB), the largest chunk a reader holds in memory; restage "
+        "the artifact with this release")  # fmt: skip
+    assert r.offers == {} and tree_bytes(tmp_path) == 0

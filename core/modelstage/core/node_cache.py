@@ -21,10 +21,8 @@ from pathlib import Path
 
 from .digest import DIGEST_HEX_CHARS
 from .errors import ArtifactError
-from .integrity import MAX_CHUNK_BYTES
+from .integrity import MAX_CHUNK_BYTES as MAX_CHUNK_BYTES  # the manifest parser's cap
 from .manifest import MAX_MANIFEST_BYTES, TIMING_FIELDS
-
-__all__ = ["MAX_CHUNK_BYTES"]
 
 DEFAULT_ROOT = "/var/lib/modelstage/node-cache"
 """The node-local root on the host (chart value ``nodeCache.root``; one root per cluster)."""

@@ -29,9 +29,17 @@ def fsync_dir(path: Path) -> None:
 def own_dir(path: Path) -> Path:
     """``path`` as a real directory: created when missing; a link there (which could point
     out of the root) or a file is removed first, never followed."""
-    if path.is_symlink() or (path.exists() and not path.is_dir()):
-        path.unlink()
+    try:
+        found = os.lstat(path).st_mode
+    except FileNotFoundError:
+        found = stat.S_IFDIR
+    if not stat.S_ISDIR(found):
+        # another thread may have replaced it with the directory meanwhile: that is the goal
+        with contextlib.suppress(FileNotFoundError, IsADirectoryError):
+            path.unlink()
     path.mkdir(exist_ok=True)
+    if not stat.S_ISDIR(os.lstat(path).st_mode):
+        raise OSError(errno.ENOTDIR, "not a directory", str(path))
     return path
 
 

@@ -162,7 +162,7 @@ class Receiver:
         with self._lock:
             offer = self.offers.get(content)
             if offer is None or self.clock() - offer.touched >= OFFER_TTL:
-                raise Refused(409, (
+                raise Refused(404, (
                     f"no offer in progress for {content} on node {self.node}: offer the "
                     f"manifest first (offers end {OFFER_TTL:.0f} s after their last request)"
                 ))  # fmt: skip

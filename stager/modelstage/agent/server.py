@@ -32,6 +32,11 @@ FILE = re.compile(r"^/v1/copies/([^/]+)/files/([^/]+)$")
 COMMIT = re.compile(r"^/v1/copies/([^/]+)/commit$")
 SOCKET_TIMEOUT = 120.0
 """Seconds a connection may stay silent mid-request before the agent drops it."""
+DRAIN_BYTES = 64 * 1024 * 1024
+DRAIN_SECONDS = 5.0
+"""After a refusal mid-body, at most this much of the rest of the declared body is read and
+discarded before the connection closes, so the client (still sending) reads the answer
+rather than a reset; never more than the body's declared length."""
 
 
 class CopyServer(ThreadingHTTPServer):
@@ -110,6 +115,21 @@ class CopyHandler(BaseHTTPRequestHandler):
             return receiver.commit(caller.namespace, unquote(found[1]), query.get("digest", ""))
         raise Refused(404, f"no such request: {self.command} {url.path}")
 
+    def _drain(self) -> None:
+        """Part of an unread body read and dropped (``DRAIN_BYTES``, ``DRAIN_SECONDS``)."""
+        if self._left <= 0:
+            return
+        self.connection.settimeout(DRAIN_SECONDS)
+        budget = DRAIN_BYTES
+        try:
+            while budget > 0 and self._left > 0:
+                data = self._read(min(1 << 20, budget))
+                if not data:
+                    break
+                budget -= len(data)
+        except OSError:
+            pass
+
     def _read(self, n: int) -> bytes:
         """At most ``n`` bytes of the body, never past its Content-Length."""
         data = self.rfile.read(min(n, self._left))
@@ -120,6 +140,7 @@ class CopyHandler(BaseHTTPRequestHandler):
         data = json.dumps(body, sort_keys=True).encode()
         if self._left:
             self.close_connection = True
+            self._drain()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
