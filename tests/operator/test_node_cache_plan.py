@@ -1007,3 +1007,38 @@ def test_a_digest_that_was_rolled_back_gets_no_copies(
     world.status = ModelDeploymentStatus()  # the same Job, not rolled back: it is copied
     reconciler._observe_node_cache(world, spec)
     assert world.node_cache is not None
+
+
+class RecordingKube:
+    """Creates succeed and are recorded."""
+
+    def __init__(self) -> None:
+        self.created: list[str] = []
+
+    def create(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        self.created.append(body["metadata"]["name"])
+        return body
+
+
+def test_copy_jobs_take_the_namespaces_stager_slots(
+    spec: ModelDeploymentSpec, deployment: dict[str, Any]
+) -> None:
+    """A copy Job holds a stager slot like a stage Job: with one slot per namespace, the
+    second waits (created on a later reconciliation, once the first one's Job ended)."""
+    from modelstage.operator.reconcile import Reconciler, _World
+    from modelstage.operator.slots import StagerSlots
+
+    a = artifact(spec)
+    kube = RecordingKube()
+    slots = StagerSlots(0, per_namespace=1)
+    reconciler = Reconciler(kube, stager_image="x", post_event=lambda *_: None, slots=slots)  # type: ignore[arg-type]
+    world = _World(body={}, owner=OWNER, status=staged_status(a), now=T0, desired=a)
+    jobs = [
+        plan_copy_job(spec, a, node, owner=OWNER, endpoint="http://10.0.0.1:9103")
+        for node in ("a", "b")
+    ]
+    reconciler._create_copy_jobs(world, jobs, logging.getLogger("test"))
+    assert kube.created == [jobs[0]["metadata"]["name"]]
+    assert slots.finished(("llm", jobs[0]["metadata"]["name"]))  # its Job ended
+    reconciler._create_copy_jobs(world, jobs[1:], logging.getLogger("test"))
+    assert kube.created == [j["metadata"]["name"] for j in jobs]
