@@ -48,10 +48,15 @@ NODE_CACHE = "nodeCache.enabled=true"
 OPT_IN: dict[Triple, str] = {
     ("", "pods/log", "get"): "operator.stagerProgressFromLogs=true",
     **{("", "nodes", verb): NODE_CACHE for verb in ("get", "list", "watch")},
-    **{(node_cache.API_GROUP, node_cache.PLURAL, v): NODE_CACHE for v in ("get", "list", "watch")},
+    **{
+        (node_cache.API_GROUP, node_cache.PLURAL, v): NODE_CACHE
+        for v in ("get", "list", "watch", "patch")
+    },
+    **{("", "persistentvolumes", v): NODE_CACHE for v in ("create", "list", "watch", "delete")},
 }
 """Calls the operator makes only when a chart value turns them on, which also grants them
-(node caching: ModelDeployments with spec.nodeCache need the Nodes and the agents' reports)."""
+(node caching: ModelDeployments with spec.nodeCache need the Nodes, the agents' reports, each
+node's NodeCache spec and the copies' PersistentVolumes)."""
 CONSTANTS = {
     "GROUP": operator_api.GROUP,
     "VERSION": operator_api.VERSION,
@@ -203,7 +208,10 @@ def operator_uses(folder: Path = OPERATOR) -> set[Triple]:
                         {"patch"} if parts[-1] in CHANGE_HANDLERS else set()
                     )
                     uses |= {(group, plural, v) for v in verbs}
-                elif name.startswith(("self.kube.", "kube.")) and parts[-1] in CLIENT_VERBS:
+                elif (
+                    name.startswith(("self.kube.", "kube.", "reconciler.kube."))
+                    and parts[-1] in CLIENT_VERBS
+                ):
                     for group, resource in _paths(node.args[0], scope, module):
                         uses.add((group, resource, CLIENT_VERBS[parts[-1]]))
     return uses
@@ -254,6 +262,8 @@ def test_the_derivation_sees_the_operators_calls() -> None:
     assert ("modelstage.io", "modeldeployments/status", "patch") in uses
     assert ("apps", "statefulsets", "patch") in uses
     assert ("", "pods", "watch") in uses
+    assert ("modelstage.io", "nodecaches", "patch") in uses  # handlers' reconciler.kube
+    assert ("", "persistentvolumes", "delete") in uses
 
 
 def test_rbac_has_no_wildcard_and_is_exactly_what_the_operator_uses(scenario: str) -> None:

@@ -1,13 +1,12 @@
 """``modelstage agent`` as a local process per simulated node (a temp root, a node name)
 against the tests' API server (kmock, or the real one with ``KUBEBUILDER_ASSETS``; there the
 agent holds only its least-privilege RBAC): it reports what the root holds, labels its own
-node and no other, evicts least recently used copies under its budget but never a pinned one,
-warms on request, recovers a partial copy after restarts, and stops on SIGTERM."""
+node (opaque labels) and no other, keeps what its NodeCache's spec names and evicts least
+recently used copies under its budget, warms on request as soon as the spec asks, keeps a
+partial copy across restarts, and stops on SIGTERM."""
 
 from __future__ import annotations
 
-import asyncio
-import json
 import os
 import re
 import signal
@@ -21,15 +20,13 @@ from typing import Any
 import pytest
 from modelstage.agent.locks import digest_lock
 from modelstage.core import node_cache
-from modelstage.core.node_cache import LABEL_PREFIX, node_label
+from modelstage.core.node_cache import content_label
 from modelstage.operator.kube_client import resource_path
-from support.killer import kill_after_writing
-from support.kube_cluster import Cluster, eventually, free_port, new_namespace, write_kubeconfig
-from support.modelstage_objects import SPEC, md_path, model_deployment
-from support.node_agent import AgentProcess, agent_kubeconfig, digest_of, fake_digest, make_copy
+from support.kube_cluster import Cluster, eventually, free_port, write_kubeconfig
+from support.node_agent import AgentProcess, agent_kubeconfig, fake_digest, make_copy
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(300)]
-A, B, C, D, E, F = (fake_digest(i) for i in range(1, 7))
+NS = "ns"
 SIZE = 100_000
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -69,21 +66,22 @@ def metric(text: str, name: str, node: str) -> float:
 
 
 def held(status: dict[str, Any]) -> list[str]:
-    return sorted(a["digest"] for a in status.get("artifacts") or [])
+    return sorted(c["content"] for c in status.get("copies") or [])
 
 
-async def pin(cluster: Cluster, status: dict[str, Any]) -> str:
-    """A ModelDeployment whose status pins (or asks to warm) some digests; its status path."""
-    ns = await new_namespace(cluster, f"t-{uuid.uuid4().hex[:8]}")
-    name = "llama"
-    await cluster.client.create(md_path(ns), model_deployment(name, SPEC))
-    await cluster.client.patch(md_path(ns, name, "status"), {"status": status})
-    return md_path(ns, name, "status")
+def pairs(*seeds: int) -> list[dict[str, str]]:
+    """The (namespace, digest) pairs ``make_copy`` grants the copies of ``seeds``."""
+    return [{"namespace": NS, "digest": fake_digest(i)} for i in seeds]
 
 
-def artifact_status(digest: str) -> dict[str, Any]:
-    return {"digest": digest, "uri": f"pvc://models/artifacts/t/{digest}",
-            "format": "sharded_state", "tensorParallelSize": 1}  # fmt: skip
+async def set_spec(cluster: Cluster, node: str, spec: dict[str, Any]) -> None:
+    """What the operator does: the node's NodeCache spec (the object created when missing)."""
+    if await cluster.client.get(cache_path(node)) is None:
+        body = {"apiVersion": node_cache.API_VERSION, "kind": node_cache.KIND,
+                "metadata": {"name": node}, "spec": spec}  # fmt: skip
+        await cluster.client.create(resource_path(node_cache.API_VERSION, node_cache.PLURAL), body)
+    else:
+        await cluster.client.patch(cache_path(node), {"spec": spec})
 
 
 async def start_agent(
@@ -97,25 +95,31 @@ async def test_reports_held_copies_labels_its_node_and_no_other(
     cluster: Cluster, tmp_path: Path
 ) -> None:
     root = tmp_path / "root"
-    make_copy(root, A, SIZE, last_used=T0)
-    make_copy(root, B, 1000, partial=True)
+    a = make_copy(root, 1, SIZE, last_used=T0)
+    b = make_copy(root, 2, 1000, partial=True)
     (root / "not-ours").write_text("left alone")
-    mine = await new_node(cluster, {"team": "a", node_label(F): "true"})
-    other_labels = {"team": "b", node_label(A): "true", node_label(C): "true"}
+    stale, foreign = content_label("ff" * 16), content_label("cc" * 16)
+    mine = await new_node(cluster, {"team": "a", stale: "true"})
+    other_labels = {"team": "b", content_label(a): "true", foreign: "true"}
     other = await new_node(cluster, other_labels)
     agent = await start_agent(cluster, tmp_path, mine, root, 10 * SIZE,
                               metrics_port=free_port())  # fmt: skip
     try:
         first = await eventually(lambda: report(cluster, mine), what="the NodeCache report")
+        manifest = (node_cache.copy_dir(root, a) / "modelstage.json").stat().st_size
         assert first["node"] == mine and first["root"] == str(root)
-        assert first["budgetBytes"] == 10 * SIZE and first["bytesHeld"] == SIZE + 1000
-        assert held(first) == [A] and first["artifacts"][0]["bytes"] == SIZE
-        assert first["artifacts"][0]["files"] == 1 and first["artifacts"][0]["pinned"] is False
-        assert first["partial"] == [{"digest": B, "bytes": 1000, "copying": False}]
-        assert first["copyBytesPerSecond"] == SIZE / 2.0
+        assert first["budgetBytes"] == 10 * SIZE
+        assert first["bytesHeld"] == SIZE + manifest + 1000 and first["freeBytes"] > 0
+        assert re.fullmatch(r"http://127\.0\.0\.1:\d+", first["endpoint"])
+        assert held(first) == [a] and first["copies"][0]["bytes"] == SIZE + manifest
+        assert first["copies"][0]["files"] == 1 and first["copies"][0]["pinned"] is False
+        assert first["copies"][0]["grants"] == pairs(1)
+        assert first["copies"][0]["label"] == content_label(a)
+        assert first["partial"] == [{"content": b, "bytes": 1000, "copying": False}]
+        assert first["copyBytesPerSecond"] == (SIZE + manifest) / 2.0
 
         async def relabelled() -> bool:
-            return await labels(cluster, mine) == {"team": "a", node_label(A): "true"}
+            return await labels(cluster, mine) == {"team": "a", content_label(a): "true"}
 
         await eventually(relabelled, what="its node labelled with what it holds")
 
@@ -130,30 +134,29 @@ async def test_reports_held_copies_labels_its_node_and_no_other(
         assert owner == [{"apiVersion": "v1", "kind": "Node", "name": mine,
                           "uid": node["metadata"]["uid"]}]  # fmt: skip
         metrics = agent.metrics()
-        assert metric(metrics, "modelstage_node_cache_bytes_held", mine) == SIZE + 1000
+        assert metric(metrics, "modelstage_node_cache_bytes_held", mine) == first["bytesHeld"]
         assert metric(metrics, "modelstage_node_cache_artifacts", mine) == 1
         assert metric(metrics, "modelstage_node_cache_budget_bytes", mine) == 10 * SIZE
-        assert metric(metrics, "modelstage_node_cache_copy_bytes_per_second", mine) == SIZE / 2
         assert (root / "not-ours").read_text() == "left alone"
-        assert node_cache.partial_dir(root, B).is_dir()  # under budget: kept for a resume
+        assert node_cache.partial_dir(root, b).is_dir()  # under budget: kept for a resume
     finally:
         assert await agent.stop() == 0
     assert "Traceback" not in agent.log.read_text()
 
 
-async def test_evicts_least_recently_used_under_the_budget_never_a_pinned_copy(
+async def test_keeps_what_its_spec_names_and_evicts_least_recently_used_under_the_budget(
     cluster: Cluster, tmp_path: Path
 ) -> None:
     root = tmp_path / "root"
-    make_copy(root, A, SIZE, last_used=T0 + timedelta(hours=1))
-    make_copy(root, B, SIZE, last_used=T0 + timedelta(hours=2))
-    make_copy(root, C, SIZE, last_used=T0)  # the oldest: served
-    make_copy(root, D, SIZE)  # never used: the rollback target
-    make_copy(root, E, SIZE)  # never used: being rolled out
-    await pin(cluster, {"artifact": artifact_status(C), "previousArtifact": artifact_status(D),
-                        "desiredDigest": E})  # fmt: skip
-    node = await new_node(cluster, {node_label(A): "true", node_label(B): "true"})
-    agent = await start_agent(cluster, tmp_path, node, root, 4 * SIZE, metrics_port=free_port())
+    a = make_copy(root, 1, SIZE, last_used=T0 + timedelta(hours=1))
+    b = make_copy(root, 2, SIZE, last_used=T0 + timedelta(hours=2))
+    c = make_copy(root, 3, SIZE, last_used=T0)  # the oldest: served
+    d = make_copy(root, 4, SIZE)  # never used: the rollback target
+    e = make_copy(root, 5, SIZE)  # never used: being rolled out
+    node = await new_node(cluster, {content_label(a): "true", content_label(b): "true"})
+    await set_spec(cluster, node, {"keep": pairs(3, 4, 5)})
+    agent = await start_agent(cluster, tmp_path, node, root, 4 * SIZE + 4000,
+                              metrics_port=free_port())  # fmt: skip
     try:
 
         async def evicted_one() -> dict[str, Any] | None:
@@ -161,17 +164,17 @@ async def test_evicts_least_recently_used_under_the_budget_never_a_pinned_copy(
             return status if status.get("evictions") == 1 else None
 
         status = await eventually(evicted_one, what="one eviction")
-        assert held(status) == [B, C, D, E]
-        pinned = {a["digest"]: a["pinned"] for a in status["artifacts"]}
-        assert pinned == {B: False, C: True, D: True, E: True}
-        assert not node_cache.copy_dir(root, A).exists()
-        assert not node_cache.state_file(root, A).exists()
-        last_used = {a["digest"]: a.get("lastUsed") for a in status["artifacts"]}
-        assert datetime.fromisoformat(last_used[C]) > T0  # a pinned copy's use is recorded
+        assert held(status) == sorted([b, c, d, e])
+        pinned = {x["content"]: x["pinned"] for x in status["copies"]}
+        assert pinned == {b: False, c: True, d: True, e: True}
+        assert not node_cache.copy_dir(root, a).exists()
+        assert not node_cache.state_file(root, a).exists()
+        last_used = {x["content"]: x.get("lastUsed") for x in status["copies"]}
+        assert datetime.fromisoformat(last_used[c]) > T0  # a kept copy's use is recorded
         assert metric(agent.metrics(), "modelstage_node_cache_evictions_total", node) == 1
 
         async def unlabelled() -> bool:
-            return node_label(A) not in await labels(cluster, node)
+            return content_label(a) not in await labels(cluster, node)
 
         await eventually(unlabelled, what="the evicted copy's label removed")
     finally:
@@ -181,54 +184,50 @@ async def test_evicts_least_recently_used_under_the_budget_never_a_pinned_copy(
 
         async def all_pinned() -> dict[str, Any] | None:
             status = await report(cluster, node)
-            return status if held(status) == [C, D, E] and status.get("message") else None
+            return status if held(status) == sorted([c, d, e]) and status.get("message") else None
 
-        status = await eventually(all_pinned, what="everything unpinned evicted")
-        assert re.search(r"over budget: 300000 bytes held, budget 1; everything left is pinned",
-                         status["message"])  # fmt: skip
-        for digest in (C, D, E):
-            assert (node_cache.copy_dir(root, digest) / "model.safetensors").stat().st_size == SIZE
+        status = await eventually(all_pinned, what="everything unkept evicted")
+        assert re.search(r"over budget: \d+ bytes held, budget 1; everything left is kept by "
+                         "the NodeCache's spec", status["message"])  # fmt: skip
+        for content in (c, d, e):
+            assert (node_cache.copy_dir(root, content) / "model.safetensors").stat().st_size == SIZE
     finally:
         assert await agent.stop() == 0
 
 
-async def test_warms_a_copy_a_model_deployment_asks_for_as_soon_as_it_asks(
+async def test_warms_a_copy_its_spec_asks_for_as_soon_as_it_asks(
     cluster: Cluster, tmp_path: Path
 ) -> None:
     """The request arrives long before the next pass is due (an hour): the agent's watch of
-    ModelDeployments starts one at once. SIGTERM ends the hour's wait too."""
+    its NodeCache starts one at once. SIGTERM ends the hour's wait too."""
     root = tmp_path / "root"
-    make_copy(root, A, SIZE)
-    make_copy(root, B, SIZE)
+    a = make_copy(root, 1, SIZE)
+    b = make_copy(root, 2, SIZE)
     node = await new_node(cluster, {})
     agent = await start_agent(cluster, tmp_path, node, root, 10 * SIZE, metrics_port=free_port(),
                               interval=3600)  # fmt: skip
     try:
         first = await eventually(lambda: report(cluster, node), what="the first report")
-        assert not any(a["warm"] for a in first["artifacts"])
-        asking = await pin(cluster, {"artifact": artifact_status(A), "nodeCache": {
-            "digest": A, "phase": "Warming", "wanted": 1, "ready": 1,
-            "nodes": [{"name": node, "state": "Ready"}]}})  # fmt: skip
-        await pin(cluster, {"artifact": artifact_status(B), "nodeCache": {
-            "digest": B, "phase": "Warming", "nodes": [{"name": "elsewhere", "state": "Ready"}]}})  # fmt: skip
+        assert not any(x["warm"] for x in first["copies"])
+        await set_spec(cluster, node, {"warm": pairs(1)})
 
         async def warm() -> dict[str, Any] | None:
             status = await report(cluster, node)
-            return status if any(a.get("warm") for a in status.get("artifacts") or []) else None
+            return status if any(x.get("warm") for x in status.get("copies") or []) else None
 
         status = await eventually(warm, what="the copy warmed")
-        by_digest = {a["digest"]: a for a in status["artifacts"]}
-        assert by_digest[A]["warm"] is True and by_digest[A]["warmedAt"]
-        assert by_digest[B]["warm"] is False and "warmedAt" not in by_digest[B]
+        by_content = {x["content"]: x for x in status["copies"]}
+        assert by_content[a]["warm"] is True and by_content[a]["warmedAt"]
+        assert by_content[b]["warm"] is False and "warmedAt" not in by_content[b]
         assert metric(agent.metrics(), "modelstage_node_cache_warm_seconds_count", node) == 1
 
         async def cold() -> bool:
-            return not any(a["warm"] for a in (await report(cluster, node))["artifacts"])
+            return not any(x["warm"] for x in (await report(cluster, node))["copies"])
 
-        # The roll went on (Ready): the request ended; a later one reads the copy again.
-        await cluster.client.patch(asking, {"status": {"nodeCache": {"phase": "Ready"}}})
+        # The roll went on: the request ended; a later one reads the copy again.
+        await set_spec(cluster, node, {"warm": []})
         await eventually(cold, what="the ended request forgotten")
-        await cluster.client.patch(asking, {"status": {"nodeCache": {"phase": "Warming"}}})
+        await set_spec(cluster, node, {"warm": pairs(1)})
         await eventually(warm, what="the copy warmed again")
         assert metric(agent.metrics(), "modelstage_node_cache_warm_seconds_count", node) == 2
     finally:
@@ -239,78 +238,49 @@ async def test_a_copy_being_written_is_reported_and_never_removed(
     cluster: Cluster, tmp_path: Path
 ) -> None:
     root = tmp_path / "root"
-    make_copy(root, A, SIZE, partial=True)
-    make_copy(root, B, SIZE, partial=True)
+    a = make_copy(root, 1, SIZE, partial=True)
+    b = make_copy(root, 2, SIZE, partial=True)
     node = await new_node(cluster, {})
-    with digest_lock(node_cache.lock_file(root, A)):  # a copier at work on A
+    await set_spec(cluster, node, {})
+    with digest_lock(node_cache.lock_file(root, a)):  # a file of ``a`` being received
         agent = await start_agent(cluster, tmp_path, node, root, 1)
         try:
 
             async def dropped() -> dict[str, Any] | None:
                 status = await report(cluster, node)
-                return status if [p["digest"] for p in status.get("partial", [])] == [A] else None
+                return status if [p["content"] for p in status.get("partial", [])] == [a] else None
 
             status = await eventually(dropped, what="the abandoned partial removed")
-            assert status["partial"] == [{"digest": A, "bytes": SIZE, "copying": True}]
-            assert A in status["message"] and "over budget" in status["message"]
-            assert node_cache.partial_dir(root, A).is_dir()
-            assert not node_cache.partial_dir(root, B).exists()
+            assert status["partial"] == [{"content": a, "bytes": SIZE, "copying": True}]
+            assert a in status["message"] and "over budget" in status["message"]
+            assert node_cache.partial_dir(root, a).is_dir()
+            assert not node_cache.partial_dir(root, b).exists()
         finally:
             assert await agent.stop() == 0
 
 
-async def test_recovers_a_partial_copy_after_restarts(
-    cluster: Cluster, tmp_path: Path, artifact: Path
-) -> None:
-    """The copier is killed mid-copy and the agent restarted (SIGKILL): the partial copy is
-    reported and kept, a retried copy resumes it, and the agent reports and labels the copy."""
-    root, digest = tmp_path / "root", digest_of(artifact)
-    total = sum(p.stat().st_size for p in artifact.iterdir())
-    env = {**os.environ, "PYTHONSAFEPATH": "1"}
-    copy = [sys.executable, "-m", "modelstage.stager.cli", "node-copy", "--artifact",
-            str(artifact), "--digest", digest, "--root", str(root)]  # fmt: skip
-    for attempt in range(5):
-        kill = kill_after_writing(copy, total // 2, env=env, log=tmp_path / f"copy{attempt}.log")
-        if kill.written >= 0:
-            break
-        node_cache.copy_dir(root, digest).rename(tmp_path / f"done{attempt}")
-    else:
-        pytest.fail("the copy finished before every kill point")
+async def test_keeps_a_partial_copy_across_restarts(cluster: Cluster, tmp_path: Path) -> None:
+    """The agent is killed (SIGKILL) while a copy is half received: restarted, it reports the
+    partial copy and keeps it under the budget, for the next copy Job to resume."""
+    root = tmp_path / "root"
+    partial = make_copy(root, 1, SIZE, partial=True)
     node = await new_node(cluster, {})
-    agent = await start_agent(cluster, tmp_path, node, root, 10 * total)
+    await set_spec(cluster, node, {})
+    agent = await start_agent(cluster, tmp_path, node, root, 10 * SIZE)
     try:
-
-        async def partial() -> dict[str, Any] | None:
-            status = await report(cluster, node)
-            return status if status.get("partial") else None
-
-        status = await eventually(partial, what="the partial copy reported")
-        assert status["partial"][0]["digest"] == digest and status["partial"][0]["copying"] is False
-        assert held(status) == []
+        first = await eventually(lambda: report(cluster, node), what="the first report")
     finally:
         assert await agent.stop(signal.SIGKILL) == -signal.SIGKILL
-    agent = await start_agent(cluster, tmp_path, node, root, 10 * total)
+    agent = await start_agent(cluster, tmp_path, node, root, 10 * SIZE)
     try:
-        done = await asyncio.to_thread(
-            subprocess.run, copy, env=env, capture_output=True, text=True, timeout=120, cwd="/"
-        )
-        assert done.returncode == 0, done.stderr
-        assert json.loads(done.stdout)["resumedFiles"] >= 1
 
-        async def complete() -> dict[str, Any] | None:
+        async def reported() -> dict[str, Any] | None:
             status = await report(cluster, node)
-            return status if held(status) == [digest] and not status.get("partial") else None
+            return status if status.get("heartbeat") != first["heartbeat"] else None
 
-        status = await eventually(complete, what="the resumed copy reported")
-        assert status["artifacts"][0]["bytes"] == json.loads(
-            (artifact / "modelstage.json").read_text())["bytes"]  # fmt: skip
-
-        async def labelled() -> bool:
-            return (await labels(cluster, node)).get(node_label(digest)) == "true"
-
-        await eventually(labelled, what="the node labelled")
-        assert all(not k.startswith(LABEL_PREFIX) or k == node_label(digest)
-                   for k in await labels(cluster, node))  # fmt: skip
+        status = await eventually(reported, what="the partial copy reported")
+        assert status["partial"] == [{"content": partial, "bytes": SIZE, "copying": False}]
+        assert held(status) == [] and node_cache.partial_dir(root, partial).is_dir()
     finally:
         assert await agent.stop() == 0
 
@@ -319,7 +289,7 @@ async def test_a_root_it_cannot_read_is_reported_and_a_bad_one_refused(
     cluster: Cluster, tmp_path: Path
 ) -> None:
     root = tmp_path / "root"
-    make_copy(root, A, SIZE)
+    a = make_copy(root, 1, SIZE)
     node = await new_node(cluster, {})
     agent = await start_agent(cluster, tmp_path, node, root, 10 * SIZE)
     try:
@@ -335,7 +305,7 @@ async def test_a_root_it_cannot_read_is_reported_and_a_bad_one_refused(
         (tmp_path / "away").rename(root)
 
         async def back() -> bool:
-            return held(await report(cluster, node)) == [A]
+            return held(await report(cluster, node)) == [a]
 
         await eventually(back, what="the root read again")
     finally:
@@ -350,20 +320,20 @@ async def test_a_root_it_cannot_read_is_reported_and_a_bad_one_refused(
     assert refused.stderr.strip().splitlines()[-1].startswith(f"error: --root {tmp_path}/file/root")
 
 
-async def test_evicts_nothing_while_it_cannot_know_what_is_in_use(tmp_path: Path) -> None:
-    """No API server to list the ModelDeployments from: over budget, yet every copy stays."""
+async def test_evicts_nothing_while_it_cannot_know_what_is_kept(tmp_path: Path) -> None:
+    """No API server to read the NodeCache's spec from: over budget, yet every copy stays."""
     root = tmp_path / "root"
-    make_copy(root, A, SIZE)
-    make_copy(root, B, SIZE, partial=True)
+    a = make_copy(root, 1, SIZE)
+    b = make_copy(root, 2, SIZE, partial=True)
     kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", f"http://127.0.0.1:{free_port()}")
     agent = AgentProcess("n1", root, 1, kubeconfig, tmp_path / "agent.log").start()
     try:
 
         async def passes() -> bool:
-            return agent.log.read_text().count("cannot list ModelDeployments") >= 2
+            return agent.log.read_text().count("cannot read NodeCache n1") >= 2
 
         await eventually(passes, what="two passes without the API server")
     finally:
         assert await agent.stop() == 0
-    assert (node_cache.copy_dir(root, A) / "modelstage.json").exists()
-    assert node_cache.partial_dir(root, B).is_dir()
+    assert (node_cache.copy_dir(root, a) / "modelstage.json").exists()
+    assert node_cache.partial_dir(root, b).is_dir()

@@ -16,6 +16,9 @@ from modelstage.stager.cli import main
         (["--budget", "1Gi", "--interval", "0"], "error: --interval 0.0: must be a positive"),
         (["--budget", "1Gi", "--kubeconfig", "/nonexistent/kubeconfig"],
          "error: no Kubernetes credentials: "),
+        (["--budget", "1Gi", "--verify-rate", "fast"], "error: --verify-rate 'fast': expected"),
+        (["--budget", "1Gi", "--namespace-quota", "-1"],
+         "error: --namespace-quota '-1': expected a number of bytes"),
     ],
 )  # fmt: skip
 def test_refusals(

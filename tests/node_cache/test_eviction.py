@@ -1,79 +1,32 @@
-"""The agent's pure decisions: what is pinned, what to warm, what to evict under the budget
-(least recently used first, never pinned, never a copy being written), and the label patch
-of its own node (only the cache's labels)."""
+"""The agent's pure decisions: what to evict under the budget (least recently used first,
+never a pinned copy or one being written, none that could have stayed), which copies a
+NodeCache's (namespace, digest) pairs name, and the label patch of its own node (only the
+cache's opaque labels)."""
 
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
-from typing import Any
 
-import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from modelstage.agent.agent import label_patch
-from modelstage.agent.eviction import (
-    HeldCopy,
-    PartialCopy,
-    pinned_digests,
-    pins_of,
-    plan_eviction,
-    warm_requests,
-)
-from modelstage.core.node_cache import LABEL_PREFIX, node_label
+from modelstage.agent.agent import contents_for, label_patch
+from modelstage.agent.eviction import HeldCopy, PartialCopy, plan_eviction
+from modelstage.agent.store import Copy
+from modelstage.core.node_cache import LABEL_PREFIX, content_label
+from modelstage.operator.node_cache_api import Grant
 from support.node_agent import fake_digest
 
-A, B, C, D, E, F = (fake_digest(i) for i in range(1, 7))
+
+def content(i: int) -> str:
+    return f"{i:02x}" * 16
+
+
+A, B, C, D, E, F = (content(i) for i in range(1, 7))
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
 
 def at(minutes: int) -> datetime:
     return T0 + timedelta(minutes=minutes)
-
-
-def md(status: dict[str, Any], spec: dict[str, Any] | None = None) -> dict[str, Any]:
-    return {"metadata": {"name": "m", "namespace": "n"}, "spec": spec or {}, "status": status}
-
-
-@pytest.mark.parametrize(
-    "status",
-    [
-        {"artifact": {"digest": A}},
-        {"previousArtifact": {"digest": A}},
-        {"desiredDigest": A},
-        {"nodeCache": {"digest": A, "phase": "Copying"}},
-        {"artifacts": [{"digest": A}]},
-    ],
-    ids=["served", "previous", "desired", "node-cache", "history"],
-)
-def test_each_kind_of_use_pins(status: dict[str, Any]) -> None:
-    assert pins_of(md(status)) == {A}
-
-
-def test_history_pins_only_the_kept_ones() -> None:
-    history = [{"digest": d} for d in (A, B, C, D)]
-    assert pins_of(md({"artifacts": history})) == {A, B}  # retention.keep defaults to 2
-    assert pins_of(md({"artifacts": history}, {"retention": {"keep": 3}})) == {A, B, C}
-
-
-def test_pins_ignore_what_is_not_a_digest() -> None:
-    bodies = [
-        md({"artifact": {"digest": "../etc"}, "desiredDigest": 7, "artifacts": "x"}),
-        md({"artifact": None, "nodeCache": []}),
-        {"metadata": {}},
-        md({"previousArtifact": {"digest": B}}),
-    ]
-    assert pinned_digests(bodies) == frozenset({B})
-
-
-def test_warm_requests_are_this_nodes_warming_digests() -> None:
-    def warming(digest: str, phase: str, *nodes: str) -> dict[str, Any]:
-        cache = {"digest": digest, "phase": phase, "nodes": [{"name": n} for n in nodes]}
-        return md({"nodeCache": cache})
-
-    bodies = [warming(A, "Warming", "n1", "n2"), warming(B, "Warming", "n2"),
-              warming(C, "Ready", "n1"), warming("bad", "Warming", "n1")]  # fmt: skip
-    assert warm_requests(bodies, "n1") == frozenset({A})
-    assert warm_requests(bodies, "n2") == frozenset({A, B})
 
 
 def test_under_budget_nothing_goes() -> None:
@@ -114,24 +67,47 @@ def test_a_pinned_partial_goes_after_every_unpinned_copy() -> None:
     assert plan.evict == (A,) and plan.drop_partials == ()
 
 
+def test_a_small_copy_evicted_on_the_way_stays_when_it_fits_again() -> None:
+    """The oldest copy is small: evicting it was not enough, the next one was; with that one
+    gone the small one fits again, so it stays."""
+    plan = plan_eviction([HeldCopy(A, 1, at(0)), HeldCopy(B, 100, at(1))], [], 10)
+    assert plan.evict == (B,) and plan.bytes_after == 1
+
+
 def test_label_patch_touches_only_the_cache_labels() -> None:
-    current = {"kubernetes.io/hostname": "n1", "team": "a", node_label(A): "true",
-               node_label(B): "true", LABEL_PREFIX + "junk": "x"}  # fmt: skip
+    current = {"kubernetes.io/hostname": "n1", "team": "a", content_label(A): "true",
+               content_label(B): "true", LABEL_PREFIX + "junk": "x"}  # fmt: skip
     patch = label_patch(current, [B, C])
-    assert patch == {node_label(C): "true", node_label(A): None, LABEL_PREFIX + "junk": None}
-    assert label_patch({node_label(A): "true"}, [A]) == {}
+    assert patch == {content_label(C): "true", content_label(A): None, LABEL_PREFIX + "junk": None}
+    assert label_patch({content_label(A): "true"}, [A]) == {}
+
+
+def test_labels_name_no_digest_nor_content() -> None:
+    label = content_label(A)
+    assert label.startswith(LABEL_PREFIX) and A not in label and A[:20] not in label
+    assert len(label.removeprefix(LABEL_PREFIX)) == 20 and content_label(B) != label
+
+
+def test_the_spec_pairs_name_the_copies_granted_to_them() -> None:
+    copies = [Copy(A, 1, 1, {"grants": [{"namespace": "a", "digest": fake_digest(1)}]}),
+              Copy(B, 1, 1, {"grants": [{"namespace": "b", "digest": fake_digest(1)},
+                                        {"namespace": "a", "digest": fake_digest(2)}]}),
+              Copy(C, 1, 1, {"grants": "junk"})]  # fmt: skip
+    assert contents_for([Grant(namespace="a", digest=fake_digest(1))], copies) == {A}
+    assert contents_for([Grant(namespace="a", digest=fake_digest(2))], copies) == {B}
+    assert contents_for([Grant(namespace="c", digest=fake_digest(1))], copies) == frozenset()
 
 
 copies = st.lists(
-    st.builds(HeldCopy, digest=st.sampled_from([fake_digest(i) for i in range(40)]),
+    st.builds(HeldCopy, content=st.sampled_from([content(i) for i in range(40)]),
               bytes=st.integers(0, 100), last_used=st.none() | st.integers(0, 50).map(at),
               pinned=st.booleans()),
-    max_size=12, unique_by=lambda c: c.digest,
+    max_size=12, unique_by=lambda c: c.content,
 )  # fmt: skip
 partial_copies = st.lists(
-    st.builds(PartialCopy, digest=st.sampled_from([fake_digest(i) for i in range(40, 60)]),
+    st.builds(PartialCopy, content=st.sampled_from([content(i) for i in range(40, 60)]),
               bytes=st.integers(0, 100), locked=st.booleans(), pinned=st.booleans()),
-    max_size=5, unique_by=lambda p: p.digest,
+    max_size=5, unique_by=lambda p: p.content,
 )  # fmt: skip
 
 
@@ -140,20 +116,28 @@ def test_eviction_properties(
     held: list[HeldCopy], partials: list[PartialCopy], budget: int
 ) -> None:
     plan = plan_eviction(held, partials, budget)
-    by_digest = {c.digest: c for c in held}
-    by_partial = {p.digest: p for p in partials}
-    assert not any(by_digest[d].pinned for d in plan.evict)  # never a pinned copy
+    by_content = {c.content: c for c in held}
+    by_partial = {p.content: p for p in partials}
+    assert not any(by_content[d].pinned for d in plan.evict)  # never a pinned copy
     assert not any(by_partial[d].locked for d in plan.drop_partials)  # never one being written
-    left = [c for c in held if c.digest not in plan.evict]
-    left_partials = [p for p in partials if p.digest not in plan.drop_partials]
+    left = [c for c in held if c.content not in plan.evict]
+    left_partials = [p for p in partials if p.content not in plan.drop_partials]
     assert plan.bytes_after == sum(c.bytes for c in left) + sum(p.bytes for p in left_partials)
     assert (plan.bytes_after > budget) == bool(plan.message)
     if plan.message:  # over budget only when nothing more could go
         assert all(c.pinned for c in left) and all(p.locked for p in left_partials)
+    removed = [by_content[d].bytes for d in plan.evict]
+    removed += [by_partial[d].bytes for d in plan.drop_partials]
+    for size in removed:  # minimal: keeping any one of them leaves the root over budget
+        assert plan.bytes_after + size > budget
     oldest = datetime.min.replace(tzinfo=UTC)
-    evicted = [by_digest[d] for d in plan.evict]
-    for kept in (c for c in left if not c.pinned):  # least recently used first
-        assert all((e.last_used or oldest) <= (kept.last_used or oldest) for e in evicted)
+    evicted = [by_content[d] for d in plan.evict]
+    assert [e.last_used or oldest for e in evicted] == sorted(e.last_used or oldest
+                                                               for e in evicted)  # fmt: skip
+    for kept in (c for c in left if not c.pinned):  # least recently used first: an older copy
+        for e in evicted:  # kept over a newer one only because evicting it instead fell short
+            if (kept.last_used or oldest) < (e.last_used or oldest):
+                assert plan.bytes_after + e.bytes - kept.bytes > budget
     total = sum(c.bytes for c in held) + sum(p.bytes for p in partials)
     if total <= budget:
         assert plan.evict == () and plan.drop_partials == ()

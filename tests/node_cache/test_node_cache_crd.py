@@ -13,7 +13,13 @@ import kubernetes_validate
 import pytest
 import yaml
 from modelstage.operator import crd
-from modelstage.operator.node_cache_api import HeldArtifact, NodeCacheReport, PartialCopy
+from modelstage.operator.node_cache_api import (
+    Grant,
+    HeldCopy,
+    NodeCacheReport,
+    NodeCacheSpec,
+    PartialCopy,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD_FILE = ROOT / "crds" / "modelstage.io_nodecaches.yaml"
@@ -45,7 +51,7 @@ def test_cluster_scoped_with_status_and_printer_columns(document: dict[str, Any]
     version = spec["versions"][0]
     assert version["subresources"] == {"status": {}}
     columns = [c["name"] for c in version["additionalPrinterColumns"] if not c.get("priority")]
-    assert columns == ["Held", "Budget", "Artifacts", "Heartbeat"]
+    assert columns == ["Held", "Free", "Budget", "Copies", "Heartbeat"]
     status = version["schema"]["openAPIV3Schema"]["properties"]["status"]
     for column in version["additionalPrinterColumns"]:
         field = column["jsonPath"].removeprefix(".status.").split("[")[0].split(".")[0]
@@ -65,18 +71,28 @@ def test_schema_is_structural(document: dict[str, Any]) -> None:
     walk(document["spec"]["versions"][0]["schema"], "schema")
 
 
-def test_the_agents_report_validates(document: dict[str, Any]) -> None:
+def test_the_agents_report_and_the_operators_spec_validate(document: dict[str, Any]) -> None:
     now = datetime.now(UTC)
+    grant = Grant(namespace="team-a", digest="ab" * 10)
     report = NodeCacheReport(
         node="n1", root="/var/lib/modelstage/node-cache", budget_bytes=10, bytes_held=5,
-        heartbeat=now, artifacts=[HeldArtifact(digest="ab" * 10, bytes=4, files=2, copied_at=now,
-        copy_seconds=1.5, last_used=now, pinned=True, warm=True, warmed_at=now)],
-        partial=[PartialCopy(digest="cd" * 10, bytes=1, copying=True)], evictions=1,
-        copy_bytes_per_second=2.5, message="over budget",
+        free_bytes=7, endpoint="http://10.0.0.7:9103", heartbeat=now,
+        copies=[HeldCopy(content="ef" * 16, label="cache.modelstage.io/" + "0" * 20, bytes=4,
+                         files=2, copied_at=now, copy_seconds=1.5, last_used=now,
+                         last_verified=now, pinned=True, warm=True, warmed_at=now,
+                         grants=[grant])],
+        partial=[PartialCopy(content="cd" * 16, bytes=1, copying=True)], evictions=1,
+        verify_failures=2, copy_bytes_per_second=2.5, message="over budget",
     )  # fmt: skip
+    spec = NodeCacheSpec(keep=[grant], warm=[grant])
     body = {"apiVersion": "modelstage.io/v1alpha1", "kind": "NodeCache",
             "metadata": {"name": "n1"},
+            "spec": spec.model_dump(mode="json", by_alias=True, exclude_none=True),
             "status": report.model_dump(mode="json", by_alias=True, exclude_none=True)}  # fmt: skip
     schema = document["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     jsonschema.Draft7Validator(schema).validate(body)
     assert NodeCacheReport.model_validate(body["status"]) == report
+    assert NodeCacheSpec.model_validate(body["spec"]) == spec
+    status = body["status"]
+    assert set(status["copies"][0]) >= {"content", "label", "bytes", "lastVerified", "grants"}
+    assert {"freeBytes", "endpoint", "verifyFailures", "bytesHeld"} <= set(status)

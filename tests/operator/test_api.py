@@ -52,8 +52,13 @@ RULE_VIOLATIONS: list[tuple[dict[str, Any], str]] = [
     ({"model": {"uri": "pvc://claim/../../../etc"}}, "model.uri must not contain '..'"),
     ({"model": {"uri": "hf://acme/.."}}, "model.uri must not contain '..'"),
     (
-        {"storage": {"pvc": None, "s3": {"uri": "s3://bkt/p", "endpoint": "http://admin:pw@s3:9"}},
-         "loadFormat": "tensorizer"},
+        {
+            "storage": {
+                "pvc": None,
+                "s3": {"uri": "s3://bkt/p", "endpoint": "http://admin:pw@s3:9"},
+            },
+            "loadFormat": "tensorizer",
+        },
         "must not carry credentials",
     ),
     (

@@ -226,11 +226,18 @@ CROSS_FIELD_CASES: list[dict[str, Any]] = [
     {"model": {"uri": "pvc://claim/ckpt..v2/x"}},
     {"model": {"uri": "hf://acme/.."}},
     {"model": {"uri": "s3://bkt/a/../b", "revision": None}},
-    {"storage": {"s3": {"uri": "s3://bkt/p", "endpoint": "http://admin:secret@s3:9000"}, "pvc": None},
-     "loadFormat": "tensorizer"},
+    {
+        "storage": {
+            "s3": {"uri": "s3://bkt/p", "endpoint": "http://admin:secret@s3:9000"},
+            "pvc": None,
+        },
+        "loadFormat": "tensorizer",
+    },
     {"model": {"uri": "s3://bkt/c", "revision": None, "s3": {"endpoint": "https://key@s3.local"}}},
-    {"storage": {"s3": {"uri": "s3://bkt/p", "endpoint": "http://s3:9000/path"}, "pvc": None},
-     "loadFormat": "tensorizer"},
+    {
+        "storage": {"s3": {"uri": "s3://bkt/p", "endpoint": "http://s3:9000/path"}, "pvc": None},
+        "loadFormat": "tensorizer",
+    },
     {
         "model": {"uri": "s3://bkt/c", "credentialsSecret": None, "s3": {"region": "x"}},
         "loadFormat": "tensorizer",

@@ -147,7 +147,9 @@ def test_a_write_conflict_is_retried_after_the_conflict_delay() -> None:
 FAST = OperatorConfig(conflict_delay=0.0)
 
 
-def test_a_reconciliation_woken_by_an_event_rereads_after_conflicts_then_leaves_it_to_the_timer() -> None:
+def test_a_reconciliation_woken_by_an_event_rereads_after_conflicts_then_leaves_it_to_the_timer() -> (
+    None
+):
     """kopf does not retry event handlers: conflicts are re-read in rounds, never dropped at
     the first; an object that keeps conflicting is left to the next resync."""
     reconciler = Reconciler(conflicts={"m"})
@@ -167,7 +169,9 @@ def job(digest: str, state: str = "Running", owners: list[Any] = OWNED) -> dict[
             "status": {"conditions": conditions}}  # fmt: skip
 
 
-def stage_job_event(reconciler: Reconciler, name: str, body: dict[str, Any], type_: str = "MODIFIED") -> None:
+def stage_job_event(
+    reconciler: Reconciler, name: str, body: dict[str, Any], type_: str = "MODIFIED"
+) -> None:
     handlers.stage_job_event(
         type=type_, body=body, namespace=NS, name=name, labels=body["metadata"]["labels"],
         memo=Memo(reconciler), logger=LOG, modeldeployment_refs=index(),

@@ -407,7 +407,9 @@ def test_spec_values_that_look_like_flags_reach_the_stager_as_values(
     )  # fmt: skip
     args = build_parser().parse_args(container(plan(spec))["command"][1:])
     assert (args.revision, args.s3_region, args.allow_pickle) == (
-        "--allow-pickle", "--allow-pickle", False
+        "--allow-pickle",
+        "--allow-pickle",
+        False,
     )
 
 
@@ -439,8 +441,11 @@ def test_a_service_account_lends_its_cloud_identity_never_an_api_token(
     "source",
     [
         {"model": {"uri": "hf://meta-llama/Meta-Llama-3-8B-Instruct", "revision": "main"}},
-        {"model": {"uri": "s3://ckpts/llama/", "credentialsSecret": None},
-         "storage": {"pvc": None, "s3": {"uri": "s3://bkt/p"}}, "loadFormat": "tensorizer"},
+        {
+            "model": {"uri": "s3://ckpts/llama/", "credentialsSecret": None},
+            "storage": {"pvc": None, "s3": {"uri": "s3://bkt/p"}},
+            "loadFormat": "tensorizer",
+        },
         {"model": {"uri": "pvc://checkpoints/llama", "credentialsSecret": None}},
     ],
     ids=["hf", "s3", "pvc"],

@@ -66,7 +66,9 @@ def step(
     return plan_source(spec, recorded, owner="llama", now=now, interval=interval, job=job)
 
 
-def resolved_status(spec: ModelDeploymentSpec, commit: str, at: datetime = T0) -> ModelDeploymentStatus:
+def resolved_status(
+    spec: ModelDeploymentSpec, commit: str, at: datetime = T0
+) -> ModelDeploymentStatus:
     done = step(spec, job=JobObservation("Succeeded", resolution(commit)), now=at)
     assert done.state == "resolved" and done.source is not None
     return ModelDeploymentStatus(source=done.source)
@@ -141,7 +143,9 @@ def test_only_a_resolved_identity_is_taken_from_a_termination_message(message: s
 # --- decide with the resolution step ---------------------------------------------------------
 
 
-def observed(workload: WorkloadObservation | None = None, job: JobObservation | None = None) -> Observed:
+def observed(
+    workload: WorkloadObservation | None = None, job: JobObservation | None = None
+) -> Observed:
     return Observed(generation=1, now=T0, job=job, workload=workload)
 
 
@@ -155,7 +159,9 @@ def test_decide_creates_the_resolve_job_first_and_stays_pending(make_spec: SpecF
         staged.message
     )
     assert d.status.reason == "Resolving" and d.status.desired_digest is None
-    running = decide(None, ModelDeploymentStatus(), observed(), step(spec, job=JobObservation("Running")))
+    running = decide(
+        None, ModelDeploymentStatus(), observed(), step(spec, job=JobObservation("Running"))
+    )
     assert (running.action, running.status.reason) == (Action.WAIT, "Resolving")
 
 
@@ -174,7 +180,9 @@ def test_a_source_that_changed_stages_anew_while_the_old_artifact_serves(
 ) -> None:
     spec = make_spec(model={"revision": "main"})
     status = resolved_status(spec, COMMIT_A)
-    old = artifact_for(spec, namespace="llm", deployment_name="llama", identity=f"commit:{COMMIT_A}")
+    old = artifact_for(
+        spec, namespace="llm", deployment_name="llama", identity=f"commit:{COMMIT_A}"
+    )
     serving = ArtifactStatus(digest=old.digest, uri=old.location.uri, format="sharded_state",
                              tensor_parallel_size=2, source=f"commit:{COMMIT_A}")  # fmt: skip
     ready = status.model_copy(update={"artifact": serving, "phase": "Ready"})
@@ -189,7 +197,9 @@ def test_a_source_that_changed_stages_anew_while_the_old_artifact_serves(
     moved = plan_source(spec, ready.source, owner="llama", now=later, interval=3600,
                         job=JobObservation("Succeeded", resolution(COMMIT_B)))  # fmt: skip
     assert moved.source is not None and moved.source.identity == f"commit:{COMMIT_B}"
-    new = artifact_for(spec, namespace="llm", deployment_name="llama", identity=moved.source.identity)
+    new = artifact_for(
+        spec, namespace="llm", deployment_name="llama", identity=moved.source.identity
+    )
     assert new.digest != old.digest
     d = decide(new, ready, Observed(generation=1, now=later, workload=workload), moved)
     assert (d.action, d.status.phase) == (Action.CREATE_JOB, "Staging")
@@ -206,7 +216,9 @@ def test_a_source_that_changed_stages_anew_while_the_old_artifact_serves(
 def test_a_failed_periodic_resolution_keeps_serving_and_says_so(make_spec: SpecFactory) -> None:
     spec = make_spec(model={"revision": "main"})
     status = resolved_status(spec, COMMIT_A)
-    old = artifact_for(spec, namespace="llm", deployment_name="llama", identity=f"commit:{COMMIT_A}")
+    old = artifact_for(
+        spec, namespace="llm", deployment_name="llama", identity=f"commit:{COMMIT_A}"
+    )
     serving = ArtifactStatus(digest=old.digest, uri=old.location.uri, format="sharded_state",
                              tensor_parallel_size=2)  # fmt: skip
     ready = status.model_copy(update={"artifact": serving, "phase": "Ready"})
@@ -313,7 +325,9 @@ def test_the_staged_condition_carries_the_progress_and_how_to_follow_the_job(
     make_spec: SpecFactory,
 ) -> None:
     spec = make_spec()
-    desired = artifact_for(spec, namespace="llm", deployment_name="llama", identity=f"commit:{COMMIT_A}")
+    desired = artifact_for(
+        spec, namespace="llm", deployment_name="llama", identity=f"commit:{COMMIT_A}"
+    )
     job = JobObservation("Running", name=stage_job_name(desired.digest),
                          progress="staging ...: 2.0 GiB / 4.0 GiB (50%)")  # fmt: skip
     d = decide(desired, ModelDeploymentStatus(), observed(job=job))
@@ -325,10 +339,14 @@ def test_the_staged_condition_carries_the_progress_and_how_to_follow_the_job(
 
 def test_the_headline_reason_is_the_deciding_conditions(make_spec: SpecFactory) -> None:
     spec = make_spec()
-    desired = artifact_for(spec, namespace="llm", deployment_name="llama", identity=f"commit:{COMMIT_A}")
+    desired = artifact_for(
+        spec, namespace="llm", deployment_name="llama", identity=f"commit:{COMMIT_A}"
+    )
     staging = decide(desired, ModelDeploymentStatus(), observed(job=JobObservation("Running")))
     assert staging.status.reason == "Staging"
-    failed = decide(desired, ModelDeploymentStatus(), observed(job=JobObservation("Failed", "error: x")))
+    failed = decide(
+        desired, ModelDeploymentStatus(), observed(job=JobObservation("Failed", "error: x"))
+    )
     assert failed.status.reason == "StagingFailed"
     assert headline([]) is None
 
@@ -344,7 +362,11 @@ def test_a_spec_that_cannot_be_staged_starts_no_resolve_job(make_spec: SpecFacto
         desired = None if s.source is None else artifact_for(
             spec, namespace="llm", deployment_name="llama", identity=s.source.identity)  # fmt: skip
         d = decide(desired, ModelDeploymentStatus(), observed_, s)
-        assert (d.action, d.status.phase, d.status.reason) == (Action.WAIT, "Failed", "ClaimTooSmall")
+        assert (d.action, d.status.phase, d.status.reason) == (
+            Action.WAIT,
+            "Failed",
+            "ClaimTooSmall",
+        )
 
 
 def test_a_stage_job_that_found_the_source_changed_makes_the_resolution_due(
@@ -362,7 +384,9 @@ def test_a_stage_job_that_found_the_source_changed_makes_the_resolution_due(
     assert not source_changed(JobObservation("Failed", "error: disk full", after), recorded)
     assert not source_changed(JobObservation("Running", refusal), recorded)
     # Resolved again after that failure and found unchanged: not again (no Job loop).
-    assert not source_changed(JobObservation("Failed", refusal, T0 - timedelta(minutes=1)), recorded)
+    assert not source_changed(
+        JobObservation("Failed", refusal, T0 - timedelta(minutes=1)), recorded
+    )
     same = refusal.replace(f"found commit:{COMMIT_B}", f"found commit:{COMMIT_A}")
     assert not source_changed(JobObservation("Failed", same, after), recorded)
     assert resolution_due(spec, recorded, now=T0, interval=0, stale=True)

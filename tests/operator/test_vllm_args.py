@@ -417,7 +417,9 @@ def test_moving_from_an_earlier_artifact_adds_no_served_model_name() -> None:
 
 @pytest.mark.parametrize("value", ["[" * 5000, "1" + "0" * 5000, "{not json"])
 def test_an_extra_config_that_is_no_json_object_is_dropped(value: str) -> None:
-    command, _ = rewrite(["vllm", "serve", "m", "--model-loader-extra-config", value], None, TENSORIZER)
+    command, _ = rewrite(
+        ["vllm", "serve", "m", "--model-loader-extra-config", value], None, TENSORIZER
+    )
     assert command is not None
     assert json.loads(command[command.index("--model-loader-extra-config") + 1]) == {
         "tensorizer_uri": f"{ART}/model-rank-%03d.tensors"
@@ -616,5 +618,7 @@ def test_vllms_own_parser_reads_the_rewritten_command_line_as_intended(
         assert after.served_model_name == [vllm_model(before)]
     else:  # no model given: vLLM's default was never a name clients used
         assert after.served_model_name is None
-    changed = {k for k in vars(before) if k not in OWNED_DESTS and vars(before)[k] != vars(after)[k]}
+    changed = {
+        k for k in vars(before) if k not in OWNED_DESTS and vars(before)[k] != vars(after)[k]
+    }
     assert not changed, {k: (vars(before)[k], vars(after)[k]) for k in changed}

@@ -22,7 +22,7 @@ import torch
 from modelstage.core.integrity import ChunkMismatch, digest_bytes
 from modelstage.core.location import verify_directory
 from modelstage.core.manifest import MANIFEST, FileEntry, read_manifest
-from modelstage.core.node_cache import POD_MOUNT, copy_dir, partial_dir
+from modelstage.core.node_cache import POD_MOUNT, canonical_manifest
 from modelstage.devtools.synthetic import SyntheticModel, write_checkpoint
 from modelstage.plugin import sharded_state
 from modelstage.plugin.checks import VerifiedArtifact, content_checker
@@ -61,10 +61,12 @@ def artifact(staged: tuple[Path, str], tmp_path: Path) -> Path:
 
 @pytest.fixture
 def node(staged: tuple[Path, str], tmp_path: Path) -> Path:
-    """A node root holding a complete copy of the artifact (what ``node-copy`` leaves)."""
-    root = tmp_path / "node"
-    shutil.copytree(staged[0], copy_dir(root, staged[1]))
-    return root
+    """This node's copy of the artifact as a serving pod mounts it: the agent's copy (the
+    artifact's files, its canonical manifest), here writable so that a test may damage it."""
+    copy = tmp_path / "node-copy"
+    shutil.copytree(staged[0], copy)
+    (copy / MANIFEST).write_bytes(canonical_manifest((staged[0] / MANIFEST).read_bytes()))
+    return copy
 
 
 def middle(path: Path) -> int:
@@ -98,7 +100,7 @@ def test_prepare_says_hit_when_the_node_copy_is_the_artifact(
     code, line = run_prepare(directory, digest, tmp_path, "--node-cache", str(node))
     assert code == 0, line
     summary = json.loads(line)
-    assert summary["nodeCache"] == {"result": "hit", "path": str(copy_dir(node, digest))}
+    assert summary["nodeCache"] == {"result": "hit", "path": str(node)}
     assert summary["digest"] == digest and (tmp_path / "plugins" / "modelstage").is_dir()
 
 
@@ -114,12 +116,12 @@ def test_prepare_says_miss_with_the_reason_and_the_pod_still_starts(
 ) -> None:
     """A poisoned copy: the pod's verdict is a miss, exit 0, the plugin installed."""
     directory, digest = staged
-    poison(copy_dir(node, digest))
+    poison(node)
     code, line = run_prepare(directory, digest, tmp_path, "--node-cache", str(node))
     assert code == 0, line
     verdict = json.loads(line)["nodeCache"]
     assert (
-        verdict["result"] == "miss" and "differs from the artifact's manifest" in verdict["reason"]
+        verdict["result"] == "miss" and "is not the artifact's manifest" in verdict["reason"]
     )
     assert (tmp_path / "plugins" / "modelstage").is_dir()
 
@@ -128,12 +130,12 @@ def test_a_poisoned_copy_with_a_self_consistent_manifest_is_a_miss(
     staged: tuple[Path, str], node: Path
 ) -> None:
     directory, digest = staged
-    copy = copy_dir(node, digest)
+    copy = node
     poison(copy)
     verify_directory(copy, digest=digest, tp=2)  # it verifies against its own manifest
     verdict = node_cache_verdict(str(directory), digest, node)
     assert not verdict.hit and verdict.reason == (
-        f"{copy}/{MANIFEST} differs from the artifact's manifest; the node copy is not this "
+        f"{copy}/{MANIFEST} is not the artifact's manifest; the node copy is not this "
         "artifact"
     )
 
@@ -168,7 +170,7 @@ def other_artifact(copy: Path) -> None:
         (drop_file, "{copy}/" + VICTIM + ": listed in the manifest but missing; the copy is partial"),
         (truncate, "{copy}/" + VICTIM + ": 1000 bytes, the manifest says {size}"),
         (add_file, "{copy}: files not in the manifest: model-rank-0-part-9.safetensors"),
-        (other_artifact, "{copy}/modelstage.json differs from the artifact's manifest; the node "
+        (other_artifact, "{copy}/modelstage.json is not the artifact's manifest; the node "
                          "copy is not this artifact"),
     ],
 )  # fmt: skip
@@ -176,7 +178,7 @@ def test_a_partial_or_damaged_copy_is_a_miss_naming_what_is_wrong(
     staged: tuple[Path, str], node: Path, damage: object, reason: str
 ) -> None:
     directory, digest = staged
-    copy = copy_dir(node, digest)
+    copy = node
     size = (copy / VICTIM).stat().st_size
     damage(copy)  # type: ignore[operator]
     verdict = node_cache_verdict(str(directory), digest, node)
@@ -184,22 +186,29 @@ def test_a_partial_or_damaged_copy_is_a_miss_naming_what_is_wrong(
     assert verdict.summary() == {"result": "miss", "reason": verdict.reason}
 
 
-def test_no_copy_a_copy_in_progress_or_no_cache_mounted_are_misses(
+def test_no_copy_mounted_or_an_empty_mount_are_misses(
     staged: tuple[Path, str], tmp_path: Path
 ) -> None:
     directory, digest = staged
-    root = tmp_path / "node"
+    mount = tmp_path / "node-copy"
     assert (
-        node_cache_verdict(str(directory), digest, root).reason == f"{root}: no node cache mounted"
+        node_cache_verdict(str(directory), digest, mount).reason == f"{mount}: no node copy mounted"
     )
-    root.mkdir()
-    assert node_cache_verdict(str(directory), digest, root).reason == (
-        f"this node holds no copy of {digest}"
+    mount.mkdir()
+    assert node_cache_verdict(str(directory), digest, mount).reason == (
+        f"{mount}: no {MANIFEST}; the copy is incomplete"
     )
-    shutil.copytree(directory, partial_dir(root, digest))  # all there but not renamed yet
-    assert node_cache_verdict(str(directory), digest, root).reason == (
-        f"the copy of {digest} on this node is not complete yet"
-    )
+
+
+def test_a_copy_holding_the_artifacts_manifest_as_it_is_is_a_miss(
+    staged: tuple[Path, str], node: Path
+) -> None:
+    """Only the canonical form the agent writes is a copy: the bytes of the artifact's own
+    manifest (its timing fields in) are not what an agent published."""
+    directory, digest = staged
+    shutil.copy(directory / MANIFEST, node / MANIFEST)
+    verdict = node_cache_verdict(str(directory), digest, node)
+    assert not verdict.hit and "is not the artifact's manifest" in verdict.reason
 
 
 def test_an_unreadable_artifact_is_a_miss_and_reasons_stay_short(
@@ -258,7 +267,7 @@ def test_a_hit_reads_the_node_copy_so_a_damaged_artifact_does_not_matter(
     flip(victim, middle(victim))  # the PVC's bytes are wrong; its manifest is the artifact's
     ld = loader(ModelstageShardedStateLoader, settings(node, digest))
     verified = ld.verify(str(artifact), 2, "0.32.0")
-    copy = copy_dir(node, digest)
+    copy = node
     assert verified.node_cache == "hit" and verified.location == str(copy)
     assert {f.path.parent for f in verified.files} == {copy} and verified.s3 is None
     assert (
@@ -279,7 +288,7 @@ def test_a_miss_reads_the_artifact_and_says_why(
 ) -> None:
     caplog.set_level(logging.INFO, logger="vllm.modelstage")
     _, digest = staged
-    copy = copy_dir(node, digest)
+    copy = node
     if case == "absent":
         shutil.rmtree(copy)
     elif case == "poisoned":
@@ -303,7 +312,7 @@ def test_a_trusted_copy_with_a_flipped_byte_fails_its_chunk_check_and_is_read_pa
     tests/serving/test_node_cache_vllm.py), logging this error, which names the node file,
     the chunk and the remedy."""
     _, digest = staged
-    victim = copy_dir(node, digest) / VICTIM
+    victim = node / VICTIM
     flip(victim, middle(victim))
     verified = loader(ModelstageShardedStateLoader, settings(node, digest)).verify(
         str(artifact), 2, "0.32.0"
@@ -313,12 +322,12 @@ def test_a_trusted_copy_with_a_flipped_byte_fails_its_chunk_check_and_is_read_pa
         read_rank(verified)
     assert e.value.where == str(victim)
     detail = f"{e.value.where}: {e.value.reason}"
-    assert sharded_state.corrupt_node_copy(detail, copy_dir(node, digest)) == "corrupt"
+    assert sharded_state.corrupt_node_copy(detail, node) == "corrupt"
     (logged,) = [r for r in caplog.records if r.levelno == logging.ERROR]
     assert logged.getMessage() == (
-        f"modelstage: node cache: {detail}: the node-local copy {copy_dir(node, digest)} is "
-        "corrupt: remove it (and its ModelDeployment's copy Job for this node) so that it is "
-        "copied again; reading the artifact instead"
+        f"modelstage: node cache: {detail}: the node-local copy {node} is "
+        "corrupt: the node agent's re-verification drops it and a copy Job copies it again; "
+        "reading the artifact instead"
     )
 
 
@@ -328,7 +337,7 @@ def test_a_trusted_copy_with_a_corrupt_header_chunk_is_read_past_at_verify(
     """The header's chunk is checked at verify: the node copy fails it, the error is logged,
     and the verified files are the artifact's (``corrupt``), read and checked as they stream."""
     _, digest = staged
-    copy = copy_dir(node, digest)
+    copy = node
     flip(copy / VICTIM, 0)
     verified = loader(ModelstageShardedStateLoader, settings(node, digest)).verify(
         str(artifact), 2, "0.32.0"
@@ -338,9 +347,8 @@ def test_a_trusted_copy_with_a_corrupt_header_chunk_is_read_past_at_verify(
     (logged,) = [r for r in caplog.records if r.levelno == logging.ERROR]
     assert logged.getMessage().startswith(f"modelstage: node cache: {copy / VICTIM}: chunk 0 ")
     assert logged.getMessage().endswith(
-        f"the file is corrupt: the node-local copy {copy} is corrupt: remove it (and its "
-        "ModelDeployment's copy Job for this node) so that it is copied again; reading the "
-        "artifact instead"
+        f"the file is corrupt: the node-local copy {copy} is corrupt: the node agent's "
+        "re-verification drops it and a copy Job copies it again; reading the artifact instead"
     )
     want = load_file(staged[0] / VICTIM)
     got = read_rank(verified)
@@ -405,4 +413,4 @@ def test_without_an_expected_digest_the_copy_is_looked_up_by_the_artifacts_own(
 ) -> None:
     unpinned = PluginSettings(tp=2, node_cache=str(node))
     verified = loader(ModelstageShardedStateLoader, unpinned).verify(str(artifact), 2, "0.32.0")
-    assert verified.node_cache == "hit" and verified.location == str(copy_dir(node, staged[1]))
+    assert verified.node_cache == "hit" and verified.location == str(node)

@@ -1,6 +1,6 @@
 """Helpers of the node cache tests (tests/node_cache): the staged artifacts' chunk size,
-digests, hand-made copies in the on-node layout, and the agent as a local process with its
-least-privilege identity."""
+digests, hand-made copies in the agent's on-node layout, and the agent as a local process with
+its least-privilege identity (its copy server on 127.0.0.1, a free port)."""
 
 from __future__ import annotations
 
@@ -37,31 +37,52 @@ def fake_digest(i: int) -> str:
     return f"{i:02x}" * 10
 
 
-def make_copy(
-    root: Path, digest: str, size: int, *, last_used: datetime | None = None, partial: bool = False
-) -> Path:
-    """A complete copy (or a partial one, no manifest) of ``size`` bytes under ``root``, in
-    the on-node layout, with its record."""
-    directory = node_cache.partial_dir(root, digest) if partial else node_cache.copy_dir(root, digest)
-    directory.mkdir(parents=True)
-    data = os.urandom(size)
-    (directory / "model.safetensors").write_bytes(data)
-    if partial:
-        return directory
+def copy_manifest(digest: str, data: bytes, chunk: int = CHUNK) -> bytes:
+    """The manifest bytes of a one-file safetensors artifact holding ``data``."""
     manifest = Manifest(
         format="safetensors", tensorParallelSize=1, dtype="float32", digest=digest, source={},
-        vllmVersion="0.32", layoutVersion="1", files={"model.safetensors": FileEntry.of(digest_bytes(data))},
-        bytes=size, modelstageVersion="0.1.0", createdAt="2026-01-01T00:00:00Z", stageSeconds=1.0,
+        vllmVersion="0.32", layoutVersion="1",
+        files={"model.safetensors": FileEntry.of(digest_bytes(data, chunk))}, bytes=len(data),
+        modelstageVersion="0.1.0", createdAt="2026-01-01T00:00:00Z", stageSeconds=1.0,
     )  # fmt: skip
-    (directory / MANIFEST).write_text(manifest.to_json())
-    record = {"digest": digest, "bytes": size, "files": 1, "copiedAt": "2026-01-01T00:00:00+00:00",
-              "copySeconds": 2.0}  # fmt: skip
+    return manifest.to_json().encode()
+
+
+def make_copy(
+    root: Path,
+    seed: int,
+    size: int,
+    *,
+    last_used: datetime | None = None,
+    grants: list[tuple[str, str]] | None = None,
+    partial: bool = False,
+) -> str:
+    """A complete copy (or a partial one: its file, no manifest) of ``size`` random bytes
+    under ``root`` in the agent's layout (content-addressed, canonical manifest, 0440/0550),
+    with its record granting ``grants`` (default: namespace ``ns`` for ``fake_digest(seed)``);
+    its content."""
+    data = os.urandom(size)
+    raw = copy_manifest(fake_digest(seed), data)
+    content = node_cache.content_address(raw)
+    directory = node_cache.partial_dir(root, content) if partial else node_cache.copy_dir(root, content)
+    directory.mkdir(parents=True)
+    (directory / "model.safetensors").write_bytes(data)
+    if partial:
+        return content
+    (directory / MANIFEST).write_bytes(node_cache.canonical_manifest(raw))
+    for f in directory.iterdir():
+        f.chmod(0o440)
+    directory.chmod(0o550)
+    given = [("ns", fake_digest(seed))] if grants is None else grants
+    record: dict[str, Any] = {"content": content, "copiedAt": "2026-01-01T00:00:00+00:00",
+                              "copySeconds": 2.0,
+                              "grants": [{"namespace": n, "digest": d} for n, d in given]}  # fmt: skip
     if last_used is not None:
         record["lastUsed"] = last_used.isoformat()
-    state = node_cache.state_file(root, digest)
+    state = node_cache.state_file(root, content)
     state.parent.mkdir(exist_ok=True)
     state.write_text(json.dumps(record))
-    return directory
+    return content
 
 
 def agent_rules() -> list[dict[str, Any]]:
@@ -106,12 +127,21 @@ class AgentProcess:
     log: Path
     metrics_port: int = 0
     interval: float = 0.2
+    verify_rate: str = "0"
+    namespace_quota: str = "0"
+    allow_tokens_without_node: bool = False
     process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> AgentProcess:
+        """The agent with its copy server on 127.0.0.1, any free port (its NodeCache's
+        ``status.endpoint`` says which)."""
         cmd = [sys.executable, "-m", "modelstage.stager.cli", "agent", "--node", self.node,
                "--root", str(self.root), "--budget", str(self.budget), "--interval",
-               str(self.interval), "--kubeconfig", str(self.kubeconfig)]  # fmt: skip
+               str(self.interval), "--kubeconfig", str(self.kubeconfig), "--copy-address",
+               "127.0.0.1", "--copy-port", "0", "--verify-rate", self.verify_rate,
+               "--namespace-quota", self.namespace_quota]  # fmt: skip
+        if self.allow_tokens_without_node:
+            cmd.append("--allow-tokens-without-node")
         if self.metrics_port:
             cmd += ["--metrics-port", str(self.metrics_port)]
         env = {**os.environ, "PYTHONSAFEPATH": "1"}

@@ -106,6 +106,12 @@ float formatting Helm gives large numbers (5e+11). */}}
 {{- if kindIs "string" $budget -}}{{ $budget }}{{- else -}}{{ int64 $budget }}{{- end -}}
 {{- end -}}
 
+{{/* A byte quantity (nodeCache.namespaceQuota, nodeCache.agent.verifyRate) as the agent's flags
+take it: a string as given, a number without Helm's float formatting. */}}
+{{- define "modelstage.byteQuantity" -}}
+{{- if kindIs "string" . -}}{{ . }}{{- else -}}{{ int64 . }}{{- end -}}
+{{- end -}}
+
 {{/* The node root must be a directory of its own: the agent's initContainer hands it to the
 agent's user, and copies are written and evicted under it. A system directory, or anything
 under one the kubelet, the container runtime or the OS owns, is refused. */}}

@@ -183,9 +183,11 @@ NODE_CACHE_HEADER = (
 NODE_CACHE_COLUMNS: list[dict[str, Any]] = [
     {"name": "Held", "type": "integer", "description": "Bytes of complete and partial copies.",
      "jsonPath": ".status.bytesHeld"},
+    {"name": "Free", "type": "integer", "description": "Free bytes of the root's filesystem.",
+     "jsonPath": ".status.freeBytes"},
     {"name": "Budget", "type": "integer", "jsonPath": ".status.budgetBytes"},
-    {"name": "Artifacts", "type": "string", "description": "Digests of the complete copies.",
-     "jsonPath": ".status.artifacts[*].digest"},
+    {"name": "Copies", "type": "string", "description": "Contents of the complete copies.",
+     "jsonPath": ".status.copies[*].content"},
     {"name": "Heartbeat", "type": "date", "jsonPath": ".status.heartbeat"},
     {"name": "Message", "type": "string", "priority": 1, "jsonPath": ".status.message"},
 ]  # fmt: skip
@@ -193,8 +195,8 @@ NODE_CACHE_COLUMNS: list[dict[str, Any]] = [
 
 
 def node_cache_crd() -> dict[str, Any]:
-    """The NodeCache CustomResourceDefinition: cluster-scoped, one per node, its status the
-    node agent's report."""
+    """The NodeCache CustomResourceDefinition: cluster-scoped, one per node, its spec what the
+    operator asks the node to keep and warm, its status the node agent's report."""
     kind = node_cache.KIND
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
@@ -226,6 +228,7 @@ def node_cache_crd() -> dict[str, Any]:
                                 "apiVersion": {"type": "string"},
                                 "kind": {"type": "string"},
                                 "metadata": {"type": "object"},
+                                "spec": _schema_of(node_cache_api.NodeCacheSpec),
                                 "status": _schema_of(node_cache_api.NodeCacheReport),
                             },
                         }

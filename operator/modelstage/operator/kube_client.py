@@ -132,10 +132,16 @@ class KubeClient:
         items: list[Manifest] = self._call("GET", path, query=query).get("items") or []
         return items
 
-    def watch(self, path: str, seconds: int = 300) -> Iterator[Manifest]:
+    def watch(
+        self, path: str, seconds: int = 300, field_selector: str | None = None
+    ) -> Iterator[Manifest]:
         """The events of one watch request of a collection (``{"type", "object"}`` each),
-        lasting at most ``seconds`` on the server; errors raise ``ApiException``."""
-        query = urlencode({"watch": "true", "timeoutSeconds": str(seconds)})
+        lasting at most ``seconds`` on the server (``field_selector``: only the objects it
+        selects, e.g. ``metadata.name=<name>``); errors raise ``ApiException``."""
+        params = {"watch": "true", "timeoutSeconds": str(seconds)}
+        if field_selector:
+            params["fieldSelector"] = field_selector
+        query = urlencode(params)
         _, url, headers, _, _ = self.api.param_serialize(
             "GET", f"{path}?{query}", header_params={"Accept": "application/json"},
             auth_settings=["BearerToken"],

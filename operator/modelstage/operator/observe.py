@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from .api import NodeCacheStatus
 from .kube import DIGEST_ANNOTATION, VOLUME_NODE_CACHE, Manifest
+from .node_cache_api import HeldCopy
 from .validation import Finding
 
 JobState = Literal["Running", "Succeeded", "Failed"]
@@ -72,6 +73,9 @@ class NodeCacheStep:
     """The copies are ready, or the deadline passed: the workload may roll."""
     create: tuple[Manifest, ...] = ()
     """Copy Jobs to create."""
+    copy: HeldCopy | None = None
+    """The copy the serving pods mount (a volume of its content); None: the roll goes
+    without the node-cache volume (no chosen node holds a copy, the deadline passed)."""
 
 
 @dataclass(frozen=True)

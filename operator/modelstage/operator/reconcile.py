@@ -56,10 +56,11 @@ from .job_plan import (
 )
 from .kube import DIGEST_ANNOTATION, LABEL_DIGEST, Manifest, Owner, model_deployment_owners
 from .kube_client import Conflict, KubeClient, resource_path
-from .node_cache_api import NodeCacheObject, NodeCacheReport
+from .node_cache_api import HeldCopy, NodeCacheObject, NodeCacheReport
 from .node_cache_plan import (
     COPY_COMPONENT,
     COPY_CONTAINER,
+    DEFAULT_COPY_DEADLINE_SECONDS,
     NODE_ANNOTATION,
     CopyJob,
     PodStart,
@@ -69,6 +70,7 @@ from .node_cache_plan import (
     plan_node_cache,
     pod_start,
 )
+from .node_cache_volume import plan_volume
 from .observe import (
     JobObservation,
     NodeCacheStep,
@@ -241,6 +243,8 @@ class Reconciler:
         stager_logs: bool = False,
         allowed_images: Sequence[str] = (),
         node_cache_root: str = nc.DEFAULT_ROOT,
+        node_cache: bool = False,
+        copy_deadline_seconds: int = DEFAULT_COPY_DEADLINE_SECONDS,
     ) -> None:
         self.kube = kube
         self.stager_image = stager_image
@@ -253,6 +257,9 @@ class Reconciler:
         self.stager_logs = stager_logs
         """Read running stagers' log tails for their progress (needs ``get pods/log``)."""
         self.node_cache_root = node_cache_root
+        self.node_cache = node_cache
+        """Node caching is installed: without it no Node, NodeCache or PV is read."""
+        self.copy_deadline_seconds = copy_deadline_seconds
         self._pod_starts: dict[tuple[str, str], set[str]] = {}
         """Serving pods (uids) whose node cache result is counted, per ModelDeployment."""
         self._locks: dict[tuple[str, str], threading.Lock] = {}
@@ -363,8 +370,10 @@ class Reconciler:
             self._observe_staging(world, spec)
         if world.workload is not None:
             world.observed_workload = self._observe_workload(namespace, world.workload)
-        if spec.node_cache.enabled:
+        if spec.node_cache.enabled and self.node_cache:
             self._observe_node_cache(world, spec)
+        elif spec.node_cache.enabled:
+            world.findings.append(Finding("NodeCacheNotInstalled", NOT_INSTALLED, "nothing"))
 
     def _observe_staging(self, world: _World, spec: ModelDeploymentSpec) -> None:
         """The staging Jobs of the desired artifact; a source that changed between resolving
@@ -414,6 +423,7 @@ class Reconciler:
         if not staged or status.failed_digest == desired.digest:  # not rolled out again
             return
         digest = desired.digest
+        key = (world.owner.namespace, digest)
         pod_spec = ((workload.get("spec") or {}).get("template") or {}).get("spec") or {}
         try:
             reports = self._node_cache_reports()
@@ -429,7 +439,7 @@ class Reconciler:
         replicas = int((workload.get("spec") or {}).get("replicas", 1))
         chosen = choose_nodes(
             eligible,
-            digest,
+            key,
             mode=spec.node_cache.nodes,
             replicas=replicas,
             reports=reports,
@@ -438,7 +448,7 @@ class Reconciler:
         )
         step, create = plan_node_cache(
             spec.node_cache,
-            digest,
+            key,
             before=status.node_cache,
             chosen=chosen,
             reports=reports,
@@ -453,7 +463,8 @@ class Reconciler:
                 desired,
                 node,
                 owner=world.owner,
-                root=self.node_cache_root,
+                endpoint=str(reports[node].endpoint),
+                deadline_seconds=self.copy_deadline_seconds,
                 tolerations=pod_spec.get("tolerations") or (),
                 default_image=self.stager_image,
             )
@@ -539,11 +550,21 @@ class Reconciler:
         jobs: Sequence[Manifest],
         logger: logging.Logger | logging.LoggerAdapter[Any],
     ) -> None:
-        path = resource_path("batch/v1", "jobs", world.owner.namespace)
+        namespace = world.owner.namespace
+        path = resource_path("batch/v1", "jobs", namespace)
         for job in jobs:
             name = job["metadata"]["name"]
             node = job["metadata"]["annotations"][NODE_ANNOTATION]
-            if self.kube.create(path, job) is None:
+            position = self.slots.acquire((namespace, name), (namespace, world.owner.name))
+            if position:
+                logger.info("copy Job %s waits for a stager slot (position %d)", name, position)
+                continue
+            try:
+                created = self.kube.create(path, job)
+            except BaseException:
+                self.slots.finished((namespace, name))
+                raise
+            if created is None:
                 logger.info("copy Job %s already exists: following it", name)
                 continue
             message = f"created copy Job {name} for node {node}"
@@ -563,7 +584,9 @@ class Reconciler:
             job=world.job,
             workload=world.observed_workload,
             findings=tuple(world.findings),
-            node_cache_enabled=world.spec is not None and world.spec.node_cache.enabled,
+            node_cache_enabled=(
+                self.node_cache and world.spec is not None and world.spec.node_cache.enabled
+            ),
             node_cache=world.node_cache,
         )
         decision = decide(world.desired, world.status, observed, world.source)
@@ -639,12 +662,16 @@ class Reconciler:
         refused = opt_in_problem(workload, namespace=namespace, deployment_name=world.owner.name)
         if refused is not None:
             raise AssertionError(f"refusing to patch: {refused}")
+        copy = world.node_cache.copy if world.node_cache is not None else None
+        claim = None
+        if copy is not None and decision.action is Action.ROLL_OUT and self.node_cache:
+            claim = self._node_cache_volume(world.owner, copy, logger)
         plan = plan_rollout(
             spec,
             artifact_from_status(decision.artifact),
             workload,
             default_image=self.stager_image,
-            node_cache_root=self.node_cache_root,
+            node_cache_claim=claim,
         )
         if not plan.changed:
             return
@@ -664,6 +691,20 @@ class Reconciler:
                 "RolledBack" if rolled_back else "RolledOut",
                 detail,
             )
+
+    def _node_cache_volume(
+        self, owner: Owner, copy: HeldCopy, logger: logging.Logger | logging.LoggerAdapter[Any]
+    ) -> str:
+        """The PV and the claim of ``owner``'s node-local copy (``node_cache_volume``), before
+        the workload names the claim; "already exists" is success (deterministic names)."""
+        pv, pvc = plan_volume(owner, copy.content, copy.bytes, root=self.node_cache_root)
+        if self.kube.create(resource_path("v1", "persistentvolumes"), pv) is not None:
+            logger.info("created PersistentVolume %s for copy %s", pv["metadata"]["name"],
+                        copy.content)  # fmt: skip
+        path = resource_path("v1", "persistentvolumeclaims", owner.namespace)
+        if self.kube.create(path, pvc) is not None:
+            logger.info("created PersistentVolumeClaim %s", pvc["metadata"]["name"])
+        return str(pvc["metadata"]["name"])
 
     def _holders(self, namespace: str, exclude: str) -> list[Holder]:
         """Every other ModelDeployment of the namespace, as retention counts references."""
@@ -1023,6 +1064,12 @@ class Reconciler:
                 f"Phase{new.phase}",
                 f"phase {old.phase} -> {new.phase}",
             )
+
+
+NOT_INSTALLED = (
+    "spec.nodeCache.enabled, but node caching is not installed with this operator (the "
+    "chart's nodeCache.enabled): the workload rolls without node-local copies"
+)
 
 
 def _forbidden(error: ApiException) -> str:

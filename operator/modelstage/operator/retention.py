@@ -76,6 +76,18 @@ def kept(holder: Holder) -> set[str]:
     return uris
 
 
+def pinned_digests(status: ModelDeploymentStatus, keep: int, wants: str | None) -> set[str]:
+    """The digests whose node-local copies a ModelDeployment pins (never evicted): those of
+    the artifacts it references (``kept``: the newest ``keep``, the current one, the rollback
+    target) and ``wants``, the digest its spec asks for (being staged or copied)."""
+    uris = kept(Holder(status, keep))
+    every = [a for a in (status.artifact, status.previous_artifact) if a is not None]
+    digests = {a.digest for a in [*every, *status.artifacts] if a.uri in uris}
+    if wants is not None:
+        digests.add(wants)
+    return digests
+
+
 def plan_retention(own: Holder, others: Iterable[Holder]) -> RetentionPlan:
     """What ``own`` lets go of, and which of those no other ModelDeployment references."""
     mine = kept(own)

@@ -43,8 +43,6 @@ from .patch import merge_diff
 from .vllm_args import VllmSettings, rewrite
 
 PREPARE_CONTAINER = "modelstage-prepare"
-NODE_CACHE_WEIGHT = 100
-"""The weight of the preferred node affinity to nodes holding the artifact's copy."""
 ACCELERATORS = ("nvidia.com/gpu", "amd.com/gpu")
 
 
@@ -242,13 +240,14 @@ def plan_rollout(
     workload: Manifest,
     *,
     default_image: str = DEFAULT_STAGER_IMAGE,
-    node_cache_root: str = nc.DEFAULT_ROOT,
+    node_cache_claim: str | None = None,
 ) -> RolloutPlan:
     """The merge patch that puts ``workload`` (a Deployment or StatefulSet) on ``artifact``.
 
     ``spec`` supplies the serving choices (container, plugin, image, S3 connection, node
-    caching: the nodes' root ``node_cache_root`` mounted read-only, and a preference for the
-    nodes holding the artifact's copy); ``artifact`` may be an older one (a rollback). Raises
+    caching: the claim ``node_cache_claim`` of the artifact's node-local copy mounted
+    read-only, its reader group added; None: no node-cache volume, e.g. no copy by the
+    deadline); ``artifact`` may be an older one (a rollback). Raises
     ``SpecError`` when the container or its vLLM command cannot be found (``validation``
     reports the same as a condition first).
     """
@@ -257,12 +256,14 @@ def plan_rollout(
     annotations: dict[str, str] = template.setdefault("metadata", {}).setdefault("annotations", {})
     container = select_container(spec, pod)
     connection = spec.storage.s3 if not artifact.location.on_pvc else None
-    cache_root = node_cache_root if spec.node_cache.enabled and spec.serving.plugin else None
+    cache_claim = node_cache_claim if spec.node_cache.enabled and spec.serving.plugin else None
     settings = _serve_artifact(
-        container, annotations, artifact, spec.serving.plugin, connection, cache_root is not None
+        container, annotations, artifact, spec.serving.plugin, connection, cache_claim is not None
     )
-    _mount_artifact(pod, container, artifact, spec.serving.plugin, connection, cache_root)
-    _prefer_nodes(pod, artifact.digest if cache_root is not None else None)
+    _mount_artifact(pod, container, artifact, spec.serving.plugin, connection, cache_claim)
+    _drop_preference(pod)
+    if cache_claim is not None:
+        _add_reader_group(pod)
     prepare = (
         [
             _prepare_container(
@@ -270,7 +271,7 @@ def plan_rollout(
                 spec.stager.image or default_image,
                 _s3_serving_env(artifact, connection),
                 connection,
-                cache_root is not None,
+                cache_claim is not None,
             )
         ]
         if spec.serving.plugin
@@ -347,10 +348,10 @@ def _mount_artifact(
     artifact: Artifact,
     plugin: bool,
     connection: S3Connection | None,
-    node_cache_root: str | None = None,
+    node_cache_claim: str | None = None,
 ) -> None:
-    """The artifact's claim, the plugin's folder, the CA bundle and the nodes' cache root
-    (read-only), as volumes and mounts."""
+    """The artifact's claim, the plugin's folder, the CA bundle and the node-local copy's
+    claim (read-only), as volumes and mounts."""
     volumes: list[Manifest] = []
     mounts: list[Manifest] = []
     if artifact.location.on_pvc:
@@ -364,12 +365,21 @@ def _mount_artifact(
         mounts.append({"name": VOLUME_PLUGINS, "mountPath": PLUGIN_DIR, "readOnly": True})
     volumes += ca_volume(connection)
     mounts += ca_mount(connection)
-    if node_cache_root is not None:
-        host_path = {"path": node_cache_root, "type": "DirectoryOrCreate"}
-        volumes.append({"name": VOLUME_NODE_CACHE, "hostPath": host_path})
+    if node_cache_claim is not None:
+        claim = {"claimName": node_cache_claim, "readOnly": True}
+        volumes.append({"name": VOLUME_NODE_CACHE, "persistentVolumeClaim": claim})
         mounts.append(_node_cache_mount())
     container["volumeMounts"] = _upsert(container.get("volumeMounts") or [], mounts, _owned_name)
     pod["volumes"] = _upsert(pod.get("volumes") or [], volumes, _owned_name)
+
+
+def _add_reader_group(pod: Manifest) -> None:
+    """Copies are 0440/0550 owned by the agent's group: the pod reads its copy as a member."""
+    context: Manifest = pod.get("securityContext") or {}
+    groups = [int(g) for g in context.get("supplementalGroups") or []]
+    if nc.CACHE_GID not in groups:
+        context["supplementalGroups"] = [*groups, nc.CACHE_GID]
+    pod["securityContext"] = context
 
 
 def _node_cache_mount() -> Manifest:
@@ -382,35 +392,16 @@ def _ours(term: Manifest) -> bool:
     return any(str(e.get("key", "")).startswith(nc.LABEL_PREFIX) for e in expressions)
 
 
-def _prefer_nodes(pod: Manifest, digest: str | None) -> None:
-    """Prefer the nodes holding ``digest``'s copy (its node label), replacing a preference of
-    ours for another digest in place; None removes ours. The user's own terms stay as they
-    are, and nothing is added to a pod without ours when there is nothing to prefer."""
+def _drop_preference(pod: Manifest) -> None:
+    """Removes a preferred scheduling term of ours for a node cache label (the node-cache
+    PV's node affinity places the pods now); the user's own terms stay as they are."""
     affinity: Manifest = pod.get("affinity") or {}
     node_affinity: Manifest = affinity.get("nodeAffinity") or {}
     preferred = "preferredDuringSchedulingIgnoredDuringExecution"
     terms: list[Manifest] = node_affinity.get(preferred) or []
-    if digest is None and not any(_ours(t) for t in terms):
+    if not any(_ours(t) for t in terms):
         return
-    wanted = (
-        {
-            "weight": NODE_CACHE_WEIGHT,
-            "preference": {
-                "matchExpressions": [{"key": nc.node_label(digest), "operator": "Exists"}]
-            },
-        }
-        if digest is not None
-        else None
-    )
-    out: list[Manifest] = []
-    for term in terms:
-        if not _ours(term):
-            out.append(term)
-        elif wanted is not None:
-            out.append(wanted)
-            wanted = None
-    if wanted is not None:
-        out.append(wanted)
+    out = [t for t in terms if not _ours(t)]
     if out:
         node_affinity[preferred] = out
     else:

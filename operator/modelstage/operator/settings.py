@@ -94,8 +94,13 @@ class OperatorConfig:
     posting_level: int = logging.INFO
     """Least severity of kopf's own messages posted as Kubernetes Events."""
     node_cache_root: str = DEFAULT_ROOT
-    """The node-local cache root on the hosts (``spec.nodeCache``): the hostPath that copy
-    Jobs write and serving pods mount read-only; the node agents' ``--root``."""
+    """The node-local cache root on the hosts (``spec.nodeCache``): the node agents'
+    ``--root``; a node-cache PV's local path is a copy's directory under it."""
+    node_cache: bool = False
+    """Node caching is installed (chart ``nodeCache.enabled``): only then does the operator
+    watch NodeCaches, Nodes and its PVs (a namespaced operator without it has no right to)."""
+    copy_deadline_seconds: int = 3600
+    """A copy Job's ``activeDeadlineSeconds``."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> OperatorConfig:
@@ -126,11 +131,14 @@ class OperatorConfig:
                 env, "MAX_STAGER_JOBS_PER_NAMESPACE", cls.max_stager_jobs_per_namespace
             ),
             resolve_interval=_float(env, "RESOLVE_INTERVAL", cls.resolve_interval),
-            stager_logs=env.get(PREFIX + "STAGER_LOGS", "").strip().lower()
-            in ("1", "true", "yes", "on"),
+            stager_logs=_flag(env, "STAGER_LOGS"),
             peering_lifetime=_float(env, "PEERING_LIFETIME", cls.peering_lifetime),
             posting_level=level,
             node_cache_root=_root(env.get(NODE_CACHE_ROOT_ENV) or cls.node_cache_root),
+            node_cache=_flag(env, "NODE_CACHE"),
+            copy_deadline_seconds=_int(
+                env, "NODE_CACHE_COPY_DEADLINE_SECONDS", cls.copy_deadline_seconds
+            ),
         )
 
     @property
@@ -141,6 +149,10 @@ class OperatorConfig:
     def backoff(self, retry: int) -> float:
         """Delay before retry number ``retry`` (0-based) of a failed staging."""
         return float(min(self.failed_backoff * 2 ** min(retry, 30), self.failed_backoff_max))
+
+
+def _flag(env: Mapping[str, str], name: str) -> bool:
+    return env.get(PREFIX + name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _root(raw: str) -> str:

@@ -140,11 +140,20 @@ def decide(
     if source is not None and not unresolved and not blocks_staging:
         _resolution_beside(draft, source)
     step = observed.node_cache
-    if step is not None and step.create and draft.action is Action.WAIT and not blocks_staging:
+    if step is not None and step.create and draft.action is Action.WAIT and _may_copy(observed):
         draft.action = Action.CREATE_COPY_JOBS
         draft.details = f"copying artifact {step.status.digest} to {len(step.create)} node(s)"
     new_status = _new_status(draft, desired, status, observed, source)
     return Decision(draft.action, new_status, draft.target, draft.details)
+
+
+def _may_copy(observed: Observed) -> bool:
+    """Copy Jobs only for a workload that opted into node caching and may be rolled: a
+    finding that blocks staging or the roll (a workload not opted in, among them) stops them
+    (a copy is work on the nodes done for the roll alone)."""
+    return observed.node_cache_enabled and not any(
+        f.blocks in ("staging", "rollout") for f in observed.findings
+    )
 
 
 def _situation(desired: Artifact, status: ModelDeploymentStatus, observed: Observed) -> _Draft:
@@ -209,6 +218,13 @@ def _copies_done(observed: Observed) -> bool:
     )
 
 
+def _mounts_copy(observed: Observed) -> bool:
+    """The workload is to mount a node-local copy: node caching on and a chosen node holds
+    one (at the deadline without any, it rolls without; a copy made later rolls it again)."""
+    step = observed.node_cache
+    return observed.node_cache_enabled and step is not None and step.copy is not None
+
+
 def _rolling_out(
     desired: Artifact,
     status: ModelDeploymentStatus,
@@ -239,9 +255,9 @@ def _rolling_out(
         draft.details = f"the workload is not on artifact {desired.digest}: patching it"
     elif w.failing or w.stalled:
         _rollout_failed(draft, desired, status, w)
-    elif w.node_cache != observed.node_cache_enabled and _copies_done(observed):
+    elif w.node_cache != _mounts_copy(observed) and _copies_done(observed):
         draft.action, draft.target = Action.ROLL_OUT, status.artifact
-        on = "on" if observed.node_cache_enabled else "off"
+        on = "on" if _mounts_copy(observed) else "off"
         draft.details = f"node caching turned {on}: patching the workload on {desired.digest}"
     elif w.complete:
         draft.phase = "Ready"

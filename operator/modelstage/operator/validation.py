@@ -43,19 +43,18 @@ DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 
 
 def image_allowed(image: str, allowed: Sequence[str]) -> bool:
-    """Whether ``image`` is one of ``allowed``: equal to an entry; an entry that names a
-    repository with any tag and/or digest (``repo:tag``, ``repo@sha256:...``); an entry with a
-    tag pinned by digest (``repo:tag@sha256:...``). Never a longer repository (``repo-evil``,
-    ``repo/evil``)."""
+    """Whether ``image`` is one of ``allowed``. An entry with a tag or a digest (``repo:tag``,
+    ``repo@sha256:...``, ``repo:tag@sha256:...``) admits exactly itself: a tag entry does not
+    admit ``repo:tag@sha256:<any>`` (the runtime pulls by the digest, whatever the tag says).
+    A bare repository entry admits any of its tags and digests; never a longer repository
+    (``repo-evil``, ``repo/evil``)."""
     for entry in allowed:
         if image == entry:
             return True
-        if not image.startswith(entry) or "@" in entry:
+        if "@" in entry or ":" in entry.rsplit("/", 1)[-1] or not image.startswith(entry):
             continue
-        rest = image[len(entry) :]
-        tagged = ":" in entry.rsplit("/", 1)[-1]
-        tag, at, digest = rest.partition("@")
-        if tag and (tagged or not tag.startswith(":") or not TAG.match(tag[1:])):
+        tag, at, digest = image[len(entry) :].partition("@")
+        if tag and (not tag.startswith(":") or not TAG.match(tag[1:])):
             continue
         if (at or not tag) and not DIGEST.match(digest):
             continue

@@ -1,9 +1,10 @@
-"""The node cache's two processes on a node: ``modelstage node-copy`` (a copy Job: one
-artifact from the PVC or S3 into the node-local root, verified as it lands) and ``modelstage
-agent`` (the DaemonSet: reports what the root holds, warms, evicts, labels its node).
+"""The node cache's two processes: ``modelstage node-copy`` (a copy Job in a tenant's
+namespace: streams one artifact from its claim or S3 to the agent on its node) and ``modelstage
+agent`` (the DaemonSet: receives and verifies copies, reports what the root holds, warms,
+evicts, re-verifies, labels its node).
 
 Both run in the stager image but import only the core and the operator's Kubernetes client and
-``NodeCache`` models: never torch, the stager, the plugin or the dev tools. Everything they
-write or delete is under the one root, at paths built from checked digests
+``NodeCache`` models: never torch, the stager, the plugin or the dev tools. Only the agent
+writes or deletes under the root, at paths built from checked contents
 (``modelstage.core.node_cache``).
 """

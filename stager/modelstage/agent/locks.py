@@ -1,8 +1,9 @@
-"""The node root's files: the per-digest copy lock, atomic small writes, directory fsyncs.
+"""The node root's files: the per-content lock, atomic small writes, directory fsyncs.
 
-A copier and the agent meet on ``.partial/<digest>.lock``: the copier holds it (``flock``)
-while it writes ``.partial/<digest>`` and renames it; the agent takes it, without waiting,
-before it removes a partial or a copy, so it never deletes what a copier is writing.
+Writers of one content meet on ``.partial/<content>.lock`` (``flock``): a file being received
+holds it shared (several files of one copy arrive at once), a commit, a removal or a
+re-verification holds it exclusive; the agent's pass takes it without waiting before it
+removes anything, so it never deletes what is being written or committed.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import contextlib
 import errno
 import fcntl
 import os
+import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,13 +29,21 @@ def fsync_dir(path: Path) -> None:
 def own_dir(path: Path) -> Path:
     """``path`` as a real directory: created when missing; a link there (which could point
     out of the root) or a file is removed first, never followed."""
-    if path.is_symlink() or (path.exists() and not path.is_dir()):
-        path.unlink()
+    try:
+        found = os.lstat(path).st_mode
+    except FileNotFoundError:
+        found = stat.S_IFDIR
+    if not stat.S_ISDIR(found):
+        # another thread may have replaced it with the directory meanwhile: that is the goal
+        with contextlib.suppress(FileNotFoundError, IsADirectoryError):
+            path.unlink()
     path.mkdir(exist_ok=True)
+    if not stat.S_ISDIR(os.lstat(path).st_mode):
+        raise OSError(errno.ENOTDIR, "not a directory", str(path))
     return path
 
 
-def write_atomic(path: Path, data: bytes) -> None:
+def write_atomic(path: Path, data: bytes, mode: int = 0o600) -> None:
     """``path`` holds ``data`` or what it held before, never a part (tmp, fsync, rename).
     The temporary name is random and created exclusively: two writers of the same file (the
     copy Job and the agent, each likely PID 1 in its container) never share one, and a link
@@ -41,7 +51,7 @@ def write_atomic(path: Path, data: bytes) -> None:
     fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     tmp = Path(name)
     try:
-        os.fchmod(fd, 0o644)
+        os.fchmod(fd, mode)
         with open(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -53,14 +63,19 @@ def write_atomic(path: Path, data: bytes) -> None:
     fsync_dir(path.parent)
 
 
-def _open_locked(path: Path, *, wait: bool) -> int | None:
+def _open_locked(path: Path, *, wait: bool, shared: bool = False) -> int | None:
     """An fd holding ``flock`` on ``path`` (created if missing), or None when another process
     holds it and ``wait`` is False. Re-opened when the file was unlinked and replaced while we
     waited (the holder cleaned it up), so two processes never each hold "the" lock."""
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+        fd = os.open(path, flags, 0o600)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+            kind = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
+            fcntl.flock(fd, kind | (0 if wait else fcntl.LOCK_NB))
         except OSError as e:
             os.close(fd)
             if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
@@ -78,9 +93,10 @@ def _open_locked(path: Path, *, wait: bool) -> int | None:
 
 
 @contextlib.contextmanager
-def digest_lock(path: Path) -> Iterator[None]:
-    """Hold the copy lock, waiting for another copier of the same digest to finish."""
-    fd = _open_locked(path, wait=True)
+def digest_lock(path: Path, *, shared: bool = False) -> Iterator[None]:
+    """Hold the content's lock, waiting for an exclusive holder to finish (``shared``: with
+    other shared holders)."""
+    fd = _open_locked(path, wait=True, shared=shared)
     assert fd is not None
     try:
         yield

@@ -1,46 +1,66 @@
-"""The node root as the agent sees it: what it holds (scan), the copies' records, removal and
-warming. Every path is the root joined with a checked digest (``core.node_cache``); entries
-that are not ours (other names, links) are neither read nor removed.
+"""The node root as the agent sees it: what it holds (scan), the copies' records, removal,
+warming and re-verification.
+
+The root is treated as hostile: every open is ``O_NOFOLLOW | O_NONBLOCK`` (a link is never
+followed, a FIFO never waited on) and checked with ``fstat`` to be the kind expected; sizes
+come from what is on the disk, never from a manifest or a record. An entry that cannot be read
+(a link, a FIFO, a directory without permissions, a record that is not JSON) is reported and
+skipped: the scan goes on with the others. Every path is the root joined with a checked
+content (``core.node_cache``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
+import stat
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from modelstage.core import node_cache
-from modelstage.core.errors import ModelstageError
-from modelstage.core.manifest import MANIFEST, Manifest, read_manifest
+from modelstage.core.errors import ArtifactError, ModelstageError
+from modelstage.core.integrity import FileDigest, blake3_module, open_regular
+from modelstage.core.manifest import MANIFEST, MAX_MANIFEST_BYTES, Manifest
 
-from .locks import is_locked, own_dir, try_digest_lock, write_atomic
+from .locks import digest_lock, is_locked, own_dir, try_digest_lock, write_atomic
 
 WARM_BLOCK = 8 * 1024 * 1024
-"""Read size while warming: memory stays at one block whatever the artifact's size."""
+"""Read size while warming and verifying: memory stays at one block whatever the copy."""
+MAX_RECORD_BYTES = 1024 * 1024
+"""A record is a few hundred bytes plus its grants: anything longer is not one of ours."""
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+GrantKey = tuple[str, str]
+"""(namespace, spec digest)."""
 
 
 @dataclass(frozen=True)
 class Copy:
-    """A complete copy: its manifest present and every file of the manifest's size."""
+    """A complete copy: its canonical manifest present, naming exactly the regular files there,
+    each of the manifest's size."""
 
-    digest: str
+    content: str
     bytes: int
+    """Counted from the disk: the files' and the manifest's sizes."""
     files: int
     record: dict[str, Any] = field(default_factory=dict)
-    """``.state/<digest>.json`` (empty when missing or unreadable)."""
+    """``.state/<content>.json`` (empty when missing or unreadable)."""
+
+    @property
+    def grants(self) -> list[GrantKey]:
+        return record_grants(self.record)
 
 
 @dataclass(frozen=True)
 class Partial:
-    digest: str
+    content: str
     bytes: int
-    locked: bool
 
 
 @dataclass
@@ -48,150 +68,308 @@ class Scan:
     copies: list[Copy] = field(default_factory=list)
     partials: list[Partial] = field(default_factory=list)
     removed: list[str] = field(default_factory=list)
-    """Broken copies removed by this scan, with why (for the report's message)."""
+    """Incomplete copies removed by this scan, with why."""
+    problems: list[str] = field(default_factory=list)
+    """Entries that could not be read, with why: skipped, left as they are."""
+
+    @property
+    def bytes(self) -> int:
+        return sum(c.bytes for c in self.copies) + sum(p.bytes for p in self.partials)
 
 
-def _is_digest(name: str) -> bool:
+def is_content(name: str) -> bool:
     try:
-        node_cache.check_digest(name)
+        node_cache.check_content(name)
     except ModelstageError:
         return False
     return True
 
 
-def _dir_bytes(path: Path) -> int:
-    total = 0
-    with contextlib.suppress(FileNotFoundError):
-        for entry in os.scandir(path):
-            with contextlib.suppress(FileNotFoundError):
-                if entry.is_file(follow_symlinks=False):
-                    total += entry.stat(follow_symlinks=False).st_size
-    return total
-
-
-def read_record(root: Path, digest: str) -> dict[str, Any]:
+@contextlib.contextmanager
+def open_dir(path: Path | str, dir_fd: int | None = None) -> Iterator[int]:
+    """A directory's descriptor, never through a link (``OSError`` otherwise)."""
+    fd = os.open(path, DIR_FLAGS, dir_fd=dir_fd)
     try:
-        record = json.loads(node_cache.state_file(root, digest).read_bytes())
-    except (OSError, ValueError):
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _read_regular(name: str | Path, limit: int, dir_fd: int | None = None) -> bytes:
+    fd = open_regular(name, dir_fd=dir_fd)
+    with open(fd, "rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise OSError(errno.EFBIG, f"more than {limit} bytes", str(name))
+    return data
+
+
+def _regular_sizes(fd: int) -> dict[str, int]:
+    """Each entry of the open directory: its size when a regular file, -1 otherwise."""
+    sizes: dict[str, int] = {}
+    with os.scandir(fd) as entries:
+        for entry in entries:
+            st = entry.stat(follow_symlinks=False)
+            sizes[entry.name] = st.st_size if stat.S_ISREG(st.st_mode) else -1
+    return sizes
+
+
+def check_copy(fd: int, content: str) -> tuple[Manifest | None, int, str]:
+    """The copy's manifest and its bytes on disk when the open directory is the complete copy
+    of ``content``, else None and why."""
+    try:
+        raw = _read_regular(MANIFEST, MAX_MANIFEST_BYTES, fd)
+    except FileNotFoundError:
+        return None, 0, f"no {MANIFEST}"
+    if raw != node_cache.canonical_manifest(raw) or node_cache.content_address(raw) != content:
+        return None, 0, f"its {MANIFEST} is not the canonical manifest of {content}"
+    manifest = Manifest.from_json(raw, f"{content}/{MANIFEST}")
+    sizes = _regular_sizes(fd)
+    sizes.pop(MANIFEST, None)
+    for name, entry in sorted(manifest.files.items()):
+        size = sizes.pop(name, None)
+        if size is None:
+            return None, 0, f"{name} is missing"
+        if size < 0:
+            return None, 0, f"{name} is not a regular file"
+        if size != entry.size:
+            return None, 0, f"{name}: {size} bytes, the manifest says {entry.size}"
+    if sizes:
+        return None, 0, f"files not in the manifest: {', '.join(sorted(sizes)[:3])}"
+    return manifest, manifest.bytes + len(raw), ""
+
+
+def scan(root: Path) -> Scan:
+    """What the root holds. A ``<content>`` directory that is not a complete copy (a removal
+    that stopped half-way, a file truncated) is removed unless a writer holds its lock; an
+    entry that cannot be read is reported and skipped. ``OSError`` only for the root itself."""
+    result = Scan()
+    with open_dir(root) as root_fd:
+        for name in sorted(os.listdir(root_fd)):
+            if is_content(name):
+                try:
+                    _scan_copy(root, root_fd, name, result)
+                except (OSError, ModelstageError) as e:
+                    result.problems.append(f"{name}: {_why(e)}; skipped")
+    result.partials = _scan_partials(root, result.problems)
+    return result
+
+
+def _why(e: BaseException) -> str:
+    return str(e.strerror or e) if isinstance(e, OSError) else str(e)
+
+
+def _scan_copy(root: Path, root_fd: int, content: str, result: Scan) -> None:
+    with open_dir(content, root_fd) as fd:
+        manifest, size, why = check_copy(fd, content)
+    if manifest is None:
+        if remove_copy(root, content):
+            result.removed.append(f"{content}: {why}")
+        return
+    result.copies.append(Copy(content, size, len(manifest.files), read_record(root, content)))
+
+
+def _scan_partials(root: Path, problems: list[str]) -> list[Partial]:
+    partials: list[Partial] = []
+    try:
+        with open_dir(root / node_cache.PARTIAL) as parent:
+            for name in sorted(os.listdir(parent)):
+                if not is_content(name):
+                    continue
+                try:
+                    with open_dir(name, parent) as fd:
+                        sizes = _regular_sizes(fd)
+                except OSError as e:
+                    problems.append(f"{node_cache.PARTIAL}/{name}: {_why(e)}; skipped")
+                    continue
+                partials.append(Partial(name, sum(s for s in sizes.values() if s > 0)))
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        problems.append(f"{node_cache.PARTIAL}: {_why(e)}; skipped")
+    return partials
+
+
+def record_grants(record: dict[str, Any]) -> list[GrantKey]:
+    """The well-formed grants of a record (anything else in it is ignored)."""
+    grants = record.get("grants")
+    found: list[GrantKey] = []
+    for g in grants if isinstance(grants, list) else []:
+        ns, digest = (g.get("namespace"), g.get("digest")) if isinstance(g, dict) else (0, 0)
+        if isinstance(ns, str) and isinstance(digest, str) and (ns, digest) not in found:
+            found.append((ns, digest))
+    return found
+
+
+def read_record(root: Path, content: str) -> dict[str, Any]:
+    try:
+        record = json.loads(_read_regular(node_cache.state_file(root, content), MAX_RECORD_BYTES))
+    except (OSError, ValueError, RecursionError):
         return {}
     return record if isinstance(record, dict) else {}
 
 
-def write_record(root: Path, digest: str, record: dict[str, Any]) -> None:
-    own_dir(root / node_cache.STATE)
-    write_atomic(node_cache.state_file(root, digest), json.dumps(record).encode())
+def write_record(root: Path, content: str, record: dict[str, Any]) -> None:
+    """The record, 0600 in a 0700 directory: grants name namespaces, no other tenant reads it."""
+    state = own_dir(root / node_cache.STATE)
+    os.chmod(state, 0o700)
+    data = json.dumps(record, sort_keys=True).encode()
+    write_atomic(node_cache.state_file(root, content), data, 0o600)
 
 
-def check_copy(directory: Path) -> tuple[Manifest | None, str]:
-    """The copy's manifest when it is complete (present, parsed, every file a regular file of
-    the manifest's size), else None and why."""
+def update_record(root: Path, content: str, change: Callable[[dict[str, Any]], None]) -> None:
+    """Read, change and write the record (the caller holds the content's lock)."""
+    record = read_record(root, content)
+    change(record)
+    record["content"] = content
+    write_record(root, content, record)
+
+
+def remove_tree(path: Path) -> None:
+    """``path`` and what it holds, never through a link; made writable first (copies are
+    0550: nothing could be unlinked from them otherwise)."""
     try:
-        manifest = read_manifest(directory)
-    except ModelstageError as e:
-        return None, str(e)
-    if manifest is None:
-        return None, f"no {MANIFEST}"
-    if manifest.digest != directory.name:
-        return None, f"its manifest is of artifact {manifest.digest}"
-    for name, entry in manifest.files.items():
-        try:
-            stat = os.stat(directory / name, follow_symlinks=False)
-        except FileNotFoundError:
-            return None, f"{name} is missing"
-        if not os.path.isfile(directory / name) or os.path.islink(directory / name):
-            return None, f"{name} is not a regular file"
-        if stat.st_size != entry.size:
-            return None, f"{name}: {stat.st_size} bytes, the manifest says {entry.size}"
-    return manifest, ""
+        with open_dir(path) as fd:
+            os.fchmod(fd, 0o700)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(MANIFEST, dir_fd=fd)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        if e.errno not in (errno.ELOOP, errno.ENOTDIR):
+            raise
+        os.unlink(path)  # a link or a file where a directory was: the entry itself goes
+        return
+    shutil.rmtree(path)
 
 
-def scan(root: Path) -> Scan:
-    """What the root holds; a ``<digest>`` directory that is not a complete copy (a removal
-    that stopped, a file truncated or replaced) is removed, unless a copier holds its lock."""
-    result = Scan()
-    for entry in sorted(os.scandir(root), key=lambda e: e.name):
-        if not _is_digest(entry.name) or not entry.is_dir(follow_symlinks=False):
-            continue
-        manifest, why = check_copy(Path(entry.path))
-        if manifest is None:
-            if remove_copy(root, entry.name):
-                result.removed.append(f"{entry.name}: {why}")
-            continue
-        result.copies.append(
-            Copy(entry.name, manifest.bytes, len(manifest.files), read_record(root, entry.name))
-        )
-    partial_root = root / node_cache.PARTIAL
-    if partial_root.is_dir():
-        for entry in sorted(os.scandir(partial_root), key=lambda e: e.name):
-            if not _is_digest(entry.name) or not entry.is_dir(follow_symlinks=False):
-                continue
-            locked = is_locked(node_cache.lock_file(root, entry.name))
-            result.partials.append(Partial(entry.name, _dir_bytes(Path(entry.path)), locked))
-    return result
-
-
-def remove_copy(root: Path, digest: str) -> bool:
-    """Remove ``<digest>`` (manifest first: it never looks complete half-removed) and its
-    record; False when a copier holds the digest's lock (left alone)."""
+def remove_copy(root: Path, content: str) -> bool:
+    """Remove ``<content>`` (manifest first: it never looks complete half-removed) and its
+    record; False when a writer holds the content's lock (left alone)."""
     own_dir(root / node_cache.PARTIAL)
-    with try_digest_lock(node_cache.lock_file(root, digest), unlink=True) as free:
+    with try_digest_lock(node_cache.lock_file(root, content), unlink=True) as free:
         if not free:
             return False
-        directory = node_cache.copy_dir(root, digest)
-        if directory.is_dir() and not directory.is_symlink():
-            (directory / MANIFEST).unlink(missing_ok=True)
-            shutil.rmtree(directory)
-        node_cache.state_file(root, digest).unlink(missing_ok=True)
+        remove_tree(node_cache.copy_dir(root, content))
+        node_cache.state_file(root, content).unlink(missing_ok=True)
     return True
 
 
-def remove_partial(root: Path, digest: str) -> bool:
-    """Remove an abandoned ``.partial/<digest>``; False when a copier holds its lock."""
-    with try_digest_lock(node_cache.lock_file(root, digest), unlink=True) as free:
+def remove_partial(root: Path, content: str) -> bool:
+    """Remove an abandoned ``.partial/<content>``; False when a writer holds its lock."""
+    with try_digest_lock(node_cache.lock_file(root, content), unlink=True) as free:
         if not free:
             return False
-        directory = node_cache.partial_dir(root, digest)
-        if directory.is_dir() and not directory.is_symlink():
-            shutil.rmtree(directory)
+        remove_tree(node_cache.partial_dir(root, content))
     return True
+
+
+def partial_locked(root: Path, content: str) -> bool:
+    return is_locked(node_cache.lock_file(root, content))
 
 
 def touch(root: Path, copy: Copy, now: datetime) -> tuple[Copy, str]:
-    """Record that a ModelDeployment uses the copy now (its ``lastUsed``), merged into the
-    record as it is on disk now (the copier may have written it since the scan); the copy as
-    recorded, and why nothing was recorded when that failed (a full disk: the caller goes on,
-    since eviction is what frees it). Skipped while a copier holds the digest's lock: it
-    writes the record itself, ``lastUsed`` included."""
+    """Record that the spec keeps the copy now (its ``lastUsed``); the copy as recorded, and
+    why nothing was recorded when that failed (a full disk: the caller goes on, since
+    eviction is what frees it). Skipped while a writer holds the content's lock."""
     try:
         own_dir(root / node_cache.PARTIAL)
-        with try_digest_lock(node_cache.lock_file(root, copy.digest), unlink=True) as free:
+        with try_digest_lock(node_cache.lock_file(root, copy.content)) as free:
             if not free:
                 return copy, ""
-            record = {**read_record(root, copy.digest), "digest": copy.digest,
-                      "lastUsed": now.isoformat()}  # fmt: skip
-            write_record(root, copy.digest, record)
+            record = read_record(root, copy.content)
+            record |= {"content": copy.content, "lastUsed": now.isoformat()}
+            write_record(root, copy.content, record)
     except OSError as e:
-        return copy, f"cannot record the use of {copy.digest}: {e.strerror or e}"
-    return Copy(copy.digest, copy.bytes, copy.files, record), ""
+        return copy, f"cannot record the use of {copy.content}: {e.strerror or e}"
+    return Copy(copy.content, copy.bytes, copy.files, record), ""
 
 
-def warm(root: Path, digest: str, stop: Any = None) -> float:
+def _copy_manifest(fd: int, content: str) -> Manifest:
+    manifest, _, why = check_copy(fd, content)
+    if manifest is None:
+        raise ArtifactError(f"{content}: not a complete copy: {why}")
+    return manifest
+
+
+def warm(root: Path, content: str, stop: Any = None) -> float:
     """Read the copy's files into the page cache (``posix_fadvise`` WILLNEED, then a read of
     every block into one reused buffer); the seconds it took. ``stop``: an Event that ends it
     early (the agent shutting down)."""
     started = time.monotonic()
-    directory = node_cache.copy_dir(root, digest)
-    manifest = read_manifest(directory)
-    if manifest is None:
-        raise FileNotFoundError(f"{directory}: no {MANIFEST}")
     buf = bytearray(WARM_BLOCK)
-    for name in sorted(manifest.files):
-        fd = os.open(directory / name, os.O_RDONLY | os.O_NOFOLLOW)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-            while os.readv(fd, [buf]) > 0:
-                if stop is not None and stop.is_set():
-                    break
-        finally:
-            os.close(fd)
+    with open_dir(node_cache.copy_dir(root, content)) as dir_fd:
+        for name in sorted(_copy_manifest(dir_fd, content).files):
+            fd = open_regular(name, dir_fd=dir_fd)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+                while os.readv(fd, [buf]) > 0:
+                    if stop is not None and stop.is_set():
+                        break
+            finally:
+                os.close(fd)
     return time.monotonic() - started
+
+
+@dataclass
+class Pace:
+    """Reads no faster than ``rate`` bytes per second on average (0: as fast as it can)."""
+
+    rate: float
+    stop: Any = None
+    started: float = field(default_factory=time.monotonic)
+    done: int = 0
+
+    def read(self, n: int) -> None:
+        self.done += n
+        if self.rate > 0:
+            ahead = self.done / self.rate - (time.monotonic() - self.started)
+            if ahead > 0:
+                if self.stop is not None:
+                    self.stop.wait(ahead)
+                else:
+                    time.sleep(ahead)
+
+
+def verify_copy(root: Path, content: str, pace: Pace) -> str:
+    """Read every chunk of the copy back and check it against its manifest; "" when all
+    match, else the file and chunk that did not (or why the copy could not be read). Holds
+    the content's lock shared, so it is not removed meanwhile."""
+    own_dir(root / node_cache.PARTIAL)
+    with digest_lock(node_cache.lock_file(root, content), shared=True):
+        try:
+            with open_dir(node_cache.copy_dir(root, content)) as dir_fd:
+                manifest = _copy_manifest(dir_fd, content)
+                for name, entry in sorted(manifest.files.items()):
+                    if entry.digest is None:
+                        return f"{content}/{name}: no chunk hashes (a schema-1 entry)"
+                    why = _verify_file(dir_fd, name, entry.digest, pace)
+                    if why:
+                        return f"{content}/{name}: {why}"
+                    if pace.stop is not None and pace.stop.is_set():
+                        return ""
+        except (OSError, ModelstageError) as e:
+            return f"{content}: {_why(e)}"
+    return ""
+
+
+def _verify_file(dir_fd: int, name: str, want: FileDigest, pace: Pace) -> str:
+    new_hash = blake3_module().blake3
+    fd = open_regular(name, dir_fd=dir_fd)
+    try:
+        buf = memoryview(bytearray(min(want.chunk_bytes, WARM_BLOCK)))
+        for index, expected in enumerate(want.chunks):
+            begin, end = want.range(index)
+            h, offset = new_hash(), begin
+            while offset < end:
+                n = os.preadv(fd, [buf[: min(len(buf), end - offset)]], offset)
+                if n == 0:
+                    return f"ends at byte {offset}, the manifest says {want.size}"
+                h.update(buf[:n])
+                offset += n
+                pace.read(n)
+            if h.hexdigest() != expected:
+                return f"chunk {index} (bytes {begin}-{end - 1}) does not match its hash"
+    finally:
+        os.close(fd)
+    return ""

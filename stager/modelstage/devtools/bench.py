@@ -250,8 +250,16 @@ def bench_verify(artifact: Path, repeats: int, cold: bool) -> list[Measurement]:
 
 
 NODE_COPY_MODULE = "modelstage.agent.copy"
-"""Where ``modelstage node-copy``'s function lives (the node agent's package): imported by
-name, so the bench runs (without its copy row) in an install that lacks the agent."""
+"""Where the node agent's copy function lives (``copy_local``: what the agent does with a copy
+Job's stream, minus the network): imported by name, so the bench runs (without its copy row)
+in an install that lacks the agent."""
+
+
+def remove_root(root: Path) -> None:
+    """A node root the agent's copy wrote: its copies are 0550, made writable to go."""
+    for directory, _, _ in os.walk(root):
+        os.chmod(directory, 0o700)
+    shutil.rmtree(root, ignore_errors=True)
 
 
 def _node_copy_function() -> Callable[..., Any] | None:
@@ -261,7 +269,7 @@ def _node_copy_function() -> Callable[..., Any] | None:
         module = importlib.import_module(NODE_COPY_MODULE)
     except ImportError:
         return None
-    copy: Callable[..., Any] = module.node_copy
+    copy: Callable[..., Any] = module.copy_local
     return copy
 
 
@@ -281,7 +289,7 @@ def bench_node_copy(artifact: Path, digest: str, root: Path, repeats: int) -> li
     by_name = {m.name: m for m in rows}
     for i in range(repeats):
         for row in (by_name[n] for n in rotated(list(by_name), i)):
-            shutil.rmtree(root, ignore_errors=True)
+            remove_root(root)
             root.mkdir(parents=True)
             os.sync()
             start = time.perf_counter()
@@ -302,7 +310,8 @@ def bench_node_cache_loading(
     plugin's choice (the copy's manifest equal to the artifact's, its files' sizes), then
     its reader, every byte verified; cold (page cache dropped: a node copy not warmed) and
     warm (after warm-before-roll), against a raw read of the PVC path, cold."""
-    from modelstage.core.manifest import read_manifest
+    from modelstage.core.manifest import MANIFEST, read_manifest
+    from modelstage.core.node_cache import canonical_manifest
     from modelstage.plugin.node_copy import choose_node_copy
 
     pattern = FORMATS["sharded_state"].rank_glob(rank)
@@ -311,13 +320,15 @@ def bench_node_cache_loading(
     manifest = read_manifest(artifact)
     assert manifest is not None, f"{artifact}: no manifest"
     shutil.rmtree(root, ignore_errors=True)
-    shutil.copytree(artifact, root / manifest.digest)
+    copy = root / "copy"
+    shutil.copytree(artifact, copy)
+    (copy / MANIFEST).write_bytes(canonical_manifest((artifact / MANIFEST).read_bytes()))
     params = _parameters(pvc_files)
     plugin = _plugin_read()
     assert plugin is not None, "the plugin's reader needs torch"
 
     def from_node() -> None:
-        node = choose_node_copy(root, manifest.digest, str(artifact))
+        node = choose_node_copy(copy, manifest.digest, str(artifact))
         assert node.path is not None, node.reason
         plugin(sorted(node.path.glob(pattern)), params, True)
 
@@ -450,7 +461,7 @@ def bench_node_cache(
         NODE_COPY_SECTION.format(tp=load_tp),
         bench_node_copy(artifact, manifest.digest, root, repeats),
     )
-    shutil.rmtree(root, ignore_errors=True)
+    remove_root(root)
 
 
 def run_bench(

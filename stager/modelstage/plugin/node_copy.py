@@ -1,20 +1,23 @@
 """Is this node's local copy of the artifact the artifact? The one check ``prepare`` and the
 loader plugin share, so that the initContainer's verdict and the rank's choice agree.
 
-A node copy is trusted only when its manifest equals the artifact's byte for byte: a copy
-whose manifest is merely well-formed could describe poisoned files consistently (its own
-chunk hashes matching its own bytes). Equal manifests carry the artifact's chunk hashes, so
-every byte then read from the copy is checked against the artifact's hashes as it streams in.
-Every file the manifest lists must be there with its size and nothing else beside it (what a
-partial or damaged copy lacks), else the copy is a miss and the artifact is read as without
-a cache. Never raises: a cache can only make a load faster, never make it fail to start.
-Torch-free, so it is unit-tested without vLLM.
+The copy is the directory the pod mounts (its own copy, read-only: ``MODELSTAGE_NODE_CACHE``
+points at it). It is trusted only when its manifest is the canonical form of the artifact's
+(``core.node_cache.canonical_manifest``): a copy whose manifest is merely well-formed could
+describe poisoned files consistently (its own chunk hashes matching its own bytes). Equal
+manifests carry the artifact's chunk hashes, so every byte then read from the copy is checked
+against the artifact's hashes as it streams in. Every file the manifest lists must be there, a
+regular file of its size, and nothing else beside it (what a partial or damaged copy lacks),
+else the copy is a miss and the artifact is read as without a cache. Nothing in the copy is
+opened through a link or waited on (a FIFO). Never raises: a cache can only make a load
+faster, never make it fail to start. Torch-free, so it is unit-tested without vLLM.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +25,7 @@ from typing import Any
 from modelstage.core.errors import ModelstageError
 from modelstage.core.location import ArtifactLocation, LocalArtifact, S3Artifact
 from modelstage.core.manifest import MANIFEST, Manifest, read_manifest_bytes
-from modelstage.core.node_cache import HIT, MISS, copy_dir, partial_dir
+from modelstage.core.node_cache import HIT, MISS, canonical_manifest
 from modelstage.core.s3_client import S3Client, S3Location
 
 LOG = logging.getLogger("vllm.modelstage")
@@ -54,34 +57,33 @@ def miss(reason: str) -> NodeCopy:
     return NodeCopy(MISS, reason=reason[:MAX_REASON])
 
 
-def node_copy_for(root: Path, digest: str | None, artifact: ArtifactLocation) -> NodeCopy:
-    """The verdict on this node's copy of ``artifact`` (``digest``: the one the workload
-    expects; None: the artifact manifest's own). A miss when the artifact is unreadable: its
-    own checks then say why, without a cache in the way."""
+def node_copy_for(directory: Path, digest: str | None, artifact: ArtifactLocation) -> NodeCopy:
+    """The verdict on this node's copy (``directory``, the mounted copy) of ``artifact``
+    (``digest``: the one the workload expects; None: the artifact manifest's own). A miss when
+    the artifact is unreadable: its own checks then say why, without a cache in the way."""
     try:
         want = artifact.manifest_bytes()
         if digest is None and want is not None:
             digest = Manifest.from_json(want, artifact.where(MANIFEST)).digest
     except (ModelstageError, OSError) as e:
         return miss(f"cannot read the artifact's manifest: {e}")
-    return check_node_copy(root, digest or "", want)
+    return check_node_copy(directory, digest or "", want)
 
 
-def check_node_copy(root: Path, digest: str, artifact_manifest: bytes | None) -> NodeCopy:
-    """The verdict on ``root/<digest>`` against the artifact's manifest bytes."""
+def check_node_copy(directory: Path, digest: str, artifact_manifest: bytes | None) -> NodeCopy:
+    """The verdict on the copy in ``directory`` against the artifact's manifest bytes."""
     if artifact_manifest is None:
         return miss("the artifact has no manifest to compare the node copy with")
     try:
-        directory = copy_dir(root, digest)
         if not directory.is_dir():
-            return miss(_absent(root, digest))
+            return miss(f"{directory}: no node copy mounted")
         copied = read_manifest_bytes(directory)
         if copied is None:
             return miss(f"{directory}: no {MANIFEST}; the copy is incomplete")
-        if copied != artifact_manifest:
+        if copied != canonical_manifest(artifact_manifest):
             return miss(
-                f"{directory}/{MANIFEST} differs from the artifact's manifest; the node copy "
-                "is not this artifact"
+                f"{directory}/{MANIFEST} is not the artifact's manifest; the node copy is not "
+                "this artifact"
             )
         manifest = Manifest.from_json(copied, str(directory / MANIFEST))
         if manifest.digest != digest:
@@ -94,25 +96,21 @@ def check_node_copy(root: Path, digest: str, artifact_manifest: bytes | None) ->
     return NodeCopy(HIT, path=directory)
 
 
-def _absent(root: Path, digest: str) -> str:
-    if partial_dir(root, digest).exists():
-        return f"the copy of {digest} on this node is not complete yet"
-    if not root.is_dir():
-        return f"{root}: no node cache mounted"
-    return f"this node holds no copy of {digest}"
-
-
 def _file_problem(directory: Path, manifest: Manifest) -> str:
-    """The first file that is missing, of another size or not in the manifest; "" if none."""
+    """The first file that is missing, not a regular file, of another size or not in the
+    manifest; "" if none."""
     present: dict[str, int] = {}
     with os.scandir(directory) as entries:
         for found in entries:
             if found.name != MANIFEST:
-                present[found.name] = found.stat(follow_symlinks=False).st_size
+                st = found.stat(follow_symlinks=False)
+                present[found.name] = st.st_size if stat.S_ISREG(st.st_mode) else -1
     for name, entry in sorted(manifest.files.items()):
         size = present.pop(name, None)
         if size is None:
             return f"{directory / name}: listed in the manifest but missing; the copy is partial"
+        if size < 0:
+            return f"{directory / name}: not a regular file"
         if size != entry.size:
             return f"{directory / name}: {size} bytes, the manifest says {entry.size}"
     if present:
@@ -121,11 +119,12 @@ def _file_problem(directory: Path, manifest: Manifest) -> str:
 
 
 def choose_node_copy(
-    root: Path, digest: str | None, location: str, s3: S3Client | None = None
+    directory: Path, digest: str | None, location: str, s3: S3Client | None = None
 ) -> NodeCopy:
     """The loader's choice for the artifact vLLM was pointed at (a directory, or an S3
-    prefix read with ``s3``): this node's copy, or the artifact and why; logged either way."""
-    node = _node_copy(root, digest, location, s3)
+    prefix read with ``s3``): this node's copy (the mounted ``directory``), or the artifact
+    and why; logged either way."""
+    node = _node_copy(directory, digest, location, s3)
     if node.hit:
         LOG.info(
             "modelstage: node cache hit: reading this rank's files from the node-local copy "
@@ -138,7 +137,9 @@ def choose_node_copy(
     return node
 
 
-def _node_copy(root: Path, digest: str | None, location: str, s3: S3Client | None) -> NodeCopy:
+def _node_copy(
+    directory: Path, digest: str | None, location: str, s3: S3Client | None
+) -> NodeCopy:
     if s3 is not None:
         try:
             artifact: ArtifactLocation = S3Artifact(S3Location.parse(location), s3)
@@ -148,4 +149,4 @@ def _node_copy(root: Path, digest: str | None, location: str, s3: S3Client | Non
         return miss(f"no node copy for a {location.split('://')[0]}:// artifact")
     else:
         artifact = LocalArtifact(location)
-    return node_copy_for(root, digest, artifact)
+    return node_copy_for(directory, digest, artifact)

@@ -79,8 +79,8 @@ class PluginSettings:
     s3_chunk_bytes: int = DEFAULT_S3_CHUNK_MIB * MiB
     s3_depth: int = DEFAULT_S3_CONCURRENCY
     node_cache: str | None = None
-    """The node-local cache root (``MODELSTAGE_NODE_CACHE``): a rank reads its files from
-    ``<root>/<digest>`` when that copy is the artifact (``node_copy.py``)."""
+    """This node's copy, mounted read-only (``MODELSTAGE_NODE_CACHE``): a rank reads its files
+    from there when that copy is the artifact (``node_copy.py``)."""
 
     @staticmethod
     def from_env(env: Mapping[str, str] | None = None) -> PluginSettings:

@@ -209,8 +209,8 @@ class ModelstageShardedStateLoader(ModelstageLoader):
 
 def node_copy_remedy(directory: Path) -> str:
     return (
-        f"the node-local copy {directory} is corrupt: remove it (and its ModelDeployment's copy "
-        "Job for this node) so that it is copied again"
+        f"the node-local copy {directory} is corrupt: the node agent's re-verification drops "
+        "it and a copy Job copies it again"
     )
 
 

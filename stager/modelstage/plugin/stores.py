@@ -19,6 +19,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING
 
 from modelstage.core.errors import ArtifactError
+from modelstage.core.integrity import open_regular
 from modelstage.core.s3_client import S3Client, S3Location, get_range_into, precondition_failed
 from modelstage.core.safetensors_format import SafetensorsHeader
 
@@ -80,7 +81,7 @@ class LocalFiles(RankBytes):
     def open(self) -> None:
         try:
             for path in self.paths:
-                fd = os.open(path, os.O_RDONLY)
+                fd = open_regular(path)
                 self._fds.append(fd)
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         except BaseException:

@@ -319,9 +319,8 @@ def _add_prepare_parser(sub: Any) -> None:
     pr.add_argument(
         "--node-cache",
         metavar="DIR",
-        help="the node-local cache root (mounted read-only): the summary's nodeCache says "
-        "whether this node holds a copy equal to the artifact (hit) or why not (miss); a miss "
-        "never fails the pod",
+        help="this node's copy of the artifact (mounted read-only): the summary's nodeCache "
+        "says whether it is the artifact (hit) or why not (miss); a miss never fails the pod",
     )
     _add_s3_options(pr)
     _add_network_options(pr)
@@ -779,34 +778,60 @@ def _add_serve_local_parser(sub: Any) -> None:
 # --- node cache: the copy Job and the node agent (modelstage.agent) --------------------------
 def _node_copy(args: argparse.Namespace) -> dict[str, Any]:
     from modelstage.agent.copy import node_copy
+    from modelstage.core import node_cache
 
-    return node_copy(
-        args.artifact, digest=args.digest, root=Path(args.root), tp=args.tp, s3=_s3_options(args)
-    ).summary()
+    agent = args.agent or os.environ.get(node_cache.ENV_NODE_AGENT)
+    if not agent:
+        raise SpecError(
+            f"no node agent: pass --agent http://HOST:PORT or set {node_cache.ENV_NODE_AGENT}"
+        )
+    token = (
+        args.token_file
+        or os.environ.get(node_cache.ENV_NODE_AGENT_TOKEN_FILE)
+        or node_cache.DEFAULT_TOKEN_FILE
+    )
+    return node_copy(args.artifact, digest=args.digest, agent=agent, token_file=Path(token),
+                     tp=args.tp, s3=_s3_options(args))  # fmt: skip
 
 
 def _agent(args: argparse.Namespace) -> int:
     from modelstage.agent.agent import AgentSettings, run_agent
 
     budget = parse_bytes(args.budget, "--budget")
-    settings = AgentSettings(args.node, Path(args.root), budget, args.interval,
-                             args.metrics_port, args.metrics_address, args.kubeconfig)  # fmt: skip
+    quota = _bytes_or_zero(args.namespace_quota, "--namespace-quota")
+    rate = _bytes_or_zero(args.verify_rate, "--verify-rate")
+    settings = AgentSettings(
+        args.node, Path(args.root), budget, args.interval, args.metrics_port,
+        args.metrics_address, args.kubeconfig, args.copy_address, args.copy_port, quota, rate,
+        args.allow_tokens_without_node,
+    )  # fmt: skip
     return run_agent(settings)
+
+
+def _bytes_or_zero(text: str, flag: str) -> int:
+    """``parse_bytes``, or 0 (off)."""
+    return 0 if text.strip() == "0" else parse_bytes(text, flag)
 
 
 def _add_node_cache_parsers(sub: Any) -> None:
     nc = sub.add_parser(
-        "node-copy", help="copy an artifact into a node-local cache root, verified as it lands"
+        "node-copy",
+        help="stream an artifact to this node's cache agent, which verifies every chunk",
     )
     nc.add_argument("--artifact", required=True, help="artifact directory or s3://BUCKET/PREFIX/")
-    nc.add_argument("--digest", required=True, help="the artifact's digest (names the copy)")
+    nc.add_argument("--digest", required=True, help="the artifact's spec digest")
     nc.add_argument("--tp", type=int, help="refuse unless staged for this tensor parallel size")
-    nc.add_argument("--root", required=True, help="the node-local cache root")
+    nc.add_argument("--agent", help="the node agent, http://HOST:PORT (MODELSTAGE_NODE_AGENT)")
+    nc.add_argument(
+        "--token-file",
+        help="the projected token for the agent (MODELSTAGE_NODE_AGENT_TOKEN_FILE; default "
+        "/var/run/secrets/modelstage/token)",
+    )
     _add_s3_options(nc)
     _add_network_options(nc)
     nc.set_defaults(run=_node_copy)
     ag = sub.add_parser(
-        "agent", help="the node cache agent: report, warm, evict and label, until SIGTERM"
+        "agent", help="the node cache agent: receive copies, report, warm, evict, re-verify"
     )
     ag.add_argument("--node", required=True, help="this node's name")
     ag.add_argument("--root", required=True, help="the node-local cache root")
@@ -815,6 +840,21 @@ def _add_node_cache_parsers(sub: Any) -> None:
     ag.add_argument("--metrics-port", type=int, default=0, help="Prometheus metrics (0: none)")
     ag.add_argument("--metrics-address", default="127.0.0.1", help="the metrics bind address")
     ag.add_argument("--kubeconfig", help="default: in-cluster credentials, else KUBECONFIG")
+    ag.add_argument("--copy-address", default="127.0.0.1",
+                    help="where copy Jobs reach the agent (the pod IP in the chart)")  # fmt: skip
+    ag.add_argument("--copy-port", type=int, default=9103, help="0: any free port")
+    ag.add_argument(
+        "--namespace-quota",
+        default="0",
+        help="bytes of copies one namespace may hold on this node (0: no quota)",
+    )
+    ag.add_argument("--verify-rate", default="50M",
+                    help="bytes per second re-verification reads (0: off)")  # fmt: skip
+    ag.add_argument(
+        "--allow-tokens-without-node",
+        action="store_true",
+        help="accept copy Jobs' tokens without the node-name claim (Kubernetes below 1.30)",
+    )
     ag.set_defaults(run=_agent)
 
 

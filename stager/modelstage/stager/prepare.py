@@ -6,9 +6,10 @@ also every file's size; with ``--hash`` every byte against the manifest's chunk 
 same chunked verification as ``modelstage verify``: the loader plugin verifies what each rank
 reads as it streams in anyway); (2) copy the loader plugin into the
 plugin directory (an ``emptyDir`` the vLLM container gets on ``PYTHONPATH``).
-With ``--node-cache DIR`` it also says whether this node holds a copy of the artifact that the
-plugin will read (``plugin/node_copy.py``): a hit or a miss with its reason in the summary,
-which the operator reads from the termination message; never a failure.
+With ``--node-cache DIR`` (this node's copy, mounted read-only) it also says whether that copy
+is the artifact, so that the plugin will read it (``plugin/node_copy.py``): a hit or a miss
+with its reason in the summary, which the operator reads from the termination message; never a
+failure.
 
 How the plugin travels: the two packages it consists of, ``modelstage.core`` and
 ``modelstage.plugin``, copied whole under ``DIR/modelstage/`` (a namespace package, as in the
@@ -57,8 +58,8 @@ def prepare(
     node_cache: Path | None = None,
 ) -> dict[str, Any]:
     """Verify, then install the plugin; returns the one-line summary. With ``node_cache``
-    (the node-local root, mounted) the summary also says whether this node holds a copy the
-    plugin will read (``nodeCache``: hit, or miss and why): a verdict, never a failure."""
+    (this node's copy, mounted) the summary also says whether the plugin will read it
+    (``nodeCache``: hit, or miss and why): a verdict, never a failure."""
     summary = verify_artifact(artifact, digest=digest, tp=tp, hash_content=hash_content, s3=s3)
     installed = install_plugin(plugin_dir)
     summary = {**summary, "pluginDir": str(plugin_dir), "plugin": installed}
@@ -68,7 +69,7 @@ def prepare(
 
 
 def node_cache_verdict(
-    artifact: str, digest: str, root: Path, s3: S3Options | None = None
+    artifact: str, digest: str, copy: Path, s3: S3Options | None = None
 ) -> NodeCopy:
     """This node's copy of the (already verified) artifact against its manifest
     (``plugin/node_copy.py``); a miss, with the reason, when the artifact cannot be read."""
@@ -76,7 +77,7 @@ def node_cache_verdict(
         location = open_artifact(artifact, s3)
     except (ModelstageError, OSError) as e:
         return miss(f"cannot open the artifact: {e}")
-    return node_copy_for(root, digest, location)
+    return node_copy_for(copy, digest, location)
 
 
 def verify_artifact(
