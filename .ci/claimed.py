@@ -25,7 +25,8 @@ def main(reports: list[str]) -> None:
             module = case.get("classname", "").rsplit(".", 1)[-1]
             if module in CLAIMED:
                 rows.append((module, case.get("name", ""), outcome(case)))
-    print(f"ci: claimed vLLM cases run: {sum(r[2] == 'passed' for r in rows)} passed of {len(rows)}")
+    passed = sum(r[2] == "passed" for r in rows)
+    print(f"ci: claimed vLLM cases run: {passed} passed of {len(rows)}")
     for module, name, result in sorted(rows):
         print(f"ci:   {result:<7} {module}::{name}")
 
