@@ -283,6 +283,18 @@ def modeldeployment_phase(
         metrics.DEPLOYMENTS.set(namespace, name, str(status.get("phase") or "Pending"))
 
 
+def _trace_event(logger: Logger, type_: str | None, meta: kopf.Meta) -> None:
+    """Which version of the object an event handler acts on (debug level): the trail to read
+    when a change seems missed, and the evidence tests wait for (a version they wrote)."""
+    version = meta.get("resourceVersion")
+    logger.debug(
+        "%s event at resourceVersion %s",
+        type_ or "LISTED",
+        version,
+        extra={"eventType": type_ or "LISTED", "resourceVersion": version},
+    )
+
+
 def _reconcile_matching(
     memo: Any,
     kwargs: dict[str, Any],
@@ -311,6 +323,7 @@ def stage_job_event(
     **kwargs: Any,
 ) -> None:
     assert namespace is not None
+    _trace_event(logger, type, body.meta)
     state = observe_job(dict(body)).state
     if type == "DELETED":
         metrics.JOBS.forget(namespace, name)
@@ -383,6 +396,7 @@ def modeldeployment_deleted(
 def stager_pod_event(
     type: str,
     namespace: str | None,
+    meta: kopf.Meta,
     labels: kopf.Labels,
     status: kopf.Status,
     memo: Any,
@@ -390,6 +404,7 @@ def stager_pod_event(
     **kwargs: Any,
 ) -> None:
     """A stager pod's termination message can land after its Job's condition."""
+    _trace_event(logger, type, meta)
     if type == "DELETED" or status.get("phase") not in ("Succeeded", "Failed"):
         return
     digest = labels.get(LABEL_DIGEST)
@@ -397,7 +412,16 @@ def stager_pod_event(
 
 
 def _targets(kind: str) -> Any:
-    def handler(namespace: str | None, name: str, memo: Any, logger: Logger, **kwargs: Any) -> None:
+    def handler(
+        type: str,
+        namespace: str | None,
+        name: str,
+        meta: kopf.Meta,
+        memo: Any,
+        logger: Logger,
+        **kwargs: Any,
+    ) -> None:
+        _trace_event(logger, type, meta)
         _reconcile_matching(memo, kwargs, namespace, logger, lambda r: r.target == (kind, name))
 
     handler.__name__ = f"{kind.lower()}_event"
