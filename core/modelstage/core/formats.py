@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from .architectures import ARCHITECTURES, QUANTIZED
 from .errors import SpecError
 from .layouts import layout_for
 
@@ -220,33 +221,11 @@ def plugin_load_formats() -> dict[str, tuple[str, ...]]:
     return {**found, S3_READER_FORMAT: FORMATS[S3_READER_FORMAT].loads}
 
 
-PER_RANK_ARCHITECTURES = frozenset(
-    {
-        "Gemma2ForCausalLM",
-        "Gemma3ForCausalLM",
-        "LlamaForCausalLM",
-        "MistralForCausalLM",
-        "MixtralForCausalLM",
-        "Phi3ForCausalLM",
-        "Qwen2ForCausalLM",
-        "Qwen2MoeForCausalLM",
-        "Qwen3ForCausalLM",
-        "Qwen3MoeForCausalLM",
-        "GptOssForCausalLM",
-    }
-)
-"""The architectures the stager splits per rank (the names of ``modelstage.stager.
-architectures.ARCHITECTURES``, which a test holds equal): ``loadFormat: auto`` decides by them
-where the stager's rules are not at hand (the operator)."""
-FP8_CHANNEL = "compressed-tensors/w8a8-fp8-channel"
-"""The quantization the stager reports for a compressed-tensors checkpoint of float8_e4m3fn
-Linear weights with one scale per output channel and activations quantized per token at run
-time (llm-compressor's ``FP8_DYNAMIC``); any other quantization goes by its ``quant_method``."""
-PER_RANK_QUANTIZATIONS: dict[str, frozenset[str]] = {
-    FP8_CHANNEL: frozenset({"LlamaForCausalLM", "Qwen3ForCausalLM"}),
-}
-"""Quantization -> the architectures whose checkpoints in it the stager splits per rank (held
-equal to ``modelstage.stager.architectures.QUANTIZED`` by a test)."""
+PER_RANK_ARCHITECTURES = frozenset(ARCHITECTURES)
+"""The architectures the stager splits per rank (the family table's names): ``loadFormat:
+auto`` decides by them."""
+PER_RANK_QUANTIZATIONS: dict[str, frozenset[str]] = {q: frozenset(a) for q, a in QUANTIZED.items()}
+"""Quantization -> the architectures whose checkpoints in it the stager splits per rank."""
 AUTO = "auto"
 """``loadFormat: auto``: per-rank staging where the stager can split the checkpoint, the
 Hugging Face layout otherwise (``choose_format``)."""
@@ -257,11 +236,6 @@ AUTO_FORMATS = {
     ("s3", False): "runai_streamer",
 }
 """(storage, per rank) -> the format ``auto`` picks."""
-HF_LAYOUT_HINT = (
-    "stage it in the Hugging Face layout with --format safetensors (a directory) or "
-    "runai_streamer (S3), which vLLM splits itself at load"
-)
-"""What a per-rank format's refusal of a checkpoint it cannot split points to."""
 
 
 @dataclass(frozen=True)
