@@ -10,9 +10,10 @@ fits) and its tests (docs/architecture.md).
 from __future__ import annotations
 
 import re
+from collections.abc import KeysView, Mapping
 from dataclasses import dataclass
 
-from .architectures import ARCHITECTURES, QUANTIZED
+from .architectures import ARCHITECTURES, QUANTIZED, Architecture
 from .errors import SpecError
 from .layouts import layout_for
 
@@ -221,11 +222,12 @@ def plugin_load_formats() -> dict[str, tuple[str, ...]]:
     return {**found, S3_READER_FORMAT: FORMATS[S3_READER_FORMAT].loads}
 
 
-PER_RANK_ARCHITECTURES = frozenset(ARCHITECTURES)
-"""The architectures the stager splits per rank (the family table's names): ``loadFormat:
-auto`` decides by them."""
-PER_RANK_QUANTIZATIONS: dict[str, frozenset[str]] = {q: frozenset(a) for q, a in QUANTIZED.items()}
-"""Quantization -> the architectures whose checkpoints in it the stager splits per rank."""
+PER_RANK_ARCHITECTURES: KeysView[str] = ARCHITECTURES.keys()
+"""The architectures the stager splits per rank: the family table's names (a view, never a
+copy), by which ``loadFormat: auto`` decides."""
+PER_RANK_QUANTIZATIONS: Mapping[str, Mapping[str, Architecture]] = QUANTIZED
+"""Quantization -> the architectures whose checkpoints in it the stager splits per rank (the
+family table's quantized rows, by name)."""
 AUTO = "auto"
 """``loadFormat: auto``: per-rank staging where the stager can split the checkpoint, the
 Hugging Face layout otherwise (``choose_format``)."""
