@@ -178,3 +178,31 @@ def test_a_format_row_and_its_writer_alone_stage_and_verify(
     (out / "model-rank-1.txt").write_text("tampered\n")
     assert cli.main(["verify", str(out), "--tp", "2"]) == 1
     assert "model-rank-1.txt" in capsys.readouterr().err
+
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = {"core": "core", "stager": "stager", "plugin": "stager", "devtools": "stager",
+            "agent": "stager", "operator": "operator"}  # fmt: skip
+"""A package's module paths as docs/architecture.md gives them -> the source root holding it."""
+
+
+def _walk_paths(section: str) -> set[str]:
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    body = text.split(f"## {section}\n", 1)[1].split("\n## ", 1)[0]
+    return {p for p in re.findall(r"`([\w./-]+\.(?:py|yaml|md))[`\s]", body) if "/" in p}
+
+
+def _checkout_path(path: str) -> Path:
+    package = path.split("/", 1)[0]
+    root = PACKAGES.get(package)
+    return ROOT / (f"{root}/modelstage/{path}" if root else path)
+
+
+@pytest.mark.parametrize("section", ["How to add a format", "How to add an architecture"])
+def test_every_file_the_walks_name_exists(section: str) -> None:
+    paths = _walk_paths(section)
+    assert len(paths) >= 4, paths
+    missing = sorted(p for p in paths if not _checkout_path(p).is_file())
+    assert not missing, (
+        f"docs/architecture.md's {section!r} names files that do not exist: {missing}"
+    )
