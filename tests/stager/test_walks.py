@@ -1,5 +1,6 @@
 """The two walks of docs/architecture.md, proven: a new family is one row of the family table,
-a new format one row of the format table and its writer. Each test adds its row to the
+a new format one row of the format table and its writer (its plugin loader and the API take the
+row as it is). Each test adds its row to the
 tables for its own duration only (``monkeypatch``); every other module reads the tables, so
 ``modelstage stage`` and ``modelstage verify`` (the CLI, in-process) take the new row with no
 other change, and the synthetic checkpoint comes from the row's rules.
@@ -8,7 +9,11 @@ other change, and the synthetic checkpoint comes from the row's rules.
 from __future__ import annotations
 
 import json
+import pickle
 import re
+import subprocess
+import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -178,6 +183,57 @@ def test_a_format_row_and_its_writer_alone_stage_and_verify(
     (out / "model-rank-1.txt").write_text("tampered\n")
     assert cli.main(["verify", str(out), "--tp", "2"]) == 1
     assert "model-rank-1.txt" in capsys.readouterr().err
+
+
+API_WITH_ROW = """
+import json, pickle, sys
+from modelstage.core import formats
+row = pickle.load(sys.stdin.buffer)
+formats.FORMATS[row.name] = row
+from modelstage.operator import api, crd
+spec = json.loads(sys.argv[1])
+loaded = api.ModelDeploymentSpec.model_validate(spec).load_format
+schema = crd.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]
+print(json.dumps([loaded, schema["spec"]["properties"]["loadFormat"]["enum"]]))
+"""
+"""A fresh interpreter whose format table has the row before the API is imported (pydantic
+builds its models once, at import): the spec it accepts and the CRD's ``loadFormat`` enum."""
+SPEC = {
+    "model": {"uri": "hf://org/model"},
+    "parallelism": {"tensor": 2},
+    "loadFormat": "listing",
+    "storage": {"pvc": {"claimName": "models", "path": "/artifacts"}},
+    "serving": {"targetRef": {"kind": "Deployment", "name": "vllm"}, "containerName": "vllm"},
+}
+
+
+def test_a_format_rows_plugin_loader_is_registered_and_the_api_accepts_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from modelstage.operator.api import ModelDeploymentSpec
+    from modelstage.operator.artifact import Artifact, location_from_uri
+    from modelstage.operator.rollout_plan import vllm_settings
+    from modelstage.plugin import plugin_rows
+    from pydantic import ValidationError
+
+    row = replace(LISTING, plugin_loader="modelstage_listing")
+    with pytest.raises(ValidationError, match="loadFormat"):
+        ModelDeploymentSpec.model_validate(SPEC)
+    assert row not in plugin_rows()
+    monkeypatch.setitem(FORMATS, row.name, row)
+    assert row in plugin_rows()  # register() loads plugin/listing.py's loader for it
+    assert formats.plugin_load_formats()["modelstage_listing"] == ("listing",)
+    location = location_from_uri("pvc://models/llm/0123456789abcdef0123", "0123456789abcdef0123")
+    served = vllm_settings(Artifact(location, "listing", 2), plugin=True)
+    assert served.load_format == "modelstage_listing"
+
+    api = subprocess.run(
+        [sys.executable, "-c", API_WITH_ROW, json.dumps(SPEC)],
+        input=pickle.dumps(row), capture_output=True, timeout=120,
+    )  # fmt: skip
+    assert api.returncode == 0, api.stderr.decode()[-1500:]
+    loaded, enum = json.loads(api.stdout)
+    assert loaded == "listing" and enum == ["auto", *FORMATS]
 
 
 ROOT = Path(__file__).resolve().parents[2]
