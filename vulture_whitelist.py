@@ -20,6 +20,12 @@ _.requests
 _.staged_at
 _.queue_position
 
+# The plugin's loaders, found by register() in plugin/<row name>.py through the format row
+# each names (plugin.loader_for).
+_.ModelstageRunaiStreamerLoader
+_.ModelstageRunaiStreamerShardedLoader
+_.ModelstageSafetensorsLoader
+
 # kopf's handlers, registered by the decorator call that assigns them.
 _.deployment_event
 _.statefulset_event

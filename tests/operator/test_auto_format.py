@@ -12,7 +12,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from modelstage.core.formats import FP8_CHANNEL
+from modelstage.core.model_config import FP8_CHANNEL
 from modelstage.operator.api import ModelDeploymentSpec, ModelDeploymentStatus
 from modelstage.operator.artifact import artifact_for, spec_digest
 from modelstage.operator.job_plan import plan_resolve_job

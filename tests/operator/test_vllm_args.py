@@ -588,7 +588,7 @@ def test_vllms_own_parser_reads_the_rewritten_command_line_as_intended(
 ) -> None:  # fmt: skip
     from modelstage.operator.artifact import Artifact, location_from_uri
     from modelstage.operator.rollout_plan import vllm_settings
-    from modelstage.plugin import LOAD_FORMATS as PLUGIN_FORMATS
+    from modelstage.plugin import plugin_rows
 
     config_file = tmp_path / "config.yaml"
     config_file.write_text("max-model-len: 4096\n")
@@ -604,7 +604,7 @@ def test_vllms_own_parser_reads_the_rewritten_command_line_as_intended(
     assert vllm_model(after) == settings.model and after.model_tag in (None, settings.model)
     assert after.load_format == settings.load_format
     if settings.load_format.startswith("modelstage_"):
-        assert plugin and on_pvc and settings.load_format in PLUGIN_FORMATS
+        assert plugin and on_pvc and settings.load_format in {r.plugin_loader for r in plugin_rows()}
     else:
         assert settings.load_format in vllm_parser.stock_formats
     assert after.tensor_parallel_size == 2

@@ -9,8 +9,6 @@ from pathlib import Path
 import pytest
 from modelstage.core.errors import ArtifactError, SpecError
 from modelstage.core.manifest import MANIFEST
-from modelstage.plugin import LOAD_FORMATS
-from modelstage.plugin.checks import LOAD_FORMATS as CHECKED_FORMATS
 from modelstage.plugin.checks import (
     VerifiedArtifact,
     _part_key,
@@ -18,7 +16,7 @@ from modelstage.plugin.checks import (
     verify_content,
     verify_local,
 )
-from modelstage.plugin.settings import S3_READER_FORMAT, PluginSettings
+from modelstage.plugin.settings import PluginSettings
 from support.serving import Artifact, stage_artifact
 
 from .conftest import TIED
@@ -183,10 +181,6 @@ def test_parts_load_in_part_number_order_not_name_order() -> None:
     names = [f"model-rank-0-part-{p}.safetensors" for p in (10, 2, 1, 0)]
     ordered = sorted(names, key=_part_key(RANK0))
     assert ordered == [f"model-rank-0-part-{p}.safetensors" for p in (0, 1, 2, 10)]
-
-
-def test_plugin_and_checks_agree_on_the_load_formats() -> None:
-    assert set(CHECKED_FORMATS) == {*LOAD_FORMATS, S3_READER_FORMAT}
 
 
 def test_settings_parse_strictly() -> None:

@@ -1,15 +1,21 @@
-"""Pieces of the loader that need vLLM importable but not running: parameter targets, metrics."""
+"""Pieces of the loader that need vLLM importable but not running: parameter targets, metrics,
+which loader reads which row of the format table."""
 
 from __future__ import annotations
 
 import urllib.request
+from dataclasses import replace
 
 import pytest
 import torch
 from modelstage.core.errors import ArtifactError
+from modelstage.core.formats import FORMATS, S3_READER_FORMAT, plugin_load_formats
 from modelstage.core.safetensors_format import TensorInfo
+from modelstage.plugin import loader_for, plugin_rows
+from modelstage.plugin.base import HfLayoutLoader
 from modelstage.plugin.metrics import PHASES, LoadRecord, publish
 from modelstage.plugin.reader import flat_bytes
+from modelstage.plugin.s3_sharded_state import ModelstageS3ShardedStateLoader
 from modelstage.plugin.sharded_state import check_keys, target_for
 from prometheus_client.parser import text_string_to_metric_families
 from support.serving import free_ports
@@ -89,3 +95,37 @@ def test_published_load_is_scrapable_and_parses_with_every_phase() -> None:
     assert samples[("modelstage_load_bytes_total", None)] >= 1000
     assert samples[("modelstage_load_throughput_bytes_per_second", None)] == 4000
     assert '"throughput_bytes_per_second":4000' in record.log_line()
+
+
+def test_each_plugin_row_is_read_by_the_loader_in_its_module_with_the_rows_names() -> None:
+    for row in plugin_rows():
+        loader = loader_for(row)
+        assert loader.__module__ == f"modelstage.plugin.{row.name}"
+        assert (loader.load_format, loader.stock_format, loader.per_rank) == (
+            row.plugin_loader, row.stock_loader, row.per_rank)  # fmt: skip
+    assert plugin_rows() == [f for f in FORMATS.values() if f.plugin_loader]
+    reader = ModelstageS3ShardedStateLoader
+    assert (reader.load_format, reader.stock_format, reader.per_rank) == (
+        S3_READER_FORMAT, S3_READER_FORMAT, True)  # fmt: skip
+    assert set(plugin_load_formats()) == {*(r.plugin_loader for r in plugin_rows()),
+                                          S3_READER_FORMAT}  # fmt: skip
+
+
+def test_a_row_whose_module_holds_no_loader_naming_it_is_refused_by_name(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    impostor = replace(FORMATS["sharded_state"], extra_config_keys=frozenset({"x"}))
+    monkeypatch.setitem(FORMATS, "sharded_state", impostor)
+    with pytest.raises(ImportError, match=r"modelstage\.plugin\.sharded_state must hold one "
+                       r"loader class with format = FORMATS\['sharded_state'\]"):  # fmt: skip
+        loader_for(impostor)
+    missing = replace(FORMATS["safetensors"], name="listing", plugin_loader="modelstage_listing")
+    with pytest.raises(ModuleNotFoundError, match=r"modelstage\.plugin\.listing"):
+        loader_for(missing)
+
+
+def test_a_loader_naming_a_row_without_a_plugin_loader_is_refused_where_defined() -> None:
+    with pytest.raises(TypeError, match=r"format tensorizer, whose row in core/formats\.py"):
+
+        class _Tensorizer(HfLayoutLoader):
+            format = FORMATS["tensorizer"]

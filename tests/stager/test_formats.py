@@ -51,7 +51,7 @@ def test_the_plugin_loads_what_the_table_says() -> None:
 
 def test_an_unknown_format_is_refused_naming_the_supported_ones() -> None:
     with pytest.raises(SpecError, match=r"^format 'pytorch' is not supported; supported: "
-                       r"sharded_state, runai_streamer_sharded, runai_streamer, safetensors, "
+                       r"sharded_state, runai_streamer, runai_streamer_sharded, safetensors, "
                        r"tensorizer$"):  # fmt: skip
         format_for("pytorch")
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Annotated, Any, ClassVar, Final, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Final, Literal
 
-from modelstage.core.formats import FORMATS
+from modelstage.core.formats import AUTO, FORMATS
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -38,20 +38,15 @@ API_VERSION: Final = "modelstage.io/v1alpha1"
 DEFAULT_STAGER_IMAGE = "ghcr.io/modelstage/stager:0.1.0"
 """The stager image when ``spec.stager.image`` is unset; the operator may override it."""
 
-LoadFormat = Literal[
-    "sharded_state", "runai_streamer", "runai_streamer_sharded", "safetensors", "tensorizer"
-]
-"""The format table's names (``modelstage.core.formats``; a test holds the two equal)."""
-SpecLoadFormat = Literal[
-    "auto",
-    "sharded_state",
-    "runai_streamer",
-    "runai_streamer_sharded",
-    "safetensors",
-    "tensorizer",
-]
-"""``spec.loadFormat``: a format, or ``auto`` (``core.formats.choose_format``: per rank where
-the stager splits the checkpoint's architecture, the Hugging Face layout otherwise)."""
+if TYPE_CHECKING:  # the checker sees a str; pydantic, the CRD and the API server the list
+    LoadFormat = str
+    SpecLoadFormat = str
+else:
+    LoadFormat = Literal[tuple(FORMATS)]
+    SpecLoadFormat = Literal[(AUTO, *FORMATS)]
+"""``LoadFormat``: the format table's names (``modelstage.core.formats``), in its order.
+``SpecLoadFormat`` (``spec.loadFormat``): a format, or ``auto`` (``choose_format``: per rank
+where the stager splits the checkpoint's architecture, the Hugging Face layout otherwise)."""
 S3_ONLY_FORMATS = sorted(f.name for f in FORMATS.values() if f.storage == ("s3",))
 PVC_ONLY_FORMATS = sorted(f.name for f in FORMATS.values() if f.storage == ("pvc",))
 

@@ -37,7 +37,6 @@ from .kube import (
     ca_volume,
     container_security_context,
     s3_credentials_env,
-    secret_env,
 )
 from .patch import merge_diff
 from .vllm_args import VllmSettings, rewrite
@@ -122,22 +121,10 @@ def _s3_serving_env(artifact: Artifact, connection: S3Connection | None) -> list
     if ca:
         env.append({"name": "AWS_CA_BUNDLE", "value": ca})
     env += s3_credentials_env(conn.credentials_secret)
-    if FORMATS[artifact.load_format].stock_loader == "tensorizer":
-        # vLLM's tensorizer reads S3 settings from its own variables (vllm/envs.py). vLLM 0.32
-        # does not hand those to tensorizer's open_stream, though: tensorizer then takes the
-        # endpoint from AWS_ENDPOINT_URL and boto3 the credentials from AWS_* (both above),
-        # and it downloads with the curl binary, which trusts a CA only via CURL_CA_BUNDLE.
-        if ca:
-            env.append({"name": "CURL_CA_BUNDLE", "value": ca})
-        if conn.endpoint:
-            env.append({"name": "S3_ENDPOINT_URL", "value": conn.endpoint})
-        if conn.credentials_secret:
-            env += [
-                secret_env("S3_ACCESS_KEY_ID", conn.credentials_secret, "AWS_ACCESS_KEY_ID"),
-                secret_env(
-                    "S3_SECRET_ACCESS_KEY", conn.credentials_secret, "AWS_SECRET_ACCESS_KEY"
-                ),
-            ]
+    given = {e["name"]: e for e in env}
+    for name, copied in FORMATS[artifact.load_format].s3_serving_env:
+        if copied.value in given:  # a format's loader reading a setting under its own name
+            env.append({**given[copied.value], "name": name})
     return env
 
 

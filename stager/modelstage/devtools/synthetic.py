@@ -7,70 +7,42 @@ that the same spec always yields the same bytes (the vLLM oracle caches referenc
 a hash of the files), and scaled (std ~ 1/sqrt(hidden)) so that log-probabilities are
 informative: a wrongly split matrix changes them.
 
+The tensors are the family table's (``core.architectures``): every source tensor its rules
+read for the checkpoint's ``config.json``, in the rules' shapes, so a new row is a checkpoint
+here with no other change. What ``config.json`` holds beyond the fields every family shares
+is the hub's spelling per ``model_type`` (``_HUB_FIELDS``); a family without an entry gets the
+fields its rules read (``_generic_fields``), and its oracle entry may add more
+(``config_extra``).
+
 Files are written tensor by tensor after a header from the product's own encoder
 (``safetensors_format.encode_header``), so memory stays at one row block whatever the
 checkpoint's size. numpy only: bfloat16 is produced by rounding float32 bits (round to nearest
-even, as torch does), so torch is never imported. The architectures are the stager's table's
-(``architectures.ARCHITECTURES``); what each writes in ``config.json`` is here.
+even, as torch does), so torch is never imported.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import re
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
+from modelstage.core.architectures import ARCHITECTURES, QUANTIZED, Architecture, When
+from modelstage.core.model_config import FP8_CHANNEL, ModelConfig
 from modelstage.core.safetensors_format import DTYPE_CODES, DTYPE_SIZES, encode_header
-from modelstage.stager.architectures import ARCHITECTURES
 
-Architecture = Literal[
-    "Gemma2ForCausalLM",
-    "Gemma3ForCausalLM",
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "MixtralForCausalLM",
-    "Phi3ForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen2MoeForCausalLM",
-    "Qwen3ForCausalLM",
-    "Qwen3MoeForCausalLM",
-    "GptOssForCausalLM",
-]
 DType = Literal["float32", "bfloat16", "float16"]
+Weights = list[tuple[str, tuple[int, ...]]]
+"""(HF name, shape) of tensors, in checkpoint order."""
 
-_MODEL_TYPES = {
-    "Gemma2ForCausalLM": "gemma2",
-    "Gemma3ForCausalLM": "gemma3_text",
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "MixtralForCausalLM": "mixtral",
-    "Phi3ForCausalLM": "phi3",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen2MoeForCausalLM": "qwen2_moe",
-    "Qwen3ForCausalLM": "qwen3",
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-    "GptOssForCausalLM": "gpt_oss",
-}
-_MOE = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
-_GPT_OSS = "GptOssForCausalLM"
-_FP8 = ("LlamaForCausalLM", "Qwen3ForCausalLM")
-"""Architectures whose FP8 checkpoints the stager splits per rank."""
-_LINEAR_WEIGHTS = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.[a-z_]+_proj\.weight$")
-"""The Linear weights llm-compressor quantizes (``targets: [Linear]``, ``ignore: [lm_head]``)."""
 _FP8_MAX = 448.0
 """float8_e4m3fn's largest finite value: a channel's largest magnitude maps to it."""
-_FUSED_IN_SOURCE = ("Phi3ForCausalLM",)
-"""Architectures whose checkpoints hold q/k/v fused in ``qkv_proj`` and gate/up in
-``gate_up_proj`` (rows: q, k, v; gate, up), as vLLM holds them."""
-_GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
-_QK_NORM = ("Gemma3ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+_FP8_CODE = "F8_E4M3"
 _SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>")
 _CHUNK_ELEMENTS = 8 * 1024 * 1024
 """Elements generated per step (32 MiB of float32): bounds memory for large tensors."""
@@ -83,7 +55,8 @@ checkpoints carry (``torch_dtype``, top-level ``rope_theta``)."""
 class SyntheticModel:
     """What to generate. Defaults are a tiny Llama; ``llama_demo()`` is the demo's model."""
 
-    architecture: Architecture = "LlamaForCausalLM"
+    architecture: str = "LlamaForCausalLM"
+    """A name of the family table (``core.architectures.ARCHITECTURES``)."""
     hidden_size: int = 256
     intermediate_size: int = 512
     num_layers: int = 2
@@ -115,9 +88,9 @@ class SyntheticModel:
     tensors' (and the scales')."""
 
     def __post_init__(self) -> None:
-        if self.architecture not in ARCHITECTURES or self.architecture not in _MODEL_TYPES:
+        if self.architecture not in ARCHITECTURES:
             raise ValueError(
-                f"architecture {self.architecture!r} unsupported; one of {tuple(_MODEL_TYPES)}"
+                f"architecture {self.architecture!r} unsupported; one of {tuple(ARCHITECTURES)}"
             )
         if self.dtype not in DTYPE_CODES:
             raise ValueError(f"dtype {self.dtype!r} unsupported; one of {tuple(DTYPE_CODES)}")
@@ -141,24 +114,34 @@ class SyntheticModel:
             raise ValueError(f"vocab_size must be > {len(_SPECIAL_TOKENS)}")
         if self.head_dim is None and self.hidden_size % self.num_heads:
             raise ValueError("hidden_size must be a multiple of num_heads (or set head_dim)")
-        if (
-            self.head_dim is not None
-            and self.architecture == "Qwen2ForCausalLM"
-            and (self.head_dim * self.num_heads != self.hidden_size)
-        ):
-            raise ValueError("Qwen2 derives head_dim = hidden_size / num_heads")
         self._check_combinations()
 
     def _check_combinations(self) -> None:
-        """Options that only some architectures or shapes take."""
+        """Options that only some families or shapes take (what their rows say)."""
         if self.experts_per_token > self.num_experts:
             raise ValueError("experts_per_token must be <= num_experts")
         if self.split_fused and self.num_shards < 2:
             raise ValueError("split_fused needs num_shards >= 2")
-        if self.fp8 and self.architecture not in _FP8:
-            raise ValueError(f"fp8 is written for {', '.join(_FP8)} only")
-        if self.architecture == "Gemma2ForCausalLM" and not self.tie_word_embeddings:
-            raise ValueError("Gemma 2 ties its embeddings (vLLM's model has no lm_head)")
+        quantized = QUANTIZED[FP8_CHANNEL]
+        if self.fp8 and self.architecture not in quantized:
+            raise ValueError(f"fp8 is written for {', '.join(quantized)} only")
+        if not self.tie_word_embeddings and not any(
+            r.when is When.UNTIED for r in self.family.rules
+        ):
+            raise ValueError(f"{self.architecture} ties its embeddings (vLLM's model has no head)")
+        derived = self.head_dim is not None and self.head_dim * self.num_heads != self.hidden_size
+        if derived and "head_dim" not in self._family_fields():
+            raise ValueError(
+                f"{self.architecture} derives head_dim = hidden_size / num_heads (its config.json "
+                "has no head_dim)"
+            )
+
+    @property
+    def family(self) -> Architecture:
+        """The family table's row whose rules name this checkpoint's tensors."""
+        if self.fp8:
+            return QUANTIZED[FP8_CHANNEL][self.architecture]
+        return ARCHITECTURES[self.architecture]
 
     @property
     def shared_expert_intermediate_size(self) -> int:
@@ -170,242 +153,40 @@ class SyntheticModel:
     def head_size(self) -> int:
         return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_heads
 
-    def tensors(self) -> list[tuple[str, tuple[int, ...]]]:
-        """(HF name, shape) of every weight, in model order."""
-        h, hd = self.hidden_size, self.head_size
-        q_rows, kv_rows = self.num_heads * hd, self.num_kv_heads * hd
-        out: list[tuple[str, tuple[int, ...]]] = [
-            ("model.embed_tokens.weight", (self.vocab_size, h))
-        ]
-        for layer in range(self.num_layers):
-            p = f"model.layers.{layer}."
-            out.append((p + "input_layernorm.weight", (h,)))
-            if self.architecture in _FUSED_IN_SOURCE:
-                out.append((p + "self_attn.qkv_proj.weight", (q_rows + 2 * kv_rows, h)))
-            else:
-                out += [
-                    (p + "self_attn.q_proj.weight", (q_rows, h)),
-                    (p + "self_attn.k_proj.weight", (kv_rows, h)),
-                    (p + "self_attn.v_proj.weight", (kv_rows, h)),
-                ]
-            if self.architecture in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", _GPT_OSS):
-                out += [
-                    (p + "self_attn.q_proj.bias", (q_rows,)),
-                    (p + "self_attn.k_proj.bias", (kv_rows,)),
-                    (p + "self_attn.v_proj.bias", (kv_rows,)),
-                ]
-            if self.architecture in _QK_NORM:
-                out += [
-                    (p + "self_attn.q_norm.weight", (hd,)),
-                    (p + "self_attn.k_norm.weight", (hd,)),
-                ]
-            out += [
-                (p + "self_attn.o_proj.weight", (h, q_rows)),
-                (p + "post_attention_layernorm.weight", (h,)),
-            ]
-            if self.architecture == _GPT_OSS:
-                out += [(p + "self_attn.o_proj.bias", (h,)),
-                        (p + "self_attn.sinks", (self.num_heads,))]  # fmt: skip
-            if self.architecture in _GEMMA:
-                out += [
-                    (p + "pre_feedforward_layernorm.weight", (h,)),
-                    (p + "post_feedforward_layernorm.weight", (h,)),
-                ]
-            out += self._mlp(p)
-        out.append(("model.norm.weight", (h,)))
-        if not self.tie_word_embeddings:
-            out.append(("lm_head.weight", (self.vocab_size, h)))
-        if self.fp8:  # each quantized weight's scale follows it, as llm-compressor saves them
-            out = [
-                entry
-                for name, shape in out
-                for entry in [(name, shape)]
-                + ([(_scale_of(name), (shape[0], 1))] if self.quantized(name) else [])
-            ]
+    def tensors(self) -> Weights:
+        """(HF name, shape) of every weight, in the rules' order: embeddings, then layer by
+        layer, then the final norm and head; a quantized weight's scale right after it."""
+        model = ModelConfig.from_dict(self._own_config())
+        symbols, out, seen = model.symbols, [], set()
+        for rule, source, _ in self.family.expand(model):
+            if source not in seen:  # a source fused in the checkpoint feeds several rules
+                seen.add(source)
+                out.append((source, rule.source_shape(symbols)))
         return out
 
     def quantized(self, name: str) -> bool:
         """Whether tensor ``name`` is stored as float8_e4m3fn."""
-        return self.fp8 and _LINEAR_WEIGHTS.match(name) is not None
+        return name in self._quantized_names()
 
     def dtype_code(self, name: str) -> str:
         """The safetensors dtype of tensor ``name``."""
-        return "F8_E4M3" if self.quantized(name) else DTYPE_CODES[self.dtype]
+        return _FP8_CODE if self.quantized(name) else DTYPE_CODES[self.dtype]
 
-    def _mlp(self, p: str) -> list[tuple[str, tuple[int, ...]]]:
-        """One layer's MLP: dense gate/up/down, or a router and each expert's gate/up/down
-        (Mixtral's ``block_sparse_moe`` names them w1/w3/w2)."""
-        h, i = self.hidden_size, self.intermediate_size
-        if self.architecture == _GPT_OSS:
-            return self._gpt_oss_mlp(p)
-        if self.architecture in _FUSED_IN_SOURCE:
-            return [
-                (p + "mlp.gate_up_proj.weight", (2 * i, h)),
-                (p + "mlp.down_proj.weight", (h, i)),
-            ]
-        if self.architecture not in _MOE:
-            return [
-                (p + "mlp.gate_proj.weight", (i, h)),
-                (p + "mlp.up_proj.weight", (i, h)),
-                (p + "mlp.down_proj.weight", (h, i)),
-            ]
-        mixtral = self.architecture == "MixtralForCausalLM"
-        moe = p + ("block_sparse_moe." if mixtral else "mlp.")
-        gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
-        out: list[tuple[str, tuple[int, ...]]] = [(moe + "gate.weight", (self.num_experts, h))]
-        for e in range(self.num_experts):
-            x = f"{moe}experts.{e}."
-            out += [(f"{x}{gate}.weight", (i, h)), (f"{x}{down}.weight", (h, i)),
-                    (f"{x}{up}.weight", (i, h))]  # fmt: skip
-        if self.architecture == "Qwen2MoeForCausalLM":
-            s, x = self.shared_expert_intermediate_size, moe + "shared_expert."
-            out += [(x + "gate_proj.weight", (s, h)), (x + "up_proj.weight", (s, h)),
-                    (x + "down_proj.weight", (h, s)),
-                    (moe + "shared_expert_gate.weight", (1, h))]  # fmt: skip
-        return out
+    def _quantized_names(self) -> frozenset[str]:
+        if not self.fp8:
+            return frozenset()
+        model = ModelConfig.from_dict(self._own_config())
+        return frozenset(
+            source for rule, source, _ in self.family.expand(model) if rule.source_dtype
+        )
 
-    def _gpt_oss_mlp(self, p: str) -> list[tuple[str, tuple[int, ...]]]:
-        """gpt-oss's MLP as its bf16 hub checkpoints hold it: a router with a bias, and every
-        expert stacked in one tensor per kind, input dim first (``gate_up_proj`` [E, H, 2I]
-        with gate and up columns interleaved, ``down_proj`` [E, I, H])."""
-        e, h, i, x = self.num_experts, self.hidden_size, self.intermediate_size, p + "mlp."
-        return [(x + "router.weight", (e, h)), (x + "router.bias", (e,)),
-                (x + "experts.gate_up_proj", (e, h, 2 * i)),
-                (x + "experts.gate_up_proj_bias", (e, 2 * i)),
-                (x + "experts.down_proj", (e, i, h)),
-                (x + "experts.down_proj_bias", (e, h))]  # fmt: skip
+    def _family_fields(self) -> dict[str, object]:
+        """The ``config.json`` fields of this family beyond the common ones."""
+        hub = _HUB_FIELDS.get(self.family.model_type)
+        return hub(self) if hub is not None else _generic_fields(self)
 
-    def _gpt_oss_config(self) -> dict[str, object]:
-        """gpt-oss's fields as its hub config.json has them: alternating sliding and full
-        attention, yarn RoPE, the clamped SwiGLU's limit, biases everywhere."""
-        window = min(8, self.max_position_embeddings)
-        return {
-            "attention_bias": True,
-            "head_dim": self.head_size,
-            "hidden_act": "silu",
-            "initial_context_length": self.max_position_embeddings // 4,
-            "layer_types": [
-                "sliding_attention" if layer % 2 == 0 else "full_attention"
-                for layer in range(self.num_layers)
-            ],
-            "num_local_experts": self.num_experts,
-            "num_experts_per_tok": self.experts_per_token,
-            "experts_per_token": self.experts_per_token,
-            "output_router_logits": False,
-            "rms_norm_eps": 1e-5,
-            "rope_scaling": {
-                "beta_fast": 32.0,
-                "beta_slow": 1.0,
-                "factor": 4.0,
-                "original_max_position_embeddings": self.max_position_embeddings // 4,
-                "rope_type": "yarn",
-                "truncate": False,
-            },
-            "rope_theta": 150000.0,
-            "router_aux_loss_coef": 0.9,
-            "sliding_window": window,
-            "swiglu_limit": 7.0,
-        }
-
-    def _architecture_config(self) -> dict[str, object]:
-        """The ``config.json`` fields of this architecture beyond the common ones."""
-        cfg: dict[str, object] = {}
-        if self.architecture == "LlamaForCausalLM":
-            cfg.update(
-                attention_bias=False, mlp_bias=False, pretraining_tp=1, head_dim=self.head_size
-            )
-        elif self.architecture == "MistralForCausalLM":
-            cfg.update(sliding_window=None, head_dim=self.head_size)
-        elif self.architecture == "MixtralForCausalLM":
-            cfg.update(
-                sliding_window=None,
-                head_dim=self.head_size,
-                num_local_experts=self.num_experts,
-                num_experts_per_tok=self.experts_per_token,
-                output_router_logits=False,
-                router_aux_loss_coef=0.02,
-                router_jitter_noise=0.0,
-            )
-        elif self.architecture == "Phi3ForCausalLM":
-            cfg.update(
-                embd_pdrop=0.0,
-                resid_pdrop=0.0,
-                original_max_position_embeddings=self.max_position_embeddings,
-                sliding_window=self.max_position_embeddings // 2 - 1,  # Phi-3-mini-4k: 2047
-                pad_token_id=_SPECIAL_TOKENS.index("<pad>"),
-            )
-        elif self.architecture == "Qwen2ForCausalLM":
-            cfg.update(
-                sliding_window=None, use_sliding_window=False, max_window_layers=self.num_layers
-            )
-        elif self.architecture == "Qwen2MoeForCausalLM":
-            cfg.update(
-                self._qwen_moe_config(),
-                shared_expert_intermediate_size=self.shared_expert_intermediate_size,
-                norm_topk_prob=False,
-            )
-        elif self.architecture in _GEMMA:
-            cfg.update(self._gemma_config())
-        elif self.architecture == "Qwen3MoeForCausalLM":
-            cfg.update(
-                self._qwen_moe_config(),
-                attention_bias=False,
-                head_dim=self.head_size,
-                norm_topk_prob=True,
-            )
-        elif self.architecture == _GPT_OSS:
-            cfg.update(self._gpt_oss_config())
-        else:  # Qwen3
-            cfg.update(
-                sliding_window=None,
-                use_sliding_window=False,
-                attention_bias=False,
-                max_window_layers=self.num_layers,
-                head_dim=self.head_size,
-            )
-        return cfg
-
-    def _gemma_config(self) -> dict[str, object]:
-        """Gemma's fields as the hub's ``config.json`` has them: GELU (tanh), an explicit
-        head_dim with the query scaled by ``query_pre_attn_scalar``, sliding-window layers
-        (Gemma 2: every other one; Gemma 3: all but every ``sliding_window_pattern``-th, with
-        their own rope base), logit soft-capping (Gemma 2)."""
-        gemma2 = self.architecture == "Gemma2ForCausalLM"
-        cfg: dict[str, object] = {
-            "attention_bias": False,
-            "attn_logit_softcapping": 50.0 if gemma2 else None,
-            "cache_implementation": "hybrid",
-            "final_logit_softcapping": 30.0 if gemma2 else None,
-            "head_dim": self.head_size,
-            "hidden_act": "gelu_pytorch_tanh",
-            "hidden_activation": "gelu_pytorch_tanh",
-            "pad_token_id": 3,
-            "query_pre_attn_scalar": self.head_size,
-            "sliding_window": 64,
-        }
-        if not gemma2:
-            cfg.update(rope_local_base_freq=self.rope_theta, sliding_window_pattern=2)
-            cfg.update(rope_theta=100 * self.rope_theta)
-        return cfg
-
-    def _qwen_moe_config(self) -> dict[str, object]:
-        """The fields Qwen2-MoE and Qwen3-MoE share: every layer sparse."""
-        return {
-            "sliding_window": None,
-            "use_sliding_window": False,
-            "max_window_layers": self.num_layers,
-            "num_experts": self.num_experts,
-            "num_experts_per_tok": self.experts_per_token,
-            "moe_intermediate_size": self.intermediate_size,
-            "intermediate_size": 2 * self.intermediate_size,  # a dense MLP's; no layer has one
-            "decoder_sparse_step": 1,
-            "mlp_only_layers": [],
-            "output_router_logits": False,
-            "router_aux_loss_coef": 0.001,
-        }
-
-    def config(self) -> dict[str, object]:
-        """``config.json`` as transformers 4.x writes it for this architecture."""
+    def _own_config(self) -> dict[str, object]:
+        """``config.json`` without ``config_extra``: what the tensors are made for."""
         cfg: dict[str, object] = {
             "architectures": [self.architecture],
             "attention_dropout": 0.0,
@@ -416,7 +197,7 @@ class SyntheticModel:
             "initializer_range": 0.02,
             "intermediate_size": self.intermediate_size,
             "max_position_embeddings": self.max_position_embeddings,
-            "model_type": _MODEL_TYPES[self.architecture],
+            "model_type": self.family.model_type,
             "num_attention_heads": self.num_heads,
             "num_hidden_layers": self.num_layers,
             "num_key_value_heads": self.num_kv_heads,
@@ -429,11 +210,164 @@ class SyntheticModel:
             "use_cache": True,
             "vocab_size": self.vocab_size,
         }
-        cfg.update(self._architecture_config())
+        cfg.update(self._family_fields())
         if self.fp8:
             cfg["quantization_config"] = fp8_quantization_config()
-        cfg.update(dict(self.config_extra))
-        return dict(sorted(cfg.items()))
+        return cfg
+
+    def config(self) -> dict[str, object]:
+        """``config.json`` as transformers 4.x writes it for this architecture."""
+        return dict(sorted({**self._own_config(), **dict(self.config_extra)}.items()))
+
+
+def _generic_fields(m: SyntheticModel) -> dict[str, object]:
+    """What a family without hub fields of its own writes: the head size, and the experts
+    and the shared expert where its rules' shapes name them."""
+    symbols = {part for r in m.family.rules for dim in r.shape for part in dim.split("+")}
+    fields: dict[str, object] = {"head_dim": m.head_size}
+    if "experts" in symbols or "moe_inter" in symbols:
+        fields.update(num_experts=m.num_experts, num_experts_per_tok=m.experts_per_token)
+    if "shared_inter" in symbols:
+        fields["shared_expert_intermediate_size"] = m.shared_expert_intermediate_size
+    return fields
+
+
+def _llama(m: SyntheticModel) -> dict[str, object]:
+    return {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1,
+            "head_dim": m.head_size}  # fmt: skip
+
+
+def _mistral(m: SyntheticModel) -> dict[str, object]:
+    return {"sliding_window": None, "head_dim": m.head_size}
+
+
+def _mixtral(m: SyntheticModel) -> dict[str, object]:
+    return {
+        "sliding_window": None,
+        "head_dim": m.head_size,
+        "num_local_experts": m.num_experts,
+        "num_experts_per_tok": m.experts_per_token,
+        "output_router_logits": False,
+        "router_aux_loss_coef": 0.02,
+        "router_jitter_noise": 0.0,
+    }
+
+
+def _phi3(m: SyntheticModel) -> dict[str, object]:
+    return {
+        "embd_pdrop": 0.0,
+        "resid_pdrop": 0.0,
+        "original_max_position_embeddings": m.max_position_embeddings,
+        "sliding_window": m.max_position_embeddings // 2 - 1,  # Phi-3-mini-4k: 2047
+        "pad_token_id": _SPECIAL_TOKENS.index("<pad>"),
+    }
+
+
+def _qwen2(m: SyntheticModel) -> dict[str, object]:
+    return {"sliding_window": None, "use_sliding_window": False,
+            "max_window_layers": m.num_layers}  # fmt: skip
+
+
+def _qwen3(m: SyntheticModel) -> dict[str, object]:
+    return {**_qwen2(m), "attention_bias": False, "head_dim": m.head_size}
+
+
+def _qwen_moe(m: SyntheticModel) -> dict[str, object]:
+    """The fields Qwen2-MoE and Qwen3-MoE share: every layer sparse."""
+    return {
+        **_qwen2(m),
+        "num_experts": m.num_experts,
+        "num_experts_per_tok": m.experts_per_token,
+        "moe_intermediate_size": m.intermediate_size,
+        "intermediate_size": 2 * m.intermediate_size,  # a dense MLP's; no layer has one
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "output_router_logits": False,
+        "router_aux_loss_coef": 0.001,
+    }
+
+
+def _qwen2_moe(m: SyntheticModel) -> dict[str, object]:
+    return {**_qwen_moe(m), "norm_topk_prob": False,
+            "shared_expert_intermediate_size": m.shared_expert_intermediate_size}  # fmt: skip
+
+
+def _qwen3_moe(m: SyntheticModel) -> dict[str, object]:
+    return {**_qwen_moe(m), "attention_bias": False, "head_dim": m.head_size,
+            "norm_topk_prob": True}  # fmt: skip
+
+
+def _gemma(m: SyntheticModel) -> dict[str, object]:
+    """Gemma's fields as the hub's ``config.json`` has them: GELU (tanh), an explicit
+    head_dim with the query scaled by ``query_pre_attn_scalar``, sliding-window layers
+    (Gemma 2: every other one; Gemma 3: all but every ``sliding_window_pattern``-th, with
+    their own rope base), logit soft-capping (Gemma 2)."""
+    gemma2 = m.family.model_type == "gemma2"
+    cfg: dict[str, object] = {
+        "attention_bias": False,
+        "attn_logit_softcapping": 50.0 if gemma2 else None,
+        "cache_implementation": "hybrid",
+        "final_logit_softcapping": 30.0 if gemma2 else None,
+        "head_dim": m.head_size,
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "pad_token_id": 3,
+        "query_pre_attn_scalar": m.head_size,
+        "sliding_window": 64,
+    }
+    if not gemma2:
+        cfg.update(rope_local_base_freq=m.rope_theta, sliding_window_pattern=2)
+        cfg.update(rope_theta=100 * m.rope_theta)
+    return cfg
+
+
+def _gpt_oss(m: SyntheticModel) -> dict[str, object]:
+    """gpt-oss's fields as its hub config.json has them: alternating sliding and full
+    attention, yarn RoPE, the clamped SwiGLU's limit, biases everywhere."""
+    return {
+        "attention_bias": True,
+        "head_dim": m.head_size,
+        "hidden_act": "silu",
+        "initial_context_length": m.max_position_embeddings // 4,
+        "layer_types": [
+            "sliding_attention" if layer % 2 == 0 else "full_attention"
+            for layer in range(m.num_layers)
+        ],
+        "num_local_experts": m.num_experts,
+        "num_experts_per_tok": m.experts_per_token,
+        "experts_per_token": m.experts_per_token,
+        "output_router_logits": False,
+        "rms_norm_eps": 1e-5,
+        "rope_scaling": {
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": m.max_position_embeddings // 4,
+            "rope_type": "yarn",
+            "truncate": False,
+        },
+        "rope_theta": 150000.0,
+        "router_aux_loss_coef": 0.9,
+        "sliding_window": min(8, m.max_position_embeddings),
+        "swiglu_limit": 7.0,
+    }
+
+
+_HUB_FIELDS: dict[str, Callable[[SyntheticModel], dict[str, object]]] = {
+    "llama": _llama,
+    "mistral": _mistral,
+    "mixtral": _mixtral,
+    "phi3": _phi3,
+    "qwen2": _qwen2,
+    "qwen2_moe": _qwen2_moe,
+    "qwen3": _qwen3,
+    "qwen3_moe": _qwen3_moe,
+    "gemma2": _gemma,
+    "gemma3_text": _gemma,
+    "gpt_oss": _gpt_oss,
+}
+"""``model_type`` -> the fields its hub ``config.json`` holds beyond the common ones (what
+transformers and vLLM build the model from); a family without an entry: ``_generic_fields``."""
 
 
 def fp8_quantization_config() -> dict[str, object]:
@@ -505,13 +439,13 @@ def write_checkpoint(spec: SyntheticModel, out_dir: Path | str) -> Path:
         if n == 1
         else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
     )
+    quantized, shapes = spec._quantized_names(), dict(tensors)
+    codes = {name: spec.dtype_code(name) for name, _ in tensors}
     for k, file_name in enumerate(names):
-        members = [(name, shape) for name, shape in tensors if assignment[name] == k]
-        _write_safetensors(spec, out / file_name, members)
+        members = [(name, shape, codes[name]) for name, shape in tensors if assignment[name] == k]
+        _write_safetensors(spec, out / file_name, members, {q: shapes[q] for q in quantized})
     if n > 1:
-        total = sum(
-            math.prod(shape) * DTYPE_SIZES[spec.dtype_code(name)] for name, shape in tensors
-        )
+        total = sum(math.prod(shape) * DTYPE_SIZES[codes[name]] for name, shape in tensors)
         weight_map = {name: names[assignment[name]] for name, _ in tensors}
         _write_json(
             out / "model.safetensors.index.json",
@@ -520,9 +454,7 @@ def write_checkpoint(spec: SyntheticModel, out_dir: Path | str) -> Path:
     return out
 
 
-def _assign_shards(
-    spec: SyntheticModel, tensors: list[tuple[str, tuple[int, ...]]]
-) -> dict[str, int]:
+def _assign_shards(spec: SyntheticModel, tensors: Weights) -> dict[str, int]:
     """Contiguous, byte-balanced shards (as transformers' max_shard_size does), then, with
     ``split_fused``, the k/v and up projections moved to the following shard files."""
     total = sum(math.prod(shape) for _, shape in tensors)
@@ -551,29 +483,28 @@ def _assign_shards(
 
 
 def _write_safetensors(
-    spec: SyntheticModel, path: Path, members: list[tuple[str, tuple[int, ...]]]
+    spec: SyntheticModel,
+    path: Path,
+    members: list[tuple[str, tuple[int, ...], str]],
+    quantized: dict[str, tuple[int, ...]],
 ) -> None:
-    """Header first (shapes are known up front), then each tensor's bytes, chunk by chunk."""
-    header, _ = encode_header(
-        [(name, spec.dtype_code(name), shape) for name, shape in members], {"format": "pt"}
-    )
+    """Header first (shapes are known up front), then each tensor's bytes, chunk by chunk; a
+    quantized weight's ``_scale`` tensor holds the scales its rows were quantized with."""
+    header, _ = encode_header([(name, code, shape) for name, shape, code in members],
+                              {"format": "pt"})  # fmt: skip
     with path.open("wb") as f:
         f.write(header)
-        for name, shape in members:
-            if spec.quantized(name):
+        for name, shape, code in members:
+            of = name.removesuffix("_scale")
+            if code == _FP8_CODE:
                 for weight, scale in _quantized_rows(spec, name, shape):
                     f.write(_encode_fp8(_rounded(weight / scale, spec.dtype)))
-            elif name.endswith(".weight_scale"):
-                of = name.removesuffix("_scale")
-                for _, scale in _quantized_rows(spec, of, dict(spec.tensors())[of]):
+            elif of != name and of in quantized:
+                for _, scale in _quantized_rows(spec, of, quantized[of]):
                     f.write(_encode(scale.reshape(-1), spec.dtype))
             else:
                 for chunk in _generate(spec, name, shape):
                     f.write(_encode(chunk, spec.dtype))
-
-
-def _scale_of(weight: str) -> str:
-    return weight.removesuffix("weight") + "weight_scale"
 
 
 def _quantized_rows(
@@ -632,7 +563,7 @@ def _generate(
     is_norm = name.endswith("norm.weight")
     std = np.float32(0.1 if is_norm else 1.0 / math.sqrt(spec.hidden_size))
     # Gemma's norms hold the offset from a scale of 1 (its models add 1 when they run).
-    mean = np.float32(1.0 if is_norm and spec.architecture not in _GEMMA else 0.0)
+    mean = np.float32(1.0 if is_norm and not spec.family.norms_hold_offsets else 0.0)
     for start in range(0, count, _CHUNK_ELEMENTS):
         chunk = rng.standard_normal(min(_CHUNK_ELEMENTS, count - start), dtype=np.float32)
         chunk *= std

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
+from modelstage.core.formats import Format
 from modelstage.core.layouts import layout_for
 from modelstage.core.node_cache import MISS
 from torch import nn
@@ -53,10 +54,14 @@ class Transfer:
 
 
 class ModelstageLoader(BaseModelLoader):
+    format: ClassVar[Format]
+    """The format table's row this loader reads; the three names below come from it."""
+    takes_stock_name: ClassVar[bool] = False
+    """Registered under the row's stock loader name instead of its plugin loader's."""
     load_format: ClassVar[str]
-    """The name registered with vLLM (``--load-format``)."""
+    """The name registered with vLLM (``--load-format``): the row's plugin loader."""
     stock_format: ClassVar[str]
-    """The stock format whose loader this one wraps."""
+    """The stock format whose loader this one wraps: the row's stock loader."""
     stock_class: ClassVar[type[BaseModelLoader]]
     per_rank: ClassVar[bool]
     """Whether the files hold per-rank state dicts (vLLM then keeps tied embeddings tied)."""
@@ -68,6 +73,20 @@ class ModelstageLoader(BaseModelLoader):
     reads_node_copy: ClassVar[bool] = False
     """Whether ``transfer`` reads the verified files wherever they are, so they may be the
     node-local copy's (``node_copy.py``); a stock reader reads vLLM's ``--model`` instead."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Take the names from the row a loader names (an abstract base names none)."""
+        super().__init_subclass__(**kwargs)
+        row: Format | None = getattr(cls, "format", None)
+        if row is None:
+            return
+        name = row.stock_loader if cls.takes_stock_name else row.plugin_loader
+        if name is None:
+            raise TypeError(
+                f"{cls.__qualname__} reads format {row.name}, whose row in core/formats.py "
+                "has no plugin_loader: name the load format it registers there"
+            )
+        cls.load_format, cls.stock_format, cls.per_rank = name, row.stock_loader, row.per_rank
 
     def __init__(self, load_config: LoadConfig) -> None:
         super().__init__(load_config)
@@ -302,7 +321,6 @@ class HfLayoutLoader(ModelstageLoader):
     every safetensors file of the artifact, and vLLM splits each tensor itself at load."""
 
     stock_class: ClassVar[type[TimedStock]]
-    per_rank: ClassVar[bool] = False
 
     def verify(self, location: str, running_tp: int, vllm_version: str) -> VerifiedArtifact:
         return verify_local(

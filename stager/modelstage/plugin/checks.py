@@ -45,11 +45,6 @@ from modelstage.core.safetensors_format import MAX_HEADER_BYTES, SafetensorsHead
 
 from .settings import ENV_VERIFY, PluginSettings
 
-LOAD_FORMATS = plugin_load_formats()
-"""Plugin load format -> artifact formats (manifest ``format``) it can load (the format
-table's ``loads``). ``runai_streamer_sharded`` is the stock name the S3 reader takes over
-(``s3_sharded_state.py``)."""
-
 
 @dataclass(frozen=True)
 class RankFile:
@@ -129,7 +124,7 @@ def check_manifest(
             f"{settings.tp} is the tensor parallel size in MODELSTAGE_TP, but vLLM runs "
             f"{running_tp}; set --tensor-parallel-size {settings.tp} or re-stage",
         )
-    accepted = LOAD_FORMATS.get(load_format, ())
+    accepted = plugin_load_formats().get(load_format, ())
     if manifest.format not in accepted:
         raise refuse(
             where,

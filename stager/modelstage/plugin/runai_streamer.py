@@ -9,9 +9,9 @@ rule for Hugging Face checkpoints, so nothing is re-tied here.
 from __future__ import annotations
 
 from collections.abc import Generator
-from typing import ClassVar
 
 import torch
+from modelstage.core.formats import FORMATS
 from vllm.model_executor.model_loader.runai_streamer_loader import RunaiModelStreamerLoader
 
 from .base import HfLayoutLoader, TimedStock, timed_weights
@@ -26,6 +26,5 @@ class _TimedRunai(RunaiModelStreamerLoader, TimedStock):
 
 
 class ModelstageRunaiStreamerLoader(HfLayoutLoader):
-    load_format: ClassVar[str] = "modelstage_runai_streamer"
-    stock_format: ClassVar[str] = "runai_streamer"
+    format = FORMATS["runai_streamer"]
     stock_class = _TimedRunai

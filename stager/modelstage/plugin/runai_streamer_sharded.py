@@ -8,9 +8,10 @@ time inside the streamer's iterator, ``host_to_device`` the rest of the stock co
 from __future__ import annotations
 
 from collections.abc import Generator
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
+from modelstage.core.formats import FORMATS
 from torch import nn
 from vllm.config import ModelConfig
 from vllm.model_executor.model_loader.sharded_state_loader import ShardedStateLoader
@@ -29,10 +30,8 @@ class _TimedShardedState(ShardedStateLoader):
 
 
 class ModelstageRunaiStreamerShardedLoader(ModelstageLoader):
-    load_format: ClassVar[str] = "modelstage_runai_streamer_sharded"
-    stock_format: ClassVar[str] = "runai_streamer_sharded"
+    format = FORMATS["runai_streamer_sharded"]
     stock_class = _TimedShardedState
-    per_rank: ClassVar[bool] = True
 
     def verify(self, location: str, running_tp: int, vllm_version: str) -> VerifiedArtifact:
         return verify_rank_files(self, location, running_tp, vllm_version)

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from .settings import S3_READER_FORMAT
+from modelstage.core.formats import FORMATS, S3_READER_FORMAT
+
 from .sharded_state import ModelstageShardedStateLoader
 
 
 class ModelstageS3ShardedStateLoader(ModelstageShardedStateLoader):
-    load_format: ClassVar[str] = S3_READER_FORMAT
-    stock_format: ClassVar[str] = S3_READER_FORMAT
+    format = FORMATS[S3_READER_FORMAT]
+    takes_stock_name: ClassVar[bool] = True
     reads_s3: ClassVar[bool] = True

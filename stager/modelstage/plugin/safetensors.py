@@ -12,9 +12,9 @@ manifest in a pass before loading (``MODELSTAGE_VERIFY``, on by default; ``check
 from __future__ import annotations
 
 from collections.abc import Generator
-from typing import ClassVar
 
 import torch
+from modelstage.core.formats import FORMATS
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
 from .base import HfLayoutLoader, TimedStock, timed_weights
@@ -29,6 +29,5 @@ class _TimedDefault(DefaultModelLoader, TimedStock):
 
 
 class ModelstageSafetensorsLoader(HfLayoutLoader):
-    load_format: ClassVar[str] = "modelstage_safetensors"
-    stock_format: ClassVar[str] = "safetensors"
+    format = FORMATS["safetensors"]
     stock_class = _TimedDefault

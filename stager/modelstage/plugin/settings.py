@@ -13,7 +13,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from modelstage.core.errors import SpecError
-from modelstage.core.formats import S3_READER_FORMAT as S3_READER_FORMAT
 from modelstage.core.node_cache import ENV_NODE_CACHE
 from modelstage.core.s3_client import S3Options
 

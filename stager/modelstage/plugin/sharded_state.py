@@ -15,6 +15,7 @@ from typing import ClassVar
 
 import torch
 from modelstage.core.errors import ArtifactError
+from modelstage.core.formats import FORMATS
 from modelstage.core.integrity import ChunkMismatch
 from modelstage.core.node_cache import CORRUPT, HIT, MISS
 from modelstage.core.s3_client import S3Client
@@ -139,10 +140,8 @@ def rank_file_glob(stock: ShardedStateLoader) -> str:
 
 
 class ModelstageShardedStateLoader(ModelstageLoader):
-    load_format: ClassVar[str] = "modelstage_sharded_state"
-    stock_format: ClassVar[str] = "sharded_state"
+    format = FORMATS["sharded_state"]
     stock_class = ShardedStateLoader
-    per_rank: ClassVar[bool] = True
     streams_verification: ClassVar[bool] = True
     reads_node_copy: ClassVar[bool] = True
 

@@ -199,9 +199,9 @@ def _auto_from(
     """``loadFormat: auto`` decided as the operator will, from the local checkpoint's
     ``config.json`` (what the resolve Job reads of the source), and the check that says so."""
     from modelstage.core.formats import choose_format
+    from modelstage.core.model_config import architecture_of, quantization_of
 
     from .checkpoint import CONFIG, MAX_CONFIG_BYTES, read_json
-    from .model_config import architecture_of, quantization_of
     from .sources.local import LocalSource
 
     source = LocalSource(checkpoint)

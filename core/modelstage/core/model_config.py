@@ -6,8 +6,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from modelstage.core.errors import CheckpointError, SpecError
-from modelstage.core.formats import FP8_CHANNEL
+from .errors import CheckpointError, SpecError
+
+FP8_CHANNEL = "compressed-tensors/w8a8-fp8-channel"
+"""The quantization the stager reports for a compressed-tensors checkpoint of float8_e4m3fn
+Linear weights with one scale per output channel and activations quantized per token at run
+time (llm-compressor's ``FP8_DYNAMIC``); any other quantization goes by its ``quant_method``."""
 
 MAX_DIM = 1 << 24
 """Far above any real model dimension; a config beyond it is corrupt, not big."""

@@ -2,18 +2,25 @@
 
 Read it like vLLM's ``stacked_params_mapping``: a table, not branches. ``{L}`` stands for the
 decoder layer index, ``{E}`` for the expert index of an MoE layer. The shard math for each
-split kind lives once, in ``shard_plan``.
+split kind lives once, in the stager's ``shard_plan``. Torch-free: ``formats`` (and through it
+the operator's ``loadFormat: auto``) reads the table's names, the dev tools build synthetic
+checkpoints from its rows.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-from modelstage.core.errors import SpecError
-from modelstage.core.formats import FP8_CHANNEL, HF_LAYOUT_HINT
+from .errors import SpecError
+from .model_config import FP8_CHANNEL, ModelConfig
 
-from .model_config import ModelConfig
+HF_LAYOUT_HINT = (
+    "stage it in the Hugging Face layout with --format safetensors (a directory) or "
+    "runai_streamer (S3), which vLLM splits itself at load"
+)
+"""What a per-rank format's refusal of a checkpoint it cannot split points to."""
 
 
 class Split(enum.Enum):
@@ -74,6 +81,19 @@ class Rule:
     part: int | None = None
     """For a source fused along dim 0, whose ``shape[0]`` names its parts (``"q+kv+kv"``):
     the part this rule reads; the split applies to that part's rows as to a tensor of its own."""
+
+    def source_shape(self, symbols: Mapping[str, int]) -> tuple[int, ...]:
+        """The source's shape in numbers, given ``ModelConfig.symbols``."""
+        return tuple(dim_size(symbols, dim) for dim in self.shape)
+
+
+def dim_size(symbols: Mapping[str, int], dim: str) -> int:
+    """A dimension in shape symbols; ``"q+kv+kv"`` is the sum of its parts."""
+    return sum(symbols[part] for part in dim.split("+"))
+
+
+NON_LAYER_GROUP = -1
+"""The group of a tensor outside the decoder layers (embeddings, final norm, head)."""
 
 
 ATTN = "model.layers.{L}.self_attn"
@@ -285,6 +305,9 @@ def _without_head(rules: tuple[Rule, ...]) -> tuple[Rule, ...]:
 @dataclass(frozen=True)
 class Architecture:
     name: str
+    """``config.json``'s ``architectures[0]``."""
+    model_type: str
+    """``config.json``'s ``model_type`` for it (what transformers and vLLM read the config as)."""
     rules: tuple[Rule, ...]
     ignored: tuple[str, ...] = ("model.layers.{L}.self_attn.rotary_emb.inv_freq",)
     """Source tensors vLLM skips (recomputed buffers); anything else unknown is refused."""
@@ -297,6 +320,32 @@ class Architecture:
     tied_embeddings_target: str = "lm_head.weight"
     """The name vLLM keeps for a tied embedding matrix: the head's, the alphabetically
     smaller alias, unless the model has no head module at all (Gemma 2)."""
+    norms_hold_offsets: bool = False
+    """The checkpoint's norm weights are offsets from a scale of 1 (vLLM's model adds 1 when it
+    runs, as Gemma's do), not the scale itself."""
+
+    def expand(self, config: ModelConfig) -> list[tuple[Rule, str, int]]:
+        """The rules ``config`` makes active, with ``{L}`` (and ``{E}``) expanded, each with its
+        source name and group (decoder layer, or ``NON_LAYER_GROUP``), in output order:
+        pre-layer, layers, post-layer. Within a layer expert rules run expert by expert, so
+        the slots of a stacked target come in expert order, each expert's parts in rule order."""
+        rules = [r for r in self.rules if r.when.holds(config)]
+        first_layer = next(i for i, r in enumerate(self.rules) if "{L}" in r.source)
+        outside = [r for r in rules if "{L}" not in r.source]
+        before = [r for r in outside if self.rules.index(r) < first_layer]
+        after = [r for r in outside if self.rules.index(r) > first_layer]
+        layer_rules = [r for r in rules if "{L}" in r.source and "{E}" not in r.source]
+        expert_rules = [r for r in rules if "{E}" in r.source]
+        expanded = [(r, r.source, NON_LAYER_GROUP) for r in before]
+        for layer in range(config.num_layers):
+            expanded += [(r, r.source.replace("{L}", str(layer)), layer) for r in layer_rules]
+            for e in range(config.num_experts if expert_rules else 0):
+                expanded += [
+                    (r, r.source.replace("{L}", str(layer)).replace("{E}", str(e)), layer)
+                    for r in expert_rules
+                ]
+        expanded += [(r, r.source, NON_LAYER_GROUP) for r in after]
+        return expanded
 
     def check_tensor_parallel(self, config: ModelConfig, tp: int) -> None:
         if self.tp_within_kv_heads and config.num_kv_heads % tp:
@@ -314,17 +363,21 @@ class Architecture:
 ARCHITECTURES: dict[str, Architecture] = {
     a.name: a
     for a in (
-        Architecture("LlamaForCausalLM", _LLAMA),
-        Architecture("MistralForCausalLM", _LLAMA),
+        Architecture("LlamaForCausalLM", "llama", _LLAMA),
+        Architecture("MistralForCausalLM", "mistral", _LLAMA),
         Architecture(
             "MixtralForCausalLM",
+            "mixtral",
             _without_dense_mlp(_LLAMA)
             + _moe("model.layers.{L}.block_sparse_moe", "w1", "w3", "w2", "gate"),
         ),
-        Architecture("Phi3ForCausalLM", _phi3()),
-        Architecture("Qwen2ForCausalLM", _llama_like(qkv_bias=When.ALWAYS, o_bias=When.NEVER)),
+        Architecture("Phi3ForCausalLM", "phi3", _phi3()),
+        Architecture(
+            "Qwen2ForCausalLM", "qwen2", _llama_like(qkv_bias=When.ALWAYS, o_bias=When.NEVER)
+        ),
         Architecture(
             "Qwen2MoeForCausalLM",
+            "qwen2_moe",
             _without_dense_mlp(_llama_like(qkv_bias=When.ALWAYS, o_bias=When.NEVER))
             + _moe(MLP, "gate_proj", "up_proj", "down_proj", "gate")
             + _shared_expert(MLP),
@@ -332,22 +385,31 @@ ARCHITECTURES: dict[str, Architecture] = {
         ),
         Architecture(
             "Qwen3ForCausalLM",
+            "qwen3",
             _llama_like(qkv_bias=When.ATTENTION_BIAS, o_bias=When.ATTENTION_BIAS) + _QK_NORM,
         ),
         Architecture(
             "Gemma2ForCausalLM",
+            "gemma2",
             _without_head(_LLAMA) + _FEEDFORWARD_NORMS,
             tied_embeddings_target="model.embed_tokens.weight",
+            norms_hold_offsets=True,
         ),
-        Architecture("Gemma3ForCausalLM", _LLAMA + _FEEDFORWARD_NORMS + _QK_NORM),
+        Architecture(
+            "Gemma3ForCausalLM",
+            "gemma3_text",
+            _LLAMA + _FEEDFORWARD_NORMS + _QK_NORM,
+            norms_hold_offsets=True,
+        ),
         Architecture(
             "Qwen3MoeForCausalLM",
+            "qwen3_moe",
             _without_dense_mlp(_LLAMA)
             + _QK_NORM
             + _moe(MLP, "gate_proj", "up_proj", "down_proj", "experts.gate"),
             tp_within_experts=True,
         ),
-        Architecture("GptOssForCausalLM", _gpt_oss(), tp_within_kv_heads=True),
+        Architecture("GptOssForCausalLM", "gpt_oss", _gpt_oss(), tp_within_kv_heads=True),
     )
 }
 
@@ -363,7 +425,7 @@ QUANTIZED: dict[str, dict[str, Architecture]] = {
     },
 }
 """Quantization -> the architectures whose checkpoints in it are split per rank, with their
-rules (``core.formats.PER_RANK_QUANTIZATIONS`` names the same, held equal by a test)."""
+rules (``formats.PER_RANK_QUANTIZATIONS`` names them)."""
 
 
 def architecture_for(config: ModelConfig) -> Architecture:
