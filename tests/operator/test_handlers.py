@@ -258,7 +258,7 @@ def test_a_workload_event_wakes_the_deployments_that_target_it(
     handler: Any, kind_name: str, woken: list[str]
 ) -> None:
     reconciler = Reconciler()
-    handler(namespace=NS, name=kind_name, memo=Memo(reconciler), logger=LOG,
+    handler(type="MODIFIED", namespace=NS, name=kind_name, memo=Memo(reconciler), logger=LOG,
             modeldeployment_refs=index())  # fmt: skip
     assert reconciler.calls == [(NS, n) for n in woken]
 

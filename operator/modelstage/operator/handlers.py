@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, cast
 
 import kopf
@@ -283,7 +283,7 @@ def modeldeployment_phase(
         metrics.DEPLOYMENTS.set(namespace, name, str(status.get("phase") or "Pending"))
 
 
-def _trace_event(logger: Logger, type_: str | None, meta: kopf.Meta) -> None:
+def _trace_event(logger: Logger, type_: str | None, meta: Mapping[str, Any]) -> None:
     """Which version of the object an event handler acts on (debug level): the trail to read
     when a change seems missed, and the evidence tests wait for (a version they wrote)."""
     version = meta.get("resourceVersion")
@@ -323,7 +323,7 @@ def stage_job_event(
     **kwargs: Any,
 ) -> None:
     assert namespace is not None
-    _trace_event(logger, type, body.meta)
+    _trace_event(logger, type, body.get("metadata") or {})
     state = observe_job(dict(body)).state
     if type == "DELETED":
         metrics.JOBS.forget(namespace, name)
@@ -396,7 +396,6 @@ def modeldeployment_deleted(
 def stager_pod_event(
     type: str,
     namespace: str | None,
-    meta: kopf.Meta,
     labels: kopf.Labels,
     status: kopf.Status,
     memo: Any,
@@ -404,7 +403,7 @@ def stager_pod_event(
     **kwargs: Any,
 ) -> None:
     """A stager pod's termination message can land after its Job's condition."""
-    _trace_event(logger, type, meta)
+    _trace_event(logger, type, kwargs.get("meta") or {})
     if type == "DELETED" or status.get("phase") not in ("Succeeded", "Failed"):
         return
     digest = labels.get(LABEL_DIGEST)
@@ -416,12 +415,11 @@ def _targets(kind: str) -> Any:
         type: str,
         namespace: str | None,
         name: str,
-        meta: kopf.Meta,
         memo: Any,
         logger: Logger,
         **kwargs: Any,
     ) -> None:
-        _trace_event(logger, type, meta)
+        _trace_event(logger, type, kwargs.get("meta") or {})
         _reconcile_matching(memo, kwargs, namespace, logger, lambda r: r.target == (kind, name))
 
     handler.__name__ = f"{kind.lower()}_event"
