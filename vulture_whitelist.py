@@ -19,6 +19,9 @@ _.operator
 _.requests
 _.staged_at
 _.queue_position
+_.enforceEager  # engine_key.EngineArgs, keyed through asdict()
+_.compilationConfig
+_.loadFormat
 
 # The plugin's loaders, found by register() in plugin/<row name>.py through the format row
 # each names (plugin.loader_for).

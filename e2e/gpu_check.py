@@ -13,11 +13,25 @@ every one from a cold page cache (the files' pages are dropped with
 - ``stock``: vLLM's path emulated: ``safe_open`` + ``get_tensor`` + ``param.copy_``;
 - ``plugin``: ``PipelinedReader`` into the same parameters (checked equal to ``stock``).
 
-Prints one small table and one JSON line; well under five minutes at the default size. On a
-machine without CUDA it runs the same comparison into host memory (a reduced mode, so the
-script is tested where no GPU is). Usage::
+With ``blake3`` importable (vLLM depends on it; on a bare machine carry its wheel) a fifth way:
 
-    python e2e/gpu_check.py [--size-gib 4] [--dir /tmp] [--chunk-mib 16] [--depth 4]
+- ``plugin_verified``: the same reader with every byte hashed against BLAKE3 chunk hashes as
+  it lands (``MODELSTAGE_VERIFY=1``, the plugin's default in pods).
+
+``--startup`` adds the engine cache's start-up timeline on this device, with no vLLM: a
+Llama-shaped stack of torch modules is compiled by ``torch.compile`` (inductor; Triton kernels
+on a GPU) in a child process with fresh cache roots, as ``capture-engine-cache`` runs vLLM; what
+it wrote is made an engine-cache artifact (chunk hashes, manifest last), placed and verified by
+``prepare``'s code into new folders, and a second child started on them. Reported: each
+child's time to its first output (the "ready" of this emulation), its compile seconds and
+torch's cache counters (hits, no misses), the two ratios (compile, ready: with / without the
+cache) and whether the outputs are equal.
+
+Prints one small table and one JSON line; well under five minutes at the default size, under
+ten with ``--startup``. On a machine without CUDA it runs the same comparison into host memory
+(a reduced mode, so the script is tested where no GPU is). Usage::
+
+    python e2e/gpu_check.py [--size-gib 4] [--dir /tmp] [--chunk-mib 16] [--depth 4] [--startup]
 """
 
 from __future__ import annotations
@@ -26,6 +40,7 @@ import argparse
 import json
 import math
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -138,14 +153,41 @@ def measure(
     def plugin() -> None:
         reader.read(files, lambda info: Target(flat_bytes(plugin_params[info.name])))
 
+    ways: list[tuple[str, Callable[[], None]]] = [
+        ("ceiling", ceiling), ("raw_read", raw_read), ("stock", stock), ("plugin", plugin),
+    ]  # fmt: skip
+    verified_params = params()
+    ways += verified_way(files, paths, reader, verified_params)
+    compared = [plugin_params, verified_params][: len(ways) - 3]
     results: dict[str, float] = {}
-    for name, fn in (("ceiling", ceiling), ("raw_read", raw_read), ("stock", stock),
-                     ("plugin", plugin)):  # fmt: skip
+    for name, fn in ways:
         drop_cache(paths)
         seconds = timed(fn, device)
         results[name] = round((size if name == "raw_read" else nbytes) / seconds / 1e9, 3)
-    equal = all(torch.equal(stock_params[k], plugin_params[k]) for k in stock_params)
+    equal = all(torch.equal(stock_params[k], p[k]) for p in compared for k in stock_params)
     return results, equal
+
+
+def verified_way(
+    files: list[tuple[Path, Any]], paths: list[Path], reader: Any, params: dict[str, torch.Tensor]
+) -> list[tuple[str, Callable[[], None]]]:
+    """``plugin_verified``: the plugin's reader with a fresh ``ChunkChecker`` per read over the
+    files' chunk hashes (hashed once, beforehand); none without ``blake3``."""
+    try:
+        import blake3  # noqa: F401
+    except ImportError:
+        print("blake3 not importable: plugin_verified skipped", file=sys.stderr)
+        return []
+    from modelstage.core.integrity import ChunkChecker, hash_local_files
+    from modelstage.plugin.reader import Target, flat_bytes
+
+    digests = hash_local_files(paths)
+    named = [(str(p), d) for p, d in zip(paths, digests, strict=True)]
+
+    def read() -> None:
+        reader.read(files, lambda info: Target(flat_bytes(params[info.name])), ChunkChecker(named))
+
+    return [("plugin_verified", read)]
 
 
 def main() -> None:
@@ -157,9 +199,19 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--source", default=str(Path(__file__).resolve().parents[1]),
                         help="the modelstage checkout (default: this script's)")  # fmt: skip
+    parser.add_argument(
+        "--startup",
+        action="store_true",
+        help="also the engine cache's start-up timeline (torch.compile)",
+    )
+    parser.add_argument("--compile-child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--layers", type=int, default=4, help="--startup: decoder layers")
     args = parser.parse_args()
 
     import_project(Path(args.source))
+    if args.compile_child:
+        compile_child(args.layers)
+        return
     from modelstage.core.safetensors_format import encode_header, read_local_header
 
     device = torch.device("cuda" if cuda else "cpu")
@@ -181,11 +233,109 @@ def main() -> None:
         "plugin_equals_stock": equal,
         "seconds": round(time.perf_counter() - started, 1),
     }
+    if args.startup:
+        summary["startup"] = startup_timeline(Path(args.source), args.layers, args.dir)
+        started_ok = summary["startup"]["hit"] and summary["startup"]["outputs_equal"]
+        equal = equal and started_ok
     for name, rate in results.items():
         print(f"{name:>9}: {rate:8.3f} GB/s")
     print(json.dumps(summary, sort_keys=True))
     if not equal:
         sys.exit("plugin-loaded parameters differ from the stock path's")
+
+
+HIDDEN, HEADS, VOCAB, TOKENS = 1024, 16, 32000, 64
+COUNTERS = (("inductor", "fxgraph_cache_hit"), ("inductor", "fxgraph_cache_miss"))
+
+
+class Layer(torch.nn.Module):
+    """One Llama-shaped decoder layer: RMSNorm, fused qkv, SDPA, o, gate_up, SiLU, down."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n1, self.n2 = torch.nn.RMSNorm(HIDDEN), torch.nn.RMSNorm(HIDDEN)
+        self.qkv = torch.nn.Linear(HIDDEN, 3 * HIDDEN, bias=False)
+        self.o = torch.nn.Linear(HIDDEN, HIDDEN, bias=False)
+        self.gate_up = torch.nn.Linear(HIDDEN, 2 * 4 * HIDDEN, bias=False)
+        self.down = torch.nn.Linear(4 * HIDDEN, HIDDEN, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(self.n1(x)).view(1, -1, 3, HEADS, HIDDEN // HEADS).unbind(2)
+        att = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        x = x + self.o(att.transpose(1, 2).reshape(1, -1, HIDDEN))
+        gate, up = self.gate_up(self.n2(x)).chunk(2, dim=-1)
+        out: torch.Tensor = x + self.down(torch.nn.functional.silu(gate) * up)
+        return out
+
+
+def compile_child(layers: int) -> None:
+    """One "start": build, compile, first output; one JSON line (the cache roots come from
+    ``TORCHINDUCTOR_CACHE_DIR`` and ``TRITON_CACHE_DIR`` in the environment)."""
+    from torch._dynamo.utils import compilation_time_metrics, counters
+
+    started = time.perf_counter()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(0)
+    stack = [torch.nn.Embedding(VOCAB, HIDDEN), *(Layer() for _ in range(layers))]
+    model = torch.nn.Sequential(*stack, torch.nn.Linear(HIDDEN, VOCAB, bias=False))
+    model = model.to(device).eval()
+    ids = torch.arange(TOKENS, device=device).remainder(VOCAB).unsqueeze(0)
+    with torch.no_grad():
+        out = torch.compile(model)(ids)
+    sync(device)
+    print(json.dumps({
+        "ready": round(time.perf_counter() - started, 3),
+        "compile": round(sum(compilation_time_metrics.get("_compile.compile_inner", [])), 3),
+        "counters": {name: int(counters[group][name]) for group, name in COUNTERS},
+        "argmax": out.argmax(-1).flatten().tolist(),
+    }))  # fmt: skip
+
+
+def start(source: Path, layers: int, roots: dict[str, str]) -> dict[str, Any]:
+    argv = [sys.executable, "-S", str(Path(__file__).resolve()), "--compile-child",
+            "--layers", str(layers), "--source", str(source)]  # fmt: skip
+    t0 = time.perf_counter()
+    done = subprocess.run(argv, env={**os.environ, **roots}, capture_output=True, text=True,
+                          timeout=540, check=True)  # fmt: skip
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result | {"process": round(time.perf_counter() - t0, 3)}
+
+
+def startup_timeline(source: Path, layers: int, where: str | None) -> dict[str, Any]:
+    """Capture (a cold start with fresh roots), package, place and verify, start again."""
+    from modelstage.core.engine_key import EngineArgs, ServingConfig, gpu_class, key_factors
+    from modelstage.stager.engine_capture import write_engine_cache
+    from modelstage.stager.engine_hardware import this_node
+    from modelstage.stager.engine_place import cache_env, place_engine_cache
+
+    hardware = this_node()
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        hardware = gpu_class(torch.cuda.get_device_name(), f"{major}.{minor}")
+    config = ServingConfig("none (gpu_check)", torch.__version__, "gpu_check",
+                           EngineArgs(maxModelLen=TOKENS))  # fmt: skip
+    factors = key_factors(f"gpu-check-{layers}-layers", config, hardware)
+    with tempfile.TemporaryDirectory(prefix="modelstage-startup-", dir=where) as tmp:
+        capture_dir, pod = Path(tmp) / "capture", Path(tmp) / "pod"
+        cold = start(source, layers, cache_env(capture_dir))
+        manifest = write_engine_cache(capture_dir, factors, cold["process"], cold["compile"])
+        placed = place_engine_cache(str(capture_dir), pod, factors)
+        warm = start(source, layers, cache_env(pod))
+        again = start(source, layers, cache_env(Path(tmp) / "empty"))
+    base = min(cold, again, key=lambda r: r["process"])
+    return {
+        "cache_files": len(manifest.files), "cache_bytes": manifest.bytes,
+        "placed": placed["result"], "place_seconds": placed["seconds"],
+        "without_cache": {k: base[k] for k in ("ready", "compile", "process", "counters")},
+        "with_cache": {k: warm[k] for k in ("ready", "compile", "process", "counters")},
+        "compile_ratio": round(warm["compile"] / base["compile"], 3),
+        "ready_ratio": round(warm["process"] / base["process"], 3),
+        "hit": placed["result"] == "hit" and warm["counters"]["fxgraph_cache_miss"] == 0
+        and warm["counters"]["fxgraph_cache_hit"] > 0,
+        "outputs_equal": warm["argmax"] == cold["argmax"] == again["argmax"],
+    }  # fmt: skip
 
 
 if __name__ == "__main__":

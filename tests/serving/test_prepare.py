@@ -69,6 +69,7 @@ def test_prepare_twice_replaces_the_plugin_instead_of_failing(
     assert sorted(p.name for p in plugin_dir.iterdir()) == [
         "modelstage",
         "modelstage-0.1.0.dist-info",
+        "startup.json",
     ]
 
 

@@ -13,13 +13,24 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
+
+from modelstage.core.engine_cache import RESULTS
 
 PHASES = ("verify", "read", "host_to_device", "post_process", "total")
 VERIFICATION_MODES = ("stream", "pass", "off")
+STARTUP_RECORD = "startup.json"
+"""Written by ``modelstage prepare`` beside the plugin it installs: prepare's phases and its
+engine-cache verdict, exported by every rank with the rank's own phases."""
+WEIGHT_PHASES = {"verify": "weights_verify", "read": "weights_read",
+                 "host_to_device": "weights_to_device", "total": "weights_total"}  # fmt: skip
+"""The load phases that are also start-up phases, under their start-up names."""
+READY_URL_ENV = "MODELSTAGE_READY_URL"
 LOG = logging.getLogger("vllm.modelstage")
 """Under ``vllm.`` so that vLLM's own log handler and format apply."""
 
@@ -124,6 +135,18 @@ class _Metrics:
             "node-local copy) or miss (read from the artifact).",
             (*labels, "result"),
         )
+        self.startup = Gauge(
+            "modelstage_startup_phase_seconds",
+            "Seconds of each phase of this pod's start as this rank saw it: prepare's (from "
+            "its startup.json), the weights', and the process's start up to loaded weights.",
+            ("rank", "phase"),
+        )
+        self.engine_cache = Gauge(
+            "modelstage_engine_cache_result",
+            "prepare's engine-cache verdict for this pod (value 1 for the result): hit (placed "
+            "and verified), miss (another configuration), corrupt (damaged), absent (none).",
+            ("rank", "result"),
+        )
         self.info = Gauge(
             "modelstage_artifact_info",
             "The artifact this rank loaded last (value 1).",
@@ -169,8 +192,85 @@ def publish(record: LoadRecord, *, port: int | None, addr: str) -> int | None:
         artifact=record.artifact,
         tensor_parallel_size=str(record.tensor_parallel_size),
     ).set(1)
+    publish_startup(record, startup_record())
     LOG.info("%s", record.log_line())
     return serve(port + record.rank, addr) if port is not None else None
+
+
+def startup_phases(record: LoadRecord, prepared: dict[str, Any]) -> dict[str, float]:
+    """This rank's start-up phases: prepare's, the load's (under ``WEIGHT_PHASES`` names) and
+    ``process_to_loaded``, the seconds from this process's start to the end of the load."""
+    phases = {str(k): float(v) for k, v in prepared.get("phases", {}).items()}
+    for load_phase, name in WEIGHT_PHASES.items():
+        if load_phase in record.seconds:
+            phases[name] = record.seconds[load_phase]
+    since = process_age()
+    if since is not None:
+        phases["process_to_loaded"] = since
+    return phases
+
+
+def publish_startup(record: LoadRecord, prepared: dict[str, Any]) -> None:
+    m = metrics()
+    rank = str(record.rank)
+    for phase, seconds in startup_phases(record, prepared).items():
+        m.startup.labels(rank=rank, phase=phase).set(seconds)
+    result = prepared.get("engineCache", "")
+    if result in RESULTS:
+        for name in RESULTS:
+            m.engine_cache.labels(rank=rank, result=name).set(1 if name == result else 0)
+    url = os.environ.get(READY_URL_ENV)
+    if url and record.rank == 0:
+        threading.Thread(target=watch_ready, args=(url,), daemon=True,
+                         name="modelstage-ready").start()  # fmt: skip
+
+
+def watch_ready(url: str, interval: float = 0.5, deadline: float = 7200.0) -> float | None:
+    """Poll the pod's readiness endpoint (``MODELSTAGE_READY_URL``, e.g. vLLM's
+    ``http://127.0.0.1:8000/health``) until it first answers 200, then set the ``ready`` phase:
+    this process's age at that moment (``process_to_ready``). Gives up after ``deadline``."""
+    import urllib.error
+    import urllib.request
+
+    waited = 0.0
+    while waited < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as answer:
+                if answer.status == 200:
+                    age = process_age()
+                    if age is not None:
+                        metrics().startup.labels(rank="0", phase="process_to_ready").set(age)
+                    return age
+        except (urllib.error.URLError, OSError, ValueError):
+            pass
+        time.sleep(interval)
+        waited += interval
+    return None
+
+
+def startup_record(path: Path | None = None) -> dict[str, Any]:
+    """prepare's record: ``MODELSTAGE_STARTUP_RECORD``, else ``startup.json`` in the folder
+    the plugin was installed into; {} when there is none or it cannot be read."""
+    if path is None:
+        env = os.environ.get("MODELSTAGE_STARTUP_RECORD")
+        path = Path(env) if env else Path(__file__).resolve().parents[2] / STARTUP_RECORD
+    try:
+        doc = json.loads(path.read_text()[:65536])
+    except (OSError, ValueError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def process_age() -> float | None:
+    """Seconds since this process started (``/proc/self/stat``'s start time in clock ticks
+    since boot, against ``/proc/uptime``); None where there is no /proc."""
+    try:
+        stat = Path("/proc/self/stat").read_text()
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        started = int(stat.rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+    return round(max(0.0, uptime - started), 3)
 
 
 def serve(port: int, addr: str) -> int | None:

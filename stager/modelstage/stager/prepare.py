@@ -10,6 +10,11 @@ With ``--node-cache DIR`` (this node's copy, mounted read-only) it also says whe
 is the artifact, so that the plugin will read it (``plugin/node_copy.py``): a hit or a miss
 with its reason in the summary, which the operator reads from the termination message; never a
 failure.
+With ``--engine-cache-dir DIR`` it places vLLM's compile caches there (``engine_place.py``):
+the captured engine cache when its key matches this start and every byte verifies, empty
+folders otherwise (a verdict in the summary's ``engineCache``, never a failure). The seconds
+of each step go to the summary's ``phases`` and to ``startup.json`` in the plugin directory,
+which the plugin exports as ``modelstage_startup_phase_seconds`` (``plugin/metrics.py``).
 
 How the plugin travels: the two packages it consists of, ``modelstage.core`` and
 ``modelstage.plugin``, copied whole under ``DIR/modelstage/`` (a namespace package, as in the
@@ -25,19 +30,27 @@ from __future__ import annotations
 import base64
 import hashlib
 import importlib
+import json
 import shutil
 import tempfile
+import time
+from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as dist_version
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from modelstage.core.engine_key import HardwareClass, ServingConfig, key_factors
 from modelstage.core.errors import ArtifactError, DestinationError, ModelstageError
 from modelstage.core.formats import LOCAL, S3
 from modelstage.core.location import open_artifact, parse_location, verify
 from modelstage.core.manifest import Manifest
 from modelstage.plugin import ENTRY_POINT, ENTRY_POINT_GROUP, ENTRY_POINT_NAME
+from modelstage.plugin.metrics import STARTUP_RECORD
 from modelstage.plugin.node_copy import NodeCopy, miss, node_copy_for
+
+from .engine_hardware import this_node
+from .engine_place import place_engine_cache
 
 PLUGIN_PACKAGES = ("core", "plugin")
 """The ``modelstage.*`` packages copied into the plugin directory, whole."""
@@ -56,16 +69,54 @@ def prepare(
     hash_content: bool = False,
     s3: S3Options | None = None,
     node_cache: Path | None = None,
+    engine: EngineCacheRequest | None = None,
 ) -> dict[str, Any]:
     """Verify, then install the plugin; returns the one-line summary. With ``node_cache``
     (this node's copy, mounted) the summary also says whether the plugin will read it
     (``nodeCache``: hit, or miss and why): a verdict, never a failure."""
+    t0 = time.monotonic()
     summary = verify_artifact(artifact, digest=digest, tp=tp, hash_content=hash_content, s3=s3)
+    t1 = time.monotonic()
     installed = install_plugin(plugin_dir)
+    phases = {"prepare_verify": t1 - t0, "prepare_plugin_install": time.monotonic() - t1}
     summary = {**summary, "pluginDir": str(plugin_dir), "plugin": installed}
     if node_cache is not None:
         summary["nodeCache"] = node_cache_verdict(artifact, digest, node_cache, s3).summary()
+    if engine is not None:
+        summary["engineCache"] = engine.place(digest, s3)
+        seconds = summary["engineCache"]["seconds"]
+        phases.update({f"engine_cache_{k}": v for k, v in seconds.items() if k != "total"})
+    summary["phases"] = {k: round(v, 3) for k, v in phases.items()}
+    write_startup_record(plugin_dir, summary)
     return summary
+
+
+@dataclass(frozen=True)
+class EngineCacheRequest:
+    """``--engine-cache``: where the captured cache is (None: none yet), where to place it,
+    and what this start is (the serving configuration; the hardware class, measured here
+    unless given)."""
+
+    source: str | None
+    dest: Path
+    config: ServingConfig
+    hardware: HardwareClass | None = None
+
+    def place(self, digest: str, s3: S3Options | None) -> dict[str, Any]:
+        wanted = key_factors(digest, self.config, self.hardware or this_node())
+        return place_engine_cache(self.source, self.dest, wanted, s3)
+
+
+def write_startup_record(plugin_dir: Path, summary: dict[str, Any]) -> None:
+    """``startup.json`` beside the plugin: prepare's phases and engine-cache verdict, which
+    every rank of the vLLM container exports with its own (``plugin/metrics.py``)."""
+    cache = summary.get("engineCache", {})
+    record = {"phases": summary["phases"], "engineCache": cache.get("result", ""),
+              "engineCacheReason": cache.get("reason", "")}  # fmt: skip
+    try:
+        (plugin_dir / STARTUP_RECORD).write_text(json.dumps(record, sort_keys=True) + "\n")
+    except OSError as e:
+        raise DestinationError(f"{plugin_dir / STARTUP_RECORD}: cannot write: {e}") from None
 
 
 def node_cache_verdict(
