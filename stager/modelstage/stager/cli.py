@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from modelstage.core.digest import DIGEST_HEX_CHARS
-from modelstage.core.integrity import MAX_CHUNK_BYTES
 from modelstage.core.errors import ModelstageError, SpecError
 from modelstage.core.formats import FORMATS
+from modelstage.core.integrity import MAX_CHUNK_BYTES
 from modelstage.core.layouts import DEFAULT_VLLM_VERSION
 
 DIGEST_PATTERN = re.compile(rf"[0-9a-f]{{{DIGEST_HEX_CHARS}}}")
