@@ -340,3 +340,14 @@ def test_an_offer_evicts_nothing_before_the_spec_is_known_nor_a_copy_being_offer
     with pytest.raises(Refused) as busy:
         r.offer("b", D1, copy_manifest(D1, data))
     assert busy.value.status == 507 and set(held_bytes(tmp_path)) == {idle}
+
+
+def test_a_copy_this_agent_received_and_committed_before_is_evictable(tmp_path: Path) -> None:
+    """Its offer is over once committed: what it received is a copy like any other."""
+    old, new = os.urandom(2 * CHUNK), os.urandom(2 * CHUNK)
+    evicted: list[str] = []
+    r = Receiver(tmp_path, "n1", budget=10**9, keep=frozenset, on_evict=evicted.append)
+    first = receive(r, "a", D1, old)
+    r.budget = int(first["bytes"]) + offer_size(D2, new) - 1
+    done = receive(r, "a", D2, new)
+    assert evicted == [first["content"]] and set(held_bytes(tmp_path)) == {done["content"]}

@@ -160,10 +160,11 @@ class Receiver:
         self, scan: store.Scan, content: str
     ) -> tuple[list[eviction.HeldCopy], list[eviction.PartialCopy]]:
         """The root's copies as the planner sees them at an offer: pinned when the spec keeps
-        them, when an offer is in progress for them, or when the spec is not known (then
-        nothing is evicted); partials locked when being received (``content``'s own too)."""
+        them, when an offer is in progress for them (not yet committed), or when the spec is
+        not known (then nothing is evicted); partials locked when being received
+        (``content``'s own too)."""
         keep = self.keep() if self.keep is not None else None
-        busy = set(self.offers) | {content}
+        busy = {c for c, o in self.offers.items() if not o.committed} | {content}
         held = [
             eviction.HeldCopy(c.content, c.bytes, store.record_time(c.record.get("lastUsed")),
                               keep is None or c.content in busy or bool(keep & set(c.grants)))
