@@ -351,3 +351,19 @@ def test_a_copy_this_agent_received_and_committed_before_is_evictable(tmp_path: 
     r.budget = int(first["bytes"]) + offer_size(D2, new) - 1
     done = receive(r, "a", D2, new)
     assert evicted == [first["content"]] and set(held_bytes(tmp_path)) == {done["content"]}
+
+
+def test_a_copy_removed_after_its_commit_is_streamed_again_by_the_same_namespace(
+    tmp_path: Path,
+) -> None:
+    """Re-verification dropped it (or it was evicted): the namespace's earlier proofs name
+    files no longer held, so the offer asks for every file again and the commit publishes."""
+    data = os.urandom(2 * CHUNK)
+    r = Receiver(tmp_path, "n1", budget=10**9)
+    first = receive(r, "a", D1, data)
+    assert store.remove_copy(tmp_path, str(first["content"]))
+    offer = r.offer("a", D1, copy_manifest(D1, data))
+    assert offer["need"] == [NAME] and offer["complete"] is False
+    again = receive(r, "a", D1, data)
+    assert again["alreadyComplete"] is False
+    assert (node_cache.copy_dir(tmp_path, str(again["content"])) / NAME).read_bytes() == data

@@ -107,6 +107,8 @@ class Receiver:
             offer = self.offers.get(content)
             if offer is None or (offer.committed and not complete):  # evicted since: anew
                 reserve = 0 if complete else self._check_room(content, manifest, canonical)
+                if not complete:  # proofs of files this agent no longer holds: sent anew
+                    self.proofs = {k: v for k, v in self.proofs.items() if k[1] != content}
                 now = self.clock()
                 offer = Offer(content, manifest, canonical, reserve, now, now)
                 self.offers[content] = offer
