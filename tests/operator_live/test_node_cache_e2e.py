@@ -41,7 +41,16 @@ from modelstage.core import node_cache as nc
 from modelstage.devtools.synthetic import SyntheticModel, write_checkpoint
 from modelstage.operator.kube import container_security_context, pod_security_context
 from modelstage.operator.kube_client import resource_path
-from support.kube_cluster import Cluster, ControlPlane, eventually, new_namespace
+from support.charts import RELEASE_NAMESPACE, render_docs
+from support.kube_cluster import (
+    ApiStatusError,
+    Cluster,
+    ControlPlane,
+    KubeHTTP,
+    create_all,
+    eventually,
+    new_namespace,
+)
 from support.mini_kubelet import MiniKubelet, PodRefused
 from support.modelstage_objects import (
     complete_rollout,
@@ -50,8 +59,6 @@ from support.modelstage_objects import (
     model_deployment,
     vllm_deployment,
 )
-from support.charts import RELEASE_NAMESPACE, render_docs
-from support.kube_cluster import ApiStatusError, KubeHTTP, create_all
 from support.node_agent import AgentProcess, node_bound_agent_kubeconfig, remove_agent_pods
 from support.node_cluster import add_node
 from support.operator_flow import MD, status_of, wait_phase
