@@ -10,7 +10,7 @@ from datetime import UTC, datetime, timedelta
 from hypothesis import given
 from hypothesis import strategies as st
 from modelstage.agent.agent import contents_for, label_patch
-from modelstage.agent.eviction import HeldCopy, PartialCopy, plan_eviction
+from modelstage.agent.eviction import HeldCopy, PartialCopy, plan_eviction, plan_room
 from modelstage.agent.store import Copy
 from modelstage.core.node_cache import LABEL_PREFIX, content_label
 from modelstage.operator.node_cache_api import Grant
@@ -140,4 +140,63 @@ def test_eviction_properties(
                 assert plan.bytes_after + e.bytes - kept.bytes > budget
     total = sum(c.bytes for c in held) + sum(p.bytes for p in partials)
     if total <= budget:
+        assert plan.evict == () and plan.drop_partials == ()
+
+
+def test_room_for_an_offer_evicts_the_oldest_unpinned_copy_only() -> None:
+    held = [HeldCopy(A, 10, at(0), pinned=True), HeldCopy(B, 10, at(1)), HeldCopy(C, 10, at(2))]
+    room = plan_room(held, [], budget=30, free=100, need=10)
+    assert room.fits and room.eviction.evict == (B,) and room.evictable == 20
+
+
+def test_room_that_cannot_be_made_evicts_nothing() -> None:
+    held = [HeldCopy(A, 10, at(0), pinned=True), HeldCopy(B, 10, at(1))]
+    room = plan_room(held, [PartialCopy(C, 5, locked=True)], budget=24, free=100, need=10)
+    assert not room.fits and room.eviction.evict == () and room.eviction.drop_partials == ()
+    assert (room.held, room.evictable) == (25, 10)
+
+
+def test_room_counts_the_filesystem_free_space_too() -> None:
+    """Within budget but the disk is short: eviction frees the disk as well."""
+    held = [HeldCopy(A, 10, at(0)), HeldCopy(B, 10, at(1))]
+    room = plan_room(held, [], budget=1000, free=5, need=12)
+    assert room.fits and room.eviction.evict == (A,)
+
+
+@given(held=copies, partials=partial_copies, budget=st.integers(0, 800),
+       free=st.integers(0, 800), need=st.integers(0, 300))  # fmt: skip
+def test_room_properties(
+    held: list[HeldCopy], partials: list[PartialCopy], budget: int, free: int, need: int
+) -> None:
+    room = plan_room(held, partials, budget, free, need)
+    plan = room.eviction
+    by_content = {c.content: c for c in held}
+    by_partial = {p.content: p for p in partials}
+    total = sum(c.bytes for c in held) + sum(p.bytes for p in partials)
+    movable = sum(c.bytes for c in held if not c.pinned)
+    movable += sum(p.bytes for p in partials if not p.locked)
+    assert room.held == total and room.evictable == movable
+
+    def fits(after: int) -> bool:
+        return after + need <= budget and need <= free + total - after
+
+    assert room.fits == fits(total - movable)  # refused only when nothing could make room
+    if not room.fits:
+        assert plan.evict == () and plan.drop_partials == ()
+        return
+    assert fits(plan.bytes_after)
+    assert not any(by_content[d].pinned for d in plan.evict)
+    assert not any(by_partial[d].locked for d in plan.drop_partials)
+    removed = [by_content[d].bytes for d in plan.evict]
+    removed += [by_partial[d].bytes for d in plan.drop_partials]
+    assert plan.bytes_after == total - sum(removed)
+    for size in removed:  # minimal: keeping any one of them would not make room
+        assert not fits(plan.bytes_after + size)
+    oldest = datetime.min.replace(tzinfo=UTC)
+    evicted = [by_content[d] for d in plan.evict]
+    for kept in (c for c in held if not c.pinned and c.content not in plan.evict):
+        for e in evicted:  # an older idle copy kept over a newer one only when it had to be
+            if (kept.last_used or oldest) < (e.last_used or oldest):
+                assert not fits(plan.bytes_after + e.bytes - kept.bytes)
+    if fits(total):
         assert plan.evict == () and plan.drop_partials == ()

@@ -9,6 +9,7 @@ import io
 import json
 import os
 from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -18,10 +19,14 @@ from modelstage.agent.receive import Receiver
 from modelstage.core import node_cache
 from modelstage.core.integrity import MAX_CHUNK_BYTES, digest_bytes
 from modelstage.core.manifest import MANIFEST, FileEntry, Manifest
-from support.node_agent import CHUNK, copy_manifest, fake_digest
+from support.node_agent import CHUNK, copy_manifest, fake_digest, make_copy
 
 D1, D2 = fake_digest(1), fake_digest(2)
 NAME = "model.safetensors"
+
+
+def at(minutes: int) -> datetime:
+    return datetime(2026, 1, 1, tzinfo=UTC) + timedelta(minutes=minutes)
 
 
 def reader(data: bytes) -> Callable[[int], bytes]:
@@ -249,3 +254,116 @@ def test_an_offer_declaring_2_gib_chunks_is_refused_before_any_byte(tmp_path: Pa
         "is more than 67108864 (64 MiB), the largest chunk a reader holds in memory; restage "
         "the artifact with this release")  # fmt: skip
     assert r.offers == {} and tree_bytes(tmp_path) == 0
+
+
+def held_bytes(root: Path) -> dict[str, int]:
+    return {c.content: c.bytes for c in store.scan(root).copies}
+
+
+def offer_size(digest: str, data: bytes) -> int:
+    return len(data) + len(node_cache.canonical_manifest(copy_manifest(digest, data)))
+
+
+def test_an_offer_evicts_the_least_recently_used_unpinned_copies_it_needs_then_reserves(
+    tmp_path: Path,
+) -> None:
+    """Two copies fill the budget: the oldest is pinned by the spec, so the next oldest goes
+    (and only it), the pinned one stays, and the offer is accepted with its bytes reserved."""
+    pinned = make_copy(tmp_path, 11, 2 * CHUNK, last_used=at(0), grants=[("a", fake_digest(11))])
+    older = make_copy(tmp_path, 12, 2 * CHUNK, last_used=at(1))
+    newer = make_copy(tmp_path, 13, 2 * CHUNK, last_used=at(2))
+    data = os.urandom(2 * CHUNK)
+    sizes = held_bytes(tmp_path)
+    budget = sizes[pinned] + sizes[newer] + offer_size(D1, data)
+    evicted: list[str] = []
+    r = Receiver(tmp_path, "n1", budget=budget, keep=lambda: frozenset({("a", fake_digest(11))}),
+                 on_evict=evicted.append)  # fmt: skip
+    offer = r.offer("b", D1, copy_manifest(D1, data))
+    assert evicted == [older] and set(held_bytes(tmp_path)) == {pinned, newer}
+    assert r.offers[str(offer["content"])].reserved == offer_size(D1, data)
+    done = receive(r, "b", D1, data)
+    assert set(held_bytes(tmp_path)) == {pinned, newer, done["content"]}
+    assert store.scan(tmp_path).bytes <= budget
+
+
+def test_an_offer_evicts_the_least_set_not_every_older_copy(tmp_path: Path) -> None:
+    """The oldest copy is small: evicting it alone is not enough, the next one is, and with
+    that one gone the small one fits again, so it stays."""
+    small = make_copy(tmp_path, 21, CHUNK // 4, last_used=at(0))
+    large = make_copy(tmp_path, 22, 4 * CHUNK, last_used=at(1))
+    data = os.urandom(2 * CHUNK)
+    budget = held_bytes(tmp_path)[small] + offer_size(D1, data)
+    evicted: list[str] = []
+    r = Receiver(tmp_path, "n1", budget=budget, keep=frozenset, on_evict=evicted.append)
+    r.offer("b", D1, copy_manifest(D1, data))
+    assert evicted == [large] and set(held_bytes(tmp_path)) == {small}
+
+
+def test_an_offer_that_cannot_fit_even_after_eviction_evicts_nothing_and_says_the_numbers(
+    tmp_path: Path,
+) -> None:
+    pinned = make_copy(tmp_path, 31, 4 * CHUNK, last_used=at(0), grants=[("a", fake_digest(31))])
+    idle = make_copy(tmp_path, 32, CHUNK, last_used=at(1))
+    sizes = held_bytes(tmp_path)
+    data = os.urandom(4 * CHUNK)
+    budget = sizes[pinned] + offer_size(D1, data) - 1  # one byte short with idle gone
+    evicted: list[str] = []
+    r = Receiver(tmp_path, "n1", budget=budget, keep=lambda: frozenset({("a", fake_digest(31))}),
+                 on_evict=evicted.append)  # fmt: skip
+    with pytest.raises(Refused) as refused:
+        r.offer("b", D1, copy_manifest(D1, data))
+    assert refused.value.status == 507 and evicted == [] and r.offers == {}
+    held = sizes[pinned] + sizes[idle]
+    assert refused.value.message.startswith(
+        f"node n1: the copy needs {offer_size(D1, data)} bytes, the node cache's budget of "
+        f"{budget} has {budget - held} left ({held} held, {sizes[idle]} of them evictable, 0 "
+        "reserved by copies in progress); raise the budget or let copies be evicted"
+    )
+    assert set(held_bytes(tmp_path)) == {pinned, idle}
+
+
+def test_an_offer_evicts_nothing_before_the_spec_is_known_nor_a_copy_being_offered(
+    tmp_path: Path,
+) -> None:
+    idle = make_copy(tmp_path, 41, 2 * CHUNK, last_used=at(0))
+    data = os.urandom(2 * CHUNK)
+    budget = held_bytes(tmp_path)[idle] + offer_size(D1, data) - 1
+    unknown = Receiver(tmp_path, "n1", budget=budget, keep=lambda: None)
+    with pytest.raises(Refused, match="0 reserved") as refused:
+        unknown.offer("b", D1, copy_manifest(D1, data))
+    assert refused.value.status == 507 and set(held_bytes(tmp_path)) == {idle}
+    r = Receiver(tmp_path, "n1", budget=budget, keep=frozenset)
+    record = store.read_record(tmp_path, idle)
+    raw = (node_cache.copy_dir(tmp_path, idle) / MANIFEST).read_bytes()
+    ((_, digest),) = store.record_grants(record)
+    assert r.offer("c", digest, raw)["content"] == idle  # a namespace proving the copy now
+    with pytest.raises(Refused) as busy:
+        r.offer("b", D1, copy_manifest(D1, data))
+    assert busy.value.status == 507 and set(held_bytes(tmp_path)) == {idle}
+
+
+def test_a_copy_this_agent_received_and_committed_before_is_evictable(tmp_path: Path) -> None:
+    """Its offer is over once committed: what it received is a copy like any other."""
+    old, new = os.urandom(2 * CHUNK), os.urandom(2 * CHUNK)
+    evicted: list[str] = []
+    r = Receiver(tmp_path, "n1", budget=10**9, keep=frozenset, on_evict=evicted.append)
+    first = receive(r, "a", D1, old)
+    r.budget = int(first["bytes"]) + offer_size(D2, new) - 1
+    done = receive(r, "a", D2, new)
+    assert evicted == [first["content"]] and set(held_bytes(tmp_path)) == {done["content"]}
+
+
+def test_a_copy_removed_after_its_commit_is_streamed_again_by_the_same_namespace(
+    tmp_path: Path,
+) -> None:
+    """Re-verification dropped it (or it was evicted): the namespace's earlier proofs name
+    files no longer held, so the offer asks for every file again and the commit publishes."""
+    data = os.urandom(2 * CHUNK)
+    r = Receiver(tmp_path, "n1", budget=10**9)
+    first = receive(r, "a", D1, data)
+    assert store.remove_copy(tmp_path, str(first["content"]))
+    offer = r.offer("a", D1, copy_manifest(D1, data))
+    assert offer["need"] == [NAME] and offer["complete"] is False
+    again = receive(r, "a", D1, data)
+    assert again["alreadyComplete"] is False
+    assert (node_cache.copy_dir(tmp_path, str(again["content"])) / NAME).read_bytes() == data

@@ -302,3 +302,50 @@ def test_phase_events_feed_the_deployment_gauge_and_a_deletion_frees_the_queue_p
     handlers.modeldeployment_phase(type="DELETED", namespace=NS, name="gone", status={}, memo=memo)
     assert (NS, "gone") not in metrics.DEPLOYMENTS._by_object
     assert reconciler.slots.waiting() == []
+
+
+# -- node-cache PVs ----------------------------------------------------------------------------
+@dataclass
+class Kube:
+    """Records the claim reads and PV deletions of the PV handler; no claim exists."""
+
+    reads: list[str] = field(default_factory=list)
+    deleted: list[str] = field(default_factory=list)
+
+    def get(self, path: str) -> dict[str, Any] | None:
+        self.reads.append(path)
+        return None
+
+    def delete(self, path: str) -> None:
+        self.deleted.append(path)
+
+
+def bound_pv(namespace: str) -> dict[str, Any]:
+    from modelstage.operator.kube import Owner
+    from modelstage.operator.node_cache_volume import plan_volume
+
+    pv, _ = plan_volume(Owner("llama", namespace, "uid-1"), "0123456789abcdef" * 2, 1)
+    pv["spec"]["claimRef"]["uid"] = "claim-1"
+    return pv
+
+
+@pytest.mark.parametrize(
+    ("watched", "namespace", "read"),
+    [(None, "team-b", True), (("team-a",), "team-a", True), (("team-a",), "team-b", False),
+     (("team-*, !team-b",), "team-b", False), (("team-*, !team-b",), "team-c", True)],
+)  # fmt: skip
+def test_a_node_cache_pv_is_looked_at_only_for_a_claim_in_a_namespace_served(
+    watched: tuple[str, ...] | None, namespace: str, read: bool
+) -> None:
+    """A namespaced operator may read claims only where it serves: a PV of another namespace
+    (another instance's, or nobody's) is left alone, neither read nor deleted."""
+    kube = Kube()
+    reconciler = type("R", (), {"kube": kube})()
+    pv = bound_pv(namespace)
+    handlers.node_cache_volume_event(
+        type="MODIFIED", body=pv, name=pv["metadata"]["name"],
+        memo=Memo(reconciler, OperatorConfig(watched_namespaces=watched)), logger=LOG,
+    )  # fmt: skip
+    claim = f"/api/v1/namespaces/{namespace}/persistentvolumeclaims/"
+    assert [r.startswith(claim) for r in kube.reads] == ([True] if read else [])
+    assert kube.deleted == ([f"/api/v1/persistentvolumes/{pv['metadata']['name']}"] if read else [])

@@ -574,7 +574,7 @@ def test_a_node_that_loses_its_copy_shows_in_the_status() -> None:
     assert ready.status.phase == "Ready"
     lost = {"a": report("a", DIGEST), "b": report("b")}
     step, create = plan(before=ready.status, reports=lost, jobs={"b": done})
-    assert create == []
+    assert create == ["b"] and step.replace == (done.name,)  # no other node: copied again
     assert states(step) == {"a": "Ready", "b": "Failed"}
     assert "no longer holds" in step.status.nodes[1].message
     assert (step.status.phase, step.status.ready) == ("Ready", 1)
@@ -633,7 +633,7 @@ def test_a_node_that_lost_its_copy_gives_way_and_stays_known_as_lost() -> None:
     step, create = choose_and_plan(
         eligible, before=ready.status, reports=lost, jobs={"b": done}, replicas=1
     )
-    assert create == ["c"]
+    assert create == ["c"] and step.replace == ()  # c takes its place: b's Job stays
     assert states(step) == {"b": "Failed", "c": "Pending"}
     assert "no longer holds" in step.status.nodes[0].message
     # The next reconciliation: b's Job still says Succeeded; b must not look like a copy

@@ -14,8 +14,17 @@ roll waits for the copies and the warm-up, then mounts the copy through a PV/cla
 operator created (PV controller bound), read-only, with no hostPath anywhere in the tenant
 namespace; a serving pod on a node with the copy gets a hit from its prepare (counted in the
 status), one on a node without it is refused by the PV's node affinity; a new artifact is
-copied while the old one is kept for rollback; a copy over the node's budget is refused
-before any byte, and the status says which node and why.
+copied while the old one is kept for rollback; the next one, over a budget of two copies,
+evicts the oldest (no longer pinned) and never the rollback target; a byte flipped in a
+node's copy is found by the agent's re-verification, which drops the copy and reports it
+(``verifyFailures``, ``lastVerified``), and the operator has it copied again; a copy that
+cannot fit next to the pinned ones is refused before any byte, and the status says which
+node and why.
+
+All of it under the chart's three admission policies (rendered from the chart): the agents
+run with the chart's agent ServiceAccount and tokens bound to a pod on their node (the
+node-name claim), the operator with the chart's ServiceAccount, so its PVs, the serving pods'
+read-only claims and the agents' label and report writes all pass them.
 """
 
 from __future__ import annotations
@@ -32,7 +41,16 @@ from modelstage.core import node_cache as nc
 from modelstage.devtools.synthetic import SyntheticModel, write_checkpoint
 from modelstage.operator.kube import container_security_context, pod_security_context
 from modelstage.operator.kube_client import resource_path
-from support.kube_cluster import Cluster, ControlPlane, eventually, new_namespace
+from support.charts import RELEASE_NAMESPACE, render_docs
+from support.kube_cluster import (
+    ApiStatusError,
+    Cluster,
+    ControlPlane,
+    KubeHTTP,
+    create_all,
+    eventually,
+    new_namespace,
+)
 from support.mini_kubelet import MiniKubelet, PodRefused
 from support.modelstage_objects import (
     complete_rollout,
@@ -41,12 +59,12 @@ from support.modelstage_objects import (
     model_deployment,
     vllm_deployment,
 )
-from support.node_agent import AgentProcess, agent_kubeconfig
+from support.node_agent import AgentProcess, node_bound_agent_kubeconfig, remove_agent_pods
 from support.node_cluster import add_node
 from support.operator_flow import MD, status_of, wait_phase
 from support.operator_process import OperatorProcess
 
-pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(420)]
 BIN = Path(sys.executable).parent
 NODES = {"gpu-a": {"gpu": "true"}, "gpu-b": {"gpu": "true"}, "cpu-c": {}}
 BUDGET = 8 * 2**20
@@ -59,6 +77,8 @@ SPEC: dict[str, Any] = {
     "serving": {"targetRef": {"kind": "Deployment", "name": "vllm"}, "containerName": "vllm"},
     "nodeCache": {"enabled": True, "nodes": "Replicas", "warm": True},
 }
+VERIFY_RATE = "200M"
+"""Re-verification at a pace that reads every copy here within a pass or two."""
 RESTRICTED = {"pod-security.kubernetes.io/enforce": "restricted"}
 
 
@@ -78,6 +98,42 @@ async def namespace(cluster: Cluster) -> str:
     name = await new_namespace(cluster, f"t-{uuid.uuid4().hex[:8]}")
     await cluster.client.patch(f"/api/v1/namespaces/{name}", {"metadata": {"labels": RESTRICTED}})
     return name
+
+
+POLICY_KINDS = ("ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")
+ADMISSION = "/apis/admissionregistration.k8s.io/v1"
+
+
+@pytest_asyncio.fixture
+async def policies(cluster: Cluster) -> AsyncIterator[None]:
+    """The chart's node-cache admission policies, in force (a pod mounting a node-cache claim
+    writable is denied) until the test ends; then removed (the control plane outlives it)."""
+    docs = [d for d in render_docs("--set", "nodeCache.enabled=true") if d["kind"] in POLICY_KINDS]
+    assert len(docs) == 6
+    await create_all(cluster.client, docs)
+    pods = f"/api/v1/namespaces/{RELEASE_NAMESPACE}/pods"
+    probe = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "writable-node-cache"},
+             "spec": {"containers": [{"name": "c", "image": "x"}],
+                      "volumes": [{"name": "v", "persistentVolumeClaim": {
+                          "claimName": "modelstage-node-cache-probe"}}]}}  # fmt: skip
+
+    async def in_force() -> bool:
+        try:
+            await cluster.client.create(pods, probe)
+        except ApiStatusError as error:
+            return "ValidatingAdmissionPolicy" in str(error.body)
+        await cluster.client.request("DELETE", f"{pods}/writable-node-cache",
+                                     gracePeriodSeconds="0")  # fmt: skip
+        return False
+
+    await eventually(in_force, timeout=30, what="the chart's admission policies in force")
+    try:
+        yield
+    finally:
+        for doc in docs:
+            plural = "validatingadmissionpolicies" if doc["kind"] == POLICY_KINDS[0] else (
+                "validatingadmissionpolicybindings")  # fmt: skip
+            await cluster.client.delete(f"{ADMISSION}/{plural}/{doc['metadata']['name']}")
 
 
 @pytest_asyncio.fixture
@@ -109,6 +165,7 @@ def world(tmp_path: Path) -> tuple[Path, dict[str, Path]]:
 async def running(
     cluster: Cluster,
     namespace: str,
+    policies: None,
     operator: OperatorProcess,
     world: tuple[Path, dict[str, Path]],
     tmp_path: Path,
@@ -118,11 +175,12 @@ async def running(
     claims, roots = world
     for name, labels in NODES.items():
         await add_node(cluster, name, labels)
-    kubeconfig = await agent_kubeconfig(cluster, tmp_path / "agent.kubeconfig")
     agents = [
-        AgentProcess(name, root, BUDGET, kubeconfig, tmp_path / f"{name}.log", interval=0.5).start()
+        AgentProcess(name, root, BUDGET, await node_bound_agent_kubeconfig(
+            cluster, name, tmp_path / f"{name}.kubeconfig"), tmp_path / f"{name}.log",
+            interval=0.5, verify_rate=VERIFY_RATE).start()
         for name, root in roots.items()
-    ]
+    ]  # fmt: skip
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     try:
@@ -131,6 +189,7 @@ async def running(
     finally:
         for agent in agents:
             await agent.stop()
+        await remove_agent_pods(cluster)
         for pv in await cluster.client.list(resource_path("v1", "persistentvolumes")):
             await cluster.client.delete(resource_path("v1", "persistentvolumes", None,
                                                       pv["metadata"]["name"]))  # fmt: skip
@@ -217,6 +276,7 @@ async def test_copied_to_the_matching_nodes_served_through_a_pv_and_refused_over
     namespace: str,
     running: tuple[MiniKubelet, list[AgentProcess]],
     world: tuple[Path, dict[str, Path]],
+    tmp_path: Path,
 ) -> None:
     kubelet, agents = running
     claims, roots = world
@@ -295,9 +355,73 @@ async def test_copied_to_the_matching_nodes_served_through_a_pv_and_refused_over
         assert {(namespace, first), (namespace, second)} <= kept, spec
     await settle(cluster, namespace)
 
-    # A third does not fit next to the two pinned ones: the agents refuse it before any byte,
-    # and the status says which node and why.
+    # A third, over a budget of two copies: the offer evicts the oldest copy, no longer
+    # pinned, and never the second, the rollback target once the third serves.
     await cluster.client.patch(md_path(namespace, MD), {"spec": {"parallelism": {"tensor": 1}}})
+    third = await rolled(cluster, namespace, second)
+    assert (await status_of(cluster, namespace))["previousArtifact"]["digest"] == second
+    for name in gpus:
+        assert await granted(cluster, name, namespace, first) is None, await report(cluster, name)
+        assert await granted(cluster, name, namespace, second) is not None, name
+        assert await granted(cluster, name, namespace, third) is not None, name
+        assert (await report(cluster, name))["evictions"] >= 1, name
+        assert not (roots[name] / content).exists(), name
+    await settle(cluster, namespace)
+
+    # A byte flipped in gpu-a's copy of the served artifact: the agent's re-verification
+    # drops the copy and says so; the operator sees gpu-a no longer holds it and a copy Job
+    # copies it again.
+    held = await granted(cluster, "gpu-a", namespace, third)
+    assert held is not None and held.get("lastVerified"), held
+    served = roots["gpu-a"] / held["content"]
+    victim = next(p for p in sorted(served.iterdir()) if p.name != "modelstage.json")
+    victim.chmod(0o640)
+    with open(victim, "r+b") as f:
+        f.seek(victim.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    victim.chmod(0o440)
+    copy_jobs = len([r for r in kubelet.ran if r["name"].startswith("modelstage-copy-")])
+
+    async def dropped() -> bool:
+        now = await report(cluster, "gpu-a")
+        gone = await granted(cluster, "gpu-a", namespace, third) is None
+        return bool(now.get("verifyFailures")) and (gone or len(kubelet.ran) > copy_jobs)
+
+    await eventually(dropped, timeout=60, what="gpu-a's corrupt copy dropped by re-verification")
+
+    async def copied_again() -> bool:
+        again = await granted(cluster, "gpu-a", namespace, third)
+        return again is not None and same_files(staged_of(claims, third), served)
+
+    try:
+        await eventually(copied_again, timeout=120, what="gpu-a's copy made again by a copy Job")
+    except AssertionError as error:
+        status = await status_of(cluster, namespace)
+        raise AssertionError(f"{error}\nphase: {status.get('phase')}\ncache: "
+                             f"{status.get('nodeCache')}\nconditions: {status.get('conditions')}"
+                             f"\nran: {[(r['name'], r['node'], r['rc']) for r in kubelet.ran]}"
+                             ) from None  # fmt: skip
+    recopies = [r for r in kubelet.ran[copy_jobs:] if r["name"].startswith("modelstage-copy-")]
+    assert [r["node"] for r in recopies] == ["gpu-a"] and recopies[0]["rc"] == 0, recopies
+    assert (await report(cluster, "gpu-a"))["verifyFailures"] == 1
+    assert (await report(cluster, "gpu-b")).get("verifyFailures", 0) == 0
+
+    # The policies held the agents and the operator to their part all along.
+    await refused_by_policy(tmp_path / "gpu-a.kubeconfig", "patch",
+                            resource_path("v1", "nodes", None, "gpu-b"),
+                            {"metadata": {"labels": {nc.content_label(content): "true"}}})
+    await refused_by_policy(cluster.kubeconfig, "create", resource_path("v1", "persistentvolumes"),
+                            {"apiVersion": "v1", "kind": "PersistentVolume",
+                             "metadata": {"name": "modelstage-nc-not-a-copy"},
+                             "spec": {"capacity": {"storage": "1"}, "accessModes": ["ReadOnlyMany"],
+                                      "hostPath": {"path": "/"}}})  # fmt: skip
+
+    # A fourth does not fit next to the two kept ones (the ModelDeployment now keeps three):
+    # the agents refuse it before any byte, and the status says which node and why.
+    await cluster.client.patch(md_path(namespace, MD), {"spec": {"dtype": "float16",
+                                                                 "retention": {"keep": 3}}})
 
     async def refused() -> dict[str, Any] | None:
         cache = (await status_of(cluster, namespace)).get("nodeCache") or {}
@@ -306,7 +430,7 @@ async def test_copied_to_the_matching_nodes_served_through_a_pv_and_refused_over
             return cache
         return None
 
-    cache = await eventually(refused, timeout=180, what="the third copy refused on both nodes")
+    cache = await eventually(refused, timeout=180, what="the fourth copy refused on both nodes")
     for node in cache["nodes"]:
         assert "budget" in node["message"] and node["name"] in node["message"], node
     status = await status_of(cluster, namespace)
@@ -315,4 +439,22 @@ async def test_copied_to_the_matching_nodes_served_through_a_pv_and_refused_over
     assert "budget" in cached["message"], cached
     for name in gpus:
         assert not [p for p in (roots[name] / ".partial").glob("*") if p.is_dir()], name
+        assert await granted(cluster, name, namespace, second) is not None, name
+        assert await granted(cluster, name, namespace, third) is not None, name
     assert kubelet.refused == []
+
+
+def staged_of(claims: Path, digest: str) -> Path:
+    return next(claims.glob(f"artifacts/staged/**/{digest}"))
+
+
+async def refused_by_policy(kubeconfig: Path, verb: str, path: str, body: dict[str, Any]) -> None:
+    """The write, with the kubeconfig's token, is denied by one of the chart's policies."""
+    import yaml
+
+    config = yaml.safe_load(kubeconfig.read_text())
+    token = config["users"][0]["user"]["token"]
+    async with KubeHTTP(config["clusters"][0]["cluster"]["server"], token) as client:
+        with pytest.raises(ApiStatusError) as denied:
+            await (client.patch(path, body) if verb == "patch" else client.create(path, body))
+    assert "ValidatingAdmissionPolicy" in str(denied.value.body), denied.value

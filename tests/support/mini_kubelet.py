@@ -78,9 +78,9 @@ class MiniKubelet:
     async def _loop(self) -> None:
         while True:
             for job in await self.cluster.client.list(job_path(self.namespace)):
-                name = job["metadata"]["name"]
-                if name not in self._seen and not (job.get("status") or {}).get("conditions"):
-                    self._seen.add(name)
+                name, uid = job["metadata"]["name"], job["metadata"]["uid"]
+                if uid not in self._seen and not (job.get("status") or {}).get("conditions"):
+                    self._seen.add(uid)  # a Job replaced under its name is a new one
                     try:
                         await self._run(job)
                     except PodRefused as error:

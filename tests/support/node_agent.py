@@ -20,7 +20,7 @@ from modelstage.core import node_cache
 from modelstage.core.integrity import digest_bytes
 from modelstage.core.manifest import MANIFEST, FileEntry, Manifest
 
-from support.charts import RELEASE, of_kind, render_docs
+from support.charts import RELEASE, RELEASE_NAMESPACE, of_kind, render_docs
 from support.kube_cluster import Cluster, create_all, service_account_token, write_kubeconfig
 
 CHUNK = 256 * 1024
@@ -114,6 +114,44 @@ async def agent_kubeconfig(cluster: Cluster, path: Path) -> Path:
     await create_all(cluster.client, docs)
     token = await service_account_token(cluster.client, ns, name)
     return write_kubeconfig(path, cluster.server, token)
+
+
+AGENT_ACCOUNT = f"{RELEASE}-modelstage-node-agent"
+"""The chart's node agent ServiceAccount (in the release's namespace): the name the chart's
+admission policy holds to its own node."""
+
+
+async def node_bound_agent_kubeconfig(cluster: Cluster, node: str, path: Path) -> Path:
+    """The agent's kubeconfig as its DaemonSet pod on ``node`` holds it (real tier): the
+    chart's agent ServiceAccount, ClusterRole and binding, and a token bound to a pod on that
+    node, so it carries the node-name claim the chart's admission policy checks."""
+    docs = [d for d in render_docs("--set", "nodeCache.enabled=true")
+            if d["kind"] in ("ServiceAccount", "ClusterRole", "ClusterRoleBinding")
+            and d["metadata"]["name"] == AGENT_ACCOUNT]  # fmt: skip
+    await create_all(cluster.client, docs)
+    pod = {"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"generateName": f"node-agent-{node}-", "namespace": RELEASE_NAMESPACE,
+                        "labels": {AGENT_POD_LABEL: "true"}},
+           "spec": {"nodeName": node, "serviceAccountName": AGENT_ACCOUNT,
+                    "automountServiceAccountToken": False,
+                    "containers": [{"name": "agent", "image": "modelstage:test"}]}}  # fmt: skip
+    created = await cluster.client.create(f"/api/v1/namespaces/{RELEASE_NAMESPACE}/pods", pod)
+    meta = created["metadata"]
+    token = await service_account_token(cluster.client, RELEASE_NAMESPACE, AGENT_ACCOUNT,
+                                        bound_pod=(meta["name"], meta["uid"]))  # fmt: skip
+    return write_kubeconfig(path, cluster.server, token)
+
+
+AGENT_POD_LABEL = "modelstage.io/test-node-agent"
+"""Marks the pods ``node_bound_agent_kubeconfig`` binds tokens to (removed by the tests)."""
+
+
+async def remove_agent_pods(cluster: Cluster) -> None:
+    pods = f"/api/v1/namespaces/{RELEASE_NAMESPACE}/pods"
+    for pod in await cluster.client.list(pods):
+        if AGENT_POD_LABEL in (pod["metadata"].get("labels") or {}):
+            await cluster.client.request("DELETE", f"{pods}/{pod['metadata']['name']}",
+                                         gracePeriodSeconds="0")  # fmt: skip
 
 
 @dataclass

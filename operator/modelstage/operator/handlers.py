@@ -23,6 +23,7 @@ Run with ``python -m modelstage.operator`` (or ``kopf run -m modelstage.operator
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -99,7 +100,9 @@ def _post_event(obj: Manifest, type_: str, reason: str, message: str) -> None:
 def startup(settings: kopf.OperatorSettings, memo: Any, logger: Logger, **_: Any) -> None:
     """All operator settings in one place (``settings.py``), then the metrics endpoint and the
     client the handlers share."""
-    config = OperatorConfig.from_env()
+    config = dataclasses.replace(
+        OperatorConfig.from_env(), watched_namespaces=getattr(memo, "watched_namespaces", None)
+    )
     configure(settings, config)
     metrics.serve(config.metrics_port, config.metrics_host)
     kube = KubeClient.from_environment(timeout=config.request_timeout)
@@ -567,11 +570,15 @@ def node_cache_volume_event(
     type: str, body: kopf.Body, name: str, memo: Any, logger: Logger, **_: Any
 ) -> None:
     """A node-cache PV whose claim is gone (its ModelDeployment deleted, the claim removed)
-    is deleted: nothing else would, and it names a copy on the nodes."""
+    is deleted: nothing else would, and it names a copy on the nodes. Only PVs of claims in
+    namespaces this operator serves: it may read no claim elsewhere (another instance serves
+    those, or nobody does, and then nothing of it is this one's to delete)."""
     if type == "DELETED":
         return
     reconciler: Reconciler = memo.reconciler
     ref = (body.get("spec") or {}).get("claimRef") or {}
+    if not memo.config.watches(str(ref.get("namespace") or "")):
+        return
     claim = None
     if ref.get("namespace") and ref.get("name"):
         path = resource_path("v1", "persistentvolumeclaims", ref["namespace"], ref["name"])

@@ -382,8 +382,8 @@ def _node_state(
     copied = job is not None and job.state == "Succeeded"
     if copied and before is not None and before.state in (*HOLDING, "Failed"):
         return "Failed", (
-            f"the node no longer holds artifact {digest} (evicted or removed); delete "
-            f"Job {copy_job_name(digest, node)} to copy it again"
+            f"{LOST} {digest} (evicted, removed, or dropped by the agent's re-verification): "
+            f"Job {copy_job_name(digest, node)} is replaced to copy it again"
         )
     if job is None:
         return "Pending", "the copy Job is to be created"
@@ -395,6 +395,10 @@ def _node_state(
     # No byte count here: a message that changes with every agent report would rewrite the
     # status on each one (the progress is in the NodeCache report and the agent's metrics).
     return "Copying", f"Job {job.name} copying"
+
+
+LOST = "the node no longer holds artifact"
+"""How a chosen node's status starts once it lost its copy: its Job is replaced."""
 
 
 def _previous(before: NodeCacheStatus | None, digest: str) -> dict[str, NodeCopyStatus]:
@@ -547,7 +551,9 @@ def plan_node_cache(
 ) -> tuple[NodeCacheStep, list[str]]:
     """The node cache's step (the status, the ``NodeCached`` condition, whether the workload
     may roll, the copy it mounts) and the chosen nodes a copy Job is to be created for, for
-    the artifact ``key`` (namespace, digest). Nodes with a copy Job of the digest are listed
+    the artifact ``key`` (namespace, digest); a node that lost its copy (its Job succeeded, it
+    held the copy, and holds it no more) and is still chosen (no other node took its place)
+    gets its Job replaced (``replace``) by a new one. Nodes with a copy Job of the digest are listed
     whether chosen or not: a failed or lost copy stays known as such after another node was
     chosen in its place."""
     digest = key[1]
@@ -569,8 +575,10 @@ def plan_node_cache(
         since=since,
         nodes=_node_statuses(key, chosen, states, reports, jobs, previous, pod_starts),
     )
-    create = [n for n in chosen if states[n][0] == "Pending" and n not in jobs]
+    lost = [n for n in chosen if states[n][1].startswith(LOST)]
+    create = [n for n in chosen if (states[n][0] == "Pending" and n not in jobs) or n in lost]
     step = NodeCacheStep(
+        replace=tuple(jobs[n].name for n in lost),
         status=status,
         condition=_condition(status, states, deadline, idle),
         roll=phase in ("Ready", "DeadlinePassed"),

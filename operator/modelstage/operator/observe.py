@@ -73,6 +73,8 @@ class NodeCacheStep:
     """The copies are ready, or the deadline passed: the workload may roll."""
     create: tuple[Manifest, ...] = ()
     """Copy Jobs to create."""
+    replace: tuple[str, ...] = ()
+    """Succeeded copy Jobs of nodes that lost their copy: deleted before their new ones."""
     copy: HeldCopy | None = None
     """The copy the serving pods mount (a volume of its content); None: the roll goes
     without the node-cache volume (no chosen node holds a copy, the deadline passed)."""

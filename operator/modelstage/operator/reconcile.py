@@ -559,6 +559,9 @@ class Reconciler:
             if position:
                 logger.info("copy Job %s waits for a stager slot (position %d)", name, position)
                 continue
+            if world.node_cache is not None and name in world.node_cache.replace:
+                self.kube.delete(resource_path("batch/v1", "jobs", namespace, name))
+                logger.info("node %s lost its copy: replaced copy Job %s", node, name)
             try:
                 created = self.kube.create(path, job)
             except BaseException:

@@ -6,6 +6,7 @@ the tests set them); ``configure`` applies it to kopf's settings in the one star
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 import os
 import posixpath
@@ -46,6 +47,22 @@ def _float(env: Mapping[str, str], name: str, default: float) -> float:
         return float(raw)
     except ValueError:
         raise ValueError(f"{PREFIX}{name}={raw!r} is not a number") from None
+
+
+def match_namespace(name: str, pattern: str) -> bool:
+    """``name`` against one ``--namespace`` pattern as kopf reads it: comma-separated globs,
+    ``!`` excluding; a pattern that starts with an exclusion starts from ``*``; a later
+    inclusive glob re-includes only what the first one matched."""
+    globs = [g.strip() for g in pattern.split(",")]
+    if globs[0].startswith("!"):
+        globs.insert(0, "*")
+    matches = first = fnmatch.fnmatch(name, globs[0])
+    for glob in globs[1:]:
+        if glob.startswith("!"):
+            matches = matches and not fnmatch.fnmatch(name, glob.lstrip("!"))
+        else:
+            matches = matches or (first and fnmatch.fnmatch(name, glob))
+    return matches
 
 
 @dataclass(frozen=True)
@@ -101,6 +118,16 @@ class OperatorConfig:
     watch NodeCaches, Nodes and its PVs (a namespaced operator without it has no right to)."""
     copy_deadline_seconds: int = 3600
     """A copy Job's ``activeDeadlineSeconds``."""
+    watched_namespaces: tuple[str, ...] | None = None
+    """The ``--namespace`` patterns this operator serves (kopf's syntax); None: every
+    namespace (``--all-namespaces``). Set from the command line, not the environment."""
+
+    def watches(self, namespace: str) -> bool:
+        """Whether ``namespace`` is one this operator serves: only there may it read claims
+        (a namespaced operator's Role grants nothing elsewhere)."""
+        if self.watched_namespaces is None:
+            return True
+        return any(match_namespace(namespace, p) for p in self.watched_namespaces)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> OperatorConfig:

@@ -78,14 +78,7 @@ def label_patch(current: Mapping[str, str], held: Iterable[str]) -> dict[str, st
     return patch
 
 
-def _when(value: Any) -> datetime | None:
-    if not isinstance(value, str):
-        return None
-    try:
-        parsed = datetime.fromisoformat(value)
-    except ValueError:
-        return None
-    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+_when = store.record_time
 
 
 def _number(value: Any) -> float | None:
@@ -148,7 +141,8 @@ class Agent:
         if self.receiver is None:
             self.receiver = Receiver(
                 self.settings.root, self.settings.node, self.settings.budget,
-                self.settings.namespace_quota, on_commit=self.wake.set,
+                self.settings.namespace_quota, on_commit=self.wake.set, keep=self._kept_pairs,
+                on_evict=self._evicted_for_offer,
             )  # fmt: skip
 
     @property
@@ -192,6 +186,18 @@ class Agent:
         except Exception as e:
             messages.append(f"cannot read NodeCache {self.settings.node}: {e}")
             log.warning("cannot read NodeCache %s: %s", self.settings.node, e)
+
+    def _kept_pairs(self) -> frozenset[store.GrantKey] | None:
+        """What the spec keeps, for an offer's eviction (None before the spec was read)."""
+        spec = self.spec
+        return None if spec is None else frozenset((g.namespace, g.digest) for g in spec.keep)
+
+    def _evicted_for_offer(self, content: str) -> None:
+        self.evictions += 1
+        if self.metrics is not None:
+            self.metrics.evicted()
+        log.info("evicted %s (least recently used) to make room for a copy", content)
+        self.wake.set()
 
     def _pinned(self, copies: Iterable[store.Copy]) -> frozenset[str]:
         return contents_for(self.spec.keep if self.spec else (), copies)

@@ -8,6 +8,10 @@ the spec's ``keep``) are never evicted, nor a partial copy being received; aband
 copies of unpinned contents go first (no copy Job will resume them), those of pinned contents
 last (a retry would resume them). When what is left still exceeds the budget, the plan says so
 (the NodeCache's ``message``).
+
+An offer makes room the same way (``plan_room``): the least set that lets its bytes fit both
+the budget and the filesystem's free space is evicted first, or, when even evicting every
+unpinned, idle copy would not make room, nothing is and the offer is refused.
 """
 
 from __future__ import annotations
@@ -88,3 +92,38 @@ def plan_eviction(
     evict = tuple(content for is_copy, content, _ in chosen if is_copy)
     drop = tuple(content for is_copy, content, _ in chosen if not is_copy)
     return EvictionPlan(evict, drop, total, message)
+
+
+@dataclass(frozen=True)
+class RoomPlan:
+    """What an offer evicts before it reserves ``need`` bytes, or why it cannot."""
+
+    eviction: EvictionPlan
+    fits: bool
+    held: int
+    """Bytes held before any eviction."""
+    evictable: int
+    """Bytes that evicting every unpinned, idle copy and abandoned partial would free."""
+
+
+def plan_room(
+    held: Iterable[HeldCopy],
+    partials: Iterable[PartialCopy],
+    budget: int,
+    free: int,
+    need: int,
+) -> RoomPlan:
+    """The least eviction after which ``need`` more bytes fit ``budget`` (bytes held plus
+    ``need``) and the filesystem's ``free`` bytes (plus what eviction frees). Both are bounds
+    on what may stay held, so the eviction planner answers it under the tighter one; when even
+    that leaves too much, nothing is evicted (an offer that cannot fit takes no copy with it).
+    ``held`` copies being received or offered come marked ``pinned``, partials being written
+    ``locked``."""
+    held, partials = list(held), list(partials)
+    total = sum(c.bytes for c in held) + sum(p.bytes for p in partials)
+    target = min(budget - need, total + free - need)
+    everything = plan_eviction(held, partials, -1)
+    evictable = total - everything.bytes_after
+    if everything.bytes_after > target:
+        return RoomPlan(EvictionPlan(bytes_after=total), False, total, evictable)
+    return RoomPlan(plan_eviction(held, partials, target), True, total, evictable)

@@ -34,7 +34,7 @@ from modelstage.core.errors import ModelstageError
 from modelstage.core.integrity import FileDigest, blake3_module
 from modelstage.core.manifest import MANIFEST, SCHEMA_VERSION, Manifest, check_ranks_present
 
-from . import store
+from . import eviction, store
 from .auth import Refused
 from .locks import digest_lock, fsync_dir, own_dir
 
@@ -75,6 +75,11 @@ class Receiver:
     namespace_quota: int = 0
     """Bytes of copies granted to one namespace on this node (0: no quota)."""
     on_commit: Callable[[], None] | None = None
+    keep: Callable[[], frozenset[store.GrantKey] | None] | None = None
+    """The (namespace, digest) pairs the NodeCache's spec keeps; None (or no callable): not
+    known yet, so an offer evicts nothing."""
+    on_evict: Callable[[str], None] | None = None
+    """Called with each copy an offer evicted (the agent counts it)."""
     clock: Callable[[], float] = time.monotonic
     offers: dict[str, Offer] = field(default_factory=dict)
     proofs: dict[tuple[str, str], set[str]] = field(default_factory=dict)
@@ -102,6 +107,8 @@ class Receiver:
             offer = self.offers.get(content)
             if offer is None or (offer.committed and not complete):  # evicted since: anew
                 reserve = 0 if complete else self._check_room(content, manifest, canonical)
+                if not complete:  # proofs of files this agent no longer holds: sent anew
+                    self.proofs = {k: v for k, v in self.proofs.items() if k[1] != content}
                 now = self.clock()
                 offer = Offer(content, manifest, canonical, reserve, now, now)
                 self.offers[content] = offer
@@ -122,27 +129,62 @@ class Receiver:
         return True, store.read_record(self.root, content)
 
     def _check_room(self, content: str, manifest: Manifest, canonical: bytes) -> int:
-        """The bytes to reserve for a new copy, or a 507 naming the node and the numbers."""
+        """The bytes to reserve for a new copy, after evicting the least recently used
+        unpinned, idle copies it needs (``eviction.plan_room``), or a 507 naming the node and
+        the numbers when even that would not make room (then nothing is evicted)."""
         scan = store.scan(self.root)
         present = sum(p.bytes for p in scan.partials if p.content == content)
         need = max(0, manifest.bytes + len(canonical) - present)
         reserved = sum(o.outstanding for o in self.offers.values())
+        plan = eviction.plan_room(*self._evictable(scan, content), self.budget - reserved,
+                                  _free(self.root) - reserved, need)  # fmt: skip
+        if plan.fits and (plan.eviction.evict or plan.eviction.drop_partials):
+            self._evict(plan.eviction)
+            scan = store.scan(self.root)
         left = self.budget - scan.bytes - reserved
+        also = f", {plan.evictable} of them evictable" if plan.evictable else ""  # not enough
         if need > left:
             raise Refused(507, (
                 f"node {self.node}: the copy needs {need} bytes, the node cache's budget of "
-                f"{self.budget} has {max(left, 0)} left ({scan.bytes} held, {reserved} reserved "
-                "by copies in progress); raise the budget or let copies be evicted"
+                f"{self.budget} has {max(left, 0)} left ({scan.bytes} held{also}, {reserved} "
+                "reserved by copies in progress); raise the budget or let copies be evicted"
             ))  # fmt: skip
-        stats = os.statvfs(self.root)
-        free = stats.f_bavail * stats.f_frsize - reserved
+        free = _free(self.root) - reserved
         if need > free:
             raise Refused(507, (
                 f"node {self.node}: the copy needs {need} bytes, the node cache's filesystem "
-                f"has {max(free, 0)} free ({reserved} reserved by copies in progress); free "
-                "disk space on the node or lower the budget"
+                f"has {max(free, 0)} free ({reserved} reserved by copies in progress{also}); "
+                "free disk space on the node or lower the budget"
             ))  # fmt: skip
         return need
+
+    def _evictable(
+        self, scan: store.Scan, content: str
+    ) -> tuple[list[eviction.HeldCopy], list[eviction.PartialCopy]]:
+        """The root's copies as the planner sees them at an offer: pinned when the spec keeps
+        them, when an offer is in progress for them (not yet committed), or when the spec is
+        not known (then nothing is evicted); partials locked when being received
+        (``content``'s own too)."""
+        keep = self.keep() if self.keep is not None else None
+        busy = {c for c, o in self.offers.items() if not o.committed} | {content}
+        held = [
+            eviction.HeldCopy(c.content, c.bytes, store.record_time(c.record.get("lastUsed")),
+                              keep is None or c.content in busy or bool(keep & set(c.grants)))
+            for c in scan.copies
+        ]  # fmt: skip
+        partials = [
+            eviction.PartialCopy(p.content, p.bytes, keep is None or p.content in busy
+                                 or store.partial_locked(self.root, p.content))
+            for p in scan.partials
+        ]  # fmt: skip
+        return held, partials
+
+    def _evict(self, plan: eviction.EvictionPlan) -> None:
+        for gone in plan.evict:
+            if store.remove_copy(self.root, gone) and self.on_evict is not None:
+                self.on_evict(gone)
+        for gone in plan.drop_partials:
+            store.remove_partial(self.root, gone)
 
     def _check_quota(self, namespace: str, size: int) -> None:
         if not self.namespace_quota:
@@ -280,6 +322,11 @@ class Receiver:
 
 
 _NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _free(root: Path) -> int:
+    stats = os.statvfs(root)
+    return stats.f_bavail * stats.f_frsize
 
 
 def _remove_entry(dir_fd: int, path: Path, name: str) -> None:

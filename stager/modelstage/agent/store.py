@@ -20,7 +20,7 @@ import stat
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +75,17 @@ class Scan:
     @property
     def bytes(self) -> int:
         return sum(c.bytes for c in self.copies) + sum(p.bytes for p in self.partials)
+
+
+def record_time(value: Any) -> datetime | None:
+    """A time a record holds (ISO 8601; UTC when it names no zone), None when it holds none."""
+    if not isinstance(value, str):
+        return None
+    try:
+        parsed = datetime.fromisoformat(value)
+    except ValueError:
+        return None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
 
 
 def is_content(name: str) -> bool:

@@ -21,12 +21,27 @@ from typing import Any
 from modelstage.core.digest import DIGEST_HEX_CHARS
 from modelstage.core.errors import ModelstageError, SpecError
 from modelstage.core.formats import FORMATS
+from modelstage.core.integrity import MAX_CHUNK_BYTES
 from modelstage.core.layouts import DEFAULT_VLLM_VERSION
 
 DIGEST_PATTERN = re.compile(rf"[0-9a-f]{{{DIGEST_HEX_CHARS}}}")
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kKMGT]i?)?B?\s*$")
 _UNITS = {"k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
           "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}  # fmt: skip
+
+
+def parse_chunk_bytes(text: str | None) -> int | None:
+    """``--chunk-bytes``: a size (as ``parse_bytes`` reads it) no larger than the chunk every
+    reader accepts, refused here in one line rather than by the hasher."""
+    if text is None:
+        return None
+    value = parse_bytes(text, "--chunk-bytes")
+    if value > MAX_CHUNK_BYTES:
+        raise SpecError(
+            f"--chunk-bytes {text!r}: {value} bytes is more than {MAX_CHUNK_BYTES} (64Mi), the "
+            "largest hash chunk a reader holds in memory; use 64Mi or less"
+        )
+    return value
 
 
 def parse_bytes(text: str, flag: str) -> int:
@@ -84,6 +99,7 @@ def _stage(args: argparse.Namespace) -> dict[str, Any]:
         max_part_bytes=parse_bytes(args.max_part_bytes, "--max-part-bytes")
         if args.max_part_bytes is not None
         else None,
+        chunk_bytes=parse_chunk_bytes(args.chunk_bytes),
         allow_pickle=args.allow_pickle,
         expect_identity=args.expect_identity,
         force=args.force,
@@ -539,6 +555,12 @@ def _add_stage_options(st: argparse.ArgumentParser) -> None:
         metavar="BYTES",
         help="largest part file per rank, e.g. 5368709120, 50M or 512Mi (default: the layout's, "
         "5 GiB); workers and finalize of one artifact must agree",
+    )
+    st.add_argument(
+        "--chunk-bytes",
+        metavar="BYTES",
+        help="chunk size of the files' BLAKE3 chunk hashes, e.g. 16Mi (default: 32Mi; at most "
+        "64Mi, the largest chunk a reader holds in memory)",
     )
     st.add_argument(
         "--allow-pickle",
