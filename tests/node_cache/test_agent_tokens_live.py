@@ -21,8 +21,8 @@ from modelstage.agent.agent import kube_client
 from modelstage.agent.auth import TokenReviewer
 from modelstage.agent.receive import Receiver
 from modelstage.agent.server import CopyServer
+from modelstage.api.kube_client import resource_path
 from modelstage.core import node_cache
-from modelstage.operator.kube_client import resource_path
 from modelstage.stager.cli import main
 from support.kube_cluster import (
     ApiStatusError,

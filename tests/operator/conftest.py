@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import yaml
-from modelstage.operator.api import ModelDeploymentSpec
+from modelstage.api.modeldeployment import ModelDeploymentSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"

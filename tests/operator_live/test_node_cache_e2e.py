@@ -28,10 +28,10 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
+from modelstage.api.kube_client import resource_path
 from modelstage.core import node_cache as nc
 from modelstage.devtools.synthetic import SyntheticModel, write_checkpoint
 from modelstage.operator.kube import container_security_context, pod_security_context
-from modelstage.operator.kube_client import resource_path
 from support.kube_cluster import Cluster, ControlPlane, eventually, new_namespace
 from support.mini_kubelet import MiniKubelet, PodRefused
 from support.modelstage_objects import (

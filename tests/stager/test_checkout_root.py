@@ -22,7 +22,7 @@ def run_at_root(*args: str) -> subprocess.CompletedProcess[str]:
 def test_the_standard_librarys_operator_is_imported_from_the_checkout_root() -> None:
     done = run_at_root(
         "-c",
-        "import operator, sys; operator.eq; import modelstage.operator.api; "
+        "import operator, sys; operator.eq; import modelstage.api.modeldeployment; "
         "print(operator.__file__)",
     )
     assert done.returncode == 0, done.stderr

@@ -772,7 +772,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _default_stager_image() -> str:
-    from modelstage.operator.api import DEFAULT_STAGER_IMAGE
+    from modelstage.api.modeldeployment import DEFAULT_STAGER_IMAGE
 
     return DEFAULT_STAGER_IMAGE
 
