@@ -57,7 +57,7 @@ PART_BYTES = 2 * 1024**3
 
 def import_project(checkout: Path) -> None:
     """Put the checkout's source roots first on ``sys.path``: ``modelstage`` is a namespace
-    package spread over them (``core/modelstage/core``, ``stager/modelstage/plugin``)."""
+    package spread over them (``core/modelstage/core``, ``plugin/modelstage/plugin``)."""
     sys.path[:0] = [str(checkout / "core"), str(checkout / "stager")]
 
 

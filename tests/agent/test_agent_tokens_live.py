@@ -44,7 +44,7 @@ OTHER = "tokens-n2"
 async def real(cluster: Cluster) -> AsyncIterator[Cluster]:
     if cluster.tier != "real":
         pytest.skip("tokens are made and reviewed by kube-apiserver: the real tier proves it "
-                    "(tests/node_cache/test_node_copy.py checks the same rules on every tier)")  # fmt: skip
+                    "(tests/agent/test_node_copy.py checks the same rules on every tier)")  # fmt: skip
     yield cluster
 
     async def listed() -> bool:  # the cluster's teardown lists NodeCaches: once it can
