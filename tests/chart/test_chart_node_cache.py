@@ -189,10 +189,12 @@ def test_the_init_container_only_chowns_the_root_with_chown_alone(
     assert init["image"] == _agent_container(docs)["image"]
 
 
-def test_the_agent_image_defaults_to_the_stager_image() -> None:
+def test_the_agent_runs_on_its_own_image_not_the_stagers() -> None:
     docs = render_docs(*ENABLED, "--set", "stagerImage.repository=registry.local/stager",
                        "--set", "stagerImage.tag=1.2")  # fmt: skip
-    assert _agent_container(docs)["image"] == "registry.local/stager:1.2"
+    assert _agent_container(docs)["image"] == "ghcr.io/modelstage/agent:0.1.0"
+    docs = render_docs(*ENABLED, "--set", "nodeCache.agent.image.tag=1.3")
+    assert _agent_container(docs)["image"] == "ghcr.io/modelstage/agent:1.3"
     docs = render_docs(*ENABLED, "--set", "nodeCache.agent.image.repository=registry.local/agent")
     assert _agent_container(docs)["image"] == "registry.local/agent:0.1.0"
 

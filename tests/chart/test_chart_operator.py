@@ -148,9 +148,9 @@ def test_metrics_service_and_service_monitor_reach_the_metrics_port() -> None:
 
 def test_no_pod_monitor_scrapes_stager_pods_which_serve_no_metrics() -> None:
     """A monitor of a port the stager never opens would only ever report targets down."""
-    from modelstage.operator.api import ModelDeploymentSpec
+    from modelstage.api.modeldeployment import ModelDeploymentSpec
+    from modelstage.api.objects import Owner
     from modelstage.operator.job_plan import plan_stage_job
-    from modelstage.operator.kube import Owner
 
     for scenario in ("monitoring", "namespaced-monitoring-no-peering"):
         for monitor in of_kind(render(scenario), "PodMonitor"):

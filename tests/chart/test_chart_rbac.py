@@ -23,9 +23,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from modelstage.api import modeldeployment as operator_api
+from modelstage.api.objects import Owner
 from modelstage.core import node_cache
-from modelstage.operator import api as operator_api
-from modelstage.operator.kube import Owner
 from support.charts import ROOT, SCENARIOS, is_namespaced, of_kind, render
 
 Triple = tuple[str, str, str]

@@ -311,7 +311,7 @@ def _exported_metrics() -> set[str]:
     collectors' metric families, a module's own helper around them). A counter is exposed as
     ``x_total``, a histogram as ``x_bucket``, ``x_sum`` and ``x_count``."""
     names: set[str] = set()
-    for folder in (ROOT / "stager" / "modelstage", ROOT / "operator" / "modelstage"):
+    for folder in sorted(ROOT.glob("*/modelstage")):
         for path in sorted(folder.rglob("*.py")):
             for node in ast.walk(ast.parse(path.read_text(), str(path))):
                 if not (isinstance(node, ast.Call) and node.args):

@@ -7,7 +7,7 @@ from datetime import UTC, datetime, timedelta
 
 from hypothesis import given
 from hypothesis import strategies as st
-from modelstage.operator.api import Condition
+from modelstage.api.modeldeployment import Condition
 from modelstage.operator.conditions import ORDER, condition, merge_conditions
 
 T0 = datetime(2024, 5, 1, 12, 0, tzinfo=UTC)

@@ -12,12 +12,12 @@ from typing import Any
 
 import kopf
 import pytest
+from modelstage.api.kube_client import Conflict
+from modelstage.api.modeldeployment import ModelDeploymentSpec, SourceStatus
+from modelstage.api.objects import DIGEST_ANNOTATION, LABEL_DIGEST
 from modelstage.operator import handlers, metrics
-from modelstage.operator.api import ModelDeploymentSpec, SourceStatus
 from modelstage.operator.artifact import spec_digest
 from modelstage.operator.handlers import Ref
-from modelstage.operator.kube import DIGEST_ANNOTATION, LABEL_DIGEST
-from modelstage.operator.kube_client import Conflict
 from modelstage.operator.resolve_plan import resolve_job_name, source_key
 from modelstage.operator.settings import OperatorConfig
 from modelstage.operator.slots import StagerSlots

@@ -10,7 +10,8 @@ from typing import Any
 
 import kubernetes_validate
 import pytest
-from modelstage.operator.api import ModelDeploymentSpec
+from modelstage.api.modeldeployment import ModelDeploymentSpec
+from modelstage.api.objects import Owner
 from modelstage.operator.artifact import ARTIFACT_MOUNT, spec_digest
 from modelstage.operator.job_plan import (
     StagingStep,
@@ -20,7 +21,6 @@ from modelstage.operator.job_plan import (
     staging_jobs,
     staging_step,
 )
-from modelstage.operator.kube import Owner
 
 IDENTITY = "commit:" + "ab" * 20
 """A resolved source identity (a Hub commit) for planner tests."""
@@ -455,7 +455,7 @@ def test_the_stager_takes_the_operators_digest_from_the_jobs_own_arguments(
 ) -> None:
     """One canonical function: what the stager computes from the stage Job's command (without
     the --digest the operator passes) and the resolved identity is the operator's digest."""
-    from modelstage.operator.api import SourceStatus
+    from modelstage.api.modeldeployment import SourceStatus
     from modelstage.stager.cli import build_parser
     from modelstage.stager.stage import StageRequest, request_digest
 

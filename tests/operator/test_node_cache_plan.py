@@ -12,18 +12,18 @@ from typing import Any
 
 import kubernetes_validate
 import pytest
-from modelstage.core import node_cache as nc
-from modelstage.operator import handlers
-from modelstage.operator.api import (
+from modelstage.api.modeldeployment import (
     ArtifactStatus,
     ModelDeploymentSpec,
     ModelDeploymentStatus,
     NodeCache,
     NodeCacheStatus,
 )
+from modelstage.api.nodecache import Grant, HeldCopy, NodeCacheReport, PartialCopy
+from modelstage.api.objects import Owner
+from modelstage.core import node_cache as nc
+from modelstage.operator import handlers
 from modelstage.operator.artifact import Artifact, artifact_for
-from modelstage.operator.kube import Owner
-from modelstage.operator.node_cache_api import Grant, HeldCopy, NodeCacheReport, PartialCopy
 from modelstage.operator.node_cache_plan import (
     CopyJob,
     PodStart,

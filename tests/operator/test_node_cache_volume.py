@@ -8,12 +8,16 @@ from typing import Any
 
 import kubernetes_validate
 import pytest
+from modelstage.api.modeldeployment import (
+    ArtifactStatus,
+    ModelDeploymentSpec,
+    ModelDeploymentStatus,
+)
+from modelstage.api.objects import Owner
 from modelstage.core import node_cache as nc
-from modelstage.operator.api import ArtifactStatus, ModelDeploymentSpec, ModelDeploymentStatus
 from modelstage.operator.artifact import artifact_for
 from modelstage.operator.claim_plan import plan_claim
 from modelstage.operator.job_plan import plan_cleanup_job, plan_resolve_job, staging_jobs
-from modelstage.operator.kube import Owner
 from modelstage.operator.node_cache_plan import plan_copy_job
 from modelstage.operator.node_cache_spec import CacheUse, plan_node_spec, spec_patch
 from modelstage.operator.node_cache_volume import (

@@ -9,7 +9,12 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from modelstage.operator.api import ArtifactStatus, ModelDeploymentSpec, ModelDeploymentStatus
+from modelstage.api.modeldeployment import (
+    ArtifactStatus,
+    ModelDeploymentSpec,
+    ModelDeploymentStatus,
+)
+from modelstage.api.objects import Owner
 from modelstage.operator.artifact import artifact_for, spec_digest
 from modelstage.operator.job_plan import (
     RESOLVE_CONTAINER,
@@ -17,7 +22,6 @@ from modelstage.operator.job_plan import (
     plan_stage_job,
     stage_job_name,
 )
-from modelstage.operator.kube import Owner
 from modelstage.operator.observe import (
     JobObservation,
     Observed,

@@ -13,8 +13,8 @@ import kubernetes_validate
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from modelstage.api.modeldeployment import ArtifactStatus, ModelDeploymentSpec
 from modelstage.core.errors import SpecError
-from modelstage.operator.api import ArtifactStatus, ModelDeploymentSpec
 from modelstage.operator.artifact import (
     ARTIFACT_MOUNT,
     Artifact,

@@ -11,12 +11,12 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
+from modelstage.api.modeldeployment import ModelDeploymentSpec, SourceStatus, VllmVersionStatus
+from modelstage.api.objects import Owner
 from modelstage.core import layouts
 from modelstage.core.errors import SpecError
-from modelstage.operator.api import ModelDeploymentSpec, SourceStatus, VllmVersionStatus
 from modelstage.operator.artifact import spec_digest
 from modelstage.operator.job_plan import plan_stage_job
-from modelstage.operator.kube import Owner
 from modelstage.operator.resolve_plan import chosen_format, source_key
 from modelstage.operator.serving_version import (
     FROM_SPEC,

@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from modelstage.api.modeldeployment import ArtifactStatus, ModelDeploymentSpec
 from modelstage.core.digest import artifact_digest
 from modelstage.core.errors import SpecError
 from modelstage.core.layouts import layout_for
-from modelstage.operator.api import ArtifactStatus, ModelDeploymentSpec
 from modelstage.operator.artifact import (
     ARTIFACT_MOUNT,
     artifact_for,

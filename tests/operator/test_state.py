@@ -11,9 +11,13 @@ from typing import Any
 import jsonschema
 import pytest
 import yaml
-from modelstage.operator.api import ArtifactStatus, ModelDeploymentSpec, ModelDeploymentStatus
+from modelstage.api.modeldeployment import (
+    ArtifactStatus,
+    ModelDeploymentSpec,
+    ModelDeploymentStatus,
+)
+from modelstage.api.objects import DIGEST_ANNOTATION
 from modelstage.operator.artifact import Artifact, artifact_for
-from modelstage.operator.kube import DIGEST_ANNOTATION
 from modelstage.operator.observe import (
     JobObservation,
     Observed,

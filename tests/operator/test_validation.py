@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
-from modelstage.operator.api import ModelDeploymentSpec
+from modelstage.api.modeldeployment import ModelDeploymentSpec
 from modelstage.operator.validation import (
     Finding,
     findings_condition,

@@ -23,8 +23,8 @@ import pytest
 import pytest_asyncio
 import yaml
 from chart.test_chart_node_cache import AGENT, AGENT_RULES, OPERATOR_NODE_CACHE_RULES
+from modelstage.api.nodecache import NodeCacheReport
 from modelstage.core import node_cache as nc
-from modelstage.operator.node_cache_api import NodeCacheReport
 from operator_live.conftest import CRD
 from support.charts import RELEASE_NAMESPACE, render_docs
 from support.kube_cluster import (

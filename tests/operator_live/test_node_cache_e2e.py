@@ -37,10 +37,10 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
+from modelstage.api.kube_client import resource_path
 from modelstage.core import node_cache as nc
 from modelstage.devtools.synthetic import SyntheticModel, write_checkpoint
 from modelstage.operator.kube import container_security_context, pod_security_context
-from modelstage.operator.kube_client import resource_path
 from support.charts import RELEASE_NAMESPACE, render_docs
 from support.kube_cluster import (
     ApiStatusError,

@@ -23,8 +23,8 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
+from modelstage.api.kube_client import resource_path
 from modelstage.core import node_cache as nc
-from modelstage.operator.kube_client import resource_path
 from modelstage.operator.node_cache_plan import COPY_CONTAINER, NODE_ANNOTATION, copy_job_name
 from modelstage.operator.node_cache_volume import claim_name, volume_name
 from support.kube_cluster import (

@@ -31,12 +31,12 @@ from typing import Any
 
 import pytest
 import yaml
+from modelstage.api.modeldeployment import ModelDeploymentSpec
+from modelstage.api.objects import Owner
 from modelstage.core.errors import CheckpointError, ModelstageError
 from modelstage.core.s3_client import S3Options
-from modelstage.operator.api import ModelDeploymentSpec
 from modelstage.operator.artifact import artifact_for, spec_digest
 from modelstage.operator.job_plan import plan_finalize_job, plan_resolve_job, plan_stage_job
-from modelstage.operator.kube import Owner
 from modelstage.operator.rollout_plan import plan_rollout
 from modelstage.stager import cli
 from modelstage.stager.stage import StageRequest, stage

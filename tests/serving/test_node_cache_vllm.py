@@ -7,7 +7,7 @@ its manifest still equal to the artifact's, and the artifact is intact again: th
 copy is corrupt logs the error (the node file, the chunk, what to do), counts ``corrupt`` and
 reads the artifact instead, and the answers are still exactly stock's. With both damaged the
 load is refused: corrupt bytes are never served, from the node or from the PVC. A copy that is
-not the artifact at all is a miss (tests/serving/test_node_copy.py).
+not the artifact at all is a miss (tests/plugin/test_node_copy.py).
 """
 
 from __future__ import annotations

@@ -15,12 +15,12 @@ from typing import Any
 
 import pytest
 import yaml
+from modelstage.api.modeldeployment import DEFAULT_STAGER_IMAGE, ModelDeploymentSpec
+from modelstage.api.objects import Owner
 from modelstage.core.manifest import read_manifest
-from modelstage.operator.api import DEFAULT_STAGER_IMAGE, ModelDeploymentSpec
 from modelstage.operator.artifact import artifact_for, spec_digest
 from modelstage.operator.claim_plan import plan_claim
 from modelstage.operator.job_plan import staging_jobs
-from modelstage.operator.kube import Owner
 from modelstage.operator.plan import OFFLINE_UID
 from modelstage.operator.resolve_plan import resolve_job_name, source_status
 from modelstage.operator.rollout_plan import plan_rollout

@@ -190,7 +190,8 @@ import json, pickle, sys
 from modelstage.core import formats
 row = pickle.load(sys.stdin.buffer)
 formats.FORMATS[row.name] = row
-from modelstage.operator import api, crd
+from modelstage.api import crd
+from modelstage.api import modeldeployment as api
 spec = json.loads(sys.argv[1])
 loaded = api.ModelDeploymentSpec.model_validate(spec).load_format
 schema = crd.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]
@@ -210,7 +211,7 @@ SPEC = {
 def test_a_format_rows_plugin_loader_is_registered_and_the_api_accepts_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from modelstage.operator.api import ModelDeploymentSpec
+    from modelstage.api.modeldeployment import ModelDeploymentSpec
     from modelstage.operator.artifact import Artifact, location_from_uri
     from modelstage.operator.rollout_plan import vllm_settings
     from modelstage.plugin import plugin_rows
@@ -237,11 +238,6 @@ def test_a_format_rows_plugin_loader_is_registered_and_the_api_accepts_it(
 
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = {"core": "core", "stager": "stager", "plugin": "stager", "devtools": "stager",
-            "agent": "stager", "operator": "operator"}  # fmt: skip
-"""A package's module paths as docs/architecture.md gives them -> the source root holding it."""
-
-
 def _walk_paths(section: str) -> set[str]:
     text = (ROOT / "docs" / "architecture.md").read_text()
     body = text.split(f"## {section}\n", 1)[1].split("\n## ", 1)[0]
@@ -249,9 +245,11 @@ def _walk_paths(section: str) -> set[str]:
 
 
 def _checkout_path(path: str) -> Path:
+    """A package's module path as docs/architecture.md gives it (each package's source root is
+    the checkout's folder of its name), or a path from the checkout root."""
     package = path.split("/", 1)[0]
-    root = PACKAGES.get(package)
-    return ROOT / (f"{root}/modelstage/{path}" if root else path)
+    is_module = (ROOT / package / "modelstage" / package).is_dir()
+    return ROOT / (f"{package}/modelstage/{path}" if is_module else path)
 
 
 @pytest.mark.parametrize("section", ["How to add a format", "How to add an architecture"])

@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from modelstage.api.kube_client import resource_path
 from modelstage.core.node_cache import DEFAULT_ROOT
-from modelstage.operator.kube_client import resource_path
 
 from support.kube_cluster import Cluster, service_account_token
 from support.modelstage_objects import job_path, pod_path

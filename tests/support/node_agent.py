@@ -1,4 +1,4 @@
-"""Helpers of the node cache tests (tests/node_cache): the staged artifacts' chunk size,
+"""Helpers of the node cache tests (tests/agent): the staged artifacts' chunk size,
 digests, hand-made copies in the agent's on-node layout, and the agent as a local process with
 its least-privilege identity (its copy server on 127.0.0.1, a free port)."""
 

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from modelstage.api.kube_client import resource_path
 from modelstage.core import node_cache as nc
-from modelstage.operator.kube_client import resource_path
 
 from support.charts import RELEASE, of_kind, render_docs
 from support.kube_cluster import (

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from modelstage.operator.api import GROUP
+from modelstage.api.modeldeployment import GROUP
 from modelstage.operator.job_plan import stage_job_name
 
 from support.kube_cluster import Cluster, eventually

@@ -20,7 +20,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from kubernetes import client as k8s
-from modelstage.operator.kube_client import KubeClient
+from modelstage.api.kube_client import KubeClient
 
 PATH = "/apis/authentication.k8s.io/v1/tokenreviews"
 AGENT_CREDENTIAL = "agent-credential"

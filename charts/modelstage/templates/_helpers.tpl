@@ -91,11 +91,12 @@ app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end -}}
 
-{{/* The agent's image: nodeCache.agent.image, each part defaulting to the stager image's. */}}
+{{/* The agent's image (Dockerfile.agent): nodeCache.agent.image, the tag defaulting to the
+appVersion. */}}
 {{- define "modelstage.nodeAgentImage" -}}
 {{- $image := .Values.nodeCache.agent.image | default dict -}}
-{{- $repository := $image.repository | default .Values.stagerImage.repository -}}
-{{- $tag := $image.tag | default .Values.stagerImage.tag | default .Chart.AppVersion -}}
+{{- $repository := $image.repository | default "ghcr.io/modelstage/agent" -}}
+{{- $tag := $image.tag | default .Chart.AppVersion -}}
 {{- printf "%s:%s" $repository $tag -}}
 {{- end -}}
 

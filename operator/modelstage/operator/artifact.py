@@ -13,10 +13,14 @@ from __future__ import annotations
 import posixpath
 from dataclasses import dataclass
 
+from modelstage.api.modeldeployment import (
+    ArtifactStatus,
+    LoadFormat,
+    ModelDeploymentSpec,
+    VllmVersionStatus,
+)
 from modelstage.core.digest import artifact_digest
 from modelstage.core.layouts import layout_for
-
-from .api import ArtifactStatus, LoadFormat, ModelDeploymentSpec, VllmVersionStatus
 
 ARTIFACT_MOUNT = "/mnt/modelstage/artifacts"
 """Where stager and serving pods mount the artifact PVC."""

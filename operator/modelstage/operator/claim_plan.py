@@ -22,9 +22,10 @@ from __future__ import annotations
 import math
 import re
 
-from .api import ModelDeploymentSpec, Quantity
+from modelstage.api.modeldeployment import ModelDeploymentSpec, Quantity
+from modelstage.api.objects import Manifest, Owner, labels
+
 from .artifact import claim_name
-from .kube import Manifest, Owner, labels
 from .validation import Finding
 
 HEADROOM = 0.2

@@ -30,10 +30,8 @@ from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, cast
 
 import kopf
-from modelstage.core import node_cache as nc
-
-from . import metrics
-from .api import (
+from modelstage.api.kube_client import Conflict, KubeClient, resource_path
+from modelstage.api.modeldeployment import (
     GROUP,
     PLURAL,
     VERSION,
@@ -42,10 +40,17 @@ from .api import (
     SourceStatus,
     VllmVersionStatus,
 )
+from modelstage.api.objects import (
+    DIGEST_ANNOTATION,
+    LABEL_DIGEST,
+    Manifest,
+    model_deployment_owners,
+)
+from modelstage.core import node_cache as nc
+
+from . import metrics
 from .artifact import spec_digest
 from .job_plan import stage_job_name
-from .kube import DIGEST_ANNOTATION, LABEL_DIGEST, Manifest, model_deployment_owners
-from .kube_client import Conflict, KubeClient, resource_path
 from .node_cache_plan import COPY_COMPONENT, pod_start
 from .node_cache_spec import CacheUse, plan_node_spec, spec_patch
 from .node_cache_volume import PV_LABELS, released

@@ -16,10 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from modelstage.core.formats import AUTO, FORMATS
-from modelstage.core.layouts import DEFAULT_VLLM_VERSION
-
-from .api import (
+from modelstage.api.modeldeployment import (
     DEFAULT_STAGER_IMAGE,
     ArtifactStatus,
     ModelDeploymentSpec,
@@ -27,6 +24,10 @@ from .api import (
     SourceStatus,
     Stager,
 )
+from modelstage.api.objects import Manifest, Owner, labels
+from modelstage.core.formats import AUTO, FORMATS
+from modelstage.core.layouts import DEFAULT_VLLM_VERSION
+
 from .artifact import ARTIFACT_MOUNT, ArtifactLocation, locate, location_from_uri, spec_format
 from .kube import (
     SCRATCH_DIR,
@@ -34,13 +35,10 @@ from .kube import (
     VOLUME_ARTIFACTS,
     VOLUME_SCRATCH,
     VOLUME_SOURCE,
-    Manifest,
-    Owner,
     ca_file,
     ca_mount,
     ca_volume,
     container_security_context,
-    labels,
     pod_security_context,
     s3_credentials_env,
     secret_env,

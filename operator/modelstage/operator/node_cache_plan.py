@@ -25,27 +25,20 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
-from modelstage.core import node_cache as nc
-
-from .api import (
+from modelstage.api.modeldeployment import (
     DEFAULT_STAGER_IMAGE,
     ModelDeploymentSpec,
     NodeCache,
     NodeCacheStatus,
     NodeCopyStatus,
 )
+from modelstage.api.nodecache import HeldCopy, NodeCacheReport
+from modelstage.api.objects import Manifest, Owner, labels
+from modelstage.core import node_cache as nc
+
 from .artifact import ARTIFACT_MOUNT, Artifact
 from .job_plan import _container, _job, _pod_spec
-from .kube import (
-    SCRATCH_DIR,
-    VOLUME_ARTIFACTS,
-    Manifest,
-    Owner,
-    ca_mount,
-    ca_volume,
-    labels,
-)
-from .node_cache_api import HeldCopy, NodeCacheReport
+from .kube import SCRATCH_DIR, VOLUME_ARTIFACTS, ca_mount, ca_volume
 from .observe import JobState, NodeCacheStep, parse_summary
 from .rollout_plan import _s3_serving_env
 

@@ -12,9 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from modelstage.api.nodecache import Grant, NodeCacheSpec
 from modelstage.core import node_cache as nc
-
-from .node_cache_api import Grant, NodeCacheSpec
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,8 @@ from __future__ import annotations
 import hashlib
 import posixpath
 
+from modelstage.api.objects import Manifest, Owner
 from modelstage.core import node_cache as nc
-
-from .kube import Manifest, Owner
 
 CLAIM_PREFIX = "modelstage-node-cache-"
 """Claims of node-local copies: the admission policy forces their mounts read-only."""

@@ -14,9 +14,11 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-from .api import NodeCacheStatus
-from .kube import DIGEST_ANNOTATION, VOLUME_NODE_CACHE, Manifest
-from .node_cache_api import HeldCopy
+from modelstage.api.modeldeployment import NodeCacheStatus
+from modelstage.api.nodecache import HeldCopy
+from modelstage.api.objects import DIGEST_ANNOTATION, Manifest
+
+from .kube import VOLUME_NODE_CACHE
 from .validation import Finding
 
 JobState = Literal["Running", "Succeeded", "Failed"]

@@ -18,15 +18,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
+from modelstage.api.modeldeployment import DEFAULT_STAGER_IMAGE, ModelDeploymentSpec
+from modelstage.api.objects import Manifest, Owner
 from modelstage.core.errors import SpecError
 from modelstage.core.formats import AUTO
 from modelstage.core.layouts import layout_for
 
-from .api import DEFAULT_STAGER_IMAGE, ModelDeploymentSpec
 from .artifact import Artifact, artifact_for
 from .claim_plan import check_claim_size, plan_claim
 from .job_plan import plan_resolve_job, staging_jobs
-from .kube import Manifest, Owner
 from .resolve_plan import describe, pinned_identity, resolve_job_name, source_status
 from .rollout_plan import RolloutPlan, plan_rollout
 from .validation import Finding, validate_spec, validate_workload

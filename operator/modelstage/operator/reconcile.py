@@ -34,6 +34,22 @@ from datetime import UTC, datetime
 from typing import Any
 
 from kubernetes.client.exceptions import ApiException
+from modelstage.api.kube_client import Conflict, KubeClient, resource_path
+from modelstage.api.modeldeployment import (
+    API_VERSION,
+    PLURAL,
+    ModelDeploymentSpec,
+    ModelDeploymentStatus,
+    TargetRef,
+)
+from modelstage.api.nodecache import HeldCopy, NodeCacheObject, NodeCacheReport
+from modelstage.api.objects import (
+    DIGEST_ANNOTATION,
+    LABEL_DIGEST,
+    Manifest,
+    Owner,
+    model_deployment_owners,
+)
 from modelstage.core import node_cache as nc
 from modelstage.core.errors import SpecError
 from modelstage.core.formats import AUTO
@@ -41,7 +57,6 @@ from modelstage.core.layouts import layout_for
 from pydantic import ValidationError
 
 from . import metrics
-from .api import API_VERSION, PLURAL, ModelDeploymentSpec, ModelDeploymentStatus, TargetRef
 from .artifact import Artifact, artifact_for, artifact_from_status
 from .claim_plan import check_claim_size, plan_claim
 from .job_plan import (
@@ -54,9 +69,6 @@ from .job_plan import (
     staging_jobs,
     staging_step,
 )
-from .kube import DIGEST_ANNOTATION, LABEL_DIGEST, Manifest, Owner, model_deployment_owners
-from .kube_client import Conflict, KubeClient, resource_path
-from .node_cache_api import HeldCopy, NodeCacheObject, NodeCacheReport
 from .node_cache_plan import (
     COPY_COMPONENT,
     COPY_CONTAINER,

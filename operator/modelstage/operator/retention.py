@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from .api import ArtifactStatus, ModelDeploymentStatus
+from modelstage.api.modeldeployment import ArtifactStatus, ModelDeploymentStatus
 
 
 @dataclass(frozen=True)

@@ -15,14 +15,14 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from modelstage.api.modeldeployment import DEFAULT_STAGER_IMAGE, ModelDeploymentSpec, S3Connection
+from modelstage.api.objects import DIGEST_ANNOTATION, Manifest
 from modelstage.core import node_cache as nc
 from modelstage.core.errors import SpecError
 from modelstage.core.formats import FORMATS, S3_READER_FORMAT
 
-from .api import DEFAULT_STAGER_IMAGE, ModelDeploymentSpec, S3Connection
 from .artifact import ARTIFACT_MOUNT, Artifact
 from .kube import (
-    DIGEST_ANNOTATION,
     MANAGED_ENV_ANNOTATION,
     OWNED_PREFIX,
     PLUGIN_DIR,
@@ -31,7 +31,6 @@ from .kube import (
     VOLUME_NO_TOKEN,
     VOLUME_NODE_CACHE,
     VOLUME_PLUGINS,
-    Manifest,
     ca_file,
     ca_mount,
     ca_volume,

@@ -13,11 +13,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from modelstage.api.modeldeployment import ModelDeploymentSpec, VllmVersionStatus
+from modelstage.api.objects import Manifest
 from modelstage.core.errors import SpecError
 from modelstage.core.layouts import DEFAULT_VLLM_VERSION, layout_for
 
-from .api import ModelDeploymentSpec, VllmVersionStatus
-from .kube import Manifest
 from .rollout_plan import select_container
 from .validation import opt_in_problem
 

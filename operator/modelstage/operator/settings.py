@@ -14,9 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import kopf
+from modelstage.api.modeldeployment import DEFAULT_STAGER_IMAGE, GROUP
 from modelstage.core.node_cache import DEFAULT_ROOT
-
-from .api import DEFAULT_STAGER_IMAGE, GROUP
 
 PREFIX = "MODELSTAGE_OPERATOR_"
 NODE_CACHE_ROOT_ENV = "MODELSTAGE_NODE_CACHE_ROOT"

@@ -32,7 +32,14 @@ from datetime import datetime
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Literal
 
-from .api import ArtifactStatus, Condition, FormatStatus, ModelDeploymentStatus, Phase
+from modelstage.api.modeldeployment import (
+    ArtifactStatus,
+    Condition,
+    FormatStatus,
+    ModelDeploymentStatus,
+    Phase,
+)
+
 from .artifact import Artifact
 from .conditions import condition, merge_conditions
 from .observe import JobObservation, Observed, WorkloadObservation, parse_summary

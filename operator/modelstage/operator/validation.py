@@ -15,13 +15,13 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Literal
 
+from modelstage.api.modeldeployment import Condition, ModelDeploymentSpec
+from modelstage.api.objects import OPT_IN_ANNOTATION, Manifest
 from modelstage.core.errors import SpecError
 from modelstage.core.layouts import layout_for
 
-from .api import Condition, ModelDeploymentSpec
 from .artifact import claim_name
 from .conditions import condition
-from .kube import OPT_IN_ANNOTATION, Manifest
 from .rollout_plan import ACCELERATORS, select_container
 from .vllm_args import VllmSettings, rewrite
 

@@ -18,18 +18,15 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from modelstage.agent.cli import add_agent_parser
 from modelstage.core.digest import DIGEST_HEX_CHARS
 from modelstage.core.errors import ModelstageError, SpecError
 from modelstage.core.formats import FORMATS
 from modelstage.core.integrity import MAX_CHUNK_BYTES
 from modelstage.core.layouts import DEFAULT_VLLM_VERSION
+from modelstage.core.quantity import parse_bytes
 
 DIGEST_PATTERN = re.compile(rf"[0-9a-f]{{{DIGEST_HEX_CHARS}}}")
-_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kKMGT]i?)?B?\s*$")
-_UNITS = {"k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
-          "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}  # fmt: skip
-
-
 def parse_chunk_bytes(text: str | None) -> int | None:
     """``--chunk-bytes``: a size (as ``parse_bytes`` reads it) no larger than the chunk every
     reader accepts, refused here in one line rather than by the hasher."""
@@ -42,22 +39,6 @@ def parse_chunk_bytes(text: str | None) -> int | None:
             "largest hash chunk a reader holds in memory; use 64Mi or less"
         )
     return value
-
-
-def parse_bytes(text: str, flag: str) -> int:
-    """``5368709120``, ``50M`` (10^6), ``512Mi`` (2^20), ``1G``, ``1Gi``: as Kubernetes reads
-    quantities (the CRD's sizes use the same suffixes)."""
-    match = _SIZE.match(text)
-    if match is None:
-        raise SpecError(
-            f"{flag} {text!r}: expected a number of bytes, e.g. 5368709120, 50M (10^6 bytes) "
-            "or 512Mi (2^20 bytes)"
-        )
-    number, unit = match.groups()
-    value = float(number) * (_UNITS[unit] if unit else 1)
-    if value < 1 or not value.is_integer():
-        raise SpecError(f"{flag} {text!r}: must be a positive whole number of bytes")
-    return int(value)
 
 
 TERMINATION_LOG = "/dev/termination-log"
@@ -794,7 +775,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _default_stager_image() -> str:
-    from modelstage.operator.api import DEFAULT_STAGER_IMAGE
+    from modelstage.api.modeldeployment import DEFAULT_STAGER_IMAGE
 
     return DEFAULT_STAGER_IMAGE
 
@@ -937,25 +918,6 @@ def _node_copy(args: argparse.Namespace) -> dict[str, Any]:
                      tp=args.tp, s3=_s3_options(args))  # fmt: skip
 
 
-def _agent(args: argparse.Namespace) -> int:
-    from modelstage.agent.agent import AgentSettings, run_agent
-
-    budget = parse_bytes(args.budget, "--budget")
-    quota = _bytes_or_zero(args.namespace_quota, "--namespace-quota")
-    rate = _bytes_or_zero(args.verify_rate, "--verify-rate")
-    settings = AgentSettings(
-        args.node, Path(args.root), budget, args.interval, args.metrics_port,
-        args.metrics_address, args.kubeconfig, args.copy_address, args.copy_port, quota, rate,
-        args.allow_tokens_without_node,
-    )  # fmt: skip
-    return run_agent(settings)
-
-
-def _bytes_or_zero(text: str, flag: str) -> int:
-    """``parse_bytes``, or 0 (off)."""
-    return 0 if text.strip() == "0" else parse_bytes(text, flag)
-
-
 def _add_node_cache_parsers(sub: Any) -> None:
     nc = sub.add_parser(
         "node-copy",
@@ -973,32 +935,7 @@ def _add_node_cache_parsers(sub: Any) -> None:
     _add_s3_options(nc)
     _add_network_options(nc)
     nc.set_defaults(run=_node_copy)
-    ag = sub.add_parser(
-        "agent", help="the node cache agent: receive copies, report, warm, evict, re-verify"
-    )
-    ag.add_argument("--node", required=True, help="this node's name")
-    ag.add_argument("--root", required=True, help="the node-local cache root")
-    ag.add_argument("--budget", required=True, help="bytes the root may hold (e.g. 500Gi)")
-    ag.add_argument("--interval", type=float, default=10.0, metavar="SECONDS")
-    ag.add_argument("--metrics-port", type=int, default=0, help="Prometheus metrics (0: none)")
-    ag.add_argument("--metrics-address", default="127.0.0.1", help="the metrics bind address")
-    ag.add_argument("--kubeconfig", help="default: in-cluster credentials, else KUBECONFIG")
-    ag.add_argument("--copy-address", default="127.0.0.1",
-                    help="where copy Jobs reach the agent (the pod IP in the chart)")  # fmt: skip
-    ag.add_argument("--copy-port", type=int, default=9103, help="0: any free port")
-    ag.add_argument(
-        "--namespace-quota",
-        default="0",
-        help="bytes of copies one namespace may hold on this node (0: no quota)",
-    )
-    ag.add_argument("--verify-rate", default="50M",
-                    help="bytes per second re-verification reads (0: off)")  # fmt: skip
-    ag.add_argument(
-        "--allow-tokens-without-node",
-        action="store_true",
-        help="accept copy Jobs' tokens without the node-name claim (Kubernetes below 1.30)",
-    )
-    ag.set_defaults(run=_agent)
+    add_agent_parser(sub)
 
 
 # --- end node cache ----------------------------------------------------------------------------

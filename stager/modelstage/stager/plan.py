@@ -31,7 +31,7 @@ from modelstage.core.errors import ModelstageError, SpecError
 from modelstage.core.progress import human_bytes
 
 if TYPE_CHECKING:
-    from modelstage.operator.api import ModelDeploymentSpec
+    from modelstage.api.modeldeployment import ModelDeploymentSpec
     from modelstage.operator.artifact import Artifact
 
     from .writers import PlannedFile
@@ -95,7 +95,7 @@ def _deployment(
 ) -> tuple[str, str, ModelDeploymentSpec]:
     """(namespace, name, spec) of a ModelDeployment manifest, refused as the API server
     would refuse it."""
-    from modelstage.operator.api import ModelDeploymentSpec
+    from modelstage.api.modeldeployment import ModelDeploymentSpec
     from pydantic import ValidationError
 
     meta = manifest.get("metadata") or {}

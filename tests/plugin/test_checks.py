@@ -17,9 +17,7 @@ from modelstage.plugin.checks import (
     verify_local,
 )
 from modelstage.plugin.settings import PluginSettings
-from support.serving import Artifact, stage_artifact
-
-from .conftest import TIED
+from support.serving import TIED, Artifact, stage_artifact
 
 RANK0 = "model-rank-0-part-*.safetensors"
 

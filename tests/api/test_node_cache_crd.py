@@ -1,4 +1,4 @@
-"""The NodeCache CRD: generated from ``node_cache_api`` (fresh in crds/ and the chart),
+"""The NodeCache CRD: generated from ``modelstage.api.nodecache`` (fresh in crds/ and the chart),
 accepted by Kubernetes, structural, cluster-scoped with a status subresource, and accepting
 what the agent writes."""
 
@@ -12,8 +12,8 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from modelstage.operator import crd
-from modelstage.operator.node_cache_api import (
+from modelstage.api import crd
+from modelstage.api.nodecache import (
     Grant,
     HeldCopy,
     NodeCacheReport,
@@ -34,7 +34,7 @@ def document() -> dict[str, Any]:
 
 def test_committed_crd_is_what_the_models_generate() -> None:
     assert CRD_FILE.read_text() == crd.render("nodecaches"), (
-        "crds/ is stale: run `python -m modelstage.operator.crd nodecaches > "
+        "crds/ is stale: run `python -m modelstage.api.crd nodecaches > "
         "crds/modelstage.io_nodecaches.yaml` and copy it to charts/modelstage/crds/"
     )
     assert (ROOT / "charts" / "modelstage" / "crds" / CRD_FILE.name).read_text() == CRD_FILE.read_text()

@@ -26,10 +26,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from modelstage.core import node_cache
-from modelstage.core.errors import ModelstageError, SpecError
-from modelstage.operator.kube_client import KubeClient, resource_path
-from modelstage.operator.node_cache_api import (
+from modelstage.api.kube_client import KubeClient, resource_path
+from modelstage.api.nodecache import (
     Grant,
     HeldCopy,
     NodeCacheObject,
@@ -37,6 +35,8 @@ from modelstage.operator.node_cache_api import (
     NodeCacheSpec,
     PartialCopy,
 )
+from modelstage.core import node_cache
+from modelstage.core.errors import ModelstageError, SpecError
 
 from . import eviction, store
 from .auth import TokenReviewer

@@ -34,9 +34,9 @@ from modelstage.plugin.settings import PluginSettings
 from modelstage.plugin.sharded_state import ModelstageShardedStateLoader
 from modelstage.stager.prepare import node_cache_verdict
 from modelstage.stager.stage import StageRequest, stage
+from plugin.test_reader_verify import flip
 from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import load_file
-from serving.test_reader_verify import flip
 from support.serving import free_ports, last_line, prepare_cli
 
 CHUNK = 64 * 1024

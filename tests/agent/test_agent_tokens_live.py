@@ -21,8 +21,8 @@ from modelstage.agent.agent import kube_client
 from modelstage.agent.auth import TokenReviewer
 from modelstage.agent.receive import Receiver
 from modelstage.agent.server import CopyServer
+from modelstage.api.kube_client import resource_path
 from modelstage.core import node_cache
-from modelstage.operator.kube_client import resource_path
 from modelstage.stager.cli import main
 from support.kube_cluster import (
     ApiStatusError,
@@ -44,7 +44,7 @@ OTHER = "tokens-n2"
 async def real(cluster: Cluster) -> AsyncIterator[Cluster]:
     if cluster.tier != "real":
         pytest.skip("tokens are made and reviewed by kube-apiserver: the real tier proves it "
-                    "(tests/node_cache/test_node_copy.py checks the same rules on every tier)")  # fmt: skip
+                    "(tests/agent/test_node_copy.py checks the same rules on every tier)")  # fmt: skip
     yield cluster
 
     async def listed() -> bool:  # the cluster's teardown lists NodeCaches: once it can

@@ -10,7 +10,7 @@ from typing import Any, get_args
 import kubernetes_validate
 import pytest
 import yaml
-from modelstage.operator.api import (
+from modelstage.api.modeldeployment import (
     ModelDeployment,
     ModelDeploymentSpec,
     ModelDeploymentStatus,

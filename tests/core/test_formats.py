@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import get_args
 
 import pytest
+from modelstage.api.modeldeployment import LoadFormat
 from modelstage.core.errors import SpecError
 from modelstage.core.formats import (
     FORMATS,
@@ -14,7 +15,6 @@ from modelstage.core.formats import (
     format_for,
     plugin_load_formats,
 )
-from modelstage.operator.api import LoadFormat
 
 
 def test_the_operators_load_formats_are_the_tables() -> None:

@@ -1,7 +1,7 @@
 """The ModelDeployment API (``modelstage.io/v1alpha1``): spec and status as pydantic models.
 
 The models are the single source of the API: the CRD in ``crds/`` is generated from them
-(``python -P -m modelstage.operator.crd``), and the operator parses what the API server hands it
+(``python -P -m modelstage.api.crd``), and the operator parses what the API server hands it
 with them. Cross-field rules live in one table per model (``Rule``): each has a CEL expression
 that the API server enforces and a Python predicate that ``model_validator`` enforces, so a
 spec the CRD refuses is refused here too (tests pin the two against each other).

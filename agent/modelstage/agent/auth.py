@@ -17,8 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from modelstage.api.kube_client import KubeClient, resource_path
 from modelstage.core.node_cache import AGENT_AUDIENCE
-from modelstage.operator.kube_client import KubeClient, resource_path
 
 TOKEN_REVIEWS = resource_path("authentication.k8s.io/v1", "tokenreviews")
 NODE_CLAIM = "authentication.kubernetes.io/node-name"

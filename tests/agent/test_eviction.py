@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from modelstage.agent.agent import contents_for, label_patch
 from modelstage.agent.eviction import HeldCopy, PartialCopy, plan_eviction, plan_room
 from modelstage.agent.store import Copy
+from modelstage.api.nodecache import Grant
 from modelstage.core.node_cache import LABEL_PREFIX, content_label
-from modelstage.operator.node_cache_api import Grant
 from support.node_agent import fake_digest
 
 

@@ -24,9 +24,9 @@ from modelstage.agent import agent as agent_module
 from modelstage.agent import store
 from modelstage.agent.agent import Agent, AgentSettings
 from modelstage.agent.locks import digest_lock, write_atomic
+from modelstage.api.kube_client import resource_path
 from modelstage.core import node_cache
 from modelstage.core.node_cache import content_label
-from modelstage.operator.kube_client import resource_path
 from support.node_agent import fake_digest, make_copy
 
 D1, D2, D3 = (fake_digest(i) for i in range(1, 4))

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field
 
-from .api import Model
+from .modeldeployment import Model
 
 
 class Grant(Model):

@@ -13,8 +13,8 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from modelstage.operator import crd
-from modelstage.operator.api import ModelDeploymentSpec
+from modelstage.api import crd
+from modelstage.api.modeldeployment import ModelDeploymentSpec
 from pydantic import ValidationError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -76,7 +76,7 @@ def cel_failures(schema: dict[str, Any], obj: Any) -> list[str]:
 
 def test_committed_crd_is_what_the_models_generate() -> None:
     assert CRD_FILE.read_text() == crd.render(), (
-        "crds/ is stale: run `python -m modelstage.operator.crd > "
+        "crds/ is stale: run `python -m modelstage.api.crd > "
         + str(CRD_FILE.relative_to(ROOT))
         + "`"
     )

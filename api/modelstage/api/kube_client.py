@@ -19,7 +19,7 @@ from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
 
-from .kube import Manifest
+from .objects import Manifest
 
 MERGE_PATCH = "application/merge-patch+json"
 

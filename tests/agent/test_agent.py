@@ -19,9 +19,9 @@ from typing import Any
 
 import pytest
 from modelstage.agent.locks import digest_lock
+from modelstage.api.kube_client import resource_path
 from modelstage.core import node_cache
 from modelstage.core.node_cache import content_label
-from modelstage.operator.kube_client import resource_path
 from support.kube_cluster import Cluster, eventually, free_port, write_kubeconfig
 from support.node_agent import AgentProcess, agent_kubeconfig, fake_digest, make_copy
 
