@@ -321,7 +321,7 @@ class Kube:
 
 
 def bound_pv(namespace: str) -> dict[str, Any]:
-    from modelstage.operator.kube import Owner
+    from modelstage.api.objects import Owner
     from modelstage.operator.node_cache_volume import plan_volume
 
     pv, _ = plan_volume(Owner("llama", namespace, "uid-1"), "0123456789abcdef" * 2, 1)

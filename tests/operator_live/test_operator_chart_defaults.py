@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 import yaml
-from modelstage.operator.kube import Owner
+from modelstage.api.objects import Owner
 from modelstage.operator.node_cache_volume import plan_volume
 from operator_live.conftest import CRD, PEERING_CRDS
 from support.charts import RELEASE_NAMESPACE, of_kind, one, render_docs
