@@ -367,3 +367,28 @@ def test_a_copy_removed_after_its_commit_is_streamed_again_by_the_same_namespace
     again = receive(r, "a", D1, data)
     assert again["alreadyComplete"] is False
     assert (node_cache.copy_dir(tmp_path, str(again["content"])) / NAME).read_bytes() == data
+
+
+def test_an_offer_that_does_not_fit_reads_the_spec_again_before_refusing(tmp_path: Path) -> None:
+    """The operator lets a copy go as it creates the Job that needs its room; the spec the
+    agent last read still keeps it. The offer reads the spec again (once) and evicts it."""
+    kept = make_copy(tmp_path, 51, 2 * CHUNK, last_used=at(0), grants=[("a", fake_digest(51))])
+    data = os.urandom(2 * CHUNK)
+    budget = held_bytes(tmp_path)[kept] + offer_size(D1, data) - 1
+    spec = {"now": frozenset({("a", fake_digest(51))}), "next": frozenset({("a", fake_digest(51))})}
+    reads: list[frozenset[store.GrantKey]] = []
+
+    def read_again() -> None:
+        spec["now"] = spec["next"]
+        reads.append(spec["now"])
+
+    evicted: list[str] = []
+    r = Receiver(tmp_path, "n1", budget=budget, keep=lambda: spec["now"],
+                 refresh_keep=read_again, on_evict=evicted.append)  # fmt: skip
+    with pytest.raises(Refused) as still_kept:  # the spec read again still keeps it
+        r.offer("a", D1, copy_manifest(D1, data))
+    assert still_kept.value.status == 507 and len(reads) == 1 and evicted == []
+    spec["next"] = frozenset()  # the operator wrote the spec; the agent has not read it yet
+    done = receive(r, "a", D1, data)
+    assert len(reads) == 2 and evicted == [kept]
+    assert set(held_bytes(tmp_path)) == {done["content"]}

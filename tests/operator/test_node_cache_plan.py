@@ -574,13 +574,34 @@ def test_a_node_that_loses_its_copy_shows_in_the_status() -> None:
     assert ready.status.phase == "Ready"
     lost = {"a": report("a", DIGEST), "b": report("b")}
     step, create = plan(before=ready.status, reports=lost, jobs={"b": done})
-    assert create == ["b"] and step.replace == (done.name,)  # no other node: copied again
+    assert create == [] and step.replace == (done.name,)  # no other node: copied again
     assert states(step) == {"a": "Ready", "b": "Failed"}
     assert "no longer holds" in step.status.nodes[1].message
     assert (step.status.phase, step.status.ready) == ("Ready", 1)
     assert step.condition[:2] == ("False", "CopyLost")
     again, _ = plan(before=step.status, reports=lost, jobs={"b": done})
     assert states(again)["b"] == "Failed"  # stays lost, not "waiting for the report"
+
+
+def test_a_lost_copy_is_copied_again_by_exactly_one_new_job() -> None:
+    """Pass by pass, as the shell runs them: the lost node's Job is deleted, the next pass
+    (no Job there) creates one, and that Job's success while the agent's report still lags
+    is a copy to wait for, not the old copy lost once more."""
+    done = CopyJob("b", copy_job_name(DIGEST, "b"), "Succeeded")
+    held = {"a": report("a", DIGEST), "b": report("b", DIGEST)}
+    lost = {"a": report("a", DIGEST), "b": report("b")}
+    ready, _ = plan(reports=held, jobs={"b": done})
+    dropped, create = plan(before=ready.status, reports=lost, jobs={"b": done})
+    assert (create, dropped.replace) == ([], (done.name,))
+    deleted, create = plan(before=dropped.status, reports=lost, jobs={})
+    assert (create, deleted.replace, states(deleted)["b"]) == (["b"], (), "Pending")
+    copying, create = plan(before=deleted.status, reports=lost, jobs={"b": running("b")})
+    assert (create, copying.replace, states(copying)["b"]) == ([], (), "Copying")
+    for before in (deleted.status, copying.status):  # the new Job done, the report not yet
+        waiting, create = plan(before=before, reports=lost, jobs={"b": done})
+        assert (create, waiting.replace, states(waiting)["b"]) == ([], (), "Copying")
+    back, create = plan(before=waiting.status, reports=held, jobs={"b": done})
+    assert (create, back.replace, states(back)["b"]) == ([], (), "Ready")
 
 
 def choose_and_plan(

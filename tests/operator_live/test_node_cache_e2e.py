@@ -55,6 +55,7 @@ from support.mini_kubelet import MiniKubelet, PodRefused
 from support.modelstage_objects import (
     complete_rollout,
     deploy_path,
+    job_path,
     md_path,
     model_deployment,
     vllm_deployment,
@@ -237,9 +238,17 @@ async def rolled(cluster: Cluster, ns: str, before: str | None = None) -> str:
 
 
 async def settle(cluster: Cluster, ns: str) -> None:
-    """The Deployment controller's part: every replica on the new template."""
+    """The Deployment controller's part: every replica on the new template; and every copy
+    Job finished (the kubelet records a Job as it ends: a step counts only its own)."""
     await complete_rollout(cluster.client, ns)
     await wait_phase(cluster, ns, "Ready", timeout=60)
+
+    async def copies_finished() -> bool:
+        jobs = await cluster.client.list(job_path(ns))
+        return all((j.get("status") or {}).get("conditions") for j in jobs
+                   if j["metadata"]["name"].startswith("modelstage-copy-"))  # fmt: skip
+
+    await eventually(copies_finished, timeout=60, what="every copy Job finished")
 
 
 def same_files(staged: Path, copied: Path) -> bool:

@@ -125,7 +125,10 @@ class MiniKubelet:
         node = _pinned_node(template["spec"])
         owner = {"apiVersion": "batch/v1", "kind": "Job", "name": name,
                  "uid": job["metadata"]["uid"], "controller": True}  # fmt: skip
-        pod = await self._create_pod(f"{name[:50]}-run", template, node, owner)
+        # A pod name of its own per Job (the Job controller's generateName): a Job replaced
+        # under its name runs while the old one's pod may still wait for the collector.
+        pod_name = f"{name[:50]}-{job['metadata']['uid'][:5]}"
+        pod = await self._create_pod(pod_name, template, node, owner)
         container = template["spec"]["containers"][0]
         mounts = await self._mounts(name, pod, container, node)
         rc, message = await self._exec(container, mounts)

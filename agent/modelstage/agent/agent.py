@@ -142,7 +142,7 @@ class Agent:
             self.receiver = Receiver(
                 self.settings.root, self.settings.node, self.settings.budget,
                 self.settings.namespace_quota, on_commit=self.wake.set, keep=self._kept_pairs,
-                on_evict=self._evicted_for_offer,
+                refresh_keep=lambda: self._read_spec([]), on_evict=self._evicted_for_offer,
             )  # fmt: skip
 
     @property

@@ -78,6 +78,10 @@ class Receiver:
     keep: Callable[[], frozenset[store.GrantKey] | None] | None = None
     """The (namespace, digest) pairs the NodeCache's spec keeps; None (or no callable): not
     known yet, so an offer evicts nothing."""
+    refresh_keep: Callable[[], None] | None = None
+    """Reads the spec again before an offer is refused for room: the operator lets a copy go
+    (its ModelDeployment's history trimmed) as it creates the Job that needs the room, and
+    the watch may not have brought that spec yet."""
     on_evict: Callable[[str], None] | None = None
     """Called with each copy an offer evicted (the agent counts it)."""
     clock: Callable[[], float] = time.monotonic
@@ -138,6 +142,10 @@ class Receiver:
         reserved = sum(o.outstanding for o in self.offers.values())
         plan = eviction.plan_room(*self._evictable(scan, content), self.budget - reserved,
                                   _free(self.root) - reserved, need)  # fmt: skip
+        if not plan.fits and self.refresh_keep is not None:
+            self.refresh_keep()
+            plan = eviction.plan_room(*self._evictable(scan, content), self.budget - reserved,
+                                      _free(self.root) - reserved, need)  # fmt: skip
         if plan.fits and (plan.eviction.evict or plan.eviction.drop_partials):
             self._evict(plan.eviction)
             scan = store.scan(self.root)

@@ -546,7 +546,8 @@ def plan_node_cache(
     may roll, the copy it mounts) and the chosen nodes a copy Job is to be created for, for
     the artifact ``key`` (namespace, digest); a node that lost its copy (its Job succeeded, it
     held the copy, and holds it no more) and is still chosen (no other node took its place)
-    gets its Job replaced (``replace``) by a new one. Nodes with a copy Job of the digest are listed
+    gets its Job deleted (``replace``): the next pass creates a new one. Nodes with a copy Job
+    of the digest are listed
     whether chosen or not: a failed or lost copy stays known as such after another node was
     chosen in its place."""
     digest = key[1]
@@ -568,8 +569,11 @@ def plan_node_cache(
         since=since,
         nodes=_node_statuses(key, chosen, states, reports, jobs, previous, pod_starts),
     )
+    # A lost node's Job is deleted now and created anew by a later pass that sees no Job:
+    # that pass writes the node as Pending first, so the new Job's success (before the agent
+    # reports the copy) never reads as the old Job's copy lost once more.
     lost = [n for n in chosen if states[n][1].startswith(LOST)]
-    create = [n for n in chosen if (states[n][0] == "Pending" and n not in jobs) or n in lost]
+    create = [n for n in chosen if states[n][0] == "Pending" and n not in jobs]
     step = NodeCacheStep(
         replace=tuple(jobs[n].name for n in lost),
         status=status,

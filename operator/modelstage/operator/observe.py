@@ -76,7 +76,8 @@ class NodeCacheStep:
     create: tuple[Manifest, ...] = ()
     """Copy Jobs to create."""
     replace: tuple[str, ...] = ()
-    """Succeeded copy Jobs of nodes that lost their copy: deleted before their new ones."""
+    """Succeeded copy Jobs of chosen nodes that lost their copy: deleted; a later pass,
+    seeing no Job there, creates the new one."""
     copy: HeldCopy | None = None
     """The copy the serving pods mount (a volume of its content); None: the roll goes
     without the node-cache volume (no chosen node holds a copy, the deadline passed)."""

@@ -562,8 +562,13 @@ class Reconciler:
         jobs: Sequence[Manifest],
         logger: logging.Logger | logging.LoggerAdapter[Any],
     ) -> None:
+        """Deletes the Jobs of nodes that lost their copy (a later pass creates their new
+        ones), then creates ``jobs``, each when a stager slot is free."""
         namespace = world.owner.namespace
         path = resource_path("batch/v1", "jobs", namespace)
+        for name in world.node_cache.replace if world.node_cache is not None else ():
+            if self.kube.delete(resource_path("batch/v1", "jobs", namespace, name)):
+                logger.info("its node lost the copy: deleted copy Job %s to copy it again", name)
         for job in jobs:
             name = job["metadata"]["name"]
             node = job["metadata"]["annotations"][NODE_ANNOTATION]
@@ -571,9 +576,6 @@ class Reconciler:
             if position:
                 logger.info("copy Job %s waits for a stager slot (position %d)", name, position)
                 continue
-            if world.node_cache is not None and name in world.node_cache.replace:
-                self.kube.delete(resource_path("batch/v1", "jobs", namespace, name))
-                logger.info("node %s lost its copy: replaced copy Job %s", node, name)
             try:
                 created = self.kube.create(path, job)
             except BaseException:

@@ -147,9 +147,14 @@ def decide(
     if source is not None and not unresolved and not blocks_staging:
         _resolution_beside(draft, source)
     step = observed.node_cache
-    if step is not None and step.create and draft.action is Action.WAIT and _may_copy(observed):
+    copies = step is not None and (step.create or step.replace)
+    if step is not None and copies and draft.action is Action.WAIT and _may_copy(observed):
         draft.action = Action.CREATE_COPY_JOBS
-        draft.details = f"copying artifact {step.status.digest} to {len(step.create)} node(s)"
+        draft.details = (
+            f"copying artifact {step.status.digest} to {len(step.create)} node(s)"
+            if step.create
+            else f"{len(step.replace)} node(s) lost artifact {step.status.digest}: copying again"
+        )
     new_status = _new_status(draft, desired, status, observed, source)
     return Decision(draft.action, new_status, draft.target, draft.details)
 
