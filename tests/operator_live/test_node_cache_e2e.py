@@ -391,12 +391,12 @@ async def test_copied_to_the_matching_nodes_served_through_a_pv_and_refused_over
         f.seek(-1, 1)
         f.write(bytes([byte[0] ^ 0xFF]))
     victim.chmod(0o440)
-    copy_jobs = len([r for r in kubelet.ran if r["name"].startswith("modelstage-copy-")])
+    ran_before = len(kubelet.ran)  # every Job so far (settled: each earlier one finished)
 
     async def dropped() -> bool:
         now = await report(cluster, "gpu-a")
         gone = await granted(cluster, "gpu-a", namespace, third) is None
-        return bool(now.get("verifyFailures")) and (gone or len(kubelet.ran) > copy_jobs)
+        return bool(now.get("verifyFailures")) and (gone or len(kubelet.ran) > ran_before)
 
     await eventually(dropped, timeout=60, what="gpu-a's corrupt copy dropped by re-verification")
 
@@ -412,7 +412,7 @@ async def test_copied_to_the_matching_nodes_served_through_a_pv_and_refused_over
                              f"{status.get('nodeCache')}\nconditions: {status.get('conditions')}"
                              f"\nran: {[(r['name'], r['node'], r['rc']) for r in kubelet.ran]}"
                              ) from None  # fmt: skip
-    recopies = [r for r in kubelet.ran[copy_jobs:] if r["name"].startswith("modelstage-copy-")]
+    recopies = [r for r in kubelet.ran[ran_before:] if r["name"].startswith("modelstage-copy-")]
     assert [r["node"] for r in recopies] == ["gpu-a"] and recopies[0]["rc"] == 0, recopies
     assert (await report(cluster, "gpu-a"))["verifyFailures"] == 1
     assert (await report(cluster, "gpu-b")).get("verifyFailures", 0) == 0
@@ -429,7 +429,7 @@ async def test_copied_to_the_matching_nodes_served_through_a_pv_and_refused_over
 
     # A fourth does not fit next to the two kept ones (the ModelDeployment now keeps three):
     # the agents refuse it before any byte, and the status says which node and why.
-    await cluster.client.patch(md_path(namespace, MD), {"spec": {"dtype": "float16",
+    await cluster.client.patch(md_path(namespace, MD), {"spec": {"dtype": "bfloat16",
                                                                  "retention": {"keep": 3}}})
 
     async def refused() -> dict[str, Any] | None:
