@@ -38,6 +38,8 @@ from support.modelstage_objects import job_path, pod_path
 BIN = Path(sys.executable).parent
 VARIABLE = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 T_END = "2030-01-01T00:00:10Z"
+BACKOFF_S = 1.0
+"""The first back-off before a failed Job pod's successor (doubling, as the controller's)."""
 
 
 class PodRefused(AssertionError):
@@ -54,7 +56,7 @@ class MiniKubelet:
     """Each node's cache root (``DEFAULT_ROOT`` on that node; only its agent writes there)."""
     scratch: Path
     ran: list[dict[str, Any]] = field(default_factory=list)
-    """Each Job run: name, node, exit code, last line."""
+    """Each pod a Job ran: name, node, exit code, last line, attempt (0 for the first)."""
     refused: list[str] = field(default_factory=list)
     """Why a pod could not be created or run (a test asserts this stays empty)."""
     _seen: set[str] = field(default_factory=set)
@@ -125,15 +127,23 @@ class MiniKubelet:
         node = _pinned_node(template["spec"])
         owner = {"apiVersion": "batch/v1", "kind": "Job", "name": name,
                  "uid": job["metadata"]["uid"], "controller": True}  # fmt: skip
-        # A pod name of its own per Job (the Job controller's generateName): a Job replaced
-        # under its name runs while the old one's pod may still wait for the collector.
-        pod_name = f"{name[:50]}-{job['metadata']['uid'][:5]}"
-        pod = await self._create_pod(pod_name, template, node, owner)
-        container = template["spec"]["containers"][0]
-        mounts = await self._mounts(name, pod, container, node)
-        rc, message = await self._exec(container, mounts)
-        self.ran.append({"name": name, "node": node, "rc": rc, "message": message})
-        await self._terminated(pod, container["name"], rc, message, init=False)
+        # The Job controller's part: a failed pod is followed by a new one, up to the Job's
+        # backoffLimit (after a back-off, shorter here than the controller's 10 s doubling);
+        # each pod has a name of its own (the controller's generateName), so a Job replaced
+        # under its name runs while the old one's pods may still wait for the collector.
+        retries = int(job["spec"].get("backoffLimit", 6))
+        for attempt in range(retries + 1):
+            pod_name = f"{name[:48]}-{job['metadata']['uid'][:5]}-{attempt}"
+            pod = await self._create_pod(pod_name, template, node, owner)
+            container = template["spec"]["containers"][0]
+            mounts = await self._mounts(name, pod, container, node)
+            rc, message = await self._exec(container, mounts)
+            self.ran.append({"name": name, "node": node, "rc": rc, "message": message,
+                             "attempt": attempt})  # fmt: skip
+            await self._terminated(pod, container["name"], rc, message, init=False)
+            if rc == 0 or attempt == retries:
+                break
+            await asyncio.sleep(BACKOFF_S * 2**attempt)
         await self.cluster.client.patch(
             job_path(self.namespace, name, "status"), {"status": _job_status(rc == 0)}
         )
