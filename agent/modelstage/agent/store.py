@@ -24,12 +24,13 @@ from pathlib import Path
 from typing import Any
 
 from modelstage.core import node_cache
+from modelstage.core.durable import write_atomic
 from modelstage.core.errors import ArtifactError, ModelstageError
 from modelstage.core.integrity import FileDigest, blake3_module, open_regular
 from modelstage.core.manifest import MANIFEST, MAX_MANIFEST_BYTES, Manifest
 from modelstage.core.structure import check_structure, regular_sizes
 
-from .locks import digest_lock, is_locked, own_dir, try_digest_lock, write_atomic
+from .locks import digest_lock, is_locked, own_dir, try_digest_lock
 
 WARM_BLOCK = 8 * 1024 * 1024
 """Read size while warming and verifying: memory stays at one block whatever the copy."""
