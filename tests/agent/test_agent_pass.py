@@ -23,7 +23,7 @@ import pytest
 from modelstage.agent import agent as agent_module
 from modelstage.agent import store
 from modelstage.agent.agent import Agent, AgentSettings
-from modelstage.agent.locks import digest_lock, write_atomic
+from modelstage.agent.locks import digest_lock
 from modelstage.api.kube_client import resource_path
 from modelstage.core import node_cache
 from modelstage.core.node_cache import content_label
@@ -389,18 +389,6 @@ def test_the_watch_wakes_the_loop_only_when_its_own_spec_changes(tmp_path: Path)
     agent.watch()
     assert cast(CountingEvent, agent.wake).count == 3
     assert selectors == [f"metadata.name={NODE}"]
-
-
-def test_write_atomic_leaves_another_writers_temporary_file_alone(tmp_path: Path) -> None:
-    """Two agents on one node (a DaemonSet's rolling update) are both likely PID 1 in their
-    containers: a temporary name from the PID would be the same for both."""
-    path = tmp_path / "record.json"
-    theirs = tmp_path / f".record.json.{os.getpid()}.tmp"
-    theirs.write_bytes(b'{"half": ')
-    write_atomic(path, b'{"whole": 1}')
-    assert json.loads(path.read_bytes()) == {"whole": 1}
-    assert theirs.read_bytes() == b'{"half": '
-    assert sorted(p.name for p in tmp_path.iterdir()) == [theirs.name, path.name]
 
 
 def test_touch_keeps_what_the_copier_recorded_and_waits_for_no_copier(tmp_path: Path) -> None:

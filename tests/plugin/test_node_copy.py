@@ -167,7 +167,7 @@ def other_artifact(copy: Path) -> None:
     ("damage", "reason"),
     [
         (drop_manifest, "{copy}: no modelstage.json; the copy is incomplete"),
-        (drop_file, "{copy}/" + VICTIM + ": listed in the manifest but missing; the copy is partial"),
+        (drop_file, "{copy}/" + VICTIM + ": listed in the manifest but missing"),
         (truncate, "{copy}/" + VICTIM + ": 1000 bytes, the manifest says {size}"),
         (add_file, "{copy}: files not in the manifest: model-rank-0-part-9.safetensors"),
         (other_artifact, "{copy}/modelstage.json is not the artifact's manifest; the node "

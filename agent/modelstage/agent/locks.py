@@ -1,4 +1,4 @@
-"""The node root's files: the per-content lock, atomic small writes, directory fsyncs.
+"""The node root's files: the per-content lock and the directories the agent owns.
 
 Writers of one content meet on ``.partial/<content>.lock`` (``flock``): a file being received
 holds it shared (several files of one copy arrive at once), a commit, a removal or a
@@ -13,17 +13,8 @@ import errno
 import fcntl
 import os
 import stat
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def own_dir(path: Path) -> Path:
@@ -41,26 +32,6 @@ def own_dir(path: Path) -> Path:
     if not stat.S_ISDIR(os.lstat(path).st_mode):
         raise OSError(errno.ENOTDIR, "not a directory", str(path))
     return path
-
-
-def write_atomic(path: Path, data: bytes, mode: int = 0o600) -> None:
-    """``path`` holds ``data`` or what it held before, never a part (tmp, fsync, rename).
-    The temporary name is random and created exclusively: two writers of the same file (the
-    copy Job and the agent, each likely PID 1 in its container) never share one, and a link
-    planted there is never followed. A failed write (a full disk) leaves no temporary file."""
-    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    tmp = Path(name)
-    try:
-        os.fchmod(fd, mode)
-        with open(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
 
 
 def _open_locked(path: Path, *, wait: bool, shared: bool = False) -> int | None:

@@ -30,13 +30,14 @@ from pathlib import Path
 from typing import Any
 
 from modelstage.core import node_cache
+from modelstage.core.durable import fsync_dir
 from modelstage.core.errors import ModelstageError
 from modelstage.core.integrity import FileDigest, blake3_module
 from modelstage.core.manifest import MANIFEST, SCHEMA_VERSION, Manifest, check_ranks_present
 
 from . import eviction, store
 from .auth import Refused
-from .locks import digest_lock, fsync_dir, own_dir
+from .locks import digest_lock, own_dir
 
 OFFER_TTL = 600.0
 """Seconds an offer keeps its reservation without a request for its content."""

@@ -16,7 +16,6 @@ import errno
 import json
 import os
 import shutil
-import stat
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -25,11 +24,13 @@ from pathlib import Path
 from typing import Any
 
 from modelstage.core import node_cache
+from modelstage.core.durable import write_atomic
 from modelstage.core.errors import ArtifactError, ModelstageError
 from modelstage.core.integrity import FileDigest, blake3_module, open_regular
 from modelstage.core.manifest import MANIFEST, MAX_MANIFEST_BYTES, Manifest
+from modelstage.core.structure import check_structure, regular_sizes
 
-from .locks import digest_lock, is_locked, own_dir, try_digest_lock, write_atomic
+from .locks import digest_lock, is_locked, own_dir, try_digest_lock
 
 WARM_BLOCK = 8 * 1024 * 1024
 """Read size while warming and verifying: memory stays at one block whatever the copy."""
@@ -115,38 +116,20 @@ def _read_regular(name: str | Path, limit: int, dir_fd: int | None = None) -> by
     return data
 
 
-def _regular_sizes(fd: int) -> dict[str, int]:
-    """Each entry of the open directory: its size when a regular file, -1 otherwise."""
-    sizes: dict[str, int] = {}
-    with os.scandir(fd) as entries:
-        for entry in entries:
-            st = entry.stat(follow_symlinks=False)
-            sizes[entry.name] = st.st_size if stat.S_ISREG(st.st_mode) else -1
-    return sizes
-
-
 def check_copy(fd: int, content: str) -> tuple[Manifest | None, int, str]:
     """The copy's manifest and its bytes on disk when the open directory is the complete copy
-    of ``content``, else None and why."""
+    of ``content`` (``core.structure``), else None and why, naming the content."""
     try:
         raw = _read_regular(MANIFEST, MAX_MANIFEST_BYTES, fd)
     except FileNotFoundError:
-        return None, 0, f"no {MANIFEST}"
+        return None, 0, f"{content}: no {MANIFEST}"
     if raw != node_cache.canonical_manifest(raw) or node_cache.content_address(raw) != content:
-        return None, 0, f"its {MANIFEST} is not the canonical manifest of {content}"
+        return None, 0, f"{content}: its {MANIFEST} is not the canonical manifest of this content"
     manifest = Manifest.from_json(raw, f"{content}/{MANIFEST}")
-    sizes = _regular_sizes(fd)
-    sizes.pop(MANIFEST, None)
-    for name, entry in sorted(manifest.files.items()):
-        size = sizes.pop(name, None)
-        if size is None:
-            return None, 0, f"{name} is missing"
-        if size < 0:
-            return None, 0, f"{name} is not a regular file"
-        if size != entry.size:
-            return None, 0, f"{name}: {size} bytes, the manifest says {entry.size}"
-    if sizes:
-        return None, 0, f"files not in the manifest: {', '.join(sorted(sizes)[:3])}"
+    try:
+        check_structure(manifest.files, regular_sizes(fd), content, lambda n: f"{content}/{n}")
+    except ArtifactError as e:
+        return None, 0, str(e)
     return manifest, manifest.bytes + len(raw), ""
 
 
@@ -175,7 +158,7 @@ def _scan_copy(root: Path, root_fd: int, content: str, result: Scan) -> None:
         manifest, size, why = check_copy(fd, content)
     if manifest is None:
         if remove_copy(root, content):
-            result.removed.append(f"{content}: {why}")
+            result.removed.append(why)
         return
     result.copies.append(Copy(content, size, len(manifest.files), read_record(root, content)))
 
@@ -189,7 +172,7 @@ def _scan_partials(root: Path, problems: list[str]) -> list[Partial]:
                     continue
                 try:
                     with open_dir(name, parent) as fd:
-                        sizes = _regular_sizes(fd)
+                        sizes = regular_sizes(fd)
                 except OSError as e:
                     problems.append(f"{node_cache.PARTIAL}/{name}: {_why(e)}; skipped")
                     continue
@@ -299,7 +282,7 @@ def touch(root: Path, copy: Copy, now: datetime) -> tuple[Copy, str]:
 def _copy_manifest(fd: int, content: str) -> Manifest:
     manifest, _, why = check_copy(fd, content)
     if manifest is None:
-        raise ArtifactError(f"{content}: not a complete copy: {why}")
+        raise ArtifactError(f"not a complete copy: {why}")
     return manifest
 
 

@@ -269,15 +269,7 @@ def plan_copy_job(
         "--agent", f"$({nc.ENV_NODE_AGENT})",
         "--token-file", nc.DEFAULT_TOKEN_FILE,
     ]  # fmt: skip
-    token = {"audience": nc.AGENT_AUDIENCE, "expirationSeconds": TOKEN_SECONDS, "path": "token"}
-    volumes: list[Manifest] = [
-        {"name": TOKEN_VOLUME, "projected": {"sources": [{"serviceAccountToken": token}]}}
-    ]
-    mounts: list[Manifest] = [{"name": TOKEN_VOLUME, "mountPath": TOKEN_DIR, "readOnly": True}]
-    if location.on_pvc:
-        claim = {"claimName": location.claim_name, "readOnly": True}
-        volumes.append({"name": VOLUME_ARTIFACTS, "persistentVolumeClaim": claim})
-        mounts.append({"name": VOLUME_ARTIFACTS, "mountPath": ARTIFACT_MOUNT, "readOnly": True})
+    volumes, mounts = _copy_volumes(artifact)
     env = [
         {"name": "HOME", "value": SCRATCH_DIR},
         {"name": nc.ENV_NODE_AGENT, "value": endpoint},
@@ -290,15 +282,7 @@ def plan_copy_job(
     # A projected token needs the account named (the ServiceAccount admission plugin names
     # "default" when it runs; the API server refuses the pod without one when it does not).
     pod_spec["serviceAccountName"] = spec.stager.service_account_name or "default"
-    pod_spec["affinity"] = {
-        "nodeAffinity": {
-            "requiredDuringSchedulingIgnoredDuringExecution": {
-                "nodeSelectorTerms": [
-                    {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]}
-                ]
-            }
-        }
-    }
+    pod_spec["affinity"] = _pinned_to(node)
     if tolerations:
         pod_spec["tolerations"] = [dict(t) for t in tolerations]
     job_labels = copy_job_labels(owner.name, artifact.digest, node)
@@ -311,6 +295,33 @@ def plan_copy_job(
     annotations = {NODE_ANNOTATION: node, "modelstage.io/artifact-uri": location.uri}
     name = copy_job_name(artifact.digest, node)
     return _job(name, owner.namespace, job_labels, annotations, job_spec, owner)
+
+
+def _copy_volumes(artifact: Artifact) -> tuple[list[Manifest], list[Manifest]]:
+    """The copy pod's volumes and mounts: the agent-audience token, and the artifact's claim
+    read-only when it is on a PVC."""
+    token = {"audience": nc.AGENT_AUDIENCE, "expirationSeconds": TOKEN_SECONDS, "path": "token"}
+    volumes: list[Manifest] = [
+        {"name": TOKEN_VOLUME, "projected": {"sources": [{"serviceAccountToken": token}]}}
+    ]
+    mounts: list[Manifest] = [{"name": TOKEN_VOLUME, "mountPath": TOKEN_DIR, "readOnly": True}]
+    if artifact.location.on_pvc:
+        claim = {"claimName": artifact.location.claim_name, "readOnly": True}
+        volumes.append({"name": VOLUME_ARTIFACTS, "persistentVolumeClaim": claim})
+        mounts.append({"name": VOLUME_ARTIFACTS, "mountPath": ARTIFACT_MOUNT, "readOnly": True})
+    return volumes, mounts
+
+
+def _pinned_to(node: str) -> Manifest:
+    """An affinity that schedules the pod on ``node`` and nowhere else."""
+    match = {"key": "metadata.name", "operator": "In", "values": [node]}
+    return {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [{"matchFields": [match]}]
+            }
+        }
+    }
 
 
 # --- where the copies stand -------------------------------------------------------------------

@@ -264,6 +264,19 @@ def plan_rollout(
         else []
     )
     pod["initContainers"] = _upsert(pod.get("initContainers") or [], prepare, _owned_name)
+    _drop_empty(pod, container)
+    new_workload = {**workload, "spec": {**workload.get("spec", {}), "template": template}}
+    patch = merge_diff(workload, new_workload)
+    return RolloutPlan(
+        merge_patch=patch,
+        template=template,
+        resource_version=workload.get("metadata", {}).get("resourceVersion"),
+        details=_rollout_details(workload, artifact, settings.load_format) if patch else (),
+    )
+
+
+def _drop_empty(pod: Manifest, container: Manifest) -> None:
+    """Remove the lists the patch left empty (an empty list would be written as such)."""
     for key in ("initContainers", "volumes"):
         if not pod[key]:
             del pod[key]
@@ -271,23 +284,16 @@ def plan_rollout(
         if not container[key]:
             del container[key]
 
-    new_workload = {**workload, "spec": {**workload.get("spec", {}), "template": template}}
-    patch = merge_diff(workload, new_workload)
+
+def _rollout_details(workload: Manifest, artifact: Artifact, load_format: str) -> tuple[str, ...]:
+    """The plan's one line for the log: which workload moves from which artifact to which."""
     old_digest = (
         workload.get("spec", {}).get("template", {}).get("metadata", {}).get("annotations", {})
     ).get(DIGEST_ANNOTATION)
-    details = []
-    if patch:
-        details.append(
-            f"{workload.get('kind', 'workload')} {workload.get('metadata', {}).get('name')}: "
-            f"artifact {old_digest or 'none'} -> {artifact.digest} "
-            f"({settings.load_format}, TP {artifact.tensor_parallel})"
-        )
-    return RolloutPlan(
-        merge_patch=patch,
-        template=template,
-        resource_version=workload.get("metadata", {}).get("resourceVersion"),
-        details=tuple(details),
+    return (
+        f"{workload.get('kind', 'workload')} {workload.get('metadata', {}).get('name')}: "
+        f"artifact {old_digest or 'none'} -> {artifact.digest} "
+        f"({load_format}, TP {artifact.tensor_parallel})",
     )
 
 

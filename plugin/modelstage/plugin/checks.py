@@ -31,7 +31,6 @@ from modelstage.core.integrity import blake3_module as blake3_module
 from modelstage.core.layouts import layout_for
 from modelstage.core.location import (
     ArtifactLocation,
-    FileProblem,
     Listed,
     LocalArtifact,
     S3Artifact,
@@ -42,6 +41,7 @@ from modelstage.core.location import verify_content as location_verify_content
 from modelstage.core.manifest import MANIFEST, FileEntry, Manifest
 from modelstage.core.s3_client import S3Client, S3Location
 from modelstage.core.safetensors_format import MAX_HEADER_BYTES, SafetensorsHeader, read_header
+from modelstage.core.structure import FileProblem
 
 from .settings import ENV_VERIFY, PluginSettings
 

@@ -111,6 +111,13 @@ class _Metrics:
             "Unix time at which this rank's last load finished.",
             labels,
         )
+        self._add_verification(labels)
+        self._add_startup(labels)
+
+    def _add_verification(self, labels: tuple[str, ...]) -> None:
+        """How the bytes were checked, and whether they came from the node cache."""
+        from prometheus_client import Counter, Gauge
+
         self.verification = Gauge(
             "modelstage_load_verification",
             "How this rank's last load verified content (value 1 for the mode used): stream "
@@ -135,6 +142,11 @@ class _Metrics:
             "node-local copy) or miss (read from the artifact).",
             (*labels, "result"),
         )
+
+    def _add_startup(self, labels: tuple[str, ...]) -> None:
+        """The pod's start as a whole: its phases, the engine cache, the artifact loaded."""
+        from prometheus_client import Gauge
+
         self.startup = Gauge(
             "modelstage_startup_phase_seconds",
             "Seconds of each phase of this pod's start as this rank saw it: prepare's (from "

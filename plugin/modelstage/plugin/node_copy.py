@@ -7,17 +7,16 @@ points at it). It is trusted only when its manifest is the canonical form of the
 describe poisoned files consistently (its own chunk hashes matching its own bytes). Equal
 manifests carry the artifact's chunk hashes, so every byte then read from the copy is checked
 against the artifact's hashes as it streams in. Every file the manifest lists must be there, a
-regular file of its size, and nothing else beside it (what a partial or damaged copy lacks),
-else the copy is a miss and the artifact is read as without a cache. Nothing in the copy is
-opened through a link or waited on (a FIFO). Never raises: a cache can only make a load
-faster, never make it fail to start. Torch-free, so it is unit-tested without vLLM.
+regular file of its size, and nothing else beside it (``core.structure``, the check ``verify``
+and the node agent make too; what a partial or damaged copy fails), else the copy is a miss
+and the artifact is read as without a cache. Nothing in the copy is opened through a link or
+waited on (a FIFO). Never raises: a cache can only make a load faster, never make it fail to
+start. Torch-free, so it is unit-tested without vLLM.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ from modelstage.core.location import ArtifactLocation, LocalArtifact, S3Artifact
 from modelstage.core.manifest import MANIFEST, Manifest, read_manifest_bytes
 from modelstage.core.node_cache import HIT, MISS, canonical_manifest
 from modelstage.core.s3_client import S3Client, S3Location
+from modelstage.core.structure import check_structure, regular_sizes
 
 LOG = logging.getLogger("vllm.modelstage")
 
@@ -88,34 +88,12 @@ def check_node_copy(directory: Path, digest: str, artifact_manifest: bytes | Non
         manifest = Manifest.from_json(copied, str(directory / MANIFEST))
         if manifest.digest != digest:
             return miss(f"{directory}: holds artifact {manifest.digest}, not {digest}")
-        problem = _file_problem(directory, manifest)
+        check_structure(
+            manifest.files, regular_sizes(directory), str(directory), lambda n: str(directory / n)
+        )
     except (ModelstageError, OSError) as e:
         return miss(str(e))
-    if problem:
-        return miss(problem)
     return NodeCopy(HIT, path=directory)
-
-
-def _file_problem(directory: Path, manifest: Manifest) -> str:
-    """The first file that is missing, not a regular file, of another size or not in the
-    manifest; "" if none."""
-    present: dict[str, int] = {}
-    with os.scandir(directory) as entries:
-        for found in entries:
-            if found.name != MANIFEST:
-                st = found.stat(follow_symlinks=False)
-                present[found.name] = st.st_size if stat.S_ISREG(st.st_mode) else -1
-    for name, entry in sorted(manifest.files.items()):
-        size = present.pop(name, None)
-        if size is None:
-            return f"{directory / name}: listed in the manifest but missing; the copy is partial"
-        if size < 0:
-            return f"{directory / name}: not a regular file"
-        if size != entry.size:
-            return f"{directory / name}: {size} bytes, the manifest says {entry.size}"
-    if present:
-        return f"{directory}: files not in the manifest: {', '.join(sorted(present)[:3])}"
-    return ""
 
 
 def choose_node_copy(
