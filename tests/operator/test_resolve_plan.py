@@ -22,7 +22,7 @@ from modelstage.operator.job_plan import (
     plan_stage_job,
     stage_job_name,
 )
-from modelstage.operator.observe import (
+from modelstage.operator.observations import (
     JobObservation,
     Observed,
     WorkloadObservation,
@@ -400,7 +400,7 @@ def test_a_stage_job_that_found_the_source_changed_makes_the_resolution_due(
 
 
 class LogKube:
-    """The one call ``Reconciler._progress`` makes: a pod's log, or the API's refusal."""
+    """The one call ``Observer.progress`` makes: a pod's log, or the API's refusal."""
 
     def __init__(self, log: str | None) -> None:
         self.log, self.reads = log, []  # type: list[tuple[str, dict[str, str]]]
@@ -422,16 +422,16 @@ def test_the_stager_log_is_read_only_where_the_operator_may_read_it() -> None:
     log = "staging x: 1.0 GiB / 4.0 GiB (25%), 3/23 tensors, 1.0 GiB/s\n"
     quiet = LogKube(log)
     off = Reconciler(quiet, stager_image="x", post_event=lambda *_: None)  # type: ignore[arg-type]
-    assert off._progress("ns", {"spec": {}}, pods) == "running since 2026-03-01T12:00:00Z"
+    assert off.observer.progress("ns", {"spec": {}}, pods) == "running since 2026-03-01T12:00:00Z"
     assert quiet.reads == []
     allowed = LogKube(log)
     on = Reconciler(allowed, stager_image="x", post_event=lambda *_: None, stager_logs=True)  # type: ignore[arg-type]
-    assert on._progress("ns", {"spec": {}}, pods).endswith("(25%), 3/23 tensors, 1.0 GiB/s")
+    assert on.observer.progress("ns", {"spec": {}}, pods).endswith("(25%), 3/23 tensors, 1.0 GiB/s")
     assert allowed.reads == [("/api/v1/namespaces/ns/pods/stage-x/log",
                               {"container": "stager", "tailLines": "20"})]  # fmt: skip
     refused = Reconciler(LogKube(None), stager_image="x", post_event=lambda *_: None,  # type: ignore[arg-type]
                          stager_logs=True)  # fmt: skip
-    assert refused._progress("ns", {"spec": {}}, pods) == "running since 2026-03-01T12:00:00Z"
+    assert refused.observer.progress("ns", {"spec": {}}, pods) == "running since 2026-03-01T12:00:00Z"
 
 
 def test_a_resolve_job_this_model_deployment_does_not_own_is_not_believed(
@@ -450,6 +450,6 @@ def test_a_resolve_job_this_model_deployment_does_not_own_is_not_believed(
             return planted if path.endswith(f"/jobs/{name}") else None
 
     reconciler = Reconciler(Kube(), stager_image="x", post_event=lambda *_: None)  # type: ignore[arg-type]
-    got = reconciler._resolve(spec, ModelDeploymentStatus(), OWNER, T0)
+    got = reconciler.observer.resolve(spec, ModelDeploymentStatus(), OWNER, T0)
     assert (got.state, got.source) == ("failed", None)
     assert "does not own it" in got.message

@@ -43,7 +43,7 @@ from .kube import (
     s3_credentials_env,
     secret_env,
 )
-from .observe import JobState
+from .observations import JobState
 from .resolve_plan import RESOLVE_TTL_SECONDS
 
 DEFAULT_RESOURCES: Manifest = {

@@ -39,7 +39,7 @@ from modelstage.core import node_cache as nc
 from .artifact import ARTIFACT_MOUNT, Artifact
 from .job_plan import _container, _job, _pod_spec
 from .kube import SCRATCH_DIR, VOLUME_ARTIFACTS, ca_mount, ca_volume
-from .observe import JobState, NodeCacheStep, parse_summary
+from .observations import JobState, NodeCacheStep, parse_summary
 from .rollout_plan import _s3_serving_env
 
 COPY_COMPONENT = "node-copy"

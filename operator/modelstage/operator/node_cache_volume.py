@@ -8,7 +8,7 @@ verified copy) pre-bound by ``claimRef`` to a claim in the tenant's namespace, a
 (``volumeName`` the PV, owned by the ModelDeployment). The workload mounts the claim
 read-only (``rollout_plan``); the chart's admission policy refuses a pod that mounts such a
 claim read-write. A PV whose claim is gone (the ModelDeployment deleted, the claim removed)
-is deleted by the operator (``released``). Pure functions; ``reconcile.py`` creates them.
+is deleted by the operator (``released``). Pure functions; ``act.py`` creates them.
 """
 
 from __future__ import annotations
