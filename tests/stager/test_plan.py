@@ -21,7 +21,7 @@ from modelstage.core.manifest import read_manifest
 from modelstage.operator.artifact import artifact_for, spec_digest
 from modelstage.operator.claim_plan import plan_claim
 from modelstage.operator.job_plan import staging_jobs
-from modelstage.operator.plan import OFFLINE_UID
+from modelstage.operator.offline_plan import OFFLINE_UID
 from modelstage.operator.resolve_plan import resolve_job_name, source_status
 from modelstage.operator.rollout_plan import plan_rollout
 from modelstage.stager.plan import plan_files

@@ -17,7 +17,7 @@ from typing import Any
 from modelstage.api.kube_client import KubeClient, resource_path
 from modelstage.api.modeldeployment import ModelDeploymentSpec, ModelDeploymentStatus
 from modelstage.api.nodecache import HeldCopy
-from modelstage.api.objects import Manifest, Owner
+from modelstage.api.objects import KubeObject, Owner
 from modelstage.core import node_cache as nc
 
 from . import metrics
@@ -44,7 +44,7 @@ from .validation import image_allowed, opt_in_problem
 
 NODE_CACHE_WARNINGS = ("DeadlinePassed", "CopyFailed", "CopyLost", "NoEligibleNodes")
 """``NodeCached`` reasons posted as Warning events."""
-EventFn = Callable[[Manifest, str, str, str], None]
+EventFn = Callable[[KubeObject, str, str, str], None]
 """``(object, type, reason, message)``: posts a Kubernetes Event about ``object``."""
 Logger = logging.Logger | logging.LoggerAdapter[Any]
 
@@ -91,7 +91,7 @@ class Actor:
         return True
 
     def _post_transitions(
-        self, body: Manifest, old: ModelDeploymentStatus, decision: Decision
+        self, body: KubeObject, old: ModelDeploymentStatus, decision: Decision
     ) -> None:
         """An Event per phase change and per condition whose status or reason changed."""
         new = decision.status
@@ -149,7 +149,7 @@ class Actor:
         spec: ModelDeploymentSpec,
         owner: Owner,
         source: SourceStep,
-        body: Manifest,
+        body: KubeObject,
         logger: Logger,
     ) -> None:
         job = plan_resolve_job(
@@ -168,8 +168,8 @@ class Actor:
         spec: ModelDeploymentSpec,
         owner: Owner,
         desired: Artifact,
-        job: Manifest,
-        body: Manifest,
+        job: KubeObject,
+        body: KubeObject,
         logger: Logger,
     ) -> None:
         if job["metadata"]["name"] == stage_job_name(desired.digest):
@@ -267,7 +267,7 @@ class Actor:
     def create_copy_jobs(
         self,
         world: World,
-        jobs: Sequence[Manifest],
+        jobs: Sequence[KubeObject],
         logger: Logger,
     ) -> None:
         namespace = world.owner.namespace
@@ -301,7 +301,7 @@ class Actor:
         name: str,
         plan: RetentionPlan,
         holders: list[Holder],
-        body: Manifest,
+        body: KubeObject,
         logger: Logger,
     ) -> None:
         """A clean-up Job per artifact to delete; then the artifact's staging Jobs go, unless

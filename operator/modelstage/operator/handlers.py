@@ -43,7 +43,7 @@ from modelstage.api.modeldeployment import (
 from modelstage.api.objects import (
     DIGEST_ANNOTATION,
     LABEL_DIGEST,
-    Manifest,
+    KubeObject,
     model_deployment_owners,
 )
 from modelstage.core import node_cache as nc
@@ -98,7 +98,7 @@ class Ref(NamedTuple):
     """With node caching on: the digests whose node-local copies it pins (``retention``)."""
 
 
-def _post_event(obj: Manifest, type_: str, reason: str, message: str) -> None:
+def _post_event(obj: KubeObject, type_: str, reason: str, message: str) -> None:
     kopf.event(cast(kopf.Body, obj), type=type_, reason=reason, message=message[:1024])
 
 

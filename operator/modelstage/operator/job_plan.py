@@ -24,11 +24,11 @@ from modelstage.api.modeldeployment import (
     SourceStatus,
     Stager,
 )
-from modelstage.api.objects import Manifest, Owner, labels
+from modelstage.api.objects import KubeObject, Owner, labels
 from modelstage.core.formats import AUTO, FORMATS
 from modelstage.core.layouts import DEFAULT_VLLM_VERSION
 
-from .artifact import ARTIFACT_MOUNT, ArtifactLocation, locate, location_from_uri, spec_format
+from .artifact import ARTIFACT_MOUNT, ArtifactAddress, locate, location_from_uri, spec_format
 from .kube import (
     SCRATCH_DIR,
     SOURCE_MOUNT,
@@ -46,14 +46,14 @@ from .kube import (
 from .observations import JobState
 from .resolve_plan import RESOLVE_TTL_SECONDS
 
-DEFAULT_RESOURCES: Manifest = {
+DEFAULT_RESOURCES: KubeObject = {
     "requests": {"cpu": "1", "memory": "1Gi"},
     "limits": {"memory": "4Gi"},
 }
 """The stager's resources when ``spec.stager.resources`` is unset (which then replaces them
 whole). Staging streams through fixed buffer pools (well under 1 GiB at TP=8, S3 included);
 the limit leaves room for a tensorizer rank's largest tensor and stops a runaway input."""
-CLEANUP_RESOURCES: Manifest = {
+CLEANUP_RESOURCES: KubeObject = {
     "requests": {"cpu": "100m", "memory": "128Mi"},
     "limits": {"memory": "512Mi"},
 }
@@ -71,9 +71,10 @@ def finalize_job_name(digest: str) -> str:
 
 
 def scale_out_workers(spec: ModelDeploymentSpec) -> int:
-    """Pods of the stage Job: ``stager.parallelism`` for the formats whose files an Indexed
-    Job can write in parallel (tensor groups per pod), else 1."""
-    return spec.stager.parallelism if FORMATS[spec_format(spec)].scale_out else 1
+    """Pods of the stage Job: ``stager.parallelism`` (``Stager.workers``; not the spec's
+    ``parallelism``, the model's split) for the formats whose files an Indexed Job can write in
+    parallel (tensor groups per pod), else 1."""
+    return spec.stager.workers if FORMATS[spec_format(spec)].scale_out else 1
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,7 @@ def staging_jobs(
     digest: str,
     default_image: str = DEFAULT_STAGER_IMAGE,
     source: SourceStatus | None = None,
-) -> list[Manifest]:
+) -> list[KubeObject]:
     """The Jobs that stage ``digest``, in order: the stage Job, and when it is an Indexed Job
     (``stager.parallelism`` > 1) the small finalize Job that checks and publishes its parts.
     ``source``: the resolved identity the digest was taken from (``stager_command``)."""
@@ -122,7 +123,7 @@ def staging_jobs(
     return jobs
 
 
-def _source(spec: ModelDeploymentSpec) -> tuple[list[str], list[Manifest], list[Manifest]]:
+def _source(spec: ModelDeploymentSpec) -> tuple[list[str], list[KubeObject], list[KubeObject]]:
     """The stager's SOURCE argument(s), and the volumes and mounts reading it needs."""
     uri = spec.model.uri
     if spec.model.scheme != "pvc":
@@ -161,10 +162,10 @@ def _s3_flags(connection: S3Connection | None) -> list[str]:
     return flags
 
 
-def _credentials_env(spec: ModelDeploymentSpec) -> list[Manifest]:
+def _credentials_env(spec: ModelDeploymentSpec) -> list[KubeObject]:
     """HF token or S3 credentials, by Secret reference only."""
     model = spec.model
-    env: list[Manifest] = []
+    env: list[KubeObject] = []
     if model.scheme == "hf" and model.credentials_secret:
         env.append(secret_env("HF_TOKEN", model.credentials_secret, HF_TOKEN_KEY))
     if spec.storage.s3 is not None:
@@ -176,7 +177,7 @@ def _credentials_env(spec: ModelDeploymentSpec) -> list[Manifest]:
     return env
 
 
-def _destination(location: ArtifactLocation) -> tuple[list[Manifest], list[Manifest]]:
+def _destination(location: ArtifactAddress) -> tuple[list[KubeObject], list[KubeObject]]:
     if location.claim_name is None:
         return [], []
     volume = {"name": VOLUME_ARTIFACTS, "persistentVolumeClaim": {"claimName": location.claim_name}}
@@ -185,7 +186,7 @@ def _destination(location: ArtifactLocation) -> tuple[list[Manifest], list[Manif
 
 def stager_command(
     spec: ModelDeploymentSpec,
-    location: ArtifactLocation,
+    location: ArtifactAddress,
     subcommand: str = "stage",
     source: SourceStatus | None = None,
 ) -> list[str]:
@@ -234,7 +235,7 @@ def plan_stage_job(
     digest: str,
     default_image: str = DEFAULT_STAGER_IMAGE,
     source: SourceStatus | None = None,
-) -> Manifest:
+) -> KubeObject:
     """The Job that stages ``digest`` for ``spec``; pure, deterministic."""
     return _plan_job(spec, owner, digest, default_image, finalize=False, source=source)
 
@@ -246,7 +247,7 @@ def plan_finalize_job(
     digest: str,
     default_image: str = DEFAULT_STAGER_IMAGE,
     source: SourceStatus | None = None,
-) -> Manifest:
+) -> KubeObject:
     """One pod, the stage Job's volumes and arguments, ``modelstage finalize``: it reads the
     source's config and headers (not its weights), checks every part and publishes."""
     return _plan_job(spec, owner, digest, default_image, finalize=True, source=source)
@@ -260,7 +261,7 @@ def _plan_job(
     *,
     finalize: bool,
     source: SourceStatus | None = None,
-) -> Manifest:
+) -> KubeObject:
     location = locate(spec, namespace=owner.namespace, deployment_name=owner.name, digest=digest)
     _, source_volumes, source_mounts = _source(spec)
     dest_volumes, dest_mounts = _destination(location)
@@ -298,7 +299,7 @@ def _plan_job(
     return _job(name, owner.namespace, job_labels, annotations, job_spec, owner)
 
 
-def _scratch_env() -> list[Manifest]:
+def _scratch_env() -> list[KubeObject]:
     """HOME, temporary files and the hub cache on the scratch volume."""
     return [
         {"name": "HOME", "value": SCRATCH_DIR},
@@ -308,8 +309,8 @@ def _scratch_env() -> list[Manifest]:
 
 
 def _container(
-    name: str, image: str, command: list[str], env: list[Manifest], mounts: list[Manifest]
-) -> Manifest:
+    name: str, image: str, command: list[str], env: list[KubeObject], mounts: list[KubeObject]
+) -> KubeObject:
     """A container of the stager image: restricted, its last line the termination message,
     the scratch volume mounted first."""
     return {
@@ -325,12 +326,15 @@ def _container(
 
 
 def _pod_spec(
-    container: Manifest, scratch_limit: str | None, volumes: list[Manifest], stager: Stager | None
-) -> Manifest:
+    container: KubeObject,
+    scratch_limit: str | None,
+    volumes: list[KubeObject],
+    stager: Stager | None,
+) -> KubeObject:
     """One pod, never restarted in place, no API token; the scratch volume (bounded to
     ``scratch_limit``) first; the spec's scheduling choices when ``stager`` is given."""
-    scratch: Manifest = {"sizeLimit": scratch_limit} if scratch_limit is not None else {}
-    pod_spec: Manifest = {
+    scratch: KubeObject = {"sizeLimit": scratch_limit} if scratch_limit is not None else {}
+    pod_spec: KubeObject = {
         "restartPolicy": "Never",
         "automountServiceAccountToken": False,
         "securityContext": pod_security_context(),
@@ -349,13 +353,13 @@ def _pod_spec(
 def _job(
     name: str,
     namespace: str,
-    job_labels: Manifest,
-    annotations: Manifest,
-    spec: Manifest,
+    job_labels: KubeObject,
+    annotations: KubeObject,
+    spec: KubeObject,
     owner: Owner | None = None,
-) -> Manifest:
+) -> KubeObject:
     """A batch/v1 Job; owned by the ModelDeployment when ``owner`` is given."""
-    metadata: Manifest = {
+    metadata: KubeObject = {
         "name": name,
         "namespace": namespace,
         "labels": job_labels,
@@ -385,7 +389,7 @@ def plan_cleanup_job(
     owner_name: str,
     connection: S3Connection | None,
     image: str,
-) -> Manifest | None:
+) -> KubeObject | None:
     """A one-pod Job running ``modelstage delete`` on one artifact: it mounts the artifact's
     claim (read from its ``pvc://`` URI), or reaches its S3 prefix with ``connection`` (the
     spec's storage.s3: credentials by Secret reference). None when an S3 artifact's
@@ -413,7 +417,7 @@ def plan_cleanup_job(
 
 
 RESOLVE_CONTAINER = "resolve"
-RESOLVE_RESOURCES: Manifest = {
+RESOLVE_RESOURCES: KubeObject = {
     "requests": {"cpu": "100m", "memory": "256Mi"},
     "limits": {"memory": "1Gi"},
 }
@@ -427,7 +431,7 @@ def plan_resolve_job(
     owner: Owner,
     name: str,
     default_image: str = DEFAULT_STAGER_IMAGE,
-) -> Manifest:
+) -> KubeObject:
     """The Job that runs ``modelstage resolve`` on the spec's source (``resolve_plan.py``):
     the stage Job's image, source volume, credentials (by Secret reference), CA bundle and
     security context, but no artifact volume and no Indexed pods; its one-line JSON lands in
@@ -463,7 +467,7 @@ def plan_resolve_job(
     return _job(name, owner.namespace, job_labels, annotations, job_spec, owner)
 
 
-def _source_credentials_env(spec: ModelDeploymentSpec) -> list[Manifest]:
+def _source_credentials_env(spec: ModelDeploymentSpec) -> list[KubeObject]:
     """What reading the source needs, no more: the stage Job's HF token or S3 credentials
     for an hf:// or s3:// source, never the storage's for another kind of source."""
     if spec.model.scheme == "pvc":
@@ -518,7 +522,7 @@ def scratch_bound(spec: ModelDeploymentSpec) -> ScratchBound:
     )
 
 
-def _request_ephemeral_storage(container: Manifest, amount: str) -> None:
+def _request_ephemeral_storage(container: KubeObject, amount: str) -> None:
     """Request and limit ``amount`` of ephemeral storage, unless the user's resources set
     either (a limit of ours below a request of theirs would be refused)."""
     resources = container.setdefault("resources", {})

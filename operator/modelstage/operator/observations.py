@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from modelstage.api.modeldeployment import NodeCacheStatus
 from modelstage.api.nodecache import HeldCopy
-from modelstage.api.objects import DIGEST_ANNOTATION, Manifest
+from modelstage.api.objects import DIGEST_ANNOTATION, KubeObject
 
 from .kube import VOLUME_NODE_CACHE
 from .validation import Finding
@@ -73,7 +73,7 @@ class NodeCacheStep:
     """``NodeCached``: (status, reason, message)."""
     roll: bool
     """The copies are ready, or the deadline passed: the workload may roll."""
-    create: tuple[Manifest, ...] = ()
+    create: tuple[KubeObject, ...] = ()
     """Copy Jobs to create."""
     replace: tuple[str, ...] = ()
     """Succeeded copy Jobs of nodes that lost their copy: deleted before their new ones."""
@@ -94,7 +94,7 @@ class Observed:
     node_cache: NodeCacheStep | None = None
 
 
-def observe_job(job: Manifest, termination_message: str = "") -> JobObservation:
+def observe_job(job: KubeObject, termination_message: str = "") -> JobObservation:
     """Reads a Job's conditions; the shell passes the termination message of its last pod."""
     status = job.get("status") or {}
     name = str((job.get("metadata") or {}).get("name") or "")
@@ -116,7 +116,7 @@ def observe_job(job: Manifest, termination_message: str = "") -> JobObservation:
 PROGRESS_CHARS = 240
 
 
-def staging_progress(job: Manifest, pods: Sequence[Manifest], log_tail: str = "") -> str:
+def staging_progress(job: KubeObject, pods: Sequence[KubeObject], log_tail: str = "") -> str:
     """A running stage Job's progress in words: its workers done (an Indexed Job), since when
     its first pod runs, and the stager's latest progress line when ``log_tail`` (the tail of
     a running stager's log) holds one. Stable between reconciliations unless something moved,
@@ -150,7 +150,7 @@ def progress_line(log: str) -> str:
     return ""
 
 
-def observe_workload(workload: Manifest, failing: Sequence[str] = ()) -> WorkloadObservation:
+def observe_workload(workload: KubeObject, failing: Sequence[str] = ()) -> WorkloadObservation:
     """Reads a Deployment's or StatefulSet's rollout progress from its status."""
     spec = workload.get("spec") or {}
     status = workload.get("status") or {}
@@ -190,9 +190,9 @@ WAITING_FAILURES = frozenset(
 """Waiting reasons of a container that will not start without a change to the pod."""
 
 
-def _terminations(pod: Manifest, container: str) -> list[Manifest]:
+def _terminations(pod: KubeObject, container: str) -> list[KubeObject]:
     status = pod.get("status") or {}
-    out: list[Manifest] = []
+    out: list[KubeObject] = []
     for cs in status.get("containerStatuses") or []:
         if cs.get("name") != container:
             continue
@@ -204,7 +204,7 @@ def _terminations(pod: Manifest, container: str) -> list[Manifest]:
 
 
 def termination_message(
-    pods: Sequence[Manifest], *, success: bool, container: str = STAGER_CONTAINER
+    pods: Sequence[KubeObject], *, success: bool, container: str = STAGER_CONTAINER
 ) -> str:
     """The stager's termination message from its Job's pods: on success the latest summary
     (a message that parses as one, else the latest of exit code 0), on failure the latest
@@ -223,7 +223,7 @@ def termination_message(
     return messages[-1] if messages else ""
 
 
-def pod_failures(pods: Sequence[Manifest], digest: str | None) -> tuple[str, ...]:
+def pod_failures(pods: Sequence[KubeObject], digest: str | None) -> tuple[str, ...]:
     """Why pods of artifact ``digest`` (their template's digest annotation) fail: containers or
     initContainers stuck in a crash loop or image pull, or pods that failed outright. Each
     reason names the pod, the container and, when there is one, its last termination message."""

@@ -28,7 +28,7 @@ from modelstage.api.nodecache import NodeCacheObject, NodeCacheReport
 from modelstage.api.objects import (
     DIGEST_ANNOTATION,
     LABEL_DIGEST,
-    Manifest,
+    KubeObject,
     Owner,
     model_deployment_owners,
 )
@@ -109,7 +109,7 @@ class World:
     """What one reconciliation read: the ModelDeployment, and what ``decide`` and the actions
     need to know about the cluster."""
 
-    body: Manifest
+    body: KubeObject
     owner: Owner
     status: ModelDeploymentStatus
     now: datetime
@@ -122,11 +122,11 @@ class World:
     findings: list[Finding] = field(default_factory=list)
     source: SourceStep | None = None
     desired: Artifact | None = None
-    workload: Manifest | None = None
+    workload: KubeObject | None = None
     observed_workload: WorkloadObservation | None = None
     job: JobObservation | None = None
     """The staging Job followed (``staging_step``)."""
-    next_job: Manifest | None = None
+    next_job: KubeObject | None = None
     """The staging Job to create next."""
     serving: ServingVersion | None = None
     """The vLLM version staged for, and why (``serving_version.py``)."""
@@ -230,7 +230,7 @@ class Observer:
         """The ModelDeployment is deleted: its serving pods are not ours now."""
         self._pod_starts.pop((namespace, name), None)
 
-    def observe(self, namespace: str, name: str, body: Manifest) -> World:
+    def observe(self, namespace: str, name: str, body: KubeObject) -> World:
         """Everything ``decide`` and the actions need, read from the cluster."""
         meta = body["metadata"]
         world = World(
@@ -380,7 +380,7 @@ class Observer:
         )
         world.node_cache = replace(step, create=manifests)
 
-    def _nodes(self, world: World) -> tuple[dict[str, NodeCacheReport], list[Manifest]]:
+    def _nodes(self, world: World) -> tuple[dict[str, NodeCacheReport], list[KubeObject]]:
         """The node agents' reports and the nodes; none where the operator may not read
         them (no node is eligible then: the roll waits until the deadline, and says why)."""
         try:
@@ -437,7 +437,7 @@ class Observer:
             found[node] = CopyJob(node, name, state, message)
         return found
 
-    def _pod_starts_of(self, world: World, workload: Manifest, digest: str) -> list[PodStart]:
+    def _pod_starts_of(self, world: World, workload: KubeObject, digest: str) -> list[PodStart]:
         """Hits and misses of the serving pods of ``digest`` (their prepare summaries); each
         pod counted once in ``modelstage_node_cache_pod_starts_total``."""
         selector = ((workload.get("spec") or {}).get("selector") or {}).get("matchLabels")
@@ -464,12 +464,12 @@ class Observer:
         return starts
 
     def _observe_jobs(
-        self, namespace: str, digest: str, planned: list[Manifest], owner: Owner
-    ) -> tuple[JobObservation | None, Manifest | None, Finding | None]:
+        self, namespace: str, digest: str, planned: list[KubeObject], owner: Owner
+    ) -> tuple[JobObservation | None, KubeObject | None, Finding | None]:
         """(the observation of the Job staging follows, the Job to create next, why an
         existing Job is not followed); see ``staging_step``: the stage Job, then for a
         scaled-out artifact its finalize Job."""
-        found: dict[str, Manifest] = {}
+        found: dict[str, KubeObject] = {}
         for manifest in planned:
             name = manifest["metadata"]["name"]
             job = self.kube.get(resource_path("batch/v1", "jobs", namespace, name))
@@ -503,7 +503,7 @@ class Observer:
         message = termination_message(own, success=state == "Succeeded")
         return observe_job(job, message), None, None
 
-    def _foreign_job(self, namespace: str, job: Manifest, owner: Owner) -> Finding | None:
+    def _foreign_job(self, namespace: str, job: KubeObject, owner: Owner) -> Finding | None:
         """Why a Job under a staging Job's name is not one to follow: the names are
         predictable, so anyone who may create Jobs could plant one that reports a staged
         artifact. Followed are Jobs controlled by this ModelDeployment or, for an artifact
@@ -524,7 +524,7 @@ class Observer:
             "staging",
         )
 
-    def progress(self, namespace: str, job: Manifest, pods: list[Manifest]) -> str:
+    def progress(self, namespace: str, job: KubeObject, pods: list[KubeObject]) -> str:
         """What the cluster says about a running stage Job (``staging_progress``), and with
         ``stager_logs`` the stager's own latest progress line from the tail of its log: the
         stager holds no API credentials to report it any other way."""
@@ -588,7 +588,7 @@ class Observer:
             spec, status.source, owner=name, now=now, interval=interval, job=job, stale=stale
         )
 
-    def _observe_workload(self, namespace: str, workload: Manifest) -> WorkloadObservation:
+    def _observe_workload(self, namespace: str, workload: KubeObject) -> WorkloadObservation:
         digest = observe_workload(workload).digest
         failing: tuple[str, ...] = ()
         if digest is not None:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 
 from modelstage.api.kube_client import Conflict, KubeClient
 from modelstage.api.modeldeployment import ModelDeploymentSpec, ModelDeploymentStatus
-from modelstage.api.objects import Manifest
+from modelstage.api.objects import KubeObject
 from modelstage.core import node_cache as nc
 from pydantic import ValidationError
 
@@ -188,7 +188,7 @@ class Reconciler:
         return replace(decision, status=status.model_copy(update={"artifacts": list(plan.history)}))
 
     def release(
-        self, namespace: str, name: str, body: Manifest, logger: Logger
+        self, namespace: str, name: str, body: KubeObject, logger: Logger
     ) -> RetentionPlan | None:
         """The ModelDeployment is being deleted (its finalizer): clean up every artifact it
         referenced that no other ModelDeployment references, unless ``onDelete: Retain``.
