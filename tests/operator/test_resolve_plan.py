@@ -15,7 +15,7 @@ from modelstage.api.modeldeployment import (
     ModelDeploymentStatus,
 )
 from modelstage.api.objects import Owner
-from modelstage.operator.artifact import artifact_for, spec_digest
+from modelstage.operator.artifact import artifact_at, artifact_for, spec_digest
 from modelstage.operator.job_plan import (
     RESOLVE_CONTAINER,
     plan_resolve_job,
@@ -244,7 +244,7 @@ def test_the_resolve_job_runs_modelstage_resolve_with_the_stage_jobs_pod_setting
     spec = make_spec(model={"revision": "main"}, storage={"pvc": None, "s3": {
         "uri": "s3://bkt/p", "credentialsSecret": "s3-creds"}}, loadFormat="tensorizer")  # fmt: skip
     job = plan_resolve_job(spec, owner=OWNER, name="modelstage-resolve-x")
-    stage = plan_stage_job(spec, owner=OWNER, digest="d" * 20)
+    stage = plan_stage_job(spec, owner=OWNER, artifact=artifact_at(spec, namespace=OWNER.namespace, deployment_name=OWNER.name, digest="d" * 20))
     pod, stage_pod = job["spec"]["template"]["spec"], stage["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     assert container["name"] == RESOLVE_CONTAINER
@@ -268,7 +268,7 @@ def test_the_resolve_job_runs_modelstage_resolve_with_the_stage_jobs_pod_setting
 def test_a_pvc_source_is_resolved_where_the_stager_reads_it(make_spec: SpecFactory) -> None:
     spec = make_spec(model={"uri": "pvc://checkpoints/llama", "credentialsSecret": None})
     job = plan_resolve_job(spec, owner=OWNER, name="modelstage-resolve-x")
-    stage = plan_stage_job(spec, owner=OWNER, digest="d" * 20)
+    stage = plan_stage_job(spec, owner=OWNER, artifact=artifact_at(spec, namespace=OWNER.namespace, deployment_name=OWNER.name, digest="d" * 20))
     (container,) = job["spec"]["template"]["spec"]["containers"]
     (stage_container,) = stage["spec"]["template"]["spec"]["containers"]
     source_path = stage_container["command"][2]
@@ -285,7 +285,7 @@ def test_the_stage_job_is_pinned_to_the_resolved_commit_and_identity(
     source = resolved_status(spec, COMMIT_A).source
     assert source is not None
     digest = spec_digest(spec, source.identity)
-    job = plan_stage_job(spec, owner=OWNER, digest=digest, source=source)
+    job = plan_stage_job(spec, owner=OWNER, artifact=artifact_at(spec, namespace=OWNER.namespace, deployment_name=OWNER.name, digest=digest), source=source)
     assert job["metadata"]["name"] == stage_job_name(digest)
     (container,) = job["spec"]["template"]["spec"]["containers"]
     args = build_parser().parse_args(container["command"][1:])

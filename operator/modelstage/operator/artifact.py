@@ -124,12 +124,16 @@ def artifact_for(
 ) -> Artifact:
     """The artifact the spec asks for, its source resolved to ``identity``; raises
     ``SpecError`` for an unknown vLLM version."""
-    location = locate(
-        spec,
-        namespace=namespace,
-        deployment_name=deployment_name,
-        digest=spec_digest(spec, identity),
-    )
+    digest = spec_digest(spec, identity)
+    return artifact_at(spec, namespace=namespace, deployment_name=deployment_name, digest=digest)
+
+
+def artifact_at(
+    spec: ModelDeploymentSpec, *, namespace: str, deployment_name: str, digest: str
+) -> Artifact:
+    """The spec's artifact of ``digest``: the one place after the digest that reads the
+    spec's format and tensor-parallel size; the planners read them from the ``Artifact``."""
+    location = locate(spec, namespace=namespace, deployment_name=deployment_name, digest=digest)
     return Artifact(location, spec_format(spec), spec.parallelism.tensor)
 
 

@@ -1,4 +1,7 @@
-"""``spec + digest -> stager Job``: the manifest of the Job that stages one artifact.
+"""``spec + artifact -> stager Job``: the manifest of the Job that stages one artifact.
+
+The artifact (``artifact.py``: its digest taken) gives the location, the format and the
+tensor-parallel size; the spec gives the source, the credentials and how the Job runs.
 
 The Job's name comes from the digest alone, so two ModelDeployments of a namespace that want
 the same artifact find one Job (the second sees "already exists" and follows it). Secrets are
@@ -28,7 +31,7 @@ from modelstage.api.objects import KubeObject, Owner, labels
 from modelstage.core.formats import AUTO, FORMATS
 from modelstage.core.layouts import DEFAULT_VLLM_VERSION
 
-from .artifact import ARTIFACT_MOUNT, ArtifactAddress, locate, location_from_uri, spec_format
+from .artifact import ARTIFACT_MOUNT, Artifact, ArtifactAddress, location_from_uri
 from .kube import (
     SCRATCH_DIR,
     SOURCE_MOUNT,
@@ -70,11 +73,11 @@ def finalize_job_name(digest: str) -> str:
     return f"modelstage-finalize-{digest}"
 
 
-def scale_out_workers(spec: ModelDeploymentSpec) -> int:
+def scale_out_workers(spec: ModelDeploymentSpec, artifact: Artifact) -> int:
     """Pods of the stage Job: ``stager.parallelism`` (``Stager.workers``; not the spec's
     ``parallelism``, the model's split) for the formats whose files an Indexed Job can write in
     parallel (tensor groups per pod), else 1."""
-    return spec.stager.workers if FORMATS[spec_format(spec)].scale_out else 1
+    return spec.stager.workers if FORMATS[artifact.load_format].scale_out else 1
 
 
 @dataclass(frozen=True)
@@ -104,20 +107,22 @@ def staging_jobs(
     spec: ModelDeploymentSpec,
     *,
     owner: Owner,
-    digest: str,
+    artifact: Artifact,
     default_image: str = DEFAULT_STAGER_IMAGE,
     source: SourceStatus | None = None,
 ) -> list[KubeObject]:
-    """The Jobs that stage ``digest``, in order: the stage Job, and when it is an Indexed Job
+    """The Jobs that stage ``artifact``, in order: the stage Job, and when it is an Indexed Job
     (``stager.parallelism`` > 1) the small finalize Job that checks and publishes its parts.
     ``source``: the resolved identity the digest was taken from (``stager_command``)."""
     jobs = [
-        plan_stage_job(spec, owner=owner, digest=digest, default_image=default_image, source=source)
+        plan_stage_job(
+            spec, owner=owner, artifact=artifact, default_image=default_image, source=source
+        )
     ]
-    if scale_out_workers(spec) > 1:
+    if scale_out_workers(spec, artifact) > 1:
         jobs.append(
             plan_finalize_job(
-                spec, owner=owner, digest=digest, default_image=default_image, source=source
+                spec, owner=owner, artifact=artifact, default_image=default_image, source=source
             )
         )
     return jobs
@@ -186,7 +191,7 @@ def _destination(location: ArtifactAddress) -> tuple[list[KubeObject], list[Kube
 
 def stager_command(
     spec: ModelDeploymentSpec,
-    location: ArtifactAddress,
+    artifact: Artifact,
     subcommand: str = "stage",
     source: SourceStatus | None = None,
 ) -> list[str]:
@@ -196,7 +201,9 @@ def stager_command(
 
     With the resolved ``source``: ``--expect-identity`` (a source that changed since it was
     resolved is refused, not staged under this digest) and, for hf://, the resolved commit
-    as the revision (a branch that moves meanwhile cannot change what is staged)."""
+    as the revision (a branch that moves meanwhile cannot change what is staged). The
+    tensor-parallel size and the format are the artifact's (its digest is taken)."""
+    location = artifact.location
     source_args, _, _ = _source(spec)
     resolved = source
     command = [
@@ -204,13 +211,13 @@ def stager_command(
         subcommand,
         source_args[0],
         "--tp",
-        str(spec.parallelism.tensor),
+        str(artifact.tensor_parallel),
         "--pp",
         str(spec.parallelism.pipeline),
         "--dtype",
         spec.dtype,
         "--format",
-        spec_format(spec),
+        artifact.load_format,
         "--vllm-version",
         spec.serving.vllm_version or DEFAULT_VLLM_VERSION,
         "--digest",
@@ -232,47 +239,47 @@ def plan_stage_job(
     spec: ModelDeploymentSpec,
     *,
     owner: Owner,
-    digest: str,
+    artifact: Artifact,
     default_image: str = DEFAULT_STAGER_IMAGE,
     source: SourceStatus | None = None,
 ) -> KubeObject:
-    """The Job that stages ``digest`` for ``spec``; pure, deterministic."""
-    return _plan_job(spec, owner, digest, default_image, finalize=False, source=source)
+    """The Job that stages ``artifact`` for ``spec``; pure, deterministic."""
+    return _plan_job(spec, owner, artifact, default_image, finalize=False, source=source)
 
 
 def plan_finalize_job(
     spec: ModelDeploymentSpec,
     *,
     owner: Owner,
-    digest: str,
+    artifact: Artifact,
     default_image: str = DEFAULT_STAGER_IMAGE,
     source: SourceStatus | None = None,
 ) -> KubeObject:
     """One pod, the stage Job's volumes and arguments, ``modelstage finalize``: it reads the
     source's config and headers (not its weights), checks every part and publishes."""
-    return _plan_job(spec, owner, digest, default_image, finalize=True, source=source)
+    return _plan_job(spec, owner, artifact, default_image, finalize=True, source=source)
 
 
 def _plan_job(
     spec: ModelDeploymentSpec,
     owner: Owner,
-    digest: str,
+    artifact: Artifact,
     default_image: str,
     *,
     finalize: bool,
     source: SourceStatus | None = None,
 ) -> KubeObject:
-    location = locate(spec, namespace=owner.namespace, deployment_name=owner.name, digest=digest)
+    location, digest = artifact.location, artifact.digest
     _, source_volumes, source_mounts = _source(spec)
     dest_volumes, dest_mounts = _destination(location)
     connection = s3_connection(spec)
     stager = spec.stager
-    workers = 1 if finalize else scale_out_workers(spec)
+    workers = 1 if finalize else scale_out_workers(spec, artifact)
     env = [*_scratch_env(), *_credentials_env(spec)]
     if workers > 1:
         # Each pod of the Indexed Job takes the tensor groups of its JOB_COMPLETION_INDEX.
         env.append({"name": "MODELSTAGE_WORKERS", "value": str(workers)})
-    command = stager_command(spec, location, "finalize" if finalize else "stage", source=source)
+    command = stager_command(spec, artifact, "finalize" if finalize else "stage", source=source)
     mounts = [*dest_mounts, *source_mounts, *ca_mount(connection)]
     container = _container("stager", stager.image or default_image, command, env, mounts)
     resources = stager.resources

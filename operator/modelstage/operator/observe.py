@@ -316,7 +316,7 @@ class Observer:
         jobs = staging_jobs(
             spec,
             owner=world.owner,
-            digest=world.desired.digest,
+            artifact=world.desired,
             default_image=self.stager_image,
             source=world.source.source if world.source is not None else None,
         )

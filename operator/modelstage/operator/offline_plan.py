@@ -125,7 +125,7 @@ def plan_deployment(
     if artifact is not None and identity is not None and not staging_blocked:
         source = source_status(spec, identity, now=datetime.now(UTC))
         jobs = staging_jobs(
-            spec, owner=owner, digest=artifact.digest, default_image=stager_image, source=source
+            spec, owner=owner, artifact=artifact, default_image=stager_image, source=source
         )
     rollout = None
     if (
