@@ -147,7 +147,7 @@ def test_cross_field_rules_refuse_with_an_actionable_message(
 def test_a_credential_in_an_s3_endpoint_is_refused_without_being_repeated(
     spec_dict: SpecDict,
 ) -> None:
-    from modelstage.operator.reconcile import _first_error
+    from modelstage.operator.observe import _first_error
 
     body = spec_dict(model={"uri": "s3://bkt/c", "s3": {"endpoint": "http://admin:hunter2@s3:9"}})
     with pytest.raises(ValidationError) as refused:

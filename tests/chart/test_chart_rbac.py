@@ -26,6 +26,7 @@ from typing import Any
 from modelstage.api import modeldeployment as operator_api
 from modelstage.api.objects import Owner
 from modelstage.core import node_cache
+from modelstage.operator.observe import WORKLOAD_PLURALS
 from support.charts import ROOT, SCENARIOS, is_namespaced, of_kind, render
 
 Triple = tuple[str, str, str]
@@ -133,7 +134,7 @@ def _paths(
         sub = kwargs.get("subresource", args[2] if len(args) > 2 else None)
         yield operator_api.GROUP, operator_api.PLURAL + (f"/{sub}" if sub else "")
     elif name == "workload_path":
-        for plural in module["WORKLOAD_PLURALS"].values():
+        for plural in WORKLOAD_PLURALS.values():
             yield "apps", plural
     else:
         raise AssertionError(f"unknown API path helper {name}()")
@@ -317,7 +318,9 @@ def test_rbac_rules_are_commented_in_the_template() -> None:
         lines = (ROOT / "charts" / "modelstage" / "templates" / name).read_text().splitlines()
         for i, line in enumerate(lines):
             if line.strip().startswith("- apiGroups:"):
-                assert lines[i - 1].strip().startswith("#"), f"{name}:{i + 1}: rule without a reason"
+                assert lines[i - 1].strip().startswith("#"), (
+                    f"{name}:{i + 1}: rule without a reason"
+                )
 
 
 def test_no_permission_on_secrets_anywhere(scenario: str) -> None:

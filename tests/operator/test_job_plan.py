@@ -1,8 +1,9 @@
-"""``spec + digest -> stager Job``: deterministic, the stager CLI contract, Secrets by reference,
+"""``spec + artifact -> stager Job``: deterministic, the stager CLI contract, Secrets by reference,
 restricted security, PVC or S3 wiring, and a manifest Kubernetes' own schema accepts."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -12,7 +13,7 @@ import kubernetes_validate
 import pytest
 from modelstage.api.modeldeployment import ModelDeploymentSpec
 from modelstage.api.objects import Owner
-from modelstage.operator.artifact import ARTIFACT_MOUNT, spec_digest
+from modelstage.operator.artifact import ARTIFACT_MOUNT, artifact_at, spec_digest
 from modelstage.operator.job_plan import (
     StagingStep,
     finalize_job_name,
@@ -40,7 +41,7 @@ S3_STORAGE = {
 
 
 def plan(spec: ModelDeploymentSpec, owner: Owner = OWNER) -> dict[str, Any]:
-    return plan_stage_job(spec, owner=owner, digest=spec_digest(spec, IDENTITY))
+    return plan_stage_job(spec, owner=owner, artifact=artifact_at(spec, namespace=owner.namespace, deployment_name=owner.name, digest=spec_digest(spec, IDENTITY)))
 
 
 def container(job: dict[str, Any]) -> dict[str, Any]:
@@ -96,6 +97,18 @@ def test_hf_source_to_pvc_runs_the_stager_cli_as_contracted(make_spec: SpecFacto
         "--out", f"{ARTIFACT_MOUNT}/artifacts/llm/{digest}",
         "--revision=main",
     ]  # fmt: skip
+
+
+def test_the_stage_command_reads_tp_and_format_from_the_artifact(make_spec: SpecFactory) -> None:
+    """After the digest, the Job's ``--tp`` and ``--format`` are the artifact's, not the spec's
+    read again: one value from the digest to the stager."""
+    spec = make_spec()
+    staged = artifact_at(spec, namespace=OWNER.namespace, deployment_name=OWNER.name,
+                         digest=spec_digest(spec, IDENTITY))  # fmt: skip
+    other = dataclasses.replace(staged, tensor_parallel=8, load_format="runai_streamer_sharded")
+    command = container(plan_stage_job(spec, owner=OWNER, artifact=other))["command"]
+    assert command[command.index("--tp") + 1] == "8"
+    assert command[command.index("--format") + 1] == "runai_streamer_sharded"
 
 
 def test_revision_is_passed_only_when_set(make_spec: SpecFactory) -> None:
@@ -283,7 +296,7 @@ def test_job_manifest_passes_kubernetes_schema(
 
 
 def jobs(spec: ModelDeploymentSpec) -> list[dict[str, Any]]:
-    return staging_jobs(spec, owner=OWNER, digest=spec_digest(spec, IDENTITY))
+    return staging_jobs(spec, owner=OWNER, artifact=artifact_at(spec, namespace=OWNER.namespace, deployment_name=OWNER.name, digest=spec_digest(spec, IDENTITY)))
 
 
 def test_one_pod_staging_is_one_job(make_spec: SpecFactory) -> None:
@@ -463,7 +476,7 @@ def test_the_stager_takes_the_operators_digest_from_the_jobs_own_arguments(
     resolved = SourceStatus(uri=spec.model.uri, identity=IDENTITY, resolved_at=datetime.now(UTC),
                             key="k", commit="ab" * 20 if spec.model.scheme == "hf" else None)  # fmt: skip
     digest = spec_digest(spec, resolved.identity)
-    job = plan_stage_job(spec, owner=OWNER, digest=digest, source=resolved)
+    job = plan_stage_job(spec, owner=OWNER, artifact=artifact_at(spec, namespace=OWNER.namespace, deployment_name=OWNER.name, digest=digest), source=resolved)
     args = build_parser().parse_args(container(job)["command"][1:])
     request = StageRequest(
         source=args.source, out=args.out, tp=args.tp, pp=args.pp, dtype=args.dtype,

@@ -38,7 +38,12 @@ from modelstage.operator.node_cache_plan import (
     selects,
     tolerates,
 )
-from modelstage.operator.observe import JobObservation, NodeCacheStep, Observed, WorkloadObservation
+from modelstage.operator.observations import (
+    JobObservation,
+    NodeCacheStep,
+    Observed,
+    WorkloadObservation,
+)
 from modelstage.operator.patch import apply_merge_patch
 from modelstage.operator.rollout_plan import plan_rollout
 from modelstage.operator.settings import OperatorConfig
@@ -965,14 +970,15 @@ class ForbiddenKube:
 def test_without_the_rights_to_read_nodes_the_status_says_so_and_the_deadline_holds(
     spec: ModelDeploymentSpec, deployment: dict[str, Any]
 ) -> None:
-    from modelstage.operator.reconcile import Reconciler, _World
+    from modelstage.operator.observe import World
+    from modelstage.operator.reconcile import Reconciler
 
     a = artifact(spec)
     reconciler = Reconciler(ForbiddenKube(), stager_image="x", post_event=lambda *_: None)  # type: ignore[arg-type]
-    world = _World(
+    world = World(
         body={}, owner=OWNER, status=staged_status(a), now=T0, desired=a, workload=deployment
     )
-    reconciler._observe_node_cache(world, spec)
+    reconciler.observer.observe_node_cache(world, spec)
     [finding] = world.findings
     assert finding.reason == "NodeCacheForbidden" and "get, list and watch" in finding.message
     assert world.node_cache is not None
@@ -1014,19 +1020,20 @@ def replace_workload(observed: Observed, workload: WorkloadObservation) -> Obser
 def test_a_digest_that_was_rolled_back_gets_no_copies(
     spec: ModelDeploymentSpec, deployment: dict[str, Any]
 ) -> None:
-    from modelstage.operator.reconcile import Reconciler, _World
+    from modelstage.operator.observe import World
+    from modelstage.operator.reconcile import Reconciler
 
     a = artifact(spec)
     rolled_back = ModelDeploymentStatus(phase="Failed", failed_digest=a.digest)
     done = JobObservation("Succeeded", f'{{"digest": "{a.digest}"}}', T0)
     reconciler = Reconciler(ForbiddenKube(), stager_image="x", post_event=lambda *_: None)  # type: ignore[arg-type]
-    world = _World(
+    world = World(
         body={}, owner=OWNER, status=rolled_back, now=T0, desired=a, workload=deployment, job=done
     )
-    reconciler._observe_node_cache(world, spec)
+    reconciler.observer.observe_node_cache(world, spec)
     assert world.node_cache is None and not world.findings
     world.status = ModelDeploymentStatus()  # the same Job, not rolled back: it is copied
-    reconciler._observe_node_cache(world, spec)
+    reconciler.observer.observe_node_cache(world, spec)
     assert world.node_cache is not None
 
 
@@ -1046,20 +1053,21 @@ def test_copy_jobs_take_the_namespaces_stager_slots(
 ) -> None:
     """A copy Job holds a stager slot like a stage Job: with one slot per namespace, the
     second waits (created on a later reconciliation, once the first one's Job ended)."""
-    from modelstage.operator.reconcile import Reconciler, _World
+    from modelstage.operator.observe import World
+    from modelstage.operator.reconcile import Reconciler
     from modelstage.operator.slots import StagerSlots
 
     a = artifact(spec)
     kube = RecordingKube()
     slots = StagerSlots(0, per_namespace=1)
     reconciler = Reconciler(kube, stager_image="x", post_event=lambda *_: None, slots=slots)  # type: ignore[arg-type]
-    world = _World(body={}, owner=OWNER, status=staged_status(a), now=T0, desired=a)
+    world = World(body={}, owner=OWNER, status=staged_status(a), now=T0, desired=a)
     jobs = [
         plan_copy_job(spec, a, node, owner=OWNER, endpoint="http://10.0.0.1:9103")
         for node in ("a", "b")
     ]
-    reconciler._create_copy_jobs(world, jobs, logging.getLogger("test"))
+    reconciler.actor.create_copy_jobs(world, jobs, logging.getLogger("test"))
     assert kube.created == [jobs[0]["metadata"]["name"]]
     assert slots.finished(("llm", jobs[0]["metadata"]["name"]))  # its Job ended
-    reconciler._create_copy_jobs(world, jobs[1:], logging.getLogger("test"))
+    reconciler.actor.create_copy_jobs(world, jobs[1:], logging.getLogger("test"))
     assert kube.created == [j["metadata"]["name"] for j in jobs]

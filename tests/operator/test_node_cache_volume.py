@@ -15,7 +15,7 @@ from modelstage.api.modeldeployment import (
 )
 from modelstage.api.objects import Owner
 from modelstage.core import node_cache as nc
-from modelstage.operator.artifact import artifact_for
+from modelstage.operator.artifact import artifact_at, artifact_for
 from modelstage.operator.claim_plan import plan_claim
 from modelstage.operator.job_plan import plan_cleanup_job, plan_resolve_job, staging_jobs
 from modelstage.operator.node_cache_plan import plan_copy_job
@@ -158,7 +158,7 @@ def tenant_objects(make_spec: SpecFactory, deployment: dict[str, Any]) -> list[d
     objects: list[dict[str, Any]] = []
     for spec in specs:
         a = artifact_for(spec, namespace="team-a", deployment_name="llama", identity=IDENTITY)
-        objects += staging_jobs(spec, owner=OWNER, digest=a.digest)
+        objects += staging_jobs(spec, owner=OWNER, artifact=artifact_at(spec, namespace=OWNER.namespace, deployment_name=OWNER.name, digest=a.digest))
         objects.append(plan_resolve_job(spec, owner=OWNER, name="modelstage-resolve-x"))
         claim = plan_claim(spec, owner=OWNER)
         objects += [claim] if claim is not None else []

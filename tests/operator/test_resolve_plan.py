@@ -15,14 +15,14 @@ from modelstage.api.modeldeployment import (
     ModelDeploymentStatus,
 )
 from modelstage.api.objects import Owner
-from modelstage.operator.artifact import artifact_for, spec_digest
+from modelstage.operator.artifact import artifact_at, artifact_for, spec_digest
 from modelstage.operator.job_plan import (
     RESOLVE_CONTAINER,
     plan_resolve_job,
     plan_stage_job,
     stage_job_name,
 )
-from modelstage.operator.observe import (
+from modelstage.operator.observations import (
     JobObservation,
     Observed,
     WorkloadObservation,
@@ -244,7 +244,7 @@ def test_the_resolve_job_runs_modelstage_resolve_with_the_stage_jobs_pod_setting
     spec = make_spec(model={"revision": "main"}, storage={"pvc": None, "s3": {
         "uri": "s3://bkt/p", "credentialsSecret": "s3-creds"}}, loadFormat="tensorizer")  # fmt: skip
     job = plan_resolve_job(spec, owner=OWNER, name="modelstage-resolve-x")
-    stage = plan_stage_job(spec, owner=OWNER, digest="d" * 20)
+    stage = plan_stage_job(spec, owner=OWNER, artifact=artifact_at(spec, namespace=OWNER.namespace, deployment_name=OWNER.name, digest="d" * 20))
     pod, stage_pod = job["spec"]["template"]["spec"], stage["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     assert container["name"] == RESOLVE_CONTAINER
@@ -268,7 +268,7 @@ def test_the_resolve_job_runs_modelstage_resolve_with_the_stage_jobs_pod_setting
 def test_a_pvc_source_is_resolved_where_the_stager_reads_it(make_spec: SpecFactory) -> None:
     spec = make_spec(model={"uri": "pvc://checkpoints/llama", "credentialsSecret": None})
     job = plan_resolve_job(spec, owner=OWNER, name="modelstage-resolve-x")
-    stage = plan_stage_job(spec, owner=OWNER, digest="d" * 20)
+    stage = plan_stage_job(spec, owner=OWNER, artifact=artifact_at(spec, namespace=OWNER.namespace, deployment_name=OWNER.name, digest="d" * 20))
     (container,) = job["spec"]["template"]["spec"]["containers"]
     (stage_container,) = stage["spec"]["template"]["spec"]["containers"]
     source_path = stage_container["command"][2]
@@ -285,7 +285,7 @@ def test_the_stage_job_is_pinned_to_the_resolved_commit_and_identity(
     source = resolved_status(spec, COMMIT_A).source
     assert source is not None
     digest = spec_digest(spec, source.identity)
-    job = plan_stage_job(spec, owner=OWNER, digest=digest, source=source)
+    job = plan_stage_job(spec, owner=OWNER, artifact=artifact_at(spec, namespace=OWNER.namespace, deployment_name=OWNER.name, digest=digest), source=source)
     assert job["metadata"]["name"] == stage_job_name(digest)
     (container,) = job["spec"]["template"]["spec"]["containers"]
     args = build_parser().parse_args(container["command"][1:])
@@ -400,7 +400,7 @@ def test_a_stage_job_that_found_the_source_changed_makes_the_resolution_due(
 
 
 class LogKube:
-    """The one call ``Reconciler._progress`` makes: a pod's log, or the API's refusal."""
+    """The one call ``Observer.progress`` makes: a pod's log, or the API's refusal."""
 
     def __init__(self, log: str | None) -> None:
         self.log, self.reads = log, []  # type: list[tuple[str, dict[str, str]]]
@@ -422,16 +422,16 @@ def test_the_stager_log_is_read_only_where_the_operator_may_read_it() -> None:
     log = "staging x: 1.0 GiB / 4.0 GiB (25%), 3/23 tensors, 1.0 GiB/s\n"
     quiet = LogKube(log)
     off = Reconciler(quiet, stager_image="x", post_event=lambda *_: None)  # type: ignore[arg-type]
-    assert off._progress("ns", {"spec": {}}, pods) == "running since 2026-03-01T12:00:00Z"
+    assert off.observer.progress("ns", {"spec": {}}, pods) == "running since 2026-03-01T12:00:00Z"
     assert quiet.reads == []
     allowed = LogKube(log)
     on = Reconciler(allowed, stager_image="x", post_event=lambda *_: None, stager_logs=True)  # type: ignore[arg-type]
-    assert on._progress("ns", {"spec": {}}, pods).endswith("(25%), 3/23 tensors, 1.0 GiB/s")
+    assert on.observer.progress("ns", {"spec": {}}, pods).endswith("(25%), 3/23 tensors, 1.0 GiB/s")
     assert allowed.reads == [("/api/v1/namespaces/ns/pods/stage-x/log",
                               {"container": "stager", "tailLines": "20"})]  # fmt: skip
     refused = Reconciler(LogKube(None), stager_image="x", post_event=lambda *_: None,  # type: ignore[arg-type]
                          stager_logs=True)  # fmt: skip
-    assert refused._progress("ns", {"spec": {}}, pods) == "running since 2026-03-01T12:00:00Z"
+    assert refused.observer.progress("ns", {"spec": {}}, pods) == "running since 2026-03-01T12:00:00Z"
 
 
 def test_a_resolve_job_this_model_deployment_does_not_own_is_not_believed(
@@ -450,6 +450,6 @@ def test_a_resolve_job_this_model_deployment_does_not_own_is_not_believed(
             return planted if path.endswith(f"/jobs/{name}") else None
 
     reconciler = Reconciler(Kube(), stager_image="x", post_event=lambda *_: None)  # type: ignore[arg-type]
-    got = reconciler._resolve(spec, ModelDeploymentStatus(), OWNER, T0)
+    got = reconciler.observer.resolve(spec, ModelDeploymentStatus(), OWNER, T0)
     assert (got.state, got.source) == ("failed", None)
     assert "does not own it" in got.message

@@ -18,7 +18,7 @@ from modelstage.api.modeldeployment import (
 )
 from modelstage.api.objects import DIGEST_ANNOTATION
 from modelstage.operator.artifact import Artifact, artifact_for
-from modelstage.operator.observe import (
+from modelstage.operator.observations import (
     JobObservation,
     Observed,
     WorkloadObservation,

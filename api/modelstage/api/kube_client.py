@@ -19,7 +19,7 @@ from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
 
-from .objects import Manifest
+from .objects import KubeObject
 
 MERGE_PATCH = "application/merge-patch+json"
 
@@ -80,7 +80,7 @@ class KubeClient:
         query: Mapping[str, str] | None = None,
         body: Any = None,
         content_type: str = "application/json",
-    ) -> Manifest:
+    ) -> KubeObject:
         if query:
             path = f"{path}?{urlencode(dict(query))}"
         headers = {"Accept": "application/json", "Content-Type": content_type}
@@ -95,7 +95,7 @@ class KubeClient:
             raise ApiException(
                 status=response.status, reason=_message(response.data) or response.reason
             )
-        data: Manifest = json.loads(response.data or b"{}")
+        data: KubeObject = json.loads(response.data or b"{}")
         return data
 
     def text(self, path: str, query: Mapping[str, str] | None = None) -> str:
@@ -116,7 +116,7 @@ class KubeClient:
             )
         return bytes(response.data or b"").decode(errors="replace")
 
-    def get(self, path: str) -> Manifest | None:
+    def get(self, path: str) -> KubeObject | None:
         """The object, or None when it does not exist."""
         try:
             return self._call("GET", path)
@@ -125,16 +125,16 @@ class KubeClient:
                 return None
             raise
 
-    def list(self, path: str, label_selector: Mapping[str, str] | None = None) -> list[Manifest]:
+    def list(self, path: str, label_selector: Mapping[str, str] | None = None) -> list[KubeObject]:
         query = {}
         if label_selector:
             query["labelSelector"] = ",".join(f"{k}={v}" for k, v in sorted(label_selector.items()))
-        items: list[Manifest] = self._call("GET", path, query=query).get("items") or []
+        items: list[KubeObject] = self._call("GET", path, query=query).get("items") or []
         return items
 
     def watch(
         self, path: str, seconds: int = 300, field_selector: str | None = None
-    ) -> Iterator[Manifest]:
+    ) -> Iterator[KubeObject]:
         """The events of one watch request of a collection (``{"type", "object"}`` each),
         lasting at most ``seconds`` on the server (``field_selector``: only the objects it
         selects, e.g. ``metadata.name=<name>``); errors raise ``ApiException``."""
@@ -155,12 +155,12 @@ class KubeClient:
                 raise ApiException(status=response.status, reason=response.reason)
             for line in raw:
                 if line.strip():
-                    event: Manifest = json.loads(line)
+                    event: KubeObject = json.loads(line)
                     yield event
         finally:
             raw.release_conn()
 
-    def create(self, path: str, body: Manifest) -> Manifest | None:
+    def create(self, path: str, body: KubeObject) -> KubeObject | None:
         """The created object, or None when one of that name already exists."""
         try:
             return self._call("POST", path, body=body)
@@ -180,7 +180,7 @@ class KubeClient:
             raise
         return True
 
-    def merge_patch(self, path: str, patch: Manifest) -> Manifest:
+    def merge_patch(self, path: str, patch: KubeObject) -> KubeObject:
         """Sends a JSON merge patch; ``Conflict`` when its resourceVersion precondition is stale."""
         try:
             return self._call("PATCH", path, body=patch, content_type=MERGE_PATCH)

@@ -323,7 +323,7 @@ class Stager(Model):
     unset. Only images the operator allows are accepted (the chart's ``stagerImage`` and
     ``stagerImage.allowed``); any other is refused with reason ``StagerImageNotAllowed``."""
     resources: Resources | None = None
-    parallelism: Annotated[int, Field(ge=1, le=64)] = 1
+    workers: Annotated[int, Field(ge=1, le=64, alias="parallelism")] = 1
     """Pods of an Indexed Job, each writing a group of tensors (per-rank safetensors formats)."""
     node_selector: dict[str, str] | None = None
     tolerations: Annotated[list[Toleration], Field(max_length=32)] | None = None

@@ -1,6 +1,7 @@
-"""Object helpers every Kubernetes-facing part shares: the manifest type (plain dicts in the
-API server's JSON shape), owner references to a ModelDeployment, the labels and annotations
-that name modelstage's objects. Naming only: what goes into a Job or a pod is the operator's.
+"""Object helpers every Kubernetes-facing part shares: the object type (``KubeObject``, plain
+dicts in the API server's JSON shape), owner references to a ModelDeployment, the labels and
+annotations that name modelstage's objects. Naming only: what goes into a Job or a pod is
+the operator's.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ OPT_IN_ANNOTATION = "modelstage.io/model-deployment"
 workload without it is never patched: creating a ModelDeployment does not by itself grant
 the right to change someone else's workload."""
 
-Manifest = dict[str, Any]
+KubeObject = dict[str, Any]
+"""A Kubernetes object as the API server's JSON (not ``modelstage.json``, the core's
+``Manifest``)."""
 
 
 @dataclass(frozen=True)
@@ -30,7 +33,7 @@ class Owner:
     namespace: str
     uid: str
 
-    def reference(self) -> Manifest:
+    def reference(self) -> KubeObject:
         return {
             "apiVersion": API_VERSION,
             "kind": KIND,
@@ -41,7 +44,7 @@ class Owner:
         }
 
 
-def model_deployment_owners(manifest: Manifest) -> set[str]:
+def model_deployment_owners(manifest: KubeObject) -> set[str]:
     """UIDs of the ModelDeployments that control ``manifest`` (its controller owner
     references of our kind and API group). Names and labels can be copied by anyone who may
     create the object; an owner reference to a ModelDeployment is how the operator's own

@@ -43,7 +43,7 @@ from modelstage.api.modeldeployment import (
 from modelstage.api.objects import (
     DIGEST_ANNOTATION,
     LABEL_DIGEST,
-    Manifest,
+    KubeObject,
     model_deployment_owners,
 )
 from modelstage.core import node_cache as nc
@@ -54,8 +54,9 @@ from .job_plan import stage_job_name
 from .node_cache_plan import COPY_COMPONENT, pod_start
 from .node_cache_spec import CacheUse, plan_node_spec, spec_patch
 from .node_cache_volume import PV_LABELS, released
-from .observe import observe_job, pod_failures
-from .reconcile import JOB_NAME_LABEL, Outcome, Reconciler
+from .observations import observe_job, pod_failures
+from .observe import JOB_NAME_LABEL
+from .reconcile import Outcome, Reconciler
 from .resolve_plan import chosen_format, concrete_spec, recorded_identity, resolve_job_name
 from .retention import pinned_digests
 from .rollout_plan import PREPARE_CONTAINER
@@ -97,7 +98,7 @@ class Ref(NamedTuple):
     """With node caching on: the digests whose node-local copies it pins (``retention``)."""
 
 
-def _post_event(obj: Manifest, type_: str, reason: str, message: str) -> None:
+def _post_event(obj: KubeObject, type_: str, reason: str, message: str) -> None:
     kopf.event(cast(kopf.Body, obj), type=type_, reason=reason, message=message[:1024])
 
 

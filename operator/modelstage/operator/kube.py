@@ -8,7 +8,7 @@ start with ``modelstage-``, which is how a later plan finds (and replaces) its o
 from __future__ import annotations
 
 from modelstage.api.modeldeployment import S3Connection
-from modelstage.api.objects import Manifest
+from modelstage.api.objects import KubeObject
 
 OWNED_PREFIX = "modelstage-"
 MANAGED_ENV_ANNOTATION = "modelstage.io/managed-env"
@@ -35,7 +35,7 @@ serving initContainer mounts an empty folder there, since it never calls the API
 NONROOT_UID = 65532
 """The stager image's user (distroless ``nonroot``)."""
 
-def pod_security_context() -> Manifest:
+def pod_security_context() -> KubeObject:
     """Pod-level settings of the ``restricted`` Pod Security Standard."""
     return {
         "runAsNonRoot": True,
@@ -47,7 +47,7 @@ def pod_security_context() -> Manifest:
     }
 
 
-def container_security_context() -> Manifest:
+def container_security_context() -> KubeObject:
     """Container-level settings of the ``restricted`` standard (also for our initContainer in
     a workload whose pod-level context we do not own)."""
     return {
@@ -60,11 +60,11 @@ def container_security_context() -> Manifest:
     }
 
 
-def secret_env(name: str, secret: str, key: str) -> Manifest:
+def secret_env(name: str, secret: str, key: str) -> KubeObject:
     return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
 
 
-def s3_credentials_env(secret: str | None) -> list[Manifest]:
+def s3_credentials_env(secret: str | None) -> list[KubeObject]:
     """AWS credentials by reference; nothing for workload identity."""
     if secret is None:
         return []
@@ -74,14 +74,14 @@ def s3_credentials_env(secret: str | None) -> list[Manifest]:
     ]
 
 
-def ca_volume(connection: S3Connection | None) -> list[Manifest]:
+def ca_volume(connection: S3Connection | None) -> list[KubeObject]:
     if connection is None or connection.ca_bundle_secret is None:
         return []
     secret = {"secretName": connection.ca_bundle_secret, "items": [{"key": CA_KEY, "path": CA_KEY}]}
     return [{"name": VOLUME_CA, "secret": secret}]
 
 
-def ca_mount(connection: S3Connection | None) -> list[Manifest]:
+def ca_mount(connection: S3Connection | None) -> list[KubeObject]:
     if connection is None or connection.ca_bundle_secret is None:
         return []
     return [{"name": VOLUME_CA, "mountPath": CA_DIR, "readOnly": True}]

@@ -33,13 +33,13 @@ from modelstage.api.modeldeployment import (
     NodeCopyStatus,
 )
 from modelstage.api.nodecache import HeldCopy, NodeCacheReport
-from modelstage.api.objects import Manifest, Owner, labels
+from modelstage.api.objects import KubeObject, Owner, labels
 from modelstage.core import node_cache as nc
 
 from .artifact import ARTIFACT_MOUNT, Artifact
 from .job_plan import _container, _job, _pod_spec
 from .kube import SCRATCH_DIR, VOLUME_ARTIFACTS, ca_mount, ca_volume
-from .observe import JobState, NodeCacheStep, parse_summary
+from .observations import JobState, NodeCacheStep, parse_summary
 from .rollout_plan import _s3_serving_env
 
 COPY_COMPONENT = "node-copy"
@@ -51,7 +51,7 @@ HEARTBEAT_MAX_AGE = timedelta(minutes=3)
 """A ``NodeCache`` report older than this (or than ``HEARTBEAT_INTERVALS`` of the agent's
 interval, when longer) means the node's agent is gone: no copy goes there."""
 HEARTBEAT_INTERVALS = 3
-COPY_RESOURCES: Manifest = {
+COPY_RESOURCES: KubeObject = {
     "requests": {"cpu": "500m", "memory": "256Mi"},
     "limits": {"memory": "1Gi"},
 }
@@ -73,11 +73,11 @@ HOLDING: frozenset[NodeState] = frozenset({"Ready", "Warm"})
 # --- which nodes ------------------------------------------------------------------------------
 
 
-def _labels(node: Manifest) -> Mapping[str, str]:
+def _labels(node: KubeObject) -> Mapping[str, str]:
     return (node.get("metadata") or {}).get("labels") or {}
 
 
-def _name(node: Manifest) -> str:
+def _name(node: KubeObject) -> str:
     return str((node.get("metadata") or {}).get("name") or "")
 
 
@@ -105,7 +105,7 @@ def _expression_matches(expression: Mapping[str, Any], values: Mapping[str, str]
     return False
 
 
-def _term_matches(term: Mapping[str, Any], node: Manifest) -> bool:
+def _term_matches(term: Mapping[str, Any], node: KubeObject) -> bool:
     """A node selector term: all its requirements hold; a term without any matches nothing."""
     expressions = term.get("matchExpressions") or []
     fields = term.get("matchFields") or []
@@ -117,7 +117,7 @@ def _term_matches(term: Mapping[str, Any], node: Manifest) -> bool:
     )
 
 
-def selects(pod_spec: Manifest, node: Manifest) -> bool:
+def selects(pod_spec: KubeObject, node: KubeObject) -> bool:
     """Whether the pod's nodeSelector and required node affinity admit ``node`` (any of the
     terms, all of each term's requirements)."""
     node_labels = _labels(node)
@@ -149,7 +149,7 @@ def _tolerated(taint: Mapping[str, Any], tolerations: Sequence[Mapping[str, Any]
     return False
 
 
-def tolerates(pod_spec: Manifest, node: Manifest) -> bool:
+def tolerates(pod_spec: KubeObject, node: KubeObject) -> bool:
     """Whether the pod tolerates every NoSchedule and NoExecute taint of ``node`` (and its
     cordon: ``spec.unschedulable``)."""
     tolerations = pod_spec.get("tolerations") or []
@@ -162,7 +162,7 @@ def tolerates(pod_spec: Manifest, node: Manifest) -> bool:
     )
 
 
-def node_ready(node: Manifest) -> bool:
+def node_ready(node: KubeObject) -> bool:
     conditions = (node.get("status") or {}).get("conditions") or []
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
 
@@ -176,8 +176,8 @@ def fresh(report: NodeCacheReport | None, now: datetime) -> bool:
 
 
 def eligible_nodes(
-    pod_spec: Manifest,
-    nodes: Iterable[Manifest],
+    pod_spec: KubeObject,
+    nodes: Iterable[KubeObject],
     reports: Mapping[str, NodeCacheReport],
     now: datetime,
 ) -> list[str]:
@@ -251,9 +251,9 @@ def plan_copy_job(
     owner: Owner,
     endpoint: str,
     deadline_seconds: int = DEFAULT_COPY_DEADLINE_SECONDS,
-    tolerations: Sequence[Manifest] = (),
+    tolerations: Sequence[KubeObject] = (),
     default_image: str = DEFAULT_STAGER_IMAGE,
-) -> Manifest:
+) -> KubeObject:
     """The Job that streams ``artifact`` to ``node``'s agent at ``endpoint``: pinned to the
     node, with the workload's tolerations, the artifact mounted read-only as the serving
     pod's prepare initContainer mounts it (the claim, or the S3 settings, credentials and CA
@@ -297,14 +297,14 @@ def plan_copy_job(
     return _job(name, owner.namespace, job_labels, annotations, job_spec, owner)
 
 
-def _copy_volumes(artifact: Artifact) -> tuple[list[Manifest], list[Manifest]]:
+def _copy_volumes(artifact: Artifact) -> tuple[list[KubeObject], list[KubeObject]]:
     """The copy pod's volumes and mounts: the agent-audience token, and the artifact's claim
     read-only when it is on a PVC."""
     token = {"audience": nc.AGENT_AUDIENCE, "expirationSeconds": TOKEN_SECONDS, "path": "token"}
-    volumes: list[Manifest] = [
+    volumes: list[KubeObject] = [
         {"name": TOKEN_VOLUME, "projected": {"sources": [{"serviceAccountToken": token}]}}
     ]
-    mounts: list[Manifest] = [{"name": TOKEN_VOLUME, "mountPath": TOKEN_DIR, "readOnly": True}]
+    mounts: list[KubeObject] = [{"name": TOKEN_VOLUME, "mountPath": TOKEN_DIR, "readOnly": True}]
     if artifact.location.on_pvc:
         claim = {"claimName": artifact.location.claim_name, "readOnly": True}
         volumes.append({"name": VOLUME_ARTIFACTS, "persistentVolumeClaim": claim})
@@ -312,7 +312,7 @@ def _copy_volumes(artifact: Artifact) -> tuple[list[Manifest], list[Manifest]]:
     return volumes, mounts
 
 
-def _pinned_to(node: str) -> Manifest:
+def _pinned_to(node: str) -> KubeObject:
     """An affinity that schedules the pod on ``node`` and nowhere else."""
     match = {"key": "metadata.name", "operator": "In", "values": [node]}
     return {
@@ -347,7 +347,7 @@ class PodStart:
     result: str
 
 
-def pod_start(pod: Manifest, container: str) -> PodStart | None:
+def pod_start(pod: KubeObject, container: str) -> PodStart | None:
     """``hit`` or ``miss`` from a serving pod's prepare summary, with the pod's node."""
     node = (pod.get("spec") or {}).get("nodeName")
     if not node:

@@ -8,7 +8,7 @@ verified copy) pre-bound by ``claimRef`` to a claim in the tenant's namespace, a
 (``volumeName`` the PV, owned by the ModelDeployment). The workload mounts the claim
 read-only (``rollout_plan``); the chart's admission policy refuses a pod that mounts such a
 claim read-write. A PV whose claim is gone (the ModelDeployment deleted, the claim removed)
-is deleted by the operator (``released``). Pure functions; ``reconcile.py`` creates them.
+is deleted by the operator (``released``). Pure functions; ``act.py`` creates them.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import posixpath
 
-from modelstage.api.objects import Manifest, Owner
+from modelstage.api.objects import KubeObject, Owner
 from modelstage.core import node_cache as nc
 
 CLAIM_PREFIX = "modelstage-node-cache-"
@@ -50,11 +50,11 @@ def copy_path(root: str, content: str) -> str:
 
 def plan_volume(
     owner: Owner, content: str, size_bytes: int, *, root: str = nc.DEFAULT_ROOT
-) -> tuple[Manifest, Manifest]:
+) -> tuple[KubeObject, KubeObject]:
     """(the PV, the claim) that give ``owner``'s namespace its copy of ``content``."""
     namespace, claim = owner.namespace, claim_name(content)
     capacity = {"storage": str(max(size_bytes, 1))}
-    pv: Manifest = {
+    pv: KubeObject = {
         "apiVersion": "v1",
         "kind": "PersistentVolume",
         "metadata": {
@@ -75,7 +75,7 @@ def plan_volume(
             ]}]}},
         },
     }  # fmt: skip
-    pvc: Manifest = {
+    pvc: KubeObject = {
         "apiVersion": "v1",
         "kind": "PersistentVolumeClaim",
         "metadata": {
@@ -94,7 +94,7 @@ def plan_volume(
     return pv, pvc
 
 
-def released(pv: Manifest, claim: Manifest | None) -> bool:
+def released(pv: KubeObject, claim: KubeObject | None) -> bool:
     """Whether ``pv`` is one of the operator's node-cache PVs whose claim is gone: it was bound
     (the PV controller wrote the claim's uid into ``claimRef``) and that claim is deleted or
     replaced by another object of its name. A PV not bound yet is not: its claim is created

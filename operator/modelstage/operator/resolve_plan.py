@@ -39,7 +39,7 @@ from modelstage.core.digest import IDENTITY_KEY, SOURCE_CHANGED
 from modelstage.core.formats import AUTO, choose_format
 
 from .artifact import spec_format
-from .observe import JobObservation
+from .observations import JobObservation
 
 HF_COMMIT = re.compile(r"^[0-9a-f]{40}$")
 RESOLVE_TTL_SECONDS = 300

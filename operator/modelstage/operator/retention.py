@@ -9,7 +9,7 @@ deleted only when a ModelDeployment lets it go and no other references it. Locat
 compared by URI, not digest: the digest does not cover the storage, so one digest can live
 on two claims.
 
-Pure functions over statuses; ``reconcile.py`` executes the plan with clean-up Jobs
+Pure functions over statuses; ``act.py`` executes the plan with clean-up Jobs
 (``job_plan.plan_cleanup_job``) before it writes the trimmed history.
 """
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from modelstage.api.modeldeployment import DEFAULT_STAGER_IMAGE, ModelDeploymentSpec, S3Connection
-from modelstage.api.objects import DIGEST_ANNOTATION, Manifest
+from modelstage.api.objects import DIGEST_ANNOTATION, KubeObject
 from modelstage.core import node_cache as nc
 from modelstage.core.errors import SpecError
 from modelstage.core.formats import FORMATS, S3_READER_FORMAT
@@ -48,8 +48,8 @@ ACCELERATORS = ("nvidia.com/gpu", "amd.com/gpu")
 class RolloutPlan:
     """What to send, and why. ``merge_patch`` is ``{}`` when the workload is already there."""
 
-    merge_patch: Manifest
-    template: Manifest
+    merge_patch: KubeObject
+    template: KubeObject
     """The pod template after the patch."""
     resource_version: str | None
     """The workload version planned against: send it as a precondition (409 when stale)."""
@@ -60,9 +60,9 @@ class RolloutPlan:
         return bool(self.merge_patch)
 
 
-def select_container(spec: ModelDeploymentSpec, pod_spec: Manifest) -> Manifest:
+def select_container(spec: ModelDeploymentSpec, pod_spec: KubeObject) -> KubeObject:
     """The vLLM container; ``SpecError`` naming the choices when it cannot be told."""
-    containers: list[Manifest] = pod_spec.get("containers") or []
+    containers: list[KubeObject] = pod_spec.get("containers") or []
     names = ", ".join(c.get("name", "?") for c in containers) or "none"
     wanted = spec.serving.container_name
     if wanted is None:
@@ -101,12 +101,12 @@ def vllm_settings(
     )
 
 
-def _s3_serving_env(artifact: Artifact, connection: S3Connection | None) -> list[Manifest]:
+def _s3_serving_env(artifact: Artifact, connection: S3Connection | None) -> list[KubeObject]:
     """What vLLM's S3 readers (Run:ai streamer, boto3, tensorizer) need, by reference."""
     if artifact.location.on_pvc:
         return []
     conn = connection or S3Connection()
-    env: list[Manifest] = []
+    env: list[KubeObject] = []
     if conn.endpoint:
         env += [
             {"name": "AWS_ENDPOINT_URL", "value": conn.endpoint},
@@ -127,7 +127,7 @@ def _s3_serving_env(artifact: Artifact, connection: S3Connection | None) -> list
     return env
 
 
-def _modelstage_env(artifact: Artifact, plugin: bool) -> list[Manifest]:
+def _modelstage_env(artifact: Artifact, plugin: bool) -> list[KubeObject]:
     env = [
         {"name": "MODELSTAGE_DIGEST", "value": artifact.digest},
         {"name": "MODELSTAGE_FORMAT", "value": artifact.load_format},
@@ -142,11 +142,11 @@ def _modelstage_env(artifact: Artifact, plugin: bool) -> list[Manifest]:
 
 
 def _upsert(
-    items: list[Manifest], wanted: Iterable[Manifest], owned: Callable[[str], bool]
-) -> list[Manifest]:
+    items: list[KubeObject], wanted: Iterable[KubeObject], owned: Callable[[str], bool]
+) -> list[KubeObject]:
     """Replace owned items in place, drop owned items no longer wanted, append new ones."""
     by_name = {w["name"]: w for w in wanted}
-    out: list[Manifest] = []
+    out: list[KubeObject] = []
     for item in items:
         name = item.get("name", "")
         if name in by_name:
@@ -160,7 +160,7 @@ def _owned_name(name: str) -> bool:
     return name.startswith(OWNED_PREFIX)
 
 
-def _python_path(env: list[Manifest], plugin: bool) -> list[Manifest]:
+def _python_path(env: list[KubeObject], plugin: bool) -> list[KubeObject]:
     """Prepend (or remove) the plugin folder on PYTHONPATH, keeping the user's entries."""
     current = next((e for e in env if e.get("name") == "PYTHONPATH"), None)
     entries = [p for p in str((current or {}).get("value", "")).split(":") if p and p != PLUGIN_DIR]
@@ -178,11 +178,11 @@ def _python_path(env: list[Manifest], plugin: bool) -> list[Manifest]:
 def _prepare_container(
     artifact: Artifact,
     image: str,
-    s3_env: list[Manifest],
+    s3_env: list[KubeObject],
     connection: S3Connection | None,
     node_cache: bool = False,
-) -> Manifest:
-    mounts: list[Manifest] = [
+) -> KubeObject:
+    mounts: list[KubeObject] = [
         {"name": VOLUME_PLUGINS, "mountPath": PLUGIN_DIR},
         {"name": VOLUME_NO_TOKEN, "mountPath": TOKEN_DIR, "readOnly": True},
     ]
@@ -190,7 +190,7 @@ def _prepare_container(
         mounts.append({"name": VOLUME_ARTIFACTS, "mountPath": ARTIFACT_MOUNT, "readOnly": True})
     if node_cache:
         mounts.append(_node_cache_mount())
-    container: Manifest = {
+    container: KubeObject = {
         "name": PREPARE_CONTAINER,
         "image": image,
         "imagePullPolicy": "IfNotPresent",
@@ -223,7 +223,7 @@ def _prepare_container(
 def plan_rollout(
     spec: ModelDeploymentSpec,
     artifact: Artifact,
-    workload: Manifest,
+    workload: KubeObject,
     *,
     default_image: str = DEFAULT_STAGER_IMAGE,
     node_cache_claim: str | None = None,
@@ -237,8 +237,8 @@ def plan_rollout(
     ``SpecError`` when the container or its vLLM command cannot be found (``validation``
     reports the same as a condition first).
     """
-    template: Manifest = copy.deepcopy(workload.get("spec", {}).get("template", {}))
-    pod: Manifest = template.setdefault("spec", {})
+    template: KubeObject = copy.deepcopy(workload.get("spec", {}).get("template", {}))
+    pod: KubeObject = template.setdefault("spec", {})
     annotations: dict[str, str] = template.setdefault("metadata", {}).setdefault("annotations", {})
     container = select_container(spec, pod)
     connection = spec.storage.s3 if not artifact.location.on_pvc else None
@@ -275,7 +275,7 @@ def plan_rollout(
     )
 
 
-def _drop_empty(pod: Manifest, container: Manifest) -> None:
+def _drop_empty(pod: KubeObject, container: KubeObject) -> None:
     """Remove the lists the patch left empty (an empty list would be written as such)."""
     for key in ("initContainers", "volumes"):
         if not pod[key]:
@@ -285,7 +285,7 @@ def _drop_empty(pod: Manifest, container: Manifest) -> None:
             del container[key]
 
 
-def _rollout_details(workload: Manifest, artifact: Artifact, load_format: str) -> tuple[str, ...]:
+def _rollout_details(workload: KubeObject, artifact: Artifact, load_format: str) -> tuple[str, ...]:
     """The plan's one line for the log: which workload moves from which artifact to which."""
     old_digest = (
         workload.get("spec", {}).get("template", {}).get("metadata", {}).get("annotations", {})
@@ -298,7 +298,7 @@ def _rollout_details(workload: Manifest, artifact: Artifact, load_format: str) -
 
 
 def _serve_artifact(
-    container: Manifest,
+    container: KubeObject,
     annotations: dict[str, str],
     artifact: Artifact,
     plugin: bool,
@@ -335,8 +335,8 @@ def _serve_artifact(
 
 
 def _mount_artifact(
-    pod: Manifest,
-    container: Manifest,
+    pod: KubeObject,
+    container: KubeObject,
     artifact: Artifact,
     plugin: bool,
     connection: S3Connection | None,
@@ -344,8 +344,8 @@ def _mount_artifact(
 ) -> None:
     """The artifact's claim, the plugin's folder, the CA bundle and the node-local copy's
     claim (read-only), as volumes and mounts."""
-    volumes: list[Manifest] = []
-    mounts: list[Manifest] = []
+    volumes: list[KubeObject] = []
+    mounts: list[KubeObject] = []
     if artifact.location.on_pvc:
         claim = {"claimName": artifact.location.claim_name, "readOnly": True}
         volumes.append({"name": VOLUME_ARTIFACTS, "persistentVolumeClaim": claim})
@@ -365,32 +365,32 @@ def _mount_artifact(
     pod["volumes"] = _upsert(pod.get("volumes") or [], volumes, _owned_name)
 
 
-def _add_reader_group(pod: Manifest) -> None:
+def _add_reader_group(pod: KubeObject) -> None:
     """Copies are 0440/0550 owned by the agent's group: the pod reads its copy as a member."""
-    context: Manifest = pod.get("securityContext") or {}
+    context: KubeObject = pod.get("securityContext") or {}
     groups = [int(g) for g in context.get("supplementalGroups") or []]
     if nc.CACHE_GID not in groups:
         context["supplementalGroups"] = [*groups, nc.CACHE_GID]
     pod["securityContext"] = context
 
 
-def _node_cache_mount() -> Manifest:
+def _node_cache_mount() -> KubeObject:
     return {"name": VOLUME_NODE_CACHE, "mountPath": nc.POD_MOUNT, "readOnly": True}
 
 
-def _ours(term: Manifest) -> bool:
+def _ours(term: KubeObject) -> bool:
     """A preferred scheduling term of ours: it asks for a node cache label."""
     expressions = (term.get("preference") or {}).get("matchExpressions") or []
     return any(str(e.get("key", "")).startswith(nc.LABEL_PREFIX) for e in expressions)
 
 
-def _drop_preference(pod: Manifest) -> None:
+def _drop_preference(pod: KubeObject) -> None:
     """Removes a preferred scheduling term of ours for a node cache label (the node-cache
     PV's node affinity places the pods now); the user's own terms stay as they are."""
-    affinity: Manifest = pod.get("affinity") or {}
-    node_affinity: Manifest = affinity.get("nodeAffinity") or {}
+    affinity: KubeObject = pod.get("affinity") or {}
+    node_affinity: KubeObject = affinity.get("nodeAffinity") or {}
     preferred = "preferredDuringSchedulingIgnoredDuringExecution"
-    terms: list[Manifest] = node_affinity.get(preferred) or []
+    terms: list[KubeObject] = node_affinity.get(preferred) or []
     if not any(_ours(t) for t in terms):
         return
     out = [t for t in terms if not _ours(t)]

@@ -2,8 +2,9 @@
 
 Phases: Pending -> Staging -> Staged -> RollingOut -> Ready, and Failed from any of them.
 The decision is a pure function of the desired artifact, the last status and what the kopf
-shell observed (``observe.py``: the Job of the desired digest, the target workload's rollout,
-the validation findings); the shell writes the status and executes the one action.
+shell observed (``observe.py``: the Job of the desired digest, the target workload's
+rollout, the validation findings); the shell (``act.py``) writes the status and executes the
+one action.
 ``decide`` tells the situation apart (resolving, invalid, rolled back, staged and rolling out,
 staging) and one small function per situation drafts the phase, the ``Staged`` condition and
 the action; ``_new_status`` turns the draft into the status. Conditions ``Staged``, ``Ready``
@@ -42,7 +43,7 @@ from modelstage.api.modeldeployment import (
 
 from .artifact import Artifact
 from .conditions import condition, merge_conditions
-from .observe import JobObservation, Observed, WorkloadObservation, parse_summary
+from .observations import JobObservation, Observed, WorkloadObservation, parse_summary
 from .validation import Finding, findings_condition
 
 if TYPE_CHECKING:

@@ -16,7 +16,7 @@ from datetime import datetime
 from typing import Literal
 
 from modelstage.api.modeldeployment import Condition, ModelDeploymentSpec
-from modelstage.api.objects import OPT_IN_ANNOTATION, Manifest
+from modelstage.api.objects import OPT_IN_ANNOTATION, KubeObject
 from modelstage.core.errors import SpecError
 from modelstage.core.layouts import layout_for
 
@@ -101,7 +101,7 @@ def validate_spec(
     return findings
 
 
-def opt_in_problem(workload: Manifest, *, namespace: str, deployment_name: str) -> str | None:
+def opt_in_problem(workload: KubeObject, *, namespace: str, deployment_name: str) -> str | None:
     """Why ``workload`` may not be patched for ModelDeployment ``deployment_name``, or None
     when its metadata names it in the opt-in annotation. Whoever may create ModelDeployments
     must not thereby gain the right to change every workload of the namespace: the workload's
@@ -120,7 +120,7 @@ def opt_in_problem(workload: Manifest, *, namespace: str, deployment_name: str) 
     return f"{kind} {name} opted in for ModelDeployment {named!r}, not {deployment_name!r}: {how}"
 
 
-def _gpus(container: Manifest) -> tuple[str, int] | None:
+def _gpus(container: KubeObject) -> tuple[str, int] | None:
     resources = container.get("resources") or {}
     for kind in ("limits", "requests"):
         amounts = resources.get(kind) or {}
@@ -133,11 +133,11 @@ def _gpus(container: Manifest) -> tuple[str, int] | None:
     return None
 
 
-def _one_node(pod_spec: Manifest) -> bool:
+def _one_node(pod_spec: KubeObject) -> bool:
     return bool(pod_spec.get("nodeName")) or HOST_LABEL in (pod_spec.get("nodeSelector") or {})
 
 
-def _access_modes(spec: ModelDeploymentSpec, claim: Manifest | None) -> list[str] | None:
+def _access_modes(spec: ModelDeploymentSpec, claim: KubeObject | None) -> list[str] | None:
     pvc = spec.storage.pvc
     if pvc is None:
         return None
@@ -151,11 +151,11 @@ def _access_modes(spec: ModelDeploymentSpec, claim: Manifest | None) -> list[str
 
 def validate_workload(
     spec: ModelDeploymentSpec,
-    workload: Manifest | None,
+    workload: KubeObject | None,
     *,
     namespace: str,
     deployment_name: str,
-    claim: Manifest | None = None,
+    claim: KubeObject | None = None,
 ) -> list[Finding]:
     """Whether the target workload can be rolled onto the artifact; ``claim`` is the observed
     artifact PVC (None when absent or not yet created)."""
@@ -173,7 +173,7 @@ def validate_workload(
     refused = opt_in_problem(workload, namespace=namespace, deployment_name=deployment_name)
     if refused is not None:  # nothing more is read from a workload that did not consent
         return [Finding("TargetNotOptedIn", refused, "rollout")]
-    pod_spec: Manifest = (workload.get("spec") or {}).get("template", {}).get("spec") or {}
+    pod_spec: KubeObject = (workload.get("spec") or {}).get("template", {}).get("spec") or {}
     try:
         container = select_container(spec, pod_spec)
     except SpecError as error:
@@ -184,7 +184,7 @@ def validate_workload(
 
 
 def _container_findings(
-    spec: ModelDeploymentSpec, container: Manifest, target: str
+    spec: ModelDeploymentSpec, container: KubeObject, target: str
 ) -> list[Finding]:
     """Whether the vLLM container's command can be rewritten and it has GPUs for the TP."""
     findings: list[Finding] = []
@@ -214,8 +214,8 @@ def _container_findings(
 
 def _access_findings(
     spec: ModelDeploymentSpec,
-    workload: Manifest,
-    claim: Manifest | None,
+    workload: KubeObject,
+    claim: KubeObject | None,
     deployment_name: str,
     target: str,
 ) -> list[Finding]:
@@ -224,7 +224,7 @@ def _access_findings(
     if modes is None or MULTI_NODE_SAFE.intersection(modes):
         return []
     replicas = int((workload.get("spec") or {}).get("replicas", 1))
-    pod_spec: Manifest = (workload.get("spec") or {}).get("template", {}).get("spec") or {}
+    pod_spec: KubeObject = (workload.get("spec") or {}).get("template", {}).get("spec") or {}
     claim_ = claim_name(spec, deployment_name)
     if "ReadWriteOncePod" in modes:
         return [

@@ -1,8 +1,8 @@
 """``modelstage plan``: what staging (and the operator) would do, before anything is done.
 
 Two forms, one report. For a ModelDeployment manifest, the operator's own planners
-(``modelstage.operator.plan``): the digest and artifact location, the staging Jobs with their
-command lines, the claim to create, the patched vLLM container (given the workload's
+(``modelstage.operator.offline_plan``): the digest and artifact location, the staging Jobs
+with their command lines, the claim to create, the patched vLLM container (given the workload's
 manifest) and the checks that would refuse it. For ``SOURCE --tp N --format F``, what
 ``modelstage stage`` would do with the same arguments. In both, given a local copy of the
 checkpoint (its ``config.json`` and safetensors headers are read, never the weights), each
@@ -144,7 +144,7 @@ def plan_deployment_report(
 ) -> dict[str, Any]:
     """The report for one ModelDeployment manifest (the operator's planners, plus files);
     ``identity``: the source's resolved identity, when known."""
-    from modelstage.operator.plan import plan_deployment
+    from modelstage.operator.offline_plan import plan_deployment
 
     ns, name, spec = _deployment(manifest, namespace)
     spec, chosen = _serving_version(spec, workload, ns, name)

@@ -44,7 +44,7 @@ def serve_command(
     extra: list[str] | None = None,
 ) -> ServeCommand:
     """The vLLM server command for a local artifact, after checking it against its manifest."""
-    from modelstage.operator.artifact import Artifact, ArtifactLocation
+    from modelstage.operator.artifact import Artifact, ArtifactAddress
     from modelstage.operator.rollout_plan import vllm_settings
 
     if artifact.startswith("s3://"):
@@ -56,7 +56,7 @@ def serve_command(
     manifest = verify_directory(Path(path), hash_content=hash_content)
     if manifest.format not in FORMATS:
         raise SpecError(f"{path}: format {manifest.format!r} has no vLLM load format here")
-    location = ArtifactLocation(digest=manifest.digest, uri=path, path=path, claim_name="local")
+    location = ArtifactAddress(digest=manifest.digest, uri=path, path=path, claim_name="local")
     settings = vllm_settings(
         Artifact(location, manifest.format, manifest.tensorParallelSize), plugin
     )

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from modelstage.api.modeldeployment import DEFAULT_STAGER_IMAGE, ModelDeploymentSpec
-from modelstage.api.objects import Manifest, Owner
+from modelstage.api.objects import KubeObject, Owner
 from modelstage.core.errors import SpecError
 from modelstage.core.formats import AUTO
 from modelstage.core.layouts import layout_for
@@ -41,12 +41,12 @@ class DeploymentPlan:
     name: str
     artifact: Artifact | None
     """None when a finding blocks staging before the digest (e.g. an unknown vLLM version)."""
-    jobs: list[Manifest] = field(default_factory=list)
+    jobs: list[KubeObject] = field(default_factory=list)
     """The Jobs in order: the resolve Job while the identity is unknown, else the staging
     Jobs (stage, then finalize when scaled out)."""
     identity: str | None = None
     """The source identity the digest is taken from (given, or a pinned commit)."""
-    claim: Manifest | None = None
+    claim: KubeObject | None = None
     """The artifact PersistentVolumeClaim the operator would create, if any."""
     rollout: RolloutPlan | None = None
     """The workload patch, when a workload was given and nothing blocks the rollout."""
@@ -58,7 +58,7 @@ class DeploymentPlan:
 
 def _resolve_first(
     spec: ModelDeploymentSpec, owner: Owner, stager_image: str
-) -> tuple[Manifest, Finding]:
+) -> tuple[KubeObject, Finding]:
     """No identity is known: the resolve Job the operator would run first, and why the plan
     shows no digest."""
     job_name = resolve_job_name(spec, None, owner.name)
@@ -87,7 +87,7 @@ def plan_deployment(
     *,
     namespace: str,
     name: str,
-    workload: Manifest | None = None,
+    workload: KubeObject | None = None,
     stager_image: str = DEFAULT_STAGER_IMAGE,
     uid: str = OFFLINE_UID,
     identity: str | None = None,
@@ -100,16 +100,9 @@ def plan_deployment(
     identity = identity or pinned_identity(spec)
     if spec.load_format == AUTO:
         identity = None  # auto's format needs the resolve Job's reading of the config
-    resolve_job: Manifest | None = None
+    resolve_job: KubeObject | None = None
     if not any(f.blocks == "staging" for f in findings):
-        try:
-            layout_for(spec.serving.vllm_version)
-            if identity is not None:
-                artifact = artifact_for(
-                    spec, namespace=namespace, deployment_name=name, identity=identity
-                )
-        except SpecError as error:
-            findings.append(Finding("InvalidSpec", str(error), "staging"))
+        artifact = _artifact(spec, namespace, name, identity, findings)
     if identity is None and not any(f.blocks == "staging" for f in findings):
         resolve_job, resolving = _resolve_first(spec, owner, stager_image)
         findings.append(resolving)
@@ -119,11 +112,13 @@ def plan_deployment(
     if too_small is not None:
         findings.append(too_small)
     staging_blocked = any(f.blocks == "staging" for f in findings)
-    jobs: list[Manifest] = [resolve_job] if resolve_job is not None and not staging_blocked else []
+    jobs: list[KubeObject] = (
+        [resolve_job] if resolve_job is not None and not staging_blocked else []
+    )
     if artifact is not None and identity is not None and not staging_blocked:
         source = source_status(spec, identity, now=datetime.now(UTC))
         jobs = staging_jobs(
-            spec, owner=owner, digest=artifact.digest, default_image=stager_image, source=source
+            spec, owner=owner, artifact=artifact, default_image=stager_image, source=source
         )
     rollout = None
     if (
@@ -142,3 +137,21 @@ def plan_deployment(
         findings=findings,
         identity=identity,
     )
+
+
+def _artifact(
+    spec: ModelDeploymentSpec,
+    namespace: str,
+    name: str,
+    identity: str | None,
+    findings: list[Finding],
+) -> Artifact | None:
+    """The artifact ``spec`` stages once its source's identity is known; a spec the layout
+    or the artifact refuses adds its finding instead."""
+    try:
+        layout_for(spec.serving.vllm_version)
+        if identity is not None:
+            return artifact_for(spec, namespace=namespace, deployment_name=name, identity=identity)
+    except SpecError as error:
+        findings.append(Finding("InvalidSpec", str(error), "staging"))
+    return None
