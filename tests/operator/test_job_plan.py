@@ -105,7 +105,7 @@ def test_the_stage_command_reads_tp_and_format_from_the_artifact(make_spec: Spec
     spec = make_spec()
     staged = artifact_at(spec, namespace=OWNER.namespace, deployment_name=OWNER.name,
                          digest=spec_digest(spec, IDENTITY))  # fmt: skip
-    other = dataclasses.replace(staged, tensor_parallel=8, load_format="runai_streamer_sharded")
+    other = dataclasses.replace(staged, tp=8, load_format="runai_streamer_sharded")
     command = container(plan_stage_job(spec, owner=OWNER, artifact=other))["command"]
     assert command[command.index("--tp") + 1] == "8"
     assert command[command.index("--format") + 1] == "runai_streamer_sharded"

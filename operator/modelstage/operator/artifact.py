@@ -33,8 +33,8 @@ def spec_digest(spec: ModelDeploymentSpec, identity: str) -> str:
     return artifact_digest(
         uri=spec.model.uri,
         source=identity,
-        tensor_parallel=spec.parallelism.tensor,
-        pipeline_parallel=spec.parallelism.pipeline,
+        tp=spec.parallelism.tensor,
+        pp=spec.parallelism.pipeline,
         dtype=spec.dtype,
         load_format=spec_format(spec),
         layout_version=layout_for(spec.serving.vllm_version).layout_version,
@@ -108,7 +108,7 @@ class Artifact:
 
     location: ArtifactAddress
     load_format: LoadFormat
-    tensor_parallel: int
+    tp: int
     format_reason: str = ""
     """Why this format (``status.format``): the spec names it, or ``auto`` chose it."""
     vllm_version: VllmVersionStatus | None = None

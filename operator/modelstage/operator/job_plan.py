@@ -211,7 +211,7 @@ def stager_command(
         subcommand,
         source_args[0],
         "--tp",
-        str(artifact.tensor_parallel),
+        str(artifact.tp),
         "--pp",
         str(spec.parallelism.pipeline),
         "--dtype",

@@ -265,7 +265,7 @@ def plan_copy_job(
         "modelstage", "node-copy",
         "--artifact", location.path,
         "--digest", artifact.digest,
-        "--tp", str(artifact.tensor_parallel),
+        "--tp", str(artifact.tp),
         "--agent", f"$({nc.ENV_NODE_AGENT})",
         "--token-file", nc.DEFAULT_TOKEN_FILE,
     ]  # fmt: skip

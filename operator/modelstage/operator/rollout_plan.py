@@ -94,7 +94,7 @@ def vllm_settings(
     return VllmSettings(
         model=artifact.location.path,
         load_format=plugin_loader or fmt.stock_loader,
-        tensor_parallel_size=artifact.tensor_parallel,
+        tensor_parallel_size=artifact.tp,
         extra_config=extra,
         kept_extra_keys=fmt.extra_config_keys,
         own_models=(f"{ARTIFACT_MOUNT}/", *own_models),
@@ -131,7 +131,7 @@ def _modelstage_env(artifact: Artifact, plugin: bool) -> list[KubeObject]:
     env = [
         {"name": "MODELSTAGE_DIGEST", "value": artifact.digest},
         {"name": "MODELSTAGE_FORMAT", "value": artifact.load_format},
-        {"name": "MODELSTAGE_TP", "value": str(artifact.tensor_parallel)},
+        {"name": "MODELSTAGE_TP", "value": str(artifact.tp)},
         {"name": "MODELSTAGE_ARTIFACT", "value": artifact.location.path},
     ]
     if plugin and not artifact.location.on_pvc and artifact.load_format == S3_READER_FORMAT:
@@ -202,7 +202,7 @@ def _prepare_container(
             "--digest",
             artifact.digest,
             "--tp",
-            str(artifact.tensor_parallel),
+            str(artifact.tp),
             "--plugin-dir",
             PLUGIN_DIR,
             *(["--node-cache", nc.POD_MOUNT] if node_cache else []),
@@ -293,7 +293,7 @@ def _rollout_details(workload: KubeObject, artifact: Artifact, load_format: str)
     return (
         f"{workload.get('kind', 'workload')} {workload.get('metadata', {}).get('name')}: "
         f"artifact {old_digest or 'none'} -> {artifact.digest} "
-        f"({load_format}, TP {artifact.tensor_parallel})",
+        f"({load_format}, TP {artifact.tp})",
     )
 
 

@@ -75,7 +75,7 @@ def _artifact_status(
         digest=artifact.digest,
         uri=artifact.location.uri,
         format=artifact.load_format,
-        tensor_parallel_size=artifact.tensor_parallel,
+        tensor_parallel_size=artifact.tp,
         source=_identity(summary),
         bytes=int(summary["bytes"]) if summary.get("bytes") is not None else None,
         files=int(summary["files"]) if summary.get("files") is not None else None,

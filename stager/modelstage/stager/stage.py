@@ -51,8 +51,8 @@ def request_digest(req: StageRequest, identity: str) -> str:
     return req.digest or artifact_digest(
         uri=req.source_uri or canonical_uri(req.source),
         source=identity,
-        tensor_parallel=req.tp,
-        pipeline_parallel=req.pp,
+        tp=req.tp,
+        pp=req.pp,
         dtype=req.dtype,
         load_format=req.format,
         layout_version=layout_for(req.vllm_version).layout_version,
