@@ -27,6 +27,8 @@ from modelstage.core.layouts import DEFAULT_VLLM_VERSION
 from modelstage.core.quantity import parse_bytes
 
 DIGEST_PATTERN = re.compile(rf"[0-9a-f]{{{DIGEST_HEX_CHARS}}}")
+
+
 def parse_chunk_bytes(text: str | None) -> int | None:
     """``--chunk-bytes``: a size (as ``parse_bytes`` reads it) no larger than the chunk every
     reader accepts, refused here in one line rather than by the hasher."""
