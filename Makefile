@@ -16,6 +16,7 @@ test: setup
 test-slow: setup
 	MODELSTAGE_TEST_MARKERS=slow ./scripts/test
 
-# ruff, mypy (strict), the import contracts (import-linter) and dead code (vulture).
+# ruff, mypy (strict), the import contracts (import-linter), dead code (vulture) and the
+# 60-line limit on functions (scripts/function_length.py).
 lint: setup
 	./scripts/lint

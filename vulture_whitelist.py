@@ -23,6 +23,12 @@ _.enforceEager  # engine_key.EngineArgs, keyed through asdict()
 _.compilationConfig
 _.loadFormat
 
+# The plugin's loaders, found by register() in plugin/<row name>.py through the format row
+# each names (plugin.loader_for).
+_.ModelstageRunaiStreamerLoader
+_.ModelstageRunaiStreamerShardedLoader
+_.ModelstageSafetensorsLoader
+
 # kopf's handlers, registered by the decorator call that assigns them.
 _.deployment_event
 _.statefulset_event
@@ -64,5 +70,19 @@ _.warmed_at
 _.copying
 _.heartbeat
 _.bytes_after
+_.last_verified
+_.free_bytes
+_.service_account  # the copy Job's ServiceAccount, beside its namespace
+# The copy server's http.server hooks and settings (called and read by the standard library).
+_.daemon_threads
+_.protocol_version
+_.server_version
+_.do_POST
+_.do_PUT
+_.do_GET
+_.log_message
+# Names the operator's side uses (the roll patch's supplementalGroups, the Warming phase).
+_.CACHE_GID
+_.WARMING
 # Status fields the operator writes for people and dashboards to read.
 _.misses  # status.nodeCache.nodes[].misses

@@ -1,9 +1,9 @@
 """GPU check: the loader plugin's pipelined reader vs vLLM's stock sharded-state path.
 
 For a machine with an NVIDIA GPU and no vLLM: imports only torch, safetensors and this
-checkout's core and plugin source (the ``core/`` and ``stager/`` source roots of the script's
-own checkout go on ``sys.path``; nothing installed, nothing on PYTHONPATH). It writes a
-synthetic per-rank artifact of a few GiB (bf16 matrices in vLLM's
+checkout's core, plugin and stager source (the ``core/``, ``plugin/`` and ``stager/`` source
+roots of the script's own checkout go on ``sys.path``; nothing installed, nothing on
+PYTHONPATH). It writes a synthetic per-rank artifact of a few GiB (bf16 matrices in vLLM's
 ``model-rank-0-part-N.safetensors`` naming), then moves it into device memory four ways,
 every one from a cold page cache (the files' pages are dropped with
 ``posix_fadvise(DONTNEED)``, which needs no root):
@@ -57,8 +57,8 @@ PART_BYTES = 2 * 1024**3
 
 def import_project(checkout: Path) -> None:
     """Put the checkout's source roots first on ``sys.path``: ``modelstage`` is a namespace
-    package spread over them (``core/modelstage/core``, ``stager/modelstage/plugin``)."""
-    sys.path[:0] = [str(checkout / "core"), str(checkout / "stager")]
+    package spread over them (``core/modelstage/core``, ``plugin/modelstage/plugin``, ...)."""
+    sys.path[:0] = [str(checkout / root) for root in ("core", "plugin", "stager")]
 
 
 def write_artifact(directory: Path, total_bytes: int, encode_header: Any) -> list[Path]:

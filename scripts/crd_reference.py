@@ -3,9 +3,9 @@
     .venv/bin/python scripts/crd_reference.py > docs/crd-reference.md
 
 One table row per field (path, type, default, constraints, description) and the CEL rules of
-each object, for spec and status, straight from ``crds/modelstage.io_modeldeployments.yaml`` (itself
-generated from ``operator/api.py``). ``tests/chart/test_docs.py`` fails when the committed file
-differs from what this prints.
+each object, for spec and status, straight from ``crds/modelstage.io_modeldeployments.yaml``
+(itself generated from ``api/modeldeployment.py``). ``tests/chart/test_docs.py`` fails when the
+committed file differs from what this prints.
 """
 
 from __future__ import annotations

@@ -34,6 +34,9 @@ STAGER = [
     "protobuf>=3.19.5", "psutil>=5.9.4", "redis>=4.5.5", "hiredis>=2.2.0", "libnacl>=2.1.0",
     "humanize", "runai-model-streamer-s3==0.17.1", "blake3>=1.0", "kubernetes>=30",
 ]  # fmt: skip
+AGENT = ["pydantic>=2.7,<3", "PyYAML>=6", "blake3>=1.0", "kubernetes>=30",
+         "prometheus-client>=0.20"]  # fmt: skip
+"""The node agent's image: the core, the API and the agent, no torch."""
 STAGER_NO_DEPS = ("tensorizer==2.10.1", "runai-model-streamer==0.17.1")
 """Both depend on torch, which the image installs first from the CPU index: their other
 dependencies are listed in STAGER."""
@@ -93,3 +96,4 @@ if __name__ == "__main__":
     lock("build", BUILD)
     lock("operator", OPERATOR)
     lock("stager", STAGER, STAGER_NO_DEPS)
+    lock("agent", AGENT)

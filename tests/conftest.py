@@ -5,12 +5,24 @@ from __future__ import annotations
 
 import itertools
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from support.s3_server import ACCESS_KEY, SECRET_KEY, S3Server, s3_server
 
 _buckets = itertools.count()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Never test another checkout's code: a shared venv's editable link is the last setup's
+    (scripts/venv-check says where it points)."""
+    check = Path(__file__).resolve().parents[1] / "scripts" / "venv-check"
+    done = subprocess.run([str(check), sys.executable], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.exit(done.stderr.strip(), returncode=4)
 
 
 @pytest.fixture(scope="session")

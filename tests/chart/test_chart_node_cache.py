@@ -36,28 +36,35 @@ ENABLED = ("--set", "nodeCache.enabled=true")
 GROUP, PLURAL = node_cache.API_GROUP, node_cache.PLURAL
 
 AGENT_RULES: set[Triple] = {
-    (GROUP, "modeldeployments", "list"),
-    (GROUP, "modeldeployments", "watch"),
+    ("authentication.k8s.io", "tokenreviews", "create"),
     (GROUP, PLURAL, "get"),
+    (GROUP, PLURAL, "watch"),
     (GROUP, PLURAL, "create"),
     (GROUP, f"{PLURAL}/status", "patch"),
     ("", "nodes", "get"),
     ("", "nodes", "patch"),
 }
 """The agent's permissions, exactly what its code calls (test_chart_node_cache_parts.py
-derives that from its source): list and watch ModelDeployments (pins, warm requests), read and create
-its NodeCache and patch its status, read and label its node."""
+derives that from its source): review copy Jobs' tokens, read, watch and create its NodeCache
+and patch its status, read and label its node. No ModelDeployment."""
 AGENT_WRITES: set[Triple] = {
+    ("authentication.k8s.io", "tokenreviews", "create"),
     (GROUP, PLURAL, "create"),
     (GROUP, f"{PLURAL}/status", "patch"),
     ("", "nodes", "patch"),
 }
 """All it may change: its own NodeCache (created once), that object's status, and its node's
-labels (the node and the label prefix are enforced by the agent's code: RBAC cannot)."""
+labels (the node and the label prefix are enforced by the admission policy: RBAC cannot); a
+TokenReview changes nothing."""
 OPERATOR_NODE_CACHE_RULES: set[Triple] = {
     ("", "nodes", "list"),
     (GROUP, PLURAL, "list"),
     (GROUP, PLURAL, "watch"),
+    (GROUP, PLURAL, "patch"),
+    ("", "persistentvolumes", "create"),
+    ("", "persistentvolumes", "list"),
+    ("", "persistentvolumes", "watch"),
+    ("", "persistentvolumes", "delete"),
 }
 """The operator's node-cache role (test_chart_rbac.py checks it against the operator's code)."""
 READ_VERBS = {"get", "list", "watch"}
@@ -182,10 +189,12 @@ def test_the_init_container_only_chowns_the_root_with_chown_alone(
     assert init["image"] == _agent_container(docs)["image"]
 
 
-def test_the_agent_image_defaults_to_the_stager_image() -> None:
+def test_the_agent_runs_on_its_own_image_not_the_stagers() -> None:
     docs = render_docs(*ENABLED, "--set", "stagerImage.repository=registry.local/stager",
                        "--set", "stagerImage.tag=1.2")  # fmt: skip
-    assert _agent_container(docs)["image"] == "registry.local/stager:1.2"
+    assert _agent_container(docs)["image"] == "ghcr.io/modelstage/agent:0.1.0"
+    docs = render_docs(*ENABLED, "--set", "nodeCache.agent.image.tag=1.3")
+    assert _agent_container(docs)["image"] == "ghcr.io/modelstage/agent:1.3"
     docs = render_docs(*ENABLED, "--set", "nodeCache.agent.image.repository=registry.local/agent")
     assert _agent_container(docs)["image"] == "registry.local/agent:0.1.0"
 
@@ -247,7 +256,7 @@ def test_the_agents_account_is_its_own_and_bound_once(
 def test_the_operator_reads_nodes_and_reports_cluster_wide_in_both_modes(
     enabled: tuple[str, list[dict[str, Any]]],
 ) -> None:
-    """Nodes and NodeCaches are cluster-scoped: a Role could not grant them."""
+    """Nodes, NodeCaches and PVs are cluster-scoped: a Role could not grant them."""
     _, docs = enabled
     roles = [
         r
@@ -260,7 +269,11 @@ def test_the_operator_reads_nodes_and_reports_cluster_wide_in_both_modes(
     everything, _ = granted(docs, bound_to(docs, operator_account(docs)))
     assert not [t for t in everything if t[1] in ("nodes", f"{PLURAL}/status")
                 and t[2] not in READ_VERBS]  # fmt: skip
-    assert not [t for t in everything if t[1] == PLURAL and t[2] not in READ_VERBS]
+    # Of a NodeCache the operator writes the spec alone (merge patch); never its status,
+    # never creates or deletes one.
+    assert [t for t in everything if t[1] == PLURAL and t[2] not in READ_VERBS] == [
+        (GROUP, PLURAL, "patch")
+    ]
 
 
 def test_the_agent_pods_are_selected_only_by_their_own_objects(
@@ -285,7 +298,8 @@ def test_the_agent_pods_are_selected_only_by_their_own_objects(
         assert not selects(policy["spec"]["podSelector"]["matchLabels"], agent_labels)
     assert agent_policy["spec"]["policyTypes"] == ["Ingress"]
     assert [r["ports"] for r in agent_policy["spec"]["ingress"]] == [
-        [{"port": "metrics", "protocol": "TCP"}]
+        [{"port": "metrics", "protocol": "TCP"}],
+        [{"port": "copy", "protocol": "TCP"}],  # copy Jobs, from the tenants' namespaces
     ]
     (monitor,) = [m for m in of_kind(docs, "PodMonitor") if m["metadata"]["name"] == AGENT]
     assert selects(monitor["spec"]["selector"]["matchLabels"], agent_labels)

@@ -17,7 +17,7 @@ from modelstage.core import node_cache
 from modelstage.stager.cli import build_parser, parse_bytes
 from support.charts import ROOT, SCENARIOS, one, render, render_docs
 
-AGENT_SOURCE = ROOT / "stager" / "modelstage" / "agent"
+AGENT_SOURCE = ROOT / "agent" / "modelstage" / "agent"
 
 
 def _agent_args(docs: list[dict[str, Any]]) -> list[str]:

@@ -148,9 +148,10 @@ def test_metrics_service_and_service_monitor_reach_the_metrics_port() -> None:
 
 def test_no_pod_monitor_scrapes_stager_pods_which_serve_no_metrics() -> None:
     """A monitor of a port the stager never opens would only ever report targets down."""
-    from modelstage.operator.api import ModelDeploymentSpec
+    from modelstage.api.modeldeployment import ModelDeploymentSpec
+    from modelstage.api.objects import Owner
+    from modelstage.operator.artifact import artifact_at
     from modelstage.operator.job_plan import plan_stage_job
-    from modelstage.operator.kube import Owner
 
     for scenario in ("monitoring", "namespaced-monitoring-no-peering"):
         for monitor in of_kind(render(scenario), "PodMonitor"):
@@ -160,7 +161,8 @@ def test_no_pod_monitor_scrapes_stager_pods_which_serve_no_metrics() -> None:
         "model": {"uri": "hf://acme/llama"}, "storage": {"pvc": {"claimName": "models"}},
         "serving": {"targetRef": {"name": "vllm"}}, "loadFormat": "sharded_state",
     })  # fmt: skip
-    job = plan_stage_job(spec, owner=Owner("llama", "ns", "uid"), digest="0" * 20)
+    owner = Owner("llama", "ns", "uid")
+    job = plan_stage_job(spec, owner=owner, artifact=artifact_at(spec, namespace=owner.namespace, deployment_name=owner.name, digest="0" * 20))
     assert all("ports" not in c for c in job["spec"]["template"]["spec"]["containers"])
 
 

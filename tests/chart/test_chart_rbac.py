@@ -23,9 +23,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from modelstage.api import modeldeployment as operator_api
+from modelstage.api.objects import Owner
 from modelstage.core import node_cache
-from modelstage.operator import api as operator_api
-from modelstage.operator.kube import Owner
+from modelstage.operator.observe import WORKLOAD_PLURALS
 from support.charts import ROOT, SCENARIOS, is_namespaced, of_kind, render
 
 Triple = tuple[str, str, str]
@@ -48,10 +49,15 @@ NODE_CACHE = "nodeCache.enabled=true"
 OPT_IN: dict[Triple, str] = {
     ("", "pods/log", "get"): "operator.stagerProgressFromLogs=true",
     **{("", "nodes", verb): NODE_CACHE for verb in ("get", "list", "watch")},
-    **{(node_cache.API_GROUP, node_cache.PLURAL, v): NODE_CACHE for v in ("get", "list", "watch")},
+    **{
+        (node_cache.API_GROUP, node_cache.PLURAL, v): NODE_CACHE
+        for v in ("get", "list", "watch", "patch")
+    },
+    **{("", "persistentvolumes", v): NODE_CACHE for v in ("create", "list", "watch", "delete")},
 }
 """Calls the operator makes only when a chart value turns them on, which also grants them
-(node caching: ModelDeployments with spec.nodeCache need the Nodes and the agents' reports)."""
+(node caching: ModelDeployments with spec.nodeCache need the Nodes, the agents' reports, each
+node's NodeCache spec and the copies' PersistentVolumes)."""
 CONSTANTS = {
     "GROUP": operator_api.GROUP,
     "VERSION": operator_api.VERSION,
@@ -128,7 +134,7 @@ def _paths(
         sub = kwargs.get("subresource", args[2] if len(args) > 2 else None)
         yield operator_api.GROUP, operator_api.PLURAL + (f"/{sub}" if sub else "")
     elif name == "workload_path":
-        for plural in module["WORKLOAD_PLURALS"].values():
+        for plural in WORKLOAD_PLURALS.values():
             yield "apps", plural
     else:
         raise AssertionError(f"unknown API path helper {name}()")
@@ -203,7 +209,10 @@ def operator_uses(folder: Path = OPERATOR) -> set[Triple]:
                         {"patch"} if parts[-1] in CHANGE_HANDLERS else set()
                     )
                     uses |= {(group, plural, v) for v in verbs}
-                elif name.startswith(("self.kube.", "kube.")) and parts[-1] in CLIENT_VERBS:
+                elif (
+                    name.startswith(("self.kube.", "kube.", "reconciler.kube."))
+                    and parts[-1] in CLIENT_VERBS
+                ):
                     for group, resource in _paths(node.args[0], scope, module):
                         uses.add((group, resource, CLIENT_VERBS[parts[-1]]))
     return uses
@@ -254,6 +263,8 @@ def test_the_derivation_sees_the_operators_calls() -> None:
     assert ("modelstage.io", "modeldeployments/status", "patch") in uses
     assert ("apps", "statefulsets", "patch") in uses
     assert ("", "pods", "watch") in uses
+    assert ("modelstage.io", "nodecaches", "patch") in uses  # handlers' reconciler.kube
+    assert ("", "persistentvolumes", "delete") in uses
 
 
 def test_rbac_has_no_wildcard_and_is_exactly_what_the_operator_uses(scenario: str) -> None:
@@ -307,7 +318,9 @@ def test_rbac_rules_are_commented_in_the_template() -> None:
         lines = (ROOT / "charts" / "modelstage" / "templates" / name).read_text().splitlines()
         for i, line in enumerate(lines):
             if line.strip().startswith("- apiGroups:"):
-                assert lines[i - 1].strip().startswith("#"), f"{name}:{i + 1}: rule without a reason"
+                assert lines[i - 1].strip().startswith("#"), (
+                    f"{name}:{i + 1}: rule without a reason"
+                )
 
 
 def test_no_permission_on_secrets_anywhere(scenario: str) -> None:

@@ -1,4 +1,4 @@
-"""The two Dockerfiles, without a Docker daemon: hadolint clean, and honest about the tree.
+"""The three Dockerfiles, without a Docker daemon: hadolint clean, and honest about the tree.
 
 Every path they COPY from the build context exists and is not excluded by ``.dockerignore``;
 every entry point they name is installed by the package (the ``modelstage`` console script,
@@ -12,13 +12,23 @@ from __future__ import annotations
 import fnmatch
 import json
 import re
+import shutil
+import sys
 import tomllib
+import zipfile
 from pathlib import Path
 
 import pytest
 from support.charts import ROOT, run, tool
 
-DOCKERFILES = ("Dockerfile.operator", "Dockerfile.stager")
+DOCKERFILES = ("Dockerfile.operator", "Dockerfile.stager", "Dockerfile.agent")
+IMAGE_ROOTS = {
+    "Dockerfile.operator": {"core", "api", "operator"},
+    "Dockerfile.agent": {"core", "api", "agent"},
+    # the operator for the offline `modelstage plan`; the agent for the copy Jobs' node-copy
+    "Dockerfile.stager": {"core", "api", "stager", "plugin", "agent", "operator"},
+}
+"""The source roots each image's wheel is built from: the dev tools are in none."""
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 
 
@@ -137,11 +147,51 @@ def test_operator_entrypoint_is_a_module_of_the_package() -> None:
     assert 'if __name__ == "__main__":' in main.read_text()
 
 
-def test_operator_image_installs_no_torch() -> None:
-    installs = " ".join(r for k, r in _instructions("Dockerfile.operator") if k == "RUN")
-    assert "torch" not in installs and "[operator]" in installs
-    operator_deps = " ".join(PYPROJECT["project"]["optional-dependencies"]["operator"])
-    assert "torch" not in operator_deps
+@pytest.mark.parametrize("image", ["operator", "agent"])
+def test_the_operator_and_agent_images_install_no_torch(image: str) -> None:
+    installs = " ".join(r for k, r in _instructions(f"Dockerfile.{image}") if k == "RUN")
+    assert "torch" not in installs and f"[{image}]" in installs
+    deps = PYPROJECT["project"]["dependencies"] + PYPROJECT["project"]["optional-dependencies"][image]
+    assert not {"torch", "numpy", "safetensors", "vllm"} & _names(deps)
+
+
+def test_agent_entrypoint_runs_the_agent_command() -> None:
+    command = _entrypoint("Dockerfile.agent")
+    assert command == ["python", "-m", "modelstage.agent"]
+    main = source_file("modelstage.agent", "__main__.py")
+    assert 'if __name__ == "__main__":' in main.read_text()
+    chart = (ROOT / "charts" / "modelstage" / "templates" / "node-agent.yaml").read_text()
+    assert "args:\n            - agent\n" in chart, "the DaemonSet passes the `agent` command"
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_each_image_copies_only_its_source_roots(name: str) -> None:
+    copies = [rest.split()[0] for k, rest in _instructions(name)
+              if k == "COPY" and not rest.startswith("--from=")]  # fmt: skip
+    roots = set(PYPROJECT["tool"]["setuptools"]["packages"]["find"]["where"])
+    assert {c.rstrip("/") for c in copies} & roots == IMAGE_ROOTS[name]
+    assert "devtools" not in IMAGE_ROOTS[name]
+
+
+@pytest.mark.parametrize("name", ["Dockerfile.agent", "Dockerfile.stager"])
+def test_the_wheel_built_from_an_images_roots_holds_only_their_packages(
+    name: str, tmp_path: Path
+) -> None:
+    """What the build stage does: the wheel of a context holding only the image's roots."""
+    context = tmp_path / "context"
+    context.mkdir()
+    for file in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / file, context / file)
+    for root in IMAGE_ROOTS[name]:
+        shutil.copytree(ROOT / root, context / root,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))  # fmt: skip
+    done = run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                "--wheel-dir", str(tmp_path / "wheels"), str(context)], check=False)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    (wheel,) = (tmp_path / "wheels").glob("modelstage-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        packages = {n.split("/")[1] for n in archive.namelist() if n.startswith("modelstage/")}
+    assert packages == IMAGE_ROOTS[name]
 
 
 def test_images_ship_the_extras_they_need() -> None:
@@ -194,7 +244,7 @@ def test_wheels_are_hash_checked_and_installed_without_an_index(name: str) -> No
     assert installs and all("--no-index --find-links /wheels" in i for i in installs)
 
 
-@pytest.mark.parametrize("image", ["operator", "stager"])
+@pytest.mark.parametrize("image", ["operator", "stager", "agent"])
 def test_the_locks_cover_what_the_images_install(image: str) -> None:
     locked = _lock(image)
     wanted = _names(PYPROJECT["project"]["dependencies"])

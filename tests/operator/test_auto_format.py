@@ -12,12 +12,12 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from modelstage.core.formats import FP8_CHANNEL
-from modelstage.operator.api import ModelDeploymentSpec, ModelDeploymentStatus
+from modelstage.api.modeldeployment import ModelDeploymentSpec, ModelDeploymentStatus
+from modelstage.api.objects import Owner
+from modelstage.core.model_config import FP8_CHANNEL
 from modelstage.operator.artifact import artifact_for, spec_digest
 from modelstage.operator.job_plan import plan_resolve_job
-from modelstage.operator.kube import Owner
-from modelstage.operator.observe import JobObservation, Observed
+from modelstage.operator.observations import JobObservation, Observed
 from modelstage.operator.resolve_plan import (
     SourceStep,
     chosen_format,

@@ -7,14 +7,14 @@ from collections.abc import Callable
 
 import kubernetes_validate
 import pytest
-from modelstage.operator.api import ModelDeploymentSpec
+from modelstage.api.modeldeployment import ModelDeploymentSpec
+from modelstage.api.objects import Owner
 from modelstage.operator.claim_plan import (
     check_claim_size,
     parse_quantity,
     plan_claim,
     required_bytes,
 )
-from modelstage.operator.kube import Owner
 
 SpecFactory = Callable[..., ModelDeploymentSpec]
 OWNER = Owner(name="llama", namespace="llm", uid="u-1")

@@ -7,7 +7,7 @@ from datetime import UTC, datetime, timedelta
 
 from hypothesis import given
 from hypothesis import strategies as st
-from modelstage.operator.api import Condition
+from modelstage.api.modeldeployment import Condition
 from modelstage.operator.conditions import ORDER, condition, merge_conditions
 
 T0 = datetime(2024, 5, 1, 12, 0, tzinfo=UTC)
@@ -16,7 +16,12 @@ T1 = T0 + timedelta(minutes=5)
 
 def test_condition_carries_every_field() -> None:
     c = condition("Staged", "True", "Staged", "artifact abc staged", now=T0, generation=3)
-    assert (c.type, c.status, c.reason, c.message) == ("Staged", "True", "Staged", "artifact abc staged")
+    assert (c.type, c.status, c.reason, c.message) == (
+        "Staged",
+        "True",
+        "Staged",
+        "artifact abc staged",
+    )
     assert c.last_transition_time == T0 and c.observed_generation == 3
 
 
@@ -25,7 +30,11 @@ def test_a_new_message_or_reason_alone_keeps_the_transition_time() -> None:
     new = condition("Ready", "False", "Stalled", "0 of 2 available", now=T1, generation=2)
     [merged] = merge_conditions([old], [new])
     assert merged.last_transition_time == T0
-    assert (merged.reason, merged.message, merged.observed_generation) == ("Stalled", "0 of 2 available", 2)
+    assert (merged.reason, merged.message, merged.observed_generation) == (
+        "Stalled",
+        "0 of 2 available",
+        2,
+    )
 
 
 def test_a_status_change_moves_the_transition_time() -> None:
@@ -53,7 +62,11 @@ def test_of_two_updates_of_one_type_the_last_wins_and_keeps_the_first_unchanged_
     first = condition("Staged", "False", "Queued", "position 1", now=T1)
     second = condition("Staged", "False", "Staging", "job running", now=T1 + timedelta(1))
     [merged] = merge_conditions([old], [first, second])
-    assert (merged.reason, merged.message, merged.last_transition_time) == ("Staging", "job running", T0)
+    assert (merged.reason, merged.message, merged.last_transition_time) == (
+        "Staging",
+        "job running",
+        T0,
+    )
 
 
 def test_inputs_are_not_changed() -> None:
@@ -76,7 +89,9 @@ def test_merging_is_per_type_and_times_move_only_on_status_changes(
 ) -> None:
     merged = merge_conditions(current, updates)
     by_type = {c.type: c for c in merged}
-    assert len(by_type) == len(merged) and [c.type for c in merged] == [t for t in ORDER if t in by_type]
+    assert len(by_type) == len(merged) and [c.type for c in merged] == [
+        t for t in ORDER if t in by_type
+    ]
     last_current = {c.type: c for c in current}
     for type_, c in by_type.items():
         ups = [u for u in updates if u.type == type_]
@@ -88,5 +103,10 @@ def test_merging_is_per_type_and_times_move_only_on_status_changes(
         start = len(chain) - 1
         while start > 0 and chain[start - 1].status == chain[-1].status:
             start -= 1
-        assert c.status == ups[-1].status and c.last_transition_time == chain[start].last_transition_time
-    assert merge_conditions(merged, merged) == merged, "merging a status with itself changes nothing"
+        assert (
+            c.status == ups[-1].status
+            and c.last_transition_time == chain[start].last_transition_time
+        )
+    assert merge_conditions(merged, merged) == merged, (
+        "merging a status with itself changes nothing"
+    )

@@ -11,8 +11,9 @@ from typing import Any
 
 import kubernetes_validate
 import pytest
+from modelstage.api.modeldeployment import EngineCache, EngineCacheStatus, ModelDeploymentSpec
+from modelstage.api.objects import Owner
 from modelstage.core.engine_cache import ROOTS
-from modelstage.operator.api import EngineCache, EngineCacheStatus, ModelDeploymentSpec
 from modelstage.operator.artifact import ARTIFACT_MOUNT, Artifact, artifact_for
 from modelstage.operator.engine_cache_plan import (
     CAPTURE_DEFAULT_ENV,
@@ -25,8 +26,8 @@ from modelstage.operator.engine_cache_plan import (
     plan_capture_job,
     plan_engine_cache,
 )
-from modelstage.operator.kube import ENGINE_CACHE_ANNOTATION, ENGINE_CACHE_DIR, Owner
-from modelstage.operator.observe import JobObservation, parse_capture
+from modelstage.operator.kube import ENGINE_CACHE_ANNOTATION, ENGINE_CACHE_DIR
+from modelstage.operator.observations import JobObservation, parse_capture
 from modelstage.operator.patch import apply_merge_patch
 from modelstage.operator.rollout_plan import EngineCacheUse, plan_rollout
 from modelstage.stager.engine_capture import DEFAULT_ENV
@@ -157,8 +158,9 @@ def test_the_key_moves_with_every_engine_input_and_the_address_with_the_key(
         "max-model-len": inputs_of(spec, with_args(deployment, "--max-model-len", "4096")),
         "image": inputs_of(spec, with_args(deployment, image="vllm/vllm-openai:v0.32.1")),
         "env": inputs_of(spec, _with_env(deployment, "VLLM_CPU_OMP_THREADS_BIND", "0|1")),
-        "node class": inputs_of(enabled(make_spec, capture={"nodeSelector": {"gpu": "h200"}}),
-                                deployment),
+        "node class": inputs_of(
+            enabled(make_spec, capture={"nodeSelector": {"gpu": "h200"}}), deployment
+        ),
     }
     keys = {name: i.key(digest) for name, i in changed.items()}
     assert base not in keys.values() and len(set(keys.values())) == len(keys), keys
@@ -385,7 +387,9 @@ def test_a_gpu_cache_names_its_class_and_the_users_own_setting_is_kept(
     make_spec: SpecFactory, deployment: dict[str, Any]
 ) -> None:
     spec = enabled(make_spec)
-    workload = rolled(spec, _with_env(deployment, "VLLM_USE_AOT_COMPILE", "1"), use(json.dumps(GPU)))
+    workload = rolled(
+        spec, _with_env(deployment, "VLLM_USE_AOT_COMPILE", "1"), use(json.dumps(GPU))
+    )
     cmd = workload["spec"]["template"]["spec"]["initContainers"][0]["command"]
     assert json.loads(cmd[cmd.index("--engine-hardware") + 1]) == GPU
     env = [e for e in container(workload)["env"] if e["name"] == "VLLM_USE_AOT_COMPILE"]

@@ -12,12 +12,12 @@ from typing import Any
 
 import kopf
 import pytest
+from modelstage.api.kube_client import Conflict
+from modelstage.api.modeldeployment import ModelDeploymentSpec, SourceStatus
+from modelstage.api.objects import DIGEST_ANNOTATION, LABEL_DIGEST
 from modelstage.operator import handlers, metrics
-from modelstage.operator.api import ModelDeploymentSpec, SourceStatus
 from modelstage.operator.artifact import spec_digest
 from modelstage.operator.handlers import Ref
-from modelstage.operator.kube import DIGEST_ANNOTATION, LABEL_DIGEST
-from modelstage.operator.kube_client import Conflict
 from modelstage.operator.resolve_plan import resolve_job_name, source_key
 from modelstage.operator.settings import OperatorConfig
 from modelstage.operator.slots import StagerSlots
@@ -147,7 +147,9 @@ def test_a_write_conflict_is_retried_after_the_conflict_delay() -> None:
 FAST = OperatorConfig(conflict_delay=0.0)
 
 
-def test_a_reconciliation_woken_by_an_event_rereads_after_conflicts_then_leaves_it_to_the_timer() -> None:
+def test_a_reconciliation_woken_by_an_event_rereads_after_conflicts_then_leaves_it_to_the_timer() -> (
+    None
+):
     """kopf does not retry event handlers: conflicts are re-read in rounds, never dropped at
     the first; an object that keeps conflicting is left to the next resync."""
     reconciler = Reconciler(conflicts={"m"})
@@ -167,7 +169,9 @@ def job(digest: str, state: str = "Running", owners: list[Any] = OWNED) -> dict[
             "status": {"conditions": conditions}}  # fmt: skip
 
 
-def stage_job_event(reconciler: Reconciler, name: str, body: dict[str, Any], type_: str = "MODIFIED") -> None:
+def stage_job_event(
+    reconciler: Reconciler, name: str, body: dict[str, Any], type_: str = "MODIFIED"
+) -> None:
     handlers.stage_job_event(
         type=type_, body=body, namespace=NS, name=name, labels=body["metadata"]["labels"],
         memo=Memo(reconciler), logger=LOG, modeldeployment_refs=index(),
@@ -254,7 +258,7 @@ def test_a_workload_event_wakes_the_deployments_that_target_it(
     handler: Any, kind_name: str, woken: list[str]
 ) -> None:
     reconciler = Reconciler()
-    handler(namespace=NS, name=kind_name, memo=Memo(reconciler), logger=LOG,
+    handler(type="MODIFIED", namespace=NS, name=kind_name, memo=Memo(reconciler), logger=LOG,
             modeldeployment_refs=index())  # fmt: skip
     assert reconciler.calls == [(NS, n) for n in woken]
 
@@ -298,3 +302,50 @@ def test_phase_events_feed_the_deployment_gauge_and_a_deletion_frees_the_queue_p
     handlers.modeldeployment_phase(type="DELETED", namespace=NS, name="gone", status={}, memo=memo)
     assert (NS, "gone") not in metrics.DEPLOYMENTS._by_object
     assert reconciler.slots.waiting() == []
+
+
+# -- node-cache PVs ----------------------------------------------------------------------------
+@dataclass
+class Kube:
+    """Records the claim reads and PV deletions of the PV handler; no claim exists."""
+
+    reads: list[str] = field(default_factory=list)
+    deleted: list[str] = field(default_factory=list)
+
+    def get(self, path: str) -> dict[str, Any] | None:
+        self.reads.append(path)
+        return None
+
+    def delete(self, path: str) -> None:
+        self.deleted.append(path)
+
+
+def bound_pv(namespace: str) -> dict[str, Any]:
+    from modelstage.api.objects import Owner
+    from modelstage.operator.node_cache_volume import plan_volume
+
+    pv, _ = plan_volume(Owner("llama", namespace, "uid-1"), "0123456789abcdef" * 2, 1)
+    pv["spec"]["claimRef"]["uid"] = "claim-1"
+    return pv
+
+
+@pytest.mark.parametrize(
+    ("watched", "namespace", "read"),
+    [(None, "team-b", True), (("team-a",), "team-a", True), (("team-a",), "team-b", False),
+     (("team-*, !team-b",), "team-b", False), (("team-*, !team-b",), "team-c", True)],
+)  # fmt: skip
+def test_a_node_cache_pv_is_looked_at_only_for_a_claim_in_a_namespace_served(
+    watched: tuple[str, ...] | None, namespace: str, read: bool
+) -> None:
+    """A namespaced operator may read claims only where it serves: a PV of another namespace
+    (another instance's, or nobody's) is left alone, neither read nor deleted."""
+    kube = Kube()
+    reconciler = type("R", (), {"kube": kube})()
+    pv = bound_pv(namespace)
+    handlers.node_cache_volume_event(
+        type="MODIFIED", body=pv, name=pv["metadata"]["name"],
+        memo=Memo(reconciler, OperatorConfig(watched_namespaces=watched)), logger=LOG,
+    )  # fmt: skip
+    claim = f"/api/v1/namespaces/{namespace}/persistentvolumeclaims/"
+    assert [r.startswith(claim) for r in kube.reads] == ([True] if read else [])
+    assert kube.deleted == ([f"/api/v1/persistentvolumes/{pv['metadata']['name']}"] if read else [])

@@ -1,8 +1,9 @@
-"""``spec + digest -> stager Job``: deterministic, the stager CLI contract, Secrets by reference,
+"""``spec + artifact -> stager Job``: deterministic, the stager CLI contract, Secrets by reference,
 restricted security, PVC or S3 wiring, and a manifest Kubernetes' own schema accepts."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -10,8 +11,9 @@ from typing import Any
 
 import kubernetes_validate
 import pytest
-from modelstage.operator.api import ModelDeploymentSpec
-from modelstage.operator.artifact import ARTIFACT_MOUNT, spec_digest
+from modelstage.api.modeldeployment import ModelDeploymentSpec
+from modelstage.api.objects import Owner
+from modelstage.operator.artifact import ARTIFACT_MOUNT, artifact_at, spec_digest
 from modelstage.operator.job_plan import (
     StagingStep,
     finalize_job_name,
@@ -20,7 +22,6 @@ from modelstage.operator.job_plan import (
     staging_jobs,
     staging_step,
 )
-from modelstage.operator.kube import Owner
 
 IDENTITY = "commit:" + "ab" * 20
 """A resolved source identity (a Hub commit) for planner tests."""
@@ -40,7 +41,7 @@ S3_STORAGE = {
 
 
 def plan(spec: ModelDeploymentSpec, owner: Owner = OWNER) -> dict[str, Any]:
-    return plan_stage_job(spec, owner=owner, digest=spec_digest(spec, IDENTITY))
+    return plan_stage_job(spec, owner=owner, artifact=artifact_at(spec, namespace=owner.namespace, deployment_name=owner.name, digest=spec_digest(spec, IDENTITY)))
 
 
 def container(job: dict[str, Any]) -> dict[str, Any]:
@@ -96,6 +97,18 @@ def test_hf_source_to_pvc_runs_the_stager_cli_as_contracted(make_spec: SpecFacto
         "--out", f"{ARTIFACT_MOUNT}/artifacts/llm/{digest}",
         "--revision=main",
     ]  # fmt: skip
+
+
+def test_the_stage_command_reads_tp_and_format_from_the_artifact(make_spec: SpecFactory) -> None:
+    """After the digest, the Job's ``--tp`` and ``--format`` are the artifact's, not the spec's
+    read again: one value from the digest to the stager."""
+    spec = make_spec()
+    staged = artifact_at(spec, namespace=OWNER.namespace, deployment_name=OWNER.name,
+                         digest=spec_digest(spec, IDENTITY))  # fmt: skip
+    other = dataclasses.replace(staged, tp=8, load_format="runai_streamer_sharded")
+    command = container(plan_stage_job(spec, owner=OWNER, artifact=other))["command"]
+    assert command[command.index("--tp") + 1] == "8"
+    assert command[command.index("--format") + 1] == "runai_streamer_sharded"
 
 
 def test_revision_is_passed_only_when_set(make_spec: SpecFactory) -> None:
@@ -283,7 +296,7 @@ def test_job_manifest_passes_kubernetes_schema(
 
 
 def jobs(spec: ModelDeploymentSpec) -> list[dict[str, Any]]:
-    return staging_jobs(spec, owner=OWNER, digest=spec_digest(spec, IDENTITY))
+    return staging_jobs(spec, owner=OWNER, artifact=artifact_at(spec, namespace=OWNER.namespace, deployment_name=OWNER.name, digest=spec_digest(spec, IDENTITY)))
 
 
 def test_one_pod_staging_is_one_job(make_spec: SpecFactory) -> None:
@@ -407,7 +420,9 @@ def test_spec_values_that_look_like_flags_reach_the_stager_as_values(
     )  # fmt: skip
     args = build_parser().parse_args(container(plan(spec))["command"][1:])
     assert (args.revision, args.s3_region, args.allow_pickle) == (
-        "--allow-pickle", "--allow-pickle", False
+        "--allow-pickle",
+        "--allow-pickle",
+        False,
     )
 
 
@@ -439,8 +454,11 @@ def test_a_service_account_lends_its_cloud_identity_never_an_api_token(
     "source",
     [
         {"model": {"uri": "hf://meta-llama/Meta-Llama-3-8B-Instruct", "revision": "main"}},
-        {"model": {"uri": "s3://ckpts/llama/", "credentialsSecret": None},
-         "storage": {"pvc": None, "s3": {"uri": "s3://bkt/p"}}, "loadFormat": "tensorizer"},
+        {
+            "model": {"uri": "s3://ckpts/llama/", "credentialsSecret": None},
+            "storage": {"pvc": None, "s3": {"uri": "s3://bkt/p"}},
+            "loadFormat": "tensorizer",
+        },
         {"model": {"uri": "pvc://checkpoints/llama", "credentialsSecret": None}},
     ],
     ids=["hf", "s3", "pvc"],
@@ -450,7 +468,7 @@ def test_the_stager_takes_the_operators_digest_from_the_jobs_own_arguments(
 ) -> None:
     """One canonical function: what the stager computes from the stage Job's command (without
     the --digest the operator passes) and the resolved identity is the operator's digest."""
-    from modelstage.operator.api import SourceStatus
+    from modelstage.api.modeldeployment import SourceStatus
     from modelstage.stager.cli import build_parser
     from modelstage.stager.stage import StageRequest, request_digest
 
@@ -458,7 +476,7 @@ def test_the_stager_takes_the_operators_digest_from_the_jobs_own_arguments(
     resolved = SourceStatus(uri=spec.model.uri, identity=IDENTITY, resolved_at=datetime.now(UTC),
                             key="k", commit="ab" * 20 if spec.model.scheme == "hf" else None)  # fmt: skip
     digest = spec_digest(spec, resolved.identity)
-    job = plan_stage_job(spec, owner=OWNER, digest=digest, source=resolved)
+    job = plan_stage_job(spec, owner=OWNER, artifact=artifact_at(spec, namespace=OWNER.namespace, deployment_name=OWNER.name, digest=digest), source=resolved)
     args = build_parser().parse_args(container(job)["command"][1:])
     request = StageRequest(
         source=args.source, out=args.out, tp=args.tp, pp=args.pp, dtype=args.dtype,

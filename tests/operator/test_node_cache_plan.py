@@ -5,23 +5,25 @@ from __future__ import annotations
 
 import copy
 import logging
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
+from types import SimpleNamespace
 from typing import Any
 
 import kubernetes_validate
 import pytest
-from modelstage.core import node_cache as nc
-from modelstage.operator import handlers
-from modelstage.operator.api import (
+from modelstage.api.modeldeployment import (
     ArtifactStatus,
     ModelDeploymentSpec,
     ModelDeploymentStatus,
     NodeCache,
     NodeCacheStatus,
 )
+from modelstage.api.nodecache import Grant, HeldCopy, NodeCacheReport, PartialCopy
+from modelstage.api.objects import Owner
+from modelstage.core import node_cache as nc
+from modelstage.operator import handlers
 from modelstage.operator.artifact import Artifact, artifact_for
-from modelstage.operator.kube import Owner
-from modelstage.operator.node_cache_api import HeldArtifact, NodeCacheReport, PartialCopy
 from modelstage.operator.node_cache_plan import (
     CopyJob,
     PodStart,
@@ -36,12 +38,17 @@ from modelstage.operator.node_cache_plan import (
     selects,
     tolerates,
 )
-from modelstage.operator.observe import JobObservation, NodeCacheStep, Observed, WorkloadObservation
+from modelstage.operator.observations import (
+    JobObservation,
+    NodeCacheStep,
+    Observed,
+    WorkloadObservation,
+)
 from modelstage.operator.patch import apply_merge_patch
 from modelstage.operator.rollout_plan import plan_rollout
 from modelstage.operator.settings import OperatorConfig
 from modelstage.operator.state import Action, decide, headline
-from modelstage.operator.validation import validate_spec
+from modelstage.operator.validation import Finding, validate_spec
 
 from .conftest import SpecFactory
 
@@ -69,20 +76,35 @@ def node(
     }
 
 
+def content_of(digest: str) -> str:
+    """A content address per digest for these tests (the agent computes the real one)."""
+    return (digest * 2)[: nc.CONTENT_HEX_CHARS]
+
+
+def held(digest: str, *, warm: bool = False, namespace: str = "llm") -> HeldCopy:
+    content = content_of(digest)
+    grant = Grant(namespace=namespace, digest=digest)
+    return HeldCopy(
+        content=content, label=nc.content_label(content), bytes=100, warm=warm, grants=[grant]
+    )
+
+
 def report(
     node_name: str,
-    *held: str,
+    *digests: str,
     warm: bool = False,
     at: datetime = T0,
     partial: tuple[str, int] | None = None,
+    namespace: str = "llm",
 ) -> NodeCacheReport:
     return NodeCacheReport(
         node=node_name,
         root=nc.DEFAULT_ROOT,
         budget_bytes=10**12,
         heartbeat=at,
-        artifacts=[HeldArtifact(digest=d, bytes=100, warm=warm) for d in held],
-        partial=[PartialCopy(digest=partial[0], bytes=partial[1])] if partial else [],
+        endpoint=f"http://10.0.0.{len(node_name)}:{nc.DEFAULT_COPY_PORT}",
+        copies=[held(d, warm=warm, namespace=namespace) for d in digests],
+        partial=[PartialCopy(content=content_of(partial[0]), bytes=partial[1])] if partial else [],
     )
 
 
@@ -248,9 +270,11 @@ def test_copy_job_is_pinned_to_its_node_and_mounts_the_artifact_read_only(
 ) -> None:
     a = artifact(spec)
     toleration = {"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}
+    endpoint = "http://10.1.2.3:9103"
     job = plan_copy_job(
-        spec, a, "gpu-node-7", owner=OWNER, root="/mnt/nvme/cache", tolerations=[toleration]
-    )
+        spec, a, "gpu-node-7", owner=OWNER, endpoint=endpoint, deadline_seconds=900,
+        tolerations=[toleration],
+    )  # fmt: skip
     name = job["metadata"]["name"]
     assert name == copy_job_name(a.digest, "gpu-node-7") and len(name) <= 63
     assert name.startswith(f"modelstage-copy-{a.digest}-")
@@ -268,25 +292,39 @@ def test_copy_job_is_pinned_to_its_node_and_mounts_the_artifact_read_only(
     }
     assert pod["tolerations"] == [toleration]
     assert pod["automountServiceAccountToken"] is False
+    assert pod["serviceAccountName"] == "default"  # the token's account, named
     assert pod["securityContext"]["runAsNonRoot"] is True
     [container] = pod["containers"]
     assert container["command"] == [
         "modelstage", "node-copy", "--artifact", a.location.path, "--digest", a.digest,
-        "--tp", "2", "--root", nc.POD_MOUNT,
+        "--tp", "2", "--agent", "$(MODELSTAGE_NODE_AGENT)",
+        "--token-file", "/var/run/secrets/modelstage/token",
     ]  # fmt: skip
+    assert {"name": "MODELSTAGE_NODE_AGENT", "value": endpoint} in container["env"]
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert job["spec"]["activeDeadlineSeconds"] == 900
     volumes = {v["name"]: v for v in pod["volumes"]}
-    assert volumes["modelstage-node-cache"]["hostPath"] == {
-        "path": "/mnt/nvme/cache",
-        "type": "DirectoryOrCreate",
-    }
+    assert "hostPath" not in str(job)
+    [source] = volumes["modelstage-node-agent-token"]["projected"]["sources"]
+    assert source == {
+        "serviceAccountToken": {
+            "audience": "modelstage-node-agent", "expirationSeconds": 3600, "path": "token"
+        }
+    }  # fmt: skip
     assert volumes["modelstage-artifacts"]["persistentVolumeClaim"] == {
         "claimName": "models",
         "readOnly": True,
     }
     mounts = {m["name"]: m for m in container["volumeMounts"]}
     assert mounts["modelstage-artifacts"]["readOnly"] is True
-    assert mounts["modelstage-node-cache"]["mountPath"] == nc.POD_MOUNT
+    assert mounts["modelstage-node-agent-token"] == {
+        "name": "modelstage-node-agent-token",
+        "mountPath": "/var/run/secrets/modelstage",
+        "readOnly": True,
+    }
     kubernetes_validate.validate(job, "1.28", strict=True)
 
 
@@ -309,14 +347,17 @@ def test_copy_job_of_an_s3_artifact_gets_the_s3_settings_by_reference(
         },
     }
     spec = make_spec(storage=s3, loadFormat="runai_streamer_sharded", **ON)
-    job = plan_copy_job(spec, artifact(spec), "n1", owner=OWNER)
+    job = plan_copy_job(spec, artifact(spec), "n1", owner=OWNER, endpoint="http://n1:9103")
     pod = job["spec"]["template"]["spec"]
     [container] = pod["containers"]
     env = {e["name"]: e for e in container["env"]}
     assert env["AWS_ENDPOINT_URL"]["value"] == "http://seaweed.storage:8333"
     assert env["AWS_ACCESS_KEY_ID"]["valueFrom"]["secretKeyRef"]["name"] == "s3-creds"
     assert "value" not in env["AWS_SECRET_ACCESS_KEY"]
-    assert {v["name"] for v in pod["volumes"]} >= {"modelstage-s3-ca", "modelstage-node-cache"}
+    assert {v["name"] for v in pod["volumes"]} >= {
+        "modelstage-s3-ca",
+        "modelstage-node-agent-token",
+    }
     assert "modelstage-artifacts" not in {v["name"] for v in pod["volumes"]}
     assert container["command"][3].startswith("s3://")
 
@@ -325,6 +366,7 @@ def test_copy_job_of_an_s3_artifact_gets_the_s3_settings_by_reference(
 
 DIGEST = "0123456789abcdef0123"
 OTHER = "fedcba9876543210fedc"
+CONTENT = content_of(DIGEST)
 
 
 def plan(
@@ -340,7 +382,7 @@ def plan(
 ) -> tuple[NodeCacheStep, list[str]]:
     return plan_node_cache(
         cache or NodeCache(enabled=True),
-        DIGEST,
+        ("llm", DIGEST),
         before=before,
         chosen=list(chosen),
         reports=reports or {},
@@ -400,7 +442,9 @@ def test_an_agents_heartbeat_wakes_only_the_deployments_waiting_for_copies(
     """Not those still staging (no ``status.nodeCache`` yet): their stager Job's events
     bring their reconciliation; a heartbeat would reconcile them once per node and pass."""
     woken: list[str] = []
-    monkeypatch.setattr(handlers, "_reported", {"n1": frozenset({(DIGEST, False)})})
+    patches: list[tuple[str, Any]] = []
+    grants = frozenset({("ns", DIGEST)})
+    monkeypatch.setattr(handlers, "_reported", {"n1": frozenset({(CONTENT, False, grants)})})
     monkeypatch.setattr(
         handlers, "_reconcile_settled", lambda memo, namespace, name, logger: woken.append(name)
     )
@@ -410,24 +454,37 @@ def test_an_agents_heartbeat_wakes_only_the_deployments_waiting_for_copies(
             handlers.Ref("copying", DIGEST, None, None, node_cache="Copying"),
             handlers.Ref("warming", DIGEST, None, None, node_cache="Warming"),
             handlers.Ref(
-                "ready", DIGEST, DIGEST, None, node_cache="Ready", cache_nodes=frozenset({"n1"})
+                "ready", DIGEST, DIGEST, None, node_cache="Ready", cache_nodes=frozenset({"n1"}),
+                pins=frozenset({DIGEST, OTHER}),
             ),
             handlers.Ref("off", DIGEST, None, None),
         ]
-    }
+    }  # fmt: skip
     log = logging.getLogger("test")
+    kube = SimpleNamespace(merge_patch=lambda path, body: patches.append((path, body)))
+    memo = SimpleNamespace(reconciler=SimpleNamespace(kube=kube))
+    spec: dict[str, Any] = {}
 
     def report_of(warm: bool) -> None:
-        status = {"artifacts": [{"digest": DIGEST, "warm": warm}]}
+        grant = {"namespace": "ns", "digest": DIGEST}
+        status = {"copies": [{"content": CONTENT, "warm": warm, "grants": [grant]}]}
         handlers.node_cache_event(
-            type="MODIFIED", name="n1", status=status, memo=None, logger=log,
+            type="MODIFIED", name="n1", spec=spec, status=status, memo=memo, logger=log,
             modeldeployment_refs=refs,
         )  # fmt: skip
 
     report_of(warm=False)  # a heartbeat: the same copies as before
     assert woken == ["copying", "warming"]
+    [(path, patch)] = patches  # the node's spec: what every ModelDeployment pins and warms
+    assert path.endswith("/nodecaches/n1")
+    assert patch["spec"] == {
+        "keep": [{"namespace": "ns", "digest": DIGEST}, {"namespace": "ns", "digest": OTHER}],
+        "warm": [],
+    }
+    spec.update(patch["spec"])
     report_of(warm=True)
     assert woken[2:] == ["copying", "warming", "ready"]  # its copies changed
+    assert len(patches) == 1  # the spec was up to date
 
 
 def test_ready_when_every_chosen_node_reports_the_copy() -> None:
@@ -440,6 +497,19 @@ def test_ready_when_every_chosen_node_reports_the_copy() -> None:
     assert (step.status.phase, step.status.ready, step.status.since) == ("Ready", 2, T0)
     assert step.condition[:2] == ("True", "Ready")
     assert step.roll
+
+
+def test_a_copy_another_namespace_proved_is_not_this_namespaces() -> None:
+    """The same content on a node, granted to another tenant only: this namespace's copy
+    is still to be made (its Job streams every byte: proof of possession), and its pods are
+    given no volume of it."""
+    theirs = {n: report(n, DIGEST, namespace="team-b") for n in ("a", "b")}
+    step, create = plan(reports=theirs)
+    assert create == ["a", "b"] and states(step) == {"a": "Pending", "b": "Pending"}
+    assert step.copy is None
+    ours = {n: report(n, DIGEST) for n in ("a", "b")}
+    step, create = plan(reports=ours)
+    assert create == [] and step.copy is not None and step.copy.content == CONTENT
 
 
 def test_one_node_ready_one_copying_still_waits() -> None:
@@ -509,13 +579,34 @@ def test_a_node_that_loses_its_copy_shows_in_the_status() -> None:
     assert ready.status.phase == "Ready"
     lost = {"a": report("a", DIGEST), "b": report("b")}
     step, create = plan(before=ready.status, reports=lost, jobs={"b": done})
-    assert create == []
+    assert create == [] and step.replace == (done.name,)  # no other node: copied again
     assert states(step) == {"a": "Ready", "b": "Failed"}
     assert "no longer holds" in step.status.nodes[1].message
     assert (step.status.phase, step.status.ready) == ("Ready", 1)
     assert step.condition[:2] == ("False", "CopyLost")
     again, _ = plan(before=step.status, reports=lost, jobs={"b": done})
     assert states(again)["b"] == "Failed"  # stays lost, not "waiting for the report"
+
+
+def test_a_lost_copy_is_copied_again_by_exactly_one_new_job() -> None:
+    """Pass by pass, as the shell runs them: the lost node's Job is deleted, the next pass
+    (no Job there) creates one, and that Job's success while the agent's report still lags
+    is a copy to wait for, not the old copy lost once more."""
+    done = CopyJob("b", copy_job_name(DIGEST, "b"), "Succeeded")
+    held = {"a": report("a", DIGEST), "b": report("b", DIGEST)}
+    lost = {"a": report("a", DIGEST), "b": report("b")}
+    ready, _ = plan(reports=held, jobs={"b": done})
+    dropped, create = plan(before=ready.status, reports=lost, jobs={"b": done})
+    assert (create, dropped.replace) == ([], (done.name,))
+    deleted, create = plan(before=dropped.status, reports=lost, jobs={})
+    assert (create, deleted.replace, states(deleted)["b"]) == (["b"], (), "Pending")
+    copying, create = plan(before=deleted.status, reports=lost, jobs={"b": running("b")})
+    assert (create, copying.replace, states(copying)["b"]) == ([], (), "Copying")
+    for before in (deleted.status, copying.status):  # the new Job done, the report not yet
+        waiting, create = plan(before=before, reports=lost, jobs={"b": done})
+        assert (create, waiting.replace, states(waiting)["b"]) == ([], (), "Copying")
+    back, create = plan(before=waiting.status, reports=held, jobs={"b": done})
+    assert (create, back.replace, states(back)["b"]) == ([], (), "Ready")
 
 
 def choose_and_plan(
@@ -529,7 +620,7 @@ def choose_and_plan(
     """One reconciliation's choice of nodes, then its plan (as ``reconcile`` does)."""
     chosen = choose_nodes(
         eligible,
-        DIGEST,
+        ("llm", DIGEST),
         mode="Replicas",
         replicas=replicas,
         reports=reports,
@@ -568,7 +659,7 @@ def test_a_node_that_lost_its_copy_gives_way_and_stays_known_as_lost() -> None:
     step, create = choose_and_plan(
         eligible, before=ready.status, reports=lost, jobs={"b": done}, replicas=1
     )
-    assert create == ["c"]
+    assert create == ["c"] and step.replace == ()  # c takes its place: b's Job stays
     assert states(step) == {"b": "Failed", "c": "Pending"}
     assert "no longer holds" in step.status.nodes[0].message
     # The next reconciliation: b's Job still says Succeeded; b must not look like a copy
@@ -661,7 +752,8 @@ def step_of(a: Artifact, *, roll: bool, create: tuple[dict[str, Any], ...] = ())
         digest=a.digest, phase="Ready" if roll else "Copying", since=T0, wanted=1
     )
     reason = ("True", "Ready", "1/1") if roll else ("False", "Copying", "0/1")
-    return NodeCacheStep(status=status, condition=reason, roll=roll, create=create)
+    copied = held(a.digest) if roll else None
+    return NodeCacheStep(status=status, condition=reason, roll=roll, create=create, copy=copied)
 
 
 def observed(step: NodeCacheStep | None, *, job: JobObservation | None = None) -> Observed:
@@ -692,6 +784,18 @@ def test_a_finished_staging_records_the_artifact_and_copies_before_rolling(
     # Without the step (not observed yet), it waits too: never a roll before the copies.
     d = decide(a, ModelDeploymentStatus(), observed(None, job=job))
     assert (d.action, d.status.phase) == (Action.WAIT, "Staged")
+
+
+def test_no_copy_job_for_a_workload_that_has_not_opted_in(spec: ModelDeploymentSpec) -> None:
+    a = artifact(spec)
+    create = ({"metadata": {"name": "copy"}},)
+    step = step_of(a, roll=False, create=create)
+    not_opted_in = Finding("TargetNotOptedIn", "add the annotation", "rollout")
+    refused = replace(observed(step), findings=(not_opted_in,))
+    assert decide(a, staged_status(a), refused).action is Action.WAIT
+    off = replace(observed(step), node_cache_enabled=False)
+    assert decide(a, staged_status(a), off).action is not Action.CREATE_COPY_JOBS
+    assert decide(a, staged_status(a), observed(step)).action is Action.CREATE_COPY_JOBS
 
 
 def test_the_roll_waits_for_the_copies_then_goes(spec: ModelDeploymentSpec) -> None:
@@ -746,8 +850,11 @@ def test_the_root_setting_is_an_absolute_normalized_path() -> None:
 # --- the roll patch ---------------------------------------------------------------------------
 
 
-def roll(spec: ModelDeploymentSpec, workload: dict[str, Any], root: str = nc.DEFAULT_ROOT) -> Any:
-    patch = plan_rollout(spec, artifact(spec), workload, node_cache_root=root).merge_patch
+CLAIM = "modelstage-node-cache-" + CONTENT[:20]
+
+
+def roll(spec: ModelDeploymentSpec, workload: dict[str, Any], claim: str | None = CLAIM) -> Any:
+    patch = plan_rollout(spec, artifact(spec), workload, node_cache_claim=claim).merge_patch
     return apply_merge_patch(workload, patch)
 
 
@@ -756,16 +863,19 @@ def pod_of(workload: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def test_the_roll_mounts_the_node_root_read_only_and_prefers_nodes_with_the_copy(
+def test_the_roll_mounts_its_copys_claim_read_only_with_the_reader_group(
     spec: ModelDeploymentSpec, deployment: dict[str, Any]
 ) -> None:
-    rolled = roll(spec, deployment, "/mnt/nvme/cache")
+    pod_of(deployment)["securityContext"] = {"supplementalGroups": [1000]}
+    rolled = roll(spec, deployment)
     pod = pod_of(rolled)
     volumes = {v["name"]: v for v in pod["volumes"]}
-    assert volumes["modelstage-node-cache"]["hostPath"] == {
-        "path": "/mnt/nvme/cache",
-        "type": "DirectoryOrCreate",
+    assert volumes["modelstage-node-cache"] == {
+        "name": "modelstage-node-cache",
+        "persistentVolumeClaim": {"claimName": CLAIM, "readOnly": True},
     }
+    assert "hostPath" not in str(rolled)
+    assert pod["securityContext"]["supplementalGroups"] == [1000, nc.CACHE_GID]
     vllm = next(c for c in pod["containers"] if c["name"] == "vllm")
     prepare = next(c for c in pod["initContainers"] if c["name"] == "modelstage-prepare")
     for container in (vllm, prepare):
@@ -777,16 +887,8 @@ def test_the_roll_mounts_the_node_root_read_only_and_prefers_nodes_with_the_copy
         }
     assert {"name": nc.ENV_NODE_CACHE, "value": nc.POD_MOUNT} in vllm["env"]
     assert prepare["command"][-2:] == ["--node-cache", nc.POD_MOUNT]
-    a = artifact(spec)
-    assert pod["affinity"]["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"] == [
-        {
-            "weight": 100,
-            "preference": {
-                "matchExpressions": [{"key": nc.node_label(a.digest), "operator": "Exists"}]
-            },
-        }
-    ]
-    replanned = plan_rollout(spec, a, rolled, node_cache_root="/mnt/nvme/cache")
+    assert "affinity" not in pod  # the PV's node affinity places the pods
+    replanned = plan_rollout(spec, artifact(spec), rolled, node_cache_claim=CLAIM)
     assert replanned.merge_patch == {}
     kubernetes_validate.validate(rolled, "1.28", strict=True)
 
@@ -805,35 +907,20 @@ USER_AFFINITY = {
 }
 
 
-def test_the_next_artifact_replaces_the_preference_in_place_keeping_the_users_terms(
+def test_an_older_releases_node_preference_goes_and_the_users_terms_stay(
     make_spec: SpecFactory, deployment: dict[str, Any]
 ) -> None:
-    pod_of(deployment)["affinity"] = copy.deepcopy(USER_AFFINITY)
-    first_spec = make_spec(**ON)
-    rolled = roll(first_spec, deployment)
-    terms = pod_of(rolled)["affinity"]["nodeAffinity"][
-        "preferredDuringSchedulingIgnoredDuringExecution"
-    ]
-    assert (
-        terms[:2]
-        == USER_AFFINITY["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
-    )
-    # The operator's term moved between the user's by someone: replaced where it stands.
-    terms.insert(1, terms.pop())
-    second_spec = make_spec(parallelism={"tensor": 4}, **ON)
-    again = roll(second_spec, rolled)
-    affinity = pod_of(again)["affinity"]
-    new_terms = affinity["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
-    assert len(new_terms) == 3
-    assert new_terms[0]["weight"] == 10 and new_terms[2]["weight"] == 5
-    assert new_terms[1]["preference"]["matchExpressions"] == [
-        {"key": nc.node_label(artifact(second_spec).digest), "operator": "Exists"}
-    ]
-    assert (
-        affinity["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
-        == (USER_AFFINITY["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"])
-    )
-    assert affinity["podAntiAffinity"] == USER_AFFINITY["podAntiAffinity"]
+    ours = {
+        "weight": 100,
+        "preference": {
+            "matchExpressions": [{"key": nc.LABEL_PREFIX + DIGEST, "operator": "Exists"}]
+        },
+    }
+    user = copy.deepcopy(USER_AFFINITY)
+    user["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"].insert(1, ours)
+    pod_of(deployment)["affinity"] = user
+    affinity = pod_of(roll(make_spec(**ON), deployment))["affinity"]
+    assert affinity == USER_AFFINITY
 
 
 def test_turning_node_caching_off_removes_what_it_added(
@@ -842,15 +929,25 @@ def test_turning_node_caching_off_removes_what_it_added(
     pristine = roll(make_spec(), copy.deepcopy(deployment))
     rolled = roll(make_spec(**ON), deployment)
     off = roll(make_spec(), rolled)
-    assert off["spec"]["template"] == pristine["spec"]["template"]
+    assert (
+        off["spec"]["template"]["spec"]["volumes"]
+        == pristine["spec"]["template"]["spec"]["volumes"]
+    )
+    for key in ("containers", "initContainers"):
+        assert off["spec"]["template"]["spec"][key] == pristine["spec"]["template"]["spec"][key]
     assert "affinity" not in pod_of(off)
 
 
-def test_off_by_default_and_without_the_plugin_the_patch_has_no_node_cache_parts(
+def test_off_by_default_without_the_plugin_or_a_copy_the_patch_has_no_node_cache_parts(
     make_spec: SpecFactory, deployment: dict[str, Any]
 ) -> None:
-    for spec in (make_spec(), make_spec(serving={"plugin": False}, **ON)):
-        rolled = pod_of(roll(spec, copy.deepcopy(deployment)))
+    cases = [
+        (make_spec(), CLAIM),
+        (make_spec(serving={"plugin": False}, **ON), CLAIM),
+        (make_spec(**ON), None),  # the deadline passed without a copy
+    ]
+    for spec, claim in cases:
+        rolled = pod_of(roll(spec, copy.deepcopy(deployment), claim))
         text = str(rolled)
         assert "node-cache" not in text and "affinity" not in rolled
         assert nc.ENV_NODE_CACHE not in text
@@ -873,14 +970,15 @@ class ForbiddenKube:
 def test_without_the_rights_to_read_nodes_the_status_says_so_and_the_deadline_holds(
     spec: ModelDeploymentSpec, deployment: dict[str, Any]
 ) -> None:
-    from modelstage.operator.reconcile import Reconciler, _World
+    from modelstage.operator.observe import World
+    from modelstage.operator.reconcile import Reconciler
 
     a = artifact(spec)
     reconciler = Reconciler(ForbiddenKube(), stager_image="x", post_event=lambda *_: None)  # type: ignore[arg-type]
-    world = _World(
+    world = World(
         body={}, owner=OWNER, status=staged_status(a), now=T0, desired=a, workload=deployment
     )
-    reconciler._observe_node_cache(world, spec)
+    reconciler.observer.observe_node_cache(world, spec)
     [finding] = world.findings
     assert finding.reason == "NodeCacheForbidden" and "get, list and watch" in finding.message
     assert world.node_cache is not None
@@ -922,17 +1020,54 @@ def replace_workload(observed: Observed, workload: WorkloadObservation) -> Obser
 def test_a_digest_that_was_rolled_back_gets_no_copies(
     spec: ModelDeploymentSpec, deployment: dict[str, Any]
 ) -> None:
-    from modelstage.operator.reconcile import Reconciler, _World
+    from modelstage.operator.observe import World
+    from modelstage.operator.reconcile import Reconciler
 
     a = artifact(spec)
     rolled_back = ModelDeploymentStatus(phase="Failed", failed_digest=a.digest)
     done = JobObservation("Succeeded", f'{{"digest": "{a.digest}"}}', T0)
     reconciler = Reconciler(ForbiddenKube(), stager_image="x", post_event=lambda *_: None)  # type: ignore[arg-type]
-    world = _World(
+    world = World(
         body={}, owner=OWNER, status=rolled_back, now=T0, desired=a, workload=deployment, job=done
     )
-    reconciler._observe_node_cache(world, spec)
+    reconciler.observer.observe_node_cache(world, spec)
     assert world.node_cache is None and not world.findings
     world.status = ModelDeploymentStatus()  # the same Job, not rolled back: it is copied
-    reconciler._observe_node_cache(world, spec)
+    reconciler.observer.observe_node_cache(world, spec)
     assert world.node_cache is not None
+
+
+class RecordingKube:
+    """Creates succeed and are recorded."""
+
+    def __init__(self) -> None:
+        self.created: list[str] = []
+
+    def create(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        self.created.append(body["metadata"]["name"])
+        return body
+
+
+def test_copy_jobs_take_the_namespaces_stager_slots(
+    spec: ModelDeploymentSpec, deployment: dict[str, Any]
+) -> None:
+    """A copy Job holds a stager slot like a stage Job: with one slot per namespace, the
+    second waits (created on a later reconciliation, once the first one's Job ended)."""
+    from modelstage.operator.observe import World
+    from modelstage.operator.reconcile import Reconciler
+    from modelstage.operator.slots import StagerSlots
+
+    a = artifact(spec)
+    kube = RecordingKube()
+    slots = StagerSlots(0, per_namespace=1)
+    reconciler = Reconciler(kube, stager_image="x", post_event=lambda *_: None, slots=slots)  # type: ignore[arg-type]
+    world = World(body={}, owner=OWNER, status=staged_status(a), now=T0, desired=a)
+    jobs = [
+        plan_copy_job(spec, a, node, owner=OWNER, endpoint="http://10.0.0.1:9103")
+        for node in ("a", "b")
+    ]
+    reconciler.actor.create_copy_jobs(world, jobs, logging.getLogger("test"))
+    assert kube.created == [jobs[0]["metadata"]["name"]]
+    assert slots.finished(("llm", jobs[0]["metadata"]["name"]))  # its Job ended
+    reconciler.actor.create_copy_jobs(world, jobs[1:], logging.getLogger("test"))
+    assert kube.created == [j["metadata"]["name"] for j in jobs]

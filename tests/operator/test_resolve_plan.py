@@ -9,16 +9,20 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from modelstage.operator.api import ArtifactStatus, ModelDeploymentSpec, ModelDeploymentStatus
-from modelstage.operator.artifact import artifact_for, spec_digest
+from modelstage.api.modeldeployment import (
+    ArtifactStatus,
+    ModelDeploymentSpec,
+    ModelDeploymentStatus,
+)
+from modelstage.api.objects import Owner
+from modelstage.operator.artifact import artifact_at, artifact_for, spec_digest
 from modelstage.operator.job_plan import (
     RESOLVE_CONTAINER,
     plan_resolve_job,
     plan_stage_job,
     stage_job_name,
 )
-from modelstage.operator.kube import Owner
-from modelstage.operator.observe import (
+from modelstage.operator.observations import (
     JobObservation,
     Observed,
     WorkloadObservation,
@@ -66,7 +70,9 @@ def step(
     return plan_source(spec, recorded, owner="llama", now=now, interval=interval, job=job)
 
 
-def resolved_status(spec: ModelDeploymentSpec, commit: str, at: datetime = T0) -> ModelDeploymentStatus:
+def resolved_status(
+    spec: ModelDeploymentSpec, commit: str, at: datetime = T0
+) -> ModelDeploymentStatus:
     done = step(spec, job=JobObservation("Succeeded", resolution(commit)), now=at)
     assert done.state == "resolved" and done.source is not None
     return ModelDeploymentStatus(source=done.source)
@@ -141,7 +147,9 @@ def test_only_a_resolved_identity_is_taken_from_a_termination_message(message: s
 # --- decide with the resolution step ---------------------------------------------------------
 
 
-def observed(workload: WorkloadObservation | None = None, job: JobObservation | None = None) -> Observed:
+def observed(
+    workload: WorkloadObservation | None = None, job: JobObservation | None = None
+) -> Observed:
     return Observed(generation=1, now=T0, job=job, workload=workload)
 
 
@@ -155,7 +163,9 @@ def test_decide_creates_the_resolve_job_first_and_stays_pending(make_spec: SpecF
         staged.message
     )
     assert d.status.reason == "Resolving" and d.status.desired_digest is None
-    running = decide(None, ModelDeploymentStatus(), observed(), step(spec, job=JobObservation("Running")))
+    running = decide(
+        None, ModelDeploymentStatus(), observed(), step(spec, job=JobObservation("Running"))
+    )
     assert (running.action, running.status.reason) == (Action.WAIT, "Resolving")
 
 
@@ -174,7 +184,9 @@ def test_a_source_that_changed_stages_anew_while_the_old_artifact_serves(
 ) -> None:
     spec = make_spec(model={"revision": "main"})
     status = resolved_status(spec, COMMIT_A)
-    old = artifact_for(spec, namespace="llm", deployment_name="llama", identity=f"commit:{COMMIT_A}")
+    old = artifact_for(
+        spec, namespace="llm", deployment_name="llama", identity=f"commit:{COMMIT_A}"
+    )
     serving = ArtifactStatus(digest=old.digest, uri=old.location.uri, format="sharded_state",
                              tensor_parallel_size=2, source=f"commit:{COMMIT_A}")  # fmt: skip
     ready = status.model_copy(update={"artifact": serving, "phase": "Ready"})
@@ -189,7 +201,9 @@ def test_a_source_that_changed_stages_anew_while_the_old_artifact_serves(
     moved = plan_source(spec, ready.source, owner="llama", now=later, interval=3600,
                         job=JobObservation("Succeeded", resolution(COMMIT_B)))  # fmt: skip
     assert moved.source is not None and moved.source.identity == f"commit:{COMMIT_B}"
-    new = artifact_for(spec, namespace="llm", deployment_name="llama", identity=moved.source.identity)
+    new = artifact_for(
+        spec, namespace="llm", deployment_name="llama", identity=moved.source.identity
+    )
     assert new.digest != old.digest
     d = decide(new, ready, Observed(generation=1, now=later, workload=workload), moved)
     assert (d.action, d.status.phase) == (Action.CREATE_JOB, "Staging")
@@ -206,7 +220,9 @@ def test_a_source_that_changed_stages_anew_while_the_old_artifact_serves(
 def test_a_failed_periodic_resolution_keeps_serving_and_says_so(make_spec: SpecFactory) -> None:
     spec = make_spec(model={"revision": "main"})
     status = resolved_status(spec, COMMIT_A)
-    old = artifact_for(spec, namespace="llm", deployment_name="llama", identity=f"commit:{COMMIT_A}")
+    old = artifact_for(
+        spec, namespace="llm", deployment_name="llama", identity=f"commit:{COMMIT_A}"
+    )
     serving = ArtifactStatus(digest=old.digest, uri=old.location.uri, format="sharded_state",
                              tensor_parallel_size=2)  # fmt: skip
     ready = status.model_copy(update={"artifact": serving, "phase": "Ready"})
@@ -228,7 +244,7 @@ def test_the_resolve_job_runs_modelstage_resolve_with_the_stage_jobs_pod_setting
     spec = make_spec(model={"revision": "main"}, storage={"pvc": None, "s3": {
         "uri": "s3://bkt/p", "credentialsSecret": "s3-creds"}}, loadFormat="tensorizer")  # fmt: skip
     job = plan_resolve_job(spec, owner=OWNER, name="modelstage-resolve-x")
-    stage = plan_stage_job(spec, owner=OWNER, digest="d" * 20)
+    stage = plan_stage_job(spec, owner=OWNER, artifact=artifact_at(spec, namespace=OWNER.namespace, deployment_name=OWNER.name, digest="d" * 20))
     pod, stage_pod = job["spec"]["template"]["spec"], stage["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     assert container["name"] == RESOLVE_CONTAINER
@@ -252,7 +268,7 @@ def test_the_resolve_job_runs_modelstage_resolve_with_the_stage_jobs_pod_setting
 def test_a_pvc_source_is_resolved_where_the_stager_reads_it(make_spec: SpecFactory) -> None:
     spec = make_spec(model={"uri": "pvc://checkpoints/llama", "credentialsSecret": None})
     job = plan_resolve_job(spec, owner=OWNER, name="modelstage-resolve-x")
-    stage = plan_stage_job(spec, owner=OWNER, digest="d" * 20)
+    stage = plan_stage_job(spec, owner=OWNER, artifact=artifact_at(spec, namespace=OWNER.namespace, deployment_name=OWNER.name, digest="d" * 20))
     (container,) = job["spec"]["template"]["spec"]["containers"]
     (stage_container,) = stage["spec"]["template"]["spec"]["containers"]
     source_path = stage_container["command"][2]
@@ -269,7 +285,7 @@ def test_the_stage_job_is_pinned_to_the_resolved_commit_and_identity(
     source = resolved_status(spec, COMMIT_A).source
     assert source is not None
     digest = spec_digest(spec, source.identity)
-    job = plan_stage_job(spec, owner=OWNER, digest=digest, source=source)
+    job = plan_stage_job(spec, owner=OWNER, artifact=artifact_at(spec, namespace=OWNER.namespace, deployment_name=OWNER.name, digest=digest), source=source)
     assert job["metadata"]["name"] == stage_job_name(digest)
     (container,) = job["spec"]["template"]["spec"]["containers"]
     args = build_parser().parse_args(container["command"][1:])
@@ -313,7 +329,9 @@ def test_the_staged_condition_carries_the_progress_and_how_to_follow_the_job(
     make_spec: SpecFactory,
 ) -> None:
     spec = make_spec()
-    desired = artifact_for(spec, namespace="llm", deployment_name="llama", identity=f"commit:{COMMIT_A}")
+    desired = artifact_for(
+        spec, namespace="llm", deployment_name="llama", identity=f"commit:{COMMIT_A}"
+    )
     job = JobObservation("Running", name=stage_job_name(desired.digest),
                          progress="staging ...: 2.0 GiB / 4.0 GiB (50%)")  # fmt: skip
     d = decide(desired, ModelDeploymentStatus(), observed(job=job))
@@ -325,10 +343,14 @@ def test_the_staged_condition_carries_the_progress_and_how_to_follow_the_job(
 
 def test_the_headline_reason_is_the_deciding_conditions(make_spec: SpecFactory) -> None:
     spec = make_spec()
-    desired = artifact_for(spec, namespace="llm", deployment_name="llama", identity=f"commit:{COMMIT_A}")
+    desired = artifact_for(
+        spec, namespace="llm", deployment_name="llama", identity=f"commit:{COMMIT_A}"
+    )
     staging = decide(desired, ModelDeploymentStatus(), observed(job=JobObservation("Running")))
     assert staging.status.reason == "Staging"
-    failed = decide(desired, ModelDeploymentStatus(), observed(job=JobObservation("Failed", "error: x")))
+    failed = decide(
+        desired, ModelDeploymentStatus(), observed(job=JobObservation("Failed", "error: x"))
+    )
     assert failed.status.reason == "StagingFailed"
     assert headline([]) is None
 
@@ -344,7 +366,11 @@ def test_a_spec_that_cannot_be_staged_starts_no_resolve_job(make_spec: SpecFacto
         desired = None if s.source is None else artifact_for(
             spec, namespace="llm", deployment_name="llama", identity=s.source.identity)  # fmt: skip
         d = decide(desired, ModelDeploymentStatus(), observed_, s)
-        assert (d.action, d.status.phase, d.status.reason) == (Action.WAIT, "Failed", "ClaimTooSmall")
+        assert (d.action, d.status.phase, d.status.reason) == (
+            Action.WAIT,
+            "Failed",
+            "ClaimTooSmall",
+        )
 
 
 def test_a_stage_job_that_found_the_source_changed_makes_the_resolution_due(
@@ -362,7 +388,9 @@ def test_a_stage_job_that_found_the_source_changed_makes_the_resolution_due(
     assert not source_changed(JobObservation("Failed", "error: disk full", after), recorded)
     assert not source_changed(JobObservation("Running", refusal), recorded)
     # Resolved again after that failure and found unchanged: not again (no Job loop).
-    assert not source_changed(JobObservation("Failed", refusal, T0 - timedelta(minutes=1)), recorded)
+    assert not source_changed(
+        JobObservation("Failed", refusal, T0 - timedelta(minutes=1)), recorded
+    )
     same = refusal.replace(f"found commit:{COMMIT_B}", f"found commit:{COMMIT_A}")
     assert not source_changed(JobObservation("Failed", same, after), recorded)
     assert resolution_due(spec, recorded, now=T0, interval=0, stale=True)
@@ -372,7 +400,7 @@ def test_a_stage_job_that_found_the_source_changed_makes_the_resolution_due(
 
 
 class LogKube:
-    """The one call ``Reconciler._progress`` makes: a pod's log, or the API's refusal."""
+    """The one call ``Observer.progress`` makes: a pod's log, or the API's refusal."""
 
     def __init__(self, log: str | None) -> None:
         self.log, self.reads = log, []  # type: list[tuple[str, dict[str, str]]]
@@ -394,16 +422,16 @@ def test_the_stager_log_is_read_only_where_the_operator_may_read_it() -> None:
     log = "staging x: 1.0 GiB / 4.0 GiB (25%), 3/23 tensors, 1.0 GiB/s\n"
     quiet = LogKube(log)
     off = Reconciler(quiet, stager_image="x", post_event=lambda *_: None)  # type: ignore[arg-type]
-    assert off._progress("ns", {"spec": {}}, pods) == "running since 2026-03-01T12:00:00Z"
+    assert off.observer.progress("ns", {"spec": {}}, pods) == "running since 2026-03-01T12:00:00Z"
     assert quiet.reads == []
     allowed = LogKube(log)
     on = Reconciler(allowed, stager_image="x", post_event=lambda *_: None, stager_logs=True)  # type: ignore[arg-type]
-    assert on._progress("ns", {"spec": {}}, pods).endswith("(25%), 3/23 tensors, 1.0 GiB/s")
+    assert on.observer.progress("ns", {"spec": {}}, pods).endswith("(25%), 3/23 tensors, 1.0 GiB/s")
     assert allowed.reads == [("/api/v1/namespaces/ns/pods/stage-x/log",
                               {"container": "stager", "tailLines": "20"})]  # fmt: skip
     refused = Reconciler(LogKube(None), stager_image="x", post_event=lambda *_: None,  # type: ignore[arg-type]
                          stager_logs=True)  # fmt: skip
-    assert refused._progress("ns", {"spec": {}}, pods) == "running since 2026-03-01T12:00:00Z"
+    assert refused.observer.progress("ns", {"spec": {}}, pods) == "running since 2026-03-01T12:00:00Z"
 
 
 def test_a_resolve_job_this_model_deployment_does_not_own_is_not_believed(
@@ -422,6 +450,6 @@ def test_a_resolve_job_this_model_deployment_does_not_own_is_not_believed(
             return planted if path.endswith(f"/jobs/{name}") else None
 
     reconciler = Reconciler(Kube(), stager_image="x", post_event=lambda *_: None)  # type: ignore[arg-type]
-    got = reconciler._resolve(spec, ModelDeploymentStatus(), OWNER, T0)
+    got = reconciler.observer.resolve(spec, ModelDeploymentStatus(), OWNER, T0)
     assert (got.state, got.source) == ("failed", None)
     assert "does not own it" in got.message

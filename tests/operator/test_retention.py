@@ -4,7 +4,7 @@ what another ModelDeployment of the namespace keeps or wants; and the clean-up J
 from __future__ import annotations
 
 import kubernetes_validate
-from modelstage.operator.api import ArtifactStatus, ModelDeploymentStatus, S3Connection
+from modelstage.api.modeldeployment import ArtifactStatus, ModelDeploymentStatus, S3Connection
 from modelstage.operator.job_plan import cleanup_job_name, plan_cleanup_job
 from modelstage.operator.retention import Holder, kept, plan_release, plan_retention, remember
 

@@ -13,8 +13,8 @@ import kubernetes_validate
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from modelstage.api.modeldeployment import ArtifactStatus, ModelDeploymentSpec
 from modelstage.core.errors import SpecError
-from modelstage.operator.api import ArtifactStatus, ModelDeploymentSpec
 from modelstage.operator.artifact import (
     ARTIFACT_MOUNT,
     Artifact,
@@ -321,6 +321,11 @@ def test_tensorizer_gets_the_per_rank_uri_and_its_own_s3_variables(
     # what tensorizer itself uses: AWS_ENDPOINT_URL, boto3's AWS_*, curl's CA bundle
     assert got["AWS_ENDPOINT_URL"] == "http://seaweed.storage:8333"
     assert got["CURL_CA_BUNDLE"] == got["AWS_CA_BUNDLE"]
+    assert got["S3_SECRET_ACCESS_KEY"] == {
+        "secretKeyRef": {"name": "s3-creds", "key": "AWS_SECRET_ACCESS_KEY"}
+    }
+    runai = env(vllm(roll(make_spec(loadFormat="runai_streamer", storage=S3), deployment)))
+    assert "AWS_CA_BUNDLE" in runai and not {"CURL_CA_BUNDLE", "S3_ENDPOINT_URL"} & set(runai)
 
 
 def test_moving_from_s3_to_a_pvc_drops_the_s3_env_but_not_the_users(

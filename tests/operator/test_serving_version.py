@@ -11,12 +11,12 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
+from modelstage.api.modeldeployment import ModelDeploymentSpec, SourceStatus, VllmVersionStatus
+from modelstage.api.objects import Owner
 from modelstage.core import layouts
 from modelstage.core.errors import SpecError
-from modelstage.operator.api import ModelDeploymentSpec, SourceStatus, VllmVersionStatus
-from modelstage.operator.artifact import spec_digest
+from modelstage.operator.artifact import artifact_at, spec_digest
 from modelstage.operator.job_plan import plan_stage_job
-from modelstage.operator.kube import Owner
 from modelstage.operator.resolve_plan import chosen_format, source_key
 from modelstage.operator.serving_version import (
     FROM_SPEC,
@@ -164,7 +164,7 @@ def test_a_release_with_another_layout_is_another_artifact(
     )
     assert spec_digest(before, IDENTITY) != spec_digest(after, IDENTITY)
     owner = Owner(name=NAME, namespace=NAMESPACE, uid="u")
-    job = plan_stage_job(after, owner=owner, digest=spec_digest(after, IDENTITY))
+    job = plan_stage_job(after, owner=owner, artifact=artifact_at(after, namespace=owner.namespace, deployment_name=owner.name, digest=spec_digest(after, IDENTITY)))
     command = job["spec"]["template"]["spec"]["containers"][0]["command"]
     assert command[command.index("--vllm-version") + 1] == "0.40"
 

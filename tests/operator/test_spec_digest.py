@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from modelstage.api.modeldeployment import ArtifactStatus, ModelDeploymentSpec
 from modelstage.core.digest import artifact_digest
 from modelstage.core.errors import SpecError
 from modelstage.core.layouts import layout_for
-from modelstage.operator.api import ArtifactStatus, ModelDeploymentSpec
 from modelstage.operator.artifact import (
     ARTIFACT_MOUNT,
     artifact_for,
@@ -44,8 +44,8 @@ def test_digest_is_the_stagers_function_of_the_byte_relevant_fields(make_spec: S
     assert spec_digest(spec, IDENTITY) == artifact_digest(
         uri="hf://meta-llama/Meta-Llama-3-8B-Instruct",
         source=IDENTITY,
-        tensor_parallel=2,
-        pipeline_parallel=1,
+        tp=2,
+        pp=1,
         dtype="bfloat16",
         load_format="sharded_state",
         layout_version=layout_for("0.32").layout_version,
@@ -103,7 +103,7 @@ def test_the_resolved_identity_changes_the_digest_and_the_revision_text_does_not
 @pytest.mark.parametrize("source", ["", "main", "sha:4a1b", "commit:ABC", "sha256:" + "0" * 63])
 def test_a_digest_is_never_taken_from_an_unresolved_source(source: str) -> None:
     with pytest.raises(ValueError, match="not a resolved source identity"):
-        artifact_digest(uri="hf://a/b", source=source, tensor_parallel=1, pipeline_parallel=1,
+        artifact_digest(uri="hf://a/b", source=source, tp=1, pp=1,
                         dtype="auto", load_format="sharded_state", layout_version="x")  # fmt: skip
 
 

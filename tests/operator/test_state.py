@@ -11,10 +11,14 @@ from typing import Any
 import jsonschema
 import pytest
 import yaml
-from modelstage.operator.api import ArtifactStatus, ModelDeploymentSpec, ModelDeploymentStatus
+from modelstage.api.modeldeployment import (
+    ArtifactStatus,
+    ModelDeploymentSpec,
+    ModelDeploymentStatus,
+)
+from modelstage.api.objects import DIGEST_ANNOTATION
 from modelstage.operator.artifact import Artifact, artifact_for
-from modelstage.operator.kube import DIGEST_ANNOTATION
-from modelstage.operator.observe import (
+from modelstage.operator.observations import (
     JobObservation,
     Observed,
     WorkloadObservation,
@@ -55,9 +59,7 @@ NOT_OPTED_IN = Finding(
 
 @pytest.fixture
 def desired(make_spec: SpecFactory) -> Artifact:
-    return artifact_for(
-        make_spec(), namespace="llm", deployment_name="llama", identity=IDENTITY
-    )
+    return artifact_for(make_spec(), namespace="llm", deployment_name="llama", identity=IDENTITY)
 
 
 def summary(digest: str, **extra: Any) -> str:
@@ -324,7 +326,9 @@ def test_a_rollback_that_was_not_applied_is_applied_again(desired: Artifact) -> 
 def test_a_workload_that_withdrew_its_opt_in_is_neither_rolled_out_nor_back(
     desired: Artifact,
 ) -> None:
-    serving_old = run(desired, rolled_out(desired), workload=on(OLD.digest), findings=(NOT_OPTED_IN,))
+    serving_old = run(
+        desired, rolled_out(desired), workload=on(OLD.digest), findings=(NOT_OPTED_IN,)
+    )
     assert (serving_old.action, serving_old.status.phase) == (Action.WAIT, "Staged")
     assert cond(serving_old, "Ready") == ("False", "TargetNotOptedIn")
     assert cond(serving_old, "Degraded") == ("True", "TargetNotOptedIn")

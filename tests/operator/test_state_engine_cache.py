@@ -12,7 +12,12 @@ from typing import Any
 
 import jsonschema
 import yaml
-from modelstage.operator.api import ArtifactStatus, ModelDeploymentSpec, ModelDeploymentStatus
+from modelstage.api.modeldeployment import (
+    ArtifactStatus,
+    ModelDeploymentSpec,
+    ModelDeploymentStatus,
+)
+from modelstage.api.objects import Owner
 from modelstage.operator.artifact import Artifact, artifact_for
 from modelstage.operator.engine_cache_plan import (
     CaptureInputs,
@@ -20,8 +25,7 @@ from modelstage.operator.engine_cache_plan import (
     plan_capture_job,
     plan_engine_cache,
 )
-from modelstage.operator.kube import Owner
-from modelstage.operator.observe import (
+from modelstage.operator.observations import (
     EngineCacheStep,
     JobObservation,
     Observed,
@@ -104,7 +108,9 @@ def stage_done(a: Artifact) -> JobObservation:
 
 def with_args(deployment: dict[str, Any], *extra: str, image: str | None = None) -> dict[str, Any]:
     workload = copy.deepcopy(deployment)
-    vllm = next(c for c in workload["spec"]["template"]["spec"]["containers"] if c["name"] == "vllm")
+    vllm = next(
+        c for c in workload["spec"]["template"]["spec"]["containers"] if c["name"] == "vllm"
+    )
     vllm["args"] = [*vllm["args"], *extra]
     if image:
         vllm["image"] = image
@@ -156,7 +162,9 @@ def test_past_the_deadline_it_rolls_without_and_never_fails(
     assert cond(d, "EngineCached") == ("False", "CaptureFailed")
 
 
-def _served(spec: ModelDeploymentSpec, deployment: dict[str, Any]) -> tuple[ModelDeploymentStatus, str]:
+def _served(
+    spec: ModelDeploymentSpec, deployment: dict[str, Any]
+) -> tuple[ModelDeploymentStatus, str]:
     """Rolled out and serving with the captured cache: the status and the cache's URI."""
     status = ModelDeploymentStatus(phase="RollingOut", artifact=staged(art(spec)))
     first = step(spec, deployment, status)

@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
-from modelstage.operator.api import ModelDeploymentSpec
+from modelstage.api.modeldeployment import ModelDeploymentSpec
 from modelstage.operator.validation import (
     Finding,
     findings_condition,
@@ -81,14 +81,23 @@ def test_a_non_vllm_workload_of_the_namespace_cannot_be_taken_over(
 
 
 DEFAULT_IMAGE = "ghcr.io/modelstage/stager:0.1.0"
-IMAGES = (DEFAULT_IMAGE, "registry.local/modelstage/stager")
+IMAGES = (
+    DEFAULT_IMAGE,
+    "registry.local/modelstage/stager",
+    "registry.local/pinned@sha256:" + "c" * 64,
+)
 
 
 @pytest.mark.parametrize(
     ("image", "allowed"),
     [
         ("ghcr.io/modelstage/stager:0.1.0", True),
-        ("ghcr.io/modelstage/stager:0.1.0@sha256:" + "0" * 64, True),
+        ("ghcr.io/modelstage/stager:0.1.0@sha256:" + "0" * 64, False),
+        ("registry.local/modelstage/stager:0.2.0@sha256:" + "b" * 64, True),
+        ("registry.local/pinned@sha256:" + "c" * 64, True),
+        ("registry.local/pinned@sha256:" + "d" * 64, False),
+        ("registry.local/pinned:1.0@sha256:" + "c" * 64, False),
+        ("registry.local/pinned", False),
         ("registry.local/modelstage/stager:0.2.0", True),
         ("registry.local/modelstage/stager@sha256:" + "a" * 64, True),
         ("attacker/img:latest", False),
@@ -110,7 +119,9 @@ def test_a_stager_image_must_be_one_the_operator_allows(
     (finding,) = findings
     assert (finding.reason, finding.blocks) == ("StagerImageNotAllowed", "staging")
     assert f"spec.stager.image {image!r} is not one of the stager images" in finding.message
-    assert "remove spec.stager.image to use the operator's default " + DEFAULT_IMAGE in finding.message
+    assert (
+        "remove spec.stager.image to use the operator's default " + DEFAULT_IMAGE in finding.message
+    )
 
 
 def test_no_stager_image_in_the_spec_takes_the_operators_default(make_spec: SpecFactory) -> None:

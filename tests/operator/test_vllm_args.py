@@ -417,7 +417,9 @@ def test_moving_from_an_earlier_artifact_adds_no_served_model_name() -> None:
 
 @pytest.mark.parametrize("value", ["[" * 5000, "1" + "0" * 5000, "{not json"])
 def test_an_extra_config_that_is_no_json_object_is_dropped(value: str) -> None:
-    command, _ = rewrite(["vllm", "serve", "m", "--model-loader-extra-config", value], None, TENSORIZER)
+    command, _ = rewrite(
+        ["vllm", "serve", "m", "--model-loader-extra-config", value], None, TENSORIZER
+    )
     assert command is not None
     assert json.loads(command[command.index("--model-loader-extra-config") + 1]) == {
         "tensorizer_uri": f"{ART}/model-rank-%03d.tensors"
@@ -586,7 +588,7 @@ def test_vllms_own_parser_reads_the_rewritten_command_line_as_intended(
 ) -> None:  # fmt: skip
     from modelstage.operator.artifact import Artifact, location_from_uri
     from modelstage.operator.rollout_plan import vllm_settings
-    from modelstage.plugin import LOAD_FORMATS as PLUGIN_FORMATS
+    from modelstage.plugin import plugin_rows
 
     config_file = tmp_path / "config.yaml"
     config_file.write_text("max-model-len: 4096\n")
@@ -602,7 +604,7 @@ def test_vllms_own_parser_reads_the_rewritten_command_line_as_intended(
     assert vllm_model(after) == settings.model and after.model_tag in (None, settings.model)
     assert after.load_format == settings.load_format
     if settings.load_format.startswith("modelstage_"):
-        assert plugin and on_pvc and settings.load_format in PLUGIN_FORMATS
+        assert plugin and on_pvc and settings.load_format in {r.plugin_loader for r in plugin_rows()}
     else:
         assert settings.load_format in vllm_parser.stock_formats
     assert after.tensor_parallel_size == 2
@@ -616,5 +618,7 @@ def test_vllms_own_parser_reads_the_rewritten_command_line_as_intended(
         assert after.served_model_name == [vllm_model(before)]
     else:  # no model given: vLLM's default was never a name clients used
         assert after.served_model_name is None
-    changed = {k for k in vars(before) if k not in OWNED_DESTS and vars(before)[k] != vars(after)[k]}
+    changed = {
+        k for k in vars(before) if k not in OWNED_DESTS and vars(before)[k] != vars(after)[k]
+    }
     assert not changed, {k: (vars(before)[k], vars(after)[k]) for k in changed}

@@ -74,7 +74,8 @@ async def namespace(cluster: Cluster) -> str:
 async def operator(
     cluster: Cluster, namespace: str, tmp_path: Path
 ) -> AsyncIterator[OperatorProcess]:
-    process = OperatorProcess(cluster.kubeconfig, namespace, tmp_path)
+    # verbose: the handlers' event trace is the evidence operator_flow's waits read
+    process = OperatorProcess(cluster.kubeconfig, namespace, tmp_path, verbose=True)
     await process.start()
     try:
         yield process

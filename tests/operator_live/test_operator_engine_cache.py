@@ -107,7 +107,8 @@ async def test_staged_captured_rolled_with_the_cache_and_captured_again_on_a_new
     assert ran["rc"] == 0, ran
     assert json.loads(ran["message"])["files"] > 0  # vLLM compiled, and the cache holds it
 
-    pod = (await template(cluster, namespace))["spec"]
+    rolled = await template(cluster, namespace)
+    pod = rolled["spec"]
     (prepare,) = pod["initContainers"]
     command = prepare["command"]
     assert flag(command, "--engine-cache").endswith(f".engine-{engine['key']}")
@@ -117,8 +118,7 @@ async def test_staged_captured_rolled_with_the_cache_and_captured_again_on_a_new
     env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
     assert env["VLLM_CACHE_ROOT"] == f"{ENGINE_CACHE_DIR}/vllm"
     # The serving pod's prepare, run as the kubelet runs it: the captured cache is a hit.
-    rc, line = await kubelet.run_container("serving-pod", pod, prepare)
-    assert rc == 0, line
+    line = await kubelet.start_serving_pod(rolled, None, "serving-pod")
     assert json.loads(line)["engineCache"]["result"] == "hit", line
 
     # A changed engine argument: a new key, a new capture, a roll onto the new cache.

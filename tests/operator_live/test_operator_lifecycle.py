@@ -44,11 +44,12 @@ from support.operator_flow import (
     OPERATOR_AGENT,
     apply,
     condition,
+    handled_version,
     logged_more,
     operator_writes,
+    spec_handled,
     staged_and_rolled,
     status_of,
-    succeeded,
     wait_event,
     wait_job,
     wait_phase,
@@ -132,7 +133,6 @@ async def test_failed_job_reports_the_termination_reason_and_creates_no_new_job(
     digest = digest_of(SPEC)
     await wait_job(cluster, namespace, digest)
     reason = "CheckpointError: model.safetensors.index.json names shard 3 but it is missing"
-    handled = operator.count(succeeded("stage_job_event"))
     await finish_stage_job(
         cluster.client, namespace, digest, message=f"loading\n{reason}\n", succeeded=False
     )
@@ -147,7 +147,8 @@ async def test_failed_job_reports_the_termination_reason_and_creates_no_new_job(
     await wait_event(cluster, namespace, "StagingFailed", "Warning")
     # The failed Job's event is handled: the artifact's Job stays the failed one, no retry
     # storm of new Jobs (a spec change or deleting the Job stages again).
-    await logged_more(operator, succeeded("stage_job_event"), handled)
+    await handled_version(cluster, operator, job_path(namespace, stage_job_name(digest)),
+                          "stage_job_event")  # fmt: skip
     jobs = await cluster.client.list(job_path(namespace))
     assert [j["metadata"]["name"] for j in jobs] == [stage_job_name(digest)]
     assert template_digest(await cluster.client.get(deploy_path(namespace))) is None
@@ -164,13 +165,12 @@ async def test_spec_change_stages_a_new_job_while_the_workload_keeps_the_old_art
     new_spec = merged(SPEC, {"dtype": "bfloat16"})
     new = digest_of(new_spec)
     assert new != old
-    handled = operator.count(succeeded("modeldeployment_changed/spec"))
     await cluster.client.patch(md_path(namespace, MD), {"spec": {"dtype": "bfloat16"}})
     await wait_job(cluster, namespace, new)
     status = await wait_phase(cluster, namespace, "Staging")
     assert status["desiredDigest"] == new
     assert status["artifact"]["digest"] == old
-    await logged_more(operator, succeeded("modeldeployment_changed/spec"), handled)
+    await spec_handled(cluster, namespace, {"dtype": "bfloat16"})
     assert template_digest(await cluster.client.get(deploy_path(namespace))) == old
 
     await finish_stage_job(cluster.client, namespace, new, message=summary(new), succeeded=True)

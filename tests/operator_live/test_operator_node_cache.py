@@ -4,9 +4,12 @@ write the ``NodeCache`` reports) and the Job controller (they finish the copy Jo
 existing tests finish stager Jobs); Nodes are created through the API.
 
 Proven here: staged -> copy Jobs on the matching nodes only (nodeSelector, taints, an agent's
-fresh report) -> Ready -> the roll with the read-only hostPath, ``--node-cache`` and the
-preferred affinity; the deadline rolls anyway with ``DeadlinePassed`` (condition and Warning
-event); a node that loses its copy shows in the status; pods' hits and misses per node.
+fresh report naming its copy endpoint) -> Ready once the reports grant the namespace the copy
+-> the copy's PV and claim, then the roll with the claim read-only, ``--node-cache`` and the
+copies' group; each node's NodeCache spec keeps what the ModelDeployment pins; the deadline
+rolls anyway, without the node-cache volume, with ``DeadlinePassed`` (condition and Warning
+event); a node that loses its copy shows in the status; pods' hits and misses per node; the
+PV goes once its claim is gone.
 """
 
 from __future__ import annotations
@@ -14,12 +17,16 @@ from __future__ import annotations
 import copy
 import json
 import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+import pytest_asyncio
+from modelstage.api.kube_client import resource_path
 from modelstage.core import node_cache as nc
-from modelstage.operator.kube_client import resource_path
 from modelstage.operator.node_cache_plan import COPY_CONTAINER, NODE_ANNOTATION, copy_job_name
+from modelstage.operator.node_cache_volume import claim_name, volume_name
 from support.kube_cluster import (
     Cluster,
     eventually,
@@ -62,22 +69,47 @@ def cluster(node_cache_cluster: Cluster) -> Cluster:
     return node_cache_cluster
 
 
-async def report(cluster: Cluster, node: str, *held: str, warm: bool = False) -> None:
-    """What ``node``'s agent writes each pass: its NodeCache report, heartbeat now."""
+@pytest_asyncio.fixture
+async def operator(
+    cluster: Cluster, namespace: str, tmp_path: Path
+) -> AsyncIterator[OperatorProcess]:
+    """The operator with node caching installed (the chart's ``nodeCache.enabled``)."""
+    env = {"MODELSTAGE_OPERATOR_NODE_CACHE": "true"}
+    process = OperatorProcess(cluster.kubeconfig, namespace, tmp_path, extra_env=env)
+    await process.start()
+    try:
+        yield process
+    finally:
+        await process.stop(graceful=False)
+
+
+def content_of(digest: str) -> str:
+    """The copy's content address the agent would compute (any 32 hex will do here)."""
+    return (digest * 2)[: nc.CONTENT_HEX_CHARS]
+
+
+async def report(cluster: Cluster, node: str, *held: str, warm: bool = False, ns: str = "") -> None:
+    """What ``node``'s agent writes each pass: its NodeCache report, heartbeat now; ``held``
+    are the digests whose copies ``ns`` was granted."""
     path = resource_path(nc.API_VERSION, nc.PLURAL, None, node)
     if await cluster.client.get(path) is None:
         await cluster.client.create(
             resource_path(nc.API_VERSION, nc.PLURAL),
             {"apiVersion": nc.API_VERSION, "kind": nc.KIND, "metadata": {"name": node}},
         )
-    artifacts = [{"digest": d, "bytes": 123456, "files": 4, "warm": warm} for d in held]
+    copies = [
+        {"content": content_of(d), "label": nc.content_label(content_of(d)), "bytes": 123456,
+         "files": 4, "warm": warm, "grants": [{"namespace": ns, "digest": d}]}
+        for d in held
+    ]  # fmt: skip
     status = {
         "node": node,
         "root": nc.DEFAULT_ROOT,
         "budgetBytes": 10**12,
         "bytesHeld": 123456 * len(held),
         "heartbeat": now(),
-        "artifacts": artifacts,
+        "endpoint": f"http://10.0.0.1:{nc.DEFAULT_COPY_PORT}",
+        "copies": copies,
         "partial": [],
     }
     await cluster.client.patch(
@@ -88,13 +120,14 @@ async def report(cluster: Cluster, node: str, *held: str, warm: bool = False) ->
 def copy_summary(digest: str) -> str:
     return json.dumps(
         {
+            "content": content_of(digest),
             "digest": digest,
             "bytes": 123456,
             "files": 4,
             "seconds": 0.5,
             "bytesPerSecond": 246912,
-            "resumedFiles": 0,
-            "root": nc.POD_MOUNT,
+            "alreadyComplete": False,
+            "node": "n",
         }
     )
 
@@ -234,11 +267,11 @@ async def test_copies_go_to_the_matching_nodes_then_the_workload_rolls_onto_them
     assert "modelstage.io/artifact-digest" not in annotations  # not rolled while copying
 
     await finish_copy(cluster, ns, digest, a)
-    await report(cluster, a, digest)
+    await report(cluster, a, digest, ns=ns)
     status = await wait_cache(cluster, ns, "one node ready", lambda s, c: c.get("ready") == 1)
     assert status["phase"] == "Staged"
     await finish_copy(cluster, ns, digest, b)
-    await report(cluster, b, digest)
+    await report(cluster, b, digest, ns=ns)
 
     rolled = await wait_rolled(cluster, ns, digest)
     status = await status_of(cluster, ns)
@@ -247,16 +280,33 @@ async def test_copies_go_to_the_matching_nodes_then_the_workload_rolls_onto_them
     assert {n["name"]: n["state"] for n in status["nodeCache"]["nodes"]} == {a: "Ready", b: "Ready"}
     template = rolled["spec"]["template"]["spec"]
     volumes = {v["name"]: v for v in template["volumes"]}
-    assert volumes["modelstage-node-cache"]["hostPath"] == {
-        "path": nc.DEFAULT_ROOT,
-        "type": "DirectoryOrCreate",
-    }
+    content = content_of(digest)
+    claim = volume_claim = volumes["modelstage-node-cache"]["persistentVolumeClaim"]
+    assert claim == {"claimName": claim_name(content), "readOnly": True}
+    assert "hostPath" not in json.dumps(rolled)
+    assert nc.CACHE_GID in template["securityContext"]["supplementalGroups"]
     prepare = next(c for c in template["initContainers"] if c["name"] == "modelstage-prepare")
     assert prepare["command"][-2:] == ["--node-cache", nc.POD_MOUNT]
-    assert template["affinity"]["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][
-        0
-    ]["preference"]["matchExpressions"] == [{"key": nc.node_label(digest), "operator": "Exists"}]
+    assert "affinity" not in template  # the PV's node affinity places the pods
     assert template["nodeSelector"] == gpu(ns)  # the user's own placement stays
+    pvc = await cluster.client.get(
+        resource_path("v1", "persistentvolumeclaims", ns, volume_claim["claimName"])
+    )
+    assert pvc is not None and pvc["spec"]["volumeName"] == volume_name(ns, content)
+    pv = await cluster.client.get(
+        resource_path("v1", "persistentvolumes", None, volume_name(ns, content))
+    )
+    assert pv is not None
+    assert pv["spec"]["local"] == {"path": f"{nc.DEFAULT_ROOT}/{content}"}
+    assert pv["spec"]["claimRef"]["name"] == volume_claim["claimName"]
+    # Each node's NodeCache spec keeps what the ModelDeployment pins.
+
+    async def kept() -> bool:
+        body = await cluster.client.get(resource_path(nc.API_VERSION, nc.PLURAL, None, a)) or {}
+        keep = (body.get("spec") or {}).get("keep") or []
+        return {"namespace": ns, "digest": digest} in keep
+
+    await eventually(kept, what=f"{a}'s spec keeping the artifact")
     await wait_event(cluster, ns, "CopyJobCreated")
 
     # Pods report hits and misses per node, a node without a copy included.
@@ -288,6 +338,37 @@ async def test_copies_go_to_the_matching_nodes_then_the_workload_rolls_onto_them
     assert "no longer holds" in node_b["message"]
     assert status["nodeCache"]["ready"] == 1
     assert condition(status, "NodeCached")["reason"] == "CopyLost"
+
+    # The claim goes (here by hand; with the ModelDeployment, by the garbage collector): its
+    # PV, which names a copy on the nodes, is deleted by the operator.
+    await claim_gone(cluster, ns, claim_name(content), volume_name(ns, content))
+
+
+async def claim_gone(cluster: Cluster, ns: str, claim: str, volume: str) -> None:
+    pvc_path = resource_path("v1", "persistentvolumeclaims", ns, claim)
+    pv_path = resource_path("v1", "persistentvolumes", None, volume)
+    pvc = await cluster.client.get(pvc_path)
+    assert pvc is not None
+    if cluster.tier == "real":
+
+        async def bound() -> bool:
+            body = await cluster.client.get(pvc_path) or {}
+            return (body.get("status") or {}).get("phase") == "Bound"
+
+        await eventually(bound, what="the claim bound by the PV controller")
+    else:  # the PV controller's part: the bound claim's uid in the PV
+        await cluster.client.patch(pv_path, {"spec": {"claimRef": {"uid": pvc["metadata"]["uid"]}}})
+    await cluster.client.delete(pvc_path)
+    if cluster.tier != "real":  # the PV controller marks a PV whose claim is gone
+        await cluster.client.patch(
+            resource_path("v1", "persistentvolumes", None, volume, "status"),
+            {"status": {"phase": "Released"}},
+        )
+
+    async def deleted() -> bool:
+        return await cluster.client.get(pv_path) is None
+
+    await eventually(deleted, what=f"PersistentVolume {volume} deleted once its claim is gone")
 
 
 async def _jobs_on(cluster: Cluster, ns: str, nodes: set[str]) -> dict[str, dict[str, Any]] | None:
@@ -321,8 +402,9 @@ async def test_the_deadline_rolls_anyway_and_says_so(
     cached = condition(status, "NodeCached")
     assert (cached["status"], cached["reason"]) == ("False", "DeadlinePassed")
     assert "0/1 nodes hold" in cached["message"]
-    assert "modelstage-node-cache" in {
-        v["name"] for v in rolled["spec"]["template"]["spec"]["volumes"]
+    # No node holds a copy: the roll goes without the node-cache volume.
+    assert "modelstage-node-cache" not in {
+        v["name"] for v in rolled["spec"]["template"]["spec"].get("volumes") or []
     }
     await wait_event(cluster, ns, "DeadlinePassed", "Warning")
 
@@ -349,7 +431,7 @@ async def test_without_node_caching_nothing_of_it_appears_until_it_is_turned_on(
     await cluster.client.patch(md_path(ns, MD), {"spec": ON})
     await eventually(lambda: _jobs_on(cluster, ns, {a}), what="the copy Job")
     await finish_copy(cluster, ns, digest, a)
-    await report(cluster, a, digest)
+    await report(cluster, a, digest, ns=ns)
 
     async def patched() -> dict[str, Any] | None:
         workload = await cluster.client.get(deploy_path(ns)) or {}

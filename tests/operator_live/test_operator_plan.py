@@ -12,7 +12,7 @@ import copy
 from typing import Any
 
 import pytest
-from modelstage.operator.plan import OFFLINE_UID
+from modelstage.operator.offline_plan import OFFLINE_UID
 from modelstage.stager.plan import plan_deployment_report
 from support.kube_cluster import Cluster
 from support.modelstage_objects import (

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
-from modelstage.operator.api import ModelDeploymentSpec, SourceStatus
+from modelstage.api.modeldeployment import ModelDeploymentSpec, SourceStatus
 from modelstage.operator.resolve_plan import resolve_job_name
 from support.kube_cluster import Cluster, eventually
 from support.modelstage_objects import (

@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from modelstage.api.objects import OPT_IN_ANNOTATION, labels
 from modelstage.operator.job_plan import cleanup_job_name, stage_job_name
-from modelstage.operator.kube import OPT_IN_ANNOTATION, labels
 from support.kube_cluster import Cluster, eventually
 from support.modelstage_objects import (
     SPEC,

@@ -25,13 +25,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from modelstage.core.errors import ModelstageError
 from modelstage.core.layouts import layout_for
+from modelstage.core.model_config import ModelConfig
 from modelstage.core.safetensors_format import (
     DTYPE_SIZES,
     MAX_HEADER_BYTES,
     parse_header,
     read_header,
 )
-from modelstage.stager.model_config import ModelConfig
 from modelstage.stager.shard_plan import SourceTensor, plan_shards
 from modelstage.stager.stage import StageRequest, stage
 

@@ -18,8 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import uuid
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 from modelstage.operator.job_plan import stage_job_name
@@ -42,11 +45,12 @@ from support.operator_flow import (
     MD,
     apply,
     condition,
+    handled_deletion,
+    handled_version,
     logged_more,
     operator_writes,
     staged_and_rolled,
     status_of,
-    succeeded,
     wait_job,
     wait_phase,
     wait_rolled,
@@ -291,7 +295,8 @@ async def test_a_deleted_target_workload_is_reported_and_not_recreated(
     cluster: Cluster, namespace: str, operator: OperatorProcess
 ) -> None:
     digest = await staged_and_rolled(cluster, namespace, SPEC)
-    handled = operator.count(succeeded("deployment_event"))
+    workload = await cluster.client.get(deploy_path(namespace))
+    assert workload is not None
     await cluster.client.delete(deploy_path(namespace))
 
     async def reported() -> dict[str, object] | None:
@@ -300,7 +305,7 @@ async def test_a_deleted_target_workload_is_reported_and_not_recreated(
 
     status = await eventually(reported, timeout=30, what="TargetNotFound in the status")
     assert status["artifact"]["digest"] == digest  # type: ignore[index]
-    await logged_more(operator, succeeded("deployment_event"), handled)
+    await handled_deletion(operator, workload["metadata"]["uid"], "deployment_event")
     assert await cluster.client.get(deploy_path(namespace)) is None
     if cluster.fake is not None:
         assert operator_writes(cluster, "POST", deploy_path(namespace, None)) == 0
@@ -380,7 +385,7 @@ async def test_conflicts_past_the_rereads_are_retried_by_kopf_after_a_delay(
     ns = namespace
     async with api_gate(cluster) as gate:
         refused = gate.refuse("PATCH", md_path(ns, MD, "status"), 409, "Conflict", times=3)
-        operator = OperatorProcess(gate.kubeconfig(tmp_path / "gated"), ns, tmp_path)
+        operator = OperatorProcess(gate.kubeconfig(tmp_path / "gated"), ns, tmp_path, verbose=True)
         await operator.start()
         try:
             # The workload's first event, handled after the ModelDeployment is known, would
@@ -400,23 +405,80 @@ async def test_conflicts_past_the_rereads_are_retried_by_kopf_after_a_delay(
             await operator.stop(graceful=False)
 
 
+RESYNC = "modeldeployment_resync"
+INVOKED = re.compile(r"^(?:Handler|Timer) '([^']+)' is invoked\.$")
+OUTCOME = re.compile(r"^(?:Handler|Timer) '([^']+)' (?:succeeded|failed|raised)")
+
+
+def invocations(records: list[dict[str, Any]]) -> list[tuple[int, str, str]]:
+    """``(index, object uid, handler)`` of each "is invoked" line (the verbose log)."""
+    found = []
+    for i, record in enumerate(records):
+        invoked = INVOKED.match(record.get("message", ""))
+        if invoked:
+            found.append((i, str((record.get("object") or {}).get("uid")), invoked[1]))
+    return found
+
+
+def open_at(records: list[dict[str, Any]], index: int) -> set[tuple[str, str]]:
+    """The handlers running (invoked, no outcome yet) when line ``index`` was logged."""
+    running: set[tuple[str, str]] = set()
+    for record in records[:index]:
+        uid = str((record.get("object") or {}).get("uid"))
+        message = record.get("message", "")
+        if invoked := INVOKED.match(message):
+            running.add((uid, invoked[1]))
+        elif outcome := OUTCOME.match(message):
+            running.discard((uid, outcome[1]))
+    return running
+
+
+async def operator_idle(cluster: Cluster, operator: OperatorProcess, ns: str) -> None:
+    """Every event so far handled: the workload, the Job and its pods at their current
+    versions (the handlers' trace), and then no handler but the timer running or invoked for
+    a second (the ModelDeployment's own events, from its status writes, are not traced)."""
+    await workload_events_handled(cluster, operator, ns)
+    for job in await cluster.client.list(job_path(ns)):
+        await handled_version(cluster, operator, job_path(ns, job["metadata"]["name"]),
+                              "stage_job_event")  # fmt: skip
+    for pod in await cluster.client.list(f"/api/v1/namespaces/{ns}/pods"):
+        await handled_version(cluster, operator,
+                              f"/api/v1/namespaces/{ns}/pods/{pod['metadata']['name']}",
+                              "stager_pod_event")  # fmt: skip
+
+    async def quiet() -> bool:
+        records = operator.current_records()
+        busy = {h for _, h in open_at(records, len(records))} - {RESYNC}
+        cutoff = (datetime.now(UTC) - timedelta(seconds=1)).isoformat(timespec="microseconds")
+        recent = [
+            h for i, _, h in invocations(records)
+            if h != RESYNC and records[i]["timestamp"] > cutoff
+        ]  # fmt: skip
+        return not busy and not recent
+
+    await eventually(quiet, timeout=30, what="the operator idle (no handler but the timer)")
+
+
 @pytest.mark.timeout(120)
 async def test_the_resync_timer_alone_notices_a_deleted_workload(
     cluster: Cluster, namespace: str, tmp_path: Path
 ) -> None:
     """The Deployment's DELETED event is lost (the gate mutes that watch): only the timer
-    (2 s here, 60 s by default) reconciles, and reports the workload gone."""
+    (2 s here, 60 s by default) reconciles, and reports the workload gone. The operator is
+    idle before the delete, and its verbose log shows that every status write from the
+    delete to the report was made by the timer, and that nothing else ran before it."""
     ns = namespace
     async with api_gate(cluster) as gate:
         operator = OperatorProcess(
-            gate.kubeconfig(tmp_path / "gated"), ns, tmp_path,
+            gate.kubeconfig(tmp_path / "gated"), ns, tmp_path, verbose=True,
             extra_env={"MODELSTAGE_OPERATOR_RESYNC_INTERVAL": "2"},
         )  # fmt: skip
         await operator.start()
         try:
             await staged_and_rolled(cluster, ns, SPEC)
+            await operator_idle(cluster, operator, ns)
             gate.mute(f"/apis/apps/v1/namespaces/{ns}/deployments")
-            timers = operator.count("Timer 'modeldeployment_resync' succeeded.")
+            since = operator.log_offset()
             await cluster.client.delete(deploy_path(ns))
 
             async def reported() -> bool:
@@ -426,7 +488,15 @@ async def test_the_resync_timer_alone_notices_a_deleted_workload(
             await eventually(reported, timeout=30, what="TargetNotFound from the timer")
             dropped = [json.loads(line) for line in gate.dropped if line.strip()]
             assert any(event["type"] == "DELETED" for event in dropped)  # never delivered
-            await logged_more(operator, "Timer 'modeldeployment_resync' succeeded.", timers)
+            records = operator.current_records(since)
+            write = f'"PATCH {md_path(ns, MD, "status")} HTTP/1.1" 200'
+            writes = [i for i, r in enumerate(records) if write in r.get("message", "")]
+            assert writes, "the status changed without a status write in the operator's log"
+            before = [h for i, _, h in invocations(records) if i < writes[0]]
+            assert set(before) == {RESYNC}, f"ran between the delete and the report: {before}"
+            md = (await cluster.client.get(md_path(ns, MD)) or {})["metadata"]["uid"]
+            for i in writes:
+                assert open_at(records, i) == {(md, RESYNC)}, records[i]["timestamp"]
         finally:
             await operator.stop(graceful=False)
 
@@ -441,12 +511,13 @@ async def test_a_job_event_whose_reconciliation_keeps_conflicting_still_rolls_ou
     ns = namespace
     digest = digest_of(SPEC)
     async with api_gate(cluster) as gate:
-        operator = OperatorProcess(gate.kubeconfig(tmp_path / "gated"), ns, tmp_path)
+        operator = OperatorProcess(gate.kubeconfig(tmp_path / "gated"), ns, tmp_path, verbose=True)
         await operator.start()
         try:
             await apply(cluster, ns, SPEC)
             await wait_job(cluster, ns, digest)
-            await logged_more(operator, succeeded("stage_job_event"), 0)
+            await handled_version(cluster, operator, job_path(ns, stage_job_name(digest)),
+                                  "stage_job_event")  # fmt: skip
             refused = gate.refuse("PATCH", md_path(ns, MD, "status"), 409, "Conflict", times=8)
             await finish_stage_job(cluster.client, ns, digest, message=summary(digest),
                                    succeeded=True)  # fmt: skip

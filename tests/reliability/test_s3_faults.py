@@ -24,7 +24,7 @@ from modelstage.core.manifest import MANIFEST, TIMING_FIELDS
 from modelstage.core.s3_client import S3Options
 from modelstage.devtools.synthetic import SyntheticModel, write_checkpoint
 from modelstage.stager.stage import StageRequest, stage
-from support.fault_proxy import FaultProxy, fault_proxy
+from support.fault_proxy import DOWN_PIECE_BYTES, FaultProxy, fault_proxy
 from support.s3_server import S3Server
 
 MiB = 1024 * 1024
@@ -211,6 +211,10 @@ def test_connections_cut_mid_download_are_retried_and_the_artifact_is_identical(
         proxy.cut_after_bytes(cut)  # counted from now, in this download
         download(s3_source, tmp_path / f"cut{cut}", options(s3, proxy.endpoint))
         assert proxy.cuts == fired, f"the cut after {cut} bytes of download {fired} never fired"
+        landed = proxy.cut_log[-1]
+        assert landed.after == cut and cut <= landed.offset < cut + DOWN_PIECE_BYTES, (
+            f"armed to cut {cut} bytes into download {fired}, it cut at {landed.offset}"
+        )
         verify_directory(tmp_path / f"cut{cut}")
         assert local_files(tmp_path / f"cut{cut}") == local_files(tmp_path / "ref")
 

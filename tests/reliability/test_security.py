@@ -31,12 +31,12 @@ from typing import Any
 
 import pytest
 import yaml
+from modelstage.api.modeldeployment import ModelDeploymentSpec
+from modelstage.api.objects import Owner
 from modelstage.core.errors import CheckpointError, ModelstageError
 from modelstage.core.s3_client import S3Options
-from modelstage.operator.api import ModelDeploymentSpec
-from modelstage.operator.artifact import artifact_for, spec_digest
+from modelstage.operator.artifact import artifact_at, artifact_for, spec_digest
 from modelstage.operator.job_plan import plan_finalize_job, plan_resolve_job, plan_stage_job
-from modelstage.operator.kube import Owner
 from modelstage.operator.rollout_plan import plan_rollout
 from modelstage.stager import cli
 from modelstage.stager.stage import StageRequest, stage
@@ -265,9 +265,10 @@ def assert_restricted(container: dict[str, Any], pod: dict[str, Any], what: str)
 def test_every_container_the_operator_creates_is_non_root_with_a_read_only_root() -> None:
     spec = ModelDeploymentSpec.model_validate(SPEC)
     owner = Owner(name="llama", namespace="llm", uid="5f1c0000-0000-4000-8000-000000000001")
-    digest = spec_digest(spec, IDENTITY)
-    for job in (plan_stage_job(spec, owner=owner, digest=digest),
-                plan_finalize_job(spec, owner=owner, digest=digest),
+    artifact = artifact_at(spec, namespace=owner.namespace, deployment_name=owner.name,
+                           digest=spec_digest(spec, IDENTITY))  # fmt: skip
+    for job in (plan_stage_job(spec, owner=owner, artifact=artifact),
+                plan_finalize_job(spec, owner=owner, artifact=artifact),
                 plan_resolve_job(spec, owner=owner, name="modelstage-resolve-0")):  # fmt: skip
         pod = job["spec"]["template"]["spec"]
         for c in pod.get("initContainers", []) + pod["containers"]:

@@ -1,8 +1,9 @@
 """A serving pod of an S3 artifact on a node holding a copy (SeaweedFS on 127.0.0.1).
 
-The node copy is a local directory, so the plugin's S3 reader takes it with the local reader
-when its manifest equals the S3 manifest object byte for byte; ``prepare --node-cache`` says
-hit or miss the same way; a copy that is not the artifact is a miss and the objects are read.
+The node copy is a local directory (the pod's mount of its copy), so the plugin's S3 reader
+takes it with the local reader when its manifest is the canonical form of the S3 manifest
+object; ``prepare --node-cache`` says hit or miss the same way; a copy that is not the artifact
+is a miss and the objects are read.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from modelstage.core.manifest import MANIFEST
-from modelstage.core.node_cache import copy_dir
+from modelstage.core.node_cache import canonical_manifest
 from modelstage.plugin import sharded_state
 from modelstage.plugin.reader import TORCH_DTYPES, PipelinedReader, Target, flat_bytes
 from modelstage.plugin.s3_sharded_state import ModelstageS3ShardedStateLoader
@@ -38,15 +39,16 @@ def staged(s3: S3Server, bucket: str, make_small_ckpt: Path) -> tuple[str, str]:
 
 @pytest.fixture
 def node(s3: S3Server, bucket: str, staged: tuple[str, str], tmp_path: Path) -> Path:
-    """A node root holding the objects' bytes under the digest (what node-copy leaves)."""
-    root = tmp_path / "node"
-    copy = copy_dir(root, staged[1])
+    """This node's copy as the pod mounts it: the objects' bytes, the canonical manifest
+    (what the agent keeps of a copy Job's stream)."""
+    copy = tmp_path / "node-copy"
     copy.mkdir(parents=True)
     client = s3.client()
     for obj in client.list_objects_v2(Bucket=bucket, Prefix="llm/")["Contents"]:
         body = client.get_object(Bucket=bucket, Key=obj["Key"])["Body"].read()
         (copy / obj["Key"].removeprefix("llm/")).write_bytes(body)
-    return root
+    (copy / MANIFEST).write_bytes(canonical_manifest((copy / MANIFEST).read_bytes()))
+    return copy
 
 
 @pytest.fixture(autouse=True)
@@ -77,7 +79,7 @@ def test_an_s3_artifacts_node_copy_is_read_by_the_local_reader(
 ) -> None:
     caplog.set_level(logging.INFO, logger="vllm.modelstage")
     uri, digest = staged
-    copy = copy_dir(node, digest)
+    copy = node
     verdict = node_cache_verdict(uri, digest, node, s3.options())
     assert verdict.summary() == {"result": "hit", "path": str(copy)}
 
@@ -100,11 +102,11 @@ def test_a_copy_that_is_not_the_s3_artifact_is_a_miss_and_the_objects_are_read(
     s3: S3Server, staged: tuple[str, str], node: Path
 ) -> None:
     uri, digest = staged
-    manifest = copy_dir(node, digest) / MANIFEST
+    manifest = node / MANIFEST
     doc = json.loads(manifest.read_text())
     manifest.write_text(json.dumps(doc, indent=1))  # same content, other bytes: not trusted
     verdict = node_cache_verdict(uri, digest, node, s3.options())
-    assert not verdict.hit and "differs from the artifact's manifest" in verdict.reason
+    assert not verdict.hit and "is not the artifact's manifest" in verdict.reason
 
     verified = s3_loader(node, digest).verify(uri, 2, "0.32.0")
     assert verified.node_cache == "miss" and verified.location == uri

@@ -8,10 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from modelstage.devtools.synthetic import SyntheticModel
-from support.serving import Artifact, stage_artifact, stock_run
-
-TIED = SyntheticModel(tie_word_embeddings=True, num_shards=2, split_fused=True)
+from support.serving import LLAMA_TP2, TIED, Artifact, stage_artifact, stock_run
 
 
 @pytest.fixture(scope="session")
@@ -50,8 +47,7 @@ def stock_results(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Artifac
 
 @pytest.fixture(scope="session")
 def llama_tp2(tmp_path_factory: pytest.TempPathFactory) -> Artifact:
-    spec = SyntheticModel(num_shards=2, split_fused=True, seed=3)
-    return stage_artifact(tmp_path_factory.mktemp("llama"), spec, 2)
+    return stage_artifact(tmp_path_factory.mktemp("llama"), LLAMA_TP2, 2)
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ its manifest still equal to the artifact's, and the artifact is intact again: th
 copy is corrupt logs the error (the node file, the chunk, what to do), counts ``corrupt`` and
 reads the artifact instead, and the answers are still exactly stock's. With both damaged the
 load is refused: corrupt bytes are never served, from the node or from the PVC. A copy that is
-not the artifact at all is a miss (tests/serving/test_node_copy.py).
+not the artifact at all is a miss (tests/plugin/test_node_copy.py).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from modelstage.agent.copy import copy_local
 from modelstage.core.node_cache import copy_dir
 from modelstage.stager.stage import StageRequest, stage
 from prometheus_client.parser import text_string_to_metric_families
@@ -59,7 +60,8 @@ def test_a_pod_reads_its_ranks_from_the_node_copy_and_reads_past_a_corrupt_one(
                                  out=str(tmp_path / "staged"), tp=2, chunk_bytes=CHUNK))  # fmt: skip
     digest = summary["digest"]
     node = tmp_path / "node"
-    copy = Path(shutil.copytree(tmp_path / "staged", copy_dir(node, digest)))
+    done = copy_local(str(tmp_path / "staged"), digest=digest, root=node)  # the agent's copy
+    copy = copy_dir(node, str(done["content"]))
     pvc = Path(shutil.copytree(tmp_path / "staged", tmp_path / "pvc" / digest))
     for rank_file in sorted(pvc.glob("model-rank-*-part-*.safetensors")):
         flip_middle(rank_file)  # sizes unchanged: prepare (without --hash) accepts it
@@ -67,12 +69,12 @@ def test_a_pod_reads_its_ranks_from_the_node_copy_and_reads_past_a_corrupt_one(
 
     plugin_dir = tmp_path / "plugins"
     proc = prepare_cli("--artifact", str(pvc), "--digest", digest, "--tp", "2",
-                       "--plugin-dir", str(plugin_dir), "--node-cache", str(node), cwd=tmp_path)  # fmt: skip
+                       "--plugin-dir", str(plugin_dir), "--node-cache", str(copy), cwd=tmp_path)  # fmt: skip
     assert proc.returncode == 0, last_line(proc)
     assert json.loads(last_line(proc))["nodeCache"] == {"result": "hit", "path": str(copy)}
 
     settings = {"digest": digest, "tp": "2", "format": "sharded_state", "artifact": str(pvc),
-                "node_cache": str(node)}  # fmt: skip
+                "node_cache": str(copy)}  # fmt: skip
     proc, pod = pod_run(
         artifact, plugin_dir, pod_site, tmp_path, metrics_port=free_ports(2), settings=settings
     )
@@ -87,6 +89,8 @@ def test_a_pod_reads_its_ranks_from_the_node_copy_and_reads_past_a_corrupt_one(
         assert node_cache_loads(pod["metrics"][rank]) == {"hit": 1.0}, rank
 
     victim = copy / "model-rank-1-part-0.safetensors"
+    copy.chmod(0o750)  # the agent's copy is read-only; the test plays bit rot
+    victim.chmod(0o640)
     index = flip_middle(victim)
     shutil.rmtree(pvc)
     shutil.copytree(tmp_path / "staged", pvc)  # the artifact intact again
@@ -102,7 +106,7 @@ def test_a_pod_reads_its_ranks_from_the_node_copy_and_reads_past_a_corrupt_one(
         re.escape(f"modelstage: node cache: {victim}: chunk {index} "
                   f"(bytes {index * CHUNK}-{(index + 1) * CHUNK - 1}) has BLAKE3 ")
         + "[0-9a-f]{64}, the manifest says [0-9a-f]{64}; the file is corrupt: "
-        + re.escape(f"the node-local copy {copy} is corrupt: remove it")
+        + re.escape(f"the node-local copy {copy} is corrupt: the node agent's re-verification")
         + ".*; reading the artifact instead",
         log,
     ), log[-4000:]  # fmt: skip

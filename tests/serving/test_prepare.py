@@ -166,6 +166,33 @@ def test_other_uri_schemes_are_refused_with_what_prepare_reads(tmp_path: Path) -
     assert line.endswith("not gs://")
 
 
+CHECKOUT = Path(__file__).resolve().parents[2]
+
+
+def test_the_plugin_install_is_the_core_and_plugin_roots_and_no_other_code(
+    tmp_path: Path,
+) -> None:
+    """The serving pod gets exactly the Python files of the ``core/`` and ``plugin/`` source
+    roots, byte for byte: no stager, operator, API, agent or dev-tools code."""
+    install_plugin(tmp_path)
+    assert PLUGIN_PACKAGES == ("core", "plugin")
+
+    def python_files(root: Path) -> dict[str, bytes]:
+        return {
+            f.relative_to(root).as_posix(): f.read_bytes()
+            for f in root.rglob("*")
+            if f.suffix in (".py", ".typed") and "__pycache__" not in f.parts
+        }
+
+    copied = python_files(tmp_path / "modelstage")
+    expected: dict[str, bytes] = {}
+    for name in PLUGIN_PACKAGES:
+        expected |= python_files(CHECKOUT / name / "modelstage")
+    assert copied == expected
+    for other in ("stager", "operator", "api", "agent", "devtools"):
+        assert not any(name.startswith(f"{other}/") for name in copied), other
+
+
 def test_copied_plugin_imports_only_copied_modules_and_what_vllm_images_have(
     tmp_path: Path,
 ) -> None:

@@ -10,12 +10,12 @@ import shutil
 from pathlib import Path
 
 import pytest
+from modelstage.core.architectures import ARCHITECTURES
 from modelstage.core.errors import SpecError
 from modelstage.core.formats import AUTO_FORMATS, FORMATS, PER_RANK_ARCHITECTURES, choose_format
 from modelstage.core.location import verify_directory
 from modelstage.core.manifest import MANIFEST
 from modelstage.devtools.synthetic import SyntheticModel, write_checkpoint
-from modelstage.stager.architectures import ARCHITECTURES
 from modelstage.stager.resolve import resolve
 from modelstage.stager.stage import StageRequest, stage
 
@@ -117,10 +117,6 @@ def test_resolve_reports_the_architecture_and_quantization_auto_decides_by(
             "LlamaForCausalLM",
             "compressed-tensors",
         )
-
-
-def test_the_cores_architecture_names_are_the_stagers_table() -> None:
-    assert set(ARCHITECTURES) == PER_RANK_ARCHITECTURES
 
 
 @pytest.mark.parametrize("storage", ["pvc", "s3"])

@@ -114,6 +114,38 @@ def test_max_part_bytes_with_a_suffix_cuts_parts(llama_ckpt: Path, tmp_path: Pat
     assert len(parts) > 1 and done["files"] == 2 * len(parts) + 5  # + config, tokenizer...
 
 
+@pytest.mark.parametrize("text", ["65Mi", "67108865", "1Gi"])
+def test_chunk_bytes_above_64_mib_is_one_line_naming_the_flag_and_the_cap(
+    llama_ckpt: Path, tmp_path: Path, text: str
+) -> None:
+    done = run("stage", str(llama_ckpt), "--tp", "2", "--out", str(tmp_path / "a"),
+               "--chunk-bytes", text)  # fmt: skip
+    value = cli.parse_bytes(text, "--chunk-bytes")
+    assert last_error(done) == (
+        f"error: --chunk-bytes {text!r}: {value} bytes is more than 67108864 (64Mi), the "
+        "largest hash chunk a reader holds in memory; use 64Mi or less"
+    )
+    assert "Traceback" not in done.stderr and not (tmp_path / "a").exists()
+
+
+def test_chunk_bytes_at_the_cap_or_below_sets_the_manifests_chunk_size(
+    llama_ckpt: Path, tmp_path: Path
+) -> None:
+    summary(run("stage", str(llama_ckpt), "--tp", "2", "--out", str(tmp_path / "a"),
+                "--chunk-bytes", "1Mi"))  # fmt: skip
+    files = json.loads((tmp_path / "a" / "modelstage.json").read_text())["files"]
+    assert {f["chunkBytes"] for f in files.values()} == {1 << 20}
+    assert cli.parse_chunk_bytes("64Mi") == 64 << 20 and cli.parse_chunk_bytes(None) is None
+
+
+def test_a_stage_request_over_the_chunk_cap_is_a_spec_error(
+    llama_ckpt: Path, tmp_path: Path
+) -> None:
+    with pytest.raises(SpecError, match=r"--chunk-bytes\) is 67108865: it must be from 1 to "):
+        stage(StageRequest(source=str(llama_ckpt), out=str(tmp_path / "a"), tp=2,
+                           chunk_bytes=(64 << 20) + 1))  # fmt: skip
+
+
 # --- an occupied --out --------------------------------------------------------------------------
 def test_an_occupied_out_says_what_is_there_and_what_this_run_would_write(
     llama_ckpt: Path, tmp_path: Path

@@ -14,16 +14,9 @@ from typing import Any
 import pytest
 import torch
 from modelstage.core.errors import SpecError
-from modelstage.core.formats import (
-    AUTO_FORMATS,
-    FORMATS,
-    FP8_CHANNEL,
-    PER_RANK_QUANTIZATIONS,
-    choose_format,
-)
+from modelstage.core.formats import AUTO_FORMATS, FORMATS, choose_format
+from modelstage.core.model_config import FP8_CHANNEL, fp8_channel_mismatch, quantization_of
 from modelstage.devtools.synthetic import SyntheticModel, fp8_quantization_config, write_checkpoint
-from modelstage.stager.architectures import QUANTIZED
-from modelstage.stager.model_config import fp8_channel_mismatch, quantization_of
 from modelstage.stager.resolve import resolve
 from modelstage.stager.stage import StageRequest, stage
 from safetensors import safe_open
@@ -189,6 +182,3 @@ def test_auto_stages_fp8_per_rank_only_for_the_scheme_and_its_architectures(
         f"in the Hugging Face layout ({copy_})"
     )
 
-
-def test_the_cores_quantized_architectures_are_the_stagers_table() -> None:
-    assert {q: frozenset(a) for q, a in QUANTIZED.items()} == PER_RANK_QUANTIZATIONS

@@ -15,13 +15,13 @@ from typing import Any
 
 import pytest
 import yaml
+from modelstage.api.modeldeployment import DEFAULT_STAGER_IMAGE, ModelDeploymentSpec
+from modelstage.api.objects import Owner
 from modelstage.core.manifest import read_manifest
-from modelstage.operator.api import DEFAULT_STAGER_IMAGE, ModelDeploymentSpec
-from modelstage.operator.artifact import artifact_for, spec_digest
+from modelstage.operator.artifact import artifact_at, artifact_for, spec_digest
 from modelstage.operator.claim_plan import plan_claim
 from modelstage.operator.job_plan import staging_jobs
-from modelstage.operator.kube import Owner
-from modelstage.operator.plan import OFFLINE_UID
+from modelstage.operator.offline_plan import OFFLINE_UID
 from modelstage.operator.resolve_plan import resolve_job_name, source_status
 from modelstage.operator.rollout_plan import plan_rollout
 from modelstage.stager.plan import plan_files
@@ -111,7 +111,7 @@ def test_the_plan_of_each_example_is_the_operators_digest_jobs_claim_and_patch(
     assert report["digest"] == digest
     owner = Owner(name=name, namespace=namespace, uid=OFFLINE_UID)
     source = source_status(spec, IDENTITY, now=datetime.now(UTC))
-    jobs = staging_jobs(spec, owner=owner, digest=digest, default_image=DEFAULT_STAGER_IMAGE,
+    jobs = staging_jobs(spec, owner=owner, artifact=artifact_at(spec, namespace=owner.namespace, deployment_name=owner.name, digest=digest), default_image=DEFAULT_STAGER_IMAGE,
                         source=source)  # fmt: skip
     assert [j["manifest"] for j in report["jobs"]] == jobs
     assert [j["command"] for j in report["jobs"]] == [

@@ -12,13 +12,14 @@ from pathlib import Path
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from modelstage.core.architectures import NON_LAYER_GROUP
 from modelstage.core.errors import ArtifactError, DestinationError, SpecError
 from modelstage.core.layouts import layout_for
 from modelstage.core.location import verify_directory
 from modelstage.core.manifest import MANIFEST, TIMING_FIELDS
 from modelstage.devtools.synthetic import SyntheticModel, write_checkpoint
 from modelstage.stager.scale_out import Group, assign_parts, finalize, part_sizes, stage_group
-from modelstage.stager.shard_plan import NON_LAYER_GROUP, ShardPlan, plan_shards
+from modelstage.stager.shard_plan import ShardPlan, plan_shards
 from modelstage.stager.stage import StageRequest, stage
 from modelstage.stager.writers.rank_files import plan_parts
 

@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from modelstage.core.errors import CheckpointError, SpecError
 from modelstage.core.layouts import layout_for
-from modelstage.devtools.synthetic import Architecture, SyntheticModel
-from modelstage.stager.model_config import ModelConfig
+from modelstage.core.model_config import ModelConfig
+from modelstage.devtools.synthetic import SyntheticModel
 from modelstage.stager.shard_plan import ShardPlan, Slice, Slot, SourceTensor, plan_shards
 
 LAYOUT = layout_for("0.32")
@@ -176,7 +176,7 @@ def test_tied_embeddings_are_written_once_as_lm_head() -> None:
     assert head.slots[0].source == "model.embed_tokens.weight"
 
 
-def _gemma_plan(architecture: Architecture, tied: bool = True) -> ShardPlan:
+def _gemma_plan(architecture: str, tied: bool = True) -> ShardPlan:
     model = SyntheticModel(
         architecture=architecture, hidden_size=32, intermediate_size=64, num_heads=4,
         num_kv_heads=2, head_dim=16, num_layers=1, vocab_size=100, tie_word_embeddings=tied,

@@ -299,8 +299,8 @@ def test_the_manifest_records_the_identity_the_digest_was_taken_from(
     source = json.loads((tmp_path / "a" / MANIFEST).read_text())["source"]
     assert source["identity"] == summary["sourceIdentity"]
     assert summary["digest"] == artifact_digest(
-        uri=f"file://{llama_ckpt}", source=source["identity"], tensor_parallel=2,
-        pipeline_parallel=1, dtype="auto", load_format="sharded_state",
+        uri=f"file://{llama_ckpt}", source=source["identity"], tp=2,
+        pp=1, dtype="auto", load_format="sharded_state",
         layout_version=layouts.layout_for(None).layout_version,
     )  # fmt: skip
 

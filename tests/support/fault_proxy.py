@@ -16,8 +16,9 @@ switchable while clients are connected:
   download); one cut per call.
 
 It counts the bytes sent to the server (``bytes_up``) and back (``bytes_down``), which tests
-use as a progress measure, and the cuts it made (``cuts``), so a test can prove that a fault
-it armed fired. Everything binds to 127.0.0.1 only.
+use as a progress measure, and the cuts it made (``cuts``, each with where it was armed and
+where it fired: ``cut_log``), so a test can prove that a fault it armed fired, and where.
+Everything binds to 127.0.0.1 only.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 SLOW_DOWN = (
@@ -37,6 +39,26 @@ SLOW_DOWN_BODY = (
     b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
     b"<Message>Please reduce your request rate.</Message></Error>"
 )
+
+DOWN_PIECE_BYTES = 65536
+"""The most bytes one response read passes on: a cut lands at most this far past its mark."""
+UP_PIECE_BYTES = 1 << 20
+"""The most request-body bytes one read passes on."""
+
+
+@dataclass(frozen=True)
+class Cut:
+    """One ``cut_after_bytes`` that fired: the proxy's byte count (both directions) when it
+    was armed and when it cut, and the distance it was armed for."""
+
+    armed_at: int
+    after: int
+    fired_at: int
+
+    @property
+    def offset(self) -> int:
+        """Bytes that went through between arming and the cut."""
+        return self.fired_at - self.armed_at
 
 
 class FaultProxy:
@@ -50,10 +72,12 @@ class FaultProxy:
         self.port = 0
         self.bytes_up = self.bytes_down = 0
         self.requests = self.throttled = self.cuts = 0
+        self.cut_log: list[Cut] = []
         self.delay_s = 0.0
         self._throttle_next = self._seen = 0
         self._throttle_every = 1
         self._cut_budget: int | None = None
+        self._cut_armed: tuple[int, int] = (0, 0)
         self._down_on: bytes | None = None
         self.up()
 
@@ -91,6 +115,7 @@ class FaultProxy:
     def cut_after_bytes(self, nbytes: int | None) -> None:
         with self._lock:
             self._cut_budget = nbytes
+            self._cut_armed = (self.bytes_up + self.bytes_down, nbytes or 0)
 
     def close(self) -> None:
         self.down()
@@ -115,6 +140,8 @@ class FaultProxy:
                 if self._cut_budget <= 0:
                     self._cut_budget, cut = None, True
                     self.cuts += 1
+                    at = self.bytes_up + self.bytes_down
+                    self.cut_log.append(Cut(*self._cut_armed, fired_at=at))
         if cut:
             self._cut_all()
 
@@ -170,7 +197,7 @@ class FaultProxy:
                 remaining = length
                 while remaining > 0:
                     if not buf:
-                        buf = client.recv(min(remaining, 1 << 20))
+                        buf = client.recv(min(remaining, UP_PIECE_BYTES))
                         if not buf:
                             return
                     piece, buf = buf[:remaining], buf[remaining:]
@@ -184,7 +211,7 @@ class FaultProxy:
 
     def _pump_down(self, server: socket.socket, client: socket.socket) -> None:
         try:
-            while chunk := server.recv(65536):
+            while chunk := server.recv(DOWN_PIECE_BYTES):
                 if self.delay_s:
                     time.sleep(self.delay_s)
                 client.sendall(chunk)

@@ -3,8 +3,10 @@
 - **real**: when ``KUBEBUILDER_ASSETS`` names a folder holding ``kube-apiserver`` and ``etcd``
   (envtest's convention), ``ControlPlane`` starts them on 127.0.0.1 (and
   ``kube-controller-manager`` from the same folder when present, with only the garbage
-  collector and namespace controllers: the tests play the Job and Deployment controllers by
-  patching statuses, so those controllers must not run) and applies the CRDs. The API server
+  collector, namespace, PersistentVolume binder and protection controllers: the tests play the Job and
+  Deployment controllers by patching statuses, so those controllers must not run) and applies
+  the CRDs. Admission as a cluster has it by default (Pod Security, ValidatingAdmissionPolicy),
+  but the ServiceAccount plugin (pods of the tests name accounts that no controller makes). The API server
   serves HTTPS only: the kubeconfig carries a static bearer token (``--token-auth-file``,
   group ``system:masters``) and skips TLS verification of the throw-away serving certificate.
 - **kmock**: otherwise ``tests.support.kube_fake.FakeKubeAPI`` in the test's event loop, over
@@ -280,7 +282,10 @@ class ControlPlane:
                     f"--kubeconfig={self.kubeconfig}",
                     f"--authentication-kubeconfig={self.kubeconfig}",
                     f"--authorization-kubeconfig={self.kubeconfig}",
-                    "--controllers=garbagecollector,namespace",
+                    # The PV binder binds the node-cache claims to their pre-bound PVs; the
+                    # protection controllers let a PV and a claim nothing uses be deleted.
+                    "--controllers=garbagecollector,namespace,persistentvolume-binder,"
+                    "pv-protection,pvc-protection",
                     "--leader-elect=false",
                     "--bind-address=127.0.0.1",
                     f"--secure-port={free_port()}",
@@ -380,6 +385,16 @@ KIND_PATHS = {
     "RoleBinding": ("rbac.authorization.k8s.io/v1", "rolebindings", True),
     "ClusterKopfPeering": ("kopf.dev/v1", "clusterkopfpeerings", False),
     "KopfPeering": ("kopf.dev/v1", "kopfpeerings", True),
+    "ValidatingAdmissionPolicy": (
+        "admissionregistration.k8s.io/v1",
+        "validatingadmissionpolicies",
+        False,
+    ),
+    "ValidatingAdmissionPolicyBinding": (
+        "admissionregistration.k8s.io/v1",
+        "validatingadmissionpolicybindings",
+        False,
+    ),
 }
 RBAC_KINDS = ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding")
 
@@ -406,13 +421,24 @@ async def create_all(client: KubeHTTP, docs: list[dict[str, Any]]) -> None:
                 raise
 
 
-async def service_account_token(client: KubeHTTP, namespace: str, name: str) -> str:
-    """A bound token of the ServiceAccount (the TokenRequest API, as the kubelet gets one)."""
-    request = {
-        "apiVersion": "authentication.k8s.io/v1",
-        "kind": "TokenRequest",
-        "spec": {"expirationSeconds": 24 * 3600},
-    }
+async def service_account_token(
+    client: KubeHTTP,
+    namespace: str,
+    name: str,
+    *,
+    bound_pod: tuple[str, str] | None = None,
+    audience: str | None = None,
+) -> str:
+    """A token of the ServiceAccount (the TokenRequest API, as the kubelet gets one); with
+    ``bound_pod`` (name, uid) bound to that pod, so that it carries the pod's node (the
+    node-name claim) and dies with the pod; ``audience`` for a projected token's."""
+    spec: dict[str, Any] = {"expirationSeconds": 24 * 3600}
+    if bound_pod is not None:
+        spec["boundObjectRef"] = {"kind": "Pod", "apiVersion": "v1", "name": bound_pod[0],
+                                  "uid": bound_pod[1]}  # fmt: skip
+    if audience is not None:
+        spec["audiences"] = [audience]
+    request = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": spec}
     path = f"/api/v1/namespaces/{namespace}/serviceaccounts/{name}/token"
     answer = await client.create(path, request)
     token: str = answer["status"]["token"]

@@ -19,7 +19,7 @@ rendering, and replaces the object semantics with the API server's:
   ``resourceVersion`` replays the events after it, ends after ``timeoutSeconds``; a watch
   from before the last ``compact`` gets the 410 ``Expired`` ERROR event;
 - ModelDeployment writes are validated against the CRD's OpenAPI schema (jsonschema), 422
-  when invalid (CEL rules are not evaluated here: tests/operator/test_crd.py pins them);
+  when invalid (CEL rules are not evaluated here: tests/api/test_crd.py pins them);
 - the API server's query-parameter parsing, name and label rules, defaulting and immutable
   fields (``kube_rules.py``, each rule with the behaviour it copies);
 - namespaces: creating in a missing one is 404, in a terminating one 403; deleting one deletes

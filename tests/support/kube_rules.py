@@ -11,7 +11,7 @@ expects the same answers):
 - ``metadata.name`` is an RFC 1123 subdomain (at most 253 characters), a namespace's an RFC 1123
   label (at most 63);
 - label keys are qualified names (an optional DNS-subdomain prefix, a name part of at most 63
-  characters), label values at most 63 characters of ``[A-Za-z0-9._-]`` starting and ending
+  characters), label values at most 63 bytes of ``[A-Za-z0-9._-]`` starting and ending
   alphanumeric; annotation keys follow the key rule (422 ``Invalid``);
 - a Job's name becomes the value of the ``batch.kubernetes.io/job-name`` label of its pod
   template, so a name over 63 characters is refused (422, "spec.template.labels");
@@ -102,7 +102,7 @@ def check_labels(kind: str, name: str, labels: Mapping[str, Any], field: str) ->
         text = str(value)
         if len(text) > 63:
             raise _invalid(
-                kind, name, field, f'Invalid value: "{text}": must be no more than 63 characters'
+                kind, name, field, f'Invalid value: "{text}": must be no more than 63 bytes'
             )
         if not LABEL_VALUE.fullmatch(text):
             raise _invalid(kind, name, field, f'Invalid value: "{text}": a valid label must be '

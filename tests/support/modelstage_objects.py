@@ -8,11 +8,11 @@ import copy
 import json
 from typing import Any
 
-from modelstage.operator.api import ModelDeploymentSpec
+from modelstage.api.kube_client import resource_path
+from modelstage.api.modeldeployment import ModelDeploymentSpec
+from modelstage.api.objects import DIGEST_ANNOTATION, OPT_IN_ANNOTATION
 from modelstage.operator.artifact import spec_digest
 from modelstage.operator.job_plan import stage_job_name
-from modelstage.operator.kube import DIGEST_ANNOTATION, OPT_IN_ANNOTATION
-from modelstage.operator.kube_client import resource_path
 from modelstage.operator.resolve_plan import pinned_identity
 
 from support.kube_cluster import KubeHTTP

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from modelstage.api.kube_client import resource_path
 from modelstage.core import node_cache as nc
-from modelstage.operator.kube_client import resource_path
 
 from support.charts import RELEASE, of_kind, render_docs
 from support.kube_cluster import (
@@ -52,6 +52,9 @@ async def node_cache_cluster(
     if real_control_plane is None:
         async with kmock_cluster(CRDS, tmp_path) as fake_cluster:
             fake_cluster.fake.register(ResourceSpec("v1", "nodes", "Node"), namespaced=False)
+            fake_cluster.fake.register(
+                ResourceSpec("v1", "persistentvolumes", "PersistentVolume"), namespaced=False
+            )
             yield fake_cluster
         return
     async with real_cluster(real_control_plane, CRDS, tmp_path) as real:
@@ -70,7 +73,8 @@ async def node_cache_cluster(
         try:
             yield real
         finally:
-            for path in (resource_path("v1", "nodes"), resource_path(nc.API_VERSION, nc.PLURAL)):
+            for path in (resource_path("v1", "nodes"), resource_path(nc.API_VERSION, nc.PLURAL),
+                         resource_path("v1", "persistentvolumes")):  # fmt: skip
                 for obj in await real.client.list(path):
                     try:
                         await real.client.delete(f"{path}/{obj['metadata']['name']}")

@@ -3,8 +3,10 @@ operator's writes), shared by the lifecycle, scale-out, limits and reliability s
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
+from modelstage.api.modeldeployment import GROUP
 from modelstage.operator.job_plan import stage_job_name
 
 from support.kube_cluster import Cluster, eventually
@@ -25,6 +27,8 @@ from support.operator_process import OperatorProcess
 MD = "llama"
 OPERATOR_AGENT = "OpenAPI-Generator"
 """The handlers' client (kubernetes package); kopf's own requests say ``kopf/...``."""
+LAST_HANDLED = f"{GROUP}/last-handled-configuration"
+"""Where kopf keeps the spec its change handlers last handled to success (``settings.py``)."""
 
 
 async def status_of(cluster: Cluster, ns: str, name: str = MD) -> dict[str, Any]:
@@ -107,9 +111,10 @@ async def staged_and_rolled(cluster: Cluster, ns: str, spec: dict[str, Any], nam
 
 
 async def logged_more(operator: OperatorProcess, text: str, than: int, times: int = 1) -> None:
-    """Evidence before asserting that something did not happen: the operator has logged
-    ``text`` (e.g. ``Handler 'deployment_event' succeeded.``) ``times`` more times than
-    ``than`` (a count taken before the event), so it has handled the event in question."""
+    """The operator has logged ``text`` ``times`` more times than ``than`` (a count taken
+    before). Evidence only for a line that nothing but the event under test writes (a
+    failure's own message): a handler's "succeeded" line may come from any leftover event,
+    which ``handled_version`` and ``handled_deletion`` tell apart."""
 
     async def probe() -> bool:
         return operator.count(text) >= than + times
@@ -121,14 +126,82 @@ def succeeded(handler: str) -> str:
     return f"Handler '{handler}' succeeded."
 
 
+def _uid(record: dict[str, Any]) -> str | None:
+    ref = record.get("object")
+    return ref.get("uid") if isinstance(ref, dict) else None
+
+
+def ran_on(records: list[dict[str, Any]], uid: str, handler: str, **traced: str) -> bool:
+    """Whether ``handler`` succeeded on object ``uid`` after the operator traced an event of
+    it matching ``traced`` (``resourceVersion``, ``eventType``: the handlers' debug line).
+    kopf handles one object's events one at a time, so the next outcome of ``handler`` on
+    that object after the trace is that event's."""
+    for i, record in enumerate(records):
+        if _uid(record) != uid or any(record.get(k) != v for k, v in traced.items()):
+            continue
+        for later in records[i + 1 :]:
+            if _uid(later) != uid:
+                continue
+            if "resourceVersion" in later:  # the next event's trace: this one had no outcome
+                break
+            if later.get("message", "").startswith(f"Handler '{handler}'"):
+                if later["message"] == succeeded(handler):
+                    return True
+                break
+    return False
+
+
+def _require_trace(operator: OperatorProcess) -> None:
+    assert operator.verbose, "the handlers' event trace is a debug line: start it verbose"
+
+
+async def handled_version(
+    cluster: Cluster, operator: OperatorProcess, path: str, handler: str
+) -> None:
+    """Evidence that ``handler`` has run on the object at ``path`` as it is now: on an event
+    carrying its current resourceVersion (read afresh each time; kopf hands a handler the
+    latest of the events that queued up), so on every change before it. A leftover event of
+    an earlier version does not count."""
+    _require_trace(operator)
+
+    async def probe() -> bool:
+        body = await cluster.client.get(path)
+        assert body is not None, f"{path} is gone"
+        meta = body["metadata"]
+        version = str(meta["resourceVersion"])
+        return ran_on(operator.current_records(), meta["uid"], handler, resourceVersion=version)
+
+    await eventually(probe, timeout=60, what=f"{handler} on {path} as it is now")
+
+
+async def handled_deletion(operator: OperatorProcess, uid: str, handler: str) -> None:
+    """Evidence that ``handler`` has run on the DELETED event of the object ``uid``."""
+    _require_trace(operator)
+
+    async def probe() -> bool:
+        return ran_on(operator.current_records(), uid, handler, eventType="DELETED")
+
+    await eventually(probe, timeout=60, what=f"{handler} on the deletion of {uid}")
+
+
 async def workload_events_handled(cluster: Cluster, operator: OperatorProcess, ns: str) -> None:
-    """Evidence that the operator has handled every event of the workload so far: kopf handles
-    one object's events in order, so once a label edit made now is handled, so are the
-    events before it (a count taken after them could already include them)."""
-    before = operator.count(succeeded("deployment_event"))
-    marker = str(before)
-    await cluster.client.patch(deploy_path(ns), {"metadata": {"labels": {"test-marker": marker}}})
-    await logged_more(operator, succeeded("deployment_event"), before)
+    """Evidence that the operator has handled every event of the workload so far: its
+    current version's (``handled_version``)."""
+    await handled_version(cluster, operator, deploy_path(ns), "deployment_event")
+
+
+async def spec_handled(cluster: Cluster, ns: str, fields: dict[str, Any], name: str = MD) -> None:
+    """Evidence that the spec handlers have run on a spec with these ``fields``: kopf records
+    the spec it last handled to success on the object itself (its diff base), so an earlier
+    spec's outcome does not count."""
+
+    async def probe() -> bool:
+        body = await cluster.client.get(md_path(ns, name)) or {}
+        annotations = (body.get("metadata") or {}).get("annotations") or {}
+        last = json.loads(annotations.get(LAST_HANDLED, "{}")).get("spec") or {}
+        return all(last.get(k) == v for k, v in fields.items())
+
+    await eventually(probe, timeout=60, what=f"the spec handlers on {fields}")
 
 
 def operator_writes(cluster: Cluster, method: str, path: str) -> int | None:

@@ -74,6 +74,28 @@ class OperatorProcess:
                     records.append(record)
         return records
 
+    def log_offset(self) -> int:
+        """Where the current process's log ends now: ``current_records(since=...)`` reads on."""
+        return self.log_path.stat().st_size if self.log_path.exists() else 0
+
+    def current_records(self, since: int = 0) -> list[dict[str, Any]]:
+        """The current process's JSON log records from byte ``since`` on (a partly written
+        last line is left for the next read)."""
+        if not self.log_path.exists():
+            return []
+        with open(self.log_path, "rb") as f:
+            f.seek(since)
+            raw = f.read()
+        records = []
+        for line in raw.splitlines(keepends=True):
+            if not line.endswith(b"\n"):
+                break
+            with contextlib.suppress(json.JSONDecodeError, UnicodeDecodeError):
+                record = json.loads(line)
+                if isinstance(record, dict):
+                    records.append(record)
+        return records
+
     def handled(self, handler: str) -> bool:
         """Whether the current process has run ``handler`` successfully (kopf's log line)."""
         return self.count(f"Handler '{handler}' succeeded.") > 0

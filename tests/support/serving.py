@@ -22,6 +22,10 @@ from modelstage.stager.stage import StageRequest, stage
 
 from support.vllm_lock import vllm_lock
 
+TIED = SyntheticModel(tie_word_embeddings=True, num_shards=2, split_fused=True)
+"""Tied embeddings: the artifact holds ``lm_head`` only (vLLM's sharded layout)."""
+LLAMA_TP2 = SyntheticModel(num_shards=2, split_fused=True, seed=3)
+
 TESTS = Path(__file__).resolve().parents[1]
 RUN_VLLM = TESTS / "vllm" / "run_vllm.py"
 POD_RUNNER = TESTS / "serving" / "pod_runner.py"

@@ -49,12 +49,51 @@ def staged(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     return get
 
 
+ROTATED = "test_vllm_oracle.py"
+"""The file whose slow cases CI rotates (``MODELSTAGE_CI_ROTATION``, set by ``.ci/run``)."""
+
+
+def rotation(value: str) -> tuple[int, int]:
+    """``"k/n"``: slot ``k`` of ``n``."""
+    slot, _, slots = value.partition("/")
+    if not (slot.isdigit() and slots.isdigit() and int(slot) < int(slots)):
+        raise pytest.UsageError(
+            f"MODELSTAGE_CI_ROTATION={value!r}: must be SLOT/SLOTS, 0 <= SLOT < SLOTS"
+        )
+    return int(slot), int(slots)
+
+
+def rotated_out(items: list[pytest.Item], slot: int, slots: int) -> list[pytest.Item]:
+    """The slow cases of the oracle file not in ``slot``: of those cases in node-id order,
+    the ``i``-th belongs to slot ``i % slots``, so ``slots`` consecutive slots run each once."""
+    cases = sorted(
+        (i for i in items if i.path.name == ROTATED and i.get_closest_marker("slow")),
+        key=lambda i: i.nodeid,
+    )
+    return [item for n, item in enumerate(cases) if n % slots != slot]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    value = os.environ.get("MODELSTAGE_CI_ROTATION")
+    if not value:
+        return
+    out = {id(i) for i in rotated_out(items, *rotation(value))}
+    if out:
+        config.hook.pytest_deselected(items=[i for i in items if id(i) in out])
+        items[:] = [i for i in items if id(i) not in out]
+
+
 @pytest.fixture(scope="session")
 def timings() -> Iterator[list[tuple[str, VllmRun]]]:
     yield TIMINGS
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    value = os.environ.get("MODELSTAGE_CI_ROTATION")
+    if value:
+        terminalreporter.write_line(
+            f"slow cases of {ROTATED}: rotation slot {value} (MODELSTAGE_CI_ROTATION)"
+        )
     chosen = os.environ.get("MODELSTAGE_VLLM_RELEASES")
     if chosen is not None:
         terminalreporter.write_line(

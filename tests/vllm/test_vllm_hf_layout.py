@@ -19,8 +19,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from modelstage.core.architectures import ARCHITECTURES
 from modelstage.devtools.synthetic import SyntheticModel, write_tokenizer
-from modelstage.stager.architectures import ARCHITECTURES
 from vllm_oracle import STAGE_TIMEOUT_S, VllmRun, differences, reference, run_vllm
 
 pytestmark = pytest.mark.vllm

@@ -32,7 +32,6 @@ from vllm_oracle import (
     reference,
     run_vllm,
     swap_experts,
-    vllm_rank_states,
     vllm_rank_states_batch,
 )
 from vllm_release import installed_version, release_python
@@ -107,20 +106,43 @@ def test_every_release_of_the_table_has_pinned_requirements_and_checked_architec
         assert set(LAYOUTS[version].architectures or ()) <= set(FAMILIES), version
 
 
+RankStates = Callable[[str], dict[str, list[Path] | str]]
+
+
+@pytest.fixture(scope="module")
+def rank_states(
+    checkpoint: Callable[[str, SyntheticModel], Path], tmp_path_factory: pytest.TempPathFactory
+) -> RankStates:
+    """``rank_states(version)``: per architecture of the release's layout entry, the
+    release's own per-rank state files at TP 2 (or why it could not build the model), from
+    one run of its oracle per release, shared by the checks made on them."""
+    made: dict[str, dict[str, list[Path] | str]] = {}
+
+    def get(version: str) -> dict[str, list[Path] | str]:
+        if version not in made:
+            python = release_python(version)
+            archs = sorted(LAYOUTS[version].architectures or ())
+            folder = tmp_path_factory.mktemp(f"states-{version}")
+            jobs = [(checkpoint(f"versions-{a}", FAMILIES[a]), folder / a) for a in archs]
+            batch = vllm_rank_states_batch(jobs, TP, "bfloat16", python)
+            made[version] = dict(zip(archs, batch, strict=True))
+        return made[version]
+
+    return get
+
+
 @pytest.mark.parametrize("version", RELEASES)
 def test_rank_files_for_a_release_equal_its_own_per_rank_state(
     version: str,
     checkpoint: Callable[[str, SyntheticModel], Path],
     staged: Callable[..., Path],
-    tmp_path: Path,
+    rank_states: RankStates,
 ) -> None:
     """Every architecture the release's layout entry names, in one run of its oracle."""
-    python = release_python(version)
     archs = sorted(LAYOUTS[version].architectures or ())
     sources = {arch: checkpoint(f"versions-{arch}", FAMILIES[arch]) for arch in archs}
-    jobs = [(sources[arch], tmp_path / arch) for arch in archs]
     failures: list[str] = []
-    for arch, states in zip(archs, vllm_rank_states_batch(jobs, TP, "bfloat16", python), strict=True):
+    for arch, states in rank_states(version).items():
         if isinstance(states, str):
             failures.append(f"{arch}: vLLM {version} could not build it:\n{states}")
             continue
@@ -142,10 +164,11 @@ def test_swapped_experts_fail_the_releases_layout_comparison(
     version: str,
     checkpoint: Callable[[str, SyntheticModel], Path],
     staged: Callable[..., Path],
+    rank_states: RankStates,
     tmp_path: Path,
 ) -> None:
-    """The comparison above can fail: two experts exchanged in rank 0's file."""
-    python = release_python(version)
+    """The comparison above can fail: two experts exchanged in rank 0's file (the states of
+    that same oracle run)."""
     spec = MOE_FAMILIES["mixtral"]
     src = checkpoint(f"versions-{spec.architecture}", spec)
     mutated = tmp_path / "mutated"
@@ -155,9 +178,10 @@ def test_swapped_experts_fail_the_releases_layout_comparison(
         mutated,
     )  # fmt: skip
     swap_experts(mutated, rank=0, layer=1, a=0, b=3)
-    (state, _) = vllm_rank_states(src, TP, "bfloat16", tmp_path / "vllm", python=python)
+    states = rank_states(version)[spec.architecture]
+    assert not isinstance(states, str), states
     got = _read(sorted(mutated.glob("model-rank-0-part-*.safetensors")))
-    assert _differing(_read([state]), got) == [
+    assert _differing(_read([states[0]]), got) == [
         "model.layers.1.block_sparse_moe.experts.routed_experts.w13_weight",
         "model.layers.1.block_sparse_moe.experts.routed_experts.w2_weight",
     ]

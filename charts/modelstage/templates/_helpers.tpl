@@ -91,11 +91,12 @@ app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end -}}
 
-{{/* The agent's image: nodeCache.agent.image, each part defaulting to the stager image's. */}}
+{{/* The agent's image (Dockerfile.agent): nodeCache.agent.image, the tag defaulting to the
+appVersion. */}}
 {{- define "modelstage.nodeAgentImage" -}}
 {{- $image := .Values.nodeCache.agent.image | default dict -}}
-{{- $repository := $image.repository | default .Values.stagerImage.repository -}}
-{{- $tag := $image.tag | default .Values.stagerImage.tag | default .Chart.AppVersion -}}
+{{- $repository := $image.repository | default "ghcr.io/modelstage/agent" -}}
+{{- $tag := $image.tag | default .Chart.AppVersion -}}
 {{- printf "%s:%s" $repository $tag -}}
 {{- end -}}
 
@@ -104,6 +105,12 @@ float formatting Helm gives large numbers (5e+11). */}}
 {{- define "modelstage.nodeAgentBudget" -}}
 {{- $budget := .Values.nodeCache.agent.budget -}}
 {{- if kindIs "string" $budget -}}{{ $budget }}{{- else -}}{{ int64 $budget }}{{- end -}}
+{{- end -}}
+
+{{/* A byte quantity (nodeCache.namespaceQuota, nodeCache.agent.verifyRate) as the agent's flags
+take it: a string as given, a number without Helm's float formatting. */}}
+{{- define "modelstage.byteQuantity" -}}
+{{- if kindIs "string" . -}}{{ . }}{{- else -}}{{ int64 . }}{{- end -}}
 {{- end -}}
 
 {{/* The node root must be a directory of its own: the agent's initContainer hands it to the

@@ -4,6 +4,8 @@ The CLI prints ``str(error)`` as its last line (the pod's termination message) a
 a traceback is for bugs only. Never put a credential in a message.
 """
 
+import sys
+
 
 class ModelstageError(Exception):
     """Base of every error a user can act on."""
@@ -23,3 +25,12 @@ class ArtifactError(ModelstageError):
 
 class DestinationError(ModelstageError):
     """The destination cannot be written (permissions, space, remote store errors)."""
+
+
+def json_fault(error: ValueError) -> str:
+    """Why untrusted JSON did not parse, in the reader's words: Python's digit limit names the
+    interpreter's own setting, which the person who wrote the file cannot change."""
+    text = str(error)
+    if "integer string conversion" in text:
+        return f"a number of more than {sys.get_int_max_str_digits()} digits"
+    return text.splitlines()[0][:200]

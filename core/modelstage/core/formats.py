@@ -10,8 +10,11 @@ fits) and its tests (docs/architecture.md).
 from __future__ import annotations
 
 import re
+from collections.abc import KeysView, Mapping
 from dataclasses import dataclass
+from enum import Enum
 
+from .architectures import ARCHITECTURES, QUANTIZED, Architecture
 from .errors import SpecError
 from .layouts import layout_for
 
@@ -19,6 +22,17 @@ LOCAL, S3 = "local", "s3"
 """Where an artifact lives: a directory (a mounted PVC) or an S3 prefix."""
 PER_RANK_SAFETENSORS = re.compile(r"^model-(rank-\d+|pp-\d+-tp-\d+)-part-\d+\.safetensors$")
 """vLLM's ``ShardedStateLoader`` names (the pipeline-parallel spelling included)."""
+
+
+class S3Env(Enum):
+    """Variables every S3 reader in a serving pod gets (each set when the ModelDeployment's S3
+    connection has that setting; credentials by a reference to its Secret). A format whose
+    loader reads one under a name of its own copies it (``Format.s3_serving_env``)."""
+
+    ENDPOINT = "AWS_ENDPOINT_URL"
+    CA_BUNDLE = "AWS_CA_BUNDLE"
+    ACCESS_KEY_ID = "AWS_ACCESS_KEY_ID"
+    SECRET_ACCESS_KEY = "AWS_SECRET_ACCESS_KEY"
 
 
 @dataclass(frozen=True)
@@ -55,6 +69,9 @@ class Format:
     line)."""
     vllm_extra_config: tuple[tuple[str, str], ...] = ()
     """Loader extra-config the rollout sets, ``{artifact}`` replaced by the artifact's path."""
+    s3_serving_env: tuple[tuple[str, S3Env], ...] = ()
+    """Variables of its own the serving pod gets when the artifact is on S3: each a copy of
+    one every S3 reader gets (``S3Env``), under the name this format's loader reads."""
     index_file: bool = False
     """The artifact carries the checkpoint's ``model.safetensors.index.json``."""
     splits_quantized: bool = False
@@ -119,6 +136,22 @@ FORMATS: dict[str, Format] = {
             splits_quantized=True,
         ),
         Format(
+            name="runai_streamer",
+            per_rank=False,
+            writer="hf_copy",
+            rank_file=None,
+            weight_files=re.compile(r"^.+\.safetensors$"),
+            destinations=(LOCAL, S3),
+            storage=("s3",),
+            scale_out=False,
+            casts=False,  # the checkpoint as it is; vLLM casts at load with its own --dtype
+            stock_loader="runai_streamer",
+            plugin_loader="modelstage_runai_streamer",
+            loads=("runai_streamer",),
+            extra_config_keys=RUNAI_KEYS,
+            index_file=True,
+        ),
+        Format(
             name="runai_streamer_sharded",
             per_rank=True,
             writer="rank_files",
@@ -134,22 +167,6 @@ FORMATS: dict[str, Format] = {
             splits_quantized=True,
             # vLLM serves it with its ShardedStateLoader, which refuses every extra-config key
             # but `pattern` (fixed by the layout): Run:ai tuning goes by RUNAI_* env.
-        ),
-        Format(
-            name="runai_streamer",
-            per_rank=False,
-            writer="hf_copy",
-            rank_file=None,
-            weight_files=re.compile(r"^.+\.safetensors$"),
-            destinations=(LOCAL, S3),
-            storage=("s3",),
-            scale_out=False,
-            casts=False,  # the checkpoint as it is; vLLM casts at load with its own --dtype
-            stock_loader="runai_streamer",
-            plugin_loader="modelstage_runai_streamer",
-            loads=("runai_streamer",),
-            extra_config_keys=RUNAI_KEYS,
-            index_file=True,
         ),
         Format(
             name="safetensors",
@@ -194,6 +211,16 @@ FORMATS: dict[str, Format] = {
             ),
             # vLLM formats `% rank` into the URI it is given.
             vllm_extra_config=(("tensorizer_uri", "{artifact}/model-rank-%03d.tensors"),),
+            # vLLM's tensorizer reads S3 settings from variables of its own (vllm/envs.py), but
+            # vLLM 0.32 does not hand those to tensorizer's open_stream: tensorizer then takes
+            # the endpoint from AWS_ENDPOINT_URL and boto3 the credentials from AWS_*, and it
+            # downloads with the curl binary, which trusts a CA only via CURL_CA_BUNDLE.
+            s3_serving_env=(
+                ("CURL_CA_BUNDLE", S3Env.CA_BUNDLE),
+                ("S3_ENDPOINT_URL", S3Env.ENDPOINT),
+                ("S3_ACCESS_KEY_ID", S3Env.ACCESS_KEY_ID),
+                ("S3_SECRET_ACCESS_KEY", S3Env.SECRET_ACCESS_KEY),
+            ),
         ),
     )
 }
@@ -220,33 +247,12 @@ def plugin_load_formats() -> dict[str, tuple[str, ...]]:
     return {**found, S3_READER_FORMAT: FORMATS[S3_READER_FORMAT].loads}
 
 
-PER_RANK_ARCHITECTURES = frozenset(
-    {
-        "Gemma2ForCausalLM",
-        "Gemma3ForCausalLM",
-        "LlamaForCausalLM",
-        "MistralForCausalLM",
-        "MixtralForCausalLM",
-        "Phi3ForCausalLM",
-        "Qwen2ForCausalLM",
-        "Qwen2MoeForCausalLM",
-        "Qwen3ForCausalLM",
-        "Qwen3MoeForCausalLM",
-        "GptOssForCausalLM",
-    }
-)
-"""The architectures the stager splits per rank (the names of ``modelstage.stager.
-architectures.ARCHITECTURES``, which a test holds equal): ``loadFormat: auto`` decides by them
-where the stager's rules are not at hand (the operator)."""
-FP8_CHANNEL = "compressed-tensors/w8a8-fp8-channel"
-"""The quantization the stager reports for a compressed-tensors checkpoint of float8_e4m3fn
-Linear weights with one scale per output channel and activations quantized per token at run
-time (llm-compressor's ``FP8_DYNAMIC``); any other quantization goes by its ``quant_method``."""
-PER_RANK_QUANTIZATIONS: dict[str, frozenset[str]] = {
-    FP8_CHANNEL: frozenset({"LlamaForCausalLM", "Qwen3ForCausalLM"}),
-}
-"""Quantization -> the architectures whose checkpoints in it the stager splits per rank (held
-equal to ``modelstage.stager.architectures.QUANTIZED`` by a test)."""
+PER_RANK_ARCHITECTURES: KeysView[str] = ARCHITECTURES.keys()
+"""The architectures the stager splits per rank: the family table's names (a view, never a
+copy), by which ``loadFormat: auto`` decides."""
+PER_RANK_QUANTIZATIONS: Mapping[str, Mapping[str, Architecture]] = QUANTIZED
+"""Quantization -> the architectures whose checkpoints in it the stager splits per rank (the
+family table's quantized rows, by name)."""
 AUTO = "auto"
 """``loadFormat: auto``: per-rank staging where the stager can split the checkpoint, the
 Hugging Face layout otherwise (``choose_format``)."""
@@ -257,11 +263,6 @@ AUTO_FORMATS = {
     ("s3", False): "runai_streamer",
 }
 """(storage, per rank) -> the format ``auto`` picks."""
-HF_LAYOUT_HINT = (
-    "stage it in the Hugging Face layout with --format safetensors (a directory) or "
-    "runai_streamer (S3), which vLLM splits itself at load"
-)
-"""What a per-rank format's refusal of a checkpoint it cannot split points to."""
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,9 @@ the S3 destination and the loader plugin share this one code path.
 from __future__ import annotations
 
 import collections
+import errno
 import os
+import stat
 import struct
 import threading
 import time
@@ -42,6 +44,10 @@ DEFAULT_CHUNK_BYTES = 32 * MiB
 """32 MiB: the S3 reader's GET size (a chunk is fetched, and checked, by one GET) and two of
 the local reader's reads; a 140 GB artifact lists about 4,200 chunks (some 300 KB of JSON)."""
 MAX_CHUNKS_PER_FILE = 1_000_000
+MAX_CHUNK_BYTES = 64 * MiB
+"""The largest chunk a manifest may declare: every reader holds a few chunks in memory at
+once, so a manifest's ``chunkBytes`` bounds a reader's memory (a 2 GiB chunk would be an OOM
+kill in a pod, not an error)."""
 ROOT_CONTEXT = "modelstage.io 2025 chunked-file root v1"
 """BLAKE3 key-derivation context of the root: a root can never equal any chunk's hash or any
 plain BLAKE3 of the same bytes."""
@@ -98,6 +104,10 @@ class FileDigest:
     def __post_init__(self) -> None:
         if self.chunk_bytes <= 0:
             raise ValueError(f"chunk size must be positive, not {self.chunk_bytes}")
+        if self.chunk_bytes > MAX_CHUNK_BYTES:
+            raise ValueError(
+                f"chunk size {self.chunk_bytes} is more than {MAX_CHUNK_BYTES} bytes (64 MiB)"
+            )
         if len(self.chunks) != chunk_count(self.size, self.chunk_bytes):
             raise ValueError(
                 f"{len(self.chunks)} chunk hashes for {self.size} bytes in chunks of "
@@ -395,15 +405,35 @@ class _HashRun:
         self.free.append(buf)
 
 
+def open_regular(path: Path | str, *, follow: bool = False, dir_fd: int | None = None) -> int:
+    """A read-only descriptor of ``path``, refused (``OSError``) unless it is a regular file:
+    a FIFO or a device is never waited on (``O_NONBLOCK``), a link is not followed unless
+    ``follow`` (a link at the last component fails with ``ELOOP``). What a hostile writer
+    may have put in a directory (the node cache's root) is opened only through this;
+    ``dir_fd``: ``path`` is relative to that open directory."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
+    fd = os.open(path, flags, dir_fd=dir_fd)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 class LocalFile:
     """A local file opened for ``hash_files`` (``with LocalFile(path) as f: f.read_into``)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, follow: bool = True) -> None:
         self.path = path
         self.fd = -1
+        self.follow = follow
 
     def __enter__(self) -> LocalFile:
-        self.fd = os.open(self.path, os.O_RDONLY)
+        self.fd = open_regular(self.path, follow=self.follow)
         os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         return self
 

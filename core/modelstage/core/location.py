@@ -4,7 +4,8 @@
 ``s3://BUCKET/PREFIX``, any other ``scheme://``). An ``ArtifactLocation`` reads what every
 check needs, the same way for both kinds: the manifest, the listing (name, size, ETag), ranges
 of a file. On top of it, ``verify`` checks an artifact against its manifest (``modelstage
-verify``, ``prepare``), and ``check_files`` and ``verify_content`` are its two halves, which
+verify``, ``prepare``): its structure (``core.structure``: every file present, of its size,
+nothing unlisted), then its content. ``check_files`` and ``verify_content`` are the two halves
 the loader plugin runs on the files of one rank. The content of schema-2 files is read in
 chunks, each hashed as it lands (``integrity.hash_files``); schema-1 files by one sha256 pass.
 """
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from . import structure
 from .errors import ArtifactError, DestinationError
 from .formats import LOCAL, S3
 from .integrity import VERIFY_WORKERS, FileToHash, HashStats, LocalFile, ReadInto, hash_files
@@ -33,6 +35,7 @@ from .manifest import (
     read_manifest,
     read_manifest_bytes,
 )
+from .structure import check_structure
 
 if TYPE_CHECKING:
     from .progress import Progress
@@ -71,14 +74,6 @@ class Listed:
     """None when it cannot be stat'ed (a dangling link): as good as missing."""
     etag: str | None = None
     """An object's ETag: every read of it is conditional on it."""
-
-
-class FileProblem(ArtifactError):
-    """A file of the manifest that is missing or of another size."""
-
-    def __init__(self, where: str, reason: str) -> None:
-        self.where, self.reason = where, reason
-        super().__init__(f"{where}: {reason}")
 
 
 class Sha256Mismatch(ArtifactError):
@@ -310,12 +305,7 @@ def verify(
     manifest = location.require_manifest(digest=digest, tp=tp)
     listing = location.listing()
     names = sorted(manifest.files)
-    check_files(location, manifest, names, listing)
-    extra = sorted(n for n in listing if n not in manifest.files and n != MANIFEST)
-    if extra:
-        raise ArtifactError(
-            f"{location.uri}: {location.noun}s not in the manifest: {', '.join(extra[:5])}"
-        )
+    check_structure(manifest.files, _sizes(listing), location.uri, location.where, location.noun)
     if hash_content:
         progress = None
         if show_progress:
@@ -353,14 +343,11 @@ def check_files(
     location: ArtifactLocation, manifest: Manifest, names: Sequence[str], listing: dict[str, Listed]
 ) -> None:
     """Each of ``names`` is present with the size the manifest gives (``FileProblem``)."""
-    for name in names:
-        entry, listed = manifest.files[name], listing.get(name)
-        if listed is None or listed.size is None:
-            raise FileProblem(location.where(name), "listed in the manifest but missing")
-        if listed.size != entry.size:
-            raise FileProblem(
-                location.where(name), f"{listed.size} bytes, the manifest says {entry.size}"
-            )
+    structure.check_files(manifest.files, names, _sizes(listing), location.where)
+
+
+def _sizes(listing: dict[str, Listed]) -> dict[str, int | None]:
+    return {name: listed.size for name, listed in listing.items()}
 
 
 def verify_content(

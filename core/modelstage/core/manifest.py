@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import ArtifactError
 from .formats import FORMATS
-from .integrity import MAX_CHUNKS_PER_FILE, FileDigest
+from .integrity import MAX_CHUNK_BYTES, MAX_CHUNKS_PER_FILE, FileDigest, open_regular
 
 if TYPE_CHECKING:
     pass
@@ -89,8 +89,9 @@ class Manifest:
     files: dict[str, FileEntry]
     bytes: int
     modelstageVersion: str
-    createdAt: str
-    stageSeconds: float
+    createdAt: str = ""
+    """Absent from a node copy's canonical manifest (``TIMING_FIELDS``), as ``stageSeconds``."""
+    stageSeconds: float = 0.0
     pipelineParallelSize: int = 1
     schemaVersion: int = SCHEMA_VERSION
 
@@ -183,9 +184,9 @@ def _scalars(values: dict[str, Any]) -> dict[str, Any]:
         "modelstageVersion",
         "createdAt",
     ):
-        if not isinstance(values[name], str):
+        if not isinstance(values.setdefault(name, ""), str):
             raise _Invalid(name, "must be a string")
-    seconds = values["stageSeconds"]
+    seconds = values.setdefault("stageSeconds", 0.0)
     if isinstance(seconds, bool) or not isinstance(seconds, int | float):
         raise _Invalid("stageSeconds", "must be a number")
     values["stageSeconds"] = float(seconds)
@@ -234,6 +235,12 @@ def _chunked_entry(loc: str, entry: object) -> FileEntry:
         )
     size = _int(f"{loc}.size", entry["size"], 0)
     chunk_bytes = _int(f"{loc}.chunkBytes", entry["chunkBytes"], 1)
+    if chunk_bytes > MAX_CHUNK_BYTES:
+        raise _Invalid(
+            f"{loc}.chunkBytes",
+            f"{chunk_bytes} is more than {MAX_CHUNK_BYTES} (64 MiB), the largest chunk a reader "
+            "holds in memory; restage the artifact with this release",
+        )
     chunks = entry["chunks"]
     if not isinstance(chunks, list) or len(chunks) > MAX_CHUNKS_PER_FILE:
         raise _Invalid(f"{loc}.chunks", "must be a list of hex hashes")
@@ -262,12 +269,15 @@ def read_manifest(directory: Path) -> Manifest | None:
 
 def read_manifest_bytes(directory: Path) -> bytes | None:
     """The manifest file's bytes as stored, at most one more than any valid manifest (longer
-    is refused when parsed); None when there is none. Other ``OSError``s are the caller's."""
+    is refused when parsed); None when there is none. Only a regular file is read: a link is
+    not followed and a FIFO not waited on (``integrity.open_regular``: an ``OSError``, the
+    caller's, like any other)."""
     try:
-        with open(directory / MANIFEST, "rb") as f:
-            return f.read(MAX_MANIFEST_BYTES + 1)
+        fd = open_regular(directory / MANIFEST)
     except FileNotFoundError:
         return None
+    with open(fd, "rb") as f:
+        return f.read(MAX_MANIFEST_BYTES + 1)
 
 
 def check_ranks_present(directory: Path | str, manifest: Manifest) -> None:

@@ -1,7 +1,8 @@
 """S3 settings users trip on, one client factory, error messages without credentials, retries.
 
-Shared by the S3 destination, ``modelstage verify s3://...`` and (later) an S3 source, so
-that endpoint, region, addressing style, CA bundle and credentials mean the same everywhere.
+Shared by every part that reads or writes S3 (staging, ``verify``, ``prepare``, the plugin's
+reader, the node copy), so that endpoint, region, addressing style, CA bundle and credentials
+mean the same everywhere.
 S3-compatible servers (MinIO, SeaweedFS, Ceph) often reject the CRC checksums that recent
 boto3 sends by default, so checksums are computed only where the API requires them.
 """

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import CheckpointError
+from .errors import CheckpointError, json_fault
 
 DTYPE_SIZES: dict[str, int] = {
     "F64": 8, "F32": 4, "F16": 2, "BF16": 2,
@@ -123,8 +123,7 @@ def parse_header(file: str, raw: bytes, file_size: int) -> SafetensorsHeader:
     except CheckpointError as e:
         raise CheckpointError(f"{file}: {e}") from None
     except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError, Python's digit limit
-        reason = str(e).splitlines()[0][:200]
-        raise CheckpointError(f"{file}: invalid header JSON: {reason}") from None
+        raise CheckpointError(f"{file}: invalid header JSON: {json_fault(e)}") from None
     if not isinstance(doc, dict):
         raise CheckpointError(f"{file}: header is not a JSON object")
     data_start = 8 + len(raw)

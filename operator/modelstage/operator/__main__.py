@@ -45,6 +45,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         liveness_endpoint=args.liveness,
         clusterwide=args.all_namespaces,
         namespaces=args.namespaces,
+        memo=kopf.Memo(watched_namespaces=None if args.all_namespaces else tuple(args.namespaces)),
     )
 
 

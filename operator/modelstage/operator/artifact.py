@@ -13,10 +13,14 @@ from __future__ import annotations
 import posixpath
 from dataclasses import dataclass
 
+from modelstage.api.modeldeployment import (
+    ArtifactStatus,
+    LoadFormat,
+    ModelDeploymentSpec,
+    VllmVersionStatus,
+)
 from modelstage.core.digest import artifact_digest
 from modelstage.core.layouts import layout_for
-
-from .api import ArtifactStatus, LoadFormat, ModelDeploymentSpec, VllmVersionStatus
 
 ARTIFACT_MOUNT = "/mnt/modelstage/artifacts"
 """Where stager and serving pods mount the artifact PVC."""
@@ -29,8 +33,8 @@ def spec_digest(spec: ModelDeploymentSpec, identity: str) -> str:
     return artifact_digest(
         uri=spec.model.uri,
         source=identity,
-        tensor_parallel=spec.parallelism.tensor,
-        pipeline_parallel=spec.parallelism.pipeline,
+        tp=spec.parallelism.tensor,
+        pp=spec.parallelism.pipeline,
         dtype=spec.dtype,
         load_format=spec_format(spec),
         layout_version=layout_for(spec.serving.vllm_version).layout_version,
@@ -46,7 +50,7 @@ def spec_format(spec: ModelDeploymentSpec) -> LoadFormat:
 
 
 @dataclass(frozen=True)
-class ArtifactLocation:
+class ArtifactAddress:
     """One artifact's address, in the three spellings its users need."""
 
     digest: str
@@ -76,17 +80,17 @@ def claim_name(spec: ModelDeploymentSpec, deployment_name: str) -> str | None:
 
 def locate(
     spec: ModelDeploymentSpec, *, namespace: str, deployment_name: str, digest: str
-) -> ArtifactLocation:
+) -> ArtifactAddress:
     """Where the artifact of ``digest`` lives for this spec."""
     if spec.storage.s3 is not None:
         base = spec.storage.s3.uri.rstrip("/")
         uri = f"{base}/{namespace}/{digest}"
-        return ArtifactLocation(digest=digest, uri=uri, path=uri, claim_name=None)
+        return ArtifactAddress(digest=digest, uri=uri, path=uri, claim_name=None)
     pvc = spec.storage.pvc
     assert pvc is not None  # Storage's rule: exactly one kind.
     claim = claim_name(spec, deployment_name)
     inner = posixpath.normpath(posixpath.join("/", pvc.path, namespace, digest))
-    return ArtifactLocation(
+    return ArtifactAddress(
         digest=digest,
         uri=f"pvc://{claim}{inner}",
         path=f"{ARTIFACT_MOUNT}{inner}",
@@ -102,9 +106,9 @@ class Artifact:
     have moved on since the previous artifact was staged).
     """
 
-    location: ArtifactLocation
+    location: ArtifactAddress
     load_format: LoadFormat
-    tensor_parallel: int
+    tp: int
     format_reason: str = ""
     """Why this format (``status.format``): the spec names it, or ``auto`` chose it."""
     vllm_version: VllmVersionStatus | None = None
@@ -120,23 +124,27 @@ def artifact_for(
 ) -> Artifact:
     """The artifact the spec asks for, its source resolved to ``identity``; raises
     ``SpecError`` for an unknown vLLM version."""
-    location = locate(
-        spec,
-        namespace=namespace,
-        deployment_name=deployment_name,
-        digest=spec_digest(spec, identity),
-    )
+    digest = spec_digest(spec, identity)
+    return artifact_at(spec, namespace=namespace, deployment_name=deployment_name, digest=digest)
+
+
+def artifact_at(
+    spec: ModelDeploymentSpec, *, namespace: str, deployment_name: str, digest: str
+) -> Artifact:
+    """The spec's artifact of ``digest``: the one place after the digest that reads the
+    spec's format and tensor-parallel size; the planners read them from the ``Artifact``."""
+    location = locate(spec, namespace=namespace, deployment_name=deployment_name, digest=digest)
     return Artifact(location, spec_format(spec), spec.parallelism.tensor)
 
 
-def location_from_uri(uri: str, digest: str) -> ArtifactLocation:
-    """Inverse of ``ArtifactLocation.uri``, for artifacts recorded in the status."""
+def location_from_uri(uri: str, digest: str) -> ArtifactAddress:
+    """Inverse of ``ArtifactAddress.uri``, for artifacts recorded in the status."""
     if uri.startswith("s3://"):
-        return ArtifactLocation(digest=digest, uri=uri, path=uri, claim_name=None)
+        return ArtifactAddress(digest=digest, uri=uri, path=uri, claim_name=None)
     if not uri.startswith("pvc://"):
         raise ValueError(f"not an artifact URI: {uri!r}")
     claim, _, inner = uri.removeprefix("pvc://").partition("/")
-    return ArtifactLocation(
+    return ArtifactAddress(
         digest=digest, uri=uri, path=f"{ARTIFACT_MOUNT}/{inner}", claim_name=claim
     )
 

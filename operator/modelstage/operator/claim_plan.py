@@ -22,9 +22,10 @@ from __future__ import annotations
 import math
 import re
 
-from .api import ModelDeploymentSpec, Quantity
+from modelstage.api.modeldeployment import ModelDeploymentSpec, Quantity
+from modelstage.api.objects import KubeObject, Owner, labels
+
 from .artifact import claim_name
-from .kube import Manifest, Owner, labels
 from .validation import Finding
 
 HEADROOM = 0.2
@@ -75,7 +76,7 @@ def required_bytes(spec: ModelDeploymentSpec) -> int | None:
     return math.ceil(one * (spec.retention.keep + 1) * (1 + HEADROOM))
 
 
-def check_claim_size(spec: ModelDeploymentSpec, claim: Manifest | None) -> Finding | None:
+def check_claim_size(spec: ModelDeploymentSpec, claim: KubeObject | None) -> Finding | None:
     """A claim that cannot hold the artifacts, found before any Job starts (blocks staging)."""
     pvc = spec.storage.pvc
     one = artifact_bytes(spec)
@@ -106,7 +107,7 @@ def check_claim_size(spec: ModelDeploymentSpec, claim: Manifest | None) -> Findi
     return None
 
 
-def plan_claim(spec: ModelDeploymentSpec, *, owner: Owner) -> Manifest | None:
+def plan_claim(spec: ModelDeploymentSpec, *, owner: Owner) -> KubeObject | None:
     """The claim to create, or None when the spec names an existing claim or uses S3."""
     pvc = spec.storage.pvc
     if pvc is None or pvc.create is None:
@@ -117,7 +118,7 @@ def plan_claim(spec: ModelDeploymentSpec, *, owner: Owner) -> Manifest | None:
         need = required_bytes(spec)
         assert need is not None, "a spec rule requires model.sizeHint without a size"
         size = gibibytes(need)
-    claim_spec: Manifest = {
+    claim_spec: KubeObject = {
         "accessModes": list(create.access_modes),
         "resources": {"requests": {"storage": size}},
     }

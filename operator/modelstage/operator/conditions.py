@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from datetime import datetime
 from typing import Literal
 
-from .api import Condition, ConditionType
+from modelstage.api.modeldeployment import Condition, ConditionType
 
 Status = Literal["True", "False", "Unknown"]
 ORDER: tuple[ConditionType, ...] = ("Staged", "Ready", "Degraded", "NodeCached", "EngineCached")

@@ -31,10 +31,16 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from modelstage.api.modeldeployment import (
+    DEFAULT_STAGER_IMAGE,
+    EngineCache,
+    EngineCacheStatus,
+    ModelDeploymentSpec,
+)
+from modelstage.api.objects import KubeObject, Owner, labels
 from modelstage.core.engine_key import EngineArgs, compile_environment, key_of
 from modelstage.core.errors import SpecError
 
-from .api import DEFAULT_STAGER_IMAGE, EngineCache, EngineCacheStatus, ModelDeploymentSpec
 from .artifact import ARTIFACT_MOUNT, Artifact
 from .job_plan import _job
 from .kube import (
@@ -45,18 +51,17 @@ from .kube import (
     VOLUME_NO_TOKEN,
     VOLUME_PLUGINS,
     VOLUME_SCRATCH,
-    Manifest,
-    Owner,
     container_security_context,
-    labels,
     pod_security_context,
 )
-from .observe import EngineCacheStep, JobObservation, parse_capture
+from .observations import EngineCacheStep, JobObservation, parse_capture
 from .rollout_plan import EngineCacheUse, select_container, vllm_settings
 from .serving_version import image_vllm_version
 from .vllm_args import flag_name, vllm_arguments
 
 CAPTURE_COMPONENT = "engine-capture"
+ENGINE_CACHE_URI_ANNOTATION = "modelstage.io/engine-cache-uri"
+"""On a capture Job: the engine cache it writes."""
 CAPTURE_CONTAINER = "capture"
 INSTALL_CONTAINER = "modelstage-install"
 CAPTURE_KEY_VERSION = 1
@@ -103,8 +108,8 @@ class CaptureInputs:
     """The vLLM container's ``VLLM_*``/``TORCHINDUCTOR_*`` variables, plus the capture's
     defaults it does not set."""
     node_selector: Mapping[str, str]
-    tolerations: tuple[Manifest, ...] = ()
-    resources: Manifest = field(default_factory=dict)
+    tolerations: tuple[KubeObject, ...] = ()
+    resources: KubeObject = field(default_factory=dict)
 
     def factors(self, digest: str) -> dict[str, Any]:
         return {
@@ -135,7 +140,7 @@ def capture_job_name(key: str) -> str:
 
 
 def capture_inputs(
-    spec: ModelDeploymentSpec, artifact: Artifact, workload: Manifest
+    spec: ModelDeploymentSpec, artifact: Artifact, workload: KubeObject
 ) -> CaptureInputs | Unavailable:
     """The capture's inputs, or why there is none (the roll then goes on without a cache)."""
     if not artifact.location.on_pvc:
@@ -146,7 +151,7 @@ def capture_inputs(
         return Unavailable("EngineCacheNeedsPlugin", "spec.engineCache: the serving pods' "
                            "prepare places the cache, and it runs only with "
                            "spec.serving.plugin: true")  # fmt: skip
-    pod: Manifest = (workload.get("spec") or {}).get("template", {}).get("spec") or {}
+    pod: KubeObject = (workload.get("spec") or {}).get("template", {}).get("spec") or {}
     try:
         container = select_container(spec, pod)
         tokens = vllm_arguments(container.get("command"), container.get("args"))
@@ -182,7 +187,7 @@ def _engine_args(tokens: Sequence[str], artifact: Artifact, plugin: bool) -> Eng
     """The engine arguments of vLLM's command line (the last occurrence of a flag wins, as
     in vLLM's argparse); ``SpecError`` naming the flag when one cannot be read."""
     doc: dict[str, Any] = {
-        "tensorParallelSize": artifact.tensor_parallel,
+        "tensorParallelSize": artifact.tp,
         "loadFormat": vllm_settings(artifact, plugin).load_format,
     }
     for i, token in enumerate(tokens):
@@ -229,7 +234,7 @@ def _typed(key: str, name: str, value: str) -> Any:
     return value
 
 
-def _capture_env(container: Manifest) -> tuple[tuple[str, str], ...]:
+def _capture_env(container: KubeObject) -> tuple[tuple[str, str], ...]:
     env = {
         str(e["name"]): str(e["value"])
         for e in container.get("env") or []
@@ -245,7 +250,7 @@ def plan_capture_job(
     *,
     owner: Owner,
     default_image: str = DEFAULT_STAGER_IMAGE,
-) -> Manifest:
+) -> KubeObject:
     """The capture Job: the stager image installs the plugin and the capture command into an
     ``emptyDir`` (``prepare --install-capture``, which also verifies the artifact), then the
     vLLM image runs ``capture-engine-cache`` on a node of the serving class; restricted (non-
@@ -254,13 +259,13 @@ def plan_capture_job(
     key = inputs.key(artifact.digest)
     deadline = max(spec.engine_cache.deadline_seconds, MIN_DEADLINE_SECONDS)
     claim = {"claimName": artifact.location.claim_name}
-    volumes: list[Manifest] = [
+    volumes: list[KubeObject] = [
         {"name": VOLUME_SCRATCH, "emptyDir": {}},
         {"name": VOLUME_PLUGINS, "emptyDir": {}},
         {"name": VOLUME_NO_TOKEN, "emptyDir": {"sizeLimit": "1Mi"}},
         {"name": VOLUME_ARTIFACTS, "persistentVolumeClaim": claim},
     ]
-    pod: Manifest = {
+    pod: KubeObject = {
         "restartPolicy": "Never",
         "automountServiceAccountToken": False,
         "securityContext": pod_security_context(),
@@ -278,17 +283,17 @@ def plan_capture_job(
         "activeDeadlineSeconds": deadline,
         "template": {"metadata": {"labels": job_labels}, "spec": pod},
     }
-    annotations = {"modelstage.io/engine-cache-uri": cache_uri(artifact, key)}
+    annotations = {ENGINE_CACHE_URI_ANNOTATION: cache_uri(artifact, key)}
     return _job(capture_job_name(key), owner.namespace, job_labels, annotations, job_spec, owner)
 
 
-def _install_container(spec: ModelDeploymentSpec, artifact: Artifact, image: str) -> Manifest:
+def _install_container(spec: ModelDeploymentSpec, artifact: Artifact, image: str) -> KubeObject:
     return {
         "name": INSTALL_CONTAINER,
         "image": spec.stager.image or image,
         "imagePullPolicy": "IfNotPresent",
         "command": ["modelstage", "prepare", "--artifact", artifact.location.path,
-                    "--digest", artifact.digest, "--tp", str(artifact.tensor_parallel),
+                    "--digest", artifact.digest, "--tp", str(artifact.tp),
                     "--plugin-dir", PLUGIN_DIR, "--install-capture"],
         "volumeMounts": [
             {"name": VOLUME_PLUGINS, "mountPath": PLUGIN_DIR},
@@ -304,7 +309,7 @@ def _install_container(spec: ModelDeploymentSpec, artifact: Artifact, image: str
 
 def _capture_container(
     artifact: Artifact, inputs: CaptureInputs, key: str, deadline: int
-) -> Manifest:
+) -> KubeObject:
     """The vLLM image running the capture; its root file system stays writable (vLLM and
     its compilers write beside their caches), everything else as restricted as the stager."""
     security = {**container_security_context(), "readOnlyRootFilesystem": False}
@@ -314,11 +319,11 @@ def _capture_container(
         {"name": "TMPDIR", "value": SCRATCH_DIR},
         {"name": "MODELSTAGE_DIGEST", "value": artifact.digest},
         {"name": "MODELSTAGE_FORMAT", "value": artifact.load_format},
-        {"name": "MODELSTAGE_TP", "value": str(artifact.tensor_parallel)},
+        {"name": "MODELSTAGE_TP", "value": str(artifact.tp)},
         {"name": "MODELSTAGE_ARTIFACT", "value": artifact.location.path},
         *({"name": name, "value": value} for name, value in inputs.env),
     ]
-    container: Manifest = {
+    container: KubeObject = {
         "name": CAPTURE_CONTAINER,
         "image": inputs.image,
         "imagePullPolicy": "IfNotPresent",
@@ -349,7 +354,7 @@ def plan_engine_cache(
     *,
     before: EngineCacheStatus | None,
     job: JobObservation | None,
-    planned: Manifest | None,
+    planned: KubeObject | None,
     now: datetime,
 ) -> EngineCacheStep:
     """The step for this reconciliation: ``job`` is the observed capture Job of the key (None

@@ -25,25 +25,43 @@ Run with ``python -m modelstage.operator`` (or ``kopf run -m modelstage.operator
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, cast
 
 import kopf
+from modelstage.api.kube_client import Conflict, KubeClient, resource_path
+from modelstage.api.modeldeployment import (
+    GROUP,
+    PLURAL,
+    VERSION,
+    ModelDeploymentSpec,
+    ModelDeploymentStatus,
+    SourceStatus,
+    VllmVersionStatus,
+)
+from modelstage.api.objects import (
+    DIGEST_ANNOTATION,
+    LABEL_DIGEST,
+    KubeObject,
+    model_deployment_owners,
+)
 from modelstage.core import node_cache as nc
 
 from . import metrics
-from .api import GROUP, PLURAL, VERSION, ModelDeploymentSpec, SourceStatus, VllmVersionStatus
 from .artifact import spec_digest
 from .engine_cache_plan import CAPTURE_COMPONENT
 from .job_plan import stage_job_name
-from .kube import DIGEST_ANNOTATION, LABEL_DIGEST, Manifest, model_deployment_owners
-from .kube_client import Conflict, KubeClient
 from .node_cache_plan import COPY_COMPONENT, pod_start
-from .observe import observe_job, pod_failures
-from .reconcile import JOB_NAME_LABEL, Outcome, Reconciler
+from .node_cache_spec import CacheUse, plan_node_spec, spec_patch
+from .node_cache_volume import PV_LABELS, released
+from .observations import observe_job, pod_failures
+from .observe import JOB_NAME_LABEL
+from .reconcile import Outcome, Reconciler
 from .resolve_plan import chosen_format, concrete_spec, recorded_identity, resolve_job_name
+from .retention import pinned_digests
 from .rollout_plan import PREPARE_CONTAINER
 from .serving_version import recorded_version, with_version
 from .settings import OperatorConfig, configure
@@ -80,9 +98,11 @@ class Ref(NamedTuple):
     """With node caching on: ``status.nodeCache.phase`` ("" before there is one)."""
     cache_nodes: frozenset[str] = frozenset()
     """The nodes ``status.nodeCache`` lists."""
+    pins: frozenset[str] = frozenset()
+    """With node caching on: the digests whose node-local copies it pins (``retention``)."""
 
 
-def _post_event(obj: Manifest, type_: str, reason: str, message: str) -> None:
+def _post_event(obj: KubeObject, type_: str, reason: str, message: str) -> None:
     kopf.event(cast(kopf.Body, obj), type=type_, reason=reason, message=message[:1024])
 
 
@@ -90,7 +110,9 @@ def _post_event(obj: Manifest, type_: str, reason: str, message: str) -> None:
 def startup(settings: kopf.OperatorSettings, memo: Any, logger: Logger, **_: Any) -> None:
     """All operator settings in one place (``settings.py``), then the metrics endpoint and the
     client the handlers share."""
-    config = OperatorConfig.from_env()
+    config = dataclasses.replace(
+        OperatorConfig.from_env(), watched_namespaces=getattr(memo, "watched_namespaces", None)
+    )
     configure(settings, config)
     metrics.serve(config.metrics_port, config.metrics_host)
     kube = KubeClient.from_environment(timeout=config.request_timeout)
@@ -104,6 +126,8 @@ def startup(settings: kopf.OperatorSettings, memo: Any, logger: Logger, **_: Any
         resolve_interval=config.resolve_interval,
         stager_logs=config.stager_logs,
         node_cache_root=config.node_cache_root,
+        node_cache=config.node_cache,
+        copy_deadline_seconds=config.copy_deadline_seconds,
     )
     logger.info(
         "modelstage operator started",
@@ -148,8 +172,22 @@ def modeldeployment_refs(
             resolve_job,
             node_cache=str(cache.get("phase") or "") if enabled else None,
             cache_nodes=frozenset(str(n.get("name")) for n in cache.get("nodes") or []),
+            pins=_pins(spec, status, digest) if enabled else frozenset(),
         )
     }
+
+
+def _pins(spec: kopf.Spec, status: kopf.Status, digest: str | None) -> frozenset[str]:
+    """``retention.pinned_digests`` of a ModelDeployment; an unreadable one pins every digest
+    its status names (its intent is unknown)."""
+    try:
+        parsed = ModelDeploymentStatus.model_validate(dict(status))
+        keep = ModelDeploymentSpec.model_validate(dict(spec)).retention.keep
+    except Exception:  # an invalid object: keep what it shows
+        every = [status.get("artifact"), status.get("previousArtifact"),
+                 *(status.get("artifacts") or [])]  # fmt: skip
+        return frozenset(str(a["digest"]) for a in every if isinstance(a, dict) and a.get("digest"))
+    return frozenset(pinned_digests(parsed, keep, digest))
 
 
 def _reconcile(memo: Any, namespace: str, name: str, logger: Logger) -> Outcome | None:
@@ -258,6 +296,18 @@ def modeldeployment_phase(
         metrics.DEPLOYMENTS.set(namespace, name, str(status.get("phase") or "Pending"))
 
 
+def _trace_event(logger: Logger, type_: str | None, meta: Mapping[str, Any]) -> None:
+    """Which version of the object an event handler acts on (debug level): the trail to read
+    when a change seems missed, and the evidence tests wait for (a version they wrote)."""
+    version = meta.get("resourceVersion")
+    logger.debug(
+        "%s event at resourceVersion %s",
+        type_ or "LISTED",
+        version,
+        extra={"eventType": type_ or "LISTED", "resourceVersion": version},
+    )
+
+
 def _reconcile_matching(
     memo: Any,
     kwargs: dict[str, Any],
@@ -286,6 +336,7 @@ def stage_job_event(
     **kwargs: Any,
 ) -> None:
     assert namespace is not None
+    _trace_event(logger, type, body.get("metadata") or {})
     state = observe_job(dict(body)).state
     if type == "DELETED":
         metrics.JOBS.forget(namespace, name)
@@ -365,6 +416,7 @@ def stager_pod_event(
     **kwargs: Any,
 ) -> None:
     """A stager pod's termination message can land after its Job's condition."""
+    _trace_event(logger, type, kwargs.get("meta") or {})
     if type == "DELETED" or status.get("phase") not in ("Succeeded", "Failed"):
         return
     digest = labels.get(LABEL_DIGEST)
@@ -372,7 +424,15 @@ def stager_pod_event(
 
 
 def _targets(kind: str) -> Any:
-    def handler(namespace: str | None, name: str, memo: Any, logger: Logger, **kwargs: Any) -> None:
+    def handler(
+        type: str,
+        namespace: str | None,
+        name: str,
+        memo: Any,
+        logger: Logger,
+        **kwargs: Any,
+    ) -> None:
+        _trace_event(logger, type, kwargs.get("meta") or {})
         _reconcile_matching(memo, kwargs, namespace, logger, lambda r: r.target == (kind, name))
 
     handler.__name__ = f"{kind.lower()}_event"
@@ -418,26 +478,63 @@ WAITING_PHASES = ("Copying", "Warming")
 """``status.nodeCache.phase`` of a roll that waits for the copies. Not "" (no
 ``status.nodeCache`` yet): the artifact is still staging or the workload is missing, and the
 stager Job's or the workload's own events bring that reconciliation, not a heartbeat."""
-_reported: dict[str, frozenset[tuple[str, bool]]] = {}
-"""Per node, the copies (digest, warm) its agent last reported: a heartbeat alone wakes only
-the ModelDeployments that wait for copies (whose deadline it may bring)."""
+_reported: dict[str, frozenset[tuple[str, bool, frozenset[tuple[str, str]]]]] = {}
+"""Per node, the copies (content, warm, grants) its agent last reported: a heartbeat alone
+wakes only the ModelDeployments that wait for copies (whose deadline it may bring)."""
 
 
-@kopf.on.event(*NODE_CACHES)
-def node_cache_event(
-    type: str, name: str, status: kopf.Status, memo: Any, logger: Logger, **kwargs: Any
-) -> None:
-    """A node agent reported: ModelDeployments waiting for copies, and those listing the node
-    when its copies changed, look again."""
-    held = frozenset(
-        (str(a.get("digest")), bool(a.get("warm"))) for a in status.get("artifacts") or []
+def _held(status: kopf.Status) -> frozenset[tuple[str, bool, frozenset[tuple[str, str]]]]:
+    return frozenset(
+        (
+            str(c.get("content")),
+            bool(c.get("warm")),
+            frozenset(
+                (str(g.get("namespace")), str(g.get("digest"))) for g in c.get("grants") or []
+            ),
+        )
+        for c in status.get("copies") or []
     )
+
+
+def _cache_uses(refs: kopf.Index[str | None, Ref]) -> list[CacheUse]:
+    return [
+        CacheUse(
+            namespace,
+            ref.pins,
+            ref.digest if ref.node_cache == nc.WARMING else None,
+            ref.cache_nodes,
+        )
+        for namespace in list(refs)
+        if namespace is not None
+        for ref in list(refs.get(namespace, []))
+        if ref.node_cache is not None
+    ]
+
+
+def node_cache_event(
+    type: str,
+    name: str,
+    spec: kopf.Spec,
+    status: kopf.Status,
+    memo: Any,
+    logger: Logger,
+    **kwargs: Any,
+) -> None:
+    """A node agent reported: its NodeCache's spec is brought up to date (what to keep and
+    warm), and ModelDeployments waiting for copies, and those listing the node when its
+    copies changed, look again."""
+    held = _held(status)
     changed = type == "DELETED" or _reported.get(name) != held
     if type == "DELETED":
         _reported.pop(name, None)
     else:
         _reported[name] = held
     refs: kopf.Index[str | None, Ref] = kwargs["modeldeployment_refs"]
+    if type != "DELETED":
+        patch = spec_patch(dict(spec), plan_node_spec(name, _cache_uses(refs)))
+        if patch is not None:
+            reconciler: Reconciler = memo.reconciler
+            reconciler.kube.merge_patch(resource_path(nc.API_VERSION, nc.PLURAL, None, name), patch)
     for namespace in list(refs):
         for ref in list(refs.get(namespace, [])):
             if ref.node_cache is None or namespace is None:
@@ -446,8 +543,29 @@ def node_cache_event(
                 _reconcile_settled(memo, namespace, ref.name, logger)
 
 
-@kopf.on.event("batch", "v1", "jobs", labels=NODE_COPY)
-@kopf.on.event("v1", "pods", labels=NODE_COPY)
+def node_copy_job_event(
+    type: str,
+    body: kopf.Body,
+    namespace: str | None,
+    name: str,
+    labels: kopf.Labels,
+    memo: Any,
+    logger: Logger,
+    **kwargs: Any,
+) -> None:
+    """A copy Job changed: it holds a stager slot while it runs; its ModelDeployments look
+    again."""
+    assert namespace is not None
+    slots = cast(Reconciler, memo.reconciler).slots
+    state = observe_job(dict(body)).state
+    if type != "DELETED" and state == "Running" and model_deployment_owners(dict(body)):
+        slots.running((namespace, name))
+    elif slots.finished((namespace, name)):
+        for waiting_ns, waiting in slots.waiting():
+            _reconcile_settled(memo, waiting_ns, waiting, logger)
+    node_copy_event(namespace, labels, memo, logger, **kwargs)
+
+
 def node_copy_event(
     namespace: str | None, labels: kopf.Labels, memo: Any, logger: Logger, **kwargs: Any
 ) -> None:
@@ -466,3 +584,44 @@ def engine_capture_event(
     """A capture Job (or its pod: the termination message lands there) changed."""
     digest = labels.get(LABEL_DIGEST)
     _reconcile_matching(memo, kwargs, namespace, logger, lambda r: r.digest == digest)
+
+
+def node_cache_volume_event(
+    type: str, body: kopf.Body, name: str, memo: Any, logger: Logger, **_: Any
+) -> None:
+    """A node-cache PV whose claim is gone (its ModelDeployment deleted, the claim removed)
+    is deleted: nothing else would, and it names a copy on the nodes. Only PVs of claims in
+    namespaces this operator serves: it may read no claim elsewhere (another instance serves
+    those, or nobody does, and then nothing of it is this one's to delete)."""
+    if type == "DELETED":
+        return
+    reconciler: Reconciler = memo.reconciler
+    ref = (body.get("spec") or {}).get("claimRef") or {}
+    if not memo.config.watches(str(ref.get("namespace") or "")):
+        return
+    claim = None
+    if ref.get("namespace") and ref.get("name"):
+        path = resource_path("v1", "persistentvolumeclaims", ref["namespace"], ref["name"])
+        claim = reconciler.kube.get(path)
+    if released(dict(body), claim):
+        reconciler.kube.delete(resource_path("v1", "persistentvolumes", None, name))
+        logger.info("deleted PersistentVolume %s: its claim is gone", name)
+
+
+def register_node_cache(enabled: bool) -> None:
+    """The handlers of cluster-scoped objects (NodeCaches, PVs) and of copy Jobs, registered
+    only with node caching installed: a namespaced operator without it may not watch them,
+    and a refused watch would be retried without end."""
+    if not enabled:
+        return
+    kopf.on.event(*NODE_CACHES, id="node_cache_event")(node_cache_event)
+    kopf.on.event("batch", "v1", "jobs", labels=NODE_COPY, id="node_copy_job_event")(
+        node_copy_job_event
+    )
+    kopf.on.event("v1", "pods", labels=NODE_COPY, id="node_copy_pod_event")(node_copy_event)
+    kopf.on.event("v1", "persistentvolumes", labels=PV_LABELS, id="node_cache_volume_event")(
+        node_cache_volume_event
+    )
+
+
+register_node_cache(CONFIG.node_cache)

@@ -1,4 +1,7 @@
-"""``spec + digest -> stager Job``: the manifest of the Job that stages one artifact.
+"""``spec + artifact -> stager Job``: the manifest of the Job that stages one artifact.
+
+The artifact (``artifact.py``: its digest taken) gives the location, the format and the
+tensor-parallel size; the spec gives the source, the credentials and how the Job runs.
 
 The Job's name comes from the digest alone, so two ModelDeployments of a namespace that want
 the same artifact find one Job (the second sees "already exists" and follows it). Secrets are
@@ -16,10 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from modelstage.core.formats import AUTO, FORMATS
-from modelstage.core.layouts import DEFAULT_VLLM_VERSION
-
-from .api import (
+from modelstage.api.modeldeployment import (
     DEFAULT_STAGER_IMAGE,
     ArtifactStatus,
     ModelDeploymentSpec,
@@ -27,35 +27,36 @@ from .api import (
     SourceStatus,
     Stager,
 )
-from .artifact import ARTIFACT_MOUNT, ArtifactLocation, locate, location_from_uri, spec_format
+from modelstage.api.objects import KubeObject, Owner, labels
+from modelstage.core.formats import AUTO, FORMATS
+from modelstage.core.layouts import DEFAULT_VLLM_VERSION
+
+from .artifact import ARTIFACT_MOUNT, Artifact, ArtifactAddress, location_from_uri
 from .kube import (
     SCRATCH_DIR,
     SOURCE_MOUNT,
     VOLUME_ARTIFACTS,
     VOLUME_SCRATCH,
     VOLUME_SOURCE,
-    Manifest,
-    Owner,
     ca_file,
     ca_mount,
     ca_volume,
     container_security_context,
-    labels,
     pod_security_context,
     s3_credentials_env,
     secret_env,
 )
-from .observe import JobState
+from .observations import JobState
 from .resolve_plan import RESOLVE_TTL_SECONDS
 
-DEFAULT_RESOURCES: Manifest = {
+DEFAULT_RESOURCES: KubeObject = {
     "requests": {"cpu": "1", "memory": "1Gi"},
     "limits": {"memory": "4Gi"},
 }
 """The stager's resources when ``spec.stager.resources`` is unset (which then replaces them
 whole). Staging streams through fixed buffer pools (well under 1 GiB at TP=8, S3 included);
 the limit leaves room for a tensorizer rank's largest tensor and stops a runaway input."""
-CLEANUP_RESOURCES: Manifest = {
+CLEANUP_RESOURCES: KubeObject = {
     "requests": {"cpu": "100m", "memory": "128Mi"},
     "limits": {"memory": "512Mi"},
 }
@@ -72,10 +73,11 @@ def finalize_job_name(digest: str) -> str:
     return f"modelstage-finalize-{digest}"
 
 
-def scale_out_workers(spec: ModelDeploymentSpec) -> int:
-    """Pods of the stage Job: ``stager.parallelism`` for the formats whose files an Indexed
-    Job can write in parallel (tensor groups per pod), else 1."""
-    return spec.stager.parallelism if FORMATS[spec_format(spec)].scale_out else 1
+def scale_out_workers(spec: ModelDeploymentSpec, artifact: Artifact) -> int:
+    """Pods of the stage Job: ``stager.parallelism`` (``Stager.workers``; not the spec's
+    ``parallelism``, the model's split) for the formats whose files an Indexed Job can write in
+    parallel (tensor groups per pod), else 1."""
+    return spec.stager.workers if FORMATS[artifact.load_format].scale_out else 1
 
 
 @dataclass(frozen=True)
@@ -105,26 +107,28 @@ def staging_jobs(
     spec: ModelDeploymentSpec,
     *,
     owner: Owner,
-    digest: str,
+    artifact: Artifact,
     default_image: str = DEFAULT_STAGER_IMAGE,
     source: SourceStatus | None = None,
-) -> list[Manifest]:
-    """The Jobs that stage ``digest``, in order: the stage Job, and when it is an Indexed Job
+) -> list[KubeObject]:
+    """The Jobs that stage ``artifact``, in order: the stage Job, and when it is an Indexed Job
     (``stager.parallelism`` > 1) the small finalize Job that checks and publishes its parts.
     ``source``: the resolved identity the digest was taken from (``stager_command``)."""
     jobs = [
-        plan_stage_job(spec, owner=owner, digest=digest, default_image=default_image, source=source)
+        plan_stage_job(
+            spec, owner=owner, artifact=artifact, default_image=default_image, source=source
+        )
     ]
-    if scale_out_workers(spec) > 1:
+    if scale_out_workers(spec, artifact) > 1:
         jobs.append(
             plan_finalize_job(
-                spec, owner=owner, digest=digest, default_image=default_image, source=source
+                spec, owner=owner, artifact=artifact, default_image=default_image, source=source
             )
         )
     return jobs
 
 
-def _source(spec: ModelDeploymentSpec) -> tuple[list[str], list[Manifest], list[Manifest]]:
+def _source(spec: ModelDeploymentSpec) -> tuple[list[str], list[KubeObject], list[KubeObject]]:
     """The stager's SOURCE argument(s), and the volumes and mounts reading it needs."""
     uri = spec.model.uri
     if spec.model.scheme != "pvc":
@@ -163,10 +167,10 @@ def _s3_flags(connection: S3Connection | None) -> list[str]:
     return flags
 
 
-def _credentials_env(spec: ModelDeploymentSpec) -> list[Manifest]:
+def _credentials_env(spec: ModelDeploymentSpec) -> list[KubeObject]:
     """HF token or S3 credentials, by Secret reference only."""
     model = spec.model
-    env: list[Manifest] = []
+    env: list[KubeObject] = []
     if model.scheme == "hf" and model.credentials_secret:
         env.append(secret_env("HF_TOKEN", model.credentials_secret, HF_TOKEN_KEY))
     if spec.storage.s3 is not None:
@@ -178,7 +182,7 @@ def _credentials_env(spec: ModelDeploymentSpec) -> list[Manifest]:
     return env
 
 
-def _destination(location: ArtifactLocation) -> tuple[list[Manifest], list[Manifest]]:
+def _destination(location: ArtifactAddress) -> tuple[list[KubeObject], list[KubeObject]]:
     if location.claim_name is None:
         return [], []
     volume = {"name": VOLUME_ARTIFACTS, "persistentVolumeClaim": {"claimName": location.claim_name}}
@@ -187,7 +191,7 @@ def _destination(location: ArtifactLocation) -> tuple[list[Manifest], list[Manif
 
 def stager_command(
     spec: ModelDeploymentSpec,
-    location: ArtifactLocation,
+    artifact: Artifact,
     subcommand: str = "stage",
     source: SourceStatus | None = None,
 ) -> list[str]:
@@ -197,7 +201,9 @@ def stager_command(
 
     With the resolved ``source``: ``--expect-identity`` (a source that changed since it was
     resolved is refused, not staged under this digest) and, for hf://, the resolved commit
-    as the revision (a branch that moves meanwhile cannot change what is staged)."""
+    as the revision (a branch that moves meanwhile cannot change what is staged). The
+    tensor-parallel size and the format are the artifact's (its digest is taken)."""
+    location = artifact.location
     source_args, _, _ = _source(spec)
     resolved = source
     command = [
@@ -205,13 +211,13 @@ def stager_command(
         subcommand,
         source_args[0],
         "--tp",
-        str(spec.parallelism.tensor),
+        str(artifact.tp),
         "--pp",
         str(spec.parallelism.pipeline),
         "--dtype",
         spec.dtype,
         "--format",
-        spec_format(spec),
+        artifact.load_format,
         "--vllm-version",
         spec.serving.vllm_version or DEFAULT_VLLM_VERSION,
         "--digest",
@@ -233,47 +239,47 @@ def plan_stage_job(
     spec: ModelDeploymentSpec,
     *,
     owner: Owner,
-    digest: str,
+    artifact: Artifact,
     default_image: str = DEFAULT_STAGER_IMAGE,
     source: SourceStatus | None = None,
-) -> Manifest:
-    """The Job that stages ``digest`` for ``spec``; pure, deterministic."""
-    return _plan_job(spec, owner, digest, default_image, finalize=False, source=source)
+) -> KubeObject:
+    """The Job that stages ``artifact`` for ``spec``; pure, deterministic."""
+    return _plan_job(spec, owner, artifact, default_image, finalize=False, source=source)
 
 
 def plan_finalize_job(
     spec: ModelDeploymentSpec,
     *,
     owner: Owner,
-    digest: str,
+    artifact: Artifact,
     default_image: str = DEFAULT_STAGER_IMAGE,
     source: SourceStatus | None = None,
-) -> Manifest:
+) -> KubeObject:
     """One pod, the stage Job's volumes and arguments, ``modelstage finalize``: it reads the
     source's config and headers (not its weights), checks every part and publishes."""
-    return _plan_job(spec, owner, digest, default_image, finalize=True, source=source)
+    return _plan_job(spec, owner, artifact, default_image, finalize=True, source=source)
 
 
 def _plan_job(
     spec: ModelDeploymentSpec,
     owner: Owner,
-    digest: str,
+    artifact: Artifact,
     default_image: str,
     *,
     finalize: bool,
     source: SourceStatus | None = None,
-) -> Manifest:
-    location = locate(spec, namespace=owner.namespace, deployment_name=owner.name, digest=digest)
+) -> KubeObject:
+    location, digest = artifact.location, artifact.digest
     _, source_volumes, source_mounts = _source(spec)
     dest_volumes, dest_mounts = _destination(location)
     connection = s3_connection(spec)
     stager = spec.stager
-    workers = 1 if finalize else scale_out_workers(spec)
+    workers = 1 if finalize else scale_out_workers(spec, artifact)
     env = [*_scratch_env(), *_credentials_env(spec)]
     if workers > 1:
         # Each pod of the Indexed Job takes the tensor groups of its JOB_COMPLETION_INDEX.
         env.append({"name": "MODELSTAGE_WORKERS", "value": str(workers)})
-    command = stager_command(spec, location, "finalize" if finalize else "stage", source=source)
+    command = stager_command(spec, artifact, "finalize" if finalize else "stage", source=source)
     mounts = [*dest_mounts, *source_mounts, *ca_mount(connection)]
     container = _container("stager", stager.image or default_image, command, env, mounts)
     resources = stager.resources
@@ -300,7 +306,7 @@ def _plan_job(
     return _job(name, owner.namespace, job_labels, annotations, job_spec, owner)
 
 
-def _scratch_env() -> list[Manifest]:
+def _scratch_env() -> list[KubeObject]:
     """HOME, temporary files and the hub cache on the scratch volume."""
     return [
         {"name": "HOME", "value": SCRATCH_DIR},
@@ -310,8 +316,8 @@ def _scratch_env() -> list[Manifest]:
 
 
 def _container(
-    name: str, image: str, command: list[str], env: list[Manifest], mounts: list[Manifest]
-) -> Manifest:
+    name: str, image: str, command: list[str], env: list[KubeObject], mounts: list[KubeObject]
+) -> KubeObject:
     """A container of the stager image: restricted, its last line the termination message,
     the scratch volume mounted first."""
     return {
@@ -327,12 +333,15 @@ def _container(
 
 
 def _pod_spec(
-    container: Manifest, scratch_limit: str | None, volumes: list[Manifest], stager: Stager | None
-) -> Manifest:
+    container: KubeObject,
+    scratch_limit: str | None,
+    volumes: list[KubeObject],
+    stager: Stager | None,
+) -> KubeObject:
     """One pod, never restarted in place, no API token; the scratch volume (bounded to
     ``scratch_limit``) first; the spec's scheduling choices when ``stager`` is given."""
-    scratch: Manifest = {"sizeLimit": scratch_limit} if scratch_limit is not None else {}
-    pod_spec: Manifest = {
+    scratch: KubeObject = {"sizeLimit": scratch_limit} if scratch_limit is not None else {}
+    pod_spec: KubeObject = {
         "restartPolicy": "Never",
         "automountServiceAccountToken": False,
         "securityContext": pod_security_context(),
@@ -351,13 +360,13 @@ def _pod_spec(
 def _job(
     name: str,
     namespace: str,
-    job_labels: Manifest,
-    annotations: Manifest,
-    spec: Manifest,
+    job_labels: KubeObject,
+    annotations: KubeObject,
+    spec: KubeObject,
     owner: Owner | None = None,
-) -> Manifest:
+) -> KubeObject:
     """A batch/v1 Job; owned by the ModelDeployment when ``owner`` is given."""
-    metadata: Manifest = {
+    metadata: KubeObject = {
         "name": name,
         "namespace": namespace,
         "labels": job_labels,
@@ -387,7 +396,7 @@ def plan_cleanup_job(
     owner_name: str,
     connection: S3Connection | None,
     image: str,
-) -> Manifest | None:
+) -> KubeObject | None:
     """A one-pod Job running ``modelstage delete`` on one artifact: it mounts the artifact's
     claim (read from its ``pvc://`` URI), or reaches its S3 prefix with ``connection`` (the
     spec's storage.s3: credentials by Secret reference). None when an S3 artifact's
@@ -415,7 +424,7 @@ def plan_cleanup_job(
 
 
 RESOLVE_CONTAINER = "resolve"
-RESOLVE_RESOURCES: Manifest = {
+RESOLVE_RESOURCES: KubeObject = {
     "requests": {"cpu": "100m", "memory": "256Mi"},
     "limits": {"memory": "1Gi"},
 }
@@ -429,7 +438,7 @@ def plan_resolve_job(
     owner: Owner,
     name: str,
     default_image: str = DEFAULT_STAGER_IMAGE,
-) -> Manifest:
+) -> KubeObject:
     """The Job that runs ``modelstage resolve`` on the spec's source (``resolve_plan.py``):
     the stage Job's image, source volume, credentials (by Secret reference), CA bundle and
     security context, but no artifact volume and no Indexed pods; its one-line JSON lands in
@@ -465,7 +474,7 @@ def plan_resolve_job(
     return _job(name, owner.namespace, job_labels, annotations, job_spec, owner)
 
 
-def _source_credentials_env(spec: ModelDeploymentSpec) -> list[Manifest]:
+def _source_credentials_env(spec: ModelDeploymentSpec) -> list[KubeObject]:
     """What reading the source needs, no more: the stage Job's HF token or S3 credentials
     for an hf:// or s3:// source, never the storage's for another kind of source."""
     if spec.model.scheme == "pvc":
@@ -520,7 +529,7 @@ def scratch_bound(spec: ModelDeploymentSpec) -> ScratchBound:
     )
 
 
-def _request_ephemeral_storage(container: Manifest, amount: str) -> None:
+def _request_ephemeral_storage(container: KubeObject, amount: str) -> None:
     """Request and limit ``amount`` of ephemeral storage, unless the user's resources set
     either (a limit of ours below a request of theirs would be refused)."""
     resources = container.setdefault("resources", {})

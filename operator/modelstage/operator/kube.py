@@ -7,25 +7,14 @@ start with ``modelstage-``, which is how a later plan finds (and replaces) its o
 
 from __future__ import annotations
 
-import hashlib
-from dataclasses import dataclass
-from typing import Any
-
-from .api import API_VERSION, KIND, S3Connection
+from modelstage.api.modeldeployment import S3Connection
+from modelstage.api.objects import KubeObject
 
 OWNED_PREFIX = "modelstage-"
-DIGEST_ANNOTATION = "modelstage.io/artifact-digest"
 ENGINE_CACHE_ANNOTATION = "modelstage.io/engine-cache"
 """On the serving pod template: the engine cache (its URI) prepare is given."""
 MANAGED_ENV_ANNOTATION = "modelstage.io/managed-env"
 """Env var names the operator set in the vLLM container, so that a later plan can drop them."""
-LABEL_DIGEST = "modelstage.io/digest"
-LABEL_OWNER = "modelstage.io/model-deployment"
-OPT_IN_ANNOTATION = "modelstage.io/model-deployment"
-"""On a Deployment or StatefulSet: the one ModelDeployment (by name) that may patch it. A
-workload without it is never patched: creating a ModelDeployment does not by itself grant
-the right to change someone else's workload."""
-
 PLUGIN_DIR = "/opt/modelstage/plugins"
 CA_DIR = "/etc/modelstage/s3-ca"
 CA_KEY = "ca.crt"
@@ -51,72 +40,7 @@ serving initContainer mounts an empty folder there, since it never calls the API
 NONROOT_UID = 65532
 """The stager image's user (distroless ``nonroot``)."""
 
-Manifest = dict[str, Any]
-
-
-@dataclass(frozen=True)
-class Owner:
-    """The ModelDeployment that owns a child object."""
-
-    name: str
-    namespace: str
-    uid: str
-
-    def reference(self) -> Manifest:
-        return {
-            "apiVersion": API_VERSION,
-            "kind": KIND,
-            "name": self.name,
-            "uid": self.uid,
-            "controller": True,
-            "blockOwnerDeletion": True,
-        }
-
-
-def model_deployment_owners(manifest: Manifest) -> set[str]:
-    """UIDs of the ModelDeployments that control ``manifest`` (its controller owner
-    references of our kind and API group). Names and labels can be copied by anyone who may
-    create the object; an owner reference to a ModelDeployment is how the operator's own
-    children are told apart."""
-    group = API_VERSION.split("/", 1)[0]
-    return {
-        str(ref.get("uid"))
-        for ref in (manifest.get("metadata") or {}).get("ownerReferences") or []
-        if ref.get("controller")
-        and ref.get("kind") == KIND
-        and str(ref.get("apiVersion", "")).split("/", 1)[0] == group
-        and ref.get("uid")
-    }
-
-
-LABEL_VALUE_MAX = 63
-"""The API server refuses longer label values (422); object names may have up to 253."""
-
-
-def label_value(name: str) -> str:
-    """``name`` as a label value: itself when it fits, else a prefix and a hash of the whole
-    name (stable, distinct for distinct names, within 63 characters, starting and ending
-    with an alphanumeric character as label values must)."""
-    if len(name) <= LABEL_VALUE_MAX:
-        return name
-    tail = hashlib.sha256(name.encode()).hexdigest()[:10]
-    head = name[: LABEL_VALUE_MAX - len(tail) - 1].rstrip("-._")
-    return f"{head}-{tail}"
-
-
-def labels(component: str, owner_name: str, digest: str | None = None) -> dict[str, str]:
-    out = {
-        "app.kubernetes.io/name": "modelstage",
-        "app.kubernetes.io/component": component,
-        "app.kubernetes.io/managed-by": "modelstage-operator",
-        LABEL_OWNER: label_value(owner_name),
-    }
-    if digest is not None:
-        out[LABEL_DIGEST] = digest
-    return out
-
-
-def pod_security_context() -> Manifest:
+def pod_security_context() -> KubeObject:
     """Pod-level settings of the ``restricted`` Pod Security Standard."""
     return {
         "runAsNonRoot": True,
@@ -128,7 +52,7 @@ def pod_security_context() -> Manifest:
     }
 
 
-def container_security_context() -> Manifest:
+def container_security_context() -> KubeObject:
     """Container-level settings of the ``restricted`` standard (also for our initContainer in
     a workload whose pod-level context we do not own)."""
     return {
@@ -141,11 +65,11 @@ def container_security_context() -> Manifest:
     }
 
 
-def secret_env(name: str, secret: str, key: str) -> Manifest:
+def secret_env(name: str, secret: str, key: str) -> KubeObject:
     return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
 
 
-def s3_credentials_env(secret: str | None) -> list[Manifest]:
+def s3_credentials_env(secret: str | None) -> list[KubeObject]:
     """AWS credentials by reference; nothing for workload identity."""
     if secret is None:
         return []
@@ -155,14 +79,14 @@ def s3_credentials_env(secret: str | None) -> list[Manifest]:
     ]
 
 
-def ca_volume(connection: S3Connection | None) -> list[Manifest]:
+def ca_volume(connection: S3Connection | None) -> list[KubeObject]:
     if connection is None or connection.ca_bundle_secret is None:
         return []
     secret = {"secretName": connection.ca_bundle_secret, "items": [{"key": CA_KEY, "path": CA_KEY}]}
     return [{"name": VOLUME_CA, "secret": secret}]
 
 
-def ca_mount(connection: S3Connection | None) -> list[Manifest]:
+def ca_mount(connection: S3Connection | None) -> list[KubeObject]:
     if connection is None or connection.ca_bundle_secret is None:
         return []
     return [{"name": VOLUME_CA, "mountPath": CA_DIR, "readOnly": True}]

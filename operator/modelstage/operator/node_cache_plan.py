@@ -3,43 +3,43 @@
 With ``spec.nodeCache.enabled``, a staged artifact is copied to the local disks of the nodes
 the workload can run on before the workload is rolled onto it. Pure functions of what the kopf
 shell read: which nodes are eligible (the pod template's nodeSelector, required node affinity
-and tolerations; Ready, schedulable, with a node agent whose ``NodeCache`` report is fresh),
-which of them get a copy (the replicas' worth, or all), the copy Job per node, and each node's
-state, the phase (Copying, Warming, Ready, DeadlinePassed) and the ``NodeCached`` condition.
-Nothing here reads the cluster.
+and tolerations; Ready, schedulable, with a node agent whose ``NodeCache`` report is fresh and
+names its copy endpoint), which of them get a copy (the replicas' worth, or all), the copy Job
+per node, and each node's state, the phase (Copying, Warming, Ready, DeadlinePassed) and the
+``NodeCached`` condition. Nothing here reads the cluster.
+
+A node holds the artifact of ``(namespace, digest)`` when its agent's report lists a copy
+granted to that pair (the namespace streamed every byte of it); the copy's content is what the
+serving pods' volume names (``node_cache_volume``). A copy Job has no hostPath: it streams the
+artifact to its node's agent (``modelstage node-copy``) with a projected token the agent
+reviews, and an agent's refusal (no room under its budget, the disk or the namespace's quota)
+fails the Job with the agent's words, shown for that node in the status.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
-from modelstage.core import node_cache as nc
-
-from .api import (
+from modelstage.api.modeldeployment import (
     DEFAULT_STAGER_IMAGE,
     ModelDeploymentSpec,
     NodeCache,
     NodeCacheStatus,
     NodeCopyStatus,
 )
+from modelstage.api.nodecache import HeldCopy, NodeCacheReport
+from modelstage.api.objects import KubeObject, Owner, labels
+from modelstage.core import node_cache as nc
+
 from .artifact import ARTIFACT_MOUNT, Artifact
 from .job_plan import _container, _job, _pod_spec
-from .kube import (
-    SCRATCH_DIR,
-    VOLUME_ARTIFACTS,
-    VOLUME_NODE_CACHE,
-    Manifest,
-    Owner,
-    ca_mount,
-    ca_volume,
-    labels,
-)
-from .node_cache_api import NodeCacheReport
-from .observe import JobState, NodeCacheStep, parse_summary
+from .kube import SCRATCH_DIR, VOLUME_ARTIFACTS, ca_mount, ca_volume
+from .observations import JobState, NodeCacheStep, parse_summary
 from .rollout_plan import _s3_serving_env
 
 COPY_COMPONENT = "node-copy"
@@ -51,12 +51,17 @@ HEARTBEAT_MAX_AGE = timedelta(minutes=3)
 """A ``NodeCache`` report older than this (or than ``HEARTBEAT_INTERVALS`` of the agent's
 interval, when longer) means the node's agent is gone: no copy goes there."""
 HEARTBEAT_INTERVALS = 3
-COPY_RESOURCES: Manifest = {
+COPY_RESOURCES: KubeObject = {
     "requests": {"cpu": "500m", "memory": "256Mi"},
     "limits": {"memory": "1Gi"},
 }
 """A copy streams through bounded buffers (``modelstage node-copy``)."""
 COPY_BACKOFF_LIMIT = 3
+DEFAULT_COPY_DEADLINE_SECONDS = 3600
+"""A copy Job's ``activeDeadlineSeconds`` (chart value ``nodeCache.copyDeadlineSeconds``)."""
+TOKEN_VOLUME = "modelstage-node-agent-token"
+TOKEN_DIR = "/var/run/secrets/modelstage"
+TOKEN_SECONDS = 3600
 COPY_TTL_SECONDS = 24 * 3600
 """A finished copy Job stays a day (its pod's message says how it went), then goes by itself;
 the copy is known from the agent's report, not from the Job."""
@@ -68,11 +73,11 @@ HOLDING: frozenset[NodeState] = frozenset({"Ready", "Warm"})
 # --- which nodes ------------------------------------------------------------------------------
 
 
-def _labels(node: Manifest) -> Mapping[str, str]:
+def _labels(node: KubeObject) -> Mapping[str, str]:
     return (node.get("metadata") or {}).get("labels") or {}
 
 
-def _name(node: Manifest) -> str:
+def _name(node: KubeObject) -> str:
     return str((node.get("metadata") or {}).get("name") or "")
 
 
@@ -100,7 +105,7 @@ def _expression_matches(expression: Mapping[str, Any], values: Mapping[str, str]
     return False
 
 
-def _term_matches(term: Mapping[str, Any], node: Manifest) -> bool:
+def _term_matches(term: Mapping[str, Any], node: KubeObject) -> bool:
     """A node selector term: all its requirements hold; a term without any matches nothing."""
     expressions = term.get("matchExpressions") or []
     fields = term.get("matchFields") or []
@@ -112,7 +117,7 @@ def _term_matches(term: Mapping[str, Any], node: Manifest) -> bool:
     )
 
 
-def selects(pod_spec: Manifest, node: Manifest) -> bool:
+def selects(pod_spec: KubeObject, node: KubeObject) -> bool:
     """Whether the pod's nodeSelector and required node affinity admit ``node`` (any of the
     terms, all of each term's requirements)."""
     node_labels = _labels(node)
@@ -144,7 +149,7 @@ def _tolerated(taint: Mapping[str, Any], tolerations: Sequence[Mapping[str, Any]
     return False
 
 
-def tolerates(pod_spec: Manifest, node: Manifest) -> bool:
+def tolerates(pod_spec: KubeObject, node: KubeObject) -> bool:
     """Whether the pod tolerates every NoSchedule and NoExecute taint of ``node`` (and its
     cordon: ``spec.unschedulable``)."""
     tolerations = pod_spec.get("tolerations") or []
@@ -157,7 +162,7 @@ def tolerates(pod_spec: Manifest, node: Manifest) -> bool:
     )
 
 
-def node_ready(node: Manifest) -> bool:
+def node_ready(node: KubeObject) -> bool:
     conditions = (node.get("status") or {}).get("conditions") or []
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
 
@@ -171,8 +176,8 @@ def fresh(report: NodeCacheReport | None, now: datetime) -> bool:
 
 
 def eligible_nodes(
-    pod_spec: Manifest,
-    nodes: Iterable[Manifest],
+    pod_spec: KubeObject,
+    nodes: Iterable[KubeObject],
     reports: Mapping[str, NodeCacheReport],
     now: datetime,
 ) -> list[str]:
@@ -184,11 +189,23 @@ def eligible_nodes(
         and tolerates(pod_spec, node)
         and node_ready(node)
         and fresh(reports.get(_name(node)), now)
+        and bool(reports[_name(node)].endpoint)
     )
 
 
-def holds(report: NodeCacheReport | None, digest: str) -> bool:
-    return report is not None and any(a.digest == digest for a in report.artifacts)
+def held_copy(report: NodeCacheReport | None, namespace: str, digest: str) -> HeldCopy | None:
+    """The node's complete copy granted to ``(namespace, digest)``; a copy of the same bytes
+    that only another namespace proved is not this namespace's."""
+    if report is None:
+        return None
+    for held in report.copies:
+        if any(g.namespace == namespace and g.digest == digest for g in held.grants):
+            return held
+    return None
+
+
+def holds(report: NodeCacheReport | None, namespace: str, digest: str) -> bool:
+    return held_copy(report, namespace, digest) is not None
 
 
 def chosen_nodes(
@@ -232,61 +249,79 @@ def plan_copy_job(
     node: str,
     *,
     owner: Owner,
-    root: str = nc.DEFAULT_ROOT,
-    tolerations: Sequence[Manifest] = (),
+    endpoint: str,
+    deadline_seconds: int = DEFAULT_COPY_DEADLINE_SECONDS,
+    tolerations: Sequence[KubeObject] = (),
     default_image: str = DEFAULT_STAGER_IMAGE,
-) -> Manifest:
-    """The Job that copies ``artifact`` onto ``node``'s cache: pinned to the node, with the
-    workload's tolerations, the artifact mounted read-only as the serving pod's prepare
-    initContainer mounts it (the claim, or the S3 settings, credentials and CA by reference)
-    and the node's root as a hostPath; the stager image, restricted, no API token."""
+) -> KubeObject:
+    """The Job that streams ``artifact`` to ``node``'s agent at ``endpoint``: pinned to the
+    node, with the workload's tolerations, the artifact mounted read-only as the serving
+    pod's prepare initContainer mounts it (the claim, or the S3 settings, credentials and CA
+    by reference); no hostPath, no API token, only a projected token for the agent's
+    audience; restricted; ended at ``deadline_seconds``."""
     location = artifact.location
     connection = spec.storage.s3 if not location.on_pvc else None
     command = [
-        "modelstage",
-        "node-copy",
-        "--artifact",
-        location.path,
-        "--digest",
-        artifact.digest,
-        "--tp",
-        str(artifact.tensor_parallel),
-        "--root",
-        nc.POD_MOUNT,
+        "modelstage", "node-copy",
+        "--artifact", location.path,
+        "--digest", artifact.digest,
+        "--tp", str(artifact.tp),
+        "--agent", f"$({nc.ENV_NODE_AGENT})",
+        "--token-file", nc.DEFAULT_TOKEN_FILE,
+    ]  # fmt: skip
+    volumes, mounts = _copy_volumes(artifact)
+    env = [
+        {"name": "HOME", "value": SCRATCH_DIR},
+        {"name": nc.ENV_NODE_AGENT, "value": endpoint},
+        *_s3_serving_env(artifact, connection),
     ]
-    mounts: list[Manifest] = [{"name": VOLUME_NODE_CACHE, "mountPath": nc.POD_MOUNT}]
-    volumes: list[Manifest] = [
-        {"name": VOLUME_NODE_CACHE, "hostPath": {"path": root, "type": "DirectoryOrCreate"}}
-    ]
-    if location.on_pvc:
-        claim = {"claimName": location.claim_name, "readOnly": True}
-        volumes.append({"name": VOLUME_ARTIFACTS, "persistentVolumeClaim": claim})
-        mounts.append({"name": VOLUME_ARTIFACTS, "mountPath": ARTIFACT_MOUNT, "readOnly": True})
-    env = [{"name": "HOME", "value": SCRATCH_DIR}, *_s3_serving_env(artifact, connection)]
     image = spec.stager.image or default_image
     container = _container(COPY_CONTAINER, image, command, env, [*mounts, *ca_mount(connection)])
     container["resources"] = {k: dict(v) for k, v in COPY_RESOURCES.items()}
     pod_spec = _pod_spec(container, "1Gi", [*volumes, *ca_volume(connection)], None)
-    pod_spec["affinity"] = {
-        "nodeAffinity": {
-            "requiredDuringSchedulingIgnoredDuringExecution": {
-                "nodeSelectorTerms": [
-                    {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]}
-                ]
-            }
-        }
-    }
+    # A projected token needs the account named (the ServiceAccount admission plugin names
+    # "default" when it runs; the API server refuses the pod without one when it does not).
+    pod_spec["serviceAccountName"] = spec.stager.service_account_name or "default"
+    pod_spec["affinity"] = _pinned_to(node)
     if tolerations:
         pod_spec["tolerations"] = [dict(t) for t in tolerations]
     job_labels = copy_job_labels(owner.name, artifact.digest, node)
     job_spec = {
         "backoffLimit": COPY_BACKOFF_LIMIT,
+        "activeDeadlineSeconds": deadline_seconds,
         "ttlSecondsAfterFinished": COPY_TTL_SECONDS,
         "template": {"metadata": {"labels": job_labels}, "spec": pod_spec},
     }
     annotations = {NODE_ANNOTATION: node, "modelstage.io/artifact-uri": location.uri}
     name = copy_job_name(artifact.digest, node)
     return _job(name, owner.namespace, job_labels, annotations, job_spec, owner)
+
+
+def _copy_volumes(artifact: Artifact) -> tuple[list[KubeObject], list[KubeObject]]:
+    """The copy pod's volumes and mounts: the agent-audience token, and the artifact's claim
+    read-only when it is on a PVC."""
+    token = {"audience": nc.AGENT_AUDIENCE, "expirationSeconds": TOKEN_SECONDS, "path": "token"}
+    volumes: list[KubeObject] = [
+        {"name": TOKEN_VOLUME, "projected": {"sources": [{"serviceAccountToken": token}]}}
+    ]
+    mounts: list[KubeObject] = [{"name": TOKEN_VOLUME, "mountPath": TOKEN_DIR, "readOnly": True}]
+    if artifact.location.on_pvc:
+        claim = {"claimName": artifact.location.claim_name, "readOnly": True}
+        volumes.append({"name": VOLUME_ARTIFACTS, "persistentVolumeClaim": claim})
+        mounts.append({"name": VOLUME_ARTIFACTS, "mountPath": ARTIFACT_MOUNT, "readOnly": True})
+    return volumes, mounts
+
+
+def _pinned_to(node: str) -> KubeObject:
+    """An affinity that schedules the pod on ``node`` and nowhere else."""
+    match = {"key": "metadata.name", "operator": "In", "values": [node]}
+    return {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [{"matchFields": [match]}]
+            }
+        }
+    }
 
 
 # --- where the copies stand -------------------------------------------------------------------
@@ -312,7 +347,7 @@ class PodStart:
     result: str
 
 
-def pod_start(pod: Manifest, container: str) -> PodStart | None:
+def pod_start(pod: KubeObject, container: str) -> PodStart | None:
     """``hit`` or ``miss`` from a serving pod's prepare summary, with the pod's node."""
     node = (pod.get("spec") or {}).get("nodeName")
     if not node:
@@ -336,32 +371,38 @@ def _last_line(message: str) -> str:
 
 def _node_state(
     node: str,
-    digest: str,
+    key: tuple[str, str],
     report: NodeCacheReport | None,
     job: CopyJob | None,
     before: NodeCopyStatus | None,
 ) -> tuple[NodeState, str]:
-    """One chosen node: holding the copy (warm or not), copying, failed, or still to start.
-    A node that held the copy earlier and no longer does lost it (evicted, wiped)."""
-    held = next((a for a in report.artifacts if a.digest == digest), None) if report else None
+    """One chosen node: holding the copy of ``key`` (namespace, digest), warm or not;
+    copying, failed, or still to start. A node that held the copy earlier and no longer does
+    lost it (evicted, wiped, or dropped by re-verification)."""
+    digest = key[1]
+    held = held_copy(report, *key)
     if held is not None:
         return ("Warm" if held.warm else "Ready"), ""
     copied = job is not None and job.state == "Succeeded"
     if copied and before is not None and before.state in (*HOLDING, "Failed"):
         return "Failed", (
-            f"the node no longer holds artifact {digest} (evicted or removed); delete "
-            f"Job {copy_job_name(digest, node)} to copy it again"
+            f"{LOST} {digest} (evicted, removed, or dropped by the agent's re-verification): "
+            f"Job {copy_job_name(digest, node)} is replaced to copy it again"
         )
     if job is None:
         return "Pending", "the copy Job is to be created"
     if job.state == "Failed":
         why = _last_line(job.message) or "the copy Job failed"
-        return "Failed", f"Job {job.name}: {why}"
+        return "Failed", f"Job {job.name}: {why.removeprefix('error: ')}"
     if job.state == "Succeeded":
         return "Copying", "copied; waiting for the node agent's report"
     # No byte count here: a message that changes with every agent report would rewrite the
     # status on each one (the progress is in the NodeCache report and the agent's metrics).
     return "Copying", f"Job {job.name} copying"
+
+
+LOST = "the node no longer holds artifact"
+"""How a chosen node's status starts once it lost its copy: its Job is replaced."""
 
 
 def _previous(before: NodeCacheStatus | None, digest: str) -> dict[str, NodeCopyStatus]:
@@ -373,7 +414,7 @@ def _previous(before: NodeCacheStatus | None, digest: str) -> dict[str, NodeCopy
 
 def choose_nodes(
     eligible: Sequence[str],
-    digest: str,
+    key: tuple[str, str],
     *,
     mode: Literal["Replicas", "All"],
     replicas: int,
@@ -384,9 +425,9 @@ def choose_nodes(
     """``chosen_nodes`` with each eligible node's state: nodes holding the copy or with a copy
     under way first, nodes whose copy failed or was lost last (a failed Job lingers for a day;
     choosing its node would hold the roll until the deadline)."""
-    previous = _previous(before, digest)
+    previous = _previous(before, key[1])
     states = {
-        node: _node_state(node, digest, reports.get(node), jobs.get(node), previous.get(node))[0]
+        node: _node_state(node, key, reports.get(node), jobs.get(node), previous.get(node))[0]
         for node in eligible
     }
     return chosen_nodes(
@@ -486,9 +527,23 @@ def _condition(
     return "False", "Copying", f"{held}; the roll waits for the copies until {at}"
 
 
+def served_copy(
+    key: tuple[str, str], nodes: Iterable[str], reports: Mapping[str, NodeCacheReport]
+) -> HeldCopy | None:
+    """The copy the serving pods mount: the content granted to ``key`` that most of
+    ``nodes`` hold (one content per spec digest but for a restage in between), None when none
+    does (the roll then goes without the node-cache volume)."""
+    held = [c for c in (held_copy(reports.get(n), *key) for n in sorted(nodes)) if c is not None]
+    if not held:
+        return None
+    counts = Counter(c.content for c in held)
+    content = min(counts, key=lambda c: (-counts[c], c))
+    return max((c for c in held if c.content == content), key=lambda c: c.bytes)
+
+
 def plan_node_cache(
     cache: NodeCache,
-    digest: str,
+    key: tuple[str, str],
     *,
     before: NodeCacheStatus | None,
     chosen: Sequence[str],
@@ -499,48 +554,73 @@ def plan_node_cache(
     now: datetime,
 ) -> tuple[NodeCacheStep, list[str]]:
     """The node cache's step (the status, the ``NodeCached`` condition, whether the workload
-    may roll) and the chosen nodes a copy Job is to be created for. Nodes with a copy Job of
-    ``digest`` are listed whether chosen or not: a failed or lost copy stays known as such
-    after another node was chosen in its place."""
+    may roll, the copy it mounts) and the chosen nodes a copy Job is to be created for, for
+    the artifact ``key`` (namespace, digest); a node that lost its copy (its Job succeeded, it
+    held the copy, and holds it no more) and is still chosen (no other node took its place)
+    gets its Job deleted (``replace``): the next pass creates a new one. Nodes with a copy Job
+    of the digest are listed
+    whether chosen or not: a failed or lost copy stays known as such after another node was
+    chosen in its place."""
+    digest = key[1]
     before = before if before is not None and before.digest == digest else None
     since = before.since if before is not None and before.since is not None else now
     deadline = since + timedelta(seconds=cache.deadline_seconds)
     previous = _previous(before, digest)
     idle = replicas <= 0 and not chosen
     states = {
-        node: _node_state(node, digest, reports.get(node), jobs.get(node), previous.get(node))
+        node: _node_state(node, key, reports.get(node), jobs.get(node), previous.get(node))
         for node in chosen
     }
-    hits: dict[str, list[int]] = {}
-    for start in pod_starts:
-        counts = hits.setdefault(start.node, [0, 0])
-        counts[0 if start.result == nc.HIT else 1] += 1
     phase = _phase(cache, before, [s for s, _ in states.values()], now >= deadline, idle)
-    nodes = []
-    for node in sorted({*chosen, *hits, *jobs}):
-        if node in states:
-            state, message = states[node]
-        elif holds(reports.get(node), digest):
-            state, message = "Ready", "holds the copy (not among the chosen nodes)"
-        elif node in jobs:
-            job = jobs[node]
-            state, message = _node_state(node, digest, reports.get(node), job, previous.get(node))
-        else:
-            state, message = "Pending", "not among the nodes chosen for a copy"
-        hit, miss = hits.get(node, [0, 0])
-        nodes.append(NodeCopyStatus(name=node, state=state, message=message, hits=hit, misses=miss))
     status = NodeCacheStatus(
         digest=digest,
         phase=phase,
         wanted=len(chosen),
         ready=sum(1 for s, _ in states.values() if s in HOLDING),
         since=since,
-        nodes=nodes,
+        nodes=_node_statuses(key, chosen, states, reports, jobs, previous, pod_starts),
     )
+    # A lost node's Job is deleted now and created anew by a later pass that sees no Job:
+    # that pass writes the node as Pending first, so the new Job's success (before the agent
+    # reports the copy) never reads as the old Job's copy lost once more.
+    lost = [n for n in chosen if states[n][1].startswith(LOST)]
     create = [n for n in chosen if states[n][0] == "Pending" and n not in jobs]
     step = NodeCacheStep(
+        replace=tuple(jobs[n].name for n in lost),
         status=status,
         condition=_condition(status, states, deadline, idle),
         roll=phase in ("Ready", "DeadlinePassed"),
+        copy=served_copy(key, [n for n, (s, _) in states.items() if s in HOLDING], reports),
     )
     return step, create
+
+
+def _node_statuses(
+    key: tuple[str, str],
+    chosen: Sequence[str],
+    states: Mapping[str, tuple[NodeState, str]],
+    reports: Mapping[str, NodeCacheReport],
+    jobs: Mapping[str, CopyJob],
+    previous: Mapping[str, NodeCopyStatus],
+    pod_starts: Sequence[PodStart],
+) -> list[NodeCopyStatus]:
+    """Each node's line in the status: the chosen ones, those with a copy Job, and those
+    where serving pods started (their hits and misses)."""
+    hits: dict[str, list[int]] = {}
+    for start in pod_starts:
+        counts = hits.setdefault(start.node, [0, 0])
+        counts[0 if start.result == nc.HIT else 1] += 1
+    nodes = []
+    for node in sorted({*chosen, *hits, *jobs}):
+        if node in states:
+            state, message = states[node]
+        elif holds(reports.get(node), *key):
+            state, message = "Ready", "holds the copy (not among the chosen nodes)"
+        elif node in jobs:
+            report, job = reports.get(node), jobs[node]
+            state, message = _node_state(node, key, report, job, previous.get(node))
+        else:
+            state, message = "Pending", "not among the nodes chosen for a copy"
+        hit, miss = hits.get(node, [0, 0])
+        nodes.append(NodeCopyStatus(name=node, state=state, message=message, hits=hit, misses=miss))
+    return nodes

@@ -1,302 +1,711 @@
-"""``cluster objects -> observations``: what ``decide`` is told about Jobs, pods and workloads.
+"""Observe: one ModelDeployment and what the planners need of the cluster, read into a ``World``.
 
-Pure functions of the objects the kopf shell read (a Job, its pods, the target Deployment or
-StatefulSet): the Job's state and the stager's termination message, a running Job's
-progress, the workload's rollout progress and why its pods fail. ``state.decide`` takes the
-result, never a raw object.
+``Observer.observe`` reads the spec's findings, the source's resolution (its resolve Job),
+the desired artifact, the target workload and its claim, the staging Jobs, and with node
+caching the nodes, their agents' reports, the copy Jobs and the serving pods' cache results.
+The objects become observations through the pure functions of ``observations.py`` and the
+planners (``resolve_plan``, ``job_plan``, ``node_cache_plan``); ``World.observed`` is what
+``state.decide`` is told. Nothing here writes to the cluster.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
-from typing import Any, Literal
 
-from .api import EngineCacheStatus, NodeCacheStatus
-from .kube import DIGEST_ANNOTATION, ENGINE_CACHE_ANNOTATION, VOLUME_NODE_CACHE, Manifest
-from .rollout_plan import EngineCacheUse
-from .validation import Finding
+from kubernetes.client.exceptions import ApiException
+from modelstage.api.kube_client import KubeClient, resource_path
+from modelstage.api.modeldeployment import (
+    API_VERSION,
+    PLURAL,
+    ModelDeploymentSpec,
+    ModelDeploymentStatus,
+    TargetRef,
+)
+from modelstage.api.nodecache import NodeCacheObject, NodeCacheReport
+from modelstage.api.objects import (
+    DIGEST_ANNOTATION,
+    LABEL_DIGEST,
+    KubeObject,
+    Owner,
+    model_deployment_owners,
+)
+from modelstage.core import node_cache as nc
+from modelstage.core.errors import SpecError
+from modelstage.core.formats import AUTO
+from modelstage.core.layouts import layout_for
+from pydantic import ValidationError
 
-JobState = Literal["Running", "Succeeded", "Failed"]
+from . import metrics
+from .artifact import Artifact, artifact_for
+from .claim_plan import check_claim_size
+from .engine_cache_plan import (
+    CAPTURE_CONTAINER,
+    Unavailable,
+    capture_inputs,
+    capture_job_name,
+    plan_capture_job,
+    plan_engine_cache,
+)
+from .job_plan import RESOLVE_CONTAINER, staging_jobs, staging_step
+from .node_cache_plan import (
+    COPY_COMPONENT,
+    COPY_CONTAINER,
+    DEFAULT_COPY_DEADLINE_SECONDS,
+    NODE_ANNOTATION,
+    CopyJob,
+    PodStart,
+    choose_nodes,
+    eligible_nodes,
+    plan_copy_job,
+    plan_node_cache,
+    pod_start,
+)
+from .observations import (
+    EngineCacheStep,
+    JobObservation,
+    NodeCacheStep,
+    Observed,
+    WorkloadObservation,
+    observe_job,
+    observe_workload,
+    pod_failures,
+    progress_line,
+    staging_progress,
+    termination_message,
+)
+from .resolve_plan import (
+    SourceStep,
+    chosen_format,
+    concrete_spec,
+    plan_source,
+    recorded_identity,
+    resolution_due,
+    resolve_job_name,
+    source_changed,
+    source_key,
+)
+from .retention import Holder
+from .rollout_plan import PREPARE_CONTAINER
+from .serving_version import ServingVersion, recorded_version, serving_version, with_version
+from .validation import Finding, validate_spec, validate_workload
+
+STAGER_SELECTOR = {"app.kubernetes.io/component": "stager"}
+JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
+"""Set by the Job controller on its pods: tells the stage Job's pods from finalize's."""
+WORKLOAD_PLURALS = {"Deployment": "deployments", "StatefulSet": "statefulsets"}
+LOG_TAIL_LINES = 20
+"""Lines of a running stager's log read for its latest progress line."""
+LOG = logging.getLogger(__name__)
+NOT_INSTALLED = (
+    "spec.nodeCache.enabled, but node caching is not installed with this operator (the "
+    "chart's nodeCache.enabled): the workload rolls without node-local copies"
+)
 
 
-@dataclass(frozen=True)
-class JobObservation:
-    """The stager Job of the desired digest."""
-
-    state: JobState
-    message: str = ""
-    """The stager's termination message: the JSON summary, or the failure reason."""
-    finished_at: datetime | None = None
-    """When it succeeded (``completionTime``) or failed (its condition's transition)."""
-    name: str = ""
-    progress: str = ""
-    """While it runs: the stager's latest progress line (``progress_line``)."""
+def md_path(namespace: str, name: str | None = None, subresource: str | None = None) -> str:
+    return resource_path(API_VERSION, PLURAL, namespace, name, subresource)
 
 
-@dataclass(frozen=True)
-class WorkloadObservation:
-    """The target Deployment or StatefulSet, reduced to what the rollout decision needs."""
+def workload_path(namespace: str, ref: TargetRef) -> str:
+    return resource_path("apps/v1", WORKLOAD_PLURALS[ref.kind], namespace, ref.name)
 
-    digest: str | None
-    generation: int = 1
-    observed_generation: int = 1
-    replicas: int = 1
-    updated: int = 1
-    available: int = 1
-    failing: tuple[str, ...] = ()
-    """Why pods of the current template fail (crash loops, image pulls, init errors)."""
-    stalled: bool = False
-    """The workload controller gave up (Deployment ``ProgressDeadlineExceeded``)."""
-    node_cache: bool = False
-    """Its pod template mounts the nodes' cache root (``spec.nodeCache``)."""
-    engine_cache: str | None = None
-    """The engine cache its pod template's prepare is given (its annotation), or None."""
 
-    @property
-    def complete(self) -> bool:
-        return (
-            self.observed_generation >= self.generation
-            and self.updated >= self.replicas
-            and self.available >= self.replicas
+@dataclass
+class World:
+    """What one reconciliation read: the ModelDeployment, and what ``decide`` and the actions
+    need to know about the cluster."""
+
+    body: KubeObject
+    owner: Owner
+    status: ModelDeploymentStatus
+    now: datetime
+    spec: ModelDeploymentSpec | None = None
+    """The spec the planners read: ``loadFormat: auto`` decided once the source is known."""
+    requested: ModelDeploymentSpec | None = None
+    """The spec as written (``auto`` undecided): what resolving reads."""
+    invalid: str | None = None
+    """Why the spec can never work."""
+    findings: list[Finding] = field(default_factory=list)
+    source: SourceStep | None = None
+    desired: Artifact | None = None
+    workload: KubeObject | None = None
+    observed_workload: WorkloadObservation | None = None
+    job: JobObservation | None = None
+    """The staging Job followed (``staging_step``)."""
+    next_job: KubeObject | None = None
+    """The staging Job to create next."""
+    serving: ServingVersion | None = None
+    """The vLLM version staged for, and why (``serving_version.py``)."""
+    node_cache: NodeCacheStep | None = None
+    """Where the node-local copies of the staged artifact stand (``spec.nodeCache``)."""
+    engine_cache: EngineCacheStep | None = None
+    """Where the staged artifact's engine cache stands (``spec.engineCache``)."""
+
+    def observed(self, node_cache_installed: bool) -> Observed:
+        """What ``state.decide`` is told."""
+        return Observed(
+            generation=int(self.body["metadata"].get("generation", 1)),
+            now=self.now,
+            job=self.job,
+            workload=self.observed_workload,
+            findings=tuple(self.findings),
+            node_cache_enabled=(
+                node_cache_installed and self.spec is not None and self.spec.node_cache.enabled
+            ),
+            node_cache=self.node_cache,
+            engine_cache_enabled=self.spec is not None and self.spec.engine_cache.enabled,
+            engine_cache=self.engine_cache,
         )
 
 
-@dataclass(frozen=True)
-class NodeCacheStep:
-    """Where the node-local copies of the staged artifact stand (``node_cache_plan``)."""
-
-    status: NodeCacheStatus
-    condition: tuple[Literal["True", "False"], str, str]
-    """``NodeCached``: (status, reason, message)."""
-    roll: bool
-    """The copies are ready, or the deadline passed: the workload may roll."""
-    create: tuple[Manifest, ...] = ()
-    """Copy Jobs to create."""
+def _blocks_staging(findings: Sequence[Finding]) -> list[Finding]:
+    return [f for f in findings if f.blocks == "staging"]
 
 
-@dataclass(frozen=True)
-class EngineCacheStep:
-    """Where the engine cache of the desired artifact stands (``engine_cache_plan``)."""
-
-    status: EngineCacheStatus | None
-    condition: tuple[Literal["True", "False"], str, str]
-    """``EngineCached``: (status, reason, message)."""
-    roll: bool
-    """Captured, failed, unavailable or past the deadline: the workload may roll."""
-    create: Manifest | None = None
-    """The capture Job to create (``plan_capture_job``'s)."""
-    use: EngineCacheUse | None = None
-    """What the serving pods are given, once captured."""
-
-
-@dataclass(frozen=True)
-class Observed:
-    generation: int
-    now: datetime
-    job: JobObservation | None = None
-    workload: WorkloadObservation | None = None
-    findings: Sequence[Finding] = field(default_factory=tuple)
-    node_cache_enabled: bool = False
-    """``spec.nodeCache.enabled``: the roll waits for ``node_cache``."""
-    node_cache: NodeCacheStep | None = None
-    engine_cache_enabled: bool = False
-    """``spec.engineCache.enabled``: the roll waits for ``engine_cache``."""
-    engine_cache: EngineCacheStep | None = None
+def _desired(
+    spec: ModelDeploymentSpec, owner: Owner, source: SourceStep, why: str
+) -> Artifact | None:
+    """The artifact the spec asks for, once its source's identity is known and, for
+    ``loadFormat: auto``, its format chosen (``spec`` is the concrete spec then, chosen
+    because ``why``)."""
+    if source.source is None or spec.load_format == AUTO:
+        return None
+    artifact = artifact_for(
+        spec, namespace=owner.namespace, deployment_name=owner.name, identity=source.source.identity
+    )
+    return replace(artifact, format_reason=why)
 
 
-def observe_job(job: Manifest, termination_message: str = "") -> JobObservation:
-    """Reads a Job's conditions; the shell passes the termination message of its last pod."""
-    status = job.get("status") or {}
-    name = str((job.get("metadata") or {}).get("name") or "")
-    for cond in status.get("conditions") or []:
-        if cond.get("status") != "True":
-            continue
-        if cond.get("type") in ("Complete", "SuccessCriteriaMet"):
-            return JobObservation(
-                "Succeeded", termination_message, _time(status.get("completionTime")), name
+def _plan_artifact(world: World, requested: ModelDeploymentSpec) -> ModelDeploymentSpec:
+    """``loadFormat: auto`` decided by the resolution (every planner reads the concrete
+    spec), then the desired artifact; returns the spec the planners read."""
+    assert world.source is not None
+    chosen = chosen_format(requested, world.source.source)
+    world.spec = spec = concrete_spec(requested, chosen) if chosen is not None else requested
+    why = chosen.reason if chosen is not None else ""
+    world.desired = _desired(spec, world.owner, world.source, why)
+    if world.desired is not None and world.serving is not None:
+        world.desired = replace(world.desired, vllm_version=world.serving.status())
+    return spec
+
+
+def _with_serving_version(world: World, spec: ModelDeploymentSpec) -> ModelDeploymentSpec:
+    """The spec with the vLLM version to stage for (the spec's, the image tag's or the
+    default); one without a layout blocks staging."""
+    try:
+        world.serving = serving_version(
+            spec, world.workload, namespace=world.owner.namespace, deployment_name=world.owner.name
+        )
+    except SpecError as error:
+        world.findings.append(Finding("UnsupportedVllmVersion", str(error), "staging"))
+        return spec
+    return with_version(spec, world.serving.version)
+
+
+def _now() -> datetime:
+    """Whole seconds: the status round-trips through the API server unchanged."""
+    return datetime.now(UTC).replace(microsecond=0)
+
+
+class Observer:
+    """Reads the cluster for the reconciler; keeps only which serving pods' node cache
+    results it has counted."""
+
+    def __init__(
+        self,
+        kube: KubeClient,
+        *,
+        stager_image: str,
+        images: Sequence[str],
+        resolve_interval: float = 0.0,
+        stager_logs: bool = False,
+        node_cache: bool = False,
+        copy_deadline_seconds: int = DEFAULT_COPY_DEADLINE_SECONDS,
+    ) -> None:
+        self.kube = kube
+        self.stager_image = stager_image
+        self.images = tuple(images)
+        """Images a spec may name (``spec.stager.image``); the default first."""
+        self.resolve_interval = resolve_interval
+        """Seconds between resolutions of a moving source, when the spec does not say."""
+        self.stager_logs = stager_logs
+        """Read running stagers' log tails for their progress (needs ``get pods/log``)."""
+        self.node_cache = node_cache
+        """Node caching is installed: without it no Node, NodeCache or PV is read."""
+        self.copy_deadline_seconds = copy_deadline_seconds
+        self._pod_starts: dict[tuple[str, str], set[str]] = {}
+        """Serving pods (uids) whose node cache result is counted, per ModelDeployment."""
+
+    def forget(self, namespace: str, name: str) -> None:
+        """The ModelDeployment is deleted: its serving pods are not ours now."""
+        self._pod_starts.pop((namespace, name), None)
+
+    def observe(self, namespace: str, name: str, body: KubeObject) -> World:
+        """Everything ``decide`` and the actions need, read from the cluster."""
+        meta = body["metadata"]
+        world = World(
+            body=body,
+            owner=Owner(name=name, namespace=namespace, uid=meta["uid"]),
+            status=ModelDeploymentStatus.model_validate(body.get("status") or {}),
+            now=_now(),
+        )
+        try:
+            world.spec = world.requested = ModelDeploymentSpec.model_validate(
+                body.get("spec") or {}
             )
-        if cond.get("type") in ("Failed", "FailureTarget"):
-            message = termination_message or cond.get("message") or cond.get("reason") or ""
-            return JobObservation(
-                "Failed", message, _time(cond.get("lastTransitionTime")), name=name
+        except ValidationError as error:
+            world.invalid = f"spec is invalid: {_first_error(error)}"
+            world.findings.append(Finding("InvalidSpec", world.invalid, "staging"))
+        if world.spec is not None:
+            self._observe_spec(world, world.spec)
+        return world
+
+    def _observe_spec(self, world: World, spec: ModelDeploymentSpec) -> None:
+        """A valid spec: its findings, its source's resolution and desired artifact, the
+        target workload and its claim, and the staging Jobs of that artifact."""
+        namespace, name = world.owner.namespace, world.owner.name
+        world.findings += validate_spec(spec, allowed_images=self.images)
+        if not _blocks_staging(world.findings):
+            try:
+                layout_for(spec.serving.vllm_version)
+            except SpecError as error:
+                world.findings.append(Finding("InvalidSpec", str(error), "staging"))
+        world.workload = self.kube.get(workload_path(namespace, spec.serving.target_ref))
+        if not _blocks_staging(world.findings):
+            spec = _with_serving_version(world, spec)
+        if not _blocks_staging(world.findings):
+            world.source = self.resolve(spec, world.status, world.owner, world.now)
+            spec = _plan_artifact(world, spec)
+        blocking = _blocks_staging(world.findings)
+        if blocking:
+            world.invalid = blocking[0].message
+        claim = None
+        if spec.storage.pvc is not None and world.desired and world.desired.location.claim_name:
+            claim_path = resource_path(
+                "v1", "persistentvolumeclaims", namespace, world.desired.location.claim_name
             )
-    return JobObservation("Running", termination_message, name=name)
+            claim = self.kube.get(claim_path)
+        world.findings += validate_workload(
+            spec, world.workload, namespace=namespace, deployment_name=name, claim=claim
+        )
+        too_small = check_claim_size(spec, claim)
+        if too_small is not None:  # before any Job starts (claim_plan.py: what is knowable)
+            world.findings.append(too_small)
+            world.invalid = world.invalid or too_small.message
+        if world.desired is not None:
+            self._observe_staging(world, spec)
+        if world.workload is not None:
+            world.observed_workload = self._observe_workload(namespace, world.workload)
+        self._observe_caches(world, spec)
 
+    def _observe_caches(self, world: World, spec: ModelDeploymentSpec) -> None:
+        """The node-local copies and the engine cache, each when the spec asks for it."""
+        if spec.node_cache.enabled and self.node_cache:
+            self.observe_node_cache(world, spec)
+        elif spec.node_cache.enabled:
+            world.findings.append(Finding("NodeCacheNotInstalled", NOT_INSTALLED, "nothing"))
+        if spec.engine_cache.enabled:
+            self.observe_engine_cache(world, spec)
 
-PROGRESS_CHARS = 240
+    def _observe_staging(self, world: World, spec: ModelDeploymentSpec) -> None:
+        """The staging Jobs of the desired artifact; a source that changed between resolving
+        and staging is resolved again at once: a new identity is a new artifact, with Jobs of
+        its own."""
+        self._follow_jobs(world, spec)
+        if world.source is None or world.job is None:
+            return
+        if not source_changed(world.job, world.status.source):
+            return
+        assert world.requested is not None
+        world.source = self.resolve(
+            world.requested, world.status, world.owner, world.now, stale=True
+        )
+        recorded = world.status.source.identity if world.status.source else None
+        if world.source.source is None or world.source.source.identity == recorded:
+            return
+        spec = _plan_artifact(world, world.requested)
+        if world.desired is not None:
+            self._follow_jobs(world, spec)
 
+    def _follow_jobs(self, world: World, spec: ModelDeploymentSpec) -> None:
+        assert world.desired is not None
+        jobs = staging_jobs(
+            spec,
+            owner=world.owner,
+            artifact=world.desired,
+            default_image=self.stager_image,
+            source=world.source.source if world.source is not None else None,
+        )
+        world.job, world.next_job, foreign = self._observe_jobs(
+            world.owner.namespace, world.desired.digest, jobs, world.owner
+        )
+        if foreign is not None:
+            world.findings.append(foreign)
 
-def staging_progress(job: Manifest, pods: Sequence[Manifest], log_tail: str = "") -> str:
-    """A running stage Job's progress in words: its workers done (an Indexed Job), since when
-    its first pod runs, and the stager's latest progress line when ``log_tail`` (the tail of
-    a running stager's log) holds one. Stable between reconciliations unless something moved,
-    so the status is not rewritten for nothing."""
-    parts = []
-    completions = int((job.get("spec") or {}).get("completions") or 1)
-    if completions > 1:
-        done = int((job.get("status") or {}).get("succeeded") or 0)
-        parts.append(f"{done}/{completions} workers done")
-    started = sorted(
-        str((p.get("status") or {}).get("startTime"))
-        for p in pods
-        if (p.get("status") or {}).get("phase") == "Running"
-        and (p.get("status") or {}).get("startTime")
-    )
-    if started:
-        parts.append(f"running since {started[0]}")
-    line = progress_line(log_tail)
-    if line:
-        parts.append(line)
-    return "; ".join(parts)
+    def observe_node_cache(self, world: World, spec: ModelDeploymentSpec) -> None:
+        """Once the desired artifact is staged and the workload exists: the nodes, the node
+        agents' reports, the artifact's copy Jobs and the serving pods' cache results, turned
+        into the node cache's step by ``node_cache_plan``."""
+        desired, workload, status = world.desired, world.workload, world.status
+        if desired is None or workload is None:
+            return
+        staged = (status.artifact is not None and status.artifact.digest == desired.digest) or (
+            world.job is not None and world.job.state == "Succeeded"
+        )
+        if not staged or status.failed_digest == desired.digest:  # not rolled out again
+            return
+        digest = desired.digest
+        key = (world.owner.namespace, digest)
+        pod_spec = ((workload.get("spec") or {}).get("template") or {}).get("spec") or {}
+        reports, nodes = self._nodes(world)
+        eligible = eligible_nodes(pod_spec, nodes, reports, world.now)
+        jobs = self._copy_jobs(world, digest)
+        replicas = int((workload.get("spec") or {}).get("replicas", 1))
+        chosen = choose_nodes(
+            eligible,
+            key,
+            mode=spec.node_cache.nodes,
+            replicas=replicas,
+            reports=reports,
+            jobs=jobs,
+            before=status.node_cache,
+        )
+        step, create = plan_node_cache(
+            spec.node_cache,
+            key,
+            before=status.node_cache,
+            chosen=chosen,
+            reports=reports,
+            jobs=jobs,
+            replicas=replicas,
+            pod_starts=self._pod_starts_of(world, workload, digest),
+            now=world.now,
+        )
+        manifests = tuple(
+            plan_copy_job(
+                spec,
+                desired,
+                node,
+                owner=world.owner,
+                endpoint=str(reports[node].endpoint),
+                deadline_seconds=self.copy_deadline_seconds,
+                tolerations=pod_spec.get("tolerations") or (),
+                default_image=self.stager_image,
+            )
+            for node in create
+        )
+        world.node_cache = replace(step, create=manifests)
 
+    def observe_engine_cache(self, world: World, spec: ModelDeploymentSpec) -> None:
+        """Once the desired artifact is staged and the workload exists: the capture's inputs
+        (from the workload), its Job and that Job's report, turned into the engine cache's
+        step by ``engine_cache_plan``. A Job of the key no ModelDeployment of the namespace
+        owns is a failed capture (its name is predictable)."""
+        desired, workload, status = world.desired, world.workload, world.status
+        if desired is None or workload is None or status.failed_digest == desired.digest:
+            return
+        staged = (status.artifact is not None and status.artifact.digest == desired.digest) or (
+            world.job is not None and world.job.state == "Succeeded"
+        )
+        if not staged:
+            return
+        inputs = capture_inputs(spec, desired, workload)
+        if isinstance(inputs, Unavailable):
+            if inputs.finding:
+                world.findings.append(Finding(inputs.reason, inputs.message, "nothing"))
+            world.engine_cache = plan_engine_cache(
+                spec.engine_cache, desired, inputs, before=status.engine_cache, job=None,
+                planned=None, now=world.now,
+            )  # fmt: skip
+            return
+        namespace = world.owner.namespace
+        name = capture_job_name(inputs.key(desired.digest))
+        manifest = self.kube.get(resource_path("batch/v1", "jobs", namespace, name))
+        job: JobObservation | None = None
+        if manifest is not None:
+            foreign = self._foreign_job(namespace, manifest, world.owner)
+            job = (
+                JobObservation("Failed", foreign.message, name=name)
+                if foreign is not None
+                else self._finished(namespace, manifest, CAPTURE_CONTAINER)
+            )
+        planned = plan_capture_job(
+            spec, desired, inputs, owner=world.owner, default_image=self.stager_image
+        )
+        world.engine_cache = plan_engine_cache(
+            spec.engine_cache, desired, inputs, before=status.engine_cache, job=job,
+            planned=planned, now=world.now,
+        )  # fmt: skip
 
-def progress_line(log: str) -> str:
-    """The latest progress line of a stager's log tail (the last with a percentage): what
-    the ``Staged`` condition shows while the Job runs."""
-    for line in reversed(log.splitlines()):
-        line = line.strip().rsplit("\r", 1)[-1]
-        if "%" in line and not line.startswith(("{", "error:")):
-            return line[:PROGRESS_CHARS]
-    return ""
+    def _finished(self, namespace: str, job: KubeObject, container: str) -> JobObservation:
+        """A Job's observation with, once it ended, its pod's termination message."""
+        state = observe_job(job).state
+        if state == "Running":
+            return observe_job(job)
+        pods = self.kube.list(
+            resource_path("v1", "pods", namespace),
+            label_selector={JOB_NAME_LABEL: job["metadata"]["name"]},
+        )
+        message = termination_message(pods, success=state == "Succeeded", container=container)
+        return observe_job(job, message)
 
+    def _nodes(self, world: World) -> tuple[dict[str, NodeCacheReport], list[KubeObject]]:
+        """The node agents' reports and the nodes; none where the operator may not read
+        them (no node is eligible then: the roll waits until the deadline, and says why)."""
+        try:
+            return self._node_cache_reports(), self.kube.list(resource_path("v1", "nodes"))
+        except ApiException as error:
+            if error.status != 403:
+                raise
+            world.findings.append(Finding("NodeCacheForbidden", _forbidden(error), "nothing"))
+            return {}, []
 
-def observe_workload(workload: Manifest, failing: Sequence[str] = ()) -> WorkloadObservation:
-    """Reads a Deployment's or StatefulSet's rollout progress from its status."""
-    spec = workload.get("spec") or {}
-    status = workload.get("status") or {}
-    annotations = ((spec.get("template") or {}).get("metadata") or {}).get("annotations") or {}
-    stalled = any(
-        c.get("type") == "Progressing" and c.get("reason") == "ProgressDeadlineExceeded"
-        for c in status.get("conditions") or []
-    )
-    return WorkloadObservation(
-        digest=annotations.get(DIGEST_ANNOTATION),
-        generation=int((workload.get("metadata") or {}).get("generation", 1)),
-        observed_generation=int(status.get("observedGeneration", 0)),
-        replicas=int(spec.get("replicas", 1)),
-        updated=int(status.get("updatedReplicas", 0)),
-        available=int(status.get("availableReplicas", status.get("readyReplicas", 0))),
-        failing=tuple(failing),
-        stalled=stalled,
-        node_cache=any(
-            v.get("name") == VOLUME_NODE_CACHE
-            for v in ((spec.get("template") or {}).get("spec") or {}).get("volumes") or []
-        ),
-        engine_cache=annotations.get(ENGINE_CACHE_ANNOTATION),
-    )
-
-
-STAGER_CONTAINER = "stager"
-WAITING_FAILURES = frozenset(
-    {
-        "CrashLoopBackOff",
-        "ImagePullBackOff",
-        "ErrImagePull",
-        "InvalidImageName",
-        "CreateContainerConfigError",
-        "CreateContainerError",
-        "RunContainerError",
-    }
-)
-"""Waiting reasons of a container that will not start without a change to the pod."""
-
-
-def _terminations(pod: Manifest, container: str) -> list[Manifest]:
-    status = pod.get("status") or {}
-    out: list[Manifest] = []
-    for cs in status.get("containerStatuses") or []:
-        if cs.get("name") != container:
-            continue
-        for key in ("state", "lastState"):
-            terminated = (cs.get(key) or {}).get("terminated")
-            if terminated:
-                out.append(terminated)
-    return out
-
-
-def termination_message(
-    pods: Sequence[Manifest], *, success: bool, container: str = STAGER_CONTAINER
-) -> str:
-    """The stager's termination message from its Job's pods: on success the latest summary
-    (a message that parses as one, else the latest of exit code 0), on failure the latest
-    message of a non-zero exit."""
-    found = [
-        t
-        for pod in pods
-        for t in _terminations(pod, container)
-        if (t.get("exitCode", 0) == 0) == success
-    ]
-    found.sort(key=lambda t: str(t.get("finishedAt") or ""))
-    messages = [str(t.get("message") or "") for t in found]
-    if success:
-        summaries = [m for m in messages if parse_summary(m) is not None]
-        messages = summaries or messages
-    return messages[-1] if messages else ""
-
-
-def pod_failures(pods: Sequence[Manifest], digest: str | None) -> tuple[str, ...]:
-    """Why pods of artifact ``digest`` (their template's digest annotation) fail: containers or
-    initContainers stuck in a crash loop or image pull, or pods that failed outright. Each
-    reason names the pod, the container and, when there is one, its last termination message."""
-    reasons: set[str] = set()
-    for pod in pods:
-        meta = pod.get("metadata") or {}
-        if digest is None or (meta.get("annotations") or {}).get(DIGEST_ANNOTATION) != digest:
-            continue
-        if meta.get("deletionTimestamp"):
-            continue
-        name = meta.get("name", "?")
-        status = pod.get("status") or {}
-        for cs in [
-            *(status.get("initContainerStatuses") or []),
-            *(status.get("containerStatuses") or []),
-        ]:
-            waiting = (cs.get("state") or {}).get("waiting") or {}
-            reason = waiting.get("reason")
-            if reason not in WAITING_FAILURES:
+    def _node_cache_reports(self) -> dict[str, NodeCacheReport]:
+        """The node agents' reports by node; none while the NodeCache API is not installed."""
+        try:
+            objects = self.kube.list(resource_path(nc.API_VERSION, nc.PLURAL))
+        except ApiException as error:
+            if error.status == 404:
+                return {}
+            raise
+        reports: dict[str, NodeCacheReport] = {}
+        for obj in objects:
+            try:
+                parsed = NodeCacheObject.model_validate(obj)
+            except ValidationError as error:  # an agent of another version: not believed
+                LOG.debug("unreadable NodeCache %s: %s", obj.get("metadata"), error)
                 continue
-            last = ((cs.get("lastState") or {}).get("terminated") or {}).get("message") or ""
-            last = last.strip().splitlines()[-1][:200] if last.strip() else ""
-            detail = f": {last}" if last else ""
-            reasons.add(f"pod {name}, container {cs.get('name', '?')}: {reason}{detail}")
-        if status.get("phase") == "Failed":
-            why = status.get("reason") or status.get("message") or "failed"
-            reasons.add(f"pod {name}: {why}")
-    return tuple(sorted(reasons))
+            if parsed.status is not None:
+                reports[str(parsed.metadata.get("name"))] = parsed.status
+        return reports
+
+    def _copy_jobs(self, world: World, digest: str) -> dict[str, CopyJob]:
+        """The copy Jobs of ``digest`` in the namespace, by node; a Job no ModelDeployment of
+        the namespace owns is reported as failed (its name is predictable)."""
+        namespace = world.owner.namespace
+        found: dict[str, CopyJob] = {}
+        selector = {LABEL_DIGEST: digest, "app.kubernetes.io/component": COPY_COMPONENT}
+        for job in self.kube.list(resource_path("batch/v1", "jobs", namespace), selector):
+            meta = job.get("metadata") or {}
+            node = (meta.get("annotations") or {}).get(NODE_ANNOTATION)
+            if not node:
+                continue
+            name = str(meta.get("name"))
+            foreign = self._foreign_job(namespace, job, world.owner)
+            if foreign is not None:
+                found[node] = CopyJob(node, name, "Failed", foreign.message)
+                continue
+            state = observe_job(job).state
+            message = ""
+            if state != "Running":
+                pods = self.kube.list(
+                    resource_path("v1", "pods", namespace), label_selector={JOB_NAME_LABEL: name}
+                )
+                success = state == "Succeeded"
+                message = termination_message(pods, success=success, container=COPY_CONTAINER)
+            found[node] = CopyJob(node, name, state, message)
+        return found
+
+    def _pod_starts_of(self, world: World, workload: KubeObject, digest: str) -> list[PodStart]:
+        """Hits and misses of the serving pods of ``digest`` (their prepare summaries); each
+        pod counted once in ``modelstage_node_cache_pod_starts_total``."""
+        selector = ((workload.get("spec") or {}).get("selector") or {}).get("matchLabels")
+        pods = self.kube.list(
+            resource_path("v1", "pods", world.owner.namespace), label_selector=selector
+        )
+        key = (world.owner.namespace, world.owner.name)
+        counted = self._pod_starts.get(key, set())
+        seen: set[str] = set()
+        starts: list[PodStart] = []
+        for pod in pods:
+            meta = pod.get("metadata") or {}
+            if (meta.get("annotations") or {}).get(DIGEST_ANNOTATION) != digest:
+                continue
+            start = pod_start(pod, PREPARE_CONTAINER)
+            if start is None:
+                continue
+            starts.append(start)
+            uid = str(meta.get("uid"))
+            seen.add(uid)
+            if uid not in counted:
+                metrics.NODE_CACHE_POD_STARTS.labels(start.result).inc()
+        self._pod_starts[key] = seen
+        return starts
+
+    def _observe_jobs(
+        self, namespace: str, digest: str, planned: list[KubeObject], owner: Owner
+    ) -> tuple[JobObservation | None, KubeObject | None, Finding | None]:
+        """(the observation of the Job staging follows, the Job to create next, why an
+        existing Job is not followed); see ``staging_step``: the stage Job, then for a
+        scaled-out artifact its finalize Job."""
+        found: dict[str, KubeObject] = {}
+        for manifest in planned:
+            name = manifest["metadata"]["name"]
+            job = self.kube.get(resource_path("batch/v1", "jobs", namespace, name))
+            if job is None:
+                break
+            foreign = self._foreign_job(namespace, job, owner)
+            if foreign is not None:
+                return None, None, foreign
+            found[name] = job
+        step = staging_step(
+            [j["metadata"]["name"] for j in planned],
+            {name: observe_job(job).state for name, job in found.items()},
+        )
+        if step.create is not None:
+            return None, next(j for j in planned if j["metadata"]["name"] == step.create), None
+        assert step.follow is not None
+        job = found[step.follow]
+        state = observe_job(job).state
+        pods = self.kube.list(
+            resource_path("v1", "pods", namespace),
+            label_selector={**STAGER_SELECTOR, LABEL_DIGEST: digest},
+        )
+        own = [
+            p
+            for p in pods
+            if (p["metadata"].get("labels") or {}).get(JOB_NAME_LABEL) in (None, step.follow)
+        ]
+        if state == "Running":
+            progress = self.progress(namespace, job, own)
+            return replace(observe_job(job), progress=progress), None, None
+        message = termination_message(own, success=state == "Succeeded")
+        return observe_job(job, message), None, None
+
+    def _foreign_job(self, namespace: str, job: KubeObject, owner: Owner) -> Finding | None:
+        """Why a Job under a staging Job's name is not one to follow: the names are
+        predictable, so anyone who may create Jobs could plant one that reports a staged
+        artifact. Followed are Jobs controlled by this ModelDeployment or, for an artifact
+        two of them share, by another ModelDeployment of the namespace."""
+        uids = model_deployment_owners(job)
+        if owner.uid in uids:
+            return None
+        if uids and uids & {
+            str(md["metadata"].get("uid")) for md in self.kube.list(md_path(namespace))
+        }:
+            return None
+        name = job["metadata"]["name"]
+        return Finding(
+            "JobNotOwned",
+            f"Job {name} exists in namespace {namespace} but no ModelDeployment of the "
+            "namespace owns it: modelstage did not create it and does not trust what it "
+            "reports; delete it and modelstage creates its own",
+            "staging",
+        )
+
+    def progress(self, namespace: str, job: KubeObject, pods: list[KubeObject]) -> str:
+        """What the cluster says about a running stage Job (``staging_progress``), and with
+        ``stager_logs`` the stager's own latest progress line from the tail of its log: the
+        stager holds no API credentials to report it any other way."""
+        tail = ""
+        running = [p for p in pods if (p.get("status") or {}).get("phase") == "Running"]
+        for pod in sorted(running, key=lambda p: str(p["metadata"].get("name"))):
+            if not self.stager_logs:
+                break
+            path = resource_path("v1", "pods", namespace, pod["metadata"]["name"], "log")
+            try:
+                tail = self.kube.text(
+                    path, {"container": "stager", "tailLines": str(LOG_TAIL_LINES)}
+                )
+            except (ApiException, OSError) as error:  # no kubelet, no rights: no line
+                LOG.debug("cannot read %s: %s", path, error)
+                continue
+            if progress_line(tail):
+                break
+        return staging_progress(job, pods, tail)
+
+    def resolve(
+        self,
+        spec: ModelDeploymentSpec,
+        status: ModelDeploymentStatus,
+        owner: Owner,
+        now: datetime,
+        stale: bool = False,
+    ) -> SourceStep:
+        """The resolution step (``resolve_plan.plan_source``), with this round's resolve Job
+        observed: its state, and once it ended its pod's termination message. A Job of that
+        name this ModelDeployment does not own is not believed (its name is predictable)."""
+        namespace, name = owner.namespace, owner.name
+        spec_interval = spec.model.resolve_interval_seconds
+        interval = self.resolve_interval if spec_interval is None else float(spec_interval)
+        job_name = resolve_job_name(spec, status.source, name)
+        job: JobObservation | None = None
+        due = resolution_due(spec, status.source, now=now, interval=interval, stale=stale)
+        manifest = (
+            self.kube.get(resource_path("batch/v1", "jobs", namespace, job_name)) if due else None
+        )
+        if manifest is not None and owner.uid not in model_deployment_owners(manifest):
+            return SourceStep(
+                status.source if status.source and status.source.key == source_key(spec) else None,
+                "failed",
+                job_name,
+                f"Job {job_name} exists but this ModelDeployment does not own it: modelstage "
+                "did not create it and does not trust what it reports; delete it",
+            )
+        if manifest is not None:
+            job = observe_job(manifest)
+            if job.state != "Running":
+                pods = self.kube.list(
+                    resource_path("v1", "pods", namespace),
+                    label_selector={JOB_NAME_LABEL: job_name},
+                )
+                message = termination_message(
+                    pods, success=job.state == "Succeeded", container=RESOLVE_CONTAINER
+                )
+                job = observe_job(manifest, message)
+        return plan_source(
+            spec, status.source, owner=name, now=now, interval=interval, job=job, stale=stale
+        )
+
+    def _observe_workload(self, namespace: str, workload: KubeObject) -> WorkloadObservation:
+        digest = observe_workload(workload).digest
+        failing: tuple[str, ...] = ()
+        if digest is not None:
+            selector = ((workload.get("spec") or {}).get("selector") or {}).get("matchLabels")
+            pods = self.kube.list(resource_path("v1", "pods", namespace), label_selector=selector)
+            failing = pod_failures(pods, digest)
+        return observe_workload(workload, failing)
+
+    def holders(self, namespace: str, exclude: str) -> list[Holder]:
+        """Every other ModelDeployment of the namespace, as retention counts references."""
+        holders = []
+        for body in self.kube.list(md_path(namespace)):
+            if body["metadata"]["name"] == exclude:
+                continue
+            status = ModelDeploymentStatus.model_validate(body.get("status") or {})
+            try:
+                spec = ModelDeploymentSpec.model_validate(body.get("spec") or {})
+                spec = with_version(spec, recorded_version(spec, status.vllm_version))
+                identity = recorded_identity(spec, status.source)
+                chosen = chosen_format(spec, status.source)
+                wants = (
+                    artifact_for(
+                        concrete_spec(spec, chosen),
+                        namespace=namespace,
+                        deployment_name=body["metadata"]["name"],
+                        identity=identity,
+                    ).location.uri
+                    if identity is not None and chosen is not None
+                    else None  # not resolved yet: it wants nothing staged so far
+                )
+                holders.append(Holder(status, spec.retention.keep, wants))
+            except (ValidationError, SpecError):  # unknown intent: it keeps all it has
+                holders.append(Holder(status, len(status.artifacts)))
+        return holders
 
 
-def parse_summary(message: str) -> Mapping[str, Any] | None:
-    """The stager's one-line JSON summary (its last line), or None."""
-    lines = [line for line in message.strip().splitlines() if line.strip()]
-    if not lines:
-        return None
-    try:
-        summary = json.loads(lines[-1])
-    except (ValueError, RecursionError):  # whatever a pod wrote: not a summary
-        return None
-    return summary if isinstance(summary, dict) and "digest" in summary else None
+def _forbidden(error: ApiException) -> str:
+    return (
+        f"node caching: the operator may not read Nodes or NodeCaches ({error.reason}); grant "
+        "it get, list and watch on nodes and nodecaches.modelstage.io (the chart does with "
+        "nodeCache.enabled); until then no node gets a copy"
+    )
 
 
-def parse_capture(message: str) -> Mapping[str, Any] | None:
-    """``capture-engine-cache``'s one-line JSON summary (its last line) when it names the key,
-    the serving configuration and the hardware class it captured for, or None."""
-    lines = [line for line in message.strip().splitlines() if line.strip()]
-    try:
-        summary = json.loads(lines[-1]) if lines else None
-    except (ValueError, RecursionError):
-        return None
-    wanted = ("key", "config", "hardware")
-    if not isinstance(summary, dict) or not all(k in summary for k in wanted):
-        return None
-    if not isinstance(summary["config"], dict) or not isinstance(summary["hardware"], dict):
-        return None
-    return summary
-
-
-def _time(value: Any) -> datetime | None:
-    if not isinstance(value, str):
-        return None
-    return datetime.fromisoformat(value.replace("Z", "+00:00")).astimezone(UTC)
+def _first_error(error: ValidationError) -> str:
+    first = error.errors()[0]
+    where = ".".join(str(p) for p in first.get("loc", ()))
+    return f"{where}: {first.get('msg', '')}" if where else str(first.get("msg", ""))

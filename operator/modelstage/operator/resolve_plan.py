@@ -34,12 +34,12 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
+from modelstage.api.modeldeployment import FormatStatus, ModelDeploymentSpec, SourceStatus
 from modelstage.core.digest import IDENTITY_KEY, SOURCE_CHANGED
 from modelstage.core.formats import AUTO, choose_format
 
-from .api import FormatStatus, ModelDeploymentSpec, SourceStatus
 from .artifact import spec_format
-from .observe import JobObservation
+from .observations import JobObservation
 
 HF_COMMIT = re.compile(r"^[0-9a-f]{40}$")
 RESOLVE_TTL_SECONDS = 300

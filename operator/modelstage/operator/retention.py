@@ -9,7 +9,7 @@ deleted only when a ModelDeployment lets it go and no other references it. Locat
 compared by URI, not digest: the digest does not cover the storage, so one digest can live
 on two claims.
 
-Pure functions over statuses; ``reconcile.py`` executes the plan with clean-up Jobs
+Pure functions over statuses; ``act.py`` executes the plan with clean-up Jobs
 (``job_plan.plan_cleanup_job``) before it writes the trimmed history.
 """
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from .api import ArtifactStatus, ModelDeploymentStatus
+from modelstage.api.modeldeployment import ArtifactStatus, ModelDeploymentStatus
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,18 @@ def kept(holder: Holder) -> set[str]:
     if holder.wants is not None:
         uris.add(holder.wants)
     return uris
+
+
+def pinned_digests(status: ModelDeploymentStatus, keep: int, wants: str | None) -> set[str]:
+    """The digests whose node-local copies a ModelDeployment pins (never evicted): those of
+    the artifacts it references (``kept``: the newest ``keep``, the current one, the rollback
+    target) and ``wants``, the digest its spec asks for (being staged or copied)."""
+    uris = kept(Holder(status, keep))
+    every = [a for a in (status.artifact, status.previous_artifact) if a is not None]
+    digests = {a.digest for a in [*every, *status.artifacts] if a.uri in uris}
+    if wants is not None:
+        digests.add(wants)
+    return digests
 
 
 def plan_retention(own: Holder, others: Iterable[Holder]) -> RetentionPlan:

@@ -15,15 +15,15 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from modelstage.api.modeldeployment import DEFAULT_STAGER_IMAGE, ModelDeploymentSpec, S3Connection
+from modelstage.api.objects import DIGEST_ANNOTATION, KubeObject
 from modelstage.core import node_cache as nc
 from modelstage.core.engine_cache import ROOTS
 from modelstage.core.errors import SpecError
 from modelstage.core.formats import FORMATS, S3_READER_FORMAT
 
-from .api import DEFAULT_STAGER_IMAGE, ModelDeploymentSpec, S3Connection
 from .artifact import ARTIFACT_MOUNT, Artifact
 from .kube import (
-    DIGEST_ANNOTATION,
     ENGINE_CACHE_ANNOTATION,
     ENGINE_CACHE_DIR,
     MANAGED_ENV_ANNOTATION,
@@ -35,20 +35,16 @@ from .kube import (
     VOLUME_NO_TOKEN,
     VOLUME_NODE_CACHE,
     VOLUME_PLUGINS,
-    Manifest,
     ca_file,
     ca_mount,
     ca_volume,
     container_security_context,
     s3_credentials_env,
-    secret_env,
 )
 from .patch import merge_diff
 from .vllm_args import VllmSettings, rewrite
 
 PREPARE_CONTAINER = "modelstage-prepare"
-NODE_CACHE_WEIGHT = 100
-"""The weight of the preferred node affinity to nodes holding the artifact's copy."""
 ACCELERATORS = ("nvidia.com/gpu", "amd.com/gpu")
 
 
@@ -73,8 +69,8 @@ class EngineCacheUse:
 class RolloutPlan:
     """What to send, and why. ``merge_patch`` is ``{}`` when the workload is already there."""
 
-    merge_patch: Manifest
-    template: Manifest
+    merge_patch: KubeObject
+    template: KubeObject
     """The pod template after the patch."""
     resource_version: str | None
     """The workload version planned against: send it as a precondition (409 when stale)."""
@@ -85,9 +81,9 @@ class RolloutPlan:
         return bool(self.merge_patch)
 
 
-def select_container(spec: ModelDeploymentSpec, pod_spec: Manifest) -> Manifest:
+def select_container(spec: ModelDeploymentSpec, pod_spec: KubeObject) -> KubeObject:
     """The vLLM container; ``SpecError`` naming the choices when it cannot be told."""
-    containers: list[Manifest] = pod_spec.get("containers") or []
+    containers: list[KubeObject] = pod_spec.get("containers") or []
     names = ", ".join(c.get("name", "?") for c in containers) or "none"
     wanted = spec.serving.container_name
     if wanted is None:
@@ -119,19 +115,19 @@ def vllm_settings(
     return VllmSettings(
         model=artifact.location.path,
         load_format=plugin_loader or fmt.stock_loader,
-        tensor_parallel_size=artifact.tensor_parallel,
+        tensor_parallel_size=artifact.tp,
         extra_config=extra,
         kept_extra_keys=fmt.extra_config_keys,
         own_models=(f"{ARTIFACT_MOUNT}/", *own_models),
     )
 
 
-def _s3_serving_env(artifact: Artifact, connection: S3Connection | None) -> list[Manifest]:
+def _s3_serving_env(artifact: Artifact, connection: S3Connection | None) -> list[KubeObject]:
     """What vLLM's S3 readers (Run:ai streamer, boto3, tensorizer) need, by reference."""
     if artifact.location.on_pvc:
         return []
     conn = connection or S3Connection()
-    env: list[Manifest] = []
+    env: list[KubeObject] = []
     if conn.endpoint:
         env += [
             {"name": "AWS_ENDPOINT_URL", "value": conn.endpoint},
@@ -145,30 +141,18 @@ def _s3_serving_env(artifact: Artifact, connection: S3Connection | None) -> list
     if ca:
         env.append({"name": "AWS_CA_BUNDLE", "value": ca})
     env += s3_credentials_env(conn.credentials_secret)
-    if FORMATS[artifact.load_format].stock_loader == "tensorizer":
-        # vLLM's tensorizer reads S3 settings from its own variables (vllm/envs.py). vLLM 0.32
-        # does not hand those to tensorizer's open_stream, though: tensorizer then takes the
-        # endpoint from AWS_ENDPOINT_URL and boto3 the credentials from AWS_* (both above),
-        # and it downloads with the curl binary, which trusts a CA only via CURL_CA_BUNDLE.
-        if ca:
-            env.append({"name": "CURL_CA_BUNDLE", "value": ca})
-        if conn.endpoint:
-            env.append({"name": "S3_ENDPOINT_URL", "value": conn.endpoint})
-        if conn.credentials_secret:
-            env += [
-                secret_env("S3_ACCESS_KEY_ID", conn.credentials_secret, "AWS_ACCESS_KEY_ID"),
-                secret_env(
-                    "S3_SECRET_ACCESS_KEY", conn.credentials_secret, "AWS_SECRET_ACCESS_KEY"
-                ),
-            ]
+    given = {e["name"]: e for e in env}
+    for name, copied in FORMATS[artifact.load_format].s3_serving_env:
+        if copied.value in given:  # a format's loader reading a setting under its own name
+            env.append({**given[copied.value], "name": name})
     return env
 
 
-def _modelstage_env(artifact: Artifact, plugin: bool) -> list[Manifest]:
+def _modelstage_env(artifact: Artifact, plugin: bool) -> list[KubeObject]:
     env = [
         {"name": "MODELSTAGE_DIGEST", "value": artifact.digest},
         {"name": "MODELSTAGE_FORMAT", "value": artifact.load_format},
-        {"name": "MODELSTAGE_TP", "value": str(artifact.tensor_parallel)},
+        {"name": "MODELSTAGE_TP", "value": str(artifact.tp)},
         {"name": "MODELSTAGE_ARTIFACT", "value": artifact.location.path},
     ]
     if plugin and not artifact.location.on_pvc and artifact.load_format == S3_READER_FORMAT:
@@ -179,11 +163,11 @@ def _modelstage_env(artifact: Artifact, plugin: bool) -> list[Manifest]:
 
 
 def _upsert(
-    items: list[Manifest], wanted: Iterable[Manifest], owned: Callable[[str], bool]
-) -> list[Manifest]:
+    items: list[KubeObject], wanted: Iterable[KubeObject], owned: Callable[[str], bool]
+) -> list[KubeObject]:
     """Replace owned items in place, drop owned items no longer wanted, append new ones."""
     by_name = {w["name"]: w for w in wanted}
-    out: list[Manifest] = []
+    out: list[KubeObject] = []
     for item in items:
         name = item.get("name", "")
         if name in by_name:
@@ -197,7 +181,7 @@ def _owned_name(name: str) -> bool:
     return name.startswith(OWNED_PREFIX)
 
 
-def _python_path(env: list[Manifest], plugin: bool) -> list[Manifest]:
+def _python_path(env: list[KubeObject], plugin: bool) -> list[KubeObject]:
     """Prepend (or remove) the plugin folder on PYTHONPATH, keeping the user's entries."""
     current = next((e for e in env if e.get("name") == "PYTHONPATH"), None)
     entries = [p for p in str((current or {}).get("value", "")).split(":") if p and p != PLUGIN_DIR]
@@ -215,12 +199,12 @@ def _python_path(env: list[Manifest], plugin: bool) -> list[Manifest]:
 def _prepare_container(
     artifact: Artifact,
     image: str,
-    s3_env: list[Manifest],
+    s3_env: list[KubeObject],
     connection: S3Connection | None,
     node_cache: bool = False,
     engine: EngineCacheUse | None = None,
-) -> Manifest:
-    mounts: list[Manifest] = [
+) -> KubeObject:
+    mounts: list[KubeObject] = [
         {"name": VOLUME_PLUGINS, "mountPath": PLUGIN_DIR},
         {"name": VOLUME_NO_TOKEN, "mountPath": TOKEN_DIR, "readOnly": True},
     ]
@@ -230,7 +214,7 @@ def _prepare_container(
         mounts.append(_node_cache_mount())
     if engine is not None:
         mounts.append({"name": VOLUME_ENGINE_CACHE, "mountPath": ENGINE_CACHE_DIR})
-    container: Manifest = {
+    container: KubeObject = {
         "name": PREPARE_CONTAINER,
         "image": image,
         "imagePullPolicy": "IfNotPresent",
@@ -242,7 +226,7 @@ def _prepare_container(
             "--digest",
             artifact.digest,
             "--tp",
-            str(artifact.tensor_parallel),
+            str(artifact.tp),
             "--plugin-dir",
             PLUGIN_DIR,
             *(["--node-cache", nc.POD_MOUNT] if node_cache else []),
@@ -274,34 +258,37 @@ def _engine_flags(engine: EngineCacheUse | None) -> list[str]:
 def plan_rollout(
     spec: ModelDeploymentSpec,
     artifact: Artifact,
-    workload: Manifest,
+    workload: KubeObject,
     *,
     default_image: str = DEFAULT_STAGER_IMAGE,
-    node_cache_root: str = nc.DEFAULT_ROOT,
+    node_cache_claim: str | None = None,
     engine_cache: EngineCacheUse | None = None,
 ) -> RolloutPlan:
     """The merge patch that puts ``workload`` (a Deployment or StatefulSet) on ``artifact``.
 
     ``spec`` supplies the serving choices (container, plugin, image, S3 connection, node
-    caching: the nodes' root ``node_cache_root`` mounted read-only, and a preference for the
-    nodes holding the artifact's copy); ``artifact`` may be an older one (a rollback);
-    ``engine_cache``: the captured engine cache prepare places (None: none). Raises
+    caching: the claim ``node_cache_claim`` of the artifact's node-local copy mounted
+    read-only, its reader group added; None: no node-cache volume, e.g. no copy by the
+    deadline); ``artifact`` may be an older one (a rollback); ``engine_cache``: the captured
+    engine cache prepare places (None: none). Raises
     ``SpecError`` when the container or its vLLM command cannot be found (``validation``
     reports the same as a condition first).
     """
-    template: Manifest = copy.deepcopy(workload.get("spec", {}).get("template", {}))
-    pod: Manifest = template.setdefault("spec", {})
+    template: KubeObject = copy.deepcopy(workload.get("spec", {}).get("template", {}))
+    pod: KubeObject = template.setdefault("spec", {})
     annotations: dict[str, str] = template.setdefault("metadata", {}).setdefault("annotations", {})
     container = select_container(spec, pod)
     connection = spec.storage.s3 if not artifact.location.on_pvc else None
-    cache_root = node_cache_root if spec.node_cache.enabled and spec.serving.plugin else None
+    cache_claim = node_cache_claim if spec.node_cache.enabled and spec.serving.plugin else None
     engine = engine_cache if spec.serving.plugin else None
     settings = _serve_artifact(
-        container, annotations, artifact, spec.serving.plugin, connection, cache_root is not None,
+        container, annotations, artifact, spec.serving.plugin, connection, cache_claim is not None,
         engine,
     )  # fmt: skip
-    _mount_artifact(pod, container, artifact, spec.serving.plugin, connection, cache_root, engine)
-    _prefer_nodes(pod, artifact.digest if cache_root is not None else None)
+    _mount_artifact(pod, container, artifact, spec.serving.plugin, connection, cache_claim, engine)
+    _drop_preference(pod)
+    if cache_claim is not None:
+        _add_reader_group(pod)
     prepare = (
         [
             _prepare_container(
@@ -309,7 +296,7 @@ def plan_rollout(
                 spec.stager.image or default_image,
                 _s3_serving_env(artifact, connection),
                 connection,
-                cache_root is not None,
+                cache_claim is not None,
                 engine,
             )
         ]
@@ -317,46 +304,45 @@ def plan_rollout(
         else []
     )
     pod["initContainers"] = _upsert(pod.get("initContainers") or [], prepare, _owned_name)
+    _drop_empty(pod, container)
+    new_workload = {**workload, "spec": {**workload.get("spec", {}), "template": template}}
+    patch = merge_diff(workload, new_workload)
+    return RolloutPlan(
+        merge_patch=patch,
+        template=template,
+        resource_version=workload.get("metadata", {}).get("resourceVersion"),
+        details=_rollout_details(workload, artifact, settings.load_format, engine) if patch else (),
+    )
+
+
+def _drop_empty(pod: KubeObject, container: KubeObject) -> None:
+    """Remove the lists the patch left empty (an empty list would be written as such)."""
     for key in ("initContainers", "volumes"):
         if not pod[key]:
             del pod[key]
     for key in ("volumeMounts", "env"):
         if not container[key]:
             del container[key]
-    return _plan(workload, template, artifact, settings, engine)
 
 
-def _plan(
-    workload: Manifest,
-    template: Manifest,
-    artifact: Artifact,
-    settings: VllmSettings,
-    engine: EngineCacheUse | None,
-) -> RolloutPlan:
-    """The merge patch from ``workload`` to its ``template`` edited, and what it does."""
-    new_workload = {**workload, "spec": {**workload.get("spec", {}), "template": template}}
-    patch = merge_diff(workload, new_workload)
+def _rollout_details(
+    workload: KubeObject, artifact: Artifact, load_format: str, engine: EngineCacheUse | None
+) -> tuple[str, ...]:
+    """The plan's one line for the log: which workload moves from which artifact to which,
+    with which engine cache."""
     old_digest = (
         workload.get("spec", {}).get("template", {}).get("metadata", {}).get("annotations", {})
     ).get(DIGEST_ANNOTATION)
-    details = []
-    if patch:
-        cache = f", engine cache {engine.uri}" if engine is not None else ", no engine cache"
-        details.append(
-            f"{workload.get('kind', 'workload')} {workload.get('metadata', {}).get('name')}: "
-            f"artifact {old_digest or 'none'} -> {artifact.digest} "
-            f"({settings.load_format}, TP {artifact.tensor_parallel}{cache})"
-        )
-    return RolloutPlan(
-        merge_patch=patch,
-        template=template,
-        resource_version=workload.get("metadata", {}).get("resourceVersion"),
-        details=tuple(details),
+    cache = f", engine cache {engine.uri}" if engine is not None else ", no engine cache"
+    return (
+        f"{workload.get('kind', 'workload')} {workload.get('metadata', {}).get('name')}: "
+        f"artifact {old_digest or 'none'} -> {artifact.digest} "
+        f"({load_format}, TP {artifact.tp}{cache})",
     )
 
 
 def _serve_artifact(
-    container: Manifest,
+    container: KubeObject,
     annotations: dict[str, str],
     artifact: Artifact,
     plugin: bool,
@@ -400,8 +386,8 @@ def _serve_artifact(
 
 
 def _engine_env(
-    container: Manifest, engine: EngineCacheUse | None, managed: set[str]
-) -> list[Manifest]:
+    container: KubeObject, engine: EngineCacheUse | None, managed: set[str]
+) -> list[KubeObject]:
     """The cache roots in the engine cache's folder, and the capture's defaults the user
     does not set (``managed``: the names the operator set before)."""
     if engine is None:
@@ -411,7 +397,7 @@ def _engine_env(
     return env + [{"name": n, "value": v} for n, v in engine.env if n not in own]
 
 
-def _ready_env(container: Manifest, plugin: bool) -> list[Manifest]:
+def _ready_env(container: KubeObject, plugin: bool) -> list[KubeObject]:
     """``MODELSTAGE_READY_URL``: the readiness probe's URL, which the plugin polls for the
     start-up timeline's time to ready (``plugin/metrics.py``); only for an HTTP probe."""
     probe = (container.get("readinessProbe") or {}).get("httpGet")
@@ -430,18 +416,18 @@ def _ready_env(container: Manifest, plugin: bool) -> list[Manifest]:
 
 
 def _mount_artifact(
-    pod: Manifest,
-    container: Manifest,
+    pod: KubeObject,
+    container: KubeObject,
     artifact: Artifact,
     plugin: bool,
     connection: S3Connection | None,
-    node_cache_root: str | None = None,
+    node_cache_claim: str | None = None,
     engine: EngineCacheUse | None = None,
 ) -> None:
-    """The artifact's claim, the plugin's folder, the CA bundle, the nodes' cache root
+    """The artifact's claim, the plugin's folder, the CA bundle, the node-local copy's claim
     (read-only) and the engine cache's folder (written by vLLM), as volumes and mounts."""
-    volumes: list[Manifest] = []
-    mounts: list[Manifest] = []
+    volumes: list[KubeObject] = []
+    mounts: list[KubeObject] = []
     if artifact.location.on_pvc:
         claim = {"claimName": artifact.location.claim_name, "readOnly": True}
         volumes.append({"name": VOLUME_ARTIFACTS, "persistentVolumeClaim": claim})
@@ -453,9 +439,9 @@ def _mount_artifact(
         mounts.append({"name": VOLUME_PLUGINS, "mountPath": PLUGIN_DIR, "readOnly": True})
     volumes += ca_volume(connection)
     mounts += ca_mount(connection)
-    if node_cache_root is not None:
-        host_path = {"path": node_cache_root, "type": "DirectoryOrCreate"}
-        volumes.append({"name": VOLUME_NODE_CACHE, "hostPath": host_path})
+    if node_cache_claim is not None:
+        claim = {"claimName": node_cache_claim, "readOnly": True}
+        volumes.append({"name": VOLUME_NODE_CACHE, "persistentVolumeClaim": claim})
         mounts.append(_node_cache_mount())
     if engine is not None:
         volumes.append({"name": VOLUME_ENGINE_CACHE, "emptyDir": {}})
@@ -464,45 +450,35 @@ def _mount_artifact(
     pod["volumes"] = _upsert(pod.get("volumes") or [], volumes, _owned_name)
 
 
-def _node_cache_mount() -> Manifest:
+def _add_reader_group(pod: KubeObject) -> None:
+    """Copies are 0440/0550 owned by the agent's group: the pod reads its copy as a member."""
+    context: KubeObject = pod.get("securityContext") or {}
+    groups = [int(g) for g in context.get("supplementalGroups") or []]
+    if nc.CACHE_GID not in groups:
+        context["supplementalGroups"] = [*groups, nc.CACHE_GID]
+    pod["securityContext"] = context
+
+
+def _node_cache_mount() -> KubeObject:
     return {"name": VOLUME_NODE_CACHE, "mountPath": nc.POD_MOUNT, "readOnly": True}
 
 
-def _ours(term: Manifest) -> bool:
+def _ours(term: KubeObject) -> bool:
     """A preferred scheduling term of ours: it asks for a node cache label."""
     expressions = (term.get("preference") or {}).get("matchExpressions") or []
     return any(str(e.get("key", "")).startswith(nc.LABEL_PREFIX) for e in expressions)
 
 
-def _prefer_nodes(pod: Manifest, digest: str | None) -> None:
-    """Prefer the nodes holding ``digest``'s copy (its node label), replacing a preference of
-    ours for another digest in place; None removes ours. The user's own terms stay as they
-    are, and nothing is added to a pod without ours when there is nothing to prefer."""
-    affinity: Manifest = pod.get("affinity") or {}
-    node_affinity: Manifest = affinity.get("nodeAffinity") or {}
+def _drop_preference(pod: KubeObject) -> None:
+    """Removes a preferred scheduling term of ours for a node cache label (the node-cache
+    PV's node affinity places the pods now); the user's own terms stay as they are."""
+    affinity: KubeObject = pod.get("affinity") or {}
+    node_affinity: KubeObject = affinity.get("nodeAffinity") or {}
     preferred = "preferredDuringSchedulingIgnoredDuringExecution"
-    terms: list[Manifest] = node_affinity.get(preferred) or []
-    if digest is None and not any(_ours(t) for t in terms):
+    terms: list[KubeObject] = node_affinity.get(preferred) or []
+    if not any(_ours(t) for t in terms):
         return
-    wanted = (
-        {
-            "weight": NODE_CACHE_WEIGHT,
-            "preference": {
-                "matchExpressions": [{"key": nc.node_label(digest), "operator": "Exists"}]
-            },
-        }
-        if digest is not None
-        else None
-    )
-    out: list[Manifest] = []
-    for term in terms:
-        if not _ours(term):
-            out.append(term)
-        elif wanted is not None:
-            out.append(wanted)
-            wanted = None
-    if wanted is not None:
-        out.append(wanted)
+    out = [t for t in terms if not _ours(t)]
     if out:
         node_affinity[preferred] = out
     else:

@@ -13,11 +13,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from modelstage.api.modeldeployment import ModelDeploymentSpec, VllmVersionStatus
+from modelstage.api.objects import KubeObject
 from modelstage.core.errors import SpecError
 from modelstage.core.layouts import DEFAULT_VLLM_VERSION, layout_for
 
-from .api import ModelDeploymentSpec, VllmVersionStatus
-from .kube import Manifest
 from .rollout_plan import select_container
 from .validation import opt_in_problem
 
@@ -51,7 +51,7 @@ def image_vllm_version(image: str) -> str | None:
 
 
 def serving_version(
-    spec: ModelDeploymentSpec, workload: Manifest | None, *, namespace: str, deployment_name: str
+    spec: ModelDeploymentSpec, workload: KubeObject | None, *, namespace: str, deployment_name: str
 ) -> ServingVersion:
     """The vLLM version to stage for; ``SpecError`` when it has no layout."""
     if spec.serving.vllm_version is not None:
@@ -89,7 +89,7 @@ def recorded_version(spec: ModelDeploymentSpec, recorded: VllmVersionStatus | No
 
 
 def _serving_image(
-    spec: ModelDeploymentSpec, workload: Manifest | None, namespace: str, deployment_name: str
+    spec: ModelDeploymentSpec, workload: KubeObject | None, namespace: str, deployment_name: str
 ) -> tuple[str | None, str]:
     """The vLLM container's image, or None and why it is not known. Nothing is read from a
     workload that did not opt in."""
@@ -98,7 +98,7 @@ def _serving_image(
         return None, f"{ref.kind} {ref.name} is not found"
     if opt_in_problem(workload, namespace=namespace, deployment_name=deployment_name):
         return None, f"{ref.kind} {ref.name} has not opted in"
-    pod_spec: Manifest = (workload.get("spec") or {}).get("template", {}).get("spec") or {}
+    pod_spec: KubeObject = (workload.get("spec") or {}).get("template", {}).get("spec") or {}
     try:
         container = select_container(spec, pod_spec)
     except SpecError:

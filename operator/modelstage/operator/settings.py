@@ -6,6 +6,7 @@ the tests set them); ``configure`` applies it to kopf's settings in the one star
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 import os
 import posixpath
@@ -13,9 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import kopf
+from modelstage.api.modeldeployment import DEFAULT_STAGER_IMAGE, GROUP
 from modelstage.core.node_cache import DEFAULT_ROOT
-
-from .api import DEFAULT_STAGER_IMAGE, GROUP
 
 PREFIX = "MODELSTAGE_OPERATOR_"
 NODE_CACHE_ROOT_ENV = "MODELSTAGE_NODE_CACHE_ROOT"
@@ -46,6 +46,22 @@ def _float(env: Mapping[str, str], name: str, default: float) -> float:
         return float(raw)
     except ValueError:
         raise ValueError(f"{PREFIX}{name}={raw!r} is not a number") from None
+
+
+def match_namespace(name: str, pattern: str) -> bool:
+    """``name`` against one ``--namespace`` pattern as kopf reads it: comma-separated globs,
+    ``!`` excluding; a pattern that starts with an exclusion starts from ``*``; a later
+    inclusive glob re-includes only what the first one matched."""
+    globs = [g.strip() for g in pattern.split(",")]
+    if globs[0].startswith("!"):
+        globs.insert(0, "*")
+    matches = first = fnmatch.fnmatch(name, globs[0])
+    for glob in globs[1:]:
+        if glob.startswith("!"):
+            matches = matches and not fnmatch.fnmatch(name, glob.lstrip("!"))
+        else:
+            matches = matches or (first and fnmatch.fnmatch(name, glob))
+    return matches
 
 
 @dataclass(frozen=True)
@@ -94,8 +110,23 @@ class OperatorConfig:
     posting_level: int = logging.INFO
     """Least severity of kopf's own messages posted as Kubernetes Events."""
     node_cache_root: str = DEFAULT_ROOT
-    """The node-local cache root on the hosts (``spec.nodeCache``): the hostPath that copy
-    Jobs write and serving pods mount read-only; the node agents' ``--root``."""
+    """The node-local cache root on the hosts (``spec.nodeCache``): the node agents'
+    ``--root``; a node-cache PV's local path is a copy's directory under it."""
+    node_cache: bool = False
+    """Node caching is installed (chart ``nodeCache.enabled``): only then does the operator
+    watch NodeCaches, Nodes and its PVs (a namespaced operator without it has no right to)."""
+    copy_deadline_seconds: int = 3600
+    """A copy Job's ``activeDeadlineSeconds``."""
+    watched_namespaces: tuple[str, ...] | None = None
+    """The ``--namespace`` patterns this operator serves (kopf's syntax); None: every
+    namespace (``--all-namespaces``). Set from the command line, not the environment."""
+
+    def watches(self, namespace: str) -> bool:
+        """Whether ``namespace`` is one this operator serves: only there may it read claims
+        (a namespaced operator's Role grants nothing elsewhere)."""
+        if self.watched_namespaces is None:
+            return True
+        return any(match_namespace(namespace, p) for p in self.watched_namespaces)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> OperatorConfig:
@@ -126,11 +157,14 @@ class OperatorConfig:
                 env, "MAX_STAGER_JOBS_PER_NAMESPACE", cls.max_stager_jobs_per_namespace
             ),
             resolve_interval=_float(env, "RESOLVE_INTERVAL", cls.resolve_interval),
-            stager_logs=env.get(PREFIX + "STAGER_LOGS", "").strip().lower()
-            in ("1", "true", "yes", "on"),
+            stager_logs=_flag(env, "STAGER_LOGS"),
             peering_lifetime=_float(env, "PEERING_LIFETIME", cls.peering_lifetime),
             posting_level=level,
             node_cache_root=_root(env.get(NODE_CACHE_ROOT_ENV) or cls.node_cache_root),
+            node_cache=_flag(env, "NODE_CACHE"),
+            copy_deadline_seconds=_int(
+                env, "NODE_CACHE_COPY_DEADLINE_SECONDS", cls.copy_deadline_seconds
+            ),
         )
 
     @property
@@ -141,6 +175,10 @@ class OperatorConfig:
     def backoff(self, retry: int) -> float:
         """Delay before retry number ``retry`` (0-based) of a failed staging."""
         return float(min(self.failed_backoff * 2 ** min(retry, 30), self.failed_backoff_max))
+
+
+def _flag(env: Mapping[str, str], name: str) -> bool:
+    return env.get(PREFIX + name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _root(raw: str) -> str:

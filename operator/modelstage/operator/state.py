@@ -2,8 +2,9 @@
 
 Phases: Pending -> Staging -> Staged -> RollingOut -> Ready, and Failed from any of them.
 The decision is a pure function of the desired artifact, the last status and what the kopf
-shell observed (``observe.py``: the Job of the desired digest, the target workload's rollout,
-the validation findings); the shell writes the status and executes the one action.
+shell observed (``observe.py``: the Job of the desired digest, the target workload's
+rollout, the validation findings); the shell (``act.py``) writes the status and executes the
+one action.
 ``decide`` tells the situation apart (resolving, invalid, rolled back, staged and rolling out,
 staging) and one small function per situation drafts the phase, the ``Staged`` condition and
 the action; ``_new_status`` turns the draft into the status. Conditions ``Staged``, ``Ready``
@@ -32,10 +33,17 @@ from datetime import datetime
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Literal
 
-from .api import ArtifactStatus, Condition, FormatStatus, ModelDeploymentStatus, Phase
+from modelstage.api.modeldeployment import (
+    ArtifactStatus,
+    Condition,
+    FormatStatus,
+    ModelDeploymentStatus,
+    Phase,
+)
+
 from .artifact import Artifact
 from .conditions import condition, merge_conditions
-from .observe import JobObservation, Observed, WorkloadObservation, parse_summary
+from .observations import JobObservation, Observed, WorkloadObservation, parse_summary
 from .validation import Finding, findings_condition
 
 if TYPE_CHECKING:
@@ -68,7 +76,7 @@ def _artifact_status(
         digest=artifact.digest,
         uri=artifact.location.uri,
         format=artifact.load_format,
-        tensor_parallel_size=artifact.tensor_parallel,
+        tensor_parallel_size=artifact.tp,
         source=_identity(summary),
         bytes=int(summary["bytes"]) if summary.get("bytes") is not None else None,
         files=int(summary["files"]) if summary.get("files") is not None else None,
@@ -141,15 +149,29 @@ def decide(
     if source is not None and not unresolved and not blocks_staging:
         _resolution_beside(draft, source)
     step = observed.node_cache
-    if step is not None and step.create and draft.action is Action.WAIT and not blocks_staging:
+    copies = step is not None and (step.create or step.replace)
+    if step is not None and copies and draft.action is Action.WAIT and _may_copy(observed):
         draft.action = Action.CREATE_COPY_JOBS
-        draft.details = f"copying artifact {step.status.digest} to {len(step.create)} node(s)"
+        draft.details = (
+            f"copying artifact {step.status.digest} to {len(step.create)} node(s)"
+            if step.create
+            else f"{len(step.replace)} node(s) lost artifact {step.status.digest}: copying again"
+        )
     capture = observed.engine_cache
     if capture is not None and capture.create and draft.action is Action.WAIT:
         draft.action = Action.CREATE_CAPTURE_JOB
         draft.details = f"capturing the engine cache {capture.status.uri if capture.status else ''}"
     new_status = _new_status(draft, desired, status, observed, source)
     return Decision(draft.action, new_status, draft.target, draft.details)
+
+
+def _may_copy(observed: Observed) -> bool:
+    """Copy Jobs only for a workload that opted into node caching and may be rolled: a
+    finding that blocks staging or the roll (a workload not opted in, among them) stops them
+    (a copy is work on the nodes done for the roll alone)."""
+    return observed.node_cache_enabled and not any(
+        f.blocks in ("staging", "rollout") for f in observed.findings
+    )
 
 
 def _situation(desired: Artifact, status: ModelDeploymentStatus, observed: Observed) -> _Draft:
@@ -242,6 +264,13 @@ def _engine_cache_moved(w: WorkloadObservation, observed: Observed) -> str | Non
     return f"the engine cache is now {wanted} (was {w.engine_cache})"
 
 
+def _mounts_copy(observed: Observed) -> bool:
+    """The workload is to mount a node-local copy: node caching on and a chosen node holds
+    one (at the deadline without any, it rolls without; a copy made later rolls it again)."""
+    step = observed.node_cache
+    return observed.node_cache_enabled and step is not None and step.copy is not None
+
+
 def _rolling_out(
     desired: Artifact,
     status: ModelDeploymentStatus,
@@ -272,9 +301,9 @@ def _rolling_out(
         draft.details = f"the workload is not on artifact {desired.digest}: patching it"
     elif w.failing or w.stalled:
         _rollout_failed(draft, desired, status, w)
-    elif w.node_cache != observed.node_cache_enabled and _copies_done(observed):
+    elif w.node_cache != _mounts_copy(observed) and _copies_done(observed):
         draft.action, draft.target = Action.ROLL_OUT, status.artifact
-        on = "on" if observed.node_cache_enabled else "off"
+        on = "on" if _mounts_copy(observed) else "off"
         draft.details = f"node caching turned {on}: patching the workload on {desired.digest}"
     elif (moved := _engine_cache_moved(w, observed)) is not None:
         draft.action, draft.target = Action.ROLL_OUT, status.artifact

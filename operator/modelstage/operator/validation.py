@@ -15,13 +15,13 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Literal
 
+from modelstage.api.modeldeployment import Condition, ModelDeploymentSpec
+from modelstage.api.objects import OPT_IN_ANNOTATION, KubeObject
 from modelstage.core.errors import SpecError
 from modelstage.core.layouts import layout_for
 
-from .api import Condition, ModelDeploymentSpec
 from .artifact import claim_name
 from .conditions import condition
-from .kube import OPT_IN_ANNOTATION, Manifest
 from .rollout_plan import ACCELERATORS, select_container
 from .vllm_args import VllmSettings, rewrite
 
@@ -43,19 +43,18 @@ DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 
 
 def image_allowed(image: str, allowed: Sequence[str]) -> bool:
-    """Whether ``image`` is one of ``allowed``: equal to an entry; an entry that names a
-    repository with any tag and/or digest (``repo:tag``, ``repo@sha256:...``); an entry with a
-    tag pinned by digest (``repo:tag@sha256:...``). Never a longer repository (``repo-evil``,
-    ``repo/evil``)."""
+    """Whether ``image`` is one of ``allowed``. An entry with a tag or a digest (``repo:tag``,
+    ``repo@sha256:...``, ``repo:tag@sha256:...``) admits exactly itself: a tag entry does not
+    admit ``repo:tag@sha256:<any>`` (the runtime pulls by the digest, whatever the tag says).
+    A bare repository entry admits any of its tags and digests; never a longer repository
+    (``repo-evil``, ``repo/evil``)."""
     for entry in allowed:
         if image == entry:
             return True
-        if not image.startswith(entry) or "@" in entry:
+        if "@" in entry or ":" in entry.rsplit("/", 1)[-1] or not image.startswith(entry):
             continue
-        rest = image[len(entry) :]
-        tagged = ":" in entry.rsplit("/", 1)[-1]
-        tag, at, digest = rest.partition("@")
-        if tag and (tagged or not tag.startswith(":") or not TAG.match(tag[1:])):
+        tag, at, digest = image[len(entry) :].partition("@")
+        if tag and (not tag.startswith(":") or not TAG.match(tag[1:])):
             continue
         if (at or not tag) and not DIGEST.match(digest):
             continue
@@ -102,7 +101,7 @@ def validate_spec(
     return findings
 
 
-def opt_in_problem(workload: Manifest, *, namespace: str, deployment_name: str) -> str | None:
+def opt_in_problem(workload: KubeObject, *, namespace: str, deployment_name: str) -> str | None:
     """Why ``workload`` may not be patched for ModelDeployment ``deployment_name``, or None
     when its metadata names it in the opt-in annotation. Whoever may create ModelDeployments
     must not thereby gain the right to change every workload of the namespace: the workload's
@@ -121,7 +120,7 @@ def opt_in_problem(workload: Manifest, *, namespace: str, deployment_name: str) 
     return f"{kind} {name} opted in for ModelDeployment {named!r}, not {deployment_name!r}: {how}"
 
 
-def _gpus(container: Manifest) -> tuple[str, int] | None:
+def _gpus(container: KubeObject) -> tuple[str, int] | None:
     resources = container.get("resources") or {}
     for kind in ("limits", "requests"):
         amounts = resources.get(kind) or {}
@@ -134,11 +133,11 @@ def _gpus(container: Manifest) -> tuple[str, int] | None:
     return None
 
 
-def _one_node(pod_spec: Manifest) -> bool:
+def _one_node(pod_spec: KubeObject) -> bool:
     return bool(pod_spec.get("nodeName")) or HOST_LABEL in (pod_spec.get("nodeSelector") or {})
 
 
-def _access_modes(spec: ModelDeploymentSpec, claim: Manifest | None) -> list[str] | None:
+def _access_modes(spec: ModelDeploymentSpec, claim: KubeObject | None) -> list[str] | None:
     pvc = spec.storage.pvc
     if pvc is None:
         return None
@@ -152,11 +151,11 @@ def _access_modes(spec: ModelDeploymentSpec, claim: Manifest | None) -> list[str
 
 def validate_workload(
     spec: ModelDeploymentSpec,
-    workload: Manifest | None,
+    workload: KubeObject | None,
     *,
     namespace: str,
     deployment_name: str,
-    claim: Manifest | None = None,
+    claim: KubeObject | None = None,
 ) -> list[Finding]:
     """Whether the target workload can be rolled onto the artifact; ``claim`` is the observed
     artifact PVC (None when absent or not yet created)."""
@@ -174,7 +173,7 @@ def validate_workload(
     refused = opt_in_problem(workload, namespace=namespace, deployment_name=deployment_name)
     if refused is not None:  # nothing more is read from a workload that did not consent
         return [Finding("TargetNotOptedIn", refused, "rollout")]
-    pod_spec: Manifest = (workload.get("spec") or {}).get("template", {}).get("spec") or {}
+    pod_spec: KubeObject = (workload.get("spec") or {}).get("template", {}).get("spec") or {}
     try:
         container = select_container(spec, pod_spec)
     except SpecError as error:
@@ -185,7 +184,7 @@ def validate_workload(
 
 
 def _container_findings(
-    spec: ModelDeploymentSpec, container: Manifest, target: str
+    spec: ModelDeploymentSpec, container: KubeObject, target: str
 ) -> list[Finding]:
     """Whether the vLLM container's command can be rewritten and it has GPUs for the TP."""
     findings: list[Finding] = []
@@ -215,8 +214,8 @@ def _container_findings(
 
 def _access_findings(
     spec: ModelDeploymentSpec,
-    workload: Manifest,
-    claim: Manifest | None,
+    workload: KubeObject,
+    claim: KubeObject | None,
     deployment_name: str,
     target: str,
 ) -> list[Finding]:
@@ -225,7 +224,7 @@ def _access_findings(
     if modes is None or MULTI_NODE_SAFE.intersection(modes):
         return []
     replicas = int((workload.get("spec") or {}).get("replicas", 1))
-    pod_spec: Manifest = (workload.get("spec") or {}).get("template", {}).get("spec") or {}
+    pod_spec: KubeObject = (workload.get("spec") or {}).get("template", {}).get("spec") or {}
     claim_ = claim_name(spec, deployment_name)
     if "ReadWriteOncePod" in modes:
         return [

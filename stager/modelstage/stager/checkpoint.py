@@ -11,14 +11,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from modelstage.core.architectures import HF_LAYOUT_HINT
 from modelstage.core.errors import CheckpointError, SpecError
-from modelstage.core.formats import FORMATS, HF_LAYOUT_HINT, PER_RANK_QUANTIZATIONS, Format
+from modelstage.core.formats import FORMATS, PER_RANK_QUANTIZATIONS, Format
 from modelstage.core.layouts import Layout
 from modelstage.core.manifest import CARRIED_OVER as CARRIED_OVER
 from modelstage.core.manifest import INDEX as INDEX
+from modelstage.core.model_config import ModelConfig, check_heads
 from modelstage.core.safetensors_format import TensorInfo, read_header
 
-from .model_config import ModelConfig, check_heads
 from .shard_plan import ShardPlan, SourceTensor, plan_shards
 from .sources import Source
 from .sources.base import INDEX_VALUES as INDEX_VALUES

@@ -18,31 +18,29 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from modelstage.agent.cli import add_agent_parser
 from modelstage.core.digest import DIGEST_HEX_CHARS
 from modelstage.core.errors import ModelstageError, SpecError
 from modelstage.core.formats import FORMATS
+from modelstage.core.integrity import MAX_CHUNK_BYTES
 from modelstage.core.layouts import DEFAULT_VLLM_VERSION
+from modelstage.core.quantity import parse_bytes
 
 DIGEST_PATTERN = re.compile(rf"[0-9a-f]{{{DIGEST_HEX_CHARS}}}")
-_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kKMGT]i?)?B?\s*$")
-_UNITS = {"k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
-          "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}  # fmt: skip
 
 
-def parse_bytes(text: str, flag: str) -> int:
-    """``5368709120``, ``50M`` (10^6), ``512Mi`` (2^20), ``1G``, ``1Gi``: as Kubernetes reads
-    quantities (the CRD's sizes use the same suffixes)."""
-    match = _SIZE.match(text)
-    if match is None:
+def parse_chunk_bytes(text: str | None) -> int | None:
+    """``--chunk-bytes``: a size (as ``parse_bytes`` reads it) no larger than the chunk every
+    reader accepts, refused here in one line rather than by the hasher."""
+    if text is None:
+        return None
+    value = parse_bytes(text, "--chunk-bytes")
+    if value > MAX_CHUNK_BYTES:
         raise SpecError(
-            f"{flag} {text!r}: expected a number of bytes, e.g. 5368709120, 50M (10^6 bytes) "
-            "or 512Mi (2^20 bytes)"
+            f"--chunk-bytes {text!r}: {value} bytes is more than {MAX_CHUNK_BYTES} (64Mi), the "
+            "largest hash chunk a reader holds in memory; use 64Mi or less"
         )
-    number, unit = match.groups()
-    value = float(number) * (_UNITS[unit] if unit else 1)
-    if value < 1 or not value.is_integer():
-        raise SpecError(f"{flag} {text!r}: must be a positive whole number of bytes")
-    return int(value)
+    return value
 
 
 TERMINATION_LOG = "/dev/termination-log"
@@ -84,6 +82,7 @@ def _stage(args: argparse.Namespace) -> dict[str, Any]:
         max_part_bytes=parse_bytes(args.max_part_bytes, "--max-part-bytes")
         if args.max_part_bytes is not None
         else None,
+        chunk_bytes=parse_chunk_bytes(args.chunk_bytes),
         allow_pickle=args.allow_pickle,
         expect_identity=args.expect_identity,
         force=args.force,
@@ -321,9 +320,8 @@ def _add_prepare_parser(sub: Any) -> None:
     pr.add_argument(
         "--node-cache",
         metavar="DIR",
-        help="the node-local cache root (mounted read-only): the summary's nodeCache says "
-        "whether this node holds a copy equal to the artifact (hit) or why not (miss); a miss "
-        "never fails the pod",
+        help="this node's copy of the artifact (mounted read-only): the summary's nodeCache "
+        "says whether it is the artifact (hit) or why not (miss); a miss never fails the pod",
     )
     _add_engine_cache_options(pr)
     pr.add_argument(
@@ -546,6 +544,12 @@ def _add_stage_options(st: argparse.ArgumentParser) -> None:
         metavar="BYTES",
         help="largest part file per rank, e.g. 5368709120, 50M or 512Mi (default: the layout's, "
         "5 GiB); workers and finalize of one artifact must agree",
+    )
+    st.add_argument(
+        "--chunk-bytes",
+        metavar="BYTES",
+        help="chunk size of the files' BLAKE3 chunk hashes, e.g. 16Mi (default: 32Mi; at most "
+        "64Mi, the largest chunk a reader holds in memory)",
     )
     st.add_argument(
         "--allow-pickle",
@@ -779,7 +783,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _default_stager_image() -> str:
-    from modelstage.operator.api import DEFAULT_STAGER_IMAGE
+    from modelstage.api.modeldeployment import DEFAULT_STAGER_IMAGE
 
     return DEFAULT_STAGER_IMAGE
 
@@ -906,43 +910,40 @@ def _add_serve_local_parser(sub: Any) -> None:
 # --- node cache: the copy Job and the node agent (modelstage.agent) --------------------------
 def _node_copy(args: argparse.Namespace) -> dict[str, Any]:
     from modelstage.agent.copy import node_copy
+    from modelstage.core import node_cache
 
-    return node_copy(
-        args.artifact, digest=args.digest, root=Path(args.root), tp=args.tp, s3=_s3_options(args)
-    ).summary()
-
-
-def _agent(args: argparse.Namespace) -> int:
-    from modelstage.agent.agent import AgentSettings, run_agent
-
-    budget = parse_bytes(args.budget, "--budget")
-    settings = AgentSettings(args.node, Path(args.root), budget, args.interval,
-                             args.metrics_port, args.metrics_address, args.kubeconfig)  # fmt: skip
-    return run_agent(settings)
+    agent = args.agent or os.environ.get(node_cache.ENV_NODE_AGENT)
+    if not agent:
+        raise SpecError(
+            f"no node agent: pass --agent http://HOST:PORT or set {node_cache.ENV_NODE_AGENT}"
+        )
+    token = (
+        args.token_file
+        or os.environ.get(node_cache.ENV_NODE_AGENT_TOKEN_FILE)
+        or node_cache.DEFAULT_TOKEN_FILE
+    )
+    return node_copy(args.artifact, digest=args.digest, agent=agent, token_file=Path(token),
+                     tp=args.tp, s3=_s3_options(args))  # fmt: skip
 
 
 def _add_node_cache_parsers(sub: Any) -> None:
     nc = sub.add_parser(
-        "node-copy", help="copy an artifact into a node-local cache root, verified as it lands"
+        "node-copy",
+        help="stream an artifact to this node's cache agent, which verifies every chunk",
     )
     nc.add_argument("--artifact", required=True, help="artifact directory or s3://BUCKET/PREFIX/")
-    nc.add_argument("--digest", required=True, help="the artifact's digest (names the copy)")
+    nc.add_argument("--digest", required=True, help="the artifact's spec digest")
     nc.add_argument("--tp", type=int, help="refuse unless staged for this tensor parallel size")
-    nc.add_argument("--root", required=True, help="the node-local cache root")
+    nc.add_argument("--agent", help="the node agent, http://HOST:PORT (MODELSTAGE_NODE_AGENT)")
+    nc.add_argument(
+        "--token-file",
+        help="the projected token for the agent (MODELSTAGE_NODE_AGENT_TOKEN_FILE; default "
+        "/var/run/secrets/modelstage/token)",
+    )
     _add_s3_options(nc)
     _add_network_options(nc)
     nc.set_defaults(run=_node_copy)
-    ag = sub.add_parser(
-        "agent", help="the node cache agent: report, warm, evict and label, until SIGTERM"
-    )
-    ag.add_argument("--node", required=True, help="this node's name")
-    ag.add_argument("--root", required=True, help="the node-local cache root")
-    ag.add_argument("--budget", required=True, help="bytes the root may hold (e.g. 500Gi)")
-    ag.add_argument("--interval", type=float, default=10.0, metavar="SECONDS")
-    ag.add_argument("--metrics-port", type=int, default=0, help="Prometheus metrics (0: none)")
-    ag.add_argument("--metrics-address", default="127.0.0.1", help="the metrics bind address")
-    ag.add_argument("--kubeconfig", help="default: in-cluster credentials, else KUBECONFIG")
-    ag.set_defaults(run=_agent)
+    add_agent_parser(sub)
 
 
 # --- end node cache ----------------------------------------------------------------------------

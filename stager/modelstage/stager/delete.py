@@ -22,13 +22,14 @@ from pathlib import Path
 from typing import Any
 
 from modelstage.core.digest import DIGEST_HEX_CHARS
+from modelstage.core.durable import fsync_dir
 from modelstage.core.engine_cache import ENGINE_MANIFEST
 from modelstage.core.errors import ArtifactError, DestinationError, SpecError
 from modelstage.core.location import LocalArtifact, S3Artifact, open_artifact, parse_location
 from modelstage.core.manifest import MANIFEST, read_manifest
 from modelstage.core.s3_client import S3Options
 
-from .destinations.local import LocationLock, fsync_dir, remove_leftover
+from .destinations.local import LocationLock, remove_leftover
 
 DIGEST_NAME = re.compile(rf"^[0-9a-f]{{{DIGEST_HEX_CHARS}}}$")
 DELETE_BATCH = 1000

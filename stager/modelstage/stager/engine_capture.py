@@ -30,6 +30,7 @@ from importlib.metadata import version as dist_version
 from pathlib import Path
 from typing import Any
 
+from modelstage.core.durable import fsync_dir, fsync_file, write_atomic
 from modelstage.core.engine_cache import ENGINE_MANIFEST, ROOTS, EngineCacheManifest, check_path
 from modelstage.core.engine_key import (
     EngineArgs,
@@ -137,9 +138,9 @@ def write_engine_cache(
     paths = _cache_files(work)
     digests = hash_local_files([work / p for p in paths])
     for p in paths:
-        _fsync(work / p)
+        fsync_file(work / p)
     for directory in sorted({(work / p).parent for p in paths} | {work}, reverse=True):
-        _fsync(directory)
+        fsync_dir(directory)
     files = {p: FileEntry.of(d) for p, d in zip(paths, digests, strict=True)}
     manifest = EngineCacheManifest(
         key=key_of(factors), factors=factors, files=files,
@@ -147,10 +148,7 @@ def write_engine_cache(
         createdAt=datetime.now(UTC).isoformat(timespec="seconds"),
         captureSeconds=round(seconds, 3), compileSeconds=float(compile_seconds),
     )  # fmt: skip
-    target = work / ENGINE_MANIFEST
-    target.write_text(manifest.to_json())
-    _fsync(target)
-    _fsync(work)
+    write_atomic(work / ENGINE_MANIFEST, manifest.to_json().encode(), 0o644)
     return manifest
 
 
@@ -175,15 +173,7 @@ def _publish(work: Path, out: Path) -> None:
     if out.exists():
         shutil.rmtree(out)
     work.rename(out)
-    _fsync(out.parent)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(out.parent)
 
 
 def _version() -> str:

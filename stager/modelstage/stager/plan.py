@@ -1,8 +1,8 @@
 """``modelstage plan``: what staging (and the operator) would do, before anything is done.
 
 Two forms, one report. For a ModelDeployment manifest, the operator's own planners
-(``modelstage.operator.plan``): the digest and artifact location, the staging Jobs with their
-command lines, the claim to create, the patched vLLM container (given the workload's
+(``modelstage.operator.offline_plan``): the digest and artifact location, the staging Jobs
+with their command lines, the claim to create, the patched vLLM container (given the workload's
 manifest) and the checks that would refuse it. For ``SOURCE --tp N --format F``, what
 ``modelstage stage`` would do with the same arguments. In both, given a local copy of the
 checkpoint (its ``config.json`` and safetensors headers are read, never the weights), each
@@ -31,7 +31,7 @@ from modelstage.core.errors import ModelstageError, SpecError
 from modelstage.core.progress import human_bytes
 
 if TYPE_CHECKING:
-    from modelstage.operator.api import ModelDeploymentSpec
+    from modelstage.api.modeldeployment import ModelDeploymentSpec
     from modelstage.operator.artifact import Artifact
 
     from .writers import PlannedFile
@@ -95,7 +95,7 @@ def _deployment(
 ) -> tuple[str, str, ModelDeploymentSpec]:
     """(namespace, name, spec) of a ModelDeployment manifest, refused as the API server
     would refuse it."""
-    from modelstage.operator.api import ModelDeploymentSpec
+    from modelstage.api.modeldeployment import ModelDeploymentSpec
     from pydantic import ValidationError
 
     meta = manifest.get("metadata") or {}
@@ -144,7 +144,7 @@ def plan_deployment_report(
 ) -> dict[str, Any]:
     """The report for one ModelDeployment manifest (the operator's planners, plus files);
     ``identity``: the source's resolved identity, when known."""
-    from modelstage.operator.plan import plan_deployment
+    from modelstage.operator.offline_plan import plan_deployment
 
     ns, name, spec = _deployment(manifest, namespace)
     spec, chosen = _serving_version(spec, workload, ns, name)
@@ -199,9 +199,9 @@ def _auto_from(
     """``loadFormat: auto`` decided as the operator will, from the local checkpoint's
     ``config.json`` (what the resolve Job reads of the source), and the check that says so."""
     from modelstage.core.formats import choose_format
+    from modelstage.core.model_config import architecture_of, quantization_of
 
     from .checkpoint import CONFIG, MAX_CONFIG_BYTES, read_json
-    from .model_config import architecture_of, quantization_of
     from .sources.local import LocalSource
 
     source = LocalSource(checkpoint)

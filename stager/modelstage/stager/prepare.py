@@ -6,9 +6,10 @@ also every file's size; with ``--hash`` every byte against the manifest's chunk 
 same chunked verification as ``modelstage verify``: the loader plugin verifies what each rank
 reads as it streams in anyway); (2) copy the loader plugin into the
 plugin directory (an ``emptyDir`` the vLLM container gets on ``PYTHONPATH``).
-With ``--node-cache DIR`` it also says whether this node holds a copy of the artifact that the
-plugin will read (``plugin/node_copy.py``): a hit or a miss with its reason in the summary,
-which the operator reads from the termination message; never a failure.
+With ``--node-cache DIR`` (this node's copy, mounted read-only) it also says whether that copy
+is the artifact, so that the plugin will read it (``plugin/node_copy.py``): a hit or a miss
+with its reason in the summary, which the operator reads from the termination message; never a
+failure.
 With ``--engine-cache-dir DIR`` it places vLLM's compile caches there (``engine_place.py``):
 the captured engine cache when its key matches this start and every byte verifies, empty
 folders otherwise (a verdict in the summary's ``engineCache``, never a failure). The seconds
@@ -53,9 +54,10 @@ from .engine_place import place_engine_cache
 
 PLUGIN_PACKAGES = ("core", "plugin")
 """The ``modelstage.*`` packages copied into the plugin directory, whole."""
-CAPTURE_PACKAGES = (*PLUGIN_PACKAGES, "stager")
+CAPTURE_PACKAGES = (*PLUGIN_PACKAGES, "stager", "agent")
 """With ``--install-capture`` (the engine-cache capture Job's initContainer): also the stager,
-so that the vLLM image runs ``python3 -m modelstage.stager.cli capture-engine-cache``."""
+so that the vLLM image runs ``python3 -m modelstage.stager.cli capture-engine-cache``, and
+the agent, whose commands that CLI registers (neither needs more than the vLLM image has)."""
 DIST_NAME = "modelstage"
 
 if TYPE_CHECKING:
@@ -75,9 +77,9 @@ def prepare(
     install_capture: bool = False,
 ) -> dict[str, Any]:
     """Verify, then install the plugin (and with ``install_capture`` the capture command);
-    returns the one-line summary. With ``node_cache``
-    (the node-local root, mounted) the summary also says whether this node holds a copy the
-    plugin will read (``nodeCache``: hit, or miss and why): a verdict, never a failure."""
+    returns the one-line summary. With ``node_cache`` (this node's copy, mounted) the summary
+    also says whether the plugin will read it (``nodeCache``: hit, or miss and why): a
+    verdict, never a failure."""
     t0 = time.monotonic()
     summary = verify_artifact(artifact, digest=digest, tp=tp, hash_content=hash_content, s3=s3)
     t1 = time.monotonic()
@@ -124,7 +126,7 @@ def write_startup_record(plugin_dir: Path, summary: dict[str, Any]) -> None:
 
 
 def node_cache_verdict(
-    artifact: str, digest: str, root: Path, s3: S3Options | None = None
+    artifact: str, digest: str, copy: Path, s3: S3Options | None = None
 ) -> NodeCopy:
     """This node's copy of the (already verified) artifact against its manifest
     (``plugin/node_copy.py``); a miss, with the reason, when the artifact cannot be read."""
@@ -132,7 +134,7 @@ def node_cache_verdict(
         location = open_artifact(artifact, s3)
     except (ModelstageError, OSError) as e:
         return miss(f"cannot open the artifact: {e}")
-    return node_copy_for(root, digest, location)
+    return node_copy_for(copy, digest, location)
 
 
 def verify_artifact(

@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING, Any
 
 from modelstage.core.digest import SOURCE_CHANGED, identity_key
 from modelstage.core.errors import CheckpointError
+from modelstage.core.model_config import architecture_of, quantization_of
 
 from .checkpoint import Checkpoint, open_checkpoint
-from .model_config import architecture_of, quantization_of
 from .sources import Source, open_source
 
 if TYPE_CHECKING:

@@ -19,7 +19,6 @@ import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
 
 from modelstage.core.errors import SpecError
 from modelstage.core.formats import FORMATS
@@ -45,8 +44,7 @@ def serve_command(
     extra: list[str] | None = None,
 ) -> ServeCommand:
     """The vLLM server command for a local artifact, after checking it against its manifest."""
-    from modelstage.operator.api import LoadFormat
-    from modelstage.operator.artifact import Artifact, ArtifactLocation
+    from modelstage.operator.artifact import Artifact, ArtifactAddress
     from modelstage.operator.rollout_plan import vllm_settings
 
     if artifact.startswith("s3://"):
@@ -58,9 +56,10 @@ def serve_command(
     manifest = verify_directory(Path(path), hash_content=hash_content)
     if manifest.format not in FORMATS:
         raise SpecError(f"{path}: format {manifest.format!r} has no vLLM load format here")
-    location = ArtifactLocation(digest=manifest.digest, uri=path, path=path, claim_name="local")
-    load_format = cast(LoadFormat, manifest.format)  # one of FORMATS, checked above
-    settings = vllm_settings(Artifact(location, load_format, manifest.tensorParallelSize), plugin)
+    location = ArtifactAddress(digest=manifest.digest, uri=path, path=path, claim_name="local")
+    settings = vllm_settings(
+        Artifact(location, manifest.format, manifest.tensorParallelSize), plugin
+    )
     argv = [
         sys.executable,
         "-m",

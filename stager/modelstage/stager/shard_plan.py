@@ -19,12 +19,8 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from modelstage.core.errors import CheckpointError, SpecError
-from modelstage.core.formats import HF_LAYOUT_HINT
-from modelstage.core.layouts import DEFAULT_VLLM_VERSION, Layout
-from modelstage.core.safetensors_format import DTYPE_CODES, DTYPE_SIZES
-
-from .architectures import (
+from modelstage.core.architectures import (
+    HF_LAYOUT_HINT,
     STACKED_SPLITS,
     TRANSPOSED_SPLITS,
     Architecture,
@@ -32,12 +28,14 @@ from .architectures import (
     Split,
     architecture_for,
 )
-from .model_config import ModelConfig
+from modelstage.core.errors import CheckpointError, SpecError
+from modelstage.core.layouts import DEFAULT_VLLM_VERSION, Layout
+from modelstage.core.model_config import ModelConfig
+from modelstage.core.safetensors_format import DTYPE_CODES, DTYPE_SIZES
 
 TIED_EMBEDDING_TARGET = "lm_head.weight"
 """With tied embeddings vLLM writes the shared matrix once, under the head's name, where its
 model has a head (``Architecture.tied_embeddings_target`` says per architecture)."""
-NON_LAYER_GROUP = -1
 
 
 @dataclass(frozen=True)
@@ -121,7 +119,7 @@ def plan_shards(
     _check_proven(config.architecture, layout)
     arch.check_tensor_parallel(config, tp)
     _check_layer_count(arch, config, sources)
-    active = _expand_rules(arch, config)
+    active = arch.expand(config)
     _check_sources(arch, config, active, sources)
     out_dtype = _resolve_dtype(dtype)
     if config.quantization is not None and out_dtype is not None:
@@ -145,28 +143,6 @@ def plan_shards(
             targets.extend(_attention_params(name, members[0][2], arch, config))
     ignored = tuple(sorted(set(sources) - {s for _, s, _ in active}))
     return ShardPlan(tp, tuple(targets), ignored)
-
-
-def _expand_rules(arch: Architecture, config: ModelConfig) -> list[tuple[Rule, str, int]]:
-    """Active rules with ``{L}`` (and ``{E}``) expanded, in output order: pre-layer, layers,
-    post-layer. Within a layer expert rules run expert by expert, so the slots of a stacked
-    target come in expert order, each expert's fused parts in rule order."""
-    rules = [r for r in arch.rules if r.when.holds(config)]
-    first_layer_rule = next(i for i, r in enumerate(arch.rules) if "{L}" in r.source)
-    before = [r for r in rules if "{L}" not in r.source and arch.rules.index(r) < first_layer_rule]
-    after = [r for r in rules if "{L}" not in r.source and arch.rules.index(r) > first_layer_rule]
-    layer_rules = [r for r in rules if "{L}" in r.source and "{E}" not in r.source]
-    expert_rules = [r for r in rules if "{E}" in r.source]
-    expanded = [(r, r.source, NON_LAYER_GROUP) for r in before]
-    for layer in range(config.num_layers):
-        expanded += [(r, r.source.replace("{L}", str(layer)), layer) for r in layer_rules]
-        for e in range(config.num_experts if expert_rules else 0):
-            expanded += [
-                (r, r.source.replace("{L}", str(layer)).replace("{E}", str(e)), layer)
-                for r in expert_rules
-            ]
-    expanded += [(r, r.source, NON_LAYER_GROUP) for r in after]
-    return expanded
 
 
 def _check_layer_count(
@@ -211,7 +187,7 @@ def _check_sources(
         )
     symbols = config.symbols
     for rule, source, _ in active:
-        expected = tuple(_size(symbols, s) for s in rule.shape)
+        expected = rule.source_shape(symbols)
         actual = sources[source].shape
         if actual != expected:
             raise CheckpointError(
@@ -223,11 +199,6 @@ def _check_sources(
                 f"tensor {source!r} has dtype {sources[source].dtype}, but config.json's "
                 f"quantization ({config.quantization}) implies {rule.source_dtype}"
             )
-
-
-def _size(symbols: Mapping[str, int], dim: str) -> int:
-    """A dimension in shape symbols; ``"q+kv+kv"`` is the sum of its parts."""
-    return sum(symbols[part] for part in dim.split("+"))
 
 
 def _resolve_dtype(dtype: str) -> str | None:

@@ -16,7 +16,7 @@ from typing import Any, TextIO
 from modelstage.core.digest import artifact_digest, identity_key
 from modelstage.core.errors import ArtifactError, SpecError
 from modelstage.core.formats import format_for
-from modelstage.core.integrity import FileDigest
+from modelstage.core.integrity import MAX_CHUNK_BYTES, FileDigest
 from modelstage.core.layouts import Layout, layout_for
 from modelstage.core.manifest import FileEntry, Manifest
 
@@ -51,8 +51,8 @@ def request_digest(req: StageRequest, identity: str) -> str:
     return req.digest or artifact_digest(
         uri=req.source_uri or canonical_uri(req.source),
         source=identity,
-        tensor_parallel=req.tp,
-        pipeline_parallel=req.pp,
+        tp=req.tp,
+        pp=req.pp,
         dtype=req.dtype,
         load_format=req.format,
         layout_version=layout_for(req.vllm_version).layout_version,
@@ -64,8 +64,11 @@ def request_destination(req: StageRequest) -> Destination:
     size when it sets one."""
     dest = open_destination(req.out, format_for(req.format), s3=req.s3, tp=req.tp)
     if req.chunk_bytes is not None:
-        if req.chunk_bytes < 1:
-            raise SpecError(f"the hash chunk size must be positive, not {req.chunk_bytes}")
+        if not 1 <= req.chunk_bytes <= MAX_CHUNK_BYTES:
+            raise SpecError(
+                f"the hash chunk size (--chunk-bytes) is {req.chunk_bytes}: it must be from 1 "
+                f"to {MAX_CHUNK_BYTES} bytes (64Mi), the largest chunk a reader holds in memory"
+            )
         dest.chunk_bytes = req.chunk_bytes
     return dest
 

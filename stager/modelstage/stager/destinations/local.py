@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from modelstage.core.durable import fsync_dir, write_atomic
 from modelstage.core.errors import ArtifactError, DestinationError
 from modelstage.core.integrity import (
     DEFAULT_CHUNK_BYTES,
@@ -56,14 +57,6 @@ def remove_leftover(path: Path) -> int:
     count = sum(len(files) for _, _, files in os.walk(path))  # os.walk follows no links
     shutil.rmtree(path)
     return count
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class LocalFileSink:
@@ -201,7 +194,7 @@ class AtomicFileSink(LocalFileSink):
                 "chunks": list(digest.chunks),
                 **self.sidecar,
             }
-            _write_durably(sidecar_path(self.final), json.dumps(record).encode())
+            write_atomic(sidecar_path(self.final), json.dumps(record).encode(), 0o644)
         os.rename(self.path, self.final)
         fsync_dir(self.final.parent)
         return digest
@@ -213,15 +206,6 @@ class AtomicFileSink(LocalFileSink):
 
 def sidecar_path(path: Path) -> Path:
     return path.with_name(path.name + SIDECAR_SUFFIX)
-
-
-def _write_durably(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f"{path.name}{PARTIAL_INFIX}{uuid.uuid4().hex[:8]}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.rename(tmp, path)
 
 
 class LocalDestination(Destination):
@@ -301,7 +285,7 @@ class LocalDestination(Destination):
             self.work.mkdir(exist_ok=True)
             record = self.work / RUN_RECORD
             if params and not record.exists():
-                _write_durably(record, json.dumps(dict(params), sort_keys=True).encode())
+                write_atomic(record, json.dumps(dict(params), sort_keys=True).encode(), 0o644)
 
     def _no_work_reason(self, params: Mapping[str, Any]) -> str:
         """Why finalize finds no parts: no worker ran, or workers ran with other settings

@@ -8,7 +8,7 @@ import json
 import posixpath
 from typing import Any
 
-from modelstage.core.errors import CheckpointError
+from modelstage.core.errors import CheckpointError, json_fault
 
 
 class Source(abc.ABC):
@@ -97,4 +97,4 @@ def parse_json(raw: bytes, name: str, *, max_values: int | None = None) -> Any:
     except RecursionError:
         raise CheckpointError(f"{name}: invalid JSON: nested too deeply") from None
     except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError, digit limits
-        raise CheckpointError(f"{name}: invalid JSON: {str(e).splitlines()[0][:200]}") from None
+        raise CheckpointError(f"{name}: invalid JSON: {json_fault(e)}") from None

@@ -42,6 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
+from modelstage.core.durable import write_atomic
 from modelstage.core.errors import CheckpointError
 from modelstage.core.manifest import CARRIED_OVER, INDEX
 from modelstage.core.progress import Progress, human_bytes
@@ -416,9 +417,7 @@ class HfSource(LocalSource):
         ref = self.storage / "refs" / self.revision
         try:
             ref.parent.mkdir(parents=True, exist_ok=True)
-            tmp = ref.with_name(f".{ref.name}.{os.getpid()}.tmp")
-            tmp.write_text(commit)
-            os.replace(tmp, ref)
+            write_atomic(ref, commit.encode(), 0o644)
         except OSError:
             pass
 

@@ -23,6 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
+from modelstage.core.architectures import NON_LAYER_GROUP
 from modelstage.core.formats import Format
 from modelstage.core.integrity import FileDigest
 from modelstage.core.layouts import Layout
@@ -32,7 +33,7 @@ from modelstage.core.safetensors_format import encode_header
 from ..checkpoint import Checkpoint
 from ..destinations.base import Completed, Destination, OpenSink, Sink
 from ..pieces import Piece, SourceBytes
-from ..shard_plan import NON_LAYER_GROUP, ShardPlan, Slot, TargetTensor
+from ..shard_plan import ShardPlan, Slot, TargetTensor
 from .base import PlannedFile, WriteJob, Writer
 
 CHUNK_BYTES = 32 * 1024 * 1024
