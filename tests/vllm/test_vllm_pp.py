@@ -15,7 +15,7 @@ import pytest
 from modelstage.devtools.synthetic import SyntheticModel
 from vllm_oracle import differences, loader_warnings, run_vllm, stage
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # several compiled vLLM starts at PP 2
 
 SPEC = SyntheticModel(
     architecture="LlamaForCausalLM", hidden_size=256, intermediate_size=512, num_heads=8,
@@ -32,7 +32,7 @@ def source(checkpoint: Callable[[str, SyntheticModel], Path]) -> Path:
     return checkpoint("pp-serving-llama", SPEC)
 
 
-@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("tp", [1, 2])
 def test_a_pp_2_artifact_serves_the_originals_logprobs_stock_and_through_the_plugin(
     source: Path, tp: int, tmp_path: Path
 ) -> None:
