@@ -4,7 +4,8 @@ process (``layout_oracle.py --pp``: gloo groups of TP ranks per stage, each stag
 only its layers of vLLM's partition and the embeddings, norm and head where the family's
 model puts them), for a dense family (Llama, untied and tied: the tied embeddings kept as
 ``model.embed_tokens.weight`` on the first stage, ``lm_head.weight`` on the last) and an MoE
-family (Mixtral: embeddings, norm and head on every stage). Layer counts that do not divide
+family (Mixtral: embeddings, norm and head on every stage), and, slow, every other family of
+the layout oracle's table at TP 2 x PP 2. Layer counts that do not divide
 the stages exercise vLLM's uneven default partition; ``VLLM_PP_LAYER_PARTITION`` is honoured
 when the stager is given the same partition. The control: staged with another partition,
 the files differ from vLLM's state.
@@ -15,6 +16,7 @@ the files differ from vLLM's state.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -23,11 +25,12 @@ import torch
 from modelstage.core.pipeline_parallel import PARTITION_ENV
 from modelstage.devtools.synthetic import SyntheticModel
 from safetensors import safe_open
+from test_layout_oracle import FAMILIES as TP_FAMILIES
 from vllm_oracle import stage, vllm_rank_states_batch
 
 pytestmark = pytest.mark.vllm
 
-FAMILIES = {
+PROVEN = {
     "llama": SyntheticModel(
         architecture="LlamaForCausalLM", hidden_size=128, intermediate_size=256, num_heads=8,
         num_kv_heads=2, vocab_size=512, dtype="bfloat16", num_shards=2, seed=30, num_layers=6,
@@ -43,6 +46,14 @@ FAMILIES = {
         num_layers=5,
     ),
 }  # fmt: skip
+"""The dense and the MoE family of the default tier (PP 4: slow)."""
+OTHERS = {
+    name: dataclasses.replace(family.spec, num_layers=5)
+    for name, family in TP_FAMILIES.items()
+    if name not in ("llama", "mixtral")
+}
+"""Every other family of the layout oracle's table, 5 layers, at TP 2 x PP 2 (slow)."""
+FAMILIES = {**PROVEN, **OTHERS}
 PARTITIONED = ("llama", 2, 2, "4,2")
 """A family staged and built with an explicit ``VLLM_PP_LAYER_PARTITION`` (family, TP, PP)."""
 
@@ -79,16 +90,27 @@ def assert_stage_files_equal(artifact: Path, states: list[Path], tp: int, pp: in
 
 
 class States:
-    """vLLM's per-process states, one oracle run per (TP, PP, partition) for every family."""
+    """vLLM's per-process states, one oracle run per (TP, PP, partition) for every family this
+    session selected at it (the control's family with the default partition at TP 2 x PP 2)."""
 
-    def __init__(self, checkpoint: Callable[[str, SyntheticModel], Path], root: Path) -> None:
+    def __init__(
+        self,
+        session: pytest.Session,
+        checkpoint: Callable[[str, SyntheticModel], Path],
+        root: Path,
+    ) -> None:
         self.checkpoint, self.root = checkpoint, root
         self.found: dict[tuple[str, Key], list[Path] | str] = {}
+        self.selected = {("llama", (2, 2, ""))}
+        for item in session.items:
+            params = getattr(getattr(item, "callspec", None), "params", {})
+            if {"family", "tp", "pp"} <= set(params):
+                self.selected.add((params["family"], (params["tp"], params["pp"], "")))
 
     def __call__(self, family: str, key: Key) -> list[Path]:
         if (family, key) not in self.found:
             tp, pp, partition = key
-            names = [f for f in FAMILIES if not partition or f == family]
+            names = [f for f in FAMILIES if (f, key) in self.selected or f == family]
             jobs = [(self.source(f), self.root / f"tp{tp}-pp{pp}-{partition}" / f) for f in names]
             with pytest.MonkeyPatch.context() as env:
                 if partition:
@@ -108,9 +130,11 @@ class States:
 
 @pytest.fixture(scope="module")
 def states(
-    checkpoint: Callable[[str, SyntheticModel], Path], tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest,
+    checkpoint: Callable[[str, SyntheticModel], Path],
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[States]:
-    yield States(checkpoint, tmp_path_factory.mktemp("vllm-pp-states"))
+    yield States(request.session, checkpoint, tmp_path_factory.mktemp("vllm-pp-states"))
 
 
 def _staged(states: States, family: str, tp: int, pp: int, tmp: Path, *extra: str) -> Path:
@@ -122,9 +146,12 @@ def _staged(states: States, family: str, tp: int, pp: int, tmp: Path, *extra: st
 @pytest.mark.parametrize(
     ("family", "tp", "pp"),
     [
-        pytest.param(f, 2, pp, id=f"{f}-tp2-pp{pp}", marks=() if pp == 2 else pytest.mark.slow)
-        for pp in (2, 4)
-        for f in FAMILIES
+        *(
+            pytest.param(f, 2, pp, id=f"{f}-tp2-pp{pp}", marks=() if pp == 2 else pytest.mark.slow)
+            for pp in (2, 4)
+            for f in PROVEN
+        ),
+        *(pytest.param(f, 2, 2, id=f"{f}-tp2-pp2", marks=pytest.mark.slow) for f in OTHERS),
     ],
 )
 def test_stage_files_equal_vllms_own_per_process_state_byte_for_byte(
