@@ -160,7 +160,8 @@ def test_every_example_validates_against_the_crd(schema: dict[str, Any], path: P
 SCHEMA_REJECTS: list[dict[str, Any]] = [
     {"parallelism": {"tensor": 0}},
     {"parallelism": {"tensor": 65}},
-    {"parallelism": {"pipeline": 2}},
+    {"parallelism": {"pipeline": 0}},
+    {"parallelism": {"pipeline": 65}},
     {"dtype": "fp8"},
     {"loadFormat": "pytorch"},
     {"model": {"uri": "meta-llama/Meta-Llama-3-8B"}},

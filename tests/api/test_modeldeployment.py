@@ -160,7 +160,7 @@ def test_a_credential_in_an_s3_endpoint_is_refused_without_being_repeated(
     "overrides",
     [
         {"parallelism": {"tensorParallel": 2}},
-        {"parallelism": {"pipeline": 2}},
+        {"parallelism": {"pipeline": 0}},
         {"parallelism": {"tensor": 0}},
         {"dtype": "int8"},
         {"loadFormat": "pytorch"},

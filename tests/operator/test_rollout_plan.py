@@ -452,3 +452,36 @@ def test_any_sequence_of_rollouts_ends_stable_and_keeps_the_users_items(
     assert env(container)["HF_TOKEN"] == {"secretKeyRef": {"name": "hf-token", "key": "HF_TOKEN"}}
     assert pod(workload)["volumes"][0]["name"] == "dshm"
     assert [c["name"] for c in pod(workload)["containers"]] == ["vllm", "metrics-proxy"]
+
+
+def test_a_pipelined_artifact_sets_vllms_pipeline_size_and_prepare_checks_it(
+    make_spec: SpecFactory, deployment: dict[str, Any]
+) -> None:
+    spec = make_spec(parallelism={"tensor": 2, "pipeline": 2})
+    art = artifact(spec)
+    assert art.pp == 2
+    rolled = roll(spec, deployment)
+    args = vllm(rolled)["args"]
+    assert args[args.index("--pipeline-parallel-size") + 1] == "2"
+    (init,) = pod(rolled)["initContainers"]
+    assert init["command"][init["command"].index("--pp") + 1] == "2"
+    again = plan_rollout(spec, art, rolled).merge_patch
+    assert apply_merge_patch(rolled, again) == rolled, "planning again changes nothing"
+
+
+def test_rolling_back_from_a_pipeline_restores_the_old_artifacts_pipeline_size(
+    make_spec: SpecFactory, deployment: dict[str, Any]
+) -> None:
+    spec = make_spec(parallelism={"tensor": 2, "pipeline": 2})
+    rolled = roll(spec, deployment)
+    old = ArtifactStatus(
+        digest="00000000000000000000", uri="pvc://models/artifacts/llm/00000000000000000000",
+        format="sharded_state", tensor_parallel_size=2,
+    )  # fmt: skip  (recorded before pipelineParallelSize: PP 1)
+    back = apply_merge_patch(
+        rolled, plan_rollout(spec, artifact_from_status(old), rolled).merge_patch
+    )
+    args = vllm(back)["args"]
+    assert args[args.index("--pipeline-parallel-size") + 1] == "1"
+    (init,) = pod(back)["initContainers"]
+    assert "--pp" not in init["command"]

@@ -273,3 +273,33 @@ def test_findings_become_one_degraded_condition(make_spec: SpecFactory) -> None:
     assert all(f.message in cond.message for f in findings)
     ok = findings_condition([], now=NOW)
     assert (ok.status, ok.reason) == ("False", "AsExpected")
+
+
+def test_gpus_count_every_stage_of_the_pipeline(
+    make_spec: SpecFactory, deployment: dict[str, Any]
+) -> None:
+    spec = make_spec(parallelism={"tensor": 2, "pipeline": 4})
+    (finding,) = check(spec, deployment, claim("ReadWriteMany"))
+    assert finding.reason == "InsufficientGPUs"
+    assert "pipeline 4" in finding.message and "'nvidia.com/gpu'] to 8" in finding.message
+    assert check(make_spec(parallelism={"tensor": 2, "pipeline": 2}), deployment,
+                 claim("ReadWriteMany")) == []  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"loadFormat": "tensorizer"}, "by its tensor-parallel rank alone"),
+        ({"serving": {"vllmVersion": "0.31"}, "loadFormat": "sharded_state"}, "vLLM 0.31's"),
+        ({"stager": {"parallelism": 4}}, "scale-out staging"),
+    ],
+)
+def test_what_the_stager_refuses_at_a_pipeline_size_is_said_before_any_job(
+    make_spec: SpecFactory, overrides: dict[str, Any], message: str
+) -> None:
+    spec = make_spec(parallelism={"tensor": 2, "pipeline": 2}, **overrides)
+    findings = [f for f in validate_spec(spec) if f.reason == "PipelineNotSupported"]
+    assert len(findings) == 1 and message in findings[0].message
+    assert findings[0].blocks == "staging"
+    assert not [f for f in validate_spec(make_spec(**overrides))
+                if f.reason == "PipelineNotSupported"]  # fmt: skip

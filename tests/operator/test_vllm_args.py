@@ -622,3 +622,16 @@ def test_vllms_own_parser_reads_the_rewritten_command_line_as_intended(
         k for k in vars(before) if k not in OWNED_DESTS and vars(before)[k] != vars(after)[k]
     }
     assert not changed, {k: (vars(before)[k], vars(after)[k]) for k in changed}
+
+
+def test_the_pipeline_size_is_the_artifacts_and_absent_when_it_is_one() -> None:
+    piped = VllmSettings(model=ART, load_format="sharded_state", tensor_parallel_size=2,
+                         pipeline_parallel_size=2)  # fmt: skip
+    _, args = rewrite(["vllm", "serve"], ["m", "-pp", "4", "--max-model-len", "64"], piped)
+    assert args is not None and args[args.index("-pp") + 1] == "2"
+    _, args = rewrite(["vllm", "serve"], ["m"], piped)
+    assert args is not None and args[args.index("--pipeline-parallel-size") + 1] == "2"
+    _, args = rewrite(["vllm", "serve"], ["m", "--pipeline-parallel-size=2"], SETTINGS)
+    assert args is not None and "--pipeline-parallel-size=1" in args
+    _, args = rewrite(["vllm", "serve"], ["m"], SETTINGS)
+    assert args is not None and not any("pipeline" in a for a in args)

@@ -401,3 +401,27 @@ async def test_the_operator_as_the_chart_runs_it_serves_every_namespace(
         assert "Forbidden" not in operator.logs()
     finally:
         await operator.stop(graceful=False)
+
+
+async def test_a_pipelined_model_deployment_stages_with_pp_and_rolls_vllms_pipeline_size(
+    cluster: Cluster, namespace: str, operator: OperatorProcess
+) -> None:
+    """``parallelism.pipeline: 2`` passes the real API server's CRD validation, reaches the
+    stager Job as ``--pp 2`` and the workload as ``--pipeline-parallel-size 2`` and
+    ``prepare --pp 2``; the status records the artifact's PP for a rollback."""
+    spec = merged(SPEC, {"parallelism": {"tensor": 1, "pipeline": 2}})
+    await apply(cluster, namespace, spec)
+    digest = digest_of(spec)
+    assert digest != digest_of(SPEC)
+    job = await wait_job(cluster, namespace, digest)
+    command = job["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert command[command.index("--pp") + 1] == "2"
+    await finish_stage_job(cluster.client, namespace, digest, message=summary(digest),
+                           succeeded=True)  # fmt: skip
+    status = await wait_phase(cluster, namespace, "RollingOut")
+    assert status["artifact"]["pipelineParallelSize"] == 2
+    workload = await wait_rolled(cluster, namespace, digest)
+    [vllm] = workload["spec"]["template"]["spec"]["containers"]
+    assert vllm["args"][vllm["args"].index("--pipeline-parallel-size") + 1] == "2"
+    [prepare] = workload["spec"]["template"]["spec"]["initContainers"]
+    assert prepare["command"][prepare["command"].index("--pp") + 1] == "2"

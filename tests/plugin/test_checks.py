@@ -30,6 +30,7 @@ def verify(
     load_format: str = "modelstage_sharded_state",
     vllm_version: str = "0.32.0",
     rank_glob: str | None = RANK0,
+    pp: int = 1,
 ) -> VerifiedArtifact:
     return verify_local(
         directory,
@@ -38,6 +39,7 @@ def verify(
         running_tp=tp,
         vllm_version=vllm_version,
         rank_glob=rank_glob,
+        running_pp=pp,
     )
 
 
@@ -76,6 +78,24 @@ def test_running_tp_other_than_the_staged_one_is_refused(llama_tp2: Artifact) ->
         match=r"staged for tensor parallel size 2, but the workload runs 4; stage it for 4",
     ):
         verify(llama_tp2.path, tp=4)
+
+
+def test_running_pp_other_than_the_staged_one_is_refused_before_any_file_is_read(
+    llama_tp2: Artifact,
+) -> None:
+    with pytest.raises(
+        ArtifactError,
+        match=r"staged for pipeline parallel size 1, but the workload runs 2; stage it for 2",
+    ):
+        verify(llama_tp2.path, pp=2, rank_glob="model-pp-0-tp-0-part-*.safetensors")
+
+
+def test_a_pipelined_artifact_is_refused_by_a_vllm_naming_files_by_tp_rank_alone(
+    artifact: Path,
+) -> None:
+    edit_manifest(artifact, pipelineParallelSize=2)
+    with pytest.raises(ArtifactError, match=r"vLLM 0.31.0 names a rank's files by its tensor"):
+        verify(artifact, pp=2, vllm_version="0.31.0")
 
 
 def test_tp_from_the_environment_must_match_vllms(llama_tp2: Artifact) -> None:

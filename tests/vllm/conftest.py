@@ -49,8 +49,9 @@ def staged(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     return get
 
 
-ROTATED = "test_vllm_oracle.py"
-"""The file whose slow cases CI rotates (``MODELSTAGE_CI_ROTATION``, set by ``.ci/run``)."""
+ROTATED = ("test_vllm_oracle.py", "test_layout_oracle_pp.py", "test_vllm_pp.py")
+"""The files whose slow cases CI rotates (``MODELSTAGE_CI_ROTATION``, set by ``.ci/run``):
+the end-to-end oracle and the pipeline-parallel oracles, each case a vLLM start or more."""
 
 
 def rotation(value: str) -> tuple[int, int]:
@@ -64,10 +65,10 @@ def rotation(value: str) -> tuple[int, int]:
 
 
 def rotated_out(items: list[pytest.Item], slot: int, slots: int) -> list[pytest.Item]:
-    """The slow cases of the oracle file not in ``slot``: of those cases in node-id order,
+    """The slow cases of the rotated files not in ``slot``: of those cases in node-id order,
     the ``i``-th belongs to slot ``i % slots``, so ``slots`` consecutive slots run each once."""
     cases = sorted(
-        (i for i in items if i.path.name == ROTATED and i.get_closest_marker("slow")),
+        (i for i in items if i.path.name in ROTATED and i.get_closest_marker("slow")),
         key=lambda i: i.nodeid,
     )
     return [item for n, item in enumerate(cases) if n % slots != slot]
@@ -92,7 +93,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     value = os.environ.get("MODELSTAGE_CI_ROTATION")
     if value:
         terminalreporter.write_line(
-            f"slow cases of {ROTATED}: rotation slot {value} (MODELSTAGE_CI_ROTATION)"
+            f"slow cases of {', '.join(ROTATED)}: rotation slot {value} (MODELSTAGE_CI_ROTATION)"
         )
     chosen = os.environ.get("MODELSTAGE_VLLM_RELEASES")
     if chosen is not None:

@@ -96,6 +96,7 @@ def run_vllm(
     plugin: bool = False,
     runner: Path = RUNNER,
     python: Path | None = None,
+    pp: int = 1,
 ) -> VllmRun:
     """One vLLM start in a fresh interpreter; raises with vLLM's log tail if it fails.
 
@@ -116,6 +117,7 @@ def run_vllm(
                 str(python or sys.executable), str(runner),
                 "--model", str(model), "--tp", str(tp), "--load-format", load_format,
                 "--dtype", dtype, "--prompts", json.dumps(prompts), "--out", str(out),
+                "--pp", str(pp),
             ],
             cwd=work,
             env=run_env,
@@ -133,7 +135,7 @@ def run_vllm(
             refusals = [line for line in lines if "modelstage: refusing to load" in line]
             tail = "\n".join(refusals[:3] + lines[-40:])
             raise AssertionError(
-                f"vLLM failed on {model} (tp={tp}, load_format={load_format}, dtype={dtype}, "
+                f"vLLM failed on {model} (tp={tp}, pp={pp}, load_format={load_format}, dtype={dtype}, "
                 f"exit {proc.returncode}):\n{tail}"
             )
         output = json.loads(out.read_text())
@@ -196,30 +198,33 @@ def vllm_rank_states(
 
 
 def vllm_rank_states_batch(
-    jobs: list[tuple[Path, Path]], tp: int, dtype: str, python: Path | None = None
+    jobs: list[tuple[Path, Path]], tp: int, dtype: str, python: Path | None = None, pp: int = 1
 ) -> list[list[Path] | str]:
     """``vllm_rank_states`` for several (checkpoint, out) pairs in one run of the oracle (each
-    rank's process imports vLLM once); for each pair its rank files, or why it has none:
-    vLLM's error for that model, or the run's log tail if its ranks never reached it."""
+    rank's process imports vLLM once); for each pair its rank files (at ``pp`` above 1 every
+    stage's TP ranks, stage by stage), or why it has none: vLLM's error for that model, or
+    the run's log tail if its ranks never reached it."""
     for _, out in jobs:
         out.mkdir(parents=True, exist_ok=True)
     pairs = [arg for src, out in jobs for arg in ("--model", str(src), "--out", str(out))]
     with vllm_lock():
         proc = subprocess.run(
             [str(python or sys.executable), str(LAYOUT_RUNNER), *pairs, "--tp", str(tp),
-             "--dtype", dtype],
+             "--dtype", dtype, "--pp", str(pp)],
             cwd=jobs[0][1].parent,
             env=dict(os.environ, VLLM_PLUGINS=""),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            timeout=VLLM_TIMEOUT_S * len(jobs),
+            timeout=VLLM_TIMEOUT_S * len(jobs) * pp,
             check=False,
         )  # fmt: skip
     tail = "\n".join(proc.stdout.splitlines()[-40:])
     found: list[list[Path] | str] = []
     for _, out in jobs:
-        files = [out / f"rank-{r}.safetensors" for r in range(tp)]
+        files = [out / f"rank-{r}.safetensors" for r in range(tp)] if pp == 1 else [
+            out / f"pp-{p}-tp-{t}.safetensors" for p in range(pp) for t in range(tp)
+        ]
         errors = sorted(out.glob("rank-*.error"))
         if errors:
             found.append(f"{errors[0].name}:\n" + "\n".join(errors[0].read_text().splitlines()[-40:]))

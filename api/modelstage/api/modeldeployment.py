@@ -238,8 +238,10 @@ class Parallelism(Model):
 
     tensor: Annotated[int, Field(ge=1, le=64)] = 1
     """Tensor-parallel size (``--tensor-parallel-size``)."""
-    pipeline: Annotated[int, Field(ge=1, le=1)] = 1
-    """Pipeline-parallel size; only 1 is supported for now."""
+    pipeline: Annotated[int, Field(ge=1, le=64)] = 1
+    """Pipeline-parallel size (``--pipeline-parallel-size``): every stage's TP ranks get files
+    of their own (per-rank formats but ``tensorizer``; vLLM 0.32); every pod runs all
+    ``tensor`` x ``pipeline`` ranks."""
 
 
 class ClaimTemplate(Model):
@@ -525,6 +527,7 @@ class ArtifactStatus(Model):
     """``pvc://claim/path/namespace/digest`` or ``s3://bucket/prefix/namespace/digest``."""
     format: LoadFormat
     tensor_parallel_size: int
+    pipeline_parallel_size: int = 1
     source: str | None = None
     """Source identity it was staged from (``commit:<sha>`` or ``sha256:<hex>``)."""
     bytes: int | None = None

@@ -323,6 +323,10 @@ class Architecture:
     norms_hold_offsets: bool = False
     """The checkpoint's norm weights are offsets from a scale of 1 (vLLM's model adds 1 when it
     runs, as Gemma's do), not the scale itself."""
+    edges_on_every_stage: bool = False
+    """vLLM's model builds its embeddings, final norm and head on every pipeline stage (else,
+    as Llama's does, the embeddings on the first stage only, and on the last where tied, the
+    final norm and head on the last)."""
 
     def expand(self, config: ModelConfig) -> list[tuple[Rule, str, int]]:
         """The rules ``config`` makes active, with ``{L}`` (and ``{E}``) expanded, each with its
@@ -370,6 +374,7 @@ ARCHITECTURES: dict[str, Architecture] = {
             "mixtral",
             _without_dense_mlp(_LLAMA)
             + _moe("model.layers.{L}.block_sparse_moe", "w1", "w3", "w2", "gate"),
+            edges_on_every_stage=True,
         ),
         Architecture("Phi3ForCausalLM", "phi3", _phi3()),
         Architecture(
@@ -382,6 +387,7 @@ ARCHITECTURES: dict[str, Architecture] = {
             + _moe(MLP, "gate_proj", "up_proj", "down_proj", "gate")
             + _shared_expert(MLP),
             tp_within_experts=True,
+            edges_on_every_stage=True,
         ),
         Architecture(
             "Qwen3ForCausalLM",
@@ -394,12 +400,14 @@ ARCHITECTURES: dict[str, Architecture] = {
             _without_head(_LLAMA) + _FEEDFORWARD_NORMS,
             tied_embeddings_target="model.embed_tokens.weight",
             norms_hold_offsets=True,
+            edges_on_every_stage=True,
         ),
         Architecture(
             "Gemma3ForCausalLM",
             "gemma3_text",
             _LLAMA + _FEEDFORWARD_NORMS + _QK_NORM,
             norms_hold_offsets=True,
+            edges_on_every_stage=True,
         ),
         Architecture(
             "Qwen3MoeForCausalLM",
@@ -408,8 +416,15 @@ ARCHITECTURES: dict[str, Architecture] = {
             + _QK_NORM
             + _moe(MLP, "gate_proj", "up_proj", "down_proj", "experts.gate"),
             tp_within_experts=True,
+            edges_on_every_stage=True,
         ),
-        Architecture("GptOssForCausalLM", "gpt_oss", _gpt_oss(), tp_within_kv_heads=True),
+        Architecture(
+            "GptOssForCausalLM",
+            "gpt_oss",
+            _gpt_oss(),
+            tp_within_kv_heads=True,
+            edges_on_every_stage=True,
+        ),
     )
 }
 

@@ -45,23 +45,29 @@ def artifact_digest(
     dtype: str,
     load_format: str,
     layout_version: str,
+    pp_partition: tuple[int, ...] | None = None,
 ) -> str:
     """Hex digest over the canonical JSON of the inputs; field order cannot change it.
 
     ``source`` is the resolved identity (``identity_key``); the requested revision is not an
-    input: ``main`` and the commit it names are the same bytes."""
+    input: ``main`` and the commit it names are the same bytes. An explicit pipeline layer
+    partition (``pp_partition``) is an input only when given: vLLM's default leaves every
+    digest as it was."""
     if not IDENTITY_KEY.fullmatch(source):
         raise ValueError(f"not a resolved source identity: {source!r}")
+    inputs: dict[str, object] = {
+        "uri": uri.rstrip("/"),
+        "source": source,
+        "tp": tp,
+        "pp": pp,
+        "dtype": dtype,
+        "format": load_format,
+        "layout": layout_version,
+    }
+    if pp_partition is not None:
+        inputs["ppPartition"] = list(pp_partition)
     canonical = json.dumps(
-        {
-            "uri": uri.rstrip("/"),
-            "source": source,
-            "tp": tp,
-            "pp": pp,
-            "dtype": dtype,
-            "format": load_format,
-            "layout": layout_version,
-        },
+        inputs,
         sort_keys=True,
         separators=(",", ":"),
     )

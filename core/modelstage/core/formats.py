@@ -16,12 +16,14 @@ from enum import Enum
 
 from .architectures import ARCHITECTURES, QUANTIZED, Architecture
 from .errors import SpecError
-from .layouts import layout_for
+from .layouts import DEFAULT_VLLM_VERSION, Layout, layout_for
 
 LOCAL, S3 = "local", "s3"
 """Where an artifact lives: a directory (a mounted PVC) or an S3 prefix."""
 PER_RANK_SAFETENSORS = re.compile(r"^model-(rank-\d+|pp-\d+-tp-\d+)-part-\d+\.safetensors$")
 """vLLM's ``ShardedStateLoader`` names (the pipeline-parallel spelling included)."""
+PP_RANK_FILE = "model-pp-{pp_rank}-tp-{rank}-part-{part}.safetensors"
+"""vLLM 0.32's ``ShardedStateLoader`` pattern when the pipeline has more than one stage."""
 
 
 class S3Env(Enum):
@@ -63,6 +65,10 @@ class Format:
     """The modelstage plugin's load format for it (None: served by vLLM's own loader)."""
     loads: tuple[str, ...]
     """Artifact formats its loaders read (the per-rank safetensors formats share one layout)."""
+    pp_rank_file: str | None = None
+    """The pattern (``pp_rank``, ``rank``, ``part``) of a rank's files when the pipeline has
+    more than one stage, where the layout's vLLM names them so (``Layout.pp_rank_files``);
+    None: its vLLM loader cannot tell the stages' files apart (pipeline parallel size 1 only)."""
     extra_config_keys: frozenset[str] = frozenset()
     """The user's ``--model-loader-extra-config`` keys kept on rollout (file-naming keys such as
     ``pattern`` are dropped: the artifact's layout is fixed; credentials never go on a command
@@ -78,25 +84,51 @@ class Format:
     """A per-rank format that takes checkpoints of ``PER_RANK_QUANTIZATIONS`` (their rank
     files are proven against vLLM's own loaders); the other per-rank formats refuse them."""
 
-    def rank_file_name(self, rank: int, part: int = 0) -> str:
-        """The one naming function of rank files."""
-        if self.rank_file is None:
-            raise ValueError(f"format {self.name} has no per-rank files")
-        return self.rank_file.format(rank=rank, part=part)
+    def rank_file_name(self, rank: int, part: int = 0, pp_rank: int = 0, pp: int = 1) -> str:
+        """The one naming function of rank files: tensor-parallel ``rank`` of pipeline stage
+        ``pp_rank`` of ``pp``."""
+        return self._pattern(pp).format(pp_rank=pp_rank, rank=rank, part=part)
 
-    def rank_glob(self, rank: int) -> str:
-        """A glob of ``rank``'s files (every part)."""
-        if self.rank_file is None:
-            raise ValueError(f"format {self.name} has no per-rank files")
-        return self.rank_file.format(rank=rank, part="*")
+    def rank_glob(self, rank: int, pp_rank: int = 0, pp: int = 1) -> str:
+        """A glob of the rank's files (every part)."""
+        return self._pattern(pp).format(pp_rank=pp_rank, rank=rank, part="*")
 
-    def is_rank_file(self, name: str, rank: int) -> bool:
-        """Whether ``name`` is one of ``rank``'s files (any part)."""
-        if self.rank_file is None:
+    def is_rank_file(self, name: str, rank: int, pp_rank: int = 0, pp: int = 1) -> bool:
+        """Whether ``name`` is one of the rank's files (any part)."""
+        if self.rank_file is None or (pp > 1 and self.pp_rank_file is None):
             return False
         marker = "\0part\0"
-        pattern = re.escape(self.rank_file.format(rank=rank, part=marker))
+        pattern = re.escape(self._pattern(pp).format(pp_rank=pp_rank, rank=rank, part=marker))
         return re.fullmatch(pattern.replace(re.escape(marker), r"\d+"), name) is not None
+
+    def _pattern(self, pp: int) -> str:
+        if self.rank_file is None:
+            raise ValueError(f"format {self.name} has no per-rank files")
+        if pp == 1:
+            return self.rank_file
+        if self.pp_rank_file is None:
+            raise ValueError(f"format {self.name} has no files per pipeline stage")
+        return self.pp_rank_file
+
+    def check_pipeline(self, pp: int, layout: Layout) -> None:
+        """Refuse a pipeline parallel size whose rank files this format's vLLM loader of the
+        layout's release cannot tell apart, saying what would work."""
+        if pp == 1 or not self.per_rank:
+            return
+        if self.pp_rank_file is None:
+            takes = [f.name for f in FORMATS.values() if f.pp_rank_file is not None]
+            raise SpecError(
+                f"format {self.name}: vLLM's loader names a rank's file by its tensor-parallel "
+                f"rank alone, so pipeline stages would read one file; with --pp {pp} use "
+                f"--format {' or '.join(takes)}, or a Hugging Face layout format"
+            )
+        if not layout.pp_rank_files:
+            raise SpecError(
+                f"vLLM {layout.vllm_version}'s sharded-state loader names a rank's files by "
+                f"its tensor-parallel rank alone, so pipeline stages would read one file; "
+                f"stage --pp {pp} for vLLM {DEFAULT_VLLM_VERSION} or use a Hugging Face "
+                "layout format"
+            )
 
     def check_destination(self, kind: str) -> None:
         """Refuse a destination this format cannot be staged to, saying what would work."""
@@ -125,6 +157,7 @@ FORMATS: dict[str, Format] = {
             per_rank=True,
             writer="rank_files",
             rank_file="model-rank-{rank}-part-{part}.safetensors",
+            pp_rank_file=PP_RANK_FILE,
             weight_files=PER_RANK_SAFETENSORS,
             destinations=(LOCAL,),  # vLLM's ShardedStateLoader reads local directories only
             storage=("pvc",),
@@ -156,6 +189,7 @@ FORMATS: dict[str, Format] = {
             per_rank=True,
             writer="rank_files",
             rank_file="model-rank-{rank}-part-{part}.safetensors",
+            pp_rank_file=PP_RANK_FILE,
             weight_files=PER_RANK_SAFETENSORS,
             destinations=(LOCAL, S3),
             storage=("s3",),
@@ -192,6 +226,7 @@ FORMATS: dict[str, Format] = {
             per_rank=True,
             writer="tensorizer",
             rank_file="model-rank-{rank:03d}.tensors",
+            pp_rank_file=None,  # vLLM formats its tensorizer_uri with the TP rank alone
             weight_files=re.compile(r"^model-rank-\d+\.tensors$"),
             destinations=(LOCAL, S3),
             storage=("pvc", "s3"),

@@ -25,6 +25,10 @@ class Layout:
     attention_scale_buffers: tuple[str, ...]
     """0-d float32 buffers (value 1.0) that vLLM keeps under ``self_attn.attn`` per layer."""
     max_part_bytes: int = 5 * 1024**3
+    pp_rank_files: bool = False
+    """Its sharded-state loader names a rank's files by pipeline stage and tensor-parallel
+    rank when the pipeline has more than one stage (``Format.pp_rank_file``); before 0.32 by
+    the tensor-parallel rank alone, so stages collide and only pipeline size 1 is staged."""
     architectures: frozenset[str] | None = None
     """The architectures this release's per-rank state was proven for; None: every one of
     the stager's rule table (the release the rules are written and proven against). Any other
@@ -73,6 +77,7 @@ LAYOUTS: dict[str, Layout] = {
         layout_version=LAYOUT_32,
         vocab_padding=64,
         attention_scale_buffers=("_k_scale", "_v_scale", "_q_scale", "_prob_scale"),
+        pp_rank_files=True,
     ),
 }
 DEFAULT_VLLM_VERSION = "0.32"

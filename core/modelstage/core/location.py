@@ -119,12 +119,14 @@ class ArtifactLocation(abc.ABC):
     def sha256(self, name: str, listed: Listed, progress: Progress | None = None) -> str:
         """A schema-1 file's sha256, in one sequential pass."""
 
-    def require_manifest(self, *, digest: str | None = None, tp: int | None = None) -> Manifest:
+    def require_manifest(
+        self, *, digest: str | None = None, tp: int | None = None, pp: int | None = None
+    ) -> Manifest:
         """The manifest, refused when missing, not the one expected or short of a rank."""
         manifest = self.read_manifest()
         if manifest is None:
             raise ArtifactError(f"{self.uri}: no {MANIFEST}; the artifact is incomplete")
-        manifest.check_expected(self.uri, digest=digest, tp=tp)
+        manifest.check_expected(self.uri, digest=digest, tp=tp, pp=pp)
         check_ranks_present(self.uri, manifest)
         return manifest
 
@@ -148,10 +150,12 @@ class LocalArtifact(ArtifactLocation):
     def manifest_bytes(self) -> bytes | None:
         return read_manifest_bytes(self.directory)
 
-    def require_manifest(self, *, digest: str | None = None, tp: int | None = None) -> Manifest:
+    def require_manifest(
+        self, *, digest: str | None = None, tp: int | None = None, pp: int | None = None
+    ) -> Manifest:
         if not self.directory.is_dir():
             raise ArtifactError(f"{self.directory}: no such artifact directory")
-        return super().require_manifest(digest=digest, tp=tp)
+        return super().require_manifest(digest=digest, tp=tp, pp=pp)
 
     def listing(self) -> dict[str, Listed]:
         found = {}
@@ -297,12 +301,13 @@ def verify(
     tp: int | None = None,
     hash_content: bool = True,
     show_progress: bool = False,
+    pp: int | None = None,
 ) -> Manifest:
     """Check an artifact against its manifest; ``ArtifactError`` at the first problem: no
     manifest, not the one expected, a file missing or of another size, a file the manifest
     does not list, then (``hash_content``) any byte that does not hash right.
     ``show_progress``: report the hashing (bytes, rate, ETA) on stderr; 140 GB take minutes."""
-    manifest = location.require_manifest(digest=digest, tp=tp)
+    manifest = location.require_manifest(digest=digest, tp=tp, pp=pp)
     listing = location.listing()
     names = sorted(manifest.files)
     check_structure(manifest.files, _sizes(listing), location.uri, location.where, location.noun)
@@ -328,6 +333,7 @@ def verify_directory(
     tp: int | None = None,
     hash_content: bool = True,
     show_progress: bool = False,
+    pp: int | None = None,
 ) -> Manifest:
     """``verify`` of a local artifact."""
     return verify(
@@ -336,6 +342,7 @@ def verify_directory(
         tp=tp,
         hash_content=hash_content,
         show_progress=show_progress,
+        pp=pp,
     )
 
 

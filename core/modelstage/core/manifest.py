@@ -94,9 +94,15 @@ class Manifest:
     stageSeconds: float = 0.0
     pipelineParallelSize: int = 1
     schemaVersion: int = SCHEMA_VERSION
+    pipelineLayerPartition: str = ""
+    """Decoder layers per pipeline stage as ``VLLM_PP_LAYER_PARTITION`` spells them, where the
+    stages were staged for one; "" (and absent from the file, which readers before it still
+    read): vLLM's default partition."""
 
     def to_json(self) -> str:
         doc = asdict(self)
+        if not self.pipelineLayerPartition:
+            del doc["pipelineLayerPartition"]
         doc["files"] = {name: entry.to_doc() for name, entry in self.files.items()}
         return json.dumps(doc, indent=2, sort_keys=True) + "\n"
 
@@ -116,7 +122,12 @@ class Manifest:
             raise ArtifactError(f"{where}: invalid manifest: {e.loc}: {e.msg}") from None
 
     def check_expected(
-        self, where: str, *, digest: str | None = None, tp: int | None = None
+        self,
+        where: str,
+        *,
+        digest: str | None = None,
+        tp: int | None = None,
+        pp: int | None = None,
     ) -> None:
         """Refuse an artifact that is not the one the caller was told to use."""
         if digest is not None and self.digest != digest:
@@ -128,6 +139,11 @@ class Manifest:
             raise ArtifactError(
                 f"{where}: artifact was staged for tensor parallel size "
                 f"{self.tensorParallelSize}, but the workload runs {tp}; stage it for {tp}"
+            )
+        if pp is not None and self.pipelineParallelSize != pp:
+            raise ArtifactError(
+                f"{where}: artifact was staged for pipeline parallel size "
+                f"{self.pipelineParallelSize}, but the workload runs {pp}; stage it for {pp}"
             )
 
 
@@ -183,6 +199,7 @@ def _scalars(values: dict[str, Any]) -> dict[str, Any]:
         "layoutVersion",
         "modelstageVersion",
         "createdAt",
+        "pipelineLayerPartition",
     ):
         if not isinstance(values.setdefault(name, ""), str):
             raise _Invalid(name, "must be a string")
@@ -285,6 +302,11 @@ def check_ranks_present(directory: Path | str, manifest: Manifest) -> None:
     known = FORMATS.get(manifest.format)
     if known is None or not known.per_rank:
         return
-    for rank in range(manifest.tensorParallelSize):
-        if not any(known.is_rank_file(name, rank) for name in manifest.files):
-            raise ArtifactError(f"{directory}: the manifest lists no file for rank {rank}")
+    pp = manifest.pipelineParallelSize
+    for pp_rank in range(pp):
+        for rank in range(manifest.tensorParallelSize):
+            if not any(known.is_rank_file(name, rank, pp_rank, pp) for name in manifest.files):
+                stage = f" of pipeline stage {pp_rank}" if pp > 1 else ""
+                raise ArtifactError(
+                    f"{directory}: the manifest lists no file for rank {rank}{stage}"
+                )

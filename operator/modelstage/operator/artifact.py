@@ -109,6 +109,7 @@ class Artifact:
     location: ArtifactAddress
     load_format: LoadFormat
     tp: int
+    pp: int = 1
     format_reason: str = ""
     """Why this format (``status.format``): the spec names it, or ``auto`` chose it."""
     vllm_version: VllmVersionStatus | None = None
@@ -134,7 +135,9 @@ def artifact_at(
     """The spec's artifact of ``digest``: the one place after the digest that reads the
     spec's format and tensor-parallel size; the planners read them from the ``Artifact``."""
     location = locate(spec, namespace=namespace, deployment_name=deployment_name, digest=digest)
-    return Artifact(location, spec_format(spec), spec.parallelism.tensor)
+    return Artifact(
+        location, spec_format(spec), spec.parallelism.tensor, spec.parallelism.pipeline
+    )
 
 
 def location_from_uri(uri: str, digest: str) -> ArtifactAddress:
@@ -154,4 +157,5 @@ def artifact_from_status(status: ArtifactStatus) -> Artifact:
         location_from_uri(status.uri, status.digest),
         status.format,
         status.tensor_parallel_size,
+        status.pipeline_parallel_size,
     )

@@ -77,6 +77,7 @@ def _artifact_status(
         uri=artifact.location.uri,
         format=artifact.load_format,
         tensor_parallel_size=artifact.tp,
+        pipeline_parallel_size=artifact.pp,
         source=_identity(summary),
         bytes=int(summary["bytes"]) if summary.get("bytes") is not None else None,
         files=int(summary["files"]) if summary.get("files") is not None else None,

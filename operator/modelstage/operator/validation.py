@@ -18,6 +18,7 @@ from typing import Literal
 from modelstage.api.modeldeployment import Condition, ModelDeploymentSpec
 from modelstage.api.objects import OPT_IN_ANNOTATION, KubeObject
 from modelstage.core.errors import SpecError
+from modelstage.core.formats import FORMATS
 from modelstage.core.layouts import layout_for
 
 from .artifact import claim_name
@@ -88,6 +89,7 @@ def validate_spec(
         findings.append(
             Finding("UnsupportedVllmVersion", f"spec.serving.vllmVersion: {error}", "staging")
         )
+    findings += _pipeline_findings(spec)
     if spec.node_cache.enabled and not spec.serving.plugin:
         findings.append(
             Finding(
@@ -95,6 +97,33 @@ def validate_spec(
                 "spec.nodeCache.enabled needs spec.serving.plugin: true (the loader plugin and "
                 "its prepare initContainer read the node-local copy); turn the plugin on or "
                 "node caching off",
+                "staging",
+            )
+        )
+    return findings
+
+
+def _pipeline_findings(spec: ModelDeploymentSpec) -> list[Finding]:
+    """What the stager refuses at a pipeline size above 1, said before any Job: a format or
+    vLLM release whose loader cannot tell the stages' files apart, scale-out staging."""
+    pp = spec.parallelism.pipeline
+    if pp == 1:
+        return []
+    findings: list[Finding] = []
+    if spec.load_format != "auto":
+        try:
+            FORMATS[spec.load_format].check_pipeline(pp, layout_for(spec.serving.vllm_version))
+        except SpecError as error:
+            findings.append(
+                Finding("PipelineNotSupported", f"spec.parallelism.pipeline: {error}", "staging")
+            )
+    if spec.stager.workers > 1:
+        findings.append(
+            Finding(
+                "PipelineNotSupported",
+                f"spec.parallelism.pipeline is {pp}: scale-out staging (spec.stager.parallelism "
+                f"{spec.stager.workers}) stages pipeline size 1 only; set spec.stager.parallelism "
+                "to 1",
                 "staging",
             )
         )
@@ -196,16 +225,18 @@ def _container_findings(
         findings.append(
             Finding("VllmCommandNotRecognized", f"{target}, container {name}: {error}", "rollout")
         )
-    tp = spec.parallelism.tensor
+    tp, pp = spec.parallelism.tensor, spec.parallelism.pipeline
     gpus = _gpus(container)
-    if gpus is not None and gpus[1] < tp:
+    if gpus is not None and gpus[1] < tp * pp:
         resource, count = gpus
+        sizes = f"spec.parallelism.tensor is {tp}" + (
+            f" and spec.parallelism.pipeline {pp}" if pp > 1 else ""
+        )
         findings.append(
             Finding(
                 "InsufficientGPUs",
-                f"spec.parallelism.tensor is {tp} but container {name} of {target} requests "
-                f"{count} {resource}: set its resources.limits[{resource!r}] to {tp}, or lower "
-                "the tensor-parallel size",
+                f"{sizes} but container {name} of {target} requests {count} {resource}: set "
+                f"its resources.limits[{resource!r}] to {tp * pp}, or lower the parallel sizes",
                 "rollout",
             )
         )

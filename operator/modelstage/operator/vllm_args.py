@@ -27,15 +27,15 @@ API_SERVER_MODULES = frozenset(
 SHELLS = frozenset({"sh", "bash", "dash", "ash", "zsh"})
 SCRIPT_MARKERS = ("vllm serve", "vllm.entrypoints")
 """Text that shows a token is a whole command line (a shell script), not one argument."""
-ALIASES = {"-tp": "--tensor-parallel-size"}
+ALIASES = {"-tp": "--tensor-parallel-size", "-pp": "--pipeline-parallel-size"}
 MODEL = "--model"
 LOAD_FORMAT = "--load-format"
 TP = "--tensor-parallel-size"
+PP = "--pipeline-parallel-size"
 EXTRA_CONFIG = "--model-loader-extra-config"
 SERVED_NAME = "--served-model-name"
-OWNED = frozenset({MODEL, LOAD_FORMAT, TP, EXTRA_CONFIG, SERVED_NAME})
+OWNED = frozenset({MODEL, LOAD_FORMAT, TP, PP, EXTRA_CONFIG, SERVED_NAME})
 VLLM_FLAGS = OWNED | {
-    "--pipeline-parallel-size",
     "--max-model-len",
     "--gpu-memory-utilization",
     "-pp",
@@ -54,6 +54,9 @@ class VllmSettings:
     model: str
     load_format: str
     tensor_parallel_size: int
+    pipeline_parallel_size: int = 1
+    """Set on the command line when above 1 or already there (a command line without it runs
+    vLLM's default, 1)."""
     extra_config: Mapping[str, Any] = field(default_factory=dict)
     """Keys the operator sets in ``--model-loader-extra-config``."""
     kept_extra_keys: frozenset[str] = frozenset()
@@ -230,6 +233,8 @@ def rewrite(
         TP: str(settings.tensor_parallel_size),
         EXTRA_CONFIG: json.dumps(extra, sort_keys=True, separators=(",", ":")) if extra else None,
     }
+    if settings.pipeline_parallel_size > 1 or PP in by_name:
+        wanted[PP] = str(settings.pipeline_parallel_size)
     removals, additions = _set_flags(tokens, by_name, wanted, skip_model=has_positional)
     if (
         SERVED_NAME not in by_name

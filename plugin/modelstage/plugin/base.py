@@ -12,6 +12,7 @@ logged and published), the phase timings and their publication (``metrics.py``).
 
 from __future__ import annotations
 
+import os
 import time
 from abc import abstractmethod
 from collections.abc import Callable, Generator, Iterable
@@ -24,12 +25,19 @@ import torch
 from modelstage.core.formats import Format
 from modelstage.core.layouts import layout_for
 from modelstage.core.node_cache import MISS
+from modelstage.core.pipeline_parallel import PARTITION_ENV
 from torch import nn
 from vllm.config import ModelConfig, VllmConfig
 from vllm.config.load import LoadConfig
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
-from .checks import VerifiedArtifact, refuse, verify_content, verify_local
+from .checks import (
+    VerifiedArtifact,
+    check_layer_partition,
+    refuse,
+    verify_content,
+    verify_local,
+)
 from .metrics import LOG, LoadRecord, publish, serve
 from .settings import ENV_VERIFY, PluginSettings
 
@@ -73,6 +81,9 @@ class ModelstageLoader(BaseModelLoader):
     reads_node_copy: ClassVar[bool] = False
     """Whether ``transfer`` reads the verified files wherever they are, so they may be the
     node-local copy's (``node_copy.py``); a stock reader reads vLLM's ``--model`` instead."""
+    running_pp: int = 1
+    """The pipeline parallel size vLLM runs, read before ``verify`` (which refuses an artifact
+    staged for another)."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """Take the names from the row a loader names (an abstract base names none)."""
@@ -154,6 +165,7 @@ class ModelstageLoader(BaseModelLoader):
 
     def _begin(self, model_config: ModelConfig) -> LoadRecord:
         rank, tp = tensor_parallel_rank_and_size()
+        pp_rank, self.running_pp = pipeline_rank_and_size()
         location = weights_location(model_config)
         record = LoadRecord(
             rank=rank,
@@ -162,11 +174,18 @@ class ModelstageLoader(BaseModelLoader):
             artifact=self.settings.artifact or location,
         )
         if self.settings.metrics_port is not None:  # up before the load: a hang is visible
-            serve(self.settings.metrics_port + rank, self.settings.metrics_addr)
+            # one port per process: the stages' ranks of one TP rank share a pod
+            serve(self.settings.metrics_port + pp_rank * tp + rank, self.settings.metrics_addr)
         t0 = time.perf_counter()
         verified = self.verify(location, tp, vllm_version())
         if self.per_rank:
             check_proven(verified.location, model_config, vllm_version())
+            check_layer_partition(
+                verified.location,
+                verified.manifest,
+                model_config.hf_config.get_text_config().num_hidden_layers,
+                os.environ.get(PARTITION_ENV),
+            )
         record.node_cache = self._node_cache(verified)
         self.verification = record.verification = self._verify_content(verified, record)
         record.seconds["verify"] = time.perf_counter() - t0
@@ -246,6 +265,14 @@ def tensor_parallel_rank_and_size() -> tuple[int, int]:
     )
 
     return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+
+
+def pipeline_rank_and_size() -> tuple[int, int]:
+    """This process's pipeline stage and vLLM's pipeline parallel size."""
+    from vllm.distributed import get_pp_group
+
+    group = get_pp_group()
+    return int(group.rank_in_group), int(group.world_size)
 
 
 def vllm_version() -> str:
@@ -330,6 +357,7 @@ class HfLayoutLoader(ModelstageLoader):
             running_tp=running_tp,
             vllm_version=vllm_version,
             rank_glob=None,
+            running_pp=self.running_pp,
         )
 
     def transfer(

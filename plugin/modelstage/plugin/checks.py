@@ -28,7 +28,7 @@ from modelstage.core.errors import ArtifactError, CheckpointError, DestinationEr
 from modelstage.core.formats import plugin_load_formats
 from modelstage.core.integrity import ChunkChecker, ChunkMismatch, FileDigest, HashStats, ReadInto
 from modelstage.core.integrity import blake3_module as blake3_module
-from modelstage.core.layouts import layout_for
+from modelstage.core.layouts import DEFAULT_VLLM_VERSION, layout_for
 from modelstage.core.location import (
     ArtifactLocation,
     Listed,
@@ -39,6 +39,12 @@ from modelstage.core.location import (
 )
 from modelstage.core.location import verify_content as location_verify_content
 from modelstage.core.manifest import MANIFEST, FileEntry, Manifest
+from modelstage.core.pipeline_parallel import (
+    PARTITION_ENV,
+    layer_partition,
+    parse_layer_partition,
+    spell_layer_partition,
+)
 from modelstage.core.s3_client import S3Client, S3Location
 from modelstage.core.safetensors_format import MAX_HEADER_BYTES, SafetensorsHeader, read_header
 from modelstage.core.structure import FileProblem
@@ -112,10 +118,11 @@ def check_manifest(
     settings: PluginSettings,
     running_tp: int,
     vllm_version: str,
+    running_pp: int = 1,
 ) -> None:
     """Refuse a manifest that is not the one this pod was told to load, with what to do."""
     try:
-        manifest.check_expected(where, digest=settings.digest, tp=running_tp)
+        manifest.check_expected(where, digest=settings.digest, tp=running_tp, pp=running_pp)
     except ArtifactError as e:
         raise refuse(where, str(e).removeprefix(f"{where}: ")) from None
     if settings.tp is not None and settings.tp != running_tp:
@@ -148,6 +155,13 @@ def check_manifest(
             f"{manifest.vllmVersion}), but vLLM {vllm_version} needs "
             f"{layout.layout_version}; re-stage with --vllm-version {layout.vllm_version}",
         )
+    if manifest.pipelineParallelSize > 1 and not layout.pp_rank_files:
+        raise refuse(
+            where,
+            f"vLLM {vllm_version} names a rank's files by its tensor-parallel rank alone, so "
+            f"the {manifest.pipelineParallelSize} pipeline stages of this artifact would read "
+            f"one file; serve it with vLLM {DEFAULT_VLLM_VERSION}",
+        )
 
 
 def verify_local(
@@ -158,6 +172,7 @@ def verify_local(
     running_tp: int,
     vllm_version: str,
     rank_glob: str | None,
+    running_pp: int = 1,
 ) -> VerifiedArtifact:
     """Verify a local artifact for one rank; ``rank_glob`` None means every safetensors file
     (the Hugging Face layout of ``runai_streamer``, split by vLLM at load)."""
@@ -179,6 +194,7 @@ def verify_local(
         running_tp=running_tp,
         vllm_version=vllm_version,
         pattern=rank_glob or "*.safetensors",
+        running_pp=running_pp,
     )
 
 
@@ -191,6 +207,7 @@ def verify_s3(
     running_tp: int,
     vllm_version: str,
     rank_glob: str,
+    running_pp: int = 1,
 ) -> VerifiedArtifact:
     """Verify this rank's objects of an S3 artifact: the manifest object first, one listing
     for sizes, ETags and unlisted objects, then each object's header (one small ranged GET).
@@ -213,6 +230,7 @@ def verify_s3(
         running_tp=running_tp,
         vllm_version=vllm_version,
         pattern=rank_glob,
+        running_pp=running_pp,
     )
 
 
@@ -226,11 +244,14 @@ def _verify_rank(
     running_tp: int,
     vllm_version: str,
     pattern: str,
+    running_pp: int = 1,
 ) -> VerifiedArtifact:
     """The manifest is the one expected, this rank's files are there, whole, with headers
     that parse (and, when verifying, whose chunks hash right)."""
     where = location.uri
-    manifest = _expected(manifest, where, load_format, settings, running_tp, vllm_version)
+    manifest = _expected(
+        manifest, where, load_format, settings, (running_tp, running_pp), vllm_version
+    )
     _hash_available(where, settings)
     present = (n for n in listing if n != MANIFEST)
     names = _rank_names(where, manifest, present, pattern)
@@ -243,9 +264,10 @@ def _expected(
     where: str,
     load_format: str,
     settings: PluginSettings,
-    running_tp: int,
+    running: tuple[int, int],
     vllm_version: str,
 ) -> Manifest:
+    """The manifest, checked against what this pod runs (``running``: TP, PP)."""
     if manifest is None:
         raise refuse(
             where,
@@ -257,10 +279,40 @@ def _expected(
         where,
         load_format=load_format,
         settings=settings,
-        running_tp=running_tp,
+        running_tp=running[0],
         vllm_version=vllm_version,
+        running_pp=running[1],
     )
     return manifest
+
+
+def check_layer_partition(
+    where: str, manifest: Manifest, num_layers: int, serving: str | None
+) -> None:
+    """Refuse a per-rank artifact whose pipeline stages hold other layers than the ones vLLM
+    builds here: its partition (``VLLM_PP_LAYER_PARTITION``, ``serving``; None: unset)
+    resolved against the model's layers must be the staged one."""
+    pp = manifest.pipelineParallelSize
+    if pp == 1:
+        return
+    staged_text = manifest.pipelineLayerPartition
+    try:
+        staged = layer_partition(
+            num_layers, pp, parse_layer_partition(staged_text) if staged_text else None
+        )
+        running = layer_partition(
+            num_layers, pp, parse_layer_partition(serving) if serving else None
+        )
+    except SpecError as e:
+        raise refuse(where, f"{PARTITION_ENV}: {e}") from None
+    if staged != running:
+        raise refuse(
+            where,
+            f"its pipeline stages hold {spell_layer_partition(staged)} decoder layers, but vLLM "
+            f"builds {spell_layer_partition(running)} here ({PARTITION_ENV}="
+            f"{serving or 'unset'}); set {PARTITION_ENV}={staged_text or 'unset'} as staged, "
+            "or re-stage with --pp-layer-partition",
+        )
 
 
 def _hash_available(where: str, settings: PluginSettings) -> None:

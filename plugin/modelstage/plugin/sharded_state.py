@@ -73,6 +73,7 @@ def verify_rank_files(
             running_tp=running_tp,
             vllm_version=vllm_version,
             rank_glob=rank_glob,
+            running_pp=loader.running_pp,
         )
 
     on_s3 = loader.reads_s3 and location.startswith("s3://")
@@ -97,6 +98,7 @@ def verify_rank_files(
             running_tp=running_tp,
             vllm_version=vllm_version,
             rank_glob=rank_glob,
+            running_pp=loader.running_pp,
         )
     else:
         verified = local(loader.verify_local_location(location))

@@ -20,7 +20,7 @@ from modelstage.core.manifest import INDEX as INDEX
 from modelstage.core.model_config import ModelConfig, check_heads
 from modelstage.core.safetensors_format import TensorInfo, read_header
 
-from .shard_plan import ShardPlan, SourceTensor, plan_shards
+from .shard_plan import SINGLE_STAGE, Pipeline, ShardPlan, SourceTensor, plan_stages
 from .sources import Source
 from .sources.base import INDEX_VALUES as INDEX_VALUES
 from .sources.base import MAX_JSON_BYTES as MAX_JSON_BYTES
@@ -158,11 +158,19 @@ def _check_index(source: Source, tensors: Mapping[str, TensorInfo]) -> None:
             )
 
 
-def plan_for(checkpoint: Checkpoint, fmt: Format, tp: int, layout: Layout, dtype: str) -> ShardPlan:
-    """What ``fmt``'s writer needs: each rank's slices for a per-rank format (which refuses a
-    checkpoint its rules do not describe); none for a copy of the Hugging Face layout, which
-    vLLM splits at load whatever the architecture or quantization (its TP rule checked here,
-    so a TP it cannot run fails before the copy)."""
+def plan_for(
+    checkpoint: Checkpoint,
+    fmt: Format,
+    tp: int,
+    layout: Layout,
+    dtype: str,
+    pipeline: Pipeline = SINGLE_STAGE,
+) -> tuple[ShardPlan, ...]:
+    """What ``fmt``'s writer needs, one plan per pipeline stage: each rank's slices for a
+    per-rank format (which refuses a checkpoint its rules do not describe); none for a copy
+    of the Hugging Face layout, which vLLM splits at load whatever the architecture or
+    quantization (its TP rule checked here, so a TP it cannot run fails before the copy)."""
+    fmt.check_pipeline(pipeline.pp, layout)
     if fmt.per_rank:
         quantization = checkpoint.model.quantization
         if quantization in PER_RANK_QUANTIZATIONS and not fmt.splits_quantized:
@@ -171,6 +179,8 @@ def plan_for(checkpoint: Checkpoint, fmt: Format, tp: int, layout: Layout, dtype
                 f"format {fmt.name} does not take quantized checkpoints ({quantization}); "
                 f"stage it per rank with --format {' or '.join(takes)}, or {HF_LAYOUT_HINT}"
             )
-        return plan_shards(checkpoint.model, checkpoint.source_tensors, tp, layout, dtype)
+        return plan_stages(
+            checkpoint.model, checkpoint.source_tensors, tp, layout, dtype, pipeline
+        )
     check_heads(checkpoint.config, tp)
-    return ShardPlan(tp, (), ())
+    return (ShardPlan(tp, (), (), pipeline.pp),)

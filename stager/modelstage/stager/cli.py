@@ -24,6 +24,7 @@ from modelstage.core.errors import ModelstageError, SpecError
 from modelstage.core.formats import FORMATS
 from modelstage.core.integrity import MAX_CHUNK_BYTES
 from modelstage.core.layouts import DEFAULT_VLLM_VERSION
+from modelstage.core.pipeline_parallel import parse_layer_partition
 from modelstage.core.quantity import parse_bytes
 
 DIGEST_PATTERN = re.compile(rf"[0-9a-f]{{{DIGEST_HEX_CHARS}}}")
@@ -44,6 +45,13 @@ def parse_chunk_bytes(text: str | None) -> int | None:
 
 
 TERMINATION_LOG = "/dev/termination-log"
+
+
+def _layer_partition(text: str) -> tuple[int, ...]:
+    try:
+        return parse_layer_partition(text)
+    except SpecError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _stage(args: argparse.Namespace) -> dict[str, Any]:
@@ -69,6 +77,7 @@ def _stage(args: argparse.Namespace) -> dict[str, Any]:
         out=args.out,
         tp=args.tp,
         pp=args.pp,
+        pp_partition=args.pp_layer_partition,
         dtype=args.dtype,
         format=args.format,
         vllm_version=args.vllm_version,
@@ -186,6 +195,7 @@ def _verify(args: argparse.Namespace) -> dict[str, Any]:
         open_artifact(args.artifact, _s3_options(args)),
         digest=args.digest,
         tp=args.tp,
+        pp=args.pp,
         hash_content=not args.sizes_only,
         show_progress=True,
     )
@@ -194,6 +204,7 @@ def _verify(args: argparse.Namespace) -> dict[str, Any]:
         "digest": manifest.digest,
         "format": manifest.format,
         "tensorParallelSize": manifest.tensorParallelSize,
+        "pipelineParallelSize": manifest.pipelineParallelSize,
         "files": len(manifest.files),
         "bytes": manifest.bytes,
     }
@@ -247,6 +258,7 @@ def _prepare(args: argparse.Namespace) -> dict[str, Any]:
         args.artifact,
         digest=args.digest,
         tp=args.tp,
+        pp=args.pp,
         plugin_dir=Path(args.plugin_dir),
         hash_content=args.hash,
         s3=_s3_options(args),
@@ -310,6 +322,9 @@ def _add_prepare_parser(sub: Any) -> None:
     pr.add_argument("--artifact", required=True, help="artifact directory or s3://BUCKET/PREFIX/")
     pr.add_argument("--digest", required=True, help="the digest the workload expects")
     pr.add_argument("--tp", type=int, required=True, help="the workload's tensor parallel size")
+    pr.add_argument(
+        "--pp", type=int, default=1, help="the workload's pipeline parallel size (default 1)"
+    )
     pr.add_argument("--plugin-dir", required=True, help="where to copy the plugin (PYTHONPATH)")
     pr.add_argument(
         "--hash",
@@ -499,7 +514,13 @@ def _add_stage_parser(sub: Any) -> argparse.ArgumentParser:
         "hf://ORG/NAME",
     )
     st.add_argument("--tp", type=int, required=True, help="tensor parallel size")
-    st.add_argument("--pp", type=int, default=1, help="pipeline parallel size (1 only, for now)")
+    st.add_argument("--pp", type=int, default=1, help="pipeline parallel size (default 1)")
+    st.add_argument(
+        "--pp-layer-partition",
+        type=_layer_partition,
+        help="decoder layers per pipeline stage, e.g. 3,5: the serving pods' "
+        "VLLM_PP_LAYER_PARTITION (default: vLLM's own partition)",
+    )
     st.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     st.add_argument(
         "--format",
@@ -581,6 +602,7 @@ def _add_verify_parser(sub: Any) -> None:
     ve.add_argument("artifact", help="artifact directory or s3://BUCKET/PREFIX/")
     ve.add_argument("--digest", help="fail unless the artifact has this digest")
     ve.add_argument("--tp", type=int, help="fail unless the artifact has this TP size")
+    ve.add_argument("--pp", type=int, help="fail unless the artifact has this PP size")
     ve.add_argument("--sizes-only", action="store_true", help="skip content hashing")
     _add_s3_options(ve)
     _add_network_options(ve)
@@ -761,7 +783,8 @@ def _plan(args: argparse.Namespace) -> int:
             source=target,
             out=args.out or "(--out)",
             tp=args.tp,
-            pp=1,
+            pp=args.pp,
+            pp_partition=args.pp_layer_partition,
             dtype=args.dtype,
             format=args.format,
             vllm_version=args.vllm_version,
@@ -843,6 +866,8 @@ def _add_plan_parser(sub: Any) -> None:
     )
     so = pl.add_argument_group("SOURCE form (as for `modelstage stage`)")
     so.add_argument("--tp", type=int)
+    so.add_argument("--pp", type=int, default=1)
+    so.add_argument("--pp-layer-partition", type=_layer_partition)
     so.add_argument("--format", default="sharded_state", choices=list(FORMATS))
     so.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     so.add_argument("--out")

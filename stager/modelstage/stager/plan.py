@@ -45,6 +45,8 @@ def plan_files(
     dtype: str = "auto",
     vllm_version: str | None = None,
     max_part_bytes: int | None = None,
+    pp: int = 1,
+    pp_partition: tuple[int, ...] | None = None,
 ) -> list[PlannedFile]:
     """The artifact's files and sizes, exactly as ``stage`` would write them (manifest aside).
     Raises the stager's own error where staging would fail (a TP that cannot split the model,
@@ -53,6 +55,7 @@ def plan_files(
     from modelstage.core.layouts import layout_for
 
     from .checkpoint import open_checkpoint, plan_for
+    from .shard_plan import Pipeline
     from .sources.local import LocalSource
     from .writers import PlannedFile, WriteJob, writer_for
 
@@ -63,9 +66,9 @@ def plan_files(
     source = LocalSource(checkpoint_dir)
     try:
         ckpt = open_checkpoint(source)
-        plan = plan_for(ckpt, fmt, tp, layout, dtype)
+        plans = plan_for(ckpt, fmt, tp, layout, dtype, Pipeline(pp, pp_partition))
         writer = writer_for(fmt)
-        files = writer.planned(WriteJob(ckpt, plan, layout, fmt))
+        files = [f for plan in plans for f in writer.planned(WriteJob(ckpt, plan, layout, fmt))]
         files += [PlannedFile(n, source.size(n), None) for n in writer.carried(ckpt)]
     finally:
         source.close()
@@ -324,6 +327,8 @@ def plan_stage_report(
             dtype=req.dtype,
             vllm_version=req.vllm_version,
             max_part_bytes=req.max_part_bytes,
+            pp=req.pp,
+            pp_partition=req.pp_partition,
         )
     command = _stage_command(req)
     identity = identity or _local_identity(req, checks)
@@ -344,6 +349,7 @@ def plan_stage_report(
             "uri": req.out,
             "format": req.format,
             "tensorParallelSize": req.tp,
+            "pipelineParallelSize": req.pp,
             "dtype": req.dtype,
         },
         "source": {
@@ -361,6 +367,10 @@ def _stage_command(req: Any) -> list[str]:
     """The ``modelstage stage`` command line of ``req``."""
     command = ["modelstage", "stage", req.source, "--tp", str(req.tp), "--format", req.format,
                "--dtype", req.dtype, "--out", req.out]  # fmt: skip
+    if req.pp != 1:
+        command += ["--pp", str(req.pp)]
+    if req.pp_partition is not None:
+        command += ["--pp-layer-partition", ",".join(map(str, req.pp_partition))]
     for flag, value in (
         ("--revision", req.revision),
         ("--source-uri", req.source_uri),

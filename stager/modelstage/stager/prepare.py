@@ -74,6 +74,7 @@ def prepare(
     s3: S3Options | None = None,
     node_cache: Path | None = None,
     engine: EngineCacheRequest | None = None,
+    pp: int = 1,
     install_capture: bool = False,
 ) -> dict[str, Any]:
     """Verify, then install the plugin (and with ``install_capture`` the capture command);
@@ -81,7 +82,9 @@ def prepare(
     also says whether the plugin will read it (``nodeCache``: hit, or miss and why): a
     verdict, never a failure."""
     t0 = time.monotonic()
-    summary = verify_artifact(artifact, digest=digest, tp=tp, hash_content=hash_content, s3=s3)
+    summary = verify_artifact(
+        artifact, digest=digest, tp=tp, pp=pp, hash_content=hash_content, s3=s3
+    )
     t1 = time.monotonic()
     installed = install_plugin(plugin_dir, CAPTURE_PACKAGES if install_capture else PLUGIN_PACKAGES)
     phases = {"prepare_verify": t1 - t0, "prepare_plugin_install": time.monotonic() - t1}
@@ -138,7 +141,13 @@ def node_cache_verdict(
 
 
 def verify_artifact(
-    artifact: str, *, digest: str, tp: int, hash_content: bool, s3: S3Options | None = None
+    artifact: str,
+    *,
+    digest: str,
+    tp: int,
+    hash_content: bool,
+    s3: S3Options | None = None,
+    pp: int = 1,
 ) -> dict[str, Any]:
     """A local artifact: the manifest and every file's size (and with ``hash_content`` every
     byte). An S3 artifact: the manifest object only, unless ``hash_content``: vLLM is given
@@ -152,10 +161,10 @@ def verify_artifact(
         )
     found = open_artifact(artifact, s3)
     if location.kind == S3 and not hash_content:
-        manifest = found.require_manifest(digest=digest, tp=tp)
+        manifest = found.require_manifest(digest=digest, tp=tp, pp=pp)
     else:
         manifest = verify(
-            found, digest=digest, tp=tp, hash_content=hash_content, show_progress=True
+            found, digest=digest, tp=tp, pp=pp, hash_content=hash_content, show_progress=True
         )
     return _summary(found.uri, manifest, hashed=hash_content)
 
@@ -166,6 +175,7 @@ def _summary(where: str, manifest: Manifest, *, hashed: bool) -> dict[str, Any]:
         "digest": manifest.digest,
         "format": manifest.format,
         "tensorParallelSize": manifest.tensorParallelSize,
+        "pipelineParallelSize": manifest.pipelineParallelSize,
         "layoutVersion": manifest.layoutVersion,
         "files": len(manifest.files),
         "bytes": manifest.bytes,

@@ -15,6 +15,9 @@ class StageRequest:
     out: str
     tp: int
     pp: int = 1
+    pp_partition: tuple[int, ...] | None = None
+    """Decoder layers per pipeline stage, as the serving pods' ``VLLM_PP_LAYER_PARTITION``
+    gives them (None: vLLM's default partition)."""
     dtype: str = "auto"
     format: str = "sharded_state"
     vllm_version: str | None = None

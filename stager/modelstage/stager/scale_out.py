@@ -147,7 +147,10 @@ def _check_request(req: StageRequest) -> None:
             f"finalize) applies to {scaled}"
         )
     if req.pp != 1:
-        raise SpecError("pipeline parallel size > 1 is not supported yet; use --pp 1")
+        raise SpecError(
+            f"scale-out staging (--group, finalize) stages pipeline parallel size 1 only; "
+            f"stage --pp {req.pp} with one `modelstage stage`"
+        )
     if req.force:
         raise SpecError(
             "--force replaces a whole artifact: use it with a one-pod `modelstage stage`, not "
@@ -258,7 +261,7 @@ def _check_parts(
     """Every rank's every part, checked in parallel (locally: re-hashed, which takes minutes
     for a large artifact, so each checked part is reported); the first problem in file order
     wins."""
-    names = rank_file_names(run.format, run.plan.tp, len(run.parts))
+    names = rank_file_names(run.format, run.plan, len(run.parts))
     sizes = part_sizes(run.parts)
     wanted = [(names[r][p], sizes[p]) for r in range(run.plan.tp) for p in range(len(sizes))]
     progress = Progress(

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from modelstage.core.architectures import (
     HF_LAYOUT_HINT,
+    NON_LAYER_GROUP,
     STACKED_SPLITS,
     TRANSPOSED_SPLITS,
     Architecture,
@@ -31,6 +32,7 @@ from modelstage.core.architectures import (
 from modelstage.core.errors import CheckpointError, SpecError
 from modelstage.core.layouts import DEFAULT_VLLM_VERSION, Layout
 from modelstage.core.model_config import ModelConfig
+from modelstage.core.pipeline_parallel import layer_partition, stage_layers
 from modelstage.core.safetensors_format import DTYPE_CODES, DTYPE_SIZES
 
 TIED_EMBEDDING_TARGET = "lm_head.weight"
@@ -91,9 +93,27 @@ class SourceTensor:
 
 @dataclass(frozen=True)
 class ShardPlan:
+    """The tensor-parallel ranks' tensors of one pipeline stage (the whole model at PP 1)."""
+
     tp: int
     targets: tuple[TargetTensor, ...]
     ignored_sources: tuple[str, ...]
+    pp: int = 1
+    pp_rank: int = 0
+    """The stage these targets are of, of ``pp``: what its rank files are named by."""
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """The pipeline stages to plan: their number and the layers of each (vLLM's partition;
+    None: its default)."""
+
+    pp: int = 1
+    partition: tuple[int, ...] | None = None
+
+
+SINGLE_STAGE = Pipeline()
+"""No pipeline parallelism: one stage holds every layer."""
 
 
 def _check_proven(architecture: str, layout: Layout) -> None:
@@ -106,14 +126,33 @@ def _check_proven(architecture: str, layout: Layout) -> None:
         )
 
 
+def plan_stages(
+    config: ModelConfig,
+    sources: Mapping[str, SourceTensor],
+    tp: int,
+    layout: Layout,
+    dtype: str = "auto",
+    pipeline: Pipeline = SINGLE_STAGE,
+) -> tuple[ShardPlan, ...]:
+    """Every pipeline stage's plan, in stage order."""
+    layer_partition(config.num_layers, pipeline.pp, pipeline.partition)  # refused before any
+    return tuple(
+        plan_shards(config, sources, tp, layout, dtype, pipeline, pp_rank)
+        for pp_rank in range(pipeline.pp)
+    )
+
+
 def plan_shards(
     config: ModelConfig,
     sources: Mapping[str, SourceTensor],
     tp: int,
     layout: Layout,
     dtype: str = "auto",
+    pipeline: Pipeline = SINGLE_STAGE,
+    pp_rank: int = 0,
 ) -> ShardPlan:
-    """Map every source tensor to its per-rank slices; refuse missing or unknown tensors."""
+    """Map every source tensor to its per-rank slices on stage ``pp_rank`` of ``pipeline``;
+    refuse missing or unknown tensors."""
     config.check_tensor_parallel(tp)
     arch = architecture_for(config)
     _check_proven(config.architecture, layout)
@@ -128,10 +167,14 @@ def plan_shards(
             "own dtypes; use --dtype auto"
         )
 
+    ignored = tuple(sorted(set(sources) - {s for _, s, _ in active}))
+    layers = stage_layers(config.num_layers, pp_rank, pipeline.pp, pipeline.partition)
+    last = pp_rank == pipeline.pp - 1
     by_target: dict[str, list[tuple[Rule, str, int]]] = {}
-    for rule, source, group in active:
+    for rule, source, group in _on_stage(arch, config, active, layers, (pp_rank == 0, last)):
         target = rule.target.replace("{L}", str(group)) if group >= 0 else rule.target
-        if rule.split is Split.VOCAB and config.tie_word_embeddings:
+        head_here = last or arch.edges_on_every_stage  # tied: the head's name where it is
+        if rule.split is Split.VOCAB and config.tie_word_embeddings and head_here:
             target = arch.tied_embeddings_target
         by_target.setdefault(target, []).append((rule, source, group))
 
@@ -141,8 +184,34 @@ def plan_shards(
         if name.endswith((".self_attn.qkv_proj.weight", ".attn.qkv_proj.weight")):
             targets.extend(_attention_buffers(name, members[0][2], layout))
             targets.extend(_attention_params(name, members[0][2], arch, config))
-    ignored = tuple(sorted(set(sources) - {s for _, s, _ in active}))
-    return ShardPlan(tp, tuple(targets), ignored)
+    return ShardPlan(tp, tuple(targets), ignored, pipeline.pp, pp_rank)
+
+
+def _on_stage(
+    arch: Architecture,
+    config: ModelConfig,
+    active: list[tuple[Rule, str, int]],
+    layers: tuple[int, int],
+    edges: tuple[bool, bool],
+) -> list[tuple[Rule, str, int]]:
+    """The active rules of one pipeline stage: its ``layers`` [start, end); the tensors before
+    the layers (embeddings) on the first stage, and on the last where tied; those after
+    (final norm, head) on the last (``edges``: whether the stage is the first, the last); or
+    both on every stage where vLLM's model builds them there."""
+    first, last = edges
+    kept: list[tuple[Rule, str, int]] = []
+    seen_layer = False
+    for rule, source, group in active:
+        if group != NON_LAYER_GROUP:
+            seen_layer = True
+            if layers[0] <= group < layers[1]:
+                kept.append((rule, source, group))
+            continue
+        before = not seen_layer
+        edge = (first or (last and config.tie_word_embeddings)) if before else last
+        if edge or arch.edges_on_every_stage:
+            kept.append((rule, source, group))
+    return kept
 
 
 def _check_layer_count(

@@ -19,11 +19,13 @@ from modelstage.core.formats import format_for
 from modelstage.core.integrity import MAX_CHUNK_BYTES, FileDigest
 from modelstage.core.layouts import Layout, layout_for
 from modelstage.core.manifest import FileEntry, Manifest
+from modelstage.core.pipeline_parallel import spell_layer_partition
 
-from .checkpoint import open_checkpoint, plan_for
+from .checkpoint import Checkpoint, open_checkpoint, plan_for
 from .destinations import Destination, open_destination
 from .request import StageRequest as StageRequest
 from .resolve import Resolved, canonical_uri, check_expected, check_identity, resolve
+from .shard_plan import Pipeline, ShardPlan
 from .sources import Source, open_source
 from .writers import WriteJob, writer_for
 from .writers.hf_copy import copy_small_file
@@ -46,6 +48,11 @@ def request_layout(req: StageRequest) -> Layout:
     return dataclasses.replace(layout, max_part_bytes=req.max_part_bytes)
 
 
+def request_pipeline(req: StageRequest) -> Pipeline:
+    """The pipeline stages ``req`` stages for."""
+    return Pipeline(req.pp, req.pp_partition)
+
+
 def request_digest(req: StageRequest, identity: str) -> str:
     """The artifact digest of ``req`` for the resolved source ``identity``."""
     return req.digest or artifact_digest(
@@ -56,6 +63,7 @@ def request_digest(req: StageRequest, identity: str) -> str:
         dtype=req.dtype,
         load_format=req.format,
         layout_version=layout_for(req.vllm_version).layout_version,
+        pp_partition=req.pp_partition,
     )
 
 
@@ -86,8 +94,13 @@ def run_key(digest: str, identity: dict[str, Any]) -> str:
 def check_request(req: StageRequest) -> None:
     """What refuses a request before any source is read (``modelstage plan`` shows it)."""
     fmt = format_for(req.format)
-    if req.pp != 1:
-        raise SpecError("pipeline parallel size > 1 is not supported yet; use --pp 1")
+    if req.pp < 1 or req.tp < 1:
+        raise SpecError(f"--tp {req.tp} --pp {req.pp}: parallel sizes are at least 1")
+    fmt.check_pipeline(req.pp, layout_for(req.vllm_version))
+    if req.pp_partition is not None and (req.pp == 1 or not fmt.per_rank):
+        raise SpecError(
+            "--pp-layer-partition applies to per-rank formats with --pp greater than 1"
+        )
     if not fmt.casts and req.dtype != "auto":
         raise SpecError(
             f"{fmt.name} copies the checkpoint as it is; use --dtype auto (vLLM casts at "
@@ -109,16 +122,20 @@ def stage(req: StageRequest, *, progress_stream: TextIO | None = None) -> dict[s
     source = _with_pickles_converted(run.source, req.out) if req.allow_pickle else run.source
     try:
         checkpoint = run.resolved.checkpoint or open_checkpoint(source)
-        plan = plan_for(checkpoint, fmt, req.tp, layout, req.dtype)
+        plans = plan_for(checkpoint, fmt, req.tp, layout, req.dtype, request_pipeline(req))
         identity = checkpoint.identity()
         check_identity(run.resolved.identity, identity, run.resolved.uri)
         dest.begin(run_key(run.digest, identity))
         with aborted_on_failure(dest):
             writer = writer_for(fmt)
-            job = WriteJob(checkpoint, plan, layout, fmt)
-            label = f"staging {req.format} tp={req.tp} to {dest.uri}"
-            progress = writer.progress(job, label, progress_stream)
-            files = writer.write(job, dest, progress)
+            jobs = [WriteJob(checkpoint, plan, layout, fmt) for plan in plans]
+            label = f"staging {req.format} tp={req.tp} pp={req.pp} to {dest.uri}"
+            progress = writer.progress(jobs[0], label, progress_stream)
+            later = sum(len(job.plan.targets) for job in jobs[1:])
+            progress.add_total(_reread_bytes(checkpoint, plans), later)
+            files: dict[str, FileDigest] = {}
+            for job in jobs:
+                files.update(writer.write(job, dest, progress))
             for name in writer.carried(checkpoint):
                 files[name] = copy_small_file(source, name, dest)
             progress.finish()
@@ -127,6 +144,16 @@ def stage(req: StageRequest, *, progress_stream: TextIO | None = None) -> dict[s
     finally:
         source.close()
     return _summary(manifest, dest.uri, time.monotonic() - started, already=False)
+
+
+def _reread_bytes(checkpoint: Checkpoint, plans: tuple[ShardPlan, ...]) -> int:
+    """The source bytes read by more than one pipeline stage (the tensors outside the layers
+    that several stages hold), read once per stage."""
+    read: dict[str, int] = {}
+    for plan in plans:
+        for name in {s.source for t in plan.targets for s in t.slots if s.source is not None}:
+            read[name] = read.get(name, 0) + 1
+    return sum(checkpoint.tensors[n].nbytes * (count - 1) for n, count in read.items())
 
 
 @dataclass
@@ -223,6 +250,7 @@ def build_manifest(
         format=req.format,
         tensorParallelSize=req.tp,
         pipelineParallelSize=req.pp,
+        pipelineLayerPartition=spell_layer_partition(req.pp_partition),
         dtype=req.dtype,
         digest=digest,
         source={

@@ -68,9 +68,13 @@ def plan_parts(plan: ShardPlan, max_part_bytes: int) -> list[list[TargetTensor]]
     return [[plan.targets[i] for i in sorted(part)] for part in parts]
 
 
-def rank_file_names(fmt: Format, tp: int, parts: int) -> list[list[str]]:
-    """``names[rank][part]``: every rank's part files, named by the format table."""
-    return [[fmt.rank_file_name(r, p) for p in range(parts)] for r in range(tp)]
+def rank_file_names(fmt: Format, plan: ShardPlan, parts: int) -> list[list[str]]:
+    """``names[rank][part]``: the part files of every tensor-parallel rank of the plan's
+    pipeline stage, named by the format table."""
+    return [
+        [fmt.rank_file_name(r, p, plan.pp_rank, plan.pp) for p in range(parts)]
+        for r in range(plan.tp)
+    ]
 
 
 def part_sizes(parts: Sequence[Sequence[TargetTensor]]) -> list[int]:
@@ -99,7 +103,7 @@ class RankFilesWriter(Writer):
     def planned(self, job: WriteJob) -> list[PlannedFile]:
         parts = plan_parts(job.plan, job.layout.max_part_bytes)
         tp = job.plan.tp
-        names, sizes = rank_file_names(job.format, tp, len(parts)), part_sizes(parts)
+        names, sizes = rank_file_names(job.format, job.plan, len(parts)), part_sizes(parts)
         return [PlannedFile(names[r][p], sizes[p], r) for r in range(tp) for p in range(len(parts))]
 
 
@@ -121,7 +125,7 @@ def write_rank_files(
     part indices (a scale-out worker's share, see ``scale_out.py``).
     """
     parts = plan_parts(plan, layout.max_part_bytes)
-    names = rank_file_names(fmt, plan.tp, len(parts))
+    names = rank_file_names(fmt, plan, len(parts))
     results: dict[str, FileDigest] = {}
     for p, part in enumerate(parts):
         if only is not None and p not in only:

@@ -461,7 +461,11 @@ class TensorizerWriter(Writer):
     def planned(self, job: WriteJob) -> list[PlannedFile]:
         tied = job.checkpoint.model.tie_word_embeddings
         size = predict_layout(job.plan, file_entries(job.plan, tied)).size
-        return [PlannedFile(job.format.rank_file_name(r), size, r) for r in range(job.plan.tp)]
+        plan = job.plan
+        return [
+            PlannedFile(job.format.rank_file_name(r, 0, plan.pp_rank, plan.pp), size, r)
+            for r in range(plan.tp)
+        ]
 
 
 def write_tensorizer_files(
@@ -479,7 +483,7 @@ def write_tensorizer_files(
     ``completed`` skips a rank file an earlier run with the same run key finished
     (tensorizer's output is deterministic for the same plan): nothing is serialised for it."""
     layout = predict_layout(plan, file_entries(plan, tied))
-    names = [fmt.rank_file_name(r) for r in range(plan.tp)]
+    names = [fmt.rank_file_name(r, 0, plan.pp_rank, plan.pp) for r in range(plan.tp)]
     done = [completed(n, layout.size) if completed else None for n in names]
     results = {n: d for n, d in zip(names, done, strict=True) if d is not None}
     if len(results) == plan.tp:
