@@ -498,15 +498,8 @@ class Observer:
             if foreign is not None:
                 found[node] = CopyJob(node, name, "Failed", foreign.message)
                 continue
-            state = observe_job(job).state
-            message = ""
-            if state != "Running":
-                pods = self.kube.list(
-                    resource_path("v1", "pods", namespace), label_selector={JOB_NAME_LABEL: name}
-                )
-                success = state == "Succeeded"
-                message = termination_message(pods, success=success, container=COPY_CONTAINER)
-            found[node] = CopyJob(node, name, state, message)
+            observed = self._finished(namespace, job, COPY_CONTAINER)
+            found[node] = CopyJob(node, name, observed.state, observed.message)
         return found
 
     def _pod_starts_of(self, world: World, workload: KubeObject, digest: str) -> list[PodStart]:
@@ -646,16 +639,7 @@ class Observer:
                 "did not create it and does not trust what it reports; delete it",
             )
         if manifest is not None:
-            job = observe_job(manifest)
-            if job.state != "Running":
-                pods = self.kube.list(
-                    resource_path("v1", "pods", namespace),
-                    label_selector={JOB_NAME_LABEL: job_name},
-                )
-                message = termination_message(
-                    pods, success=job.state == "Succeeded", container=RESOLVE_CONTAINER
-                )
-                job = observe_job(manifest, message)
+            job = self._finished(namespace, manifest, RESOLVE_CONTAINER)
         return plan_source(
             spec, status.source, owner=name, now=now, interval=interval, job=job, stale=stale
         )
