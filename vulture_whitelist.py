@@ -23,6 +23,10 @@ _.enforceEager  # engine_key.EngineArgs, keyed through asdict()
 _.compilationConfig
 _.loadFormat
 
+# The operator's offline planner, loaded by `modelstage plan` through its entry point
+# (pyproject.toml's modelstage.planners).
+_.deployment_report
+
 # The plugin's loaders, found by register() in plugin/<row name>.py through the format row
 # each names (plugin.loader_for).
 _.ModelstageRunaiStreamerLoader

@@ -75,6 +75,16 @@ def test_a_tensorizer_artifact_gets_its_rank_file_pattern(demo_ckpt: Path, tmp_p
     assert extra == {"tensorizer_uri": f"{art}/model-rank-%03d.tensors"}
 
 
+def test_a_pipelined_artifact_is_served_at_its_pipeline_size(
+    demo_ckpt: Path, tmp_path: Path
+) -> None:
+    art = tmp_path / "pp"
+    stage(StageRequest(source=str(demo_ckpt), out=str(art), tp=1, pp=2, format="sharded_state"))
+    command = printed(str(art), "--print")["command"]
+    assert command[command.index("--tensor-parallel-size") + 1] == "1"
+    assert command[command.index("--pipeline-parallel-size") + 1] == "2"
+
+
 def test_what_is_not_a_local_artifact_is_one_error_line(tmp_path: Path) -> None:
     for target, reason in ((str(tmp_path), "no modelstage.json; the artifact is incomplete"),
                            ("s3://bucket/art/", "serve-local serves a local artifact")):  # fmt: skip

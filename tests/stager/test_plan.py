@@ -338,3 +338,18 @@ def test_auto_with_a_local_checkpoint_is_planned_as_the_operator_will_decide_it(
         command = report["jobs"][0]["command"]
         assert command[command.index("--format") + 1] == fmt
     assert "Olmo2ForCausalLM has no per-rank rules" in report["checks"][0]["message"]
+
+
+def test_a_pipelined_deployments_files_are_the_ones_stage_writes_at_its_pipeline_size(
+    tmp_path: Path, llama_ckpt: Path
+) -> None:
+    spec = {**BASE, "parallelism": {"tensor": 2, "pipeline": 2}}
+    report = plan_json(str(write_md(tmp_path, spec)), "--checkpoint", str(llama_ckpt),
+                       "--identity", IDENTITY)  # fmt: skip
+    stage(StageRequest(source=str(llama_ckpt), out=str(tmp_path / "a"), tp=2, pp=2,
+                       format="sharded_state"))  # fmt: skip
+    manifest = read_manifest(tmp_path / "a")
+    assert manifest is not None
+    listed = {f["name"]: f["size"] for f in report["files"]["list"]}
+    assert listed == {n: e.size for n, e in manifest.files.items()}
+    assert any(name.startswith("model-pp-1-tp-1-part-") for name in listed)

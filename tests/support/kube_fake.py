@@ -76,6 +76,7 @@ BUILTIN_RESOURCES = (
     ResourceSpec("v1", "events", "Event", status=False),
     ResourceSpec("v1", "persistentvolumeclaims", "PersistentVolumeClaim"),
     ResourceSpec("v1", "namespaces", "Namespace"),
+    ResourceSpec("v1", "serviceaccounts", "ServiceAccount", status=False),
     ResourceSpec("batch/v1", "jobs", "Job"),
     ResourceSpec("apps/v1", "deployments", "Deployment"),
     ResourceSpec("apps/v1", "statefulsets", "StatefulSet"),

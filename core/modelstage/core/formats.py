@@ -84,6 +84,18 @@ class Format:
     """A per-rank format that takes checkpoints of ``PER_RANK_QUANTIZATIONS`` (their rank
     files are proven against vLLM's own loaders); the other per-rank formats refuse them."""
 
+    def vllm_load_format(self, *, plugin: bool, local: bool) -> str:
+        """vLLM's ``--load-format`` for an artifact of this format: the plugin's loader when
+        the plugin is on and the artifact is a local path (vLLM 0.32 refuses ``--model s3://``
+        with any load format but its own Run:ai names, before a plugin loader could run)."""
+        chosen = self.plugin_loader if plugin and local else None
+        return chosen or self.stock_loader
+
+    def vllm_loader_config(self, artifact_path: str) -> dict[str, str]:
+        """The ``--model-loader-extra-config`` the format needs for the artifact at
+        ``artifact_path`` (the operator's rollout and ``serve-local`` give the same)."""
+        return {key: value.format(artifact=artifact_path) for key, value in self.vllm_extra_config}
+
     def rank_file_name(self, rank: int, part: int = 0, pp_rank: int = 0, pp: int = 1) -> str:
         """The one naming function of rank files: tensor-parallel ``rank`` of pipeline stage
         ``pp_rank`` of ``pp``."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
 
 from modelstage.api.modeldeployment import DEFAULT_STAGER_IMAGE, ModelDeploymentSpec, S3Connection
 from modelstage.api.objects import DIGEST_ANNOTATION, KubeObject
@@ -105,19 +104,15 @@ def vllm_settings(
     artifact: Artifact, plugin: bool, own_models: tuple[str, ...] = ()
 ) -> VllmSettings:
     fmt = FORMATS[artifact.load_format]
-    extra: dict[str, Any] = {
-        key: value.format(artifact=artifact.location.path) for key, value in fmt.vllm_extra_config
-    }
-    # vLLM 0.32 refuses `--model s3://...` with any load format but its own Run:ai names, before
-    # a plugin loader could run: S3 artifacts always get the stock names. With the plugin on,
-    # MODELSTAGE_S3_READER (see _modelstage_env) has the plugin take over the per-rank one.
-    plugin_loader = fmt.plugin_loader if plugin and artifact.location.on_pvc else None
+    # With the plugin on, MODELSTAGE_S3_READER (see _modelstage_env) has the plugin take over
+    # the per-rank S3 format's stock loader.
+    load_format = fmt.vllm_load_format(plugin=plugin, local=artifact.location.on_pvc)
     return VllmSettings(
         model=artifact.location.path,
-        load_format=plugin_loader or fmt.stock_loader,
+        load_format=load_format,
         tensor_parallel_size=artifact.tp,
         pipeline_parallel_size=artifact.pp,
-        extra_config=extra,
+        extra_config=fmt.vllm_loader_config(artifact.location.path),
         kept_extra_keys=fmt.extra_config_keys,
         own_models=(f"{ARTIFACT_MOUNT}/", *own_models),
     )

@@ -1,7 +1,8 @@
 """``modelstage plan``: what staging (and the operator) would do, before anything is done.
 
 Two forms, one report. For a ModelDeployment manifest, the operator's own planners
-(``modelstage.operator.offline_plan``): the digest and artifact location, the staging Jobs
+(``operator/offline_report.py``, found through its ``modelstage.planners`` entry point, so
+that nothing here imports the operator): the digest and artifact location, the staging Jobs
 with their command lines, the claim to create, the patched vLLM container (given the workload's
 manifest) and the checks that would refuse it. For ``SOURCE --tp N --format F``, what
 ``modelstage stage`` would do with the same arguments. In both, given a local copy of the
@@ -31,9 +32,6 @@ from modelstage.core.errors import ModelstageError, SpecError
 from modelstage.core.progress import human_bytes
 
 if TYPE_CHECKING:
-    from modelstage.api.modeldeployment import ModelDeploymentSpec
-    from modelstage.operator.artifact import Artifact
-
     from .writers import PlannedFile
 
 
@@ -93,47 +91,24 @@ def load_manifests(path: str, kinds: tuple[str, ...]) -> list[dict[str, Any]]:
     return found
 
 
-def _deployment(
-    manifest: dict[str, Any], namespace: str | None
-) -> tuple[str, str, ModelDeploymentSpec]:
-    """(namespace, name, spec) of a ModelDeployment manifest, refused as the API server
-    would refuse it."""
-    from modelstage.api.modeldeployment import ModelDeploymentSpec
-    from pydantic import ValidationError
+PLANNERS = "modelstage.planners"
+"""The entry-point group where the operator publishes its offline planner (pyproject.toml)."""
 
-    meta = manifest.get("metadata") or {}
-    name = str(meta.get("name") or "")
-    if not name:
-        raise SpecError("the ModelDeployment has no metadata.name")
-    ns = namespace or str(meta.get("namespace") or "default")
-    try:
-        spec = ModelDeploymentSpec.model_validate(manifest.get("spec") or {})
-    except ValidationError as error:
-        first = error.errors()[0]
-        where = ".".join(str(x) for x in first.get("loc", ())) or "spec"
+
+def _deployment_planner() -> Callable[..., tuple[dict[str, Any], dict[str, Any]]]:
+    """The operator's ``deployment_report`` (``operator/offline_report.py``), found through
+    its entry point: the stager runs it without importing the operator."""
+    from importlib.metadata import entry_points
+
+    found = list(entry_points(group=PLANNERS, name="deployment"))
+    if not found:
         raise SpecError(
-            f"ModelDeployment {ns}/{name}: the API server would refuse it: spec.{where}: "
-            f"{first.get('msg')}"
-        ) from None
-    return ns, name, spec
-
-
-def _serving_version(
-    spec: ModelDeploymentSpec, workload: dict[str, Any] | None, namespace: str, name: str
-) -> tuple[ModelDeploymentSpec, list[dict[str, Any]]]:
-    """The spec with the vLLM version the operator would stage for (the spec's, the given
-    workload's image tag, or the default; the report's ``artifact.vllmVersion``), or the
-    spec as it is and the check that refuses a version without a layout."""
-    from modelstage.operator.serving_version import serving_version, with_version
-
-    try:
-        chosen = serving_version(spec, workload, namespace=namespace, deployment_name=name)
-    except SpecError as error:
-        if spec.serving.vllm_version is not None:
-            return spec, []  # the operator's validation reports the spec's own version
-        check = {"reason": "UnsupportedVllmVersion", "blocks": "staging", "message": str(error)}
-        return spec, [check]
-    return with_version(spec, chosen.version), []
+            "planning a ModelDeployment runs the operator's planners, and this installation "
+            f"has none (no {PLANNERS!r} entry point named 'deployment'): install modelstage "
+            "with its operator package (the stager image has it)"
+        )
+    planner: Callable[..., tuple[dict[str, Any], dict[str, Any]]] = found[0].load()
+    return planner
 
 
 def plan_deployment_report(
@@ -147,138 +122,29 @@ def plan_deployment_report(
 ) -> dict[str, Any]:
     """The report for one ModelDeployment manifest (the operator's planners, plus files);
     ``identity``: the source's resolved identity, when known."""
-    from modelstage.operator.offline_plan import plan_deployment
-
-    ns, name, spec = _deployment(manifest, namespace)
-    spec, chosen = _serving_version(spec, workload, ns, name)
-    if spec.load_format == "auto" and checkpoint is not None:
-        spec, auto = _auto_from(spec, checkpoint)
-        chosen += auto
-    plan = plan_deployment(
-        spec,
-        namespace=ns,
-        name=name,
+    report, stage = _deployment_planner()(
+        manifest,
+        namespace=namespace,
         workload=workload,
         stager_image=stager_image,
         identity=identity,
+        read_config=None if checkpoint is None else lambda: _read_config(checkpoint),
     )
-    checks = chosen + [dataclasses.asdict(f) for f in plan.findings]
-    if workload is not None:
-        checks += _other_workload(spec, workload)
-    files = None
     if checkpoint is not None:
-        files = _files_or_finding(
-            checkpoint,
-            checks,
-            tp=spec.parallelism.tensor,
-            load_format=spec.load_format,
-            dtype=spec.dtype,
-            vllm_version=spec.serving.vllm_version,
-        )
-    artifact = plan.artifact
-    report: dict[str, Any] = {
-        "kind": "ModelDeployment",
-        "namespace": ns,
-        "name": name,
-        "digest": artifact.digest if artifact else None,
-        "artifact": None if artifact is None else _artifact(spec, artifact),
-        "source": {
-            "uri": spec.model.uri,
-            "revision": spec.model.revision,
-            "identity": plan.identity,
-        },
-        "jobs": [_job(j) for j in plan.jobs],
-        "claim": plan.claim,
-        "files": files,
-        "vllm": _vllm(spec, workload, plan.rollout) if workload is not None else None,
-        "checks": checks,
-    }
+        report["files"] = _files_or_finding(checkpoint, report["checks"], **stage)
     return report
 
 
-def _auto_from(
-    spec: ModelDeploymentSpec, checkpoint: str
-) -> tuple[ModelDeploymentSpec, list[dict[str, Any]]]:
-    """``loadFormat: auto`` decided as the operator will, from the local checkpoint's
-    ``config.json`` (what the resolve Job reads of the source), and the check that says so."""
-    from modelstage.core.formats import choose_format
-    from modelstage.core.model_config import architecture_of, quantization_of
-
+def _read_config(checkpoint: str) -> tuple[str, Any]:
+    """The local checkpoint's ``config.json``, as the resolve Job reads the source's."""
     from .checkpoint import CONFIG, MAX_CONFIG_BYTES, read_json
     from .sources.local import LocalSource
 
     source = LocalSource(checkpoint)
     try:
-        config = read_json(source, CONFIG, max_bytes=MAX_CONFIG_BYTES)
+        return f"{checkpoint}/{CONFIG}", read_json(source, CONFIG, max_bytes=MAX_CONFIG_BYTES)
     finally:
         source.close()
-    config = config if isinstance(config, dict) else {}
-    storage = "s3" if spec.storage.s3 is not None else "pvc"
-    choice = choose_format(
-        storage, architecture_of(config), quantization_of(config), spec.serving.vllm_version
-    )
-    message = f"loadFormat auto, from {checkpoint}/{CONFIG}: {choice.reason}"
-    check = {"reason": "FormatChosen", "blocks": "nothing", "message": message}
-    return spec.model_copy(update={"load_format": choice.format}), [check]
-
-
-def _other_workload(spec: ModelDeploymentSpec, workload: dict[str, Any]) -> list[dict[str, Any]]:
-    """A warning when ``--workload`` is not the spec's target (the plan patches it anyway)."""
-    ref = spec.serving.target_ref
-    given = (workload.get("kind"), (workload.get("metadata") or {}).get("name"))
-    if given == (ref.kind, ref.name):
-        return []
-    message = (
-        f"--workload is {given[0]} {given[1]}, but spec.serving.targetRef is "
-        f"{ref.kind} {ref.name}: the plan patches the one given"
-    )
-    return [{"reason": "WorkloadNotTheTarget", "blocks": "nothing", "message": message}]
-
-
-def _artifact(spec: ModelDeploymentSpec, artifact: Artifact) -> dict[str, Any]:
-    return {
-        "uri": artifact.location.uri,
-        "path": artifact.location.path,
-        "claimName": artifact.location.claim_name,
-        "format": spec.load_format,
-        "tensorParallelSize": spec.parallelism.tensor,
-        "dtype": spec.dtype,
-        "vllmVersion": spec.serving.vllm_version,
-    }
-
-
-def _job(manifest: dict[str, Any]) -> dict[str, Any]:
-    spec = manifest["spec"]
-    container = spec["template"]["spec"]["containers"][0]
-    return {
-        "name": manifest["metadata"]["name"],
-        "pods": spec.get("completions", 1),
-        "command": container["command"],
-        "manifest": manifest,
-    }
-
-
-def _vllm(spec: Any, workload: dict[str, Any], rollout: Any) -> dict[str, Any]:
-    from modelstage.operator.rollout_plan import select_container
-
-    where = f"{workload.get('kind')} {(workload.get('metadata') or {}).get('name')}"
-    if rollout is None:
-        return {"workload": where, "planned": False}
-    pod = rollout.template.get("spec") or {}
-    container = select_container(spec, pod)
-    return {
-        "workload": where,
-        "planned": True,
-        "container": container.get("name"),
-        "command": container.get("command"),
-        "args": container.get("args"),
-        "env": [e.get("name") for e in container.get("env") or []],
-        "initContainers": [
-            {"name": c.get("name"), "command": c.get("command")}
-            for c in pod.get("initContainers") or []
-        ],
-        "mergePatch": rollout.merge_patch,
-    }
 
 
 def _files_or_finding(checkpoint: str, checks: list[dict[str, Any]], **kw: Any) -> Any:

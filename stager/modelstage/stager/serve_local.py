@@ -4,8 +4,8 @@
 project's): its command reads ``importlib.metadata.version("vllm")``, and there is no
 distribution of that name. vLLM's OpenAI server module runs the same server without that
 lookup, so this command runs ``python -m vllm.entrypoints.openai.api_server`` with the
-arguments the operator would give the serving container (``rollout_plan.vllm_settings``: the
-artifact as ``--model``, its load format, its tensor-parallel size) and the ``MODELSTAGE_*``
+arguments the operator gives the serving container (the artifact as ``--model``, the format
+table's load format and loader config, its parallel sizes) and the ``MODELSTAGE_*``
 variables the loader plugin reads, with ``PYTHONSAFEPATH=1`` so that no module in the
 directory it is run from can stand in for one that vLLM imports.
 """
@@ -44,9 +44,6 @@ def serve_command(
     extra: list[str] | None = None,
 ) -> ServeCommand:
     """The vLLM server command for a local artifact, after checking it against its manifest."""
-    from modelstage.operator.artifact import Artifact, ArtifactAddress
-    from modelstage.operator.rollout_plan import vllm_settings
-
     if artifact.startswith("s3://"):
         raise SpecError(
             f"{artifact}: serve-local serves a local artifact; for S3, run vLLM with --model "
@@ -56,10 +53,7 @@ def serve_command(
     manifest = verify_directory(Path(path), hash_content=hash_content)
     if manifest.format not in FORMATS:
         raise SpecError(f"{path}: format {manifest.format!r} has no vLLM load format here")
-    location = ArtifactAddress(digest=manifest.digest, uri=path, path=path, claim_name="local")
-    settings = vllm_settings(
-        Artifact(location, manifest.format, manifest.tensorParallelSize), plugin
-    )
+    fmt = FORMATS[manifest.format]
     argv = [
         sys.executable,
         "-m",
@@ -67,7 +61,7 @@ def serve_command(
         "--model",
         path,
         "--load-format",
-        settings.load_format,
+        fmt.vllm_load_format(plugin=plugin, local=True),
         "--tensor-parallel-size",
         str(manifest.tensorParallelSize),
         "--host",
@@ -75,8 +69,11 @@ def serve_command(
         "--port",
         str(port),
     ]
-    if settings.extra_config:
-        argv += ["--model-loader-extra-config", json.dumps(settings.extra_config)]
+    if manifest.pipelineParallelSize > 1:
+        argv += ["--pipeline-parallel-size", str(manifest.pipelineParallelSize)]
+    extra_config = fmt.vllm_loader_config(path)
+    if extra_config:
+        argv += ["--model-loader-extra-config", json.dumps(extra_config)]
     env = {
         "PYTHONSAFEPATH": "1",
         "MODELSTAGE_DIGEST": manifest.digest,
