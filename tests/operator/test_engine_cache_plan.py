@@ -421,3 +421,14 @@ def test_deleting_a_failed_capture_job_captures_again_with_a_new_deadline(
     again = step_for(spec, deployment, before=failed.status, now=later)
     assert again.create is not None and not again.roll
     assert again.status.phase == "Capturing" and again.status.since == later
+
+
+def test_the_capture_runs_vllm_at_the_artifacts_layer_partition(
+    make_spec: SpecFactory, deployment: dict[str, Any]
+) -> None:
+    """vLLM compiles each stage's layers: the capture builds the stages the pods will."""
+    spec = make_spec(parallelism={"tensor": 2, "pipeline": 2, "layerPartition": "5,3"},
+                     engineCache={"enabled": True})  # fmt: skip
+    job = plan_capture_job(spec, art(spec), inputs_of(spec, deployment), owner=OWNER)
+    (capture,) = job["spec"]["template"]["spec"]["containers"]
+    assert {"name": "VLLM_PP_LAYER_PARTITION", "value": "5,3"} in capture["env"]

@@ -55,7 +55,7 @@ from .kube import (
     pod_security_context,
 )
 from .observations import EngineCacheStep, JobObservation, parse_capture
-from .rollout_plan import EngineCacheUse, select_container, vllm_settings
+from .rollout_plan import EngineCacheUse, partition_env, select_container, vllm_settings
 from .serving_version import image_vllm_version
 from .vllm_args import flag_name, vllm_arguments
 
@@ -321,6 +321,7 @@ def _capture_container(
         {"name": "MODELSTAGE_FORMAT", "value": artifact.load_format},
         {"name": "MODELSTAGE_TP", "value": str(artifact.tp)},
         {"name": "MODELSTAGE_ARTIFACT", "value": artifact.location.path},
+        *partition_env(artifact),
         *({"name": name, "value": value} for name, value in inputs.env),
     ]
     container: KubeObject = {
