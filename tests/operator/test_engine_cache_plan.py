@@ -427,7 +427,7 @@ def test_the_capture_runs_vllm_at_the_artifacts_layer_partition(
     make_spec: SpecFactory, deployment: dict[str, Any]
 ) -> None:
     """vLLM compiles each stage's layers: the capture builds the stages the pods will."""
-    spec = make_spec(parallelism={"tensor": 2, "pipeline": 2, "layerPartition": "5,3"},
+    spec = make_spec(parallelism={"tensor": 2, "pipeline": 2, "layerPartition": [5, 3]},
                      engineCache={"enabled": True})  # fmt: skip
     job = plan_capture_job(spec, art(spec), inputs_of(spec, deployment), owner=OWNER)
     (capture,) = job["spec"]["template"]["spec"]["containers"]

@@ -490,8 +490,8 @@ def test_rolling_back_from_a_pipeline_restores_the_old_artifacts_pipeline_size(
 def test_a_layer_partition_is_set_for_vllm_and_taken_back_for_an_artifact_without_one(
     make_spec: SpecFactory, deployment: dict[str, Any]
 ) -> None:
-    spec = make_spec(parallelism={"tensor": 2, "pipeline": 2, "layerPartition": "5,3"})
-    assert artifact(spec).pp_partition == "5,3"
+    spec = make_spec(parallelism={"tensor": 2, "pipeline": 2, "layerPartition": [5, 3]})
+    assert artifact(spec).pp_partition == (5, 3)
     rolled = roll(spec, deployment)
     assert env(vllm(rolled))["VLLM_PP_LAYER_PARTITION"] == "5,3"
     even = make_spec(parallelism={"tensor": 2, "pipeline": 2})
@@ -507,7 +507,7 @@ def test_rolling_back_restores_the_old_artifacts_layer_partition(
     old = ArtifactStatus(
         digest="00000000000000000000", uri="pvc://models/artifacts/llm/00000000000000000000",
         format="sharded_state", tensor_parallel_size=2, pipeline_parallel_size=2,
-        layer_partition="6,2",
+        layer_partition=(6, 2),
     )  # fmt: skip
     back = apply_merge_patch(
         rolled, plan_rollout(spec, artifact_from_status(old), rolled).merge_patch

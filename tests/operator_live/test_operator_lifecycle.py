@@ -442,12 +442,12 @@ async def test_a_layer_partition_is_staged_recorded_and_set_for_vllm(
     ``VLLM_PP_LAYER_PARTITION``; on the real API server a partition with the wrong number of
     stages is refused by the CRD's CEL rule before anything is created."""
     if cluster.fake is None:
-        wrong = merged(SPEC, {"parallelism": {"tensor": 1, "pipeline": 2, "layerPartition": "8"}})
+        wrong = merged(SPEC, {"parallelism": {"tensor": 1, "pipeline": 2, "layerPartition": [4, 2, 2]}})
         with pytest.raises(ApiStatusError) as refused:
             await cluster.client.create(md_path(namespace), model_deployment("wrong", wrong))
         assert refused.value.status == 422
         assert "one layer count per pipeline stage" in str(refused.value.body)
-    spec = merged(SPEC, {"parallelism": {"tensor": 1, "pipeline": 2, "layerPartition": "3,5"}})
+    spec = merged(SPEC, {"parallelism": {"tensor": 1, "pipeline": 2, "layerPartition": [3, 5]}})
     await apply(cluster, namespace, spec)
     digest = digest_of(spec)
     assert digest != digest_of(merged(SPEC, {"parallelism": {"tensor": 1, "pipeline": 2}}))
@@ -456,7 +456,7 @@ async def test_a_layer_partition_is_staged_recorded_and_set_for_vllm(
     await finish_stage_job(cluster.client, namespace, digest, message=summary(digest),
                            succeeded=True)  # fmt: skip
     status = await wait_phase(cluster, namespace, "RollingOut")
-    assert status["artifact"]["layerPartition"] == "3,5"
+    assert status["artifact"]["layerPartition"] == [3, 5]
     workload = await wait_rolled(cluster, namespace, digest)
     [vllm] = workload["spec"]["template"]["spec"]["containers"]
     assert {"name": "VLLM_PP_LAYER_PARTITION", "value": "3,5"} in vllm["env"]

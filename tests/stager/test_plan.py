@@ -360,7 +360,7 @@ def test_a_deployments_layer_partition_splits_the_planned_files_as_stage_does(
     tmp_path: Path,
 ) -> None:
     ckpt = write_checkpoint(SyntheticModel(num_layers=4), tmp_path / "ckpt")
-    spec = {**BASE, "parallelism": {"tensor": 1, "pipeline": 2, "layerPartition": "1,3"}}
+    spec = {**BASE, "parallelism": {"tensor": 1, "pipeline": 2, "layerPartition": [1, 3]}}
     report = plan_json(str(write_md(tmp_path, spec)), "--checkpoint", str(ckpt),
                        "--identity", IDENTITY)  # fmt: skip
     assert report["checks"] == [], report["checks"]

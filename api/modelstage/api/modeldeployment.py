@@ -233,10 +233,6 @@ class ModelSource(Model):
         return scheme  # type: ignore[return-value]
 
 
-LAYER_PARTITION = r"^[0-9]{1,4}(,[0-9]{1,4}){0,63}$"
-"""Layer counts per pipeline stage, comma-separated (at most 64 stages)."""
-
-
 class Parallelism(Model):
     """How vLLM splits the model; the artifact holds one set of files per rank."""
 
@@ -246,19 +242,22 @@ class Parallelism(Model):
     """Pipeline-parallel size (``--pipeline-parallel-size``): every stage's TP ranks get files
     of their own (per-rank formats but ``tensorizer``; vLLM 0.32); every pod runs all
     ``tensor`` x ``pipeline`` ranks."""
-    layer_partition: Annotated[str, Field(pattern=LAYER_PARTITION, max_length=320)] | None = None
-    """Decoder layers per pipeline stage, as vLLM's ``VLLM_PP_LAYER_PARTITION`` spells it
-    (``"14,18"``: the first stage 14, the second 18); unset: vLLM's even split. Staged into
-    the artifact (its digest) and set on the vLLM container, which the operator then owns."""
+    layer_partition: (
+        Annotated[
+            list[Annotated[int, Field(ge=0, le=9999)]], Field(min_length=2, max_length=64)
+        ]
+        | None
+    ) = None
+    """Decoder layers per pipeline stage (``[14, 18]``: the first stage 14, the second 18),
+    which vLLM reads as ``VLLM_PP_LAYER_PARTITION``; unset: vLLM's even split. Staged into the
+    artifact (its digest) and set on the vLLM container, which the operator then owns."""
 
     rules: ClassVar[tuple[Rule, ...]] = (
         Rule(
-            cel="!has(self.layerPartition) || (self.pipeline > 1 && self.layerPartition"
-            ".matches('^[0-9]+(,[0-9]+){' + string(self.pipeline - 1) + '}$'))",
+            cel="!has(self.layerPartition) || size(self.layerPartition) == self.pipeline",
             message="parallelism.layerPartition gives one layer count per pipeline stage: as many "
-            "counts as parallelism.pipeline, which must be more than 1",
-            check=lambda p: p.layer_partition is None
-            or (p.pipeline > 1 and len(p.layer_partition.split(",")) == p.pipeline),
+            "counts as parallelism.pipeline",
+            check=lambda p: p.layer_partition is None or len(p.layer_partition) == p.pipeline,
         ),
     )
 
@@ -547,7 +546,7 @@ class ArtifactStatus(Model):
     format: LoadFormat
     tensor_parallel_size: int
     pipeline_parallel_size: int = 1
-    layer_partition: str | None = None
+    layer_partition: tuple[int, ...] | None = None
     """Layers per pipeline stage it is staged for (``parallelism.layerPartition``)."""
     source: str | None = None
     """Source identity it was staged from (``commit:<sha>`` or ``sha256:<hex>``)."""

@@ -22,7 +22,6 @@ from modelstage.api.modeldeployment import (
 from modelstage.core.digest import artifact_digest
 from modelstage.core.formats import FORMATS
 from modelstage.core.layouts import layout_for
-from modelstage.core.pipeline_parallel import parse_layer_partition
 
 ARTIFACT_MOUNT = "/mnt/modelstage/artifacts"
 """Where stager and serving pods mount the artifact PVC."""
@@ -50,7 +49,7 @@ def staged_partition(spec: ModelDeploymentSpec) -> tuple[int, ...] | None:
     partition = spec.parallelism.layer_partition
     if partition is None or not FORMATS[spec_format(spec)].per_rank:
         return None
-    return parse_layer_partition(partition)
+    return tuple(partition)
 
 
 def spec_format(spec: ModelDeploymentSpec) -> LoadFormat:
@@ -122,7 +121,7 @@ class Artifact:
     load_format: LoadFormat
     tp: int
     pp: int = 1
-    pp_partition: str | None = None
+    pp_partition: tuple[int, ...] | None = None
     """Layers per pipeline stage (``VLLM_PP_LAYER_PARTITION``); None: vLLM's even split."""
     format_reason: str = ""
     """Why this format (``status.format``): the spec names it, or ``auto`` chose it."""
@@ -150,9 +149,10 @@ def artifact_at(
     spec's format and tensor-parallel size; the planners read them from the ``Artifact``."""
     location = locate(spec, namespace=namespace, deployment_name=deployment_name, digest=digest)
     parallelism = spec.parallelism
+    partition = parallelism.layer_partition
     return Artifact(
         location, spec_format(spec), parallelism.tensor, parallelism.pipeline,
-        parallelism.layer_partition,
+        None if partition is None else tuple(partition),
     )  # fmt: skip
 
 

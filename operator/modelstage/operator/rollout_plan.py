@@ -20,7 +20,7 @@ from modelstage.core import node_cache as nc
 from modelstage.core.engine_cache import ROOTS
 from modelstage.core.errors import SpecError
 from modelstage.core.formats import FORMATS, S3_READER_FORMAT
-from modelstage.core.pipeline_parallel import PARTITION_ENV
+from modelstage.core.pipeline_parallel import PARTITION_ENV, spell_layer_partition
 
 from .artifact import ARTIFACT_MOUNT, Artifact
 from .kube import (
@@ -165,7 +165,7 @@ def partition_env(artifact: Artifact) -> list[KubeObject]:
     owns the variable on the container then, and removes it for an artifact without one."""
     if artifact.pp_partition is None:
         return []
-    return [{"name": PARTITION_ENV, "value": artifact.pp_partition}]
+    return [{"name": PARTITION_ENV, "value": spell_layer_partition(artifact.pp_partition)}]
 
 
 def _upsert(
