@@ -36,6 +36,7 @@ def models(draw: st.DrawFn) -> tuple[SyntheticModel, int]:
                 "Phi3ForCausalLM",
                 "Gemma2ForCausalLM",
                 "Gemma3ForCausalLM",
+                "DeepseekV3ForCausalLM",
             ]
         )
     )
@@ -551,3 +552,67 @@ def test_an_architecture_not_proven_for_the_layouts_vllm_is_refused_with_the_way
         "--format safetensors (a directory) or runai_streamer (S3), which vLLM splits itself "
         "at load"
     )
+
+
+def _deepseek(**extra: object) -> tuple[SyntheticModel, ModelConfig, dict[str, SourceTensor]]:
+    """A DeepSeek-V3-shaped checkpoint: layer 0 dense, layer 1 MoE, a prediction layer 2."""
+    model = SyntheticModel(
+        architecture="DeepseekV3ForCausalLM", hidden_size=32, intermediate_size=8, num_heads=4,
+        num_kv_heads=4, num_layers=2, vocab_size=64, num_experts=4, experts_per_token=1,
+        **extra,  # type: ignore[arg-type]
+    )  # fmt: skip
+    config = ModelConfig.from_dict(model.config())
+    return model, config, {n: SourceTensor(model.dtype_code(n), s) for n, s in model.tensors()}
+
+
+def test_deepseek_mla_fuses_the_down_projections_whole_and_splits_the_up_projections_by_heads() -> (
+    None
+):
+    _, config, sources = _deepseek()
+    targets = {t.name: t for t in plan_shards(config, sources, 2, LAYOUT).targets}
+    attn = "model.layers.1.self_attn."
+    fused = targets[attn + "fused_qkv_a_proj.weight"]
+    assert [s.source for s in fused.slots] == [attn + "q_a_proj.weight",
+                                               attn + "kv_a_proj_with_mqa.weight"]  # fmt: skip
+    assert fused.shape == (24 + 512 + 64, 32)  # q_lora 24, kv_lora 512 + rope 64: whole
+    # 4 heads of nope 8 + rope 64 (q_b) and nope 8 + v 4 (kv_b): 2 heads per rank
+    assert [s.rows for s in targets[attn + "mla_attn.q_b_proj.weight"].slots[0].per_rank] == [
+        (0, 144), (144, 288)]  # fmt: skip
+    assert [s.rows for s in targets[attn + "kv_b_proj.weight"].slots[0].per_rank] == [
+        (0, 24), (24, 48)]  # fmt: skip
+    assert [s.cols for s in targets[attn + "mla_attn.o_proj.weight"].slots[0].per_rank] == [
+        (0, 8), (8, 16)]  # fmt: skip
+    scales = [n for n in targets if n.startswith(attn + "mla_attn.mla_attn._")]
+    assert sorted(scales) == [attn + f"mla_attn.mla_attn._{x}_scale" for x in ("k", "prob", "q", "v")]
+
+
+def test_deepseek_first_layer_is_dense_the_others_moe_with_a_float32_router_bias() -> None:
+    _, config, sources = _deepseek()
+    targets = {t.name: t for t in plan_shards(config, sources, 2, LAYOUT).targets}
+    assert "model.layers.0.mlp.gate_up_proj.weight" in targets
+    assert not any(n.startswith("model.layers.0.mlp.experts") for n in targets)
+    moe = "model.layers.1.mlp."
+    assert moe + "gate_up_proj.weight" not in targets
+    bias = targets[moe + "experts.gate.e_score_correction_bias"]
+    assert (bias.dtype, bias.shape) == ("F32", (4,))
+    shared = targets[moe + "experts._shared_experts._layer.gate_up_proj.weight"]
+    assert shared.shape == (16, 32)  # two shared experts of 8 fused: 16 gate + 16 up rows / 2
+    assert targets[moe + "experts.routed_experts.w13_weight"].shape == (4, 8, 32)
+
+
+def test_deepseek_skips_its_prediction_layer_as_vllm_does_and_refuses_any_layer_beyond() -> None:
+    model, config, sources = _deepseek()
+    assert config.next_layers == 1
+    plan = plan_shards(config, sources, 2, LAYOUT)
+    assert "model.layers.2.eh_proj.weight" in plan.ignored_sources
+    assert not any(t.name.startswith("model.layers.2.") for t in plan.targets)
+    stray = {**sources, "model.layers.3.enorm.weight": SourceTensor("F32", (32,))}
+    with pytest.raises(CheckpointError, match=r"does not use .*model\.layers\.3\.enorm"):
+        plan_shards(config, stray, 2, LAYOUT)
+
+
+def test_deepseek_without_a_query_low_rank_is_refused_per_rank_with_the_way_out() -> None:
+    _, config, sources = _deepseek(config_extra=(("q_lora_rank", None),))
+    assert config.mla is not None and config.mla.q_lora_rank == 0
+    with pytest.raises(SpecError, match="q_lora_rank set.*--format safetensors"):
+        plan_shards(config, sources, 2, LAYOUT)

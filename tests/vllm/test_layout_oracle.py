@@ -14,6 +14,8 @@ vLLM once and builds the families in turn.
 
 from __future__ import annotations
 
+import json
+import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +24,7 @@ import pytest
 import torch
 from modelstage.devtools.synthetic import SyntheticModel
 from safetensors import safe_open
+from safetensors.torch import save_file
 from vllm_oracle import vllm_rank_states, vllm_rank_states_batch
 
 pytestmark = pytest.mark.vllm
@@ -69,6 +72,11 @@ EXPERT_NAMES = {
     "MixtralForCausalLM": ("block_sparse_moe.", ("w1", "w3", "w2"), "gate.weight"),
     "Qwen2MoeForCausalLM": ("mlp.", ("gate_proj", "up_proj", "down_proj"), "gate.weight"),
     "Qwen3MoeForCausalLM": ("mlp.", ("gate_proj", "up_proj", "down_proj"), "experts.gate.weight"),
+    **{
+        f"DeepseekV{v}ForCausalLM": ("mlp.", ("gate_proj", "up_proj", "down_proj"),
+                                     "experts.gate.weight")
+        for v in (2, 3)
+    },
 }
 """Where each MoE family's source names its experts and router, and vLLM's kept router name."""
 
@@ -210,6 +218,49 @@ def _check_dense_from_source(
     assert not want[a].equal(want[b]), "the control: exchanged norms must differ"
 
 
+def _check_deepseek_from_source(
+    spec: SyntheticModel, src: Path, rank: int, tp: int, want: Want
+) -> None:
+    """The contract read off the source. MLA (layer 1): ``fused_qkv_a_proj`` = cat(q_a_proj,
+    kv_a_proj_with_mqa) whole, its norms whole, ``q_b_proj`` and ``kv_b_proj`` the rank's
+    heads' rows, ``o_proj`` their columns, under ``mla_attn``'s names where it holds them.
+    Layer 0 dense; layer 1's router and float32 correction bias whole, the two shared experts
+    as one MLP, the routed experts stacked; the multi-token-prediction layer nowhere."""
+    source = _read(sorted(src.glob("*.safetensors")))
+    config = json.loads((src / "config.json").read_text())
+    heads = spec.num_heads // tp
+    nope, rope, v = (config[k] for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
+    attn, mla = "model.layers.1.self_attn.", "model.layers.1.self_attn.mla_attn."
+
+    def head_rows(name: str, per_head: int) -> torch.Tensor:
+        return source[attn + name][rank * heads * per_head : (rank + 1) * heads * per_head]
+
+    fused = torch.cat([source[attn + "q_a_proj.weight"], source[attn + "kv_a_proj_with_mqa.weight"]])
+    assert want[attn + "fused_qkv_a_proj.weight"].equal(fused)
+    assert want[mla + "q_a_layernorm.weight"].equal(source[attn + "q_a_layernorm.weight"])
+    assert want[attn + "kv_a_layernorm.weight"].equal(source[attn + "kv_a_layernorm.weight"])
+    assert want[mla + "q_b_proj.weight"].equal(head_rows("q_b_proj.weight", nope + rope))
+    assert want[attn + "kv_b_proj.weight"].equal(head_rows("kv_b_proj.weight", nope + v))
+    cols = slice(rank * heads * v, (rank + 1) * heads * v)
+    assert want[mla + "o_proj.weight"].equal(source[attn + "o_proj.weight"][:, cols])
+    dense, moe = "model.layers.0.mlp.", "model.layers.1.mlp."
+    inter = 2 * spec.intermediate_size // tp
+    rows = slice(rank * inter, (rank + 1) * inter)
+    for mlp, kept in ((dense, dense), (moe + "shared_experts.", moe + "experts._shared_experts._layer.")):
+        gate_up = torch.cat([source[mlp + "gate_proj.weight"][rows],
+                             source[mlp + "up_proj.weight"][rows]])  # fmt: skip
+        assert want[kept + "gate_up_proj.weight"].equal(gate_up)
+        assert want[kept + "down_proj.weight"].equal(source[mlp + "down_proj.weight"][:, rows])
+    bias = want.get(moe + "experts.gate.e_score_correction_bias")
+    if spec.architecture == "DeepseekV3ForCausalLM":  # noaux_tc routing; V2 has no bias
+        assert bias is not None and bias.dtype == torch.float32
+        assert bias.equal(source[moe + "gate.e_score_correction_bias"])
+    else:
+        assert bias is None
+    assert not any(k.startswith(f"model.layers.{spec.num_layers}.") for k in want)
+    _check_experts_from_source(spec, src, rank, tp, want)
+
+
 TIED_KEPT_AS = {"Gemma2ForCausalLM": "model.embed_tokens.weight"}
 """The name vLLM keeps for tied embeddings where it is not ``lm_head.weight`` (Gemma 2's model
 has no head module)."""
@@ -261,6 +312,16 @@ FAMILIES = {
         num_kv_heads=2, head_dim=32, vocab_size=512, tie_word_embeddings=True,
         dtype="bfloat16", num_shards=2, fp8=True, seed=13,
     ), _check_fp8_scales_from_source),  # q/k norms, head_dim 32 != hidden/heads, tied
+    "deepseek-v3": Family(SyntheticModel(
+        architecture="DeepseekV3ForCausalLM", hidden_size=128, intermediate_size=64,
+        num_heads=8, num_kv_heads=8, vocab_size=512, num_experts=8, dtype="bfloat16",
+        num_shards=2, seed=14,
+    ), _check_deepseek_from_source),  # MLA: KV low rank 512, rope 64 (vLLM CPU's only MLA)
+    "deepseek-v2": Family(SyntheticModel(
+        architecture="DeepseekV2ForCausalLM", hidden_size=128, intermediate_size=64,
+        num_heads=8, num_kv_heads=8, vocab_size=512, num_experts=8, dtype="bfloat16",
+        num_shards=2, seed=15,
+    ), _check_deepseek_from_source),  # V2: softmax group routing, no bias, no prediction layer
     "phi3": Family(SyntheticModel(
         architecture="Phi3ForCausalLM", hidden_size=128, intermediate_size=256, num_heads=8,
         num_kv_heads=2, vocab_size=512, dtype="bfloat16", num_shards=2, seed=10,
@@ -386,7 +447,54 @@ def test_batched_oracle_equals_one_model_at_a_time(
         assert not differ, f"rank {rank}: {len(differ)} tensors differ, e.g. {differ[:4]}"
 
 
+def _exchange_two_heads(kv_b: torch.Tensor) -> torch.Tensor:
+    """``kv_b_proj`` (rank 0's 4 heads) with its first two heads' rows exchanged."""
+    per_head = kv_b.shape[0] // 4
+    order = [*range(per_head, 2 * per_head), *range(per_head), *range(2 * per_head, len(kv_b))]
+    return kv_b[order].contiguous()
+
+
+def _exchange_two_experts(w13: torch.Tensor) -> torch.Tensor:
+    """Stacked experts [E, ...] with experts 0 and 1 exchanged."""
+    return w13[[1, 0, *range(2, len(w13))]].contiguous()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("name", "mutate"),
+    [
+        ("model.layers.1.self_attn.kv_b_proj.weight", _exchange_two_heads),
+        ("model.layers.1.mlp.experts.routed_experts.w13_weight", _exchange_two_experts),
+    ],
+)
+def test_the_controls_deepseek_files_with_heads_or_experts_exchanged_differ_from_vllms_state(
+    name: str,
+    mutate: Callable[[torch.Tensor], torch.Tensor],
+    checkpoint: Callable[[str, SyntheticModel], Path],
+    staged: Callable[..., Path],
+    vllm_states: VllmStates,
+    tmp_path: Path,
+) -> None:
+    """The comparison sees a split right in names, shapes and dtypes that puts two MLA heads,
+    or two experts, in each other's place (on rank 0 of TP 2)."""
+    spec = FAMILIES["deepseek-v3"].spec
+    artifact = staged("layout-deepseek-v3", checkpoint("layout-deepseek-v3", spec), 2,
+                      "--dtype", "auto")  # fmt: skip
+    states = vllm_states("deepseek-v3", 2)
+    _assert_rank_files_equal(artifact, states)
+    copy = tmp_path / "artifact"
+    shutil.copytree(artifact, copy)
+    part = next(p for p in sorted(copy.glob("model-rank-0-part-*.safetensors"))
+                if name in _read([p]))  # fmt: skip
+    tensors = _read([part])
+    tensors[name] = mutate(tensors[name])
+    save_file(tensors, str(part))
+    with pytest.raises(AssertionError, match=rf"rank 0: 1 tensors differ, e.g. \['{name}'\]"):
+        _assert_rank_files_equal(copy, states)
+
+
 _USES_STATES = (
     test_rank_files_equal_vllms_own_per_rank_state_byte_for_byte,
     test_batched_oracle_equals_one_model_at_a_time,
+    test_the_controls_deepseek_files_with_heads_or_experts_exchanged_differ_from_vllms_state,
 )

@@ -290,3 +290,34 @@ def test_gemma_tensors_are_the_ones_transformers_saves_for_its_config(
     assert ours == theirs
     norms = [v for k, v in _load_values(ckpt).items() if k.endswith("norm.weight")]
     assert abs(float(np.mean([n.mean() for n in norms]))) < 0.05, "Gemma norms are offsets from 1"
+
+
+def test_deepseek_v3_is_written_as_the_hub_writes_it(tmp_path: Path) -> None:
+    """MLA with a query low rank under the hub's names, layer 0 dense and layer 1 MoE with two
+    shared experts and the router's float32 correction bias, the prediction layer after the
+    decoder layers; transformers reads the config as DeepSeek-V3's."""
+    from transformers import AutoConfig
+
+    spec = SyntheticModel(architecture="DeepseekV3ForCausalLM", hidden_size=128,
+                          intermediate_size=64, num_heads=8, num_kv_heads=8, num_experts=4,
+                          dtype="bfloat16")  # fmt: skip
+    ds = _load(write_checkpoint(spec, tmp_path))
+    attn, moe = "model.layers.1.self_attn.", "model.layers.1.mlp."
+    assert ds[attn + "q_a_proj.weight"][1] == [96, 128]
+    assert ds[attn + "q_b_proj.weight"][1] == [8 * (16 + 64), 96]  # heads x (nope + rope)
+    assert ds[attn + "kv_a_proj_with_mqa.weight"][1] == [512 + 64, 128]
+    assert ds[attn + "kv_b_proj.weight"][1] == [8 * (16 + 8), 512]  # heads x (nope + v)
+    assert ds[attn + "o_proj.weight"][1] == [128, 8 * 8]
+    assert ds["model.layers.0.mlp.gate_proj.weight"][1] == [128, 128]
+    assert not any(k.startswith("model.layers.0.mlp.experts") for k in ds)
+    assert ds[moe + "gate.e_score_correction_bias"][1:] == ([4], "F32")
+    assert ds[moe + "shared_experts.up_proj.weight"][1] == [2 * 64, 128]
+    assert ds[moe + "experts.3.down_proj.weight"][1] == [128, 64]
+    assert ds["model.layers.2.eh_proj.weight"][1] == [128, 256]
+    assert ds["model.layers.2.mlp.experts.3.down_proj.weight"][1] == [128, 64]
+    assert set(ds) == {name for name, _ in spec.tensors()}
+    config = AutoConfig.from_pretrained(tmp_path)
+    assert config.model_type == "deepseek_v3" and config.topk_method == "noaux_tc"
+    assert (config.kv_lora_rank, config.qk_rope_head_dim, config.q_lora_rank) == (512, 64, 96)
+    assert (config.first_k_dense_replace, config.n_shared_experts) == (1, 2)
+    assert config.num_nextn_predict_layers == 1

@@ -53,6 +53,7 @@ class When(enum.Enum):
     ATTENTION_BIAS = "attention_bias"
     MLP_BIAS = "mlp_bias"
     UNTIED = "untied"  # a separate lm_head exists only without tied embeddings
+    ROUTER_BIAS = "router_bias"  # DeepSeek-V3's e_score_correction_bias (noaux_tc)
 
     def holds(self, config: ModelConfig) -> bool:
         return {
@@ -61,7 +62,22 @@ class When(enum.Enum):
             When.ATTENTION_BIAS: config.attention_bias,
             When.MLP_BIAS: config.mlp_bias,
             When.UNTIED: not config.tie_word_embeddings,
+            When.ROUTER_BIAS: config.router_bias,
         }[self]
+
+
+class Layers(enum.Enum):
+    """Which decoder layers a rule reads (``ModelConfig.sparse``): DeepSeek's first layers
+    are dense, the others MoE."""
+
+    ALL = "all"
+    DENSE = "dense"
+    SPARSE = "sparse"
+
+    def holds(self, config: ModelConfig, layer: int) -> bool:
+        if self is Layers.ALL:
+            return True
+        return config.sparse(layer) == (self is Layers.SPARSE)
 
 
 @dataclass(frozen=True)
@@ -81,6 +97,7 @@ class Rule:
     part: int | None = None
     """For a source fused along dim 0, whose ``shape[0]`` names its parts (``"q+kv+kv"``):
     the part this rule reads; the split applies to that part's rows as to a tensor of its own."""
+    layers: Layers = Layers.ALL
 
     def source_shape(self, symbols: Mapping[str, int]) -> tuple[int, ...]:
         """The source's shape in numbers, given ``ModelConfig.symbols``."""
@@ -246,6 +263,62 @@ def _gpt_oss() -> tuple[Rule, ...]:
     )  # fmt: skip
 
 
+def _mla() -> tuple[Rule, ...]:
+    """DeepSeek's multi-head latent attention as vLLM's MLA model holds it per rank: the
+    query and KV down-projections fused into ``fused_qkv_a_proj`` whole on every rank (their
+    outputs are low ranks, not heads), their norms whole, the up-projections ``q_b_proj`` and
+    ``kv_b_proj`` head-major by head blocks, ``o_proj`` by its input columns. vLLM's MLA
+    layer holds the query norm, ``q_b_proj`` and ``o_proj`` too: their kept names are
+    ``mla_attn``'s (the alphabetically smaller alias)."""
+    mla = f"{ATTN}.mla_attn"
+    return (
+        Rule(f"{ATTN}.q_a_proj.weight", f"{ATTN}.fused_qkv_a_proj.weight", Split.REPLICATED,
+             ("q_lora", "hidden"), 0),
+        Rule(f"{ATTN}.q_a_layernorm.weight", f"{mla}.q_a_layernorm.weight", Split.REPLICATED,
+             ("q_lora",)),
+        Rule(f"{ATTN}.q_b_proj.weight", f"{mla}.q_b_proj.weight", Split.COLUMN,
+             ("mla_q", "q_lora")),
+        Rule(f"{ATTN}.kv_a_proj_with_mqa.weight", f"{ATTN}.fused_qkv_a_proj.weight",
+             Split.REPLICATED, ("kv_a", "hidden"), 1),
+        Rule(f"{ATTN}.kv_a_layernorm.weight", f"{ATTN}.kv_a_layernorm.weight", Split.REPLICATED,
+             ("kv_lora",)),
+        Rule(f"{ATTN}.kv_b_proj.weight", f"{ATTN}.kv_b_proj.weight", Split.COLUMN,
+             ("mla_kv", "kv_lora")),
+        Rule(f"{ATTN}.o_proj.weight", f"{mla}.o_proj.weight", Split.ROW, ("hidden", "mla_o")),
+    )  # fmt: skip
+
+
+def _deepseek() -> tuple[Rule, ...]:
+    """DeepSeek V2/V3: MLA; the first ``first_k_dense_replace`` layers a dense MLP, the others
+    routed experts (router kept as ``experts.gate``, with V3's float32 correction bias) and
+    the ``n_shared_experts`` shared experts fused into one MLP under the fused MoE layer."""
+    dense = tuple(
+        replace(r, layers=Layers.DENSE) for r in _LLAMA if r.source.startswith(MLP)
+    )
+    kept = f"{MLP}.experts._shared_experts._layer"
+    sparse = (
+        *_moe(MLP, "gate_proj", "up_proj", "down_proj", "experts.gate"),
+        Rule(f"{MLP}.gate.e_score_correction_bias", f"{MLP}.experts.gate.e_score_correction_bias",
+             Split.REPLICATED, ("experts",), when=When.ROUTER_BIAS, dtype="F32"),
+        Rule(f"{MLP}.shared_experts.gate_proj.weight", f"{kept}.gate_up_proj.weight",
+             Split.MERGED, ("shared_inter", "hidden"), 0),
+        Rule(f"{MLP}.shared_experts.up_proj.weight", f"{kept}.gate_up_proj.weight",
+             Split.MERGED, ("shared_inter", "hidden"), 1),
+        Rule(f"{MLP}.shared_experts.down_proj.weight", f"{kept}.down_proj.weight", Split.ROW,
+             ("hidden", "shared_inter")),
+    )  # fmt: skip
+    outside = tuple(r for r in _LLAMA if not r.source.startswith((ATTN, MLP)))
+    layer_norms = tuple(r for r in outside if "{L}" in r.source)
+    return (
+        outside[0],  # the embeddings
+        *_mla(),
+        *dense,
+        *(replace(r, layers=Layers.SPARSE) for r in sparse),
+        *layer_norms,
+        *(r for r in outside[1:] if "{L}" not in r.source),
+    )
+
+
 @dataclass(frozen=True)
 class AttentionParam:
     """A parameter vLLM creates on every layer's attention and no checkpoint tensor fills:
@@ -323,6 +396,14 @@ class Architecture:
     norms_hold_offsets: bool = False
     """The checkpoint's norm weights are offsets from a scale of 1 (vLLM's model adds 1 when it
     runs, as Gemma's do), not the scale itself."""
+    attention_module: tuple[str, str] = ("qkv_proj.weight", "attn.")
+    """Where vLLM's per-layer attention module holds its scale buffers and parameters: beside
+    the target named by the first, under the module path the second names."""
+    mla: bool = False
+    """Its rules are MLA's: the config must give the MLA dimensions with a query low rank."""
+    next_layers_ignored: bool = False
+    """The layers after the decoder layers (``num_nextn_predict_layers``: DeepSeek-V3's
+    multi-token prediction) are in the checkpoint and skipped by vLLM's model."""
     edges_on_every_stage: bool = False
     """vLLM's model builds its embeddings, final norm and head on every pipeline stage (else,
     as Llama's does, the embeddings on the first stage only, and on the last where tied, the
@@ -342,16 +423,26 @@ class Architecture:
         expert_rules = [r for r in rules if "{E}" in r.source]
         expanded = [(r, r.source, NON_LAYER_GROUP) for r in before]
         for layer in range(config.num_layers):
-            expanded += [(r, r.source.replace("{L}", str(layer)), layer) for r in layer_rules]
-            for e in range(config.num_experts if expert_rules else 0):
+            expanded += [
+                (r, r.source.replace("{L}", str(layer)), layer)
+                for r in layer_rules
+                if r.layers.holds(config, layer)
+            ]
+            experts = [r for r in expert_rules if r.layers.holds(config, layer)]
+            for e in range(config.num_experts if experts else 0):
                 expanded += [
                     (r, r.source.replace("{L}", str(layer)).replace("{E}", str(e)), layer)
-                    for r in expert_rules
+                    for r in experts
                 ]
         expanded += [(r, r.source, NON_LAYER_GROUP) for r in after]
         return expanded
 
     def check_tensor_parallel(self, config: ModelConfig, tp: int) -> None:
+        if self.mla and (config.mla is None or not config.mla.q_lora_rank):
+            raise SpecError(
+                f"config.json: {self.name} is split per rank with multi-head latent attention "
+                f"and a query low rank (kv_lora_rank and q_lora_rank set); {HF_LAYOUT_HINT}"
+            )
         if self.tp_within_kv_heads and config.num_kv_heads % tp:
             raise SpecError(
                 f"tensor parallel size {tp} does not divide the {config.num_kv_heads} KV heads, "
@@ -417,6 +508,16 @@ ARCHITECTURES: dict[str, Architecture] = {
             + _moe(MLP, "gate_proj", "up_proj", "down_proj", "experts.gate"),
             tp_within_experts=True,
             edges_on_every_stage=True,
+        ),
+        *(
+            Architecture(
+                name, model_type, _deepseek(), mla=True, next_layers_ignored=True,
+                attention_module=("fused_qkv_a_proj.weight", "mla_attn.mla_attn."),
+            )  # fmt: skip
+            for name, model_type in (
+                ("DeepseekV2ForCausalLM", "deepseek_v2"),
+                ("DeepseekV3ForCausalLM", "deepseek_v3"),
+            )
         ),
         Architecture(
             "GptOssForCausalLM",

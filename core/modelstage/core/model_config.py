@@ -17,9 +17,40 @@ MAX_DIM = 1 << 24
 """Far above any real model dimension; a config beyond it is corrupt, not big."""
 MAX_NAME = 200
 """Architecture and quantization names are short identifiers (they reach the status)."""
-_EXPERT_KEYS = ("num_local_experts", "num_experts")
-"""Where MoE configs give the routed experts per layer (Mixtral's, then Qwen-MoE's); absent,
-null or 0: a dense model."""
+_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+"""Where MoE configs give the routed experts per layer (Mixtral's, Qwen-MoE's, DeepSeek's);
+absent, null or 0: a dense model."""
+
+
+@dataclass(frozen=True)
+class Mla:
+    """DeepSeek's multi-head latent attention: the low ranks its projections go through and
+    each head's parts (``config.json``'s fields of the same names)."""
+
+    q_lora_rank: int
+    """0: none (the queries projected directly)."""
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    @staticmethod
+    def from_dict(config: Mapping[str, Any], where: str) -> Mla | None:
+        """The MLA dimensions, or None where ``kv_lora_rank`` is absent (no MLA); a null
+        ``q_lora_rank`` (queries projected directly, DeepSeek-V2-Lite) reads as 0."""
+        if config.get("kv_lora_rank") is None:
+            return None
+        keys = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                "v_head_dim")  # fmt: skip
+        for key in keys:
+            value = config.get(key)
+            if key == "q_lora_rank" and value is None:
+                continue
+            if type(value) is not int or not 0 < value <= MAX_DIM:
+                raise CheckpointError(
+                    f"{where}: {key!r} must be a positive integer up to {MAX_DIM}, got {value!r}"
+                )
+        return Mla(*(int(config[key] or 0) for key in keys))
 
 
 @dataclass(frozen=True)
@@ -45,7 +76,20 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     """One expert's intermediate size (``moe_intermediate_size``, else ``intermediate_size``)."""
     shared_expert_intermediate_size: int = 0
-    """The shared expert's intermediate size of an MoE layer that has one (Qwen2-MoE); 0: none."""
+    """The shared expert's intermediate size of an MoE layer that has one (Qwen2-MoE; DeepSeek's
+    ``n_shared_experts`` experts fused into one); 0: none."""
+    first_dense_layers: int = 0
+    """``first_k_dense_replace``: the first layers of an MoE model are dense (DeepSeek)."""
+    moe_layer_freq: int = 1
+    """Of the later layers, those whose index is a multiple of it are MoE (DeepSeek)."""
+    router_bias: bool = False
+    """The router has a float32 ``e_score_correction_bias`` (DeepSeek-V3's ``topk_method``
+    ``noaux_tc``)."""
+    mla: Mla | None = None
+    """Multi-head latent attention's dimensions (DeepSeek V2/V3); None: plain attention."""
+    next_layers: int = 0
+    """``num_nextn_predict_layers``: multi-token-prediction layers stored after the decoder
+    layers (DeepSeek-V3), which the model skips."""
 
     @staticmethod
     def from_dict(config: Mapping[str, Any], *, where: str = "config.json") -> ModelConfig:
@@ -78,6 +122,8 @@ class ModelConfig:
         moe_inter = dim("moe_intermediate_size", config.get("intermediate_size")) if experts else 0
         shared = config.get("shared_expert_intermediate_size") not in (None, 0) and experts
         shared_inter = dim("shared_expert_intermediate_size") if shared else 0
+        if experts and config.get("n_shared_experts") not in (None, 0):
+            shared_inter = dim("n_shared_experts") * moe_inter
         return ModelConfig(
             architecture=architecture,
             hidden_size=hidden,
@@ -96,6 +142,18 @@ class ModelConfig:
             num_experts=experts,
             moe_intermediate_size=moe_inter,
             shared_expert_intermediate_size=shared_inter,
+            first_dense_layers=_count(config, "first_k_dense_replace", where),
+            moe_layer_freq=dim("moe_layer_freq", 1),
+            router_bias=config.get("topk_method") == "noaux_tc",
+            mla=Mla.from_dict(config, where),
+            next_layers=_count(config, "num_nextn_predict_layers", where),
+        )
+
+    def sparse(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` is an MoE layer (vLLM's rule: past the first dense
+        layers, every ``moe_layer_freq``-th)."""
+        return bool(self.num_experts) and (
+            layer >= self.first_dense_layers and layer % self.moe_layer_freq == 0
         )
 
     @property
@@ -114,6 +172,22 @@ class ModelConfig:
             "one": 1,
             "heads": self.num_heads,
             "moe_gate_up": 2 * self.moe_intermediate_size,
+            **self._mla_symbols(),
+        }
+
+    def _mla_symbols(self) -> dict[str, int]:
+        """MLA's shapes: the low ranks, the compressed KV with the shared rope part, and the
+        head-major projections out of (and into) them."""
+        m = self.mla
+        if m is None:
+            return {}
+        return {
+            "q_lora": m.q_lora_rank,
+            "kv_lora": m.kv_lora_rank,
+            "kv_a": m.kv_lora_rank + m.qk_rope_head_dim,
+            "mla_q": self.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim),
+            "mla_kv": self.num_heads * (m.qk_nope_head_dim + m.v_head_dim),
+            "mla_o": self.num_heads * m.v_head_dim,
         }
 
     def check_tensor_parallel(self, tp: int) -> None:
@@ -144,6 +218,16 @@ class ModelConfig:
                 f"tensor parallel size {tp} does not divide the shared expert intermediate size "
                 f"{self.shared_expert_intermediate_size}"
             )
+
+
+def _count(config: Mapping[str, Any], key: str, where: str) -> int:
+    """A non-negative count that may be absent or null (0)."""
+    value = config.get(key) or 0
+    if type(value) is not int or not 0 <= value <= MAX_DIM:
+        raise CheckpointError(
+            f"{where}: {key!r} must be a non-negative integer up to {MAX_DIM}, got {value!r}"
+        )
+    return value
 
 
 def architecture_of(config: Mapping[str, Any]) -> str | None:

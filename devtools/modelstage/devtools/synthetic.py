@@ -26,7 +26,7 @@ import json
 import math
 import zlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
@@ -46,6 +46,8 @@ _FP8_CODE = "F8_E4M3"
 _SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>")
 _CHUNK_ELEMENTS = 8 * 1024 * 1024
 """Elements generated per step (32 MiB of float32): bounds memory for large tensors."""
+_FLOAT32_SOURCES = (".e_score_correction_bias",)
+"""Tensors the hub stores in float32 whatever the model's dtype (DeepSeek-V3's router bias)."""
 _TRANSFORMERS_VERSION = "4.46.0"
 """What ``config.json`` claims to come from: the transformers-4 field names most hub
 checkpoints carry (``torch_dtype``, top-level ``rope_theta``)."""
@@ -162,6 +164,25 @@ class SyntheticModel:
             if source not in seen:  # a source fused in the checkpoint feeds several rules
                 seen.add(source)
                 out.append((source, rule.source_shape(symbols)))
+        return out + self._next_layers(model)
+
+    def _next_layers(self, model: ModelConfig) -> Weights:
+        """DeepSeek-V3's multi-token-prediction layers after the decoder layers, as the hub
+        stores them (vLLM's model skips them): a decoder layer's tensors, the layer's own
+        norms and projection, its embeddings and head."""
+        if not (self.family.next_layers_ignored and model.next_layers):
+            return []
+        longer = replace(model, num_layers=model.num_layers + model.next_layers)
+        symbols, out = model.symbols, []
+        for layer in range(model.num_layers, longer.num_layers):
+            at = f"model.layers.{layer}."
+            out += [(source, rule.source_shape(symbols))
+                    for rule, source, group in self.family.expand(longer) if group == layer]
+            h, v = self.hidden_size, self.vocab_size
+            out += [(at + "embed_tokens.weight", (v, h)), (at + "enorm.weight", (h,)),
+                    (at + "hnorm.weight", (h,)), (at + "eh_proj.weight", (h, 2 * h)),
+                    (at + "shared_head.norm.weight", (h,)),
+                    (at + "shared_head.head.weight", (v, h))]  # fmt: skip
         return out
 
     def quantized(self, name: str) -> bool:
@@ -170,7 +191,9 @@ class SyntheticModel:
 
     def dtype_code(self, name: str) -> str:
         """The safetensors dtype of tensor ``name``."""
-        return _FP8_CODE if self.quantized(name) else DTYPE_CODES[self.dtype]
+        if self.quantized(name):
+            return _FP8_CODE
+        return DTYPE_CODES["float32" if name.endswith(_FLOAT32_SOURCES) else self.dtype]
 
     def _quantized_names(self) -> frozenset[str]:
         if not self.fp8:
@@ -353,7 +376,48 @@ def _gpt_oss(m: SyntheticModel) -> dict[str, object]:
     }
 
 
+def _deepseek(m: SyntheticModel) -> dict[str, object]:
+    """DeepSeek-V3's (and V2's) fields as its hub config.json has them: MLA with a query low
+    rank (the KV low rank 512 and rope part 64 of the real model: vLLM's CPU MLA takes only
+    that head size), the first layer dense and the others MoE with sigmoid-scored,
+    group-limited routing (V3's ``noaux_tc``, its float32 correction bias), two shared
+    experts, yarn RoPE, one multi-token-prediction layer stored after the decoder layers."""
+    v3 = m.family.model_type == "deepseek_v3"
+    return {
+        "attention_bias": False,
+        "aux_loss_alpha": 0.001,
+        "ep_size": 1,
+        "first_k_dense_replace": 1,
+        "intermediate_size": 2 * m.intermediate_size,  # the dense layers'
+        "kv_lora_rank": 512,
+        "moe_intermediate_size": m.intermediate_size,
+        "moe_layer_freq": 1,
+        "n_group": 2,
+        "n_routed_experts": m.num_experts,
+        "n_shared_experts": 2,
+        "norm_topk_prob": True,
+        "num_experts_per_tok": m.experts_per_token,
+        "num_nextn_predict_layers": 1 if v3 else 0,
+        "q_lora_rank": 3 * m.hidden_size // 4,
+        "qk_nope_head_dim": m.head_size,
+        "qk_rope_head_dim": 64,
+        "rope_scaling": {
+            "beta_fast": 32, "beta_slow": 1, "factor": 4.0, "mscale": 1.0,
+            "mscale_all_dim": 1.0, "original_max_position_embeddings":
+            m.max_position_embeddings // 4, "type": "yarn",
+        },
+        "routed_scaling_factor": 2.5,
+        "scoring_func": "sigmoid" if v3 else "softmax",
+        "seq_aux": True,
+        "topk_group": 1,
+        "topk_method": "noaux_tc" if v3 else "group_limited_greedy",
+        "v_head_dim": m.head_size // 2,
+    }  # fmt: skip
+
+
 _HUB_FIELDS: dict[str, Callable[[SyntheticModel], dict[str, object]]] = {
+    "deepseek_v2": _deepseek,
+    "deepseek_v3": _deepseek,
     "llama": _llama,
     "mistral": _mistral,
     "mixtral": _mixtral,
@@ -503,8 +567,9 @@ def _write_safetensors(
                 for _, scale in _quantized_rows(spec, of, quantized[of]):
                     f.write(_encode(scale.reshape(-1), spec.dtype))
             else:
+                dtype = "float32" if code == DTYPE_CODES["float32"] else spec.dtype
                 for chunk in _generate(spec, name, shape):
-                    f.write(_encode(chunk, spec.dtype))
+                    f.write(_encode(chunk, dtype))
 
 
 def _quantized_rows(

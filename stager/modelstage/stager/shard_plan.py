@@ -25,6 +25,7 @@ from modelstage.core.architectures import (
     STACKED_SPLITS,
     TRANSPOSED_SPLITS,
     Architecture,
+    Layers,
     Rule,
     Split,
     architecture_for,
@@ -181,9 +182,11 @@ def plan_shards(
     targets: list[TargetTensor] = []
     for name, members in by_target.items():
         targets.append(_target(name, members, sources, config, tp, layout, out_dtype))
-        if name.endswith((".self_attn.qkv_proj.weight", ".attn.qkv_proj.weight")):
-            targets.extend(_attention_buffers(name, members[0][2], layout))
-            targets.extend(_attention_params(name, members[0][2], arch, config))
+        anchor, module = arch.attention_module
+        if name.endswith("." + anchor):
+            prefix = name.removesuffix(anchor) + module
+            targets.extend(_attention_buffers(prefix, members[0][2], layout))
+            targets.extend(_attention_params(prefix, members[0][2], arch, config))
     return ShardPlan(tp, tuple(targets), ignored, pipeline.pp, pp_rank)
 
 
@@ -221,9 +224,16 @@ def _check_layer_count(
     before the rules are expanded per layer: that costs time and memory per claimed layer
     (``num_hidden_layers`` may be up to 2**24), whereas the checkpoint's headers bound the
     number of tensors."""
-    per_layer = sum(
-        config.num_experts if "{E}" in source else 1
-        for source in {r.source for r in arch.rules if "{L}" in r.source and r.when.holds(config)}
+    per_layer = min(
+        sum(
+            config.num_experts if "{E}" in source else 1
+            for source in {
+                r.source
+                for r in arch.rules
+                if "{L}" in r.source and r.when.holds(config) and r.layers in (Layers.ALL, kind)
+            }
+        )
+        for kind in (Layers.DENSE, Layers.SPARSE)
     )
     if config.num_layers * per_layer > len(sources):
         raise CheckpointError(
@@ -248,7 +258,13 @@ def _check_sources(
     ignore = [re.compile(re.escape(p).replace(r"\{L\}", r"\d+") + "$") for p in arch.ignored]
     if config.tie_word_embeddings:
         ignore.append(re.compile(re.escape("lm_head.weight") + "$"))
-    unknown = sorted(n for n in sources if n not in wanted and not any(p.match(n) for p in ignore))
+    unknown = sorted(
+        n
+        for n in sources
+        if n not in wanted
+        and not any(p.match(n) for p in ignore)
+        and not _in_next_layers(arch, config, n)
+    )
     if unknown:
         raise CheckpointError(
             f"checkpoint has {len(unknown)} tensor(s) that {arch.name} with this config does not "
@@ -268,6 +284,16 @@ def _check_sources(
                 f"tensor {source!r} has dtype {sources[source].dtype}, but config.json's "
                 f"quantization ({config.quantization}) implies {rule.source_dtype}"
             )
+
+
+_LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def _in_next_layers(arch: Architecture, config: ModelConfig, name: str) -> bool:
+    """Whether ``name`` is of a multi-token-prediction layer after the decoder layers, which
+    the architecture's vLLM model skips."""
+    found = _LAYER_INDEX.match(name) if arch.next_layers_ignored else None
+    return found is not None and 0 <= int(found[1]) - config.num_layers < config.next_layers
 
 
 def _resolve_dtype(dtype: str) -> str | None:
@@ -417,10 +443,11 @@ def _head_rows(heads: int, tp: int, rank: int, head_dim: int) -> tuple[int, int]
 
 
 def _attention_params(
-    qkv_name: str, layer: int, arch: Architecture, config: ModelConfig
+    prefix: str, layer: int, arch: Architecture, config: ModelConfig
 ) -> list[TargetTensor]:
     """The architecture's [1] attention parameters (a quantized model's unit scales and zero
-    points); ``None`` dtypes are the model's, as vLLM creates them at ``--dtype auto``."""
+    points) under ``prefix`` (the layer's attention module); ``None`` dtypes are the model's,
+    as vLLM creates them at ``--dtype auto``."""
     if not arch.attention_params:
         return []
     model_dtype = DTYPE_CODES.get(config.torch_dtype or "")
@@ -429,15 +456,13 @@ def _attention_params(
             f"config.json's torch_dtype {config.torch_dtype!r} is not one of "
             f"{', '.join(DTYPE_CODES)}: the dtype of vLLM's attention parameters is unknown"
         )
-    prefix = qkv_name.removesuffix("qkv_proj.weight") + "attn."
     return [
         TargetTensor(prefix + p.name, p.dtype or model_dtype, (1,), (), layer, constant=p.value)
         for p in arch.attention_params
     ]
 
 
-def _attention_buffers(qkv_name: str, layer: int, layout: Layout) -> list[TargetTensor]:
-    prefix = qkv_name.removesuffix("qkv_proj.weight") + "attn."
+def _attention_buffers(prefix: str, layer: int, layout: Layout) -> list[TargetTensor]:
     return [
         TargetTensor(prefix + buffer, "F32", (), (), layer, constant=1.0)
         for buffer in layout.attention_scale_buffers
