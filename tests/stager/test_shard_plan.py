@@ -601,7 +601,7 @@ def test_deepseek_first_layer_is_dense_the_others_moe_with_a_float32_router_bias
 
 
 def test_deepseek_skips_its_prediction_layer_as_vllm_does_and_refuses_any_layer_beyond() -> None:
-    model, config, sources = _deepseek()
+    _, config, sources = _deepseek()
     assert config.next_layers == 1
     plan = plan_shards(config, sources, 2, LAYOUT)
     assert "model.layers.2.eh_proj.weight" in plan.ignored_sources
@@ -614,5 +614,5 @@ def test_deepseek_skips_its_prediction_layer_as_vllm_does_and_refuses_any_layer_
 def test_deepseek_without_a_query_low_rank_is_refused_per_rank_with_the_way_out() -> None:
     _, config, sources = _deepseek(config_extra=(("q_lora_rank", None),))
     assert config.mla is not None and config.mla.q_lora_rank == 0
-    with pytest.raises(SpecError, match="q_lora_rank set.*--format safetensors"):
+    with pytest.raises(SpecError, match=r"q_lora_rank set.*--format safetensors"):
         plan_shards(config, sources, 2, LAYOUT)

@@ -511,9 +511,13 @@ ARCHITECTURES: dict[str, Architecture] = {
         ),
         *(
             Architecture(
-                name, model_type, _deepseek(), mla=True, next_layers_ignored=True,
+                name,
+                model_type,
+                _deepseek(),
+                mla=True,
+                next_layers_ignored=True,
                 attention_module=("fused_qkv_a_proj.weight", "mla_attn.mla_attn."),
-            )  # fmt: skip
+            )
             for name, model_type in (
                 ("DeepseekV2ForCausalLM", "deepseek_v2"),
                 ("DeepseekV3ForCausalLM", "deepseek_v3"),
