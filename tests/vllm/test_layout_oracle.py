@@ -261,6 +261,47 @@ def _check_deepseek_from_source(
     _check_experts_from_source(spec, src, rank, tp, want)
 
 
+def _tiles(scale: torch.Tensor, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
+    """The scales of the weight's ``rows`` and ``cols`` (element ranges), 128 x 128 per scale."""
+
+    def blocks(cut: slice | None) -> slice:
+        return slice(None) if cut is None else slice(cut.start // 128, -(-cut.stop // 128))
+
+    return scale[blocks(rows), blocks(cols)]
+
+
+def _check_block_scales_from_source(
+    spec: SyntheticModel, src: Path, rank: int, tp: int, want: Want
+) -> None:
+    """The block scales' contract read off the source, beside DeepSeek's own: each
+    ``weight_scale_inv`` holds the float32 scales of exactly the weight's rows and columns the
+    rank holds, 128 x 128 elements a scale (fused: the parts' scales one after the other;
+    stacked experts: per expert, gate's then up's); the weights stay float8."""
+    _check_deepseek_from_source(spec, src, rank, tp, want)
+    source = _read(sorted(src.glob("*.safetensors")))
+    attn, mla = "model.layers.1.self_attn.", "model.layers.1.self_attn.mla_attn."
+    s = {k.removesuffix(".weight_scale_inv"): v for k, v in source.items() if k.endswith("_inv")}
+    per = 8 // tp * 128  # q_b: 128 rows a head (nope 64 + rope 64), kv_b: 128 (nope + v 64)
+    heads = slice(rank * per, (rank + 1) * per)
+    fused = torch.cat([s[attn + "q_a_proj"], s[attn + "kv_a_proj_with_mqa"]])
+    assert want[attn + "fused_qkv_a_proj.weight_scale_inv"].equal(fused)
+    assert fused.shape == (1 + 5, 4)  # q_lora 128: 1 row of blocks; 512 + 64 = 576: 5
+    assert want[mla + "q_b_proj.weight_scale_inv"].equal(_tiles(s[attn + "q_b_proj"], heads))
+    assert want[attn + "kv_b_proj.weight_scale_inv"].equal(_tiles(s[attn + "kv_b_proj"], heads))
+    v_cols = slice(rank * 8 // tp * 64, (rank + 1) * 8 // tp * 64)
+    assert want[mla + "o_proj.weight_scale_inv"].equal(_tiles(s[attn + "o_proj"], cols=v_cols))
+    moe, inter = "model.layers.1.mlp.", spec.intermediate_size // tp
+    rows = slice(rank * inter, (rank + 1) * inter)
+    for e in range(spec.num_experts):
+        x = f"{moe}experts.{e}."
+        w13 = torch.cat([_tiles(s[x + "gate_proj"], rows), _tiles(s[x + "up_proj"], rows)])
+        assert want[moe + "experts.routed_experts.w13_weight_scale_inv"][e].equal(w13)
+        w2 = _tiles(s[x + "down_proj"], cols=rows)
+        assert want[moe + "experts.routed_experts.w2_weight_scale_inv"][e].equal(w2)
+    assert want[moe + "experts.routed_experts.w13_weight"].dtype == torch.float8_e4m3fn
+    assert want[moe + "experts.gate.weight"].dtype == torch.bfloat16  # the router unquantized
+
+
 TIED_KEPT_AS = {"Gemma2ForCausalLM": "model.embed_tokens.weight"}
 """The name vLLM keeps for tied embeddings where it is not ``lm_head.weight`` (Gemma 2's model
 has no head module)."""
@@ -281,6 +322,8 @@ class Family:
     spec: SyntheticModel
     check: Check | None = None
     """The family's contract read off the source, beyond the byte-for-byte comparison."""
+    tps: tuple[int, ...] = (2, 4, 8)
+    """The TP sizes vLLM builds it at (block FP8: those whose ranks hold whole blocks)."""
 
 
 FAMILIES = {
@@ -322,6 +365,12 @@ FAMILIES = {
         num_heads=8, num_kv_heads=8, vocab_size=512, num_experts=8, dtype="bfloat16",
         num_shards=2, seed=15,
     ), _check_deepseek_from_source),  # V2: softmax group routing, no bias, no prediction layer
+    "fp8-block-deepseek-v3": Family(SyntheticModel(
+        architecture="DeepseekV3ForCausalLM", hidden_size=512, intermediate_size=512,
+        num_heads=8, num_kv_heads=8, vocab_size=512, num_experts=4, dtype="bfloat16",
+        num_shards=2, seed=16, fp8_block=True, q_lora_rank=128, v_head_dim=64,
+    ), _check_block_scales_from_source, (2, 4)),  # per rank: 1 head of o_proj at TP 8 = 64
+    # columns, half a block: refused (as vLLM refuses it)
     "phi3": Family(SyntheticModel(
         architecture="Phi3ForCausalLM", hidden_size=128, intermediate_size=256, num_heads=8,
         num_kv_heads=2, vocab_size=512, dtype="bfloat16", num_shards=2, seed=10,
@@ -347,7 +396,7 @@ def _cases() -> list[object]:
             marks=() if tp == 2 and family in DEFAULT_TIER else pytest.mark.slow,
         )
         for family in FAMILIES
-        for tp in (2, 4, 8)
+        for tp in FAMILIES[family].tps
     ]  # fmt: skip
 
 
@@ -377,7 +426,7 @@ class VllmStates:
                 continue
             for key in ("family", "built_after"):
                 if key in params.params:
-                    self.selected.add((params.params[key], params.params["tp"]))
+                    self.selected.add((params.params[key], params.params.get("tp", 2)))
         self.batches: dict[int, list[str]] = {}
         self.found: dict[tuple[str, int], list[Path] | str] = {}
 
@@ -459,15 +508,26 @@ def _exchange_two_experts(w13: torch.Tensor) -> torch.Tensor:
     return w13[[1, 0, *range(2, len(w13))]].contiguous()
 
 
+def _exchange_two_blocks(scales: torch.Tensor) -> torch.Tensor:
+    """Block scales with the first two blocks' scales of the first row exchanged."""
+    out = scales.clone()
+    out[0, 0], out[0, 1] = scales[0, 1], scales[0, 0]
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("name", "mutate"),
+    ("family", "name", "mutate"),
     [
-        ("model.layers.1.self_attn.kv_b_proj.weight", _exchange_two_heads),
-        ("model.layers.1.mlp.experts.routed_experts.w13_weight", _exchange_two_experts),
+        ("deepseek-v3", "model.layers.1.self_attn.kv_b_proj.weight", _exchange_two_heads),
+        ("deepseek-v3", "model.layers.1.mlp.experts.routed_experts.w13_weight",
+         _exchange_two_experts),
+        ("fp8-block-deepseek-v3", "model.layers.1.self_attn.kv_b_proj.weight_scale_inv",
+         _exchange_two_blocks),
     ],
-)
-def test_the_controls_deepseek_files_with_heads_or_experts_exchanged_differ_from_vllms_state(
+)  # fmt: skip
+def test_the_controls_deepseek_files_with_heads_experts_or_blocks_exchanged_differ(
+    family: str,
     name: str,
     mutate: Callable[[torch.Tensor], torch.Tensor],
     checkpoint: Callable[[str, SyntheticModel], Path],
@@ -476,11 +536,11 @@ def test_the_controls_deepseek_files_with_heads_or_experts_exchanged_differ_from
     tmp_path: Path,
 ) -> None:
     """The comparison sees a split right in names, shapes and dtypes that puts two MLA heads,
-    or two experts, in each other's place (on rank 0 of TP 2)."""
-    spec = FAMILIES["deepseek-v3"].spec
-    artifact = staged("layout-deepseek-v3", checkpoint("layout-deepseek-v3", spec), 2,
+    two experts, or two blocks' scales in each other's place (on rank 0 of TP 2)."""
+    spec = FAMILIES[family].spec
+    artifact = staged(f"layout-{family}", checkpoint(f"layout-{family}", spec), 2,
                       "--dtype", "auto")  # fmt: skip
-    states = vllm_states("deepseek-v3", 2)
+    states = vllm_states(family, 2)
     _assert_rank_files_equal(artifact, states)
     copy = tmp_path / "artifact"
     shutil.copytree(artifact, copy)
@@ -496,5 +556,5 @@ def test_the_controls_deepseek_files_with_heads_or_experts_exchanged_differ_from
 _USES_STATES = (
     test_rank_files_equal_vllms_own_per_rank_state_byte_for_byte,
     test_batched_oracle_equals_one_model_at_a_time,
-    test_the_controls_deepseek_files_with_heads_or_experts_exchanged_differ_from_vllms_state,
+    test_the_controls_deepseek_files_with_heads_experts_or_blocks_exchanged_differ,
 )

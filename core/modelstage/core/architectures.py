@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from .errors import SpecError
-from .model_config import FP8_CHANNEL, ModelConfig
+from .model_config import FP8_BLOCK, FP8_CHANNEL, ModelConfig
 
 HF_LAYOUT_HINT = (
     "stage it in the Hugging Face layout with --format safetensors (a directory) or "
@@ -98,10 +98,15 @@ class Rule:
     """For a source fused along dim 0, whose ``shape[0]`` names its parts (``"q+kv+kv"``):
     the part this rule reads; the split applies to that part's rows as to a tensor of its own."""
     layers: Layers = Layers.ALL
+    block: int | None = None
+    """The source holds one scale per ``block`` x ``block`` tile of a weight whose shape
+    ``shape`` names (block FP8's ``weight_scale_inv``): it is cut where its weight is, in
+    tiles, and a cut through a tile is refused."""
 
     def source_shape(self, symbols: Mapping[str, int]) -> tuple[int, ...]:
         """The source's shape in numbers, given ``ModelConfig.symbols``."""
-        return tuple(dim_size(symbols, dim) for dim in self.shape)
+        dims = tuple(dim_size(symbols, dim) for dim in self.shape)
+        return dims if self.block is None else tuple(-(-d // self.block) for d in dims)
 
 
 def dim_size(symbols: Mapping[str, int], dim: str) -> int:
@@ -363,6 +368,28 @@ def _fp8_channel(rules: tuple[Rule, ...]) -> tuple[Rule, ...]:
     return tuple(out)
 
 
+FP8_BLOCK_SIZE = 128
+_BLOCK_SPLITS = frozenset({Split.QKV, Split.MERGED, Split.ROW, Split.COLUMN, Split.REPLICATED,
+                           Split.EXPERTS_MERGED, Split.EXPERTS_ROW})  # fmt: skip
+def _fp8_block(rules: tuple[Rule, ...]) -> tuple[Rule, ...]:
+    """The rules of a block-FP8 checkpoint: each decoder Linear weight (a ``*_proj`` or
+    ``*_with_mqa`` matrix, experts included; not routers, norms, embeddings or the head) is
+    float8_e4m3fn, followed by its float32 ``weight_scale_inv`` [ceil(N/128), ceil(K/128)],
+    cut with its weight's rows or columns in whole tiles (vLLM's ``weight_scale_inv``, and
+    ``w13_weight_scale_inv``/``w2_weight_scale_inv`` for stacked experts)."""
+    out: list[Rule] = []
+    for rule in rules:
+        out.append(rule)
+        weight = rule.source.endswith(("_proj.weight", "_with_mqa.weight"))
+        if not weight or rule.split not in _BLOCK_SPLITS:
+            continue
+        out[-1] = replace(rule, source_dtype="F8_E4M3")
+        out.append(replace(rule, source=rule.source + "_scale_inv",
+                           target=rule.target + "_scale_inv", dtype="F32",
+                           block=FP8_BLOCK_SIZE))  # fmt: skip
+    return tuple(out)
+
+
 _FEEDFORWARD_NORMS = tuple(
     Rule(f"model.layers.{{L}}.{x}_feedforward_layernorm.weight",
          f"model.layers.{{L}}.{x}_feedforward_layernorm.weight", Split.REPLICATED, ("hidden",))
@@ -543,6 +570,10 @@ QUANTIZED: dict[str, dict[str, Architecture]] = {
         )
         for name in ("LlamaForCausalLM", "Qwen3ForCausalLM")
     },
+    FP8_BLOCK: {  # MLA's attention creates no KV-cache scales: the model's own buffers only
+        name: replace(ARCHITECTURES[name], rules=_fp8_block(ARCHITECTURES[name].rules))
+        for name in ("DeepseekV3ForCausalLM",)
+    },
 }
 """Quantization -> the architectures whose checkpoints in it are split per rank, with their
 rules (``formats.PER_RANK_QUANTIZATIONS`` names them)."""
@@ -570,8 +601,9 @@ def _quantized(config: ModelConfig) -> Architecture:
         mismatch = f" ({config.quantization_mismatch})" if config.quantization_mismatch else ""
         raise SpecError(
             f"config.json: quantized checkpoints (quantization_config: {quantization}) are "
-            f"not split per rank, but for {', '.join(QUANTIZED)}, compressed-tensors float8 "
-            f"weights with one scale per output channel and dynamic per-token activations"
+            f"not split per rank, but for {', '.join(QUANTIZED)} (compressed-tensors float8 "
+            f"weights with one scale per output channel and dynamic per-token activations; "
+            f"quant_method fp8 with weight_block_size [128, 128] and dynamic activations)"
             f"{mismatch}; {HF_LAYOUT_HINT}"
         )
     try:

@@ -13,6 +13,11 @@ FP8_CHANNEL = "compressed-tensors/w8a8-fp8-channel"
 Linear weights with one scale per output channel and activations quantized per token at run
 time (llm-compressor's ``FP8_DYNAMIC``); any other quantization goes by its ``quant_method``."""
 
+FP8_BLOCK = "fp8/block-128x128"
+"""The quantization the stager reports for ``quant_method: fp8`` with float8_e4m3fn weights
+scaled per 128 x 128 tile (``weight_block_size: [128, 128]``, float32 ``weight_scale_inv``)
+and activations quantized at run time, as DeepSeek-V3's hub checkpoint is written."""
+
 MAX_DIM = 1 << 24
 """Far above any real model dimension; a config beyond it is corrupt, not big."""
 MAX_NAME = 200
@@ -246,6 +251,8 @@ def quantization_of(config: Mapping[str, Any]) -> str | None:
     quant = config["quantization_config"]
     if fp8_channel_mismatch(quant) is None:
         return FP8_CHANNEL
+    if fp8_block_mismatch(quant) is None:
+        return FP8_BLOCK
     method = quant.get("quant_method") if isinstance(quant, Mapping) else None
     if isinstance(method, str) and 0 < len(method) <= MAX_NAME and method.isprintable():
         return method
@@ -253,7 +260,31 @@ def quantization_of(config: Mapping[str, Any]) -> str | None:
 
 
 def _mismatch(quant: object) -> str:
-    return "" if quant is None else fp8_channel_mismatch(quant) or ""
+    if quant is None:
+        return ""
+    method = quant.get("quant_method") if isinstance(quant, Mapping) else None
+    found = fp8_block_mismatch(quant) if method == "fp8" else fp8_channel_mismatch(quant)
+    return found or ""
+
+
+_FP8_BLOCK_FIELDS = {"quant_method", "weight_block_size", "activation_scheme", "fmt"}
+
+
+def fp8_block_mismatch(quant: object) -> str | None:
+    """None when ``quant`` is exactly block-wise FP8 as DeepSeek-V3's hub config writes it:
+    ``quant_method: fp8``, ``weight_block_size: [128, 128]``, ``activation_scheme:
+    dynamic``, ``fmt: e4m3`` (if given), nothing else (no modules left unquantized by name).
+    Otherwise the first difference, in words."""
+    if not isinstance(quant, Mapping) or quant.get("quant_method") != "fp8":
+        return "quant_method is not fp8"
+    if quant.get("weight_block_size") != [128, 128]:
+        return f"weight_block_size is {quant.get('weight_block_size')!r}, not [128, 128]"
+    if quant.get("activation_scheme") != "dynamic":
+        return f"activation_scheme is {quant.get('activation_scheme')!r}, not 'dynamic'"
+    if quant.get("fmt", "e4m3") != "e4m3":
+        return f"fmt is {quant.get('fmt')!r}, not 'e4m3'"
+    extra = sorted(str(k) for k in quant if k not in _FP8_BLOCK_FIELDS)
+    return f"{extra[0]} is set" if extra else None
 
 
 _FP8_ARGS = {"type": "float", "num_bits": 8, "symmetric": True}

@@ -33,7 +33,7 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 from modelstage.core.architectures import ARCHITECTURES, QUANTIZED, Architecture, When
-from modelstage.core.model_config import FP8_CHANNEL, ModelConfig
+from modelstage.core.model_config import FP8_BLOCK, FP8_CHANNEL, ModelConfig
 from modelstage.core.safetensors_format import DTYPE_CODES, DTYPE_SIZES, encode_header
 
 DType = Literal["float32", "bfloat16", "float16"]
@@ -88,6 +88,14 @@ class SyntheticModel:
     ``weight_scale`` (dynamic per-token activations), as llm-compressor's ``FP8_DYNAMIC``
     scheme writes a compressed-tensors checkpoint; ``dtype`` is then the unquantized
     tensors' (and the scales')."""
+    fp8_block: bool = False
+    """Quantize every Linear weight of the decoder layers (not routers, norms, embeddings or
+    the head) to float8_e4m3fn with one float32 ``weight_scale_inv`` per 128 x 128 tile, as
+    DeepSeek-V3's hub checkpoint holds them (``quant_method: fp8``)."""
+    q_lora_rank: int | None = None
+    """MLA's query low rank (DeepSeek); None: 3/4 of ``hidden_size``."""
+    v_head_dim: int | None = None
+    """MLA's value head size (DeepSeek); None: half the head size."""
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -124,9 +132,9 @@ class SyntheticModel:
             raise ValueError("experts_per_token must be <= num_experts")
         if self.split_fused and self.num_shards < 2:
             raise ValueError("split_fused needs num_shards >= 2")
-        quantized = QUANTIZED[FP8_CHANNEL]
-        if self.fp8 and self.architecture not in quantized:
-            raise ValueError(f"fp8 is written for {', '.join(quantized)} only")
+        for flag, kind in ((self.fp8, FP8_CHANNEL), (self.fp8_block, FP8_BLOCK)):
+            if flag and self.architecture not in QUANTIZED[kind]:
+                raise ValueError(f"{kind} is written for {', '.join(QUANTIZED[kind])} only")
         if not self.tie_word_embeddings and not any(
             r.when is When.UNTIED for r in self.family.rules
         ):
@@ -143,6 +151,8 @@ class SyntheticModel:
         """The family table's row whose rules name this checkpoint's tensors."""
         if self.fp8:
             return QUANTIZED[FP8_CHANNEL][self.architecture]
+        if self.fp8_block:
+            return QUANTIZED[FP8_BLOCK][self.architecture]
         return ARCHITECTURES[self.architecture]
 
     @property
@@ -193,10 +203,11 @@ class SyntheticModel:
         """The safetensors dtype of tensor ``name``."""
         if self.quantized(name):
             return _FP8_CODE
-        return DTYPE_CODES["float32" if name.endswith(_FLOAT32_SOURCES) else self.dtype]
+        f32 = name.endswith(_FLOAT32_SOURCES) or (self.fp8_block and name.endswith("_scale_inv"))
+        return DTYPE_CODES["float32" if f32 else self.dtype]
 
     def _quantized_names(self) -> frozenset[str]:
-        if not self.fp8:
+        if not (self.fp8 or self.fp8_block):
             return frozenset()
         model = ModelConfig.from_dict(self._own_config())
         return frozenset(
@@ -236,6 +247,13 @@ class SyntheticModel:
         cfg.update(self._family_fields())
         if self.fp8:
             cfg["quantization_config"] = fp8_quantization_config()
+        if self.fp8_block:
+            cfg["quantization_config"] = {
+                "activation_scheme": "dynamic",
+                "fmt": "e4m3",
+                "quant_method": "fp8",
+                "weight_block_size": [128, 128],
+            }
         return cfg
 
     def config(self) -> dict[str, object]:
@@ -398,7 +416,7 @@ def _deepseek(m: SyntheticModel) -> dict[str, object]:
         "norm_topk_prob": True,
         "num_experts_per_tok": m.experts_per_token,
         "num_nextn_predict_layers": 1 if v3 else 0,
-        "q_lora_rank": 3 * m.hidden_size // 4,
+        "q_lora_rank": m.q_lora_rank or 3 * m.hidden_size // 4,
         "qk_nope_head_dim": m.head_size,
         "qk_rope_head_dim": 64,
         "rope_scaling": {
@@ -411,7 +429,7 @@ def _deepseek(m: SyntheticModel) -> dict[str, object]:
         "seq_aux": True,
         "topk_group": 1,
         "topk_method": "noaux_tc" if v3 else "group_limited_greedy",
-        "v_head_dim": m.head_size // 2,
+        "v_head_dim": m.v_head_dim or m.head_size // 2,
     }  # fmt: skip
 
 
@@ -560,7 +578,9 @@ def _write_safetensors(
         f.write(header)
         for name, shape, code in members:
             of = name.removesuffix("_scale")
-            if code == _FP8_CODE:
+            if spec.fp8_block:
+                f.write(_block_quantized(spec, name, shape, quantized))
+            elif code == _FP8_CODE:
                 for weight, scale in _quantized_rows(spec, name, shape):
                     f.write(_encode_fp8(_rounded(weight / scale, spec.dtype)))
             elif of != name and of in quantized:
@@ -570,6 +590,31 @@ def _write_safetensors(
                 dtype = "float32" if code == DTYPE_CODES["float32"] else spec.dtype
                 for chunk in _generate(spec, name, shape):
                     f.write(_encode(chunk, dtype))
+
+
+def _block_quantized(
+    spec: SyntheticModel, name: str, shape: tuple[int, ...], quantized: dict[str, tuple[int, ...]]
+) -> bytes:
+    """The bytes of tensor ``name`` of a block-FP8 checkpoint: a quantized weight divided by
+    its tiles' scales (a tile's largest magnitude over float8's largest value) in
+    float8_e4m3fn, a ``weight_scale_inv`` those scales in float32, anything else as usual.
+    A quantized weight is held whole (test checkpoints only)."""
+    of = name.removesuffix("_scale_inv")
+    if name not in quantized and of not in quantized:
+        return b"".join(_encode(c, "float32" if spec.dtype_code(name) == "F32" else spec.dtype)
+                        for c in _generate(spec, name, shape))  # fmt: skip
+    rows, cols = quantized[of]
+    weight = _rounded(np.concatenate(list(_generate(spec, of, (rows, cols)))), spec.dtype)
+    weight = weight.reshape(rows, cols)
+    b = 128
+    tr, tc = -(-rows // b), -(-cols // b)
+    padded = np.zeros((tr * b, tc * b), np.float32)
+    padded[:rows, :cols] = np.abs(weight)
+    scales = np.maximum(padded.reshape(tr, b, tc, b).max(axis=(1, 3)) / np.float32(_FP8_MAX), _TINY)
+    if name != of:
+        return _encode(scales.astype(np.float32).reshape(-1), "float32")
+    full = np.repeat(np.repeat(scales, b, axis=0), b, axis=1)[:rows, :cols]
+    return _encode_fp8(weight / full)
 
 
 def _quantized_rows(

@@ -29,6 +29,7 @@ from modelstage.core.architectures import (
     Rule,
     Split,
     architecture_for,
+    dim_size,
 )
 from modelstage.core.errors import CheckpointError, SpecError
 from modelstage.core.layouts import DEFAULT_VLLM_VERSION, Layout
@@ -327,6 +328,7 @@ def _target(
     slots: list[Slot] = []
     for rule, source, _ in members:
         slots.extend(_slots(rule, source, sources[source].shape, config, tp, layout))
+    _check_fused_tiles(name, members, config)
     first_shape = sources[members[0][1]].shape
     if members[0][0].split in TRANSPOSED_SPLITS:  # one slot per expert: [E, out, in]
         cut = slots[0].per_rank[0]
@@ -344,6 +346,20 @@ def _target(
     return TargetTensor(name, dtype, shape, tuple(slots), members[0][2])
 
 
+def _check_fused_tiles(
+    name: str, members: list[tuple[Rule, str, int]], config: ModelConfig
+) -> None:
+    """Block scales of weights fused into one target line up only if every fused weight but
+    the last has whole tiles of rows (vLLM refuses to build the fused layer otherwise)."""
+    for rule, source, _ in members[:-1]:
+        rows = dim_size(config.symbols, rule.shape[0])
+        if rule.block is not None and rule.split is not Split.EXPERTS_MERGED and rows % rule.block:
+            raise CheckpointError(
+                f"{source!r}: {rows} rows are not whole {rule.block}-row scale blocks, but it "
+                f"is fused with others into {name!r}; {HF_LAYOUT_HINT}"
+            )
+
+
 def _slots(
     rule: Rule,
     source: str,
@@ -354,6 +370,8 @@ def _slots(
 ) -> list[Slot]:
     """The per-rank slices of one source tensor (or of one part of a source fused along dim
     0, shifted to that part's rows); the shard math lives here, once per kind."""
+    if rule.block is not None:
+        return _tiles(rule, source, config, tp, layout)
     if rule.part is None:
         return _split(rule, source, shape, config, tp, layout)
     parts = rule.shape[0].split("+")
@@ -363,6 +381,32 @@ def _slots(
         Slot(slot.source, tuple(sel.shifted(first) for sel in slot.per_rank))
         for slot in _split(rule, source, (rows, *shape[1:]), config, tp, layout)
     ]
+
+
+def _tiles(rule: Rule, source: str, config: ModelConfig, tp: int, layout: Layout) -> list[Slot]:
+    """A block-scale source's slices: its weight's cut (``rule.shape``) in whole tiles of
+    ``rule.block``; a rank's rows or columns that begin or end inside a tile (but at the
+    weight's own end) are refused, as vLLM refuses to build such a layer."""
+    weight = tuple(dim_size(config.symbols, d) for d in rule.shape)
+    block = rule.block or 1
+
+    def tiles(cut: tuple[int, int], size: int, what: str) -> tuple[int, int]:
+        if cut[0] % block or (cut[1] % block and cut[1] != size):
+            raise SpecError(
+                f"tensor parallel size {tp} cuts the {block} x {block} scale blocks of "
+                f"{source.removesuffix('_scale_inv')!r} ({what} {cut[0]}..{cut[1]} of {size} "
+                f"on one rank); use a tensor parallel size whose per-rank {what} are whole "
+                f"blocks, or {HF_LAYOUT_HINT}"
+            )
+        return cut[0] // block, -(-cut[1] // block)
+
+    return [
+        Slot(slot.source, tuple(
+            Slice(tiles(cut.rows, weight[0], "rows"),
+                  None if cut.cols is None else tiles(cut.cols, weight[1], "columns"))
+            for cut in slot.per_rank))
+        for slot in _split(rule, source, weight, config, tp, layout)
+    ]  # fmt: skip
 
 
 def _split(
