@@ -15,7 +15,13 @@ import pytest
 import torch
 from modelstage.core.errors import SpecError
 from modelstage.core.formats import AUTO_FORMATS, FORMATS, choose_format
-from modelstage.core.model_config import FP8_CHANNEL, fp8_channel_mismatch, quantization_of
+from modelstage.core.model_config import (
+    FP8_BLOCK,
+    FP8_CHANNEL,
+    fp8_block_mismatch,
+    fp8_channel_mismatch,
+    quantization_of,
+)
 from modelstage.devtools.synthetic import SyntheticModel, fp8_quantization_config, write_checkpoint
 from modelstage.stager.resolve import resolve
 from modelstage.stager.stage import StageRequest, stage
@@ -95,7 +101,9 @@ def test_any_other_quantization_is_refused_per_rank_naming_the_difference(
         stage(StageRequest(source=str(src), out=str(tmp_path / "out"), tp=2))
     message = str(refused.value)
     assert f"quantization_config: {quant['quant_method']}) are not split per rank" in message
-    assert why in message and HF_HINT in message, message
+    # quant_method fp8 is told how it differs from block FP8, the per-rank scheme of its kind
+    told = fp8_block_mismatch(quant) if quant["quant_method"] == "fp8" else why
+    assert told and told in message and HF_HINT in message, message
     assert not (tmp_path / "out").exists()
 
 
@@ -182,3 +190,34 @@ def test_auto_stages_fp8_per_rank_only_for_the_scheme_and_its_architectures(
         f"in the Hugging Face layout ({copy_})"
     )
 
+
+
+@pytest.mark.parametrize("storage", ["pvc", "s3"])
+def test_auto_splits_block_fp8_per_rank_for_deepseek_v3_only(storage: str) -> None:
+    per_rank, copy_ = AUTO_FORMATS[(storage, True)], AUTO_FORMATS[(storage, False)]
+    assert choose_format(storage, "DeepseekV3ForCausalLM", FP8_BLOCK).format == per_rank
+    for architecture in ("Qwen3MoeForCausalLM", "DeepseekV2ForCausalLM"):
+        other = choose_format(storage, architecture, FP8_BLOCK)
+        assert other.format == copy_
+        assert other.reason.startswith(f"architecture {architecture} has no per-rank rules")
+    assert choose_format(storage, "DeepseekV3ForCausalLM", "fp8").format == copy_
+
+
+def test_block_fp8_refuses_tensorizer_and_stages_each_ranks_tiles(tmp_path: Path) -> None:
+    """Staged end to end: rank r's ``kv_b_proj.weight_scale_inv`` is the source's tile rows of
+    its heads (golden values cut here from the source, 128 rows a tile)."""
+    spec = SyntheticModel(architecture="DeepseekV3ForCausalLM", hidden_size=256,
+                          intermediate_size=256, num_heads=4, num_kv_heads=4, vocab_size=64,
+                          num_experts=2, experts_per_token=1, dtype="bfloat16", fp8_block=True,
+                          q_lora_rank=128, v_head_dim=64)  # fmt: skip
+    src = write_checkpoint(spec, tmp_path / "src")
+    with pytest.raises(SpecError, match="format tensorizer does not take quantized checkpoints"):
+        stage(StageRequest(source=str(src), out=str(tmp_path / "t"), tp=2, format="tensorizer"))
+    stage(StageRequest(source=str(src), out=str(tmp_path / "out"), tp=2))
+    name = "model.layers.1.self_attn.kv_b_proj.weight_scale_inv"
+    with safe_open(str(src / "model.safetensors"), "pt") as f:
+        whole = f.get_tensor(name)
+    assert whole.shape == (4, 4) and whole.dtype == torch.float32  # 4 heads x 128 rows; 512
+    for rank in range(2):
+        with safe_open(str(tmp_path / "out" / f"model-rank-{rank}-part-0.safetensors"), "pt") as f:
+            assert f.get_tensor(name).equal(whole[2 * rank : 2 * rank + 2])
