@@ -193,10 +193,11 @@ def test_auto_stages_fp8_per_rank_only_for_the_scheme_and_its_architectures(
 
 
 @pytest.mark.parametrize("storage", ["pvc", "s3"])
-def test_auto_splits_block_fp8_per_rank_for_deepseek_v3_only(storage: str) -> None:
+def test_auto_splits_block_fp8_per_rank_for_deepseek_v3_and_qwen3_moe_only(storage: str) -> None:
     per_rank, copy_ = AUTO_FORMATS[(storage, True)], AUTO_FORMATS[(storage, False)]
-    assert choose_format(storage, "DeepseekV3ForCausalLM", FP8_BLOCK).format == per_rank
-    for architecture in ("Qwen3MoeForCausalLM", "DeepseekV2ForCausalLM"):
+    for architecture in ("DeepseekV3ForCausalLM", "Qwen3MoeForCausalLM"):
+        assert choose_format(storage, architecture, FP8_BLOCK).format == per_rank
+    for architecture in ("Qwen3ForCausalLM", "DeepseekV2ForCausalLM"):
         other = choose_format(storage, architecture, FP8_BLOCK)
         assert other.format == copy_
         assert other.reason.startswith(f"architecture {architecture} has no per-rank rules")

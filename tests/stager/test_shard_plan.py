@@ -676,7 +676,44 @@ def test_block_fp8_is_recognized_only_as_deepseek_v3_writes_it() -> None:
         "fp8/block-128x128")  # fmt: skip
     for change, why in (({"weight_block_size": [64, 64]}, "weight_block_size is [64, 64]"),
                         ({"activation_scheme": "static"}, "activation_scheme is 'static'"),
-                        ({"modules_to_not_convert": ["lm_head"]}, "modules_to_not_convert is set"),
+                        ({"ignored_layers": ["lm_head"]}, "ignored_layers is set"),
+                        ({"modules_to_not_convert": "lm_head"}, "modules_to_not_convert is not"),
                         ({"weight_block_size": None}, "weight_block_size is None")):  # fmt: skip
         parsed = ModelConfig.from_dict({**config, "quantization_config": {**base, **change}})
         assert parsed.quantization == "fp8" and parsed.quantization_mismatch.startswith(why)
+
+
+def _qwen3_moe_block_fp8(**quant: object) -> tuple[ModelConfig, dict[str, SourceTensor]]:
+    model = SyntheticModel(
+        architecture="Qwen3MoeForCausalLM", hidden_size=256, intermediate_size=512, num_heads=4,
+        num_kv_heads=2, head_dim=128, num_layers=2, vocab_size=64, num_experts=4,
+        experts_per_token=1, fp8_block=True,
+    )  # fmt: skip
+    config = model.config()
+    config["quantization_config"] = {**config["quantization_config"], **quant}  # type: ignore[dict-item]
+    sources = {n: SourceTensor(model.dtype_code(n), s) for n, s in model.tensors()}
+    return ModelConfig.from_dict(config), sources
+
+
+def test_qwen3_moe_block_fp8_cuts_qkv_tiles_per_slot_and_keeps_its_listed_routers_unquantized() -> (
+    None
+):
+    config, sources = _qwen3_moe_block_fp8()
+    targets = {t.name: t for t in plan_shards(config, sources, 4, LAYOUT).targets}
+    qkv = targets["model.layers.1.self_attn.qkv_proj.weight_scale_inv"]
+    # 4 q heads of 128 rows: one tile a rank; 2 KV heads on 4 ranks: ranks 0, 1 head 0's tile
+    assert [[s.rows for s in slot.per_rank] for slot in qkv.slots] == [
+        [(0, 1), (1, 2), (2, 3), (3, 4)], [(0, 1), (0, 1), (1, 2), (1, 2)],
+        [(0, 1), (0, 1), (1, 2), (1, 2)]]  # fmt: skip
+    assert targets["model.layers.1.mlp.experts.gate.weight"].dtype != "F8_E4M3"
+    scale = targets["model.layers.1.self_attn.attn.k_scale"]
+    assert (scale.shape, scale.constant, scale.dtype) == ((), -1.0, "F32")
+
+
+def test_qwen3_moe_block_fp8_refuses_an_unlisted_router_or_a_listed_quantized_module() -> None:
+    listed = ["lm_head", "model.layers.0.mlp.gate"]  # layer 1's router left out
+    with pytest.raises(CheckpointError, match=r"does not name the router 'model.layers.1.mlp.gate'"):
+        plan_shards(*_qwen3_moe_block_fp8(modules_to_not_convert=listed), 2, LAYOUT)
+    wrong = ["model.layers.0.mlp.gate", "model.layers.1.mlp.gate", "model.layers.0.self_attn.q_proj"]
+    with pytest.raises(CheckpointError, match=r"names 'model.layers.0.self_attn.q_proj', which is"):
+        plan_shards(*_qwen3_moe_block_fp8(modules_to_not_convert=wrong), 2, LAYOUT)

@@ -302,6 +302,36 @@ def _check_block_scales_from_source(
     assert want[moe + "experts.gate.weight"].dtype == torch.bfloat16  # the router unquantized
 
 
+def _check_qwen3_moe_block_scales_from_source(
+    spec: SyntheticModel, src: Path, rank: int, tp: int, want: Want
+) -> None:
+    """Qwen3-MoE in block FP8, read off the source: ``qkv_proj``'s scales the tiles of the
+    rank's q heads, then of its KV head's k and v (a KV head on two ranks from TP 4),
+    ``o_proj``'s the tiles of its columns, the experts' as DeepSeek's, the routers unquantized
+    (named in ``modules_to_not_convert``), the attention's FP8 KV-cache placeholders -1."""
+    _check_experts_from_source(spec, src, rank, tp, want)
+    source = _read(sorted(src.glob("*.safetensors")))
+    s = {k.removesuffix(".weight_scale_inv"): v for k, v in source.items() if k.endswith("_inv")}
+    attn = "model.layers.1.self_attn."
+    q = slice(rank * 4 // tp * 128, (rank + 1) * 4 // tp * 128)
+    kv_head = rank * 2 // tp
+    kv = slice(kv_head * 128, (kv_head + 1) * 128)
+    qkv = torch.cat([_tiles(s[attn + "q_proj"], q), _tiles(s[attn + "k_proj"], kv),
+                     _tiles(s[attn + "v_proj"], kv)])  # fmt: skip
+    assert want[attn + "qkv_proj.weight_scale_inv"].equal(qkv)
+    assert want[attn + "o_proj.weight_scale_inv"].equal(_tiles(s[attn + "o_proj"], cols=q))
+    moe, inter = "model.layers.1.mlp.", spec.intermediate_size // tp
+    rows = slice(rank * inter, (rank + 1) * inter)
+    for e in range(spec.num_experts):
+        x = f"{moe}experts.{e}."
+        w13 = torch.cat([_tiles(s[x + "gate_proj"], rows), _tiles(s[x + "up_proj"], rows)])
+        assert want[moe + "experts.routed_experts.w13_weight_scale_inv"][e].equal(w13)
+    assert want[moe + "experts.gate.weight"].dtype == torch.bfloat16
+    assert moe + "experts.gate.weight_scale_inv" not in want
+    for x in ("k", "v", "q", "prob"):
+        assert want[f"{attn}attn.{x}_scale"].equal(torch.tensor(-1.0, dtype=torch.bfloat16))
+
+
 TIED_KEPT_AS = {"Gemma2ForCausalLM": "model.embed_tokens.weight"}
 """The name vLLM keeps for tied embeddings where it is not ``lm_head.weight`` (Gemma 2's model
 has no head module)."""
@@ -371,6 +401,12 @@ FAMILIES = {
         num_shards=2, seed=16, fp8_block=True, q_lora_rank=128, v_head_dim=64,
     ), _check_block_scales_from_source, (2, 4)),  # per rank: 1 head of o_proj at TP 8 = 64
     # columns, half a block: refused (as vLLM refuses it)
+    "fp8-block-qwen3-moe": Family(SyntheticModel(
+        architecture="Qwen3MoeForCausalLM", hidden_size=256, intermediate_size=512, num_heads=4,
+        num_kv_heads=2, head_dim=128, vocab_size=512, num_experts=4, dtype="bfloat16",
+        num_shards=2, seed=18, fp8_block=True,
+    ), _check_qwen3_moe_block_scales_from_source, (2, 4)),  # routers named unquantized, as
+    # the hub's config lists them; a head of 128 rows is one block; TP 8 exceeds the experts
     "phi3": Family(SyntheticModel(
         architecture="Phi3ForCausalLM", hidden_size=128, intermediate_size=256, num_heads=8,
         num_kv_heads=2, vocab_size=512, dtype="bfloat16", num_shards=2, seed=10,

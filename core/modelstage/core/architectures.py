@@ -333,6 +333,7 @@ class AttentionParam:
     value: float
     dtype: str | None
     """Its safetensors dtype; None: the model's (config.json's ``torch_dtype``)."""
+    shape: tuple[int, ...] = (1,)
 
 
 _LINEAR_SPLITS = frozenset({Split.QKV, Split.MERGED, Split.ROW})
@@ -371,6 +372,11 @@ def _fp8_channel(rules: tuple[Rule, ...]) -> tuple[Rule, ...]:
 FP8_BLOCK_SIZE = 128
 _BLOCK_SPLITS = frozenset({Split.QKV, Split.MERGED, Split.ROW, Split.COLUMN, Split.REPLICATED,
                            Split.EXPERTS_MERGED, Split.EXPERTS_ROW})  # fmt: skip
+_FP8_KV_CACHE = tuple(AttentionParam(f"{x}_scale", -1.0, None, ()) for x in ("k", "v", "q", "prob"))
+"""What vLLM's FP8 KV-cache method creates on each (non-MLA) attention of a ``quant_method:
+fp8`` model whose checkpoint has no KV scales: 0-d placeholders of -1 in the model's dtype."""
+
+
 def _fp8_block(rules: tuple[Rule, ...]) -> tuple[Rule, ...]:
     """The rules of a block-FP8 checkpoint: each decoder Linear weight (a ``*_proj`` or
     ``*_with_mqa`` matrix, experts included; not routers, norms, embeddings or the head) is
@@ -426,6 +432,9 @@ class Architecture:
     attention_module: tuple[str, str] = ("qkv_proj.weight", "attn.")
     """Where vLLM's per-layer attention module holds its scale buffers and parameters: beside
     the target named by the first, under the module path the second names."""
+    routers_listed_unquantized: bool = False
+    """Block FP8: vLLM quantizes the MoE routers unless ``modules_to_not_convert`` names each
+    (Qwen3-MoE's hub checkpoints do): the rules read them unquantized, so each must be named."""
     mla: bool = False
     """Its rules are MLA's: the config must give the MLA dimensions with a query low rank."""
     next_layers_ignored: bool = False
@@ -570,9 +579,18 @@ QUANTIZED: dict[str, dict[str, Architecture]] = {
         )
         for name in ("LlamaForCausalLM", "Qwen3ForCausalLM")
     },
-    FP8_BLOCK: {  # MLA's attention creates no KV-cache scales: the model's own buffers only
-        name: replace(ARCHITECTURES[name], rules=_fp8_block(ARCHITECTURES[name].rules))
-        for name in ("DeepseekV3ForCausalLM",)
+    FP8_BLOCK: {
+        # MLA's attention creates no KV-cache scales: the model's own buffers only
+        "DeepseekV3ForCausalLM": replace(
+            ARCHITECTURES["DeepseekV3ForCausalLM"],
+            rules=_fp8_block(ARCHITECTURES["DeepseekV3ForCausalLM"].rules),
+        ),
+        "Qwen3MoeForCausalLM": replace(
+            ARCHITECTURES["Qwen3MoeForCausalLM"],
+            rules=_fp8_block(ARCHITECTURES["Qwen3MoeForCausalLM"].rules),
+            attention_params=_FP8_KV_CACHE,
+            routers_listed_unquantized=True,
+        ),
     },
 }
 """Quantization -> the architectures whose checkpoints in it are split per rank, with their

@@ -95,6 +95,8 @@ class ModelConfig:
     next_layers: int = 0
     """``num_nextn_predict_layers``: multi-token-prediction layers stored after the decoder
     layers (DeepSeek-V3), which the model skips."""
+    unquantized_modules: tuple[str, ...] = ()
+    """Block FP8's ``modules_to_not_convert``: modules vLLM builds unquantized by name."""
 
     @staticmethod
     def from_dict(config: Mapping[str, Any], *, where: str = "config.json") -> ModelConfig:
@@ -152,6 +154,7 @@ class ModelConfig:
             router_bias=config.get("topk_method") == "noaux_tc",
             mla=Mla.from_dict(config, where),
             next_layers=_count(config, "num_nextn_predict_layers", where),
+            unquantized_modules=_unquantized_of(config),
         )
 
     def sparse(self, layer: int) -> bool:
@@ -225,6 +228,13 @@ class ModelConfig:
             )
 
 
+def _unquantized_of(config: Mapping[str, Any]) -> tuple[str, ...]:
+    quant = config.get("quantization_config")
+    if quantization_of(config) != FP8_BLOCK or not isinstance(quant, Mapping):
+        return ()
+    return _unquantized(quant) or ()
+
+
 def _count(config: Mapping[str, Any], key: str, where: str) -> int:
     """A non-negative count that may be absent or null (0)."""
     value = config.get(key) or 0
@@ -267,14 +277,16 @@ def _mismatch(quant: object) -> str:
     return found or ""
 
 
-_FP8_BLOCK_FIELDS = {"quant_method", "weight_block_size", "activation_scheme", "fmt"}
+_FP8_BLOCK_FIELDS = {"quant_method", "weight_block_size", "activation_scheme", "fmt",
+                     "modules_to_not_convert"}  # fmt: skip
 
 
 def fp8_block_mismatch(quant: object) -> str | None:
     """None when ``quant`` is exactly block-wise FP8 as DeepSeek-V3's hub config writes it:
     ``quant_method: fp8``, ``weight_block_size: [128, 128]``, ``activation_scheme:
-    dynamic``, ``fmt: e4m3`` (if given), nothing else (no modules left unquantized by name).
-    Otherwise the first difference, in words."""
+    dynamic``, ``fmt: e4m3`` (if given), and ``modules_to_not_convert`` a list of names if
+    given (Qwen3-MoE's, which the family's rules check); nothing else. Otherwise the first
+    difference, in words."""
     if not isinstance(quant, Mapping) or quant.get("quant_method") != "fp8":
         return "quant_method is not fp8"
     if quant.get("weight_block_size") != [128, 128]:
@@ -284,7 +296,21 @@ def fp8_block_mismatch(quant: object) -> str | None:
     if quant.get("fmt", "e4m3") != "e4m3":
         return f"fmt is {quant.get('fmt')!r}, not 'e4m3'"
     extra = sorted(str(k) for k in quant if k not in _FP8_BLOCK_FIELDS)
-    return f"{extra[0]} is set" if extra else None
+    if extra:
+        return f"{extra[0]} is set"
+    if _unquantized(quant) is None:
+        return f"modules_to_not_convert is not a list of up to {MAX_DIM} names"
+    return None
+
+
+def _unquantized(quant: Mapping[str, Any]) -> tuple[str, ...] | None:
+    """``modules_to_not_convert``'s names (absent: none), or None if it is not a list of
+    short names."""
+    names = quant.get("modules_to_not_convert") or []
+    ok = isinstance(names, list) and len(names) <= MAX_DIM and all(
+        isinstance(n, str) and 0 < len(n) <= MAX_NAME for n in names
+    )
+    return tuple(names) if ok else None
 
 
 _FP8_ARGS = {"type": "float", "num_bits": 8, "symmetric": True}

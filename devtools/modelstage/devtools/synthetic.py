@@ -248,13 +248,25 @@ class SyntheticModel:
         if self.fp8:
             cfg["quantization_config"] = fp8_quantization_config()
         if self.fp8_block:
-            cfg["quantization_config"] = {
-                "activation_scheme": "dynamic",
-                "fmt": "e4m3",
-                "quant_method": "fp8",
-                "weight_block_size": [128, 128],
-            }
+            cfg["quantization_config"] = self._fp8_block_config()
         return cfg
+
+    def _fp8_block_config(self) -> dict[str, object]:
+        """``quantization_config`` as the hub's block-FP8 checkpoints write it: DeepSeek-V3's
+        bare; Qwen3-MoE's naming what stays unquantized (the head, each layer's norms and
+        router)."""
+        quant: dict[str, object] = {
+            "activation_scheme": "dynamic",
+            "fmt": "e4m3",
+            "quant_method": "fp8",
+            "weight_block_size": [128, 128],
+        }
+        if self.family.routers_listed_unquantized:
+            per_layer = ("input_layernorm", "mlp.gate", "post_attention_layernorm")
+            quant["modules_to_not_convert"] = ["lm_head"] + [
+                f"model.layers.{layer}.{m}" for layer in range(self.num_layers) for m in per_layer
+            ]
+        return dict(sorted(quant.items()))
 
     def config(self) -> dict[str, object]:
         """``config.json`` as transformers 4.x writes it for this architecture."""

@@ -162,6 +162,7 @@ def plan_shards(
     _check_layer_count(arch, config, sources)
     active = arch.expand(config)
     _check_sources(arch, config, active, sources)
+    _check_unquantized_modules(arch, config, active)
     out_dtype = _resolve_dtype(dtype)
     if config.quantization is not None and out_dtype is not None:
         raise SpecError(
@@ -216,6 +217,33 @@ def _on_stage(
         if edge or arch.edges_on_every_stage:
             kept.append((rule, source, group))
     return kept
+
+
+def _check_unquantized_modules(
+    arch: Architecture, config: ModelConfig, active: list[tuple[Rule, str, int]]
+) -> None:
+    """Block FP8's ``modules_to_not_convert`` may name only modules the rules read
+    unquantized (vLLM would build any other unquantized, against the float8 source), and,
+    where vLLM quantizes routers by default, must name every layer's router."""
+    listed = set(config.unquantized_modules)
+    plain = {s for r, s, _ in active if r.source_dtype is None and r.block is None}
+    quantized = {s for r, s, _ in active if r.source_dtype is not None}
+    for name in sorted(listed):
+        inside = [s for s in plain | quantized if s.startswith(name + ".")]
+        if not inside or any(s in quantized for s in inside):
+            raise CheckpointError(
+                f"config.json: modules_to_not_convert names {name!r}, which is not an "
+                f"unquantized module of {arch.name}'s block-FP8 rules; {HF_LAYOUT_HINT}"
+            )
+    routers = sorted({s.removesuffix(".weight") for r, s, _ in active
+                      if r.target.endswith(".experts.gate.weight")})  # fmt: skip
+    quantized_routers = [r for r in routers if r not in listed]
+    if arch.routers_listed_unquantized and quantized_routers:
+        raise CheckpointError(
+            f"config.json: modules_to_not_convert does not name the router "
+            f"{quantized_routers[0]!r}, which vLLM would then build in float8 against the "
+            f"unquantized source; {HF_LAYOUT_HINT}"
+        )
 
 
 def _check_layer_count(
@@ -501,7 +529,7 @@ def _attention_params(
             f"{', '.join(DTYPE_CODES)}: the dtype of vLLM's attention parameters is unknown"
         )
     return [
-        TargetTensor(prefix + p.name, p.dtype or model_dtype, (1,), (), layer, constant=p.value)
+        TargetTensor(prefix + p.name, p.dtype or model_dtype, p.shape, (), layer, constant=p.value)
         for p in arch.attention_params
     ]
 
