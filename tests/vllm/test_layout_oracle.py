@@ -560,6 +560,8 @@ def _exchange_two_blocks(scales: torch.Tensor) -> torch.Tensor:
          _exchange_two_experts),
         ("fp8-block-deepseek-v3", "model.layers.1.self_attn.kv_b_proj.weight_scale_inv",
          _exchange_two_blocks),
+        ("fp8-block-qwen3-moe", "model.layers.1.mlp.experts.routed_experts.w13_weight_scale_inv",
+         _exchange_two_experts),
     ],
 )  # fmt: skip
 def test_the_controls_deepseek_files_with_heads_experts_or_blocks_exchanged_differ(
@@ -572,7 +574,8 @@ def test_the_controls_deepseek_files_with_heads_experts_or_blocks_exchanged_diff
     tmp_path: Path,
 ) -> None:
     """The comparison sees a split right in names, shapes and dtypes that puts two MLA heads,
-    two experts, or two blocks' scales in each other's place (on rank 0 of TP 2)."""
+    two experts, two blocks' scales or two experts' scales in each other's place (on rank 0
+    of TP 2)."""
     spec = FAMILIES[family].spec
     artifact = staged(f"layout-{family}", checkpoint(f"layout-{family}", spec), 2,
                       "--dtype", "auto")  # fmt: skip
