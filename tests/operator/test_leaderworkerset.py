@@ -243,3 +243,13 @@ def test_a_crash_looping_leader_of_the_new_digest_is_a_failure(lws: dict[str, An
     (reason,) = pod_failures([crashing, leader("old", group=1)], "new")
     assert "vllm-llama-mn-0" in reason and "CrashLoopBackOff" in reason
     assert pod_selector(lws) == {"leaderworkerset.sigs.k8s.io/name": "vllm-llama-mn"}
+
+
+def test_a_leader_that_only_joins_ray_is_refused(
+    spec: ModelDeploymentSpec, lws: dict[str, Any]
+) -> None:
+    """The leader serves the API: its vLLM command line is what the roll must rewrite."""
+    get_path(lws, LEADER_TEMPLATE)["spec"]["containers"] = [copy.deepcopy(RAY_WORKER)]  # type: ignore[index]
+    (finding,) = validate_workload(spec, lws, namespace="llm", deployment_name="llama-70b")
+    assert finding.reason == "VllmCommandNotRecognized"
+    assert finding.message.startswith("LeaderWorkerSet vllm-llama-mn, container vllm:")

@@ -332,15 +332,12 @@ def runs_vllm(container: KubeObject, serving: bool) -> bool:
     Ray node's (``ray start --address=...``, which gets all but the argument rewrite).
     ``SpecError`` when it is neither."""
     command, args = container.get("command"), container.get("args")
-    if serving:
-        vllm_arguments(command, args)
-        return True
     try:
         vllm_arguments(command, args)
         return True
     except SpecError:
         line = " ".join([*(command or []), *(args or [])])
-        if any(marker in line for marker in RAY_MARKERS):
+        if not serving and any(marker in line for marker in RAY_MARKERS):
             return False
         raise
 
