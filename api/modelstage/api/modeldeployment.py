@@ -243,7 +243,9 @@ class Parallelism(Model):
     of their own (per-rank formats but ``tensorizer``; vLLM 0.32); every pod runs all
     ``tensor`` x ``pipeline`` ranks."""
     layer_partition: (
-        Annotated[list[Annotated[int, Field(ge=0, le=9999)]], Field(min_length=2, max_length=64)]
+        Annotated[
+            list[Annotated[int, Field(ge=0, le=9999)]], Field(min_length=2, max_length=64)
+        ]
         | None
     ) = None
     """Decoder layers per pipeline stage (``[14, 18]``: the first stage 14, the second 18),

@@ -759,7 +759,9 @@ def _plan(args: argparse.Namespace) -> int:
         )
         workload = None
         if args.workload:
-            workload = load_manifests(args.workload, ("Deployment", "StatefulSet"))[0]
+            workload = load_manifests(
+                args.workload, ("Deployment", "StatefulSet", "LeaderWorkerSet")
+            )[0]
         reports = [
             plan_deployment_report(
                 m,
@@ -856,7 +858,7 @@ def _add_plan_parser(sub: Any) -> None:
     md.add_argument(
         "--workload",
         metavar="FILE",
-        help="the target Deployment or StatefulSet manifest: plan its patch "
+        help="the target Deployment, StatefulSet or LeaderWorkerSet manifest: plan its patch "
         "(vLLM arguments, initContainer, env, volumes) and check it",
     )
     md.add_argument(
