@@ -88,6 +88,7 @@ def _stage(args: argparse.Namespace) -> dict[str, Any]:
         cache_dir=args.cache_dir,
         timeouts=_timeouts(args),
         s3=_s3_options(args),
+        azure=_azure_options(args),
         max_part_bytes=parse_bytes(args.max_part_bytes, "--max-part-bytes")
         if args.max_part_bytes is not None
         else None,
@@ -116,6 +117,13 @@ def _s3_options(args: argparse.Namespace) -> Any:
         credentials_file=args.s3_credentials_file,
     )
     return dataclasses.replace(options, **_s3_timeouts(args))
+
+
+def _azure_options(args: argparse.Namespace) -> Any:
+    """az:// locations: credentials and endpoint from the AZURE_STORAGE_* variables."""
+    from modelstage.core.azure_client import AzureOptions
+
+    return AzureOptions.from_env(**_s3_timeouts(args))
 
 
 # --- network timeouts (network.py) -----------------------------------------------------------
@@ -192,7 +200,7 @@ def _verify(args: argparse.Namespace) -> dict[str, Any]:
     from modelstage.core.location import open_artifact, verify
 
     manifest = verify(
-        open_artifact(args.artifact, _s3_options(args)),
+        open_artifact(args.artifact, _s3_options(args), _azure_options(args)),
         digest=args.digest,
         tp=args.tp,
         pp=args.pp,

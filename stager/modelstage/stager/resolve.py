@@ -119,6 +119,7 @@ def resolve(req: StageRequest, *, config: bool = False) -> Resolved:
         req.source,
         revision=req.revision,
         s3=req.s3,
+        azure=req.azure,
         hf_token_file=req.hf_token_file,
         cache_dir=req.cache_dir,
         timeouts=req.timeouts,

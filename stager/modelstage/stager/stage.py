@@ -70,7 +70,7 @@ def request_digest(req: StageRequest, identity: str) -> str:
 def request_destination(req: StageRequest) -> Destination:
     """Where ``req`` writes (``--out``), as its format allows, hashing in the request's chunk
     size when it sets one."""
-    dest = open_destination(req.out, format_for(req.format), s3=req.s3, tp=req.tp)
+    dest = open_destination(req.out, format_for(req.format), s3=req.s3, tp=req.tp, azure=req.azure)
     if req.chunk_bytes is not None:
         if not 1 <= req.chunk_bytes <= MAX_CHUNK_BYTES:
             raise SpecError(
@@ -98,9 +98,7 @@ def check_request(req: StageRequest) -> None:
         raise SpecError(f"--tp {req.tp} --pp {req.pp}: parallel sizes are at least 1")
     fmt.check_pipeline(req.pp, layout_for(req.vllm_version))
     if req.pp_partition is not None and (req.pp == 1 or not fmt.per_rank):
-        raise SpecError(
-            "--pp-layer-partition applies to per-rank formats with --pp greater than 1"
-        )
+        raise SpecError("--pp-layer-partition applies to per-rank formats with --pp greater than 1")
     if not fmt.casts and req.dtype != "auto":
         raise SpecError(
             f"{fmt.name} copies the checkpoint as it is; use --dtype auto (vLLM casts at "
@@ -182,6 +180,7 @@ def open_run(req: StageRequest, dest: Destination) -> OpenRun:
             req.source,
             revision=req.revision,
             s3=req.s3,
+            azure=req.azure,
             hf_token_file=req.hf_token_file,
             cache_dir=req.cache_dir,
             timeouts=req.timeouts,
