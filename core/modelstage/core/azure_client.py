@@ -90,8 +90,9 @@ class AzureOptions:
     connect_timeout: float = 10.0
     read_timeout: float = 120.0
     """Seconds without a byte of an answer; then the SDK retries the request."""
-    max_attempts: int = 8
-    """The SDK's attempts per request (exponential backoff on 5xx, throttling, timeouts)."""
+    max_attempts: int = 6
+    """The SDK's attempts per request (exponential backoff on 5xx, throttling, timeouts:
+    about 35 s of waiting in all before a request is given up)."""
     block_bytes: int = 16 * 1024 * 1024
     """Block size of uploads; memory is about (open blobs + concurrency) x block_bytes."""
     concurrency: int = 8
@@ -134,7 +135,10 @@ class AzureClient:
         self._secrets = options.secrets()
         kwargs: dict[str, Any] = {
             "retry_policy": ExponentialRetry(
-                initial_backoff=1, increment_base=2, retry_total=options.max_attempts - 1
+                initial_backoff=1,
+                increment_base=2,
+                retry_total=options.max_attempts - 1,
+                random_jitter_range=1,
             ),
             "connection_timeout": options.connect_timeout,
             "read_timeout": options.read_timeout,

@@ -148,7 +148,9 @@ class AzureBlobSink:
                 raise self.failed
             body = memoryview(buf)[:fill]
             blob = self.dest.az.blob(self.key)
-            with_retries(lambda: blob.stage_block(ident, _ViewReader(body), length=fill))
+            with_retries(
+                lambda: blob.stage_block(ident, _ViewReader(body), length=fill), attempts=3
+            )
             return ident
         except BaseException as e:
             self.failed = self.failed or self.dest.az.error(e, self.dest.uri_of(self.name))
