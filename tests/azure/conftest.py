@@ -13,14 +13,9 @@ from pathlib import Path
 
 import pytest
 from modelstage.devtools.synthetic import SyntheticModel, write_checkpoint
-from support.azurite import Azurite, azurite, azurite_binary
+from support.azurite import Azurite, azurite, require_azurite
 
 _containers = itertools.count()
-
-
-def require_azurite() -> None:
-    if azurite_binary() is None:
-        pytest.skip("Azurite is not installed: run scripts/azurite (needs node and npm)")
 
 
 @pytest.fixture(scope="session")

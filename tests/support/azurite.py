@@ -42,6 +42,14 @@ def azurite_binary() -> str | None:
     return shutil.which("azurite-blob")
 
 
+def require_azurite() -> None:
+    """Skip, saying why, where Azurite could not be installed."""
+    if azurite_binary() is None:
+        import pytest
+
+        pytest.skip("Azurite is not installed: run scripts/azurite (needs node and npm)")
+
+
 @dataclass
 class Azurite:
     workdir: Path
