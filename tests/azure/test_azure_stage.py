@@ -4,6 +4,7 @@ upload nothing already complete, and ``verify`` of an ``az://`` artifact."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -193,3 +194,22 @@ def test_the_cli_stages_and_verifies_az_and_never_prints_the_key(
     for run in (staged, checked, refused):
         assert KEY not in run.stdout + run.stderr and KEY[::-1] not in run.stdout + run.stderr
         assert "Traceback" not in run.stderr
+
+
+def test_delete_removes_an_az_artifact_manifest_first_and_force_restages(
+    az: Azurite, container: str, multiblock_ckpt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from modelstage.stager.delete import delete_artifact
+
+    for name, value in az.env().items():
+        monkeypatch.setenv(name, value)
+    out = f"az://{container}/gone/"
+    first = stage(request(multiblock_ckpt, out, az, "runai_streamer_sharded"))
+    forced = stage(dataclasses.replace(request(multiblock_ckpt, out, az, "runai_streamer_sharded"),
+                                       force=True))  # fmt: skip
+    assert not forced["alreadyStaged"] and forced["digest"] == first["digest"]
+    present = len(blobs(az, container, "gone/"))
+    done = delete_artifact(out)
+    assert (done["digest"], done["removed"]) == (first["digest"], present)
+    assert blobs(az, container, "gone/") == {}
+    assert delete_artifact(out, digest=first["digest"])["removed"] == 0  # idempotent

@@ -25,7 +25,13 @@ from modelstage.core.digest import DIGEST_HEX_CHARS
 from modelstage.core.durable import fsync_dir
 from modelstage.core.engine_cache import ENGINE_MANIFEST
 from modelstage.core.errors import ArtifactError, DestinationError, SpecError
-from modelstage.core.location import LocalArtifact, S3Artifact, open_artifact, parse_location
+from modelstage.core.location import (
+    AzureArtifact,
+    LocalArtifact,
+    S3Artifact,
+    open_artifact,
+    parse_location,
+)
 from modelstage.core.manifest import MANIFEST, read_manifest
 from modelstage.core.s3_client import S3Options
 
@@ -39,7 +45,8 @@ DELETE_BATCH = 1000
 def delete_artifact(
     artifact: str, *, digest: str | None = None, s3: S3Options | None = None
 ) -> dict[str, Any]:
-    """Delete the artifact at ``artifact`` (a directory or an ``s3://bucket/prefix``)."""
+    """Delete the artifact at ``artifact`` (a directory, an ``s3://bucket/prefix`` or an
+    ``az://container/prefix``)."""
     name = artifact.rstrip("/").rsplit("/", 1)[-1]
     if DIGEST_NAME.match(name):
         if digest is not None and digest != name:
@@ -83,6 +90,8 @@ def remove_artifact(location: str, digest: str, s3: S3Options | None = None) -> 
     found = open_artifact(location, s3)
     if isinstance(found, S3Artifact):
         return _delete_s3(found, digest)
+    if isinstance(found, AzureArtifact):
+        return _delete_azure(found, digest)
     return _delete_local(parse_location(location).path, digest)
 
 
@@ -179,4 +188,22 @@ def _delete_s3(found: S3Artifact, digest: str) -> int:
                 f"{first.get('Code')} {first.get('Message')}"
             )
         removed += len(batch)
+    return removed
+
+
+def _delete_azure(found: AzureArtifact, digest: str) -> int:
+    """The manifest blob first, then every other blob under the prefix (uncommitted blocks
+    are invisible and dropped by Azure)."""
+    manifest = found.read_manifest()
+    if manifest is not None and manifest.digest != digest:
+        raise ArtifactError(
+            f"{found.uri}: its manifest says artifact {manifest.digest}, not {digest}"
+        )
+    container, removed = found.az.client, 0
+    names = [MANIFEST] if manifest is not None else []
+    names += sorted(n for n in found.listing() if n != MANIFEST)
+    for name in names:
+        key = found.location.key(name)
+        found.call(lambda k=key: container.delete_blob(k), key)
+        removed += 1
     return removed
