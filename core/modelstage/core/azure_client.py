@@ -87,6 +87,9 @@ class AzureOptions:
     sas_token: str | None = field(default=None, repr=False)
     endpoint: str | None = None
     """The blob endpoint, e.g. ``http://127.0.0.1:10000/devstoreaccount1`` for Azurite."""
+    ca_bundle: str | None = None
+    """A PEM file of CAs to trust for the endpoint (default: the system's and
+    ``REQUESTS_CA_BUNDLE``)."""
     connect_timeout: float = 10.0
     read_timeout: float = 120.0
     """Seconds without a byte of an answer; then the SDK retries the request."""
@@ -146,6 +149,8 @@ class AzureClient:
             "max_chunk_get_size": options.block_bytes,
             "connection_data_block_size": 1024 * 1024,
         }
+        if options.ca_bundle:
+            kwargs["connection_verify"] = options.ca_bundle
         if options.connection_string:
             conn = options.connection_string
             if options.endpoint and "BlobEndpoint=" not in conn:
