@@ -132,3 +132,22 @@ def _run(req: StageRequest, failure: list[BaseException]) -> None:
         stage(req)
     except BaseException as e:
         failure.append(e)
+
+
+def test_throttling_is_retried_with_backoff_and_the_artifact_is_whole(
+    az: Azurite, container: str, multiblock_ckpt: Path
+) -> None:
+    """Every other request of 6 answered 503 (as a throttled account is): the SDK's retry
+    policy waits and retries each, and the artifact verifies."""
+    out = f"az://{container}/slow/"
+    with fault_proxy(az.endpoint.rsplit("/", 1)[0]) as proxy:
+        options = AzureOptions.from_env(
+            {"AZURE_STORAGE_ACCOUNT": ACCOUNT, "AZURE_STORAGE_KEY": KEY,
+             "AZURE_STORAGE_BLOB_ENDPOINT": f"{proxy.endpoint}/{ACCOUNT}"},
+            block_bytes=1 * MiB, concurrency=2, max_attempts=3,
+        )  # fmt: skip
+        proxy.throttle(6, every=2)
+        stage(StageRequest(source=str(multiblock_ckpt), out=out, tp=2,
+                           format="runai_streamer_sharded", azure=options))  # fmt: skip
+        assert proxy.throttled == 6
+    verify(open_artifact(out, azure=az.options()))

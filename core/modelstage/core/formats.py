@@ -190,7 +190,7 @@ FORMATS: dict[str, Format] = {
             writer="hf_copy",
             rank_file=None,
             weight_files=re.compile(r"^.+\.safetensors$"),
-            destinations=(LOCAL, S3, AZURE),  # Run:ai's Azure backend reads az://
+            destinations=(LOCAL, S3, AZURE),  # vLLM reads az:// with Run:ai's Azure backend
             storage=("s3",),
             scale_out=False,
             casts=False,  # the checkpoint as it is; vLLM casts at load with its own --dtype
@@ -207,7 +207,9 @@ FORMATS: dict[str, Format] = {
             rank_file="model-rank-{rank}-part-{part}.safetensors",
             pp_rank_file=PP_RANK_FILE,
             weight_files=PER_RANK_SAFETENSORS,
-            destinations=(LOCAL, S3, AZURE),  # Run:ai's Azure backend reads az://
+            # vLLM 0.32's sharded-state loader lists rank files on s3:// only; the Azure
+            # artifact is the same bytes, for a reader that lists az:// (README).
+            destinations=(LOCAL, S3, AZURE),
             storage=("s3",),
             scale_out=True,
             casts=True,
