@@ -481,7 +481,7 @@ def _add_delete_parser(sub: Any) -> None:
     de.add_argument(
         "--artifact",
         required=True,
-        help="the artifact: a directory or s3://BUCKET/PREFIX/ named by its digest (the "
+        help="the artifact: a directory, s3:// or az:// prefix named by its digest (the "
         "operator's layout), or any one holding the artifact's manifest (`stage --out DIR`)",
     )
     de.add_argument("--digest", help="refuse unless the location is this artifact")
@@ -518,8 +518,8 @@ def _add_stage_parser(sub: Any) -> argparse.ArgumentParser:
     )
     st.add_argument(
         "source",
-        help="checkpoint in Hugging Face layout: a local directory, s3://BUCKET/PREFIX or "
-        "hf://ORG/NAME",
+        help="checkpoint in Hugging Face layout: a local directory, s3://BUCKET/PREFIX, "
+        "az://CONTAINER/PREFIX or hf://ORG/NAME",
     )
     st.add_argument("--tp", type=int, required=True, help="tensor parallel size")
     st.add_argument("--pp", type=int, default=1, help="pipeline parallel size (default 1)")
@@ -537,7 +537,13 @@ def _add_stage_parser(sub: Any) -> argparse.ArgumentParser:
         help="the vLLM load format; sharded_state needs a local --out",
     )
     st.add_argument("--vllm-version", default=DEFAULT_VLLM_VERSION, help="layout to produce")
-    st.add_argument("--out", required=True, help="the artifact directory or s3://BUCKET/PREFIX/")
+    st.add_argument(
+        "--out",
+        required=True,
+        help="the artifact directory, s3://BUCKET/PREFIX/ or az://CONTAINER/PREFIX/ (az:// reads "
+        "AZURE_STORAGE_CONNECTION_STRING, or AZURE_STORAGE_ACCOUNT with AZURE_STORAGE_KEY or "
+        "AZURE_STORAGE_SAS_TOKEN; AZURE_STORAGE_BLOB_ENDPOINT names another endpoint)",
+    )
     st.add_argument(
         "--digest",
         help=f"use this artifact digest ({DIGEST_HEX_CHARS} hex characters) instead of computing "
@@ -607,7 +613,9 @@ def _add_stage_options(st: argparse.ArgumentParser) -> None:
 
 def _add_verify_parser(sub: Any) -> None:
     ve = sub.add_parser("verify", help="re-check an artifact against its manifest")
-    ve.add_argument("artifact", help="artifact directory or s3://BUCKET/PREFIX/")
+    ve.add_argument(
+        "artifact", help="artifact directory, s3://BUCKET/PREFIX/ or az://CONTAINER/PREFIX/"
+    )
     ve.add_argument("--digest", help="fail unless the artifact has this digest")
     ve.add_argument("--tp", type=int, help="fail unless the artifact has this TP size")
     ve.add_argument("--pp", type=int, help="fail unless the artifact has this PP size")
