@@ -31,12 +31,14 @@ def own_az(tmp_path: Path) -> Iterator[Azurite]:
 
 @pytest.fixture(scope="module")
 def big_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """~100 MB of float32 weights: long enough an upload to kill the endpoint in the middle."""
-    spec = SyntheticModel(hidden_size=1024, intermediate_size=4096, num_layers=2,
-                          vocab_size=8000, num_shards=2)  # fmt: skip
+    """~45 MB of float32 weights (about 45 blocks of 1 MiB): an upload long enough to lose
+    the endpoint in the middle of it."""
+    spec = SyntheticModel(hidden_size=1024, intermediate_size=2048, num_layers=2,
+                          vocab_size=4000, num_shards=2)  # fmt: skip
     return write_checkpoint(spec, tmp_path_factory.mktemp("azbig") / "ckpt")
 
 
+@pytest.mark.slow  # a second Azurite and the retries running out: ~60 s; the next test is exact
 def test_azurite_killed_mid_upload_leaves_no_manifest_and_a_rerun_finishes(
     own_az: Azurite, big_ckpt: Path
 ) -> None:
