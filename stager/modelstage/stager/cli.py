@@ -423,11 +423,12 @@ def _capture(args: argparse.Namespace) -> dict[str, Any]:
             raise SpecError(f"--env {item!r}: expected NAME=VALUE")
         env[name] = value
     return capture(
-        Path(args.artifact),
-        Path(args.out),
+        args.artifact,
+        args.out,
         EngineArgs.parse(args.engine_args, "--engine-args"),
         env=env,
         timeout=args.timeout,
+        s3=_s3_options(args),
     )
 
 
@@ -440,10 +441,13 @@ def _add_capture_parser(sub: Any) -> None:
     ca.add_argument(
         "--artifact",
         required=True,
-        help="the staged artifact directory, mounted "
-        "at the path the serving pods mount it (the path is in vLLM's key)",
+        help="the staged artifact directory, mounted at the path the serving pods mount it, "
+        "or its s3://BUCKET/PREFIX/ (the path is in vLLM's key)",
     )
-    ca.add_argument("--out", required=True, help="the engine-cache directory to write")
+    ca.add_argument(
+        "--out", required=True,
+        help="the engine-cache directory to write, or an s3://BUCKET/PREFIX/ to upload it to",
+    )  # fmt: skip
     ca.add_argument(
         "--engine-args", required=True, metavar="JSON",
         help='the workload\'s engine arguments: {"maxModelLen": 4096, "tensorParallelSize": 1, '
@@ -454,6 +458,7 @@ def _add_capture_parser(sub: Any) -> None:
                     help="a variable of the serving container (VLLM_*, TORCHINDUCTOR_*); "
                     "default VLLM_USE_AOT_COMPILE=0")  # fmt: skip
     ca.add_argument("--timeout", type=float, default=1800.0, metavar="SECONDS")
+    _add_s3_options(ca)
     ca.set_defaults(run=_capture)
 
 
