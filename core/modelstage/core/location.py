@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import structure
 from .errors import ArtifactError, DestinationError
-from .formats import LOCAL, S3
+from .formats import LOCAL, OCI, S3
 from .integrity import VERIFY_WORKERS, FileToHash, HashStats, LocalFile, ReadInto, hash_files
 from .manifest import (
     MANIFEST,
@@ -39,6 +39,7 @@ from .structure import check_structure
 
 if TYPE_CHECKING:
     from .progress import Progress
+    from .oci_registry import RegistryOptions
     from .s3_client import S3Client, S3Location, S3Options
 
 HASH_BLOCK = 8 * 1024 * 1024
@@ -285,12 +286,18 @@ class S3Artifact(ArtifactLocation):
         return h.hexdigest()
 
 
-def open_artifact(text: str, s3: S3Options | None = None) -> ArtifactLocation:
-    """The artifact at a local path or an ``s3://`` prefix; ``SpecError`` for another scheme
-    is the caller's to word (``parse_location`` first)."""
+def open_artifact(
+    text: str, s3: S3Options | None = None, oci: RegistryOptions | None = None
+) -> ArtifactLocation:
+    """The artifact at a local path, an ``s3://`` prefix or an ``oci://`` image; ``SpecError``
+    for another scheme is the caller's to word (``parse_location`` first)."""
     location = parse_location(text)
     if location.kind == S3:
         return S3Artifact.open(text, s3)
+    if location.kind == OCI:
+        from .oci_artifact import OciArtifact
+
+        return OciArtifact.open(text, oci)
     return LocalArtifact(location.path)
 
 

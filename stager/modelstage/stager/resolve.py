@@ -8,6 +8,7 @@ the request's text alone. ``resolve`` pins it first:
   commit sha names itself);
 - ``s3://``: the listing's ETags and sizes of the files the stager reads (and their headers
   are read, as staging would);
+- ``oci://``: the image manifest's digest (one request; it pins every layer);
 - a local folder or a mounted ``pvc://`` claim: per file its size and header hash (with the
   modification time) or the sha256 of a small file.
 
@@ -115,10 +116,16 @@ def resolve(req: StageRequest, *, config: bool = False) -> Resolved:
             commit=commit,
             config=found if isinstance(found, dict) else {},
         )
+    if req.source.startswith("oci://"):
+        from .sources.oci import OciSource
+
+        digest = OciSource.resolve(req.source, oci=req.oci)
+        return Resolved(uri, req.revision, f"oci:{digest}", "oci")
     source = open_source(
         req.source,
         revision=req.revision,
         s3=req.s3,
+        oci=req.oci,
         hf_token_file=req.hf_token_file,
         cache_dir=req.cache_dir,
         timeouts=req.timeouts,

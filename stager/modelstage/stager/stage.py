@@ -70,7 +70,9 @@ def request_digest(req: StageRequest, identity: str) -> str:
 def request_destination(req: StageRequest) -> Destination:
     """Where ``req`` writes (``--out``), as its format allows, hashing in the request's chunk
     size when it sets one."""
-    dest = open_destination(req.out, format_for(req.format), s3=req.s3, tp=req.tp)
+    dest = open_destination(
+        req.out, format_for(req.format), s3=req.s3, tp=req.tp, oci=req.oci, oci_form=req.oci_form
+    )
     if req.chunk_bytes is not None:
         if not 1 <= req.chunk_bytes <= MAX_CHUNK_BYTES:
             raise SpecError(
@@ -118,7 +120,9 @@ def stage(req: StageRequest, *, progress_stream: TextIO | None = None) -> dict[s
     run = open_run(req, dest)
     if run.existing is not None or run.source is None:
         assert run.existing is not None
-        return _summary(run.existing, dest.uri, time.monotonic() - started, already=True)
+        return _summary(
+            run.existing, dest, time.monotonic() - started, already=True
+        )
     source = _with_pickles_converted(run.source, req.out) if req.allow_pickle else run.source
     try:
         checkpoint = run.resolved.checkpoint or open_checkpoint(source)
@@ -143,7 +147,7 @@ def stage(req: StageRequest, *, progress_stream: TextIO | None = None) -> dict[s
             dest.commit(manifest)
     finally:
         source.close()
-    return _summary(manifest, dest.uri, time.monotonic() - started, already=False)
+    return _summary(manifest, dest, time.monotonic() - started, already=False)
 
 
 def _reread_bytes(checkpoint: Checkpoint, plans: tuple[ShardPlan, ...]) -> int:
@@ -182,6 +186,7 @@ def open_run(req: StageRequest, dest: Destination) -> OpenRun:
             req.source,
             revision=req.revision,
             s3=req.s3,
+            oci=req.oci,
             hf_token_file=req.hf_token_file,
             cache_dir=req.cache_dir,
             timeouts=req.timeouts,
@@ -269,10 +274,13 @@ def build_manifest(
     )
 
 
-def _summary(manifest: Manifest, uri: str, seconds: float, *, already: bool) -> dict[str, Any]:
+def _summary(manifest: Manifest, dest: Destination, seconds: float, *, already: bool) -> dict[str, Any]:
+    """The one-line JSON summary; ``address`` where the artifact is pinned by digest."""
+    pinned = {"address": dest.address} if dest.address else {}
     return {
         "digest": manifest.digest,
-        "uri": uri,
+        "uri": dest.uri,
+        **pinned,
         "format": manifest.format,
         "tensorParallelSize": manifest.tensorParallelSize,
         "source": manifest.source.get("uri"),
