@@ -47,6 +47,7 @@ class Registry:
     process: subprocess.Popen[bytes]
     ca_file: Path | None = None
     auth_file: Path | None = None
+    password: str = ""
 
     def requests(self, method: str, path_part: str = "") -> int:
         """How many requests of ``method`` (whose URI contains ``path_part``) it answered."""
@@ -78,7 +79,10 @@ def write_config(root: Path, port: int, log_level: str = "info", tls: tuple[Path
     config: dict[str, object] = {
         "version": 0.1,
         "log": {"level": log_level, "accesslog": {"disabled": True}},
-        "storage": {"filesystem": {"rootdirectory": str(root / "data")}, "delete": {"enabled": True}},
+        "storage": {
+            "filesystem": {"rootdirectory": str(root / "data")},
+            "delete": {"enabled": True},
+        },
         "http": {"addr": f"127.0.0.1:{port}", "secret": "modelstage-test-only"},
     }
     if tls is not None:
@@ -116,7 +120,11 @@ def run_registry(root: Path, *, tls: tuple[Path, Path] | None = None, htpasswd: 
 
 def _wait_ready(registry: Registry, tls: bool) -> None:
     scheme = "https" if tls else "http"
-    context = ssl.create_default_context(cafile=str(registry.ca_file)) if tls and registry.ca_file else None
+    context = (
+        ssl.create_default_context(cafile=str(registry.ca_file))
+        if tls and registry.ca_file
+        else None
+    )
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline:
         if registry.process.poll() is not None:

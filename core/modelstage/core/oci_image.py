@@ -77,7 +77,7 @@ DEFAULT_FORM = "modelpack"
 def tar_header(name: str, size: int) -> bytes:
     """The tar header of one regular file (deterministic: mode 0644, owner 0, mtime 0)."""
     info = tarfile.TarInfo(name)
-    info.size, info.mode, info.mtime, info.type = size, 0o644, 0, tarfile.REGTYPE
+    info.size, info.mode, info.type = size, 0o644, tarfile.REGTYPE  # mtime: 0 by default
     return info.tobuf(format=tarfile.PAX_FORMAT, encoding="utf-8", errors="strict")
 
 

@@ -19,6 +19,7 @@ realm with them. Neither a credential nor a token ever reaches a message or a lo
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import http.client
 import json
@@ -35,13 +36,13 @@ from typing import Any
 from .errors import ModelstageError
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
-MANIFEST_ACCEPT = ", ".join(
-    [OCI_MANIFEST, "application/vnd.docker.distribution.manifest.v2+json"]
-)
+MANIFEST_ACCEPT = ", ".join([OCI_MANIFEST, "application/vnd.docker.distribution.manifest.v2+json"])
 MAX_MANIFEST_BYTES = 4 * 1024 * 1024
 """The largest image manifest read: distribution itself refuses manifests above 4 MiB."""
 _DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
-_REPO = re.compile(r"^[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*$")
+_REPO = re.compile(
+    r"^[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*$"
+)
 _TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
 LOOPBACK = ("127.0.0.1", "localhost", "[::1]")
 READ_BLOCK = 1024 * 1024
@@ -69,9 +70,8 @@ class OciReference:
     def parse(uri: str) -> OciReference:
         text = uri.removeprefix("oci://")
         registry, _, rest = text.partition("/")
-        if not registry or not rest or "." not in registry and ":" not in registry and (
-            registry != "localhost"
-        ):
+        hostlike = "." in registry or ":" in registry or registry == "localhost"
+        if not registry or not rest or not hostlike:
             raise RegistryError(
                 f"{uri!r}: expected oci://REGISTRY/REPOSITORY:TAG (the registry host first, "
                 "e.g. oci://registry.example.com/models/llama:v1)"
@@ -203,7 +203,9 @@ class RegistryClient:
         self.ref, self.options = ref, options or RegistryOptions()
         host = ref.registry.split(":")[0].strip("[]")
         loopback = ref.registry.split(":")[0] in LOOPBACK or host == "::1"
-        self.scheme = "http" if self.options.insecure or (loopback and not self.options.ca_file) else "https"
+        self.scheme = (
+            "http" if self.options.insecure or (loopback and not self.options.ca_file) else "https"
+        )
         self.base = f"{self.scheme}://{ref.registry}"
         self._local = threading.local()
         self._auth_lock = threading.Lock()
@@ -223,9 +225,7 @@ class RegistryClient:
     # -- HTTP plumbing ----------------------------------------------------------------------
 
     def _connection(self, netloc: str, scheme: str) -> http.client.HTTPConnection:
-        conns: dict[tuple[str, str], http.client.HTTPConnection] = getattr(
-            self._local, "conns", {}
-        )
+        conns: dict[tuple[str, str], http.client.HTTPConnection] = getattr(self._local, "conns", {})
         self._local.conns = conns
         conn = conns.get((scheme, netloc))
         if conn is None:
@@ -342,9 +342,9 @@ class RegistryClient:
         headers = {}
         if self._credentials is not None:
             user, secret = self._credentials
-            headers["Authorization"] = "Basic " + base64.b64encode(
-                f"{user}:{secret}".encode()
-            ).decode()
+            headers["Authorization"] = (
+                "Basic " + base64.b64encode(f"{user}:{secret}".encode()).decode()
+            )
         response = self._send("GET", url, None, headers)
         if response.status != 200:
             response.read()
@@ -406,10 +406,9 @@ class RegistryClient:
         ).read()
 
     def cancel_upload(self, location: str) -> None:
-        try:
+        # An upload left behind (this failing too) expires in the registry (its purge policy).
+        with contextlib.suppress(RegistryError):
             self.request("DELETE", self.url(location), ok=(204, 404), what=self.ref.name).read()
-        except RegistryError:
-            pass  # an upload left behind expires in the registry (its purge policy)
 
     def put_blob(self, data: bytes) -> tuple[str, bool]:
         """A small blob in one request unless the registry has it: (digest, uploaded)."""
@@ -458,8 +457,7 @@ class RegistryClient:
         confirmed = response.header("Docker-Content-Digest")
         if confirmed and confirmed != digest:
             raise RegistryError(
-                f"{self.ref.name}:{reference}: the registry stored digest {confirmed}, not "
-                f"{digest}"
+                f"{self.ref.name}:{reference}: the registry stored digest {confirmed}, not {digest}"
             )
         return digest
 

@@ -96,26 +96,7 @@ def resolve(req: StageRequest, *, config: bool = False) -> Resolved:
     ``config.json`` also from the Hub (a local or S3 source's is read anyway)."""
     uri = req.source_uri or canonical_uri(req.source)
     if req.source.startswith("hf://"):
-        from .sources.hf import HfSource
-
-        options: dict[str, Any] = {
-            "revision": req.revision,
-            "hf_token_file": req.hf_token_file,
-            "cache_dir": req.cache_dir,
-            "timeouts": req.timeouts,
-        }
-        if not config:
-            commit = HfSource.resolve(req.source, **options)
-            return Resolved(uri, req.revision, f"commit:{commit}", "hf", commit=commit)
-        commit, found = HfSource.resolve_config(req.source, **options)
-        return Resolved(
-            uri,
-            req.revision,
-            f"commit:{commit}",
-            "hf",
-            commit=commit,
-            config=found if isinstance(found, dict) else {},
-        )
+        return _resolve_hf(req, uri, config=config)
     if req.source.startswith("oci://"):
         from .sources.oci import OciSource
 
@@ -155,6 +136,30 @@ def resolve(req: StageRequest, *, config: bool = False) -> Resolved:
     except BaseException:
         source.close()
         raise
+
+
+def _resolve_hf(req: StageRequest, uri: str, *, config: bool) -> Resolved:
+    """A Hub source: the commit its revision names now (and its config.json, ``config``)."""
+    from .sources.hf import HfSource
+
+    options: dict[str, Any] = {
+        "revision": req.revision,
+        "hf_token_file": req.hf_token_file,
+        "cache_dir": req.cache_dir,
+        "timeouts": req.timeouts,
+    }
+    if not config:
+        commit = HfSource.resolve(req.source, **options)
+        return Resolved(uri, req.revision, f"commit:{commit}", "hf", commit=commit)
+    commit, found = HfSource.resolve_config(req.source, **options)
+    return Resolved(
+        uri,
+        req.revision,
+        f"commit:{commit}",
+        "hf",
+        commit=commit,
+        config=found if isinstance(found, dict) else {},
+    )
 
 
 def check_identity(resolved: str, read: dict[str, Any], uri: str) -> None:

@@ -100,9 +100,7 @@ def check_request(req: StageRequest) -> None:
         raise SpecError(f"--tp {req.tp} --pp {req.pp}: parallel sizes are at least 1")
     fmt.check_pipeline(req.pp, layout_for(req.vllm_version))
     if req.pp_partition is not None and (req.pp == 1 or not fmt.per_rank):
-        raise SpecError(
-            "--pp-layer-partition applies to per-rank formats with --pp greater than 1"
-        )
+        raise SpecError("--pp-layer-partition applies to per-rank formats with --pp greater than 1")
     if not fmt.casts and req.dtype != "auto":
         raise SpecError(
             f"{fmt.name} copies the checkpoint as it is; use --dtype auto (vLLM casts at "
@@ -120,9 +118,7 @@ def stage(req: StageRequest, *, progress_stream: TextIO | None = None) -> dict[s
     run = open_run(req, dest)
     if run.existing is not None or run.source is None:
         assert run.existing is not None
-        return _summary(
-            run.existing, dest, time.monotonic() - started, already=True
-        )
+        return _summary(run.existing, dest, time.monotonic() - started, already=True)
     source = _with_pickles_converted(run.source, req.out) if req.allow_pickle else run.source
     try:
         checkpoint = run.resolved.checkpoint or open_checkpoint(source)
@@ -274,7 +270,9 @@ def build_manifest(
     )
 
 
-def _summary(manifest: Manifest, dest: Destination, seconds: float, *, already: bool) -> dict[str, Any]:
+def _summary(
+    manifest: Manifest, dest: Destination, seconds: float, *, already: bool
+) -> dict[str, Any]:
     """The one-line JSON summary; ``address`` where the artifact is pinned by digest."""
     pinned = {"address": dest.address} if dest.address else {}
     return {

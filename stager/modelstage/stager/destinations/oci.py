@@ -30,8 +30,8 @@ from typing import TypeVar
 import numpy as np
 from modelstage.core.errors import ArtifactError, DestinationError, SpecError
 from modelstage.core.integrity import ChunkedHasher, FileDigest
+from modelstage.core.location import OciArtifact
 from modelstage.core.manifest import MANIFEST, Manifest
-from modelstage.core.oci_artifact import OciArtifact
 from modelstage.core.oci_image import (
     DEFAULT_FORM,
     DIGEST_ANNOTATION,

@@ -40,7 +40,10 @@ from modelstage.core.oci_registry import (
 
 from .base import Source, safe_name
 
-TAR_TYPES = ("application/vnd.oci.image.layer.v1.tar", "application/vnd.docker.image.rootfs.diff.tar")
+TAR_TYPES = (
+    "application/vnd.oci.image.layer.v1.tar",
+    "application/vnd.docker.image.rootfs.diff.tar",
+)
 """Layer media types unpacked as tar (with ``+gzip`` or ``.gzip`` variants); ModelPack's
 ``...v1.tar`` layers too."""
 SKIPPED_PREFIXES = ("application/vnd.oci.empty",)
@@ -232,7 +235,9 @@ class OciSource(Source):
                     out.write(block)
             self._check(d, "sha256:" + sha.hexdigest())
             if size != entry.size:
-                raise CheckpointError(f"{self.client.where(d.digest)}: size differs from the manifest")
+                raise CheckpointError(
+                    f"{self.client.where(d.digest)}: size differs from the manifest"
+                )
             path = self.spool / name
             os.rename(part, path)
             entry.path = path
