@@ -96,6 +96,8 @@ def test_tp2_image_pulled_by_skopeo_and_unpacked_by_umoci_is_the_artifact_byte_f
     rootfs = pull_and_unpack(address, tmp_path, "--src-tls-verify=false")
     same_files(local, rootfs)
     checked = summary(modelstage("verify", str(rootfs), "--tp", "2"))
+    in_registry = summary(modelstage("verify", f"oci://{address}"))  # read in its tar layers
+    assert in_registry["digest"] == checked["digest"] and in_registry["address"] == address
     assert (
         checked["digest"]
         == pushed["digest"]
@@ -210,9 +212,8 @@ def test_registry_killed_mid_push_leaves_no_manifest(big_ckpt: Path, tmp_path: P
         _, err = proc.communicate(timeout=120)
         assert proc.returncode == 1 and "cannot reach the registry" in err.splitlines()[-1]
     with run_registry(root) as again:  # the same storage, started anew
-        request = urllib.request.Request(f"http://{again.host}/v2/m/killed/manifests/v1")
         with pytest.raises(urllib.error.HTTPError) as absent:
-            urllib.request.urlopen(request, timeout=10)
+            get_json(again, "/v2/m/killed/manifests/v1")  # asked as OCI: else always 404
         assert absent.value.code == 404
 
 
