@@ -43,9 +43,7 @@ def test_a_modelpack_image_stages_to_the_same_rank_files_as_the_checkpoint(
     manifest = json.loads((out / MANIFEST).read_text())
     assert manifest["source"]["manifestDigest"] == digest
     # Pinned by digest, the same image is the same source: the same artifact digest.
-    again = stage(
-        StageRequest(source=f"oci://{registry.host}/src/llama:hf", out=str(out), tp=2)
-    )
+    again = stage(StageRequest(source=f"oci://{registry.host}/src/llama:hf", out=str(out), tp=2))
     assert again["alreadyStaged"] and again["digest"] == done["digest"]
 
 
@@ -53,9 +51,7 @@ def test_a_layer_altered_in_the_registry_is_refused_by_its_digest(
     registry: Registry, ckpt: Path, tmp_path: Path
 ) -> None:
     pushed = push_checkpoint(registry, ckpt, "alter")
-    image = json.loads(
-        (registry.blob_path(str(pushed["address"]).split("@")[1])).read_bytes()
-    )
+    image = json.loads((registry.blob_path(str(pushed["address"]).split("@")[1])).read_bytes())
     weights = [la for la in image["layers"] if la["mediaType"].endswith("weight.v1.raw")]
     path = registry.blob_path(weights[0]["digest"])
     data = bytearray(path.read_bytes())

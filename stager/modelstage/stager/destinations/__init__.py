@@ -31,7 +31,8 @@ def open_destination(
         fmt.check_destination(LOCAL)  # an image is unpacked (or mounted) as a directory
         from .oci import OciDestination
 
-        return OciDestination(out, oci, form=oci_form or "modelpack")
+        open_files = tp if fmt.per_rank else 1
+        return OciDestination(out, oci, form=oci_form or "modelpack", open_files=open_files)
     if location.kind == S3:
         fmt.check_destination(S3)
         from .s3 import S3Destination

@@ -56,9 +56,13 @@ from .base import Destination
 
 MiB = 1024 * 1024
 BUFFER_BYTES = 16 * MiB
-"""One ``PATCH``: large enough to amortise a request, small enough for TP=8 x ``IN_FLIGHT``."""
+"""One ``PATCH`` at most: large enough to amortise a request."""
+MIN_BUFFER_BYTES = 4 * MiB
 IN_FLIGHT = 2
 """Buffers per file being sent while the next fills."""
+BUFFER_BUDGET = 192 * MiB
+"""Buffers of one run: (1 + ``IN_FLIGHT``) per open file (16 MiB up to 4 open files, smaller
+beyond, down to 4 MiB)."""
 T = TypeVar("T")
 
 
@@ -73,7 +77,7 @@ class OciLayerSink:
         self.layer_size = len(self.head) + size + len(self.tail)
         self.blake3 = ChunkedHasher(dest.chunk_bytes)
         self.sha256 = hashlib.sha256(self.head)
-        self.buf = bytearray(min(BUFFER_BYTES, self.layer_size))
+        self.buf = bytearray(min(dest.buffer_bytes, self.layer_size))
         self.buf[: len(self.head)] = self.head  # a tar header is far below one buffer
         self.fill, self.written = len(self.head), 0
         self.location: str | None = None
@@ -170,8 +174,16 @@ class OciLayerSink:
 
 class OciDestination(Destination):
     def __init__(
-        self, uri: str, options: RegistryOptions | None = None, *, form: str = DEFAULT_FORM
+        self,
+        uri: str,
+        options: RegistryOptions | None = None,
+        *,
+        form: str = DEFAULT_FORM,
+        open_files: int = 1,
     ) -> None:
+        """``open_files``: files written at once (one per rank for per-rank formats)."""
+        fit = BUFFER_BUDGET // (max(1, open_files) * (1 + IN_FLIGHT)) // MiB * MiB
+        self.buffer_bytes = max(MIN_BUFFER_BYTES, min(BUFFER_BYTES, fit))
         try:
             self.ref = OciReference.parse(uri)
         except RegistryError as e:
