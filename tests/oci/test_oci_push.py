@@ -5,6 +5,7 @@ auth; a registry killed mid-push leaves no tag; ``verify oci://`` reads it where
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -17,8 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from modelstage.core.errors import ArtifactError
 from modelstage.core.manifest import MANIFEST
 from modelstage.core.oci_image import (
+    DIGEST_ANNOTATION,
     MANIFEST_ANNOTATION,
     MODEL_ARTIFACT,
     MODEL_CONFIG,
@@ -254,3 +257,21 @@ def test_plan_of_an_oci_source_names_it_and_the_resolve_step(tmp_path: Path) -> 
     assert resolving and f"modelstage resolve {source}" in resolving[0]["message"]
     text = modelstage("plan", str(source), "--tp", "2", "--out", "oci://registry.example/m/x:v1")
     assert "pinned: REGISTRY/REPOSITORY@sha256" in text.stdout
+
+
+def test_force_repoints_the_tag_and_delete_leaves_images_to_the_registry_tools(
+    registry: Registry, ckpt: Path
+) -> None:
+    out = f"oci://{registry.host}/m/force:v1"
+    first = stage(StageRequest(source=str(ckpt), out=out, tp=2))
+    other = StageRequest(source=str(ckpt), out=out, tp=2, digest="1" * 20)
+    with pytest.raises(ArtifactError, match="already holds artifact"):
+        stage(other)
+    second = stage(dataclasses.replace(other, force=True))
+    assert second["address"] != first["address"] and second["digest"] == "1" * 20
+    tagged = get_json(registry, "/v2/m/force/manifests/v1")
+    assert tagged["annotations"][DIGEST_ANNOTATION] == "1" * 20
+    old = get_json(registry, f"/v2/m/force/manifests/{first['address'].split('@')[1]}")
+    assert old["annotations"][DIGEST_ANNOTATION] == first["digest"]  # still there, by digest
+    refused = modelstage("delete", "--artifact", out)
+    assert refused.returncode == 1 and "skopeo delete" in refused.stderr.splitlines()[-1]

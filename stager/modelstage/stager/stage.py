@@ -15,9 +15,10 @@ from typing import Any, TextIO
 
 from modelstage.core.digest import artifact_digest, identity_key
 from modelstage.core.errors import ArtifactError, SpecError
-from modelstage.core.formats import format_for
+from modelstage.core.formats import OCI, format_for
 from modelstage.core.integrity import MAX_CHUNK_BYTES, FileDigest
 from modelstage.core.layouts import Layout, layout_for
+from modelstage.core.location import parse_location
 from modelstage.core.manifest import FileEntry, Manifest
 from modelstage.core.pipeline_parallel import spell_layer_partition
 
@@ -217,6 +218,8 @@ def existing_artifact(
         return existing
     if not req.force:
         raise occupied(existing, dest.uri, req, digest, resolved.identity)
+    if parse_location(dest.uri).kind == OCI:
+        return None  # the new push's commit repoints the tag; the old image keeps its digest
     from .delete import remove_artifact
 
     remove_artifact(dest.uri, existing.digest, req.s3)
