@@ -11,15 +11,9 @@ from pathlib import Path
 
 import pytest
 from modelstage.devtools.synthetic import SyntheticModel, write_checkpoint
-from support.registry_server import Registry, docker_config, missing_tools, run_registry
+from support.registry_server import Registry, docker_config, require, run_registry
 
 TOOLS = ("docker-registry", "skopeo", "umoci")
-
-
-def require(*tools: str) -> None:
-    absent = missing_tools(*tools)
-    if absent:
-        pytest.skip(f"{', '.join(absent)} not installed (scripts/setup installs them with apt)")
 
 
 @pytest.fixture

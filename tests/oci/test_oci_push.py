@@ -30,7 +30,8 @@ from modelstage.core.oci_image import (
     WEIGHT_RAW,
 )
 from modelstage.stager.stage import StageRequest, stage
-from support.registry_server import Registry, run_registry
+from support.registry_server import Registry, docker_config, require, run_registry
+from support.registry_tokens import registry_auth_config, token_service
 
 MODELSTAGE = str(Path(sys.executable).with_name("modelstage"))
 
@@ -275,3 +276,28 @@ def test_force_repoints_the_tag_and_delete_leaves_images_to_the_registry_tools(
     assert old["annotations"][DIGEST_ANNOTATION] == first["digest"]  # still there, by digest
     refused = modelstage("delete", "--artifact", out)
     assert refused.returncode == 1 and "skopeo delete" in refused.stderr.splitlines()[-1]
+
+
+def test_bearer_token_auth_push_verify_and_pull_as_a_source(ckpt: Path, tmp_path: Path) -> None:
+    """The registry sends clients to a token service (distribution's ``token`` auth): the
+    credentials file's user and password buy a bearer token for the repository's scope."""
+    require("docker-registry", "openssl")
+    password = "tok-Pelican+Marmot-8841"
+    with (
+        token_service(tmp_path / "tokens", "robot", password) as tokens,
+        run_registry(tmp_path / "registry", auth=registry_auth_config(tokens)) as reg,
+    ):
+        auth = docker_config(tmp_path / "auth.json", reg.host, "robot", password)
+        out = f"oci://{reg.host}/team/llama:v1"
+        done = modelstage("stage", str(ckpt), "--tp", "2", "--out", out, "--registry-auth",
+                          str(auth))  # fmt: skip
+        pushed = summary(done)
+        assert "repository:team/llama:pull,push" in tokens.granted
+        checked = modelstage("verify", f"oci://{pushed['address']}", "--registry-auth", str(auth))
+        assert summary(checked)["digest"] == pushed["digest"]
+        wrong = docker_config(tmp_path / "wrong.json", reg.host, "robot", "not-the-password")
+        refused = modelstage("verify", out, "--registry-auth", str(wrong))
+        assert refused.returncode == 1 and "token service refused" in refused.stderr
+        assert tokens.refused >= 1
+        for output in (done, checked, refused):
+            assert password not in output.stdout + output.stderr

@@ -31,6 +31,15 @@ def missing_tools(*tools: str) -> list[str]:
     return [t for t in tools if shutil.which(t) is None]
 
 
+def require(*tools: str) -> None:
+    """Skip the test, naming what is absent, when one of ``tools`` is not installed."""
+    import pytest
+
+    absent = missing_tools(*tools)
+    if absent:
+        pytest.skip(f"{', '.join(absent)} not installed (scripts/setup installs them with apt)")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -75,7 +84,7 @@ class Registry:
 
 
 def write_config(root: Path, port: int, log_level: str = "info", tls: tuple[Path, Path] | None = None,
-                 htpasswd: Path | None = None) -> Path:  # fmt: skip
+                 htpasswd: Path | None = None, auth: dict[str, object] | None = None) -> Path:  # fmt: skip
     config: dict[str, object] = {
         "version": 0.1,
         "log": {"level": log_level, "accesslog": {"disabled": True}},
@@ -89,6 +98,8 @@ def write_config(root: Path, port: int, log_level: str = "info", tls: tuple[Path
         config["http"] = {**config["http"], "tls": {"certificate": str(tls[0]), "key": str(tls[1])}}  # type: ignore[dict-item]
     if htpasswd is not None:
         config["auth"] = {"htpasswd": {"realm": "modelstage-test", "path": str(htpasswd)}}
+    if auth is not None:
+        config["auth"] = auth
     path = root / "config.yml"
     path.write_text(yaml.safe_dump(config))
     return path
@@ -96,11 +107,12 @@ def write_config(root: Path, port: int, log_level: str = "info", tls: tuple[Path
 
 @contextlib.contextmanager
 def run_registry(root: Path, *, tls: tuple[Path, Path] | None = None, htpasswd: Path | None = None,
-                 ca_file: Path | None = None, auth_file: Path | None = None) -> Iterator[Registry]:  # fmt: skip
+                 ca_file: Path | None = None, auth_file: Path | None = None,
+                 auth: dict[str, object] | None = None) -> Iterator[Registry]:  # fmt: skip
     """Start the registry, wait until it answers, stop it afterwards."""
     root.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    config = write_config(root, port, tls=tls, htpasswd=htpasswd)
+    config = write_config(root, port, tls=tls, htpasswd=htpasswd, auth=auth)
     log = root / "registry.log"
     with open(log, "wb") as out:
         process = subprocess.Popen([BINARY, "serve", str(config)], stdout=out, stderr=out)
