@@ -301,3 +301,21 @@ def test_bearer_token_auth_push_verify_and_pull_as_a_source(ckpt: Path, tmp_path
         assert tokens.refused >= 1
         for output in (done, checked, refused):
             assert password not in output.stdout + output.stderr
+
+
+def test_rank_files_larger_than_a_buffer_go_up_in_chunks_and_verify_in_the_registry(
+    registry: Registry, big_ckpt: Path, tmp_path: Path
+) -> None:
+    local = local_stage(big_ckpt, tmp_path / "local")
+    pushed = stage(StageRequest(source=str(big_ckpt), out=f"oci://{registry.host}/m/big:v1",
+                                tp=2))  # fmt: skip
+    ranks = [p for p in local.iterdir() if p.name.startswith("model-rank-")]
+    assert min(p.stat().st_size for p in ranks) > 16 * 1024 * 1024
+    assert registry.requests("PATCH") >= len(ranks), "not streamed in chunks"
+    manifest = get_json(registry, f"/v2/m/big/manifests/{pushed['address'].split('@')[1]}")
+    for layer in manifest["layers"]:
+        name = layer["annotations"][TITLE]
+        if name != MANIFEST:
+            assert blob(registry, "m/big", layer["digest"]) == (local / name).read_bytes(), name
+    checked = summary(modelstage("verify", f"oci://{pushed['address']}"))
+    assert checked["digest"] == pushed["digest"] and checked["files"] == pushed["files"]

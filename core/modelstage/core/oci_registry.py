@@ -383,13 +383,15 @@ class RegistryClient:
         response.read()
         return self._location(response)
 
-    def append(self, location: str, data: memoryview) -> str:
-        """``PATCH`` the next bytes of an upload; returns the upload's next location."""
+    def append(self, location: str, start: int, data: memoryview) -> str:
+        """``PATCH`` the bytes of an upload from ``start`` on (``Content-Range``, which the
+        OCI distribution spec asks of chunked uploads); returns the upload's next location."""
+        end = start + len(data) - 1
         response = self.request(
             "PATCH",
             self.url(location),
             body=data,
-            headers={"Content-Type": "application/octet-stream"},
+            headers={"Content-Type": "application/octet-stream", "Content-Range": f"{start}-{end}"},
             ok=(202,),
             what=self.ref.name,
         )

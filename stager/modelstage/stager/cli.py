@@ -200,7 +200,12 @@ def _add_oci_options(parser: argparse.ArgumentParser, *, push: bool = False) -> 
         "kubernetes.io/dockerconfigjson Secret); default: REGISTRY_AUTH_FILE, else "
         "$DOCKER_CONFIG/config.json, else ~/.docker/config.json",
     )
-    group.add_argument("--registry-ca", metavar="FILE", help="PEM CAs to trust for the registry")
+    group.add_argument(
+        "--registry-ca",
+        metavar="FILE",
+        help="PEM CAs to trust for the registry (with it, a 127.0.0.1/localhost registry is "
+        "reached over HTTPS too; without, over plain HTTP)",
+    )
     group.add_argument(
         "--insecure-registry",
         action="store_true",

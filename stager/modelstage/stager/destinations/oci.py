@@ -80,6 +80,8 @@ class OciLayerSink:
         self.buf = bytearray(min(dest.buffer_bytes, self.layer_size))
         self.buf[: len(self.head)] = self.head  # a tar header is far below one buffer
         self.fill, self.written = len(self.head), 0
+        self.queued = 0
+        """Layer bytes handed to the sender so far: where the next ``PATCH`` starts."""
         self.location: str | None = None
         self.sender: ThreadPoolExecutor | None = None
         self.sent: list[Future[None]] = []
@@ -111,19 +113,19 @@ class OciLayerSink:
             self.location = self.dest.call(client.start_upload, self.name)
             self.sender = ThreadPoolExecutor(1, f"oci-{self.name[:20]}")
         assert self.sender is not None
-        buf, fill = self.buf, self.fill
+        buf, fill, start = self.buf, self.fill, self.queued
         self.slots.acquire()  # backpressure: at most IN_FLIGHT buffers per file
-        self.sent.append(self.sender.submit(self._patch, buf, fill))
-        self.buf, self.fill = bytearray(len(buf)), 0
+        self.sent.append(self.sender.submit(self._patch, buf, fill, start))
+        self.buf, self.fill, self.queued = bytearray(len(buf)), 0, start + fill
 
-    def _patch(self, buf: bytearray, fill: int) -> None:
+    def _patch(self, buf: bytearray, fill: int, start: int) -> None:
         try:
             if self.failed is not None:
                 raise self.failed
             assert self.location is not None
+            data = memoryview(buf)[:fill]
             self.location = self.dest.call(
-                lambda: self.dest.client.append(self.location or "", memoryview(buf)[:fill]),
-                self.name,
+                lambda: self.dest.client.append(self.location or "", start, data), self.name
             )
         except BaseException as e:
             self.failed = self.failed or e
