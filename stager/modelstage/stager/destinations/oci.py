@@ -145,7 +145,10 @@ class OciLayerSink:
         if self.failed is not None:
             raise self.failed
         client = self.dest.client
-        if self.location is None and self.dest.call(lambda: client.blob_size(digest), self.name):
+        held = (
+            None if self.location else self.dest.call(lambda: client.blob_size(digest), self.name)
+        )
+        if held == self.layer_size:  # hashed before any byte went out: the registry has it
             self.dest.skipped.append(self.name)
         else:
             location = self.location or self.dest.call(client.start_upload, self.name)

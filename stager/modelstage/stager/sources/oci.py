@@ -150,7 +150,9 @@ class OciSource(Source):
                     f"{self.uri}: layer {d.digest} ({d.media_type}) has no "
                     f"{TITLE} annotation naming its file"
                 )
-            files[safe_name(title, self.uri)] = _File(d.size, d.digest)
+            if "/" in safe_name(title, self.uri):
+                continue  # not at the checkpoint's top level
+            files[title] = _File(d.size, d.digest)
             self._locks[d.digest] = threading.Lock()
         if tars:
             files.update(self._unpack(tars))
