@@ -121,6 +121,11 @@ def test_modelpack_push_has_modelpack_media_types_and_one_titled_layer_per_file(
     config = json.loads(blob(registry, "m/pack", manifest["config"]["digest"]))
     layers = manifest["layers"]
     assert config["modelfs"] == {"type": "layers", "diff_ids": [la["digest"] for la in layers]}
+    # ModelPack's config schema: these three objects, of these string properties only.
+    assert set(config) == {"descriptor", "config", "modelfs"}
+    assert set(config["descriptor"]) <= {"createdAt", "name", "revision"}
+    assert config["descriptor"]["name"] == f"file://{ckpt}"
+    assert config["config"] == {"format": "sharded_state"}  # dtype auto: no precision claimed
     titles = {la["annotations"][TITLE]: la for la in layers}
     assert sorted(titles) == sorted(p.name for p in local.iterdir())
     for name, layer in titles.items():

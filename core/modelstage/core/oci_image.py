@@ -119,15 +119,18 @@ def image_config(form: ImageForm, layers: Sequence[Layer], info: Mapping[str, An
     """The config blob: ModelPack's model config, or an OCI image config; ``info`` is the
     modelstage manifest's summary (format, dtype, created, source)."""
     diff_ids = [layer.digest for layer in layers]  # uncompressed layers: digest = DiffID
-    if form.config_type == MODEL_CONFIG:
+    if form.config_type == MODEL_CONFIG:  # ModelPack's schema: strings only, no nulls
+        descriptor = {
+            "createdAt": info.get("createdAt"),
+            "name": info.get("source"),
+            "revision": info.get("revision"),
+        }
+        dtype = info.get("dtype")
+        config = {"format": info.get("format"), "precision": None if dtype == "auto" else dtype}
         return _canonical(
             {
-                "descriptor": {
-                    "createdAt": info.get("createdAt"),
-                    "name": info.get("source"),
-                    "revision": info.get("revision") or "",
-                },
-                "config": {"format": info.get("format"), "precision": info.get("dtype")},
+                "descriptor": {k: str(v) for k, v in descriptor.items() if v},
+                "config": {k: str(v) for k, v in config.items() if v},
                 "modelfs": {"type": "layers", "diff_ids": diff_ids},
             }
         )
