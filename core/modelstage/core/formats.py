@@ -19,6 +19,9 @@ from .errors import SpecError
 from .layouts import DEFAULT_VLLM_VERSION, Layout, layout_for
 
 LOCAL, S3 = "local", "s3"
+OCI = "oci"
+"""An OCI image in a registry: unpacked (an image volume) it is a directory, so it takes the
+formats a local directory takes."""
 """Where an artifact lives: a directory (a mounted PVC) or an S3 prefix."""
 PER_RANK_SAFETENSORS = re.compile(r"^model-(rank-\d+|pp-\d+-tp-\d+)-part-\d+\.safetensors$")
 """vLLM's ``ShardedStateLoader`` names (the pipeline-parallel spelling included)."""

@@ -25,6 +25,7 @@ from modelstage.core.digest import DIGEST_HEX_CHARS
 from modelstage.core.durable import fsync_dir
 from modelstage.core.engine_cache import ENGINE_MANIFEST
 from modelstage.core.errors import ArtifactError, DestinationError, SpecError
+from modelstage.core.formats import OCI
 from modelstage.core.location import LocalArtifact, S3Artifact, open_artifact, parse_location
 from modelstage.core.manifest import MANIFEST, read_manifest
 from modelstage.core.s3_client import S3Options
@@ -40,6 +41,7 @@ def delete_artifact(
     artifact: str, *, digest: str | None = None, s3: S3Options | None = None
 ) -> dict[str, Any]:
     """Delete the artifact at ``artifact`` (a directory or an ``s3://bucket/prefix``)."""
+    _refuse_oci(artifact)
     name = artifact.rstrip("/").rsplit("/", 1)[-1]
     if DIGEST_NAME.match(name):
         if digest is not None and digest != name:
@@ -77,9 +79,19 @@ def _digest_of_named(artifact: str, digest: str | None, s3: S3Options | None) ->
     return manifest.digest
 
 
+def _refuse_oci(location: str) -> None:
+    if parse_location(location).kind == OCI:
+        raise SpecError(
+            f"{location}: an image in a registry is deleted with the registry's own tools "
+            "(e.g. `skopeo delete docker://REGISTRY/REPOSITORY@sha256:...`), which also know "
+            "its garbage collection; `stage --force` re-points a tag"
+        )
+
+
 def remove_artifact(location: str, digest: str, s3: S3Options | None = None) -> int:
     """Delete the artifact of ``digest`` at any location, manifest first (``stage --force``:
     a CLI ``--out`` is named by the user, not by the digest)."""
+    _refuse_oci(location)
     found = open_artifact(location, s3)
     if isinstance(found, S3Artifact):
         return _delete_s3(found, digest)

@@ -18,6 +18,7 @@ __all__ = ["Source", "open_source"]
 SCHEMES: dict[str, str] = {
     "hf": ".hf:HfSource",
     "s3": ".s3:S3Source",
+    "oci": ".oci:OciSource",
 }
 """URI scheme -> ``module:class`` in this package; each class has ``from_uri(uri, **options)``.
 Imported lazily, so that a local stage never imports boto3 or huggingface_hub."""
