@@ -244,6 +244,10 @@ CROSS_FIELD_CASES: list[dict[str, Any]] = [
         "loadFormat": "tensorizer",
         "storage": {"pvc": None, "s3": {"uri": "s3://bkt/p"}},
     },
+    {"parallelism": {"tensor": 2, "pipeline": 2, "layerPartition": [3, 5]}},
+    {"parallelism": {"tensor": 2, "pipeline": 2, "layerPartition": [4, 2, 2]}},
+    {"parallelism": {"tensor": 2, "pipeline": 3, "layerPartition": [3, 5]}},
+    {"parallelism": {"tensor": 2, "layerPartition": [4, 4]}},
     {
         "model": {"uri": "s3://bkt/c", "credentialsSecret": "src"},
         "loadFormat": "tensorizer",

@@ -485,3 +485,12 @@ def test_the_stager_takes_the_operators_digest_from_the_jobs_own_arguments(
     )  # fmt: skip
     assert (args.digest, args.expect_identity) == (digest, IDENTITY)
     assert request_digest(request, args.expect_identity) == digest
+
+
+def test_a_layer_partition_is_staged_for_a_per_rank_format_only(make_spec: SpecFactory) -> None:
+    split = make_spec(parallelism={"tensor": 2, "pipeline": 2, "layerPartition": [5, 3]})
+    command = container(plan(split))["command"]
+    assert "--pp-layer-partition=5,3" in command
+    layout = make_spec(parallelism={"tensor": 2, "pipeline": 2, "layerPartition": [5, 3]},
+                       loadFormat="safetensors")  # fmt: skip
+    assert not any(a.startswith("--pp-layer-partition") for a in container(plan(layout))["command"])

@@ -485,3 +485,42 @@ def test_rolling_back_from_a_pipeline_restores_the_old_artifacts_pipeline_size(
     assert args[args.index("--pipeline-parallel-size") + 1] == "1"
     (init,) = pod(back)["initContainers"]
     assert "--pp" not in init["command"]
+
+
+def test_a_layer_partition_is_set_for_vllm_and_taken_back_for_an_artifact_without_one(
+    make_spec: SpecFactory, deployment: dict[str, Any]
+) -> None:
+    spec = make_spec(parallelism={"tensor": 2, "pipeline": 2, "layerPartition": [5, 3]})
+    assert artifact(spec).pp_partition == (5, 3)
+    rolled = roll(spec, deployment)
+    assert env(vllm(rolled))["VLLM_PP_LAYER_PARTITION"] == "5,3"
+    even = make_spec(parallelism={"tensor": 2, "pipeline": 2})
+    back = roll(even, rolled)
+    assert "VLLM_PP_LAYER_PARTITION" not in env(vllm(back)), "the operator's value, removed"
+
+
+def test_rolling_back_restores_the_old_artifacts_layer_partition(
+    make_spec: SpecFactory, deployment: dict[str, Any]
+) -> None:
+    spec = make_spec(parallelism={"tensor": 2, "pipeline": 2})
+    rolled = roll(spec, deployment)
+    old = ArtifactStatus(
+        digest="00000000000000000000", uri="pvc://models/artifacts/llm/00000000000000000000",
+        format="sharded_state", tensor_parallel_size=2, pipeline_parallel_size=2,
+        layer_partition=(6, 2),
+    )  # fmt: skip
+    back = apply_merge_patch(
+        rolled, plan_rollout(spec, artifact_from_status(old), rolled).merge_patch
+    )
+    assert env(vllm(back))["VLLM_PP_LAYER_PARTITION"] == "6,2"
+
+
+def test_a_workloads_own_layer_partition_is_left_alone_without_one_in_the_spec(
+    make_spec: SpecFactory, deployment: dict[str, Any]
+) -> None:
+    """Not the operator's to remove: the plugin refuses the start when it differs from the
+    artifact's (tests/plugin), which names spec.parallelism.layerPartition as the fix."""
+    workload = copy.deepcopy(deployment)
+    vllm(workload).setdefault("env", []).append({"name": "VLLM_PP_LAYER_PARTITION", "value": "7,1"})
+    rolled = roll(make_spec(parallelism={"tensor": 2, "pipeline": 2}), workload)
+    assert env(vllm(rolled))["VLLM_PP_LAYER_PARTITION"] == "7,1"

@@ -220,3 +220,25 @@ def test_status_uri_leads_back_to_the_same_location(
         tensor_parallel_size=2,
     )
     assert artifact_from_status(status) == artifact
+
+
+def test_a_layer_partition_is_in_the_digest_of_a_per_rank_format_only(
+    make_spec: SpecFactory,
+) -> None:
+    """The per-rank files differ with the partition; the Hugging Face layout's do not."""
+    even = make_spec(parallelism={"tensor": 2, "pipeline": 2})
+    split = make_spec(parallelism={"tensor": 2, "pipeline": 2, "layerPartition": [5, 3]})
+    assert spec_digest(split, IDENTITY) == artifact_digest(
+        uri="hf://meta-llama/Meta-Llama-3-8B-Instruct", source=IDENTITY, tp=2, pp=2,
+        pp_partition=(5, 3), dtype="auto", load_format="sharded_state",
+        layout_version=layout_for("0.32").layout_version,
+    )  # fmt: skip
+    assert spec_digest(split, IDENTITY) != spec_digest(even, IDENTITY)
+    layout = {"loadFormat": "safetensors"}
+    assert spec_digest(make_spec(**layout, parallelism={"tensor": 2, "pipeline": 2,
+                                                        "layerPartition": [5, 3]}), IDENTITY) \
+        == spec_digest(make_spec(**layout, parallelism={"tensor": 2, "pipeline": 2}), IDENTITY)  # fmt: skip
+    back = artifact_from_status(ArtifactStatus(
+        digest="d" * 20, uri="pvc://models/artifacts/llm/" + "d" * 20, format="sharded_state",
+        tensor_parallel_size=2, pipeline_parallel_size=2, layer_partition=(5, 3)))  # fmt: skip
+    assert back.pp_partition == (5, 3)

@@ -25,7 +25,13 @@ from typing import Any
 import pytest
 from modelstage.operator.job_plan import stage_job_name
 from support.charts import render_docs as chart_docs
-from support.kube_cluster import Cluster, create_all, eventually, operator_kubeconfig
+from support.kube_cluster import (
+    ApiStatusError,
+    Cluster,
+    create_all,
+    eventually,
+    operator_kubeconfig,
+)
 from support.modelstage_objects import (
     SPEC,
     complete_rollout,
@@ -36,6 +42,7 @@ from support.modelstage_objects import (
     job_path,
     md_path,
     merged,
+    model_deployment,
     summary,
     template_digest,
 )
@@ -425,3 +432,31 @@ async def test_a_pipelined_model_deployment_stages_with_pp_and_rolls_vllms_pipel
     assert vllm["args"][vllm["args"].index("--pipeline-parallel-size") + 1] == "2"
     [prepare] = workload["spec"]["template"]["spec"]["initContainers"]
     assert prepare["command"][prepare["command"].index("--pp") + 1] == "2"
+
+
+async def test_a_layer_partition_is_staged_recorded_and_set_for_vllm(
+    cluster: Cluster, namespace: str, operator: OperatorProcess
+) -> None:
+    """``parallelism.layerPartition`` passes the CRD's rule, reaches the stager Job as
+    ``--pp-layer-partition``, is recorded in the status and set on the vLLM container as
+    ``VLLM_PP_LAYER_PARTITION``; on the real API server a partition with the wrong number of
+    stages is refused by the CRD's CEL rule before anything is created."""
+    if cluster.fake is None:
+        wrong = merged(SPEC, {"parallelism": {"tensor": 1, "pipeline": 2, "layerPartition": [4, 2, 2]}})
+        with pytest.raises(ApiStatusError) as refused:
+            await cluster.client.create(md_path(namespace), model_deployment("wrong", wrong))
+        assert refused.value.status == 422
+        assert "one layer count per pipeline stage" in str(refused.value.body)
+    spec = merged(SPEC, {"parallelism": {"tensor": 1, "pipeline": 2, "layerPartition": [3, 5]}})
+    await apply(cluster, namespace, spec)
+    digest = digest_of(spec)
+    assert digest != digest_of(merged(SPEC, {"parallelism": {"tensor": 1, "pipeline": 2}}))
+    job = await wait_job(cluster, namespace, digest)
+    assert "--pp-layer-partition=3,5" in job["spec"]["template"]["spec"]["containers"][0]["command"]
+    await finish_stage_job(cluster.client, namespace, digest, message=summary(digest),
+                           succeeded=True)  # fmt: skip
+    status = await wait_phase(cluster, namespace, "RollingOut")
+    assert status["artifact"]["layerPartition"] == [3, 5]
+    workload = await wait_rolled(cluster, namespace, digest)
+    [vllm] = workload["spec"]["template"]["spec"]["containers"]
+    assert {"name": "VLLM_PP_LAYER_PARTITION", "value": "3,5"} in vllm["env"]

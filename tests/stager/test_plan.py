@@ -18,6 +18,7 @@ import yaml
 from modelstage.api.modeldeployment import DEFAULT_STAGER_IMAGE, ModelDeploymentSpec
 from modelstage.api.objects import Owner
 from modelstage.core.manifest import read_manifest
+from modelstage.devtools.synthetic import SyntheticModel, write_checkpoint
 from modelstage.operator.artifact import artifact_at, artifact_for, spec_digest
 from modelstage.operator.claim_plan import plan_claim
 from modelstage.operator.job_plan import staging_jobs
@@ -353,3 +354,20 @@ def test_a_pipelined_deployments_files_are_the_ones_stage_writes_at_its_pipeline
     listed = {f["name"]: f["size"] for f in report["files"]["list"]}
     assert listed == {n: e.size for n, e in manifest.files.items()}
     assert any(name.startswith("model-pp-1-tp-1-part-") for name in listed)
+
+
+def test_a_deployments_layer_partition_splits_the_planned_files_as_stage_does(
+    tmp_path: Path,
+) -> None:
+    ckpt = write_checkpoint(SyntheticModel(num_layers=4), tmp_path / "ckpt")
+    spec = {**BASE, "parallelism": {"tensor": 1, "pipeline": 2, "layerPartition": [1, 3]}}
+    report = plan_json(str(write_md(tmp_path, spec)), "--checkpoint", str(ckpt),
+                       "--identity", IDENTITY)  # fmt: skip
+    assert report["checks"] == [], report["checks"]
+    stage(StageRequest(source=str(ckpt), out=str(tmp_path / "a"), tp=1, pp=2,
+                       pp_partition=(1, 3), format="sharded_state"))  # fmt: skip
+    manifest = read_manifest(tmp_path / "a")
+    assert manifest is not None and manifest.pipelineLayerPartition == "1,3"
+    assert {f["name"]: f["size"] for f in report["files"]["list"]} == {
+        n: e.size for n, e in manifest.files.items()
+    }

@@ -242,6 +242,24 @@ class Parallelism(Model):
     """Pipeline-parallel size (``--pipeline-parallel-size``): every stage's TP ranks get files
     of their own (per-rank formats but ``tensorizer``; vLLM 0.32); every pod runs all
     ``tensor`` x ``pipeline`` ranks."""
+    layer_partition: (
+        Annotated[
+            list[Annotated[int, Field(ge=0, le=9999)]], Field(min_length=2, max_length=64)
+        ]
+        | None
+    ) = None
+    """Decoder layers per pipeline stage (``[14, 18]``: the first stage 14, the second 18),
+    which vLLM reads as ``VLLM_PP_LAYER_PARTITION``; unset: vLLM's even split. Staged into the
+    artifact (its digest) and set on the vLLM container, which the operator then owns."""
+
+    rules: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            cel="!has(self.layerPartition) || size(self.layerPartition) == self.pipeline",
+            message="parallelism.layerPartition gives one layer count per pipeline stage: as many "
+            "counts as parallelism.pipeline",
+            check=lambda p: p.layer_partition is None or len(p.layer_partition) == p.pipeline,
+        ),
+    )
 
 
 class ClaimTemplate(Model):
@@ -528,6 +546,8 @@ class ArtifactStatus(Model):
     format: LoadFormat
     tensor_parallel_size: int
     pipeline_parallel_size: int = 1
+    layer_partition: tuple[int, ...] | None = None
+    """Layers per pipeline stage it is staged for (``parallelism.layerPartition``)."""
     source: str | None = None
     """Source identity it was staged from (``commit:<sha>`` or ``sha256:<hex>``)."""
     bytes: int | None = None

@@ -21,6 +21,9 @@ from .layouts import DEFAULT_VLLM_VERSION, Layout, layout_for
 LOCAL, S3, AZURE = "local", "s3", "az"
 """Where an artifact lives: a directory (a mounted PVC), an S3 prefix or an Azure Blob prefix
 (``az://CONTAINER/PREFIX``)."""
+OCI = "oci"
+"""An OCI image in a registry: unpacked (an image volume) it is a directory, so it takes the
+formats a local directory takes."""
 PER_RANK_SAFETENSORS = re.compile(r"^model-(rank-\d+|pp-\d+-tp-\d+)-part-\d+\.safetensors$")
 """vLLM's ``ShardedStateLoader`` names (the pipeline-parallel spelling included)."""
 PP_RANK_FILE = "model-pp-{pp_rank}-tp-{rank}-part-{part}.safetensors"

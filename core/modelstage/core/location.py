@@ -1,10 +1,10 @@
-"""An artifact where it lives, a local directory, an S3 or Azure Blob prefix, and the one
-``verify``.
+"""An artifact where it lives, a local directory, an S3 or Azure Blob prefix or an OCI image,
+and the one ``verify``.
 
 ``parse_location`` tells the spellings apart once (a path, ``file://PATH``,
-``s3://BUCKET/PREFIX``, ``az://CONTAINER/PREFIX``, any other ``scheme://``). An
-``ArtifactLocation`` reads what every check needs, the same way for every kind: the
-manifest, the listing (name, size, ETag), ranges of a file. On top of it, ``verify`` checks
+``s3://BUCKET/PREFIX``, ``az://CONTAINER/PREFIX``, ``oci://REGISTRY/REPO:TAG``, any other
+``scheme://``). An ``ArtifactLocation`` reads what every check needs, the same way for every
+kind: the manifest, the listing (name, size, ETag), ranges of a file. On top of it, ``verify`` checks
 an artifact against its manifest (``modelstage verify``, ``prepare``): its structure
 (``core.structure``: every file present, of its size, nothing unlisted), then its content.
 ``check_files`` and ``verify_content`` are the two halves the loader plugin runs on the files
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import structure
 from .errors import ArtifactError, DestinationError
-from .formats import AZURE, LOCAL, S3
+from .formats import AZURE, LOCAL, OCI, S3
 from .integrity import VERIFY_WORKERS, FileToHash, HashStats, LocalFile, ReadInto, hash_files
 from .manifest import (
     MANIFEST,
@@ -37,6 +37,17 @@ from .manifest import (
     read_manifest,
     read_manifest_bytes,
 )
+from .oci_image import (
+    IMAGE_LAYER,
+    MANIFEST_ANNOTATION,
+    Layer,
+    ParsedImage,
+    artifact_layers,
+    parse_image,
+    tar_header,
+    tar_trailer,
+)
+from .oci_registry import OciReference, RegistryClient, RegistryError, RegistryOptions
 from .structure import check_structure
 
 if TYPE_CHECKING:
@@ -394,15 +405,133 @@ class AzureArtifact(ArtifactLocation):
         return h.hexdigest()
 
 
+class OciArtifact(ArtifactLocation):
+    """An artifact pushed to an OCI registry, read where it is. The image manifest (by digest,
+    or by tag and then pinned to the digest it has) names the ``modelstage.json`` layer, which
+    must hash to its digest; every other file is checked against it chunk by chunk, read with
+    ranged GETs of its layer."""
+    noun = "layer"
+
+    def __init__(self, ref: OciReference, options: RegistryOptions | None = None) -> None:
+        self.ref, self.client = ref, RegistryClient(ref, options)
+        self.workers = self.client.options.concurrency
+        self.uri = ref.uri
+        self._image: ParsedImage | None = None
+        self._layers: dict[str, Layer] = {}
+        self._loaded = False
+
+    @staticmethod
+    def open(uri: str, options: RegistryOptions | None = None) -> OciArtifact:
+        try:
+            return OciArtifact(OciReference.parse(uri), options)
+        except RegistryError as e:
+            raise ArtifactError(str(e)) from None
+
+    def image(self) -> ParsedImage | None:
+        """The image manifest at the reference, or None when the tag (digest) is absent."""
+        if not self._loaded:
+            try:
+                found = self.client.get_manifest(self.ref.reference)
+            except RegistryError as e:
+                raise ArtifactError(str(e)) from None
+            if found is not None:
+                self._image = parse_image(found[0], found[1], self.uri)
+                self._layers = artifact_layers(self._image, self.uri)
+            self._loaded = True
+        return self._image
+
+    @property
+    def address(self) -> str | None:
+        """``REGISTRY/REPOSITORY@sha256:...`` of the image read, once read."""
+        image = self.image()
+        return None if image is None else self.ref.pinned(image.digest)
+
+    def where(self, name: str) -> str:
+        layer = self._layers.get(name)
+        at = f" (layer {layer.digest})" if layer is not None else ""
+        return f"{self.uri} {name}{at}"
+
+    def manifest_bytes(self) -> bytes | None:
+        image = self.image()
+        if image is None:
+            return None
+        digest = image.annotations.get(MANIFEST_ANNOTATION)
+        layer = self._layers.get(MANIFEST)
+        if digest is None or layer is None or layer.digest != digest:
+            return None
+        if layer.file_size > MAX_MANIFEST_BYTES:
+            raise ArtifactError(f"{self.where(MANIFEST)}: larger than a manifest may be")
+        data = bytearray(layer.file_size)
+        self._read(layer, 0, memoryview(data))
+        if layer_digest(layer, data) != digest:
+            raise ArtifactError(
+                f"{self.where(MANIFEST)}: does not hash to its layer digest; the image is "
+                "corrupt in the registry"
+            )
+        return bytes(data)
+
+    def read_manifest(self) -> Manifest | None:
+        raw = self.manifest_bytes()
+        return None if raw is None else Manifest.from_json(raw, self.where(MANIFEST))
+
+    def listing(self) -> dict[str, Listed]:
+        self.image()
+        return {n: Listed(layer.file_size, layer.digest) for n, layer in self._layers.items()}
+
+    def _read(self, layer: Layer, offset: int, view: memoryview) -> None:
+        try:
+            self.client.read_range(layer.digest, layer.offset + offset, view)
+        except RegistryError as e:
+            raise ArtifactError(str(e)) from None
+
+    @contextlib.contextmanager
+    def reader(self, name: str, listed: Listed) -> Iterator[ReadInto]:
+        layer = self._layers[name]
+
+        def read_into(offset: int, view: memoryview) -> None:
+            self._read(layer, offset, view)
+
+        yield read_into
+
+    def sha256(self, name: str, listed: Listed, progress: Progress | None = None) -> str:
+        layer, h = self._layers[name], hashlib.sha256()
+        size = listed.size or 0
+        buf = bytearray(min(HASH_BLOCK, size))
+        for start in range(0, size, HASH_BLOCK):
+            view = memoryview(buf)[: min(HASH_BLOCK, size - start)]
+            self._read(layer, start, view)
+            h.update(view)
+            if progress is not None:
+                progress.advance(len(view))
+        return h.hexdigest()
+
+
+def layer_digest(layer: Layer, data: bytes | bytearray) -> str:
+    """The digest of the layer holding ``data`` as ``layer`` (raw, or as a one-file tar)."""
+    h = hashlib.sha256()
+    if layer.media_type == IMAGE_LAYER:
+        h.update(tar_header(layer.name, len(data)))
+        h.update(data)
+        h.update(tar_trailer(len(data)))
+    else:
+        h.update(data)
+    return "sha256:" + h.hexdigest()
+
+
 def open_artifact(
-    text: str, s3: S3Options | None = None, azure: AzureOptions | None = None
+    text: str,
+    s3: S3Options | None = None,
+    oci: RegistryOptions | None = None,
+    azure: AzureOptions | None = None,
 ) -> ArtifactLocation:
     """The artifact at a local path, an ``s3://`` or an ``az://`` prefix (Azure settings:
-    ``azure``, else the environment's); ``SpecError`` for another scheme is the caller's to
-    word (``parse_location`` first)."""
+    ``azure``, else the environment's) or an ``oci://`` image; ``SpecError`` for another
+    scheme is the caller's to word (``parse_location`` first)."""
     location = parse_location(text)
     if location.kind == S3:
         return S3Artifact.open(text, s3)
+    if location.kind == OCI:
+        return OciArtifact.open(text, oci)
     if location.kind == AZURE:
         return AzureArtifact.open(text, azure)
     return LocalArtifact(location.path)

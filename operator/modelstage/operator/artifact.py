@@ -20,6 +20,7 @@ from modelstage.api.modeldeployment import (
     VllmVersionStatus,
 )
 from modelstage.core.digest import artifact_digest
+from modelstage.core.formats import FORMATS
 from modelstage.core.layouts import layout_for
 
 ARTIFACT_MOUNT = "/mnt/modelstage/artifacts"
@@ -35,10 +36,20 @@ def spec_digest(spec: ModelDeploymentSpec, identity: str) -> str:
         source=identity,
         tp=spec.parallelism.tensor,
         pp=spec.parallelism.pipeline,
+        pp_partition=staged_partition(spec),
         dtype=spec.dtype,
         load_format=spec_format(spec),
         layout_version=layout_for(spec.serving.vllm_version).layout_version,
     )
+
+
+def staged_partition(spec: ModelDeploymentSpec) -> tuple[int, ...] | None:
+    """The layer partition the stager splits the files by: the spec's, for a per-rank format
+    (the Hugging Face layout is the same files at any partition: vLLM alone reads it)."""
+    partition = spec.parallelism.layer_partition
+    if partition is None or not FORMATS[spec_format(spec)].per_rank:
+        return None
+    return tuple(partition)
 
 
 def spec_format(spec: ModelDeploymentSpec) -> LoadFormat:
@@ -110,6 +121,8 @@ class Artifact:
     load_format: LoadFormat
     tp: int
     pp: int = 1
+    pp_partition: tuple[int, ...] | None = None
+    """Layers per pipeline stage (``VLLM_PP_LAYER_PARTITION``); None: vLLM's even split."""
     format_reason: str = ""
     """Why this format (``status.format``): the spec names it, or ``auto`` chose it."""
     vllm_version: VllmVersionStatus | None = None
@@ -135,9 +148,12 @@ def artifact_at(
     """The spec's artifact of ``digest``: the one place after the digest that reads the
     spec's format and tensor-parallel size; the planners read them from the ``Artifact``."""
     location = locate(spec, namespace=namespace, deployment_name=deployment_name, digest=digest)
+    parallelism = spec.parallelism
+    partition = parallelism.layer_partition
     return Artifact(
-        location, spec_format(spec), spec.parallelism.tensor, spec.parallelism.pipeline
-    )
+        location, spec_format(spec), parallelism.tensor, parallelism.pipeline,
+        None if partition is None else tuple(partition),
+    )  # fmt: skip
 
 
 def location_from_uri(uri: str, digest: str) -> ArtifactAddress:
@@ -158,4 +174,5 @@ def artifact_from_status(status: ArtifactStatus) -> Artifact:
         status.format,
         status.tensor_parallel_size,
         status.pipeline_parallel_size,
+        status.layer_partition,
     )

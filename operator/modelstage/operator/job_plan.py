@@ -30,8 +30,15 @@ from modelstage.api.modeldeployment import (
 from modelstage.api.objects import KubeObject, Owner, labels
 from modelstage.core.formats import AUTO, FORMATS
 from modelstage.core.layouts import DEFAULT_VLLM_VERSION
+from modelstage.core.pipeline_parallel import spell_layer_partition
 
-from .artifact import ARTIFACT_MOUNT, Artifact, ArtifactAddress, location_from_uri
+from .artifact import (
+    ARTIFACT_MOUNT,
+    Artifact,
+    ArtifactAddress,
+    location_from_uri,
+    staged_partition,
+)
 from .kube import (
     SCRATCH_DIR,
     SOURCE_MOUNT,
@@ -225,6 +232,9 @@ def stager_command(
         "--out",
         location.path,
     ]
+    partition = staged_partition(spec)
+    if partition is not None:
+        command.append(f"--pp-layer-partition={spell_layer_partition(partition)}")
     command += source_args[1:]
     # Values as --flag=value: free text such as `--allow-pickle` must stay a revision.
     revision = resolved.commit if resolved is not None and resolved.commit else None

@@ -21,7 +21,7 @@ from modelstage.core.formats import AUTO, choose_format
 from modelstage.core.model_config import architecture_of, quantization_of
 from pydantic import ValidationError
 
-from .artifact import Artifact
+from .artifact import Artifact, staged_partition
 from .offline_plan import plan_deployment
 from .rollout_plan import RolloutPlan, select_container
 from .serving_version import serving_version, with_version
@@ -74,7 +74,8 @@ def deployment_report(
         "checks": checks,
     }
     pipeline = spec.parallelism
-    stage = {"tp": pipeline.tensor, "pp": pipeline.pipeline, "pp_partition": None,
+    partition = None if spec.load_format == AUTO else staged_partition(spec)
+    stage = {"tp": pipeline.tensor, "pp": pipeline.pipeline, "pp_partition": partition,
              "load_format": spec.load_format, "dtype": spec.dtype,
              "vllm_version": spec.serving.vllm_version}  # fmt: skip
     return report, stage

@@ -20,6 +20,7 @@ from modelstage.core import node_cache as nc
 from modelstage.core.engine_cache import ROOTS
 from modelstage.core.errors import SpecError
 from modelstage.core.formats import FORMATS, S3_READER_FORMAT
+from modelstage.core.pipeline_parallel import PARTITION_ENV, spell_layer_partition
 
 from .artifact import ARTIFACT_MOUNT, Artifact
 from .kube import (
@@ -150,12 +151,21 @@ def _modelstage_env(artifact: Artifact, plugin: bool) -> list[KubeObject]:
         {"name": "MODELSTAGE_FORMAT", "value": artifact.load_format},
         {"name": "MODELSTAGE_TP", "value": str(artifact.tp)},
         {"name": "MODELSTAGE_ARTIFACT", "value": artifact.location.path},
+        *partition_env(artifact),
     ]
     if plugin and not artifact.location.on_pvc and artifact.load_format == S3_READER_FORMAT:
         # The plugin's S3 reader takes over vLLM's runai_streamer_sharded name: the same
         # checks as on a PVC, and ranged GETs at a fraction of the Run:ai streamer's CPU.
         env.append({"name": "MODELSTAGE_S3_READER", "value": "1"})
     return env
+
+
+def partition_env(artifact: Artifact) -> list[KubeObject]:
+    """The artifact's layer partition for vLLM (which splits the layers by it): the operator
+    owns the variable on the container then, and removes it for an artifact without one."""
+    if artifact.pp_partition is None:
+        return []
+    return [{"name": PARTITION_ENV, "value": spell_layer_partition(artifact.pp_partition)}]
 
 
 def _upsert(

@@ -78,6 +78,7 @@ def _artifact_status(
         format=artifact.load_format,
         tensor_parallel_size=artifact.tp,
         pipeline_parallel_size=artifact.pp,
+        layer_partition=artifact.pp_partition,
         source=_identity(summary),
         bytes=int(summary["bytes"]) if summary.get("bytes") is not None else None,
         files=int(summary["files"]) if summary.get("files") is not None else None,

@@ -311,7 +311,8 @@ def check_layer_partition(
             f"its pipeline stages hold {spell_layer_partition(staged)} decoder layers, but vLLM "
             f"builds {spell_layer_partition(running)} here ({PARTITION_ENV}="
             f"{serving or 'unset'}); set {PARTITION_ENV}={staged_text or 'unset'} as staged, "
-            "or re-stage with --pp-layer-partition",
+            "or re-stage with --pp-layer-partition (spec.parallelism.layerPartition of a "
+            "ModelDeployment)",
         )
 
 

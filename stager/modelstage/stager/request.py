@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from modelstage.core.azure_client import AzureOptions
+from modelstage.core.oci_registry import RegistryOptions
 from modelstage.core.s3_client import S3Options
 
 from .network import Timeouts
@@ -34,6 +35,10 @@ class StageRequest:
     azure: AzureOptions | None = None
     """How to reach ``az://`` sources and destinations (default: the ``AZURE_STORAGE_*``
     variables, ``core/azure_client.py``)."""
+    oci: RegistryOptions | None = None
+    """How to reach ``oci://`` sources and destinations (credentials file, CA, insecure)."""
+    oci_form: str | None = None
+    """``--out oci://``: ``modelpack`` (default) or ``image`` (``core/oci_image.py``)."""
     hf_token_file: str | None = None
     """A mounted Secret holding a Hub token for ``hf://`` sources (default: ``HF_TOKEN``)."""
     cache_dir: str | None = None

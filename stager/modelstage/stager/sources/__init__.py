@@ -19,6 +19,7 @@ SCHEMES: dict[str, str] = {
     "hf": ".hf:HfSource",
     "s3": ".s3:S3Source",
     "az": ".azure:AzureSource",
+    "oci": ".oci:OciSource",
 }
 """URI scheme -> ``module:class`` in this package; each class has ``from_uri(uri, **options)``.
 Imported lazily, so that a local stage never imports boto3, the Azure SDK or huggingface_hub."""
