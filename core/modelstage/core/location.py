@@ -4,9 +4,10 @@ and the one ``verify``.
 ``parse_location`` tells the spellings apart once (a path, ``file://PATH``,
 ``s3://BUCKET/PREFIX``, ``az://CONTAINER/PREFIX``, ``oci://REGISTRY/REPO:TAG``, any other
 ``scheme://``). An ``ArtifactLocation`` reads what every check needs, the same way for every
-kind: the manifest, the listing (name, size, ETag), ranges of a file. On top of it, ``verify`` checks
-an artifact against its manifest (``modelstage verify``, ``prepare``): its structure
-(``core.structure``: every file present, of its size, nothing unlisted), then its content.
+kind: the manifest, the listing (name, size, ETag), ranges of a file. On top of it,
+``verify`` checks an artifact against its manifest (``modelstage verify``, ``prepare``): its
+structure (``core.structure``: every file present, of its size, nothing unlisted), then its
+content.
 ``check_files`` and ``verify_content`` are the two halves the loader plugin runs on the files
 of one rank. The content of schema-2 files is read in chunks, each hashed as it lands
 (``integrity.hash_files``); schema-1 files by one sha256 pass.
