@@ -36,6 +36,7 @@ _.ModelstageSafetensorsLoader
 # kopf's handlers, registered by the decorator call that assigns them.
 _.deployment_event
 _.statefulset_event
+_.leaderworkerset_event
 
 # Settings a library reads from the object we were handed (kopf, huggingface_hub, tokenizers,
 # argparse).

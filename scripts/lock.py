@@ -33,6 +33,7 @@ STAGER = [
     # tensorizer==2.10.1 and runai-model-streamer==0.17.1 without torch (see STAGER_NO_DEPS)
     "protobuf>=3.19.5", "psutil>=5.9.4", "redis>=4.5.5", "hiredis>=2.2.0", "libnacl>=2.1.0",
     "humanize", "runai-model-streamer-s3==0.17.1", "blake3>=1.0", "kubernetes>=30",
+    "azure-storage-blob==12.31.1",
 ]  # fmt: skip
 AGENT = ["pydantic>=2.7,<3", "PyYAML>=6", "blake3>=1.0", "kubernetes>=30",
          "prometheus-client>=0.20"]  # fmt: skip

@@ -200,6 +200,23 @@ def test_schema_rejects_bad_specs_and_so_do_the_models(
 # Cross-field cases: CEL (as the API server runs it) and the models must agree on every one.
 CROSS_FIELD_CASES: list[dict[str, Any]] = [
     {},
+    {"serving": {"targetRef": {"kind": "LeaderWorkerSet", "name": "vllm"}}},
+    {
+        "serving": {"targetRef": {"kind": "LeaderWorkerSet", "name": "v"}},
+        "nodeCache": {"enabled": True},
+    },
+    {
+        "serving": {"targetRef": {"kind": "LeaderWorkerSet", "name": "v"}},
+        "engineCache": {"enabled": True},
+    },
+    {
+        "serving": {"targetRef": {"kind": "LeaderWorkerSet", "name": "v"}},
+        "nodeCache": {"enabled": False},
+    },
+    {
+        "serving": {"targetRef": {"kind": "StatefulSet", "name": "v"}},
+        "nodeCache": {"enabled": True},
+    },
     {"storage": {"s3": {"uri": "s3://bucket/p"}}},
     {"storage": {"pvc": None}},
     {"loadFormat": "runai_streamer"},

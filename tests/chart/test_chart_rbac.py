@@ -26,7 +26,7 @@ from typing import Any
 from modelstage.api import modeldeployment as operator_api
 from modelstage.api.objects import Owner
 from modelstage.core import node_cache
-from modelstage.operator.observe import WORKLOAD_PLURALS
+from modelstage.operator.workload_kinds import KINDS
 from support.charts import ROOT, SCENARIOS, is_namespaced, of_kind, render
 
 Triple = tuple[str, str, str]
@@ -134,8 +134,8 @@ def _paths(
         sub = kwargs.get("subresource", args[2] if len(args) > 2 else None)
         yield operator_api.GROUP, operator_api.PLURAL + (f"/{sub}" if sub else "")
     elif name == "workload_path":
-        for plural in WORKLOAD_PLURALS.values():
-            yield "apps", plural
+        for kind in KINDS.values():
+            yield kind.group, kind.plural
     else:
         raise AssertionError(f"unknown API path helper {name}()")
 

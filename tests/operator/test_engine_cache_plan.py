@@ -106,8 +106,6 @@ def test_an_eager_engine_has_nothing_to_capture_and_says_so_without_a_finding(
 @pytest.mark.parametrize(
     ("change", "reason", "says"),
     [
-        ({"loadFormat": "runai_streamer_sharded", "storage": {"pvc": None, "s3": {"uri": "s3://bucket/p"}}},
-         "EngineCacheNeedsPvc", "storage.pvc"),
         ({"serving": {"plugin": False}}, "EngineCacheNeedsPlugin", "plugin: true"),
     ],
 )  # fmt: skip
@@ -432,3 +430,37 @@ def test_the_capture_runs_vllm_at_the_artifacts_layer_partition(
     job = plan_capture_job(spec, art(spec), inputs_of(spec, deployment), owner=OWNER)
     (capture,) = job["spec"]["template"]["spec"]["containers"]
     assert {"name": "VLLM_PP_LAYER_PARTITION", "value": "5,3"} in capture["env"]
+
+
+def test_an_s3_artifacts_capture_reads_and_writes_the_bucket_as_the_stager_does(
+    make_spec: SpecFactory, deployment: dict[str, Any]
+) -> None:
+    """No claim: the artifact and the cache are S3 prefixes, reached with the connection's
+    flags, its endpoint and credentials by Secret reference and its CA bundle mounted."""
+    s3 = {"uri": "s3://bucket/p", "endpoint": "https://s3.local:9000", "region": "eu-1",
+          "credentialsSecret": "s3-creds", "caBundleSecret": "s3-ca"}  # fmt: skip
+    spec = make_spec(loadFormat="runai_streamer_sharded", storage={"pvc": None, "s3": s3},
+                     engineCache={"enabled": True})  # fmt: skip
+    a = art(spec)
+    inputs = inputs_of(spec, deployment)
+    job = plan_capture_job(spec, a, inputs, owner=OWNER)
+    kubernetes_validate.validate(job, kubernetes_validate.latest_version(), strict=True)
+    pod = job["spec"]["template"]["spec"]
+    assert not any("persistentVolumeClaim" in v for v in pod["volumes"])
+    assert {"name": "modelstage-s3-ca", "secret": {"secretName": "s3-ca", "items": [
+        {"key": "ca.crt", "path": "ca.crt"}]}} in pod["volumes"]  # fmt: skip
+    (install,) = pod["initContainers"]
+    (capture,) = pod["containers"]
+    out = f"{a.location.path}.engine-{inputs.key(a.digest)}"
+    assert out.startswith("s3://bucket/p/")
+    command = capture["command"]
+    assert command[command.index("--artifact") + 1] == a.location.path
+    assert command[command.index("--out") + 1] == out
+    for container in (install, capture):
+        flags = container["command"]
+        assert "--s3-endpoint=https://s3.local:9000" in flags and "--s3-path-style" in flags
+        env = {e["name"]: e for e in container["env"]}
+        assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "s3-creds"
+        assert "value" not in env["AWS_SECRET_ACCESS_KEY"]
+        assert {"name": "modelstage-s3-ca", "mountPath": "/etc/modelstage/s3-ca",
+                "readOnly": True} in container["volumeMounts"]  # fmt: skip

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from modelstage.core.engine_cache import ENGINE_MANIFEST
 from modelstage.core.errors import SpecError
 from modelstage.stager.delete import delete_artifact
 from modelstage.stager.destinations.s3 import S3Destination
@@ -43,3 +44,21 @@ def test_a_prefix_named_by_the_user_is_deleted_when_its_manifest_matches(
     assert result["digest"] == summary["digest"] and result["removed"] > 3
     assert "Contents" not in s3.client().list_objects_v2(Bucket=bucket, Prefix="models/")
     assert delete_artifact(uri, s3=s3.options())["removed"] == 0
+
+
+def test_the_artifacts_engine_caches_go_with_it_and_no_other(
+    s3: S3Server, bucket: str, make_small_ckpt: Path
+) -> None:
+    uri = f"s3://{bucket}/ns/{DIGEST}"
+    stage(StageRequest(source=str(make_small_ckpt), out=uri, tp=2,
+                       format="runai_streamer_sharded", s3=s3.options(), digest=DIGEST))  # fmt: skip
+    client = s3.client()
+    caches = [f"ns/{DIGEST}.engine-{key}/" for key in ("a" * 16, "b" * 16)]
+    other = f"ns/{'f' * 20}.engine-{'a' * 16}/"
+    for cache in [*caches, other]:
+        for name in (ENGINE_MANIFEST, "inductor/x/y.so", "vllm/torch_compile_cache/m"):
+            client.put_object(Bucket=bucket, Key=cache + name, Body=b"x")
+    delete_artifact(uri, digest=DIGEST, s3=s3.options())
+    keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix="ns/")["Contents"]]
+    assert sorted(keys) == sorted(other + n for n in (ENGINE_MANIFEST, "inductor/x/y.so",
+                                                       "vllm/torch_compile_cache/m"))  # fmt: skip

@@ -6,8 +6,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+from modelstage.core.engine_cache import EngineCacheManifest
 from modelstage.core.engine_key import EngineArgs, HardwareClass, ServingConfig, key_factors
-from modelstage.stager.engine_capture import write_engine_cache
+from modelstage.core.errors import ModelstageError
+from modelstage.stager.engine_capture import engine_cache_target, write_engine_cache
 from modelstage.stager.engine_place import place_engine_cache
 from support.s3_server import S3Server
 
@@ -59,3 +62,42 @@ def test_an_object_changed_in_the_bucket_is_refused(
     assert verdict["result"] == "corrupt"
     assert "chunk 0 (bytes 0-" in verdict["reason"]  # one 32 MiB chunk
     assert not any(p.is_file() for p in (tmp_path / "pod").rglob("*"))
+
+
+def written(tmp: Path) -> tuple[Path, EngineCacheManifest]:
+    cache = tmp / "work"
+    for name, data in FILES.items():
+        (cache / name).parent.mkdir(parents=True, exist_ok=True)
+        (cache / name).write_bytes(data)
+    return cache, write_engine_cache(cache, FACTORS, 1.0, 2.0)
+
+
+def test_a_capture_published_to_s3_is_complete_once_its_manifest_is_there(
+    s3: S3Server, bucket: str, tmp_path: Path
+) -> None:
+    """capture-engine-cache --out s3://...: the files, then the manifest; prepare hits it."""
+    uri = f"s3://{bucket}/artifacts/ns/d.engine-k/"
+    target = engine_cache_target(uri, s3.options())
+    assert target.existing() is None
+    work, manifest = written(tmp_path)
+    target.publish(work, manifest)
+    found = engine_cache_target(uri, s3.options()).existing()
+    assert found is not None and found.key == manifest.key
+    verdict = place_engine_cache(uri, tmp_path / "pod", FACTORS, s3.options())
+    assert verdict["result"] == "hit", verdict
+
+
+def test_an_upload_that_fails_midway_leaves_no_manifest(
+    s3: S3Server, bucket: str, tmp_path: Path
+) -> None:
+    uri = f"s3://{bucket}/artifacts/ns/d.engine-k/"
+    work, manifest = written(tmp_path)
+    last = sorted(manifest.files)[-1]
+    (work / last).unlink()  # the fault: the second of two uploads fails
+    with pytest.raises(ModelstageError):
+        engine_cache_target(uri, s3.options()).publish(work, manifest)
+    keys = [o["Key"] for o in s3.client().list_objects_v2(Bucket=bucket).get("Contents", [])]
+    assert keys == [f"artifacts/ns/d.engine-k/{sorted(manifest.files)[0]}"], "the first landed"
+    assert engine_cache_target(uri, s3.options()).existing() is None
+    verdict = place_engine_cache(uri, tmp_path / "pod", FACTORS, s3.options())
+    assert verdict["result"] == "absent", verdict

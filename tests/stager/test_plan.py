@@ -371,3 +371,21 @@ def test_a_deployments_layer_partition_splits_the_planned_files_as_stage_does(
     assert {f["name"]: f["size"] for f in report["files"]["list"]} == {
         n: e.size for n, e in manifest.files.items()
     }
+
+
+def test_a_leaderworkerset_plans_its_leader_and_worker_templates_in_one_patch(
+    tmp_path: Path,
+) -> None:
+    lws = yaml.safe_load((ROOT / "examples" / "vllm-leaderworkerset.yaml").read_text())
+    lws["metadata"]["annotations"][OPT_IN] = "llama"
+    workload = tmp_path / "lws.yaml"
+    workload.write_text(yaml.safe_dump(lws))
+    target = {"kind": "LeaderWorkerSet", "name": lws["metadata"]["name"]}
+    spec = {**BASE, "parallelism": {"tensor": 2, "pipeline": 2},
+            "serving": {**BASE["serving"], "targetRef": target}}  # fmt: skip
+    report = plan_json(str(write_md(tmp_path, spec)), "--workload", str(workload),
+                       "--identity", IDENTITY)  # fmt: skip
+    assert report["checks"] == [] and report["vllm"]["workload"] == "LeaderWorkerSet vllm-llama-mn"
+    patched = report["vllm"]["mergePatch"]["spec"]["leaderWorkerTemplate"]
+    assert set(patched) == {"leaderTemplate", "workerTemplate"}
+    assert "--pipeline-parallel-size=2" in report["vllm"]["args"]

@@ -356,11 +356,13 @@ class Stager(Model):
 
 
 class TargetRef(Model):
-    """The vLLM workload whose pod template the operator patches. It must opt in: its
+    """The vLLM workload whose pod templates the operator patches. It must opt in: its
     metadata carries the annotation ``modelstage.io/model-deployment`` naming this
     ModelDeployment; without it nothing is patched (reason ``TargetNotOptedIn``)."""
 
-    kind: Literal["Deployment", "StatefulSet"] = "Deployment"
+    kind: Literal["Deployment", "StatefulSet", "LeaderWorkerSet"] = "Deployment"
+    """``LeaderWorkerSet`` (``leaderworkerset.x-k8s.io/v1``): multi-node serving, its leader
+    and worker templates patched together (docs/api.md, "Multi-node serving")."""
     name: Annotated[str, Field(pattern=DNS_NAME, max_length=253)]
 
 
@@ -476,6 +478,18 @@ class ModelDeploymentSpec(Model):
             message="the stager takes one S3 connection: with storage.s3 it also reads the "
             "s3:// source, so remove model.s3",
             check=lambda s: s.model.s3 is None or s.storage.s3 is None,
+        ),
+        Rule(
+            cel="!has(self.serving.targetRef.kind) || self.serving.targetRef.kind != "
+            "'LeaderWorkerSet' || !(has(self.nodeCache) && has(self.nodeCache.enabled) && "
+            "self.nodeCache.enabled || has(self.engineCache) && has(self.engineCache.enabled) "
+            "&& self.engineCache.enabled)",
+            message="serving.targetRef.kind LeaderWorkerSet does not support node caching or "
+            "the engine cache yet: set nodeCache.enabled and engineCache.enabled to false",
+            check=lambda s: (
+                s.serving.target_ref.kind != "LeaderWorkerSet"
+                or not (s.node_cache.enabled or s.engine_cache.enabled)
+            ),
         ),
         Rule(
             cel="!(self.model.uri.startsWith('s3://') && has(self.storage.s3) "

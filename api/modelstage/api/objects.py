@@ -16,7 +16,7 @@ DIGEST_ANNOTATION = "modelstage.io/artifact-digest"
 LABEL_DIGEST = "modelstage.io/digest"
 LABEL_OWNER = "modelstage.io/model-deployment"
 OPT_IN_ANNOTATION = "modelstage.io/model-deployment"
-"""On a Deployment or StatefulSet: the one ModelDeployment (by name) that may patch it. A
+"""On a target workload: the one ModelDeployment (by name) that may patch it. A
 workload without it is never patched: creating a ModelDeployment does not by itself grant
 the right to change someone else's workload."""
 

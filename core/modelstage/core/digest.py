@@ -18,8 +18,9 @@ from typing import Any
 
 DIGEST_HEX_CHARS = 20
 """80 bits: collision-safe per namespace, short enough for Kubernetes names (<= 63 chars)."""
-IDENTITY_KEY = re.compile(r"^(commit:[0-9a-f]{40}|sha256:[0-9a-f]{64})$")
-"""``commit:<sha>`` for a Hub commit, ``sha256:<hex>`` over any other source's identity."""
+IDENTITY_KEY = re.compile(r"^(commit:[0-9a-f]{40}|sha256:[0-9a-f]{64}|oci:sha256:[0-9a-f]{64})$")
+"""``commit:<sha>`` for a Hub commit, ``oci:sha256:<hex>`` for an OCI image (its manifest
+digest pins every layer), ``sha256:<hex>`` over any other source's identity."""
 SOURCE_CHANGED = "changed since it was resolved"
 """What the stager's refusal of ``--expect-identity`` says, followed by ``found <identity>``:
 the operator resolves the source again when a stage Job fails with it."""
@@ -32,6 +33,8 @@ def identity_key(identity: Mapping[str, Any]) -> str:
     commit = identity.get("commit")
     if commit:
         return f"commit:{commit}"
+    if identity.get("kind") == "oci" and identity.get("manifestDigest"):
+        return f"oci:{identity['manifestDigest']}"
     canonical = json.dumps(identity, sort_keys=True, separators=(",", ":"))
     return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
 

@@ -18,8 +18,12 @@ from .architectures import ARCHITECTURES, QUANTIZED, Architecture
 from .errors import SpecError
 from .layouts import DEFAULT_VLLM_VERSION, Layout, layout_for
 
-LOCAL, S3 = "local", "s3"
-"""Where an artifact lives: a directory (a mounted PVC) or an S3 prefix."""
+LOCAL, S3, AZURE = "local", "s3", "az"
+"""Where an artifact lives: a directory (a mounted PVC), an S3 prefix or an Azure Blob prefix
+(``az://CONTAINER/PREFIX``)."""
+OCI = "oci"
+"""An OCI image in a registry: unpacked (an image volume) it is a directory, so it takes the
+formats a local directory takes."""
 PER_RANK_SAFETENSORS = re.compile(r"^model-(rank-\d+|pp-\d+-tp-\d+)-part-\d+\.safetensors$")
 """vLLM's ``ShardedStateLoader`` names (the pipeline-parallel spelling included)."""
 PP_RANK_FILE = "model-pp-{pp_rank}-tp-{rank}-part-{part}.safetensors"
@@ -152,9 +156,12 @@ class Format:
             if kind in f.destinations and f.loads == self.loads
         ]
         copies = [f.name for f in FORMATS.values() if kind in f.destinations and not f.per_rank]
-        where = "local directories" if self.destinations == (LOCAL,) else "S3"
+        names = {LOCAL: "local directories", S3: "S3", AZURE: "Azure Blob"}
+        where = " or ".join(
+            names[d] for d in self.destinations if d != LOCAL or len(self.destinations) == 1
+        )
         raise SpecError(
-            f"format {self.name} is read from {where} only; stage to {kind.upper()} with "
+            f"format {self.name} is read from {where} only; stage to {names.get(kind, kind)} with "
             f"--format {' or '.join(same + copies)}"
         )
 
@@ -186,7 +193,7 @@ FORMATS: dict[str, Format] = {
             writer="hf_copy",
             rank_file=None,
             weight_files=re.compile(r"^.+\.safetensors$"),
-            destinations=(LOCAL, S3),
+            destinations=(LOCAL, S3, AZURE),  # vLLM reads az:// with Run:ai's Azure backend
             storage=("s3",),
             scale_out=False,
             casts=False,  # the checkpoint as it is; vLLM casts at load with its own --dtype
@@ -203,7 +210,9 @@ FORMATS: dict[str, Format] = {
             rank_file="model-rank-{rank}-part-{part}.safetensors",
             pp_rank_file=PP_RANK_FILE,
             weight_files=PER_RANK_SAFETENSORS,
-            destinations=(LOCAL, S3),
+            # vLLM 0.32's sharded-state loader lists rank files on s3:// only; the Azure
+            # artifact is the same bytes, for a reader that lists az:// (README).
+            destinations=(LOCAL, S3, AZURE),
             storage=("s3",),
             scale_out=True,
             casts=True,

@@ -1,13 +1,16 @@
-"""An artifact where it lives, a local directory or an S3 prefix, and the one ``verify``.
+"""An artifact where it lives, a local directory, an S3 or Azure Blob prefix or an OCI image,
+and the one ``verify``.
 
 ``parse_location`` tells the spellings apart once (a path, ``file://PATH``,
-``s3://BUCKET/PREFIX``, any other ``scheme://``). An ``ArtifactLocation`` reads what every
-check needs, the same way for both kinds: the manifest, the listing (name, size, ETag), ranges
-of a file. On top of it, ``verify`` checks an artifact against its manifest (``modelstage
-verify``, ``prepare``): its structure (``core.structure``: every file present, of its size,
-nothing unlisted), then its content. ``check_files`` and ``verify_content`` are the two halves
-the loader plugin runs on the files of one rank. The content of schema-2 files is read in
-chunks, each hashed as it lands (``integrity.hash_files``); schema-1 files by one sha256 pass.
+``s3://BUCKET/PREFIX``, ``az://CONTAINER/PREFIX``, ``oci://REGISTRY/REPO:TAG``, any other
+``scheme://``). An ``ArtifactLocation`` reads what every check needs, the same way for every
+kind: the manifest, the listing (name, size, ETag), ranges of a file. On top of it,
+``verify`` checks an artifact against its manifest (``modelstage verify``, ``prepare``): its
+structure (``core.structure``: every file present, of its size, nothing unlisted), then its
+content.
+``check_files`` and ``verify_content`` are the two halves the loader plugin runs on the files
+of one rank. The content of schema-2 files is read in chunks, each hashed as it lands
+(``integrity.hash_files``); schema-1 files by one sha256 pass.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import structure
 from .errors import ArtifactError, DestinationError
-from .formats import LOCAL, S3
+from .formats import AZURE, LOCAL, OCI, S3
 from .integrity import VERIFY_WORKERS, FileToHash, HashStats, LocalFile, ReadInto, hash_files
 from .manifest import (
     MANIFEST,
@@ -35,9 +38,21 @@ from .manifest import (
     read_manifest,
     read_manifest_bytes,
 )
+from .oci_image import (
+    IMAGE_LAYER,
+    MANIFEST_ANNOTATION,
+    Layer,
+    ParsedImage,
+    artifact_layers,
+    parse_image,
+    tar_header,
+    tar_trailer,
+)
+from .oci_registry import OciReference, RegistryClient, RegistryError, RegistryOptions
 from .structure import check_structure
 
 if TYPE_CHECKING:
+    from .azure_client import AzureClient, AzureLocation, AzureOptions
     from .progress import Progress
     from .s3_client import S3Client, S3Location, S3Options
 
@@ -48,7 +63,7 @@ HASH_BLOCK = 8 * 1024 * 1024
 @dataclass(frozen=True)
 class Location:
     kind: str
-    """``LOCAL``, ``S3``, or the URI's scheme when it is another one (``hf``, ``pvc``)."""
+    """``LOCAL``, ``S3``, ``AZURE``, or the URI's scheme when another (``hf``, ``pvc``)."""
     text: str
     """As given."""
 
@@ -61,6 +76,8 @@ class Location:
 def parse_location(text: str) -> Location:
     if text.startswith("s3://"):
         return Location(S3, text)
+    if text.startswith("az://"):
+        return Location(AZURE, text)
     if "://" not in text or text.startswith("file://"):
         return Location(LOCAL, text)
     return Location(text.split("://", 1)[0], text)
@@ -285,12 +302,239 @@ class S3Artifact(ArtifactLocation):
         return h.hexdigest()
 
 
-def open_artifact(text: str, s3: S3Options | None = None) -> ArtifactLocation:
-    """The artifact at a local path or an ``s3://`` prefix; ``SpecError`` for another scheme
-    is the caller's to word (``parse_location`` first)."""
+class AzureArtifact(ArtifactLocation):
+    """An artifact under an Azure Blob prefix: ranged reads, each conditional on the ETag
+    listed (``If-Match``), so a blob replaced while it is read fails the read."""
+
+    noun = "blob"
+
+    def __init__(self, location: AzureLocation, az: AzureClient, *, workers: int = 8) -> None:
+        self.location, self.az, self.workers = location, az, workers
+        self.uri = location.uri
+
+    @staticmethod
+    def open(uri: str, options: AzureOptions | None = None) -> AzureArtifact:
+        from .azure_client import AzureClient, AzureLocation, AzureOptions
+
+        location = AzureLocation.parse(uri)
+        if not location.prefix:
+            raise ArtifactError(f"{uri}: an artifact needs a prefix (az://CONTAINER/PREFIX/)")
+        options = options or AzureOptions.from_env()
+        return AzureArtifact(
+            location, AzureClient(options, location.container), workers=options.concurrency
+        )
+
+    def where(self, name: str) -> str:
+        return f"az://{self.location.container}/{self.location.key(name)}"
+
+    def call(self, fn: Callable[..., Any], key: str) -> Any:
+        """One API call (the SDK retries it); a failure is one credential-free error."""
+        try:
+            return fn()
+        except Exception as e:
+            if isinstance(e, ArtifactError | DestinationError):
+                raise
+            raise self.az.error(e, f"az://{self.location.container}/{key}") from None
+
+    def read_manifest(self) -> Manifest | None:
+        raw = self.manifest_bytes()
+        return None if raw is None else Manifest.from_json(raw, self.where(MANIFEST))
+
+    def manifest_bytes(self) -> bytes | None:
+        return self.get(MANIFEST, MAX_MANIFEST_BYTES + 1)  # one byte more: longer is refused
+
+    def get(self, name: str, limit: int | None = None) -> bytes | None:
+        """A whole (small) blob, at most ``limit`` bytes of it; None when there is none."""
+        from azure.core.exceptions import ResourceNotFoundError
+
+        blob = self.az.blob(self.location.key(name))
+        try:
+            return bytes(blob.download_blob(offset=0, length=limit).readall())
+        except ResourceNotFoundError:
+            return None
+        except Exception as e:
+            if getattr(e, "status_code", None) == 416:  # an empty blob has no range 0-limit
+                return b""
+            raise self.az.error(e, self.where(name)) from None
+
+    def listing(self) -> dict[str, Listed]:
+        return {name: Listed(size, etag) for name, (size, etag, _) in self.blobs().items()}
+
+    def blobs(self) -> dict[str, tuple[int, str, dict[str, str]]]:
+        """{name: (size, ETag, metadata)} of every blob under the prefix, in one listing."""
+        prefix = self.location.key("")
+        found: dict[str, tuple[int, str, dict[str, str]]] = {}
+        try:
+            for blob in self.az.client.list_blobs(name_starts_with=prefix, include=["metadata"]):
+                name = str(blob.name)[len(prefix) :]
+                if name:
+                    etag = str(blob.etag).strip('"')
+                    found[name] = (int(blob.size), etag, dict(blob.metadata or {}))
+        except Exception as e:
+            raise self.az.error(e, self.uri) from None
+        return found
+
+    @contextlib.contextmanager
+    def reader(self, name: str, listed: Listed) -> Iterator[ReadInto]:
+        yield self.read_into(name, listed.etag or "")
+
+    def read_into(self, name: str, etag: str) -> ReadInto:
+        """Ranged reads of ``name`` conditional on ``etag`` (a replaced blob fails them)."""
+        from .azure_client import get_range_into
+
+        key = self.location.key(name)
+
+        def read_into(offset: int, view: memoryview) -> None:
+            try:
+                get_range_into(self.az, key, etag, offset, view)
+            except Exception as e:
+                raise self.az.error(e, self.where(name)) from None
+
+        return read_into
+
+    def sha256(self, name: str, listed: Listed, progress: Progress | None = None) -> str:
+        h = hashlib.sha256()
+        size = listed.size or 0
+        buf = memoryview(bytearray(min(HASH_BLOCK, max(size, 1))))
+        read_into = self.read_into(name, listed.etag or "")
+        for offset in range(0, size, HASH_BLOCK):
+            view = buf[: min(HASH_BLOCK, size - offset)]
+            read_into(offset, view)
+            h.update(view)
+            if progress is not None:
+                progress.advance(len(view))
+        return h.hexdigest()
+
+
+class OciArtifact(ArtifactLocation):
+    """An artifact pushed to an OCI registry, read where it is. The image manifest (by digest,
+    or by tag and then pinned to the digest it has) names the ``modelstage.json`` layer, which
+    must hash to its digest; every other file is checked against it chunk by chunk, read with
+    ranged GETs of its layer."""
+    noun = "layer"
+
+    def __init__(self, ref: OciReference, options: RegistryOptions | None = None) -> None:
+        self.ref, self.client = ref, RegistryClient(ref, options)
+        self.workers = self.client.options.concurrency
+        self.uri = ref.uri
+        self._image: ParsedImage | None = None
+        self._layers: dict[str, Layer] = {}
+        self._loaded = False
+
+    @staticmethod
+    def open(uri: str, options: RegistryOptions | None = None) -> OciArtifact:
+        try:
+            return OciArtifact(OciReference.parse(uri), options)
+        except RegistryError as e:
+            raise ArtifactError(str(e)) from None
+
+    def image(self) -> ParsedImage | None:
+        """The image manifest at the reference, or None when the tag (digest) is absent."""
+        if not self._loaded:
+            try:
+                found = self.client.get_manifest(self.ref.reference)
+            except RegistryError as e:
+                raise ArtifactError(str(e)) from None
+            if found is not None:
+                self._image = parse_image(found[0], found[1], self.uri)
+                self._layers = artifact_layers(self._image, self.uri)
+            self._loaded = True
+        return self._image
+
+    @property
+    def address(self) -> str | None:
+        """``REGISTRY/REPOSITORY@sha256:...`` of the image read, once read."""
+        image = self.image()
+        return None if image is None else self.ref.pinned(image.digest)
+
+    def where(self, name: str) -> str:
+        layer = self._layers.get(name)
+        at = f" (layer {layer.digest})" if layer is not None else ""
+        return f"{self.uri} {name}{at}"
+
+    def manifest_bytes(self) -> bytes | None:
+        image = self.image()
+        if image is None:
+            return None
+        digest = image.annotations.get(MANIFEST_ANNOTATION)
+        layer = self._layers.get(MANIFEST)
+        if digest is None or layer is None or layer.digest != digest:
+            return None
+        if layer.file_size > MAX_MANIFEST_BYTES:
+            raise ArtifactError(f"{self.where(MANIFEST)}: larger than a manifest may be")
+        data = bytearray(layer.file_size)
+        self._read(layer, 0, memoryview(data))
+        if layer_digest(layer, data) != digest:
+            raise ArtifactError(
+                f"{self.where(MANIFEST)}: does not hash to its layer digest; the image is "
+                "corrupt in the registry"
+            )
+        return bytes(data)
+
+    def read_manifest(self) -> Manifest | None:
+        raw = self.manifest_bytes()
+        return None if raw is None else Manifest.from_json(raw, self.where(MANIFEST))
+
+    def listing(self) -> dict[str, Listed]:
+        self.image()
+        return {n: Listed(layer.file_size, layer.digest) for n, layer in self._layers.items()}
+
+    def _read(self, layer: Layer, offset: int, view: memoryview) -> None:
+        try:
+            self.client.read_range(layer.digest, layer.offset + offset, view)
+        except RegistryError as e:
+            raise ArtifactError(str(e)) from None
+
+    @contextlib.contextmanager
+    def reader(self, name: str, listed: Listed) -> Iterator[ReadInto]:
+        layer = self._layers[name]
+
+        def read_into(offset: int, view: memoryview) -> None:
+            self._read(layer, offset, view)
+
+        yield read_into
+
+    def sha256(self, name: str, listed: Listed, progress: Progress | None = None) -> str:
+        layer, h = self._layers[name], hashlib.sha256()
+        size = listed.size or 0
+        buf = bytearray(min(HASH_BLOCK, size))
+        for start in range(0, size, HASH_BLOCK):
+            view = memoryview(buf)[: min(HASH_BLOCK, size - start)]
+            self._read(layer, start, view)
+            h.update(view)
+            if progress is not None:
+                progress.advance(len(view))
+        return h.hexdigest()
+
+
+def layer_digest(layer: Layer, data: bytes | bytearray) -> str:
+    """The digest of the layer holding ``data`` as ``layer`` (raw, or as a one-file tar)."""
+    h = hashlib.sha256()
+    if layer.media_type == IMAGE_LAYER:
+        h.update(tar_header(layer.name, len(data)))
+        h.update(data)
+        h.update(tar_trailer(len(data)))
+    else:
+        h.update(data)
+    return "sha256:" + h.hexdigest()
+
+
+def open_artifact(
+    text: str,
+    s3: S3Options | None = None,
+    oci: RegistryOptions | None = None,
+    azure: AzureOptions | None = None,
+) -> ArtifactLocation:
+    """The artifact at a local path, an ``s3://`` or an ``az://`` prefix (Azure settings:
+    ``azure``, else the environment's) or an ``oci://`` image; ``SpecError`` for another
+    scheme is the caller's to word (``parse_location`` first)."""
     location = parse_location(text)
     if location.kind == S3:
         return S3Artifact.open(text, s3)
+    if location.kind == OCI:
+        return OciArtifact.open(text, oci)
+    if location.kind == AZURE:
+        return AzureArtifact.open(text, azure)
     return LocalArtifact(location.path)
 
 

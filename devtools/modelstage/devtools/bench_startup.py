@@ -65,7 +65,7 @@ def run_startup_bench(workdir: Path, out: Path, repeats: int = 3) -> dict[str, A
     manifest = read_manifest(artifact)
     assert manifest is not None, f"{artifact}: not staged"
     with vllm_lock():
-        captured = capture(artifact, workdir / "engine-cache", ENGINE_ARGS)
+        captured = capture(str(artifact), str(workdir / "engine-cache"), ENGINE_ARGS)
     print(f"bench: captured {captured['key']} in {captured['captureSeconds']} s", file=sys.stderr)
     config = ServingConfig.parse(json.dumps(captured["config"]), "capture")
     wanted = key_factors(manifest.digest, config, this_node())

@@ -42,7 +42,7 @@ from modelstage.core.engine_key import EngineArgs, compile_environment, key_of
 from modelstage.core.errors import SpecError
 
 from .artifact import ARTIFACT_MOUNT, Artifact
-from .job_plan import _job
+from .job_plan import _job, _s3_flags
 from .kube import (
     PLUGIN_DIR,
     SCRATCH_DIR,
@@ -51,11 +51,19 @@ from .kube import (
     VOLUME_NO_TOKEN,
     VOLUME_PLUGINS,
     VOLUME_SCRATCH,
+    ca_mount,
+    ca_volume,
     container_security_context,
     pod_security_context,
 )
 from .observations import EngineCacheStep, JobObservation, parse_capture
-from .rollout_plan import EngineCacheUse, partition_env, select_container, vllm_settings
+from .rollout_plan import (
+    EngineCacheUse,
+    _s3_serving_env,
+    partition_env,
+    select_container,
+    vllm_settings,
+)
 from .serving_version import image_vllm_version
 from .vllm_args import flag_name, vllm_arguments
 
@@ -143,10 +151,6 @@ def capture_inputs(
     spec: ModelDeploymentSpec, artifact: Artifact, workload: KubeObject
 ) -> CaptureInputs | Unavailable:
     """The capture's inputs, or why there is none (the roll then goes on without a cache)."""
-    if not artifact.location.on_pvc:
-        return Unavailable("EngineCacheNeedsPvc", "spec.engineCache: the capture writes the "
-                           "cache beside the artifact on its PVC; with storage.s3 the pods "
-                           "compile as before (use storage.pvc for an engine cache)")  # fmt: skip
     if not spec.serving.plugin:
         return Unavailable("EngineCacheNeedsPlugin", "spec.engineCache: the serving pods' "
                            "prepare places the cache, and it runs only with "
@@ -258,19 +262,19 @@ def plan_capture_job(
     never retried, ``activeDeadlineSeconds`` from ``spec.engineCache.deadlineSeconds``."""
     key = inputs.key(artifact.digest)
     deadline = max(spec.engine_cache.deadline_seconds, MIN_DEADLINE_SECONDS)
-    claim = {"claimName": artifact.location.claim_name}
+    store = _Store.of(spec, artifact)
     volumes: list[KubeObject] = [
         {"name": VOLUME_SCRATCH, "emptyDir": {}},
         {"name": VOLUME_PLUGINS, "emptyDir": {}},
         {"name": VOLUME_NO_TOKEN, "emptyDir": {"sizeLimit": "1Mi"}},
-        {"name": VOLUME_ARTIFACTS, "persistentVolumeClaim": claim},
+        *store.volumes,
     ]
     pod: KubeObject = {
         "restartPolicy": "Never",
         "automountServiceAccountToken": False,
         "securityContext": pod_security_context(),
-        "initContainers": [_install_container(spec, artifact, default_image)],
-        "containers": [_capture_container(artifact, inputs, key, deadline)],
+        "initContainers": [_install_container(spec, artifact, default_image, store)],
+        "containers": [_capture_container(artifact, inputs, key, deadline, store)],
         "volumes": volumes,
     }
     if inputs.node_selector:
@@ -287,28 +291,59 @@ def plan_capture_job(
     return _job(capture_job_name(key), owner.namespace, job_labels, annotations, job_spec, owner)
 
 
-def _install_container(spec: ModelDeploymentSpec, artifact: Artifact, image: str) -> KubeObject:
-    return {
+@dataclass(frozen=True)
+class _Store:
+    """How the capture's containers reach the artifact and the cache's place: its PVC
+    mounted where the serving pods mount it, or its S3 prefix (the connection's flags, its
+    endpoint and credentials by reference, its CA bundle), as the stager Jobs reach it."""
+
+    volumes: list[KubeObject]
+    mounts: list[KubeObject]
+    flags: list[str]
+    env: list[KubeObject]
+
+    @staticmethod
+    def of(spec: ModelDeploymentSpec, artifact: Artifact) -> _Store:
+        if artifact.location.on_pvc:
+            claim = {"claimName": artifact.location.claim_name}
+            return _Store(
+                volumes=[{"name": VOLUME_ARTIFACTS, "persistentVolumeClaim": claim}],
+                mounts=[{"name": VOLUME_ARTIFACTS, "mountPath": ARTIFACT_MOUNT}],
+                flags=[], env=[],
+            )  # fmt: skip
+        connection = spec.storage.s3
+        return _Store(ca_volume(connection), ca_mount(connection), _s3_flags(connection),
+                      _s3_serving_env(artifact, connection))  # fmt: skip
+
+
+def _install_container(
+    spec: ModelDeploymentSpec, artifact: Artifact, image: str, store: _Store
+) -> KubeObject:
+    read_only = [{**m, "readOnly": True} for m in store.mounts]
+    container: KubeObject = {
         "name": INSTALL_CONTAINER,
         "image": spec.stager.image or image,
         "imagePullPolicy": "IfNotPresent",
         "command": ["modelstage", "prepare", "--artifact", artifact.location.path,
                     "--digest", artifact.digest, "--tp", str(artifact.tp),
-                    "--plugin-dir", PLUGIN_DIR, "--install-capture"],
+                    "--plugin-dir", PLUGIN_DIR, "--install-capture", *store.flags],
         "volumeMounts": [
             {"name": VOLUME_PLUGINS, "mountPath": PLUGIN_DIR},
             {"name": VOLUME_NO_TOKEN, "mountPath": TOKEN_DIR, "readOnly": True},
-            {"name": VOLUME_ARTIFACTS, "mountPath": ARTIFACT_MOUNT, "readOnly": True},
+            *read_only,
         ],
         "resources": {"requests": {"cpu": "100m", "memory": "128Mi"},
                       "limits": {"memory": "512Mi"}},
         "securityContext": container_security_context(),
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
+    if store.env:
+        container["env"] = store.env
+    return container
 
 
 def _capture_container(
-    artifact: Artifact, inputs: CaptureInputs, key: str, deadline: int
+    artifact: Artifact, inputs: CaptureInputs, key: str, deadline: int, store: _Store
 ) -> KubeObject:
     """The vLLM image running the capture; its root file system stays writable (vLLM and
     its compilers write beside their caches), everything else as restricted as the stager."""
@@ -322,6 +357,7 @@ def _capture_container(
         {"name": "MODELSTAGE_TP", "value": str(artifact.tp)},
         {"name": "MODELSTAGE_ARTIFACT", "value": artifact.location.path},
         *partition_env(artifact),
+        *store.env,
         *({"name": name, "value": value} for name, value in inputs.env),
     ]
     container: KubeObject = {
@@ -331,12 +367,12 @@ def _capture_container(
         "command": ["python3", "-m", "modelstage.stager.cli", "capture-engine-cache",
                     "--artifact", artifact.location.path, "--out", cache_path(artifact, key),
                     "--engine-args", json.dumps(inputs.engine_args.to_doc(), sort_keys=True),
-                    "--timeout", str(deadline)],
+                    "--timeout", str(deadline), *store.flags],
         "env": env,
         "volumeMounts": [
             {"name": VOLUME_SCRATCH, "mountPath": SCRATCH_DIR},
             {"name": VOLUME_PLUGINS, "mountPath": PLUGIN_DIR, "readOnly": True},
-            {"name": VOLUME_ARTIFACTS, "mountPath": ARTIFACT_MOUNT},
+            *store.mounts,
         ],
         "securityContext": security,
         "terminationMessagePolicy": "FallbackToLogsOnError",

@@ -11,8 +11,8 @@ reconciliation and never a wrong action:
 - a stager Job or its pods changed → reconcile the ModelDeployments whose spec asks for
   that digest;
 - a resolve Job or its pod changed → reconcile the ModelDeployment whose resolution round it is;
-- a target Deployment/StatefulSet changed, or a pod of it fails → reconcile the
-  ModelDeployments that target it;
+- a target Deployment/StatefulSet/LeaderWorkerSet changed, or a pod of it fails → reconcile
+  the ModelDeployments that target it;
 - a node agent's ``NodeCache`` report changed, or a copy Job or its pod → reconcile the
   ModelDeployments whose roll waits for node-local copies (and those the node's copies concern);
 - an engine-cache capture Job or its pod changed → reconcile the ModelDeployments whose spec
@@ -445,6 +445,12 @@ deployment_event = kopf.on.event("apps", "v1", "deployments", id="deployment_eve
 statefulset_event = kopf.on.event("apps", "v1", "statefulsets", id="statefulset_event")(
     _targets("StatefulSet")
 )
+# Where the LeaderWorkerSet API is not installed, kopf logs it as an unresolved resource and
+# serves the rest (a cluster-wide operator starts watching once the CRD appears; a namespaced
+# one, which may not watch CRDs, on its next start).
+leaderworkerset_event = kopf.on.event(
+    "leaderworkerset.x-k8s.io", "v1", "leaderworkersets", id="leaderworkerset_event"
+)(_targets("LeaderWorkerSet"))
 
 
 @kopf.on.event("v1", "pods", annotations={DIGEST_ANNOTATION: kopf.PRESENT})

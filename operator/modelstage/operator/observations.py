@@ -1,9 +1,9 @@
 """``cluster objects -> observations``: what ``decide`` is told about Jobs, pods and workloads.
 
-Pure functions of the objects the kopf shell read (a Job, its pods, the target Deployment or
-StatefulSet): the Job's state and the stager's termination message, a running Job's
-progress, the workload's rollout progress and why its pods fail. ``state.decide`` takes the
-result, never a raw object.
+Pure functions of the objects the kopf shell read (a Job, its pods, the target Deployment,
+StatefulSet or LeaderWorkerSet): the Job's state and the stager's termination message, a
+running Job's progress, the workload's rollout progress and why its pods fail.
+``state.decide`` takes the result, never a raw object.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from modelstage.api.objects import DIGEST_ANNOTATION, KubeObject
 from .kube import ENGINE_CACHE_ANNOTATION, VOLUME_NODE_CACHE
 from .rollout_plan import EngineCacheUse
 from .validation import Finding
+from .workload_kinds import LWS_WORKER_INDEX_LABEL, kind_of, replicas, serving_template
 
 JobState = Literal["Running", "Succeeded", "Failed"]
 
@@ -41,7 +42,7 @@ class JobObservation:
 
 @dataclass(frozen=True)
 class WorkloadObservation:
-    """The target Deployment or StatefulSet, reduced to what the rollout decision needs."""
+    """The target workload, reduced to what the rollout decision needs."""
 
     digest: str | None
     generation: int = 1
@@ -172,29 +173,85 @@ def progress_line(log: str) -> str:
     return ""
 
 
-def observe_workload(workload: KubeObject, failing: Sequence[str] = ()) -> WorkloadObservation:
-    """Reads a Deployment's or StatefulSet's rollout progress from its status."""
-    spec = workload.get("spec") or {}
+def observe_workload(
+    workload: KubeObject, failing: Sequence[str] = (), pods: Sequence[KubeObject] = ()
+) -> WorkloadObservation:
+    """Reads a workload's rollout progress from its status (a LeaderWorkerSet's also from its
+    leader pods, ``pods``: ``_lws_progress``)."""
+    template = serving_template(workload)
+    annotations = (template.get("metadata") or {}).get("annotations") or {}
+    digest = annotations.get(DIGEST_ANNOTATION)
+    generation = int((workload.get("metadata") or {}).get("generation", 1))
+    progress = (
+        _lws_progress(workload, digest, generation, pods)
+        if kind_of(workload).kind == "LeaderWorkerSet"
+        else _progress(workload)
+    )
+    return WorkloadObservation(
+        digest=digest,
+        generation=generation,
+        failing=tuple(failing),
+        node_cache=any(
+            v.get("name") == VOLUME_NODE_CACHE
+            for v in (template.get("spec") or {}).get("volumes") or []
+        ),
+        engine_cache=annotations.get(ENGINE_CACHE_ANNOTATION),
+        **progress,
+    )
+
+
+def _progress(workload: KubeObject) -> dict[str, Any]:
+    """A Deployment's or StatefulSet's: its controller's counts for ``observedGeneration``."""
     status = workload.get("status") or {}
-    annotations = ((spec.get("template") or {}).get("metadata") or {}).get("annotations") or {}
     stalled = any(
         c.get("type") == "Progressing" and c.get("reason") == "ProgressDeadlineExceeded"
         for c in status.get("conditions") or []
     )
-    return WorkloadObservation(
-        digest=annotations.get(DIGEST_ANNOTATION),
-        generation=int((workload.get("metadata") or {}).get("generation", 1)),
-        observed_generation=int(status.get("observedGeneration", 0)),
-        replicas=int(spec.get("replicas", 1)),
-        updated=int(status.get("updatedReplicas", 0)),
-        available=int(status.get("availableReplicas", status.get("readyReplicas", 0))),
-        failing=tuple(failing),
-        stalled=stalled,
-        node_cache=any(
-            v.get("name") == VOLUME_NODE_CACHE
-            for v in ((spec.get("template") or {}).get("spec") or {}).get("volumes") or []
-        ),
-        engine_cache=annotations.get(ENGINE_CACHE_ANNOTATION),
+    return {
+        "observed_generation": int(status.get("observedGeneration", 0)),
+        "replicas": replicas(workload),
+        "updated": int(status.get("updatedReplicas", 0)),
+        "available": int(status.get("availableReplicas", status.get("readyReplicas", 0))),
+        "stalled": stalled,
+    }
+
+
+def _lws_progress(
+    workload: KubeObject, digest: str | None, generation: int, pods: Sequence[KubeObject]
+) -> dict[str, Any]:
+    """A LeaderWorkerSet's. Its status has no ``observedGeneration`` (nor do its conditions):
+    right after a patch it still describes the previous templates. So a group counts as
+    updated only when its leader pod carries the template's digest (the LWS controller makes
+    pods of the new template only once it saw it) and the set's ``updatedReplicas`` agrees,
+    and as available only when that leader pod is Ready and the set's ``readyReplicas`` and
+    conditions agree (``Available`` true, no ``UpdateInProgress``: groups ready with their
+    workers). There is no progress deadline: a roll that never ends is not ``stalled``; its
+    failing pods are what rolls back."""
+    status = workload.get("status") or {}
+    conditions = {c.get("type"): c.get("status") == "True" for c in status.get("conditions") or []}
+    groups = replicas(workload)
+    leaders = [
+        p
+        for p in pods
+        if (p.get("metadata") or {}).get("labels", {}).get(LWS_WORKER_INDEX_LABEL) == "0"
+        and ((p.get("metadata") or {}).get("annotations") or {}).get(DIGEST_ANNOTATION) == digest
+        and not (p.get("metadata") or {}).get("deletionTimestamp")
+    ]
+    ready_leaders = sum(1 for p in leaders if _pod_ready(p))
+    settled = conditions.get("Available", False) and not conditions.get("UpdateInProgress", False)
+    return {
+        "observed_generation": generation,
+        "replicas": groups,
+        "updated": min(len(leaders), int(status.get("updatedReplicas", 0))),
+        "available": min(ready_leaders, int(status.get("readyReplicas", 0))) if settled else 0,
+        "stalled": False,
+    }
+
+
+def _pod_ready(pod: KubeObject) -> bool:
+    return any(
+        c.get("type") == "Ready" and c.get("status") == "True"
+        for c in (pod.get("status") or {}).get("conditions") or []
     )
 
 

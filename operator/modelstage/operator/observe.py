@@ -91,11 +91,12 @@ from .retention import Holder
 from .rollout_plan import PREPARE_CONTAINER
 from .serving_version import ServingVersion, recorded_version, serving_version, with_version
 from .validation import Finding, validate_spec, validate_workload
+from .workload_kinds import KINDS, pod_selector, serving_pod_spec
+from .workload_kinds import replicas as workload_replicas
 
 STAGER_SELECTOR = {"app.kubernetes.io/component": "stager"}
 JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
 """Set by the Job controller on its pods: tells the stage Job's pods from finalize's."""
-WORKLOAD_PLURALS = {"Deployment": "deployments", "StatefulSet": "statefulsets"}
 LOG_TAIL_LINES = 20
 """Lines of a running stager's log read for its latest progress line."""
 LOG = logging.getLogger(__name__)
@@ -110,7 +111,8 @@ def md_path(namespace: str, name: str | None = None, subresource: str | None = N
 
 
 def workload_path(namespace: str, ref: TargetRef) -> str:
-    return resource_path("apps/v1", WORKLOAD_PLURALS[ref.kind], namespace, ref.name)
+    kind = KINDS[ref.kind]
+    return resource_path(kind.api_version, kind.plural, namespace, ref.name)
 
 
 @dataclass
@@ -359,11 +361,11 @@ class Observer:
             return
         digest = desired.digest
         key = (world.owner.namespace, digest)
-        pod_spec = ((workload.get("spec") or {}).get("template") or {}).get("spec") or {}
+        pod_spec = serving_pod_spec(workload)
         reports, nodes = self._nodes(world)
         eligible = eligible_nodes(pod_spec, nodes, reports, world.now)
         jobs = self._copy_jobs(world, digest)
-        replicas = int((workload.get("spec") or {}).get("replicas", 1))
+        replicas = workload_replicas(workload)
         chosen = choose_nodes(
             eligible,
             key,
@@ -505,9 +507,9 @@ class Observer:
     def _pod_starts_of(self, world: World, workload: KubeObject, digest: str) -> list[PodStart]:
         """Hits and misses of the serving pods of ``digest`` (their prepare summaries); each
         pod counted once in ``modelstage_node_cache_pod_starts_total``."""
-        selector = ((workload.get("spec") or {}).get("selector") or {}).get("matchLabels")
         pods = self.kube.list(
-            resource_path("v1", "pods", world.owner.namespace), label_selector=selector
+            resource_path("v1", "pods", world.owner.namespace),
+            label_selector=pod_selector(workload),
         )
         key = (world.owner.namespace, world.owner.name)
         counted = self._pod_starts.get(key, set())
@@ -645,13 +647,14 @@ class Observer:
         )
 
     def _observe_workload(self, namespace: str, workload: KubeObject) -> WorkloadObservation:
+        """The workload's rollout, and why pods of its current template fail (a
+        LeaderWorkerSet's rollout is read from its pods too: ``observe_workload``)."""
         digest = observe_workload(workload).digest
-        failing: tuple[str, ...] = ()
-        if digest is not None:
-            selector = ((workload.get("spec") or {}).get("selector") or {}).get("matchLabels")
-            pods = self.kube.list(resource_path("v1", "pods", namespace), label_selector=selector)
-            failing = pod_failures(pods, digest)
-        return observe_workload(workload, failing)
+        if digest is None:
+            return observe_workload(workload)
+        path = resource_path("v1", "pods", namespace)
+        pods = self.kube.list(path, label_selector=pod_selector(workload))
+        return observe_workload(workload, pod_failures(pods, digest), pods)
 
     def holders(self, namespace: str, exclude: str) -> list[Holder]:
         """Every other ModelDeployment of the namespace, as retention counts references."""

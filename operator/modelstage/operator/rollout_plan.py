@@ -1,6 +1,6 @@
-"""``spec + artifact + workload -> JSON merge patch`` of the workload's pod template.
+"""``spec + artifact + workload -> JSON merge patch`` of the workload's pod templates.
 
-The plan edits a copy of the pod template (docs/architecture.md, the serving side: vLLM args,
+The plan edits a copy of each pod template (docs/architecture.md, the serving side: vLLM args,
 ``MODELSTAGE_*`` and S3 env, the artifact volume, the ``modelstage prepare`` initContainer
 with its plugin ``emptyDir`` on ``PYTHONPATH``, the digest annotation) and returns the merge
 patch from the current workload to that. Items the operator owns are named ``modelstage-*``
@@ -42,10 +42,14 @@ from .kube import (
     s3_credentials_env,
 )
 from .patch import merge_diff
-from .vllm_args import VllmSettings, rewrite
+from .vllm_args import VllmSettings, rewrite, vllm_arguments
+from .workload_kinds import Path, serving_path, serving_template, templates, with_templates
 
 PREPARE_CONTAINER = "modelstage-prepare"
 ACCELERATORS = ("nvidia.com/gpu", "amd.com/gpu")
+RAY_MARKERS = ("ray start", "multi-node-serving.sh worker")
+"""A worker container that joins the leader's Ray cluster (vLLM's multi-node recipe): it
+runs vLLM's workers from the leader's command line, and has none of its own to rewrite."""
 
 
 @dataclass(frozen=True)
@@ -271,7 +275,9 @@ def plan_rollout(
     node_cache_claim: str | None = None,
     engine_cache: EngineCacheUse | None = None,
 ) -> RolloutPlan:
-    """The merge patch that puts ``workload`` (a Deployment or StatefulSet) on ``artifact``.
+    """The merge patch that puts ``workload`` on ``artifact``: every pod template of it
+    (``workload_kinds``: a Deployment's or StatefulSet's one, a LeaderWorkerSet's leader and
+    worker templates), in one patch; the workload's own rolling update rolls the pods.
 
     ``spec`` supplies the serving choices (container, plugin, image, S3 connection, node
     caching: the claim ``node_cache_claim`` of the artifact's node-local copy mounted
@@ -281,16 +287,81 @@ def plan_rollout(
     ``SpecError`` when the container or its vLLM command cannot be found (``validation``
     reports the same as a condition first).
     """
-    template: KubeObject = copy.deepcopy(workload.get("spec", {}).get("template", {}))
+    new: dict[Path, KubeObject] = {}
+    load_format = ""
+    for i, (path, current) in enumerate(templates(workload)):
+        template: KubeObject = copy.deepcopy(current)
+        settings = _roll_template(
+            spec, artifact, template, serving=i == 0, default_image=default_image,
+            node_cache_claim=node_cache_claim, engine_cache=engine_cache,
+        )  # fmt: skip
+        load_format = load_format or settings.load_format
+        new[path] = template
+    patch = merge_diff(workload, with_templates(workload, new))
+    engine = engine_cache if spec.serving.plugin else None
+    return RolloutPlan(
+        merge_patch=patch,
+        template=new[serving_path(workload)],
+        resource_version=workload.get("metadata", {}).get("resourceVersion"),
+        details=_rollout_details(workload, artifact, load_format, engine) if patch else (),
+    )
+
+
+def template_container(spec: ModelDeploymentSpec, pod: KubeObject, serving: bool) -> KubeObject:
+    """The container of a template the roll edits: the serving template's vLLM container
+    (``select_container``); in a worker template (a LeaderWorkerSet's) the container named
+    ``spec.serving.containerName`` when it has one, else its only container."""
+    if serving:
+        return select_container(spec, pod)
+    containers: list[KubeObject] = pod.get("containers") or []
+    named = [c for c in containers if c.get("name") == spec.serving.container_name]
+    if named:
+        return named[0]
+    if len(containers) == 1:
+        return containers[0]
+    names = ", ".join(c.get("name", "?") for c in containers) or "none"
+    raise SpecError(
+        f"the worker template has containers {names}: name its vLLM or Ray container "
+        "like the leader's (spec.serving.containerName)"
+    )
+
+
+def runs_vllm(container: KubeObject, serving: bool) -> bool:
+    """Whether the container's command line is vLLM's (its arguments are rewritten): always
+    for the serving container; a worker's may be vLLM's (``vllm serve ... --headless``) or a
+    Ray node's (``ray start --address=...``, which gets all but the argument rewrite).
+    ``SpecError`` when it is neither."""
+    command, args = container.get("command"), container.get("args")
+    try:
+        vllm_arguments(command, args)
+        return True
+    except SpecError:
+        line = " ".join([*(command or []), *(args or [])])
+        if not serving and any(marker in line for marker in RAY_MARKERS):
+            return False
+        raise
+
+
+def _roll_template(
+    spec: ModelDeploymentSpec,
+    artifact: Artifact,
+    template: KubeObject,
+    *,
+    serving: bool,
+    default_image: str,
+    node_cache_claim: str | None,
+    engine_cache: EngineCacheUse | None,
+) -> VllmSettings:
+    """Edits one pod template in place onto ``artifact``."""
     pod: KubeObject = template.setdefault("spec", {})
     annotations: dict[str, str] = template.setdefault("metadata", {}).setdefault("annotations", {})
-    container = select_container(spec, pod)
+    container = template_container(spec, pod, serving)
     connection = spec.storage.s3 if not artifact.location.on_pvc else None
     cache_claim = node_cache_claim if spec.node_cache.enabled and spec.serving.plugin else None
     engine = engine_cache if spec.serving.plugin else None
     settings = _serve_artifact(
         container, annotations, artifact, spec.serving.plugin, connection, cache_claim is not None,
-        engine,
+        engine, rewrite_args=runs_vllm(container, serving),
     )  # fmt: skip
     _mount_artifact(pod, container, artifact, spec.serving.plugin, connection, cache_claim, engine)
     _drop_preference(pod)
@@ -312,14 +383,7 @@ def plan_rollout(
     )
     pod["initContainers"] = _upsert(pod.get("initContainers") or [], prepare, _owned_name)
     _drop_empty(pod, container)
-    new_workload = {**workload, "spec": {**workload.get("spec", {}), "template": template}}
-    patch = merge_diff(workload, new_workload)
-    return RolloutPlan(
-        merge_patch=patch,
-        template=template,
-        resource_version=workload.get("metadata", {}).get("resourceVersion"),
-        details=_rollout_details(workload, artifact, settings.load_format, engine) if patch else (),
-    )
+    return settings
 
 
 def _drop_empty(pod: KubeObject, container: KubeObject) -> None:
@@ -338,8 +402,10 @@ def _rollout_details(
     """The plan's one line for the log: which workload moves from which artifact to which,
     with which engine cache."""
     old_digest = (
-        workload.get("spec", {}).get("template", {}).get("metadata", {}).get("annotations", {})
-    ).get(DIGEST_ANNOTATION)
+        (serving_template(workload).get("metadata") or {})
+        .get("annotations", {})
+        .get(DIGEST_ANNOTATION)
+    )
     cache = f", engine cache {engine.uri}" if engine is not None else ", no engine cache"
     return (
         f"{workload.get('kind', 'workload')} {workload.get('metadata', {}).get('name')}: "
@@ -356,9 +422,11 @@ def _serve_artifact(
     connection: S3Connection | None,
     node_cache: bool = False,
     engine: EngineCacheUse | None = None,
+    *,
+    rewrite_args: bool = True,
 ) -> VllmSettings:
-    """Point the vLLM container's command and environment at ``artifact`` (and its caches'
-    roots at the engine cache's folder)."""
+    """Point the vLLM container's command (unless ``rewrite_args`` is off: a Ray node's) and
+    environment at ``artifact`` (and its caches' roots at the engine cache's folder)."""
     # The artifact the container is on now (if any) is ours, not a model name clients use.
     previous = [
         e.get("value", "")
@@ -366,12 +434,13 @@ def _serve_artifact(
         if e.get("name") == "MODELSTAGE_ARTIFACT"
     ]
     settings = vllm_settings(artifact, plugin, tuple(p for p in previous if p))
-    command, args = rewrite(container.get("command"), container.get("args"), settings)
-    for key, value in (("command", command), ("args", args)):
-        if value is not None:
-            container[key] = value
-        else:
-            container.pop(key, None)
+    if rewrite_args:
+        command, args = rewrite(container.get("command"), container.get("args"), settings)
+        for key, value in (("command", command), ("args", args)):
+            if value is not None:
+                container[key] = value
+            else:
+                container.pop(key, None)
     managed_env = _modelstage_env(artifact, plugin) + _s3_serving_env(artifact, connection)
     if node_cache:
         managed_env.append({"name": nc.ENV_NODE_CACHE, "value": nc.POD_MOUNT})

@@ -20,6 +20,7 @@ from modelstage.core.layouts import DEFAULT_VLLM_VERSION, layout_for
 
 from .rollout_plan import select_container
 from .validation import opt_in_problem
+from .workload_kinds import serving_pod_spec
 
 VERSION_TAG = re.compile(r"v?(?P<version>[0-9]+\.[0-9]+)(\.[0-9]+)*([-+][A-Za-z0-9_.+-]*)?")
 """A release tag: ``v0.30.1``, ``0.30``, ``v0.30.1-cpu``; ``latest`` or ``nightly`` are not."""
@@ -98,9 +99,8 @@ def _serving_image(
         return None, f"{ref.kind} {ref.name} is not found"
     if opt_in_problem(workload, namespace=namespace, deployment_name=deployment_name):
         return None, f"{ref.kind} {ref.name} has not opted in"
-    pod_spec: KubeObject = (workload.get("spec") or {}).get("template", {}).get("spec") or {}
     try:
-        container = select_container(spec, pod_spec)
+        container = select_container(spec, serving_pod_spec(workload))
     except SpecError:
         return None, f"the vLLM container of {ref.kind} {ref.name} is not known"
     image = container.get("image")

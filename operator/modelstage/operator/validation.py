@@ -23,8 +23,8 @@ from modelstage.core.layouts import layout_for
 
 from .artifact import claim_name
 from .conditions import condition
-from .rollout_plan import ACCELERATORS, select_container
-from .vllm_args import VllmSettings, rewrite
+from .rollout_plan import ACCELERATORS, runs_vllm, template_container
+from .workload_kinds import pod_count, replicas, serving_pod_spec, templates
 
 Blocks = Literal["staging", "rollout", "nothing"]
 MULTI_NODE_SAFE = frozenset({"ReadWriteMany", "ReadOnlyMany"})
@@ -202,45 +202,68 @@ def validate_workload(
     refused = opt_in_problem(workload, namespace=namespace, deployment_name=deployment_name)
     if refused is not None:  # nothing more is read from a workload that did not consent
         return [Finding("TargetNotOptedIn", refused, "rollout")]
-    pod_spec: KubeObject = (workload.get("spec") or {}).get("template", {}).get("spec") or {}
-    try:
-        container = select_container(spec, pod_spec)
-    except SpecError as error:
-        return [Finding("ContainerNotFound", f"{target}: {error}", "rollout")]
-    findings = _container_findings(spec, container, target)
+    containers = _containers(spec, workload, target)
+    if isinstance(containers, Finding):
+        return [containers]
+    findings = _gpu_findings(spec, workload, containers, target)
     findings += _access_findings(spec, workload, claim, deployment_name, target)
     return findings
 
 
-def _container_findings(
-    spec: ModelDeploymentSpec, container: KubeObject, target: str
-) -> list[Finding]:
-    """Whether the vLLM container's command can be rewritten and it has GPUs for the TP."""
-    findings: list[Finding] = []
-    name = container.get("name")
-    probe = VllmSettings(model="m", load_format="f", tensor_parallel_size=1)
-    try:
-        rewrite(container.get("command"), container.get("args"), probe)
-    except SpecError as error:
-        findings.append(
-            Finding("VllmCommandNotRecognized", f"{target}, container {name}: {error}", "rollout")
-        )
-    tp, pp = spec.parallelism.tensor, spec.parallelism.pipeline
-    gpus = _gpus(container)
-    if gpus is not None and gpus[1] < tp * pp:
-        resource, count = gpus
-        sizes = f"spec.parallelism.tensor is {tp}" + (
-            f" and spec.parallelism.pipeline {pp}" if pp > 1 else ""
-        )
-        findings.append(
-            Finding(
-                "InsufficientGPUs",
-                f"{sizes} but container {name} of {target} requests {count} {resource}: set "
-                f"its resources.limits[{resource!r}] to {tp * pp}, or lower the parallel sizes",
-                "rollout",
+def _containers(
+    spec: ModelDeploymentSpec, workload: KubeObject, target: str
+) -> list[KubeObject] | Finding:
+    """The container the roll edits in each pod template (the serving one first), or why one
+    cannot be found or its command cannot be rewritten."""
+    found: list[KubeObject] = []
+    for i, (path, template) in enumerate(templates(workload)):
+        where = target if i == 0 else f"{target} ({path[-1]})"
+        try:
+            container = template_container(spec, template.get("spec") or {}, serving=i == 0)
+        except SpecError as error:
+            return Finding("ContainerNotFound", f"{where}: {error}", "rollout")
+        try:
+            runs_vllm(container, serving=i == 0)
+        except SpecError as error:
+            name = container.get("name")
+            return Finding(
+                "VllmCommandNotRecognized", f"{where}, container {name}: {error}", "rollout"
             )
+        found.append(container)
+    return found
+
+
+def _gpu_findings(
+    spec: ModelDeploymentSpec, workload: KubeObject, containers: list[KubeObject], target: str
+) -> list[Finding]:
+    """Whether the vLLM pods have the GPUs the parallel sizes need: the one pod's (a
+    Deployment's, a StatefulSet's), or a LeaderWorkerSet group's, its leader's and its
+    workers' together (vLLM spreads TP x PP over the group's nodes)."""
+    tp, pp = spec.parallelism.tensor, spec.parallelism.pipeline
+    counts = [_gpus(c) for c in containers]
+    if any(c is None for c in counts):
+        return []
+    group = pod_count(workload) // max(replicas(workload), 1)
+    resource = counts[0][0] if counts[0] else ACCELERATORS[0]
+    per_pod = [c[1] for c in counts if c is not None]
+    total = per_pod[0] + per_pod[-1] * (group - 1) if len(per_pod) > 1 else per_pod[0] * group
+    if total >= tp * pp:
+        return []
+    sizes = f"spec.parallelism.tensor is {tp}" + (
+        f" and spec.parallelism.pipeline {pp}" if pp > 1 else ""
+    )
+    fix = f"set its resources.limits[{resource!r}] to {tp * pp}"
+    where = f"container {containers[0].get('name')} of {target} requests {total} {resource}"
+    if group > 1:
+        where = f"a group of {group} pods of {target} requests {total} {resource} in all"
+        fix = f"set the leader's and workers' resources.limits[{resource!r}] to {tp * pp} in all"
+    return [
+        Finding(
+            "InsufficientGPUs",
+            f"{sizes} but {where}: {fix}, or lower the parallel sizes",
+            "rollout",
         )
-    return findings
+    ]
 
 
 def _access_findings(
@@ -254,8 +277,9 @@ def _access_findings(
     modes = _access_modes(spec, claim)
     if modes is None or MULTI_NODE_SAFE.intersection(modes):
         return []
-    replicas = int((workload.get("spec") or {}).get("replicas", 1))
-    pod_spec: KubeObject = (workload.get("spec") or {}).get("template", {}).get("spec") or {}
+    pods = pod_count(workload)
+    noun = "replicas" if pods == replicas(workload) else "pods"
+    pod_spec = serving_pod_spec(workload)
     claim_ = claim_name(spec, deployment_name)
     if "ReadWriteOncePod" in modes:
         return [
@@ -266,11 +290,11 @@ def _access_findings(
                 "rollout",
             )
         ]
-    if replicas > 1 and not _one_node(pod_spec):
+    if pods > 1 and not _one_node(pod_spec):
         return [
             Finding(
                 "ReadWriteOnceMultiNode",
-                f"PVC {claim_} is ReadWriteOnce but {target} has {replicas} replicas that "
+                f"PVC {claim_} is ReadWriteOnce but {target} has {pods} {noun} that "
                 "can land on different nodes, where they cannot mount it: use a "
                 "ReadWriteMany or ReadOnlyMany claim, storage.s3, or pin the pods to one node",
                 "nothing",

@@ -179,8 +179,6 @@ def plan_for(
                 f"format {fmt.name} does not take quantized checkpoints ({quantization}); "
                 f"stage it per rank with --format {' or '.join(takes)}, or {HF_LAYOUT_HINT}"
             )
-        return plan_stages(
-            checkpoint.model, checkpoint.source_tensors, tp, layout, dtype, pipeline
-        )
+        return plan_stages(checkpoint.model, checkpoint.source_tensors, tp, layout, dtype, pipeline)
     check_heads(checkpoint.config, tp)
     return (ShardPlan(tp, (), (), pipeline.pp),)

@@ -88,6 +88,9 @@ def _stage(args: argparse.Namespace) -> dict[str, Any]:
         cache_dir=args.cache_dir,
         timeouts=_timeouts(args),
         s3=_s3_options(args),
+        azure=_azure_options(args),
+        oci=_oci_options(args),
+        oci_form=args.oci_form,
         max_part_bytes=parse_bytes(args.max_part_bytes, "--max-part-bytes")
         if args.max_part_bytes is not None
         else None,
@@ -116,6 +119,13 @@ def _s3_options(args: argparse.Namespace) -> Any:
         credentials_file=args.s3_credentials_file,
     )
     return dataclasses.replace(options, **_s3_timeouts(args))
+
+
+def _azure_options(args: argparse.Namespace) -> Any:
+    """az:// locations: credentials and endpoint from the AZURE_STORAGE_* variables."""
+    from modelstage.core.azure_client import AzureOptions
+
+    return AzureOptions.from_env(**_s3_timeouts(args))
 
 
 # --- network timeouts (network.py) -----------------------------------------------------------
@@ -188,19 +198,68 @@ def _add_s3_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_oci_options(parser: argparse.ArgumentParser, *, push: bool = False) -> None:
+    """Flags for oci:// locations; credentials come from a docker config JSON file."""
+    group = parser.add_argument_group("OCI registries (for oci:// locations)")
+    group.add_argument(
+        "--registry-auth",
+        metavar="FILE",
+        help="docker config JSON with the registry's credentials (a mounted "
+        "kubernetes.io/dockerconfigjson Secret); default: REGISTRY_AUTH_FILE, else "
+        "$DOCKER_CONFIG/config.json, else ~/.docker/config.json",
+    )
+    group.add_argument(
+        "--registry-ca",
+        metavar="FILE",
+        help="PEM CAs to trust for the registry (with it, a 127.0.0.1/localhost registry is "
+        "reached over HTTPS too; without, over plain HTTP)",
+    )
+    group.add_argument(
+        "--insecure-registry",
+        action="store_true",
+        help="plain HTTP to a registry that is not on 127.0.0.1/localhost (never for credentials "
+        "you care about)",
+    )
+    if push:
+        from modelstage.core.oci_image import DEFAULT_FORM, FORMS
+
+        group.add_argument(
+            "--oci-form",
+            choices=list(FORMS),
+            default=DEFAULT_FORM,
+            help="--out oci://: a ModelPack artifact (raw layers; KServe, CRI-O) or a plain image "
+            "of tar layers (containerd image volumes, umoci); default modelpack",
+        )
+
+
+def _oci_options(args: argparse.Namespace) -> Any:
+    from modelstage.core.oci_registry import RegistryOptions
+
+    return RegistryOptions(
+        auth_file=getattr(args, "registry_auth", None),
+        ca_file=getattr(args, "registry_ca", None),
+        insecure=bool(getattr(args, "insecure_registry", False)),
+    )
+
+
 def _verify(args: argparse.Namespace) -> dict[str, Any]:
     from modelstage.core.location import open_artifact, verify
 
+    artifact = open_artifact(
+        args.artifact, _s3_options(args), _oci_options(args), _azure_options(args)
+    )
     manifest = verify(
-        open_artifact(args.artifact, _s3_options(args)),
+        artifact,
         digest=args.digest,
         tp=args.tp,
         pp=args.pp,
         hash_content=not args.sizes_only,
         show_progress=True,
     )
+    address = getattr(artifact, "address", None)
     return {
         "verified": str(args.artifact),
+        **({"address": address} if address else {}),
         "digest": manifest.digest,
         "format": manifest.format,
         "tensorParallelSize": manifest.tensorParallelSize,
@@ -282,6 +341,7 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
         hf_token_file=args.hf_token_file,
         cache_dir=args.cache_dir,
         s3=_s3_options(args),
+        oci=_oci_options(args),
         allow_pickle=args.allow_pickle,
         timeouts=_timeouts(args),
     )
@@ -296,7 +356,10 @@ def _add_resolve_parser(sub: Any) -> None:
         help="print a source's identity now (a Hub branch's commit, S3 ETags, a folder's "
         "files): what the artifact digest is taken from",
     )
-    re_.add_argument("source", help="a local directory, s3://BUCKET/PREFIX or hf://ORG/NAME")
+    re_.add_argument(
+        "source",
+        help="a local directory, s3://BUCKET/PREFIX, hf://ORG/NAME or oci://REGISTRY/REPO:TAG",
+    )
     re_.add_argument("--revision", help="hf:// sources: the branch, tag or commit to resolve")
     re_.add_argument("--source-uri", help="logical source URI when SOURCE is a mount point")
     re_.add_argument("--hf-token-file", help="hf:// sources: a file holding the Hub token")
@@ -311,6 +374,7 @@ def _add_resolve_parser(sub: Any) -> None:
         "quantization (what loadFormat auto decides by; other sources report them anyway)",
     )
     _add_s3_options(re_)
+    _add_oci_options(re_)
     _add_network_options(re_)
     re_.set_defaults(run=_resolve)
 
@@ -423,11 +487,12 @@ def _capture(args: argparse.Namespace) -> dict[str, Any]:
             raise SpecError(f"--env {item!r}: expected NAME=VALUE")
         env[name] = value
     return capture(
-        Path(args.artifact),
-        Path(args.out),
+        args.artifact,
+        args.out,
         EngineArgs.parse(args.engine_args, "--engine-args"),
         env=env,
         timeout=args.timeout,
+        s3=_s3_options(args),
     )
 
 
@@ -440,10 +505,13 @@ def _add_capture_parser(sub: Any) -> None:
     ca.add_argument(
         "--artifact",
         required=True,
-        help="the staged artifact directory, mounted "
-        "at the path the serving pods mount it (the path is in vLLM's key)",
+        help="the staged artifact directory, mounted at the path the serving pods mount it, "
+        "or its s3://BUCKET/PREFIX/ (the path is in vLLM's key)",
     )
-    ca.add_argument("--out", required=True, help="the engine-cache directory to write")
+    ca.add_argument(
+        "--out", required=True,
+        help="the engine-cache directory to write, or an s3://BUCKET/PREFIX/ to upload it to",
+    )  # fmt: skip
     ca.add_argument(
         "--engine-args", required=True, metavar="JSON",
         help='the workload\'s engine arguments: {"maxModelLen": 4096, "tensorParallelSize": 1, '
@@ -454,6 +522,7 @@ def _add_capture_parser(sub: Any) -> None:
                     help="a variable of the serving container (VLLM_*, TORCHINDUCTOR_*); "
                     "default VLLM_USE_AOT_COMPILE=0")  # fmt: skip
     ca.add_argument("--timeout", type=float, default=1800.0, metavar="SECONDS")
+    _add_s3_options(ca)
     ca.set_defaults(run=_capture)
 
 
@@ -473,7 +542,7 @@ def _add_delete_parser(sub: Any) -> None:
     de.add_argument(
         "--artifact",
         required=True,
-        help="the artifact: a directory or s3://BUCKET/PREFIX/ named by its digest (the "
+        help="the artifact: a directory, s3:// or az:// prefix named by its digest (the "
         "operator's layout), or any one holding the artifact's manifest (`stage --out DIR`)",
     )
     de.add_argument("--digest", help="refuse unless the location is this artifact")
@@ -510,8 +579,9 @@ def _add_stage_parser(sub: Any) -> argparse.ArgumentParser:
     )
     st.add_argument(
         "source",
-        help="checkpoint in Hugging Face layout: a local directory, s3://BUCKET/PREFIX or "
-        "hf://ORG/NAME",
+        help="checkpoint in Hugging Face layout: a local directory, s3://BUCKET/PREFIX, "
+        "az://CONTAINER/PREFIX, hf://ORG/NAME or oci://REGISTRY/REPOSITORY[:TAG|@DIGEST] (a "
+        "ModelPack or modelcar image)",
     )
     st.add_argument("--tp", type=int, required=True, help="tensor parallel size")
     st.add_argument("--pp", type=int, default=1, help="pipeline parallel size (default 1)")
@@ -529,7 +599,14 @@ def _add_stage_parser(sub: Any) -> argparse.ArgumentParser:
         help="the vLLM load format; sharded_state needs a local --out",
     )
     st.add_argument("--vllm-version", default=DEFAULT_VLLM_VERSION, help="layout to produce")
-    st.add_argument("--out", required=True, help="the artifact directory or s3://BUCKET/PREFIX/")
+    st.add_argument(
+        "--out",
+        required=True,
+        help="the artifact directory, s3://BUCKET/PREFIX/, oci://REGISTRY/REPOSITORY:TAG or "
+        "az://CONTAINER/PREFIX/ (az:// reads AZURE_STORAGE_CONNECTION_STRING, or "
+        "AZURE_STORAGE_ACCOUNT with AZURE_STORAGE_KEY or AZURE_STORAGE_SAS_TOKEN; "
+        "AZURE_STORAGE_BLOB_ENDPOINT names another endpoint)",
+    )
     st.add_argument(
         "--digest",
         help=f"use this artifact digest ({DIGEST_HEX_CHARS} hex characters) instead of computing "
@@ -594,17 +671,23 @@ def _add_stage_options(st: argparse.ArgumentParser) -> None:
         "staging",
     )
     _add_s3_options(st)
+    _add_oci_options(st, push=True)
     _add_network_options(st)
 
 
 def _add_verify_parser(sub: Any) -> None:
     ve = sub.add_parser("verify", help="re-check an artifact against its manifest")
-    ve.add_argument("artifact", help="artifact directory or s3://BUCKET/PREFIX/")
+    ve.add_argument(
+        "artifact",
+        help="artifact directory, s3://BUCKET/PREFIX/, az://CONTAINER/PREFIX/ or "
+        "oci://REGISTRY/REPOSITORY[:TAG|@DIGEST]",
+    )
     ve.add_argument("--digest", help="fail unless the artifact has this digest")
     ve.add_argument("--tp", type=int, help="fail unless the artifact has this TP size")
     ve.add_argument("--pp", type=int, help="fail unless the artifact has this PP size")
     ve.add_argument("--sizes-only", action="store_true", help="skip content hashing")
     _add_s3_options(ve)
+    _add_oci_options(ve)
     _add_network_options(ve)
     ve.set_defaults(run=_verify)
 
@@ -759,7 +842,9 @@ def _plan(args: argparse.Namespace) -> int:
         )
         workload = None
         if args.workload:
-            workload = load_manifests(args.workload, ("Deployment", "StatefulSet"))[0]
+            workload = load_manifests(
+                args.workload, ("Deployment", "StatefulSet", "LeaderWorkerSet")
+            )[0]
         reports = [
             plan_deployment_report(
                 m,
@@ -856,7 +941,7 @@ def _add_plan_parser(sub: Any) -> None:
     md.add_argument(
         "--workload",
         metavar="FILE",
-        help="the target Deployment or StatefulSet manifest: plan its patch "
+        help="the target Deployment, StatefulSet or LeaderWorkerSet manifest: plan its patch "
         "(vLLM arguments, initContainer, env, volumes) and check it",
     )
     md.add_argument(

@@ -6,11 +6,11 @@ credentials itself) for artifacts that retention or a ModelDeployment's deletion
 Deleting is idempotent: an artifact already gone is success, and a rerun finishes what a
 killed run left. The manifest goes first (and, locally, the directory is renamed aside
 before the tree is removed), so a reader that races the delete sees "incomplete", never a
-complete artifact with files missing. A local artifact's engine caches (its siblings
-``<digest>.engine-<key>``, ``core/engine_cache.py``) go with it. Only artifacts are touched:
-a location named by its digest (the operator's layout; a manifest there must carry that
-digest), or any folder or prefix holding a manifest (what ``stage --out DIR`` makes), whose
-digest ``--digest``, when given, must match.
+complete artifact with files missing. An artifact's engine caches (its siblings
+``<digest>.engine-<key>``, folders or S3 prefixes, ``core/engine_cache.py``) go with it, each
+manifest first. Only artifacts are touched: a location named by its digest (the operator's
+layout; a manifest there must carry that digest), or any folder or prefix holding a manifest
+(what ``stage --out DIR`` makes), whose digest ``--digest``, when given, must match.
 """
 
 from __future__ import annotations
@@ -25,7 +25,14 @@ from modelstage.core.digest import DIGEST_HEX_CHARS
 from modelstage.core.durable import fsync_dir
 from modelstage.core.engine_cache import ENGINE_MANIFEST
 from modelstage.core.errors import ArtifactError, DestinationError, SpecError
-from modelstage.core.location import LocalArtifact, S3Artifact, open_artifact, parse_location
+from modelstage.core.formats import OCI
+from modelstage.core.location import (
+    AzureArtifact,
+    LocalArtifact,
+    S3Artifact,
+    open_artifact,
+    parse_location,
+)
 from modelstage.core.manifest import MANIFEST, read_manifest
 from modelstage.core.s3_client import S3Options
 
@@ -39,7 +46,9 @@ DELETE_BATCH = 1000
 def delete_artifact(
     artifact: str, *, digest: str | None = None, s3: S3Options | None = None
 ) -> dict[str, Any]:
-    """Delete the artifact at ``artifact`` (a directory or an ``s3://bucket/prefix``)."""
+    """Delete the artifact at ``artifact`` (a directory, an ``s3://bucket/prefix`` or an
+    ``az://container/prefix``)."""
+    _refuse_oci(artifact)
     name = artifact.rstrip("/").rsplit("/", 1)[-1]
     if DIGEST_NAME.match(name):
         if digest is not None and digest != name:
@@ -77,12 +86,24 @@ def _digest_of_named(artifact: str, digest: str | None, s3: S3Options | None) ->
     return manifest.digest
 
 
+def _refuse_oci(location: str) -> None:
+    if parse_location(location).kind == OCI:
+        raise SpecError(
+            f"{location}: an image in a registry is deleted with the registry's own tools "
+            "(e.g. `skopeo delete docker://REGISTRY/REPOSITORY@sha256:...`), which also know "
+            "its garbage collection; `stage --force` re-points a tag"
+        )
+
+
 def remove_artifact(location: str, digest: str, s3: S3Options | None = None) -> int:
     """Delete the artifact of ``digest`` at any location, manifest first (``stage --force``:
     a CLI ``--out`` is named by the user, not by the digest)."""
+    _refuse_oci(location)
     found = open_artifact(location, s3)
     if isinstance(found, S3Artifact):
         return _delete_s3(found, digest)
+    if isinstance(found, AzureArtifact):
+        return _delete_azure(found, digest)
     return _delete_local(parse_location(location).path, digest)
 
 
@@ -163,14 +184,36 @@ def _delete_s3(found: S3Artifact, digest: str) -> int:
             ),
             upload["Key"],
         )
-    keys = [prefix + name for name in found.listing()]
+    removed += _delete_keys(found, [prefix + name for name in found.listing()])
+    return removed + _remove_s3_engine_caches(found)
+
+
+def _remove_s3_engine_caches(found: S3Artifact) -> int:
+    """The artifact's engine caches on S3, the prefixes ``<digest>.engine-<key>/``: every
+    manifest first, so none looks complete while its files go."""
+    bucket, client = found.location.bucket, found.s3.client
+    prefix = f"{found.location.prefix}.engine-"
+    pages = found.call(
+        lambda: list(client.get_paginator("list_objects_v2").paginate(Bucket=bucket,
+                                                                      Prefix=prefix)),
+        prefix,
+    )  # fmt: skip
+    keys = [o["Key"] for page in pages for o in page.get("Contents", [])]
+    manifests = [k for k in keys if k.endswith(f"/{ENGINE_MANIFEST}")]
+    return _delete_keys(found, manifests) + _delete_keys(
+        found, [k for k in keys if k not in set(manifests)]
+    )
+
+
+def _delete_keys(found: S3Artifact, keys: list[str]) -> int:
+    bucket, client = found.location.bucket, found.s3.client
     for start in range(0, len(keys), DELETE_BATCH):
         batch = [{"Key": k} for k in keys[start : start + DELETE_BATCH]]
         result = found.call(
             lambda b=batch: client.delete_objects(
                 Bucket=bucket, Delete={"Objects": b, "Quiet": True}
             ),
-            prefix,
+            batch[0]["Key"],
         )
         if result.get("Errors"):
             first = result["Errors"][0]
@@ -178,5 +221,22 @@ def _delete_s3(found: S3Artifact, digest: str) -> int:
                 f"s3://{bucket}/{first.get('Key')}: not deleted: "
                 f"{first.get('Code')} {first.get('Message')}"
             )
-        removed += len(batch)
+    return len(keys)
+
+
+def _delete_azure(found: AzureArtifact, digest: str) -> int:
+    """The manifest blob first, then every other blob under the prefix (uncommitted blocks
+    are invisible and dropped by Azure)."""
+    manifest = found.read_manifest()
+    if manifest is not None and manifest.digest != digest:
+        raise ArtifactError(
+            f"{found.uri}: its manifest says artifact {manifest.digest}, not {digest}"
+        )
+    container, removed = found.az.client, 0
+    names = [MANIFEST] if manifest is not None else []
+    names += sorted(n for n in found.listing() if n != MANIFEST)
+    for name in names:
+        key = found.location.key(name)
+        found.call(lambda k=key: container.delete_blob(k), key)
+        removed += 1
     return removed

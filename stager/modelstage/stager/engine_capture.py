@@ -1,11 +1,13 @@
 """``modelstage capture-engine-cache``: run the serving vLLM once, keep its compile caches.
 
 The shell around ``core/engine_cache.py``: a child process (``engine_run.py``, a fresh
-interpreter) starts vLLM on the staged artifact with the workload's engine arguments and cache
-roots in a new temporary folder beside ``--out``, generates one token and exits; what it wrote
-under the roots (``ROOTS``: vLLM's, inductor's, Triton's) is hashed in chunks and fsynced, the
-manifest written last, and the folder renamed to ``--out``: a crash leaves a ``.tmp-`` folder,
-never something that looks complete. A Job runs it as it runs ``stage``: on success the last
+interpreter) starts vLLM on the staged artifact (a folder, or an ``s3://`` prefix vLLM streams
+from) with the workload's engine arguments and cache roots in a new temporary folder, generates
+one token and exits; what it wrote under the roots (``ROOTS``: vLLM's, inductor's, Triton's) is
+hashed in chunks and fsynced, the manifest written last. Then it is published at ``--out``: a
+folder beside the artifact's is renamed (a crash leaves a ``.tmp-`` folder), or the files are
+uploaded under an S3 prefix and the manifest last; either way, nothing looks complete before
+its manifest is there. A Job runs it as it runs ``stage``: on success the last
 line is a one-line JSON summary (the key and the serving configuration ``prepare`` is to be
 given), on failure ``error: ...``.
 
@@ -41,8 +43,11 @@ from modelstage.core.engine_key import (
     key_of,
 )
 from modelstage.core.errors import ArtifactError, DestinationError
+from modelstage.core.formats import S3
 from modelstage.core.integrity import hash_local_files
-from modelstage.core.manifest import FileEntry, read_manifest
+from modelstage.core.location import S3Artifact, open_artifact, parse_location
+from modelstage.core.manifest import MAX_MANIFEST_BYTES, FileEntry
+from modelstage.core.s3_client import S3Options
 
 from .engine_hardware import this_node
 
@@ -56,66 +61,130 @@ what a rerun that finds the cache complete reports, as the first run did."""
 
 
 def capture(
-    artifact: Path,
-    out: Path,
+    artifact: str,
+    out: str,
     args: EngineArgs,
     *,
     env: dict[str, str] | None = None,
     timeout: float = 1800.0,
     hardware: HardwareClass | None = None,
+    s3: S3Options | None = None,
 ) -> dict[str, Any]:
     """Capture once; an ``out`` that already holds a complete cache is left as it is."""
-    weights = read_manifest(artifact)
+    weights = open_artifact(artifact, s3).read_manifest()
     if weights is None:
         raise ArtifactError(f"{artifact}: no modelstage.json: stage the artifact first")
-    existing = _existing(out)
+    target = engine_cache_target(out, s3)
+    existing = target.existing()
     if existing is not None:
         factors = existing.factors
         recorded = {k: factors.get(k) for k in CONFIG_FACTORS}
-        return {"engineCache": str(out), "key": existing.key, "alreadyCaptured": True,
+        return {"engineCache": out, "key": existing.key, "alreadyCaptured": True,
                 "files": len(existing.files), "bytes": existing.bytes, "config": recorded,
                 "hardware": factors.get("hardware")}  # fmt: skip
     started = time.monotonic()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f"{out.name}.tmp-", dir=out.parent))
+    work = target.workdir()
     try:
         child_env = {**os.environ, **DEFAULT_ENV, **(env or {})}
         child_env.update({var: str(work / name) for name, var in ROOTS.items()})
         ran = run_engine(artifact, args, child_env, timeout, log=work.parent / f"{work.name}.log")
-        config = ServingConfig(ran["vllmVersion"], ran["torchVersion"], str(artifact), args,
+        config = ServingConfig(ran["vllmVersion"], ran["torchVersion"], artifact, args,
                                compile_environment(child_env))  # fmt: skip
         factors = key_factors(weights.digest, config, hardware or this_node())
         manifest = write_engine_cache(
             work, factors, time.monotonic() - started, ran["seconds"]["compile"]
         )
-        _publish(work, out)
+        target.publish(work, manifest)
     finally:
         shutil.rmtree(work, ignore_errors=True)
         (work.parent / f"{work.name}.log").unlink(missing_ok=True)
     return {
-        "engineCache": str(out), "key": manifest.key, "files": len(manifest.files),
+        "engineCache": out, "key": manifest.key, "files": len(manifest.files),
         "bytes": manifest.bytes, "compileSeconds": manifest.compileSeconds,
         "captureSeconds": manifest.captureSeconds, "tokenIds": ran["tokenIds"],
         "config": config.to_doc(), "hardware": factors["hardware"],
     }  # fmt: skip
 
 
-def _existing(out: Path) -> EngineCacheManifest | None:
-    try:
-        raw = (out / ENGINE_MANIFEST).read_bytes()
-    except FileNotFoundError:
-        return None
-    except OSError as e:
-        raise DestinationError(f"{out / ENGINE_MANIFEST}: cannot read: {e.strerror}") from None
-    return EngineCacheManifest.from_json(raw, str(out / ENGINE_MANIFEST))
+class _Folder:
+    """``--out`` a folder: the cache is written beside it and renamed into place."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def existing(self) -> EngineCacheManifest | None:
+        try:
+            raw = (self.out / ENGINE_MANIFEST).read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise DestinationError(
+                f"{self.out / ENGINE_MANIFEST}: cannot read: {e.strerror}"
+            ) from None
+        return EngineCacheManifest.from_json(raw, str(self.out / ENGINE_MANIFEST))
+
+    def workdir(self) -> Path:
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=f"{self.out.name}.tmp-", dir=self.out.parent))
+
+    def publish(self, work: Path, manifest: EngineCacheManifest) -> None:
+        """Rename the finished folder to ``out``; an ``out`` without a manifest is a leftover."""
+        del manifest  # already in ``work``
+        if self.out.exists():
+            shutil.rmtree(self.out)
+        work.rename(self.out)
+        fsync_dir(self.out.parent)
+
+
+class _Prefix:
+    """``--out`` an S3 prefix: the cache is written in a local temporary folder, then each
+    file uploaded (boto3's managed transfer: bounded memory, parts retried) and the manifest
+    last, so a reader that finds the manifest finds every file it lists."""
+
+    def __init__(self, out: str, s3: S3Options | None) -> None:
+        self.remote = S3Artifact.open(out, s3)
+
+    def existing(self) -> EngineCacheManifest | None:
+        raw = self.remote.get(ENGINE_MANIFEST, MAX_MANIFEST_BYTES + 1)
+        if raw is None:
+            return None
+        return EngineCacheManifest.from_json(raw, self.remote.where(ENGINE_MANIFEST))
+
+    def workdir(self) -> Path:
+        return Path(tempfile.mkdtemp(prefix="engine-cache-"))
+
+    def publish(self, work: Path, manifest: EngineCacheManifest) -> None:
+        from boto3.s3.transfer import TransferConfig
+
+        options = self.remote.s3.options
+        config = TransferConfig(multipart_chunksize=options.part_bytes,
+                                max_concurrency=options.concurrency)  # fmt: skip
+        client, bucket = self.remote.s3.client, self.remote.location.bucket
+        for name in sorted(manifest.files):
+            key = self.remote.location.key(name)
+            self.remote.call(
+                lambda n=name, k=key: client.upload_file(str(work / n), bucket, k, Config=config),
+                key,
+            )
+        key = self.remote.location.key(ENGINE_MANIFEST)
+        body = (work / ENGINE_MANIFEST).read_bytes()
+        self.remote.call(lambda: client.put_object(Bucket=bucket, Key=key, Body=body), key)
+
+
+def engine_cache_target(out: str, s3: S3Options | None = None) -> _Folder | _Prefix:
+    """Where ``--out`` publishes: a folder, or an S3 prefix."""
+    location = parse_location(out)
+    if location.kind == S3:
+        return _Prefix(out, s3)
+    return _Folder(location.path)
 
 
 def run_engine(
-    model: Path, args: EngineArgs, env: dict[str, str], timeout: float, *, log: Path
+    model: str, args: EngineArgs, env: dict[str, str], timeout: float, *, log: Path
 ) -> dict[str, Any]:
     """Start vLLM once in a child (``engine_run.py``); its JSON line, or the reason it failed
     with the last lines of its log."""
-    argv = [sys.executable, "-m", "modelstage.stager.engine_run", "--model", str(model),
+    argv = [sys.executable, "-m", "modelstage.stager.engine_run", "--model", model,
             "--engine-args", json.dumps(args.to_doc())]  # fmt: skip
     with open(log, "w") as err:
         try:
@@ -166,14 +235,6 @@ def _cache_files(work: Path) -> list[str]:
                 check_path(rel)
                 found.append(rel)
     return found
-
-
-def _publish(work: Path, out: Path) -> None:
-    """Rename the finished folder to ``out``; an ``out`` without a manifest is a leftover."""
-    if out.exists():
-        shutil.rmtree(out)
-    work.rename(out)
-    fsync_dir(out.parent)
 
 
 def _version() -> str:

@@ -179,9 +179,7 @@ def plan_stage_report(
         check_request(req)
         request_destination(req)
     except ModelstageError as error:
-        checks.append(
-            {"reason": "StageRefused", "message": " ".join(str(error).split()), "blocks": "staging"}
-        )
+        checks.append(_finding("StageRefused", error))
     local = checkpoint or (req.source if "://" not in req.source else None)
     files = None
     if local is not None and not checks:
@@ -213,6 +211,7 @@ def plan_stage_report(
         "digest": req.digest or (request_digest(req, identity) if identity else None),
         "artifact": {
             "uri": req.out,
+            **_pinned_address(req.out),
             "format": req.format,
             "tensorParallelSize": req.tp,
             "pipelineParallelSize": req.pp,
@@ -226,6 +225,20 @@ def plan_stage_report(
         "jobs": [{"name": "(this machine)", "pods": 1, "command": command}],
         "files": files,
         "checks": checks,
+    }
+
+
+def _finding(reason: str, error: ModelstageError) -> dict[str, Any]:
+    return {"reason": reason, "message": " ".join(str(error).split()), "blocks": "staging"}
+
+
+def _pinned_address(out: str) -> dict[str, str]:
+    """An ``oci://`` artifact is served by the digest its push returns, never by its tag."""
+    if not out.startswith("oci://"):
+        return {}
+    return {
+        "address": "REGISTRY/REPOSITORY@sha256:<the image manifest digest the push returns; "
+        "the summary line and `modelstage verify` print it>"
     }
 
 
@@ -243,6 +256,7 @@ def _stage_command(req: Any) -> list[str]:
         ("--vllm-version", req.vllm_version),
         ("--digest", req.digest),
         ("--max-part-bytes", req.max_part_bytes),
+        ("--oci-form", req.oci_form),
     ):
         if value is not None:
             command += [flag, str(value)]
@@ -302,6 +316,8 @@ def _render_artifact(report: dict[str, Any], add: Add) -> None:
     add(f"  digest:   {report.get('digest') or '(none: see checks)'}")
     if art:
         add(f"  artifact: {art['uri']}")
+        if art.get("address"):
+            add(f"            (pinned: {art['address']})")
         if art.get("path") and art["path"] != art["uri"]:
             add(f"            (in pods: {art['path']}, claim {art['claimName']})")
         layout = f", vLLM {art['vllmVersion']} layout" if art.get("vllmVersion") else ""

@@ -183,9 +183,7 @@ def _summary(where: str, manifest: Manifest, *, hashed: bool) -> dict[str, Any]:
     }
 
 
-def install_plugin(
-    plugin_dir: Path, packages: tuple[str, ...] = PLUGIN_PACKAGES
-) -> dict[str, Any]:
+def install_plugin(plugin_dir: Path, packages: tuple[str, ...] = PLUGIN_PACKAGES) -> dict[str, Any]:
     """Copy the plugin and its dist-info into ``plugin_dir``; idempotent (an initContainer
     restarts on failure, and the ``emptyDir`` survives the restart)."""
     try:

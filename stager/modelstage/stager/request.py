@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from modelstage.core.azure_client import AzureOptions
+from modelstage.core.oci_registry import RegistryOptions
 from modelstage.core.s3_client import S3Options
 
 from .network import Timeouts
@@ -30,6 +32,13 @@ class StageRequest:
     s3: S3Options | None = None
     """How to reach ``s3://`` sources and destinations (endpoint, region, addressing, CA,
     credentials)."""
+    azure: AzureOptions | None = None
+    """How to reach ``az://`` sources and destinations (default: the ``AZURE_STORAGE_*``
+    variables, ``core/azure_client.py``)."""
+    oci: RegistryOptions | None = None
+    """How to reach ``oci://`` sources and destinations (credentials file, CA, insecure)."""
+    oci_form: str | None = None
+    """``--out oci://``: ``modelpack`` (default) or ``image`` (``core/oci_image.py``)."""
     hf_token_file: str | None = None
     """A mounted Secret holding a Hub token for ``hf://`` sources (default: ``HF_TOKEN``)."""
     cache_dir: str | None = None

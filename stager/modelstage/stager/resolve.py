@@ -8,6 +8,7 @@ the request's text alone. ``resolve`` pins it first:
   commit sha names itself);
 - ``s3://``: the listing's ETags and sizes of the files the stager reads (and their headers
   are read, as staging would);
+- ``oci://``: the image manifest's digest (one request; it pins every layer);
 - a local folder or a mounted ``pvc://`` claim: per file its size and header hash (with the
   modification time) or the sha256 of a small file.
 
@@ -95,30 +96,18 @@ def resolve(req: StageRequest, *, config: bool = False) -> Resolved:
     ``config.json`` also from the Hub (a local or S3 source's is read anyway)."""
     uri = req.source_uri or canonical_uri(req.source)
     if req.source.startswith("hf://"):
-        from .sources.hf import HfSource
+        return _resolve_hf(req, uri, config=config)
+    if req.source.startswith("oci://"):
+        from .sources.oci import OciSource
 
-        options: dict[str, Any] = {
-            "revision": req.revision,
-            "hf_token_file": req.hf_token_file,
-            "cache_dir": req.cache_dir,
-            "timeouts": req.timeouts,
-        }
-        if not config:
-            commit = HfSource.resolve(req.source, **options)
-            return Resolved(uri, req.revision, f"commit:{commit}", "hf", commit=commit)
-        commit, found = HfSource.resolve_config(req.source, **options)
-        return Resolved(
-            uri,
-            req.revision,
-            f"commit:{commit}",
-            "hf",
-            commit=commit,
-            config=found if isinstance(found, dict) else {},
-        )
+        digest = OciSource.resolve(req.source, oci=req.oci)
+        return Resolved(uri, req.revision, f"oci:{digest}", "oci")
     source = open_source(
         req.source,
         revision=req.revision,
         s3=req.s3,
+        azure=req.azure,
+        oci=req.oci,
         hf_token_file=req.hf_token_file,
         cache_dir=req.cache_dir,
         timeouts=req.timeouts,
@@ -148,6 +137,30 @@ def resolve(req: StageRequest, *, config: bool = False) -> Resolved:
     except BaseException:
         source.close()
         raise
+
+
+def _resolve_hf(req: StageRequest, uri: str, *, config: bool) -> Resolved:
+    """A Hub source: the commit its revision names now (and its config.json, ``config``)."""
+    from .sources.hf import HfSource
+
+    options: dict[str, Any] = {
+        "revision": req.revision,
+        "hf_token_file": req.hf_token_file,
+        "cache_dir": req.cache_dir,
+        "timeouts": req.timeouts,
+    }
+    if not config:
+        commit = HfSource.resolve(req.source, **options)
+        return Resolved(uri, req.revision, f"commit:{commit}", "hf", commit=commit)
+    commit, found = HfSource.resolve_config(req.source, **options)
+    return Resolved(
+        uri,
+        req.revision,
+        f"commit:{commit}",
+        "hf",
+        commit=commit,
+        config=found if isinstance(found, dict) else {},
+    )
 
 
 def check_identity(resolved: str, read: dict[str, Any], uri: str) -> None:

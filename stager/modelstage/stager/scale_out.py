@@ -185,7 +185,7 @@ def stage_group(
     if opened.existing is not None or opened.source is None:
         assert opened.existing is not None
         return {
-            **_summary(opened.existing, dest.uri, time.monotonic() - started, already=True),
+            **_summary(opened.existing, dest, time.monotonic() - started, already=True),
             "group": str(group),
         }
     source = opened.source
@@ -238,7 +238,7 @@ def finalize(req: StageRequest, *, progress_stream: TextIO | None = None) -> dic
     opened = open_run(req, dest)
     if opened.existing is not None or opened.source is None:
         assert opened.existing is not None
-        return _summary(opened.existing, dest.uri, time.monotonic() - started, already=True)
+        return _summary(opened.existing, dest, time.monotonic() - started, already=True)
     source = opened.source
     try:
         checkpoint = opened.resolved.checkpoint or open_checkpoint(source)
@@ -252,7 +252,7 @@ def finalize(req: StageRequest, *, progress_stream: TextIO | None = None) -> dic
             dest.commit(manifest)
     finally:
         source.close()
-    return _summary(manifest, dest.uri, time.monotonic() - started, already=False)
+    return _summary(manifest, dest, time.monotonic() - started, already=False)
 
 
 def _check_parts(

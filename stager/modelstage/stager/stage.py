@@ -15,9 +15,10 @@ from typing import Any, TextIO
 
 from modelstage.core.digest import artifact_digest, identity_key
 from modelstage.core.errors import ArtifactError, SpecError
-from modelstage.core.formats import format_for
+from modelstage.core.formats import OCI, format_for
 from modelstage.core.integrity import MAX_CHUNK_BYTES, FileDigest
 from modelstage.core.layouts import Layout, layout_for
+from modelstage.core.location import parse_location
 from modelstage.core.manifest import FileEntry, Manifest
 from modelstage.core.pipeline_parallel import spell_layer_partition
 
@@ -70,7 +71,10 @@ def request_digest(req: StageRequest, identity: str) -> str:
 def request_destination(req: StageRequest) -> Destination:
     """Where ``req`` writes (``--out``), as its format allows, hashing in the request's chunk
     size when it sets one."""
-    dest = open_destination(req.out, format_for(req.format), s3=req.s3, tp=req.tp)
+    dest = open_destination(
+        req.out, format_for(req.format), s3=req.s3, tp=req.tp, oci=req.oci,
+        oci_form=req.oci_form, azure=req.azure,
+    )  # fmt: skip
     if req.chunk_bytes is not None:
         if not 1 <= req.chunk_bytes <= MAX_CHUNK_BYTES:
             raise SpecError(
@@ -98,9 +102,7 @@ def check_request(req: StageRequest) -> None:
         raise SpecError(f"--tp {req.tp} --pp {req.pp}: parallel sizes are at least 1")
     fmt.check_pipeline(req.pp, layout_for(req.vllm_version))
     if req.pp_partition is not None and (req.pp == 1 or not fmt.per_rank):
-        raise SpecError(
-            "--pp-layer-partition applies to per-rank formats with --pp greater than 1"
-        )
+        raise SpecError("--pp-layer-partition applies to per-rank formats with --pp greater than 1")
     if not fmt.casts and req.dtype != "auto":
         raise SpecError(
             f"{fmt.name} copies the checkpoint as it is; use --dtype auto (vLLM casts at "
@@ -118,7 +120,7 @@ def stage(req: StageRequest, *, progress_stream: TextIO | None = None) -> dict[s
     run = open_run(req, dest)
     if run.existing is not None or run.source is None:
         assert run.existing is not None
-        return _summary(run.existing, dest.uri, time.monotonic() - started, already=True)
+        return _summary(run.existing, dest, time.monotonic() - started, already=True)
     source = _with_pickles_converted(run.source, req.out) if req.allow_pickle else run.source
     try:
         checkpoint = run.resolved.checkpoint or open_checkpoint(source)
@@ -143,7 +145,7 @@ def stage(req: StageRequest, *, progress_stream: TextIO | None = None) -> dict[s
             dest.commit(manifest)
     finally:
         source.close()
-    return _summary(manifest, dest.uri, time.monotonic() - started, already=False)
+    return _summary(manifest, dest, time.monotonic() - started, already=False)
 
 
 def _reread_bytes(checkpoint: Checkpoint, plans: tuple[ShardPlan, ...]) -> int:
@@ -182,6 +184,8 @@ def open_run(req: StageRequest, dest: Destination) -> OpenRun:
             req.source,
             revision=req.revision,
             s3=req.s3,
+            azure=req.azure,
+            oci=req.oci,
             hf_token_file=req.hf_token_file,
             cache_dir=req.cache_dir,
             timeouts=req.timeouts,
@@ -216,6 +220,8 @@ def existing_artifact(
         return existing
     if not req.force:
         raise occupied(existing, dest.uri, req, digest, resolved.identity)
+    if parse_location(dest.uri).kind == OCI:
+        return None  # the new push's commit repoints the tag; the old image keeps its digest
     from .delete import remove_artifact
 
     remove_artifact(dest.uri, existing.digest, req.s3)
@@ -269,10 +275,15 @@ def build_manifest(
     )
 
 
-def _summary(manifest: Manifest, uri: str, seconds: float, *, already: bool) -> dict[str, Any]:
+def _summary(
+    manifest: Manifest, dest: Destination, seconds: float, *, already: bool
+) -> dict[str, Any]:
+    """The one-line JSON summary; ``address`` where the artifact is pinned by digest."""
+    pinned = {"address": dest.address} if dest.address else {}
     return {
         "digest": manifest.digest,
-        "uri": uri,
+        "uri": dest.uri,
+        **pinned,
         "format": manifest.format,
         "tensorParallelSize": manifest.tensorParallelSize,
         "source": manifest.source.get("uri"),

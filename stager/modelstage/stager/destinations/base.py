@@ -41,6 +41,9 @@ class Destination(abc.ABC):
     uri: str
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     """The chunk size of the content hashes of the files this run writes."""
+    address: str | None = None
+    """Where the committed artifact is pinned, when that is not ``uri``: an OCI image's
+    ``REGISTRY/REPOSITORY@sha256:...`` (a tag can move; the digest cannot)."""
 
     @abc.abstractmethod
     def existing(self) -> Manifest | None:

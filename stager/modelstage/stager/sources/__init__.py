@@ -18,17 +18,19 @@ __all__ = ["Source", "open_source"]
 SCHEMES: dict[str, str] = {
     "hf": ".hf:HfSource",
     "s3": ".s3:S3Source",
+    "az": ".azure:AzureSource",
+    "oci": ".oci:OciSource",
 }
 """URI scheme -> ``module:class`` in this package; each class has ``from_uri(uri, **options)``.
-Imported lazily, so that a local stage never imports boto3 or huggingface_hub."""
+Imported lazily, so that a local stage never imports boto3, the Azure SDK or huggingface_hub."""
 
 
 def open_source(uri: str, **options: Any) -> Source:
     """The source for a URI: a local path (or ``file://``), or a scheme from ``SCHEMES``.
 
-    ``options`` are the request's source settings (``revision``, ``s3``, ``hf_token_file``,
-    ``cache_dir``, the resolved hf ``commit``); each source takes the ones it understands and
-    ignores the rest.
+    ``options`` are the request's source settings (``revision``, ``s3``, ``azure``,
+    ``hf_token_file``, ``cache_dir``, the resolved hf ``commit``); each source takes the ones it
+    understands and ignores the rest.
     """
     location = parse_location(uri)
     if location.kind == LOCAL:
