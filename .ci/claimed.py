@@ -1,5 +1,6 @@
 """Prints which of the README's claimed vLLM cases a CI run proved: each case of the end-to-end
-oracle (``tests/vllm/test_vllm_oracle.py``), of the pipeline-parallel oracles
+oracle (``tests/vllm/test_vllm_oracle.py``), of the layout oracle (``test_layout_oracle.py``),
+of the pipeline-parallel oracles
 (``test_layout_oracle_pp.py``, ``test_vllm_pp.py``) and of the older releases
 (``tests/vllm/test_vllm_versions.py``) in the JUnit reports given, passed or not, so the log
 says what this commit's rotation slot covered. Exit status 0: it only reports."""
@@ -9,7 +10,10 @@ from __future__ import annotations
 import sys
 import xml.etree.ElementTree as ET
 
-CLAIMED = ("test_vllm_oracle", "test_layout_oracle_pp", "test_vllm_pp", "test_vllm_versions")
+CLAIMED = (
+    "test_vllm_oracle", "test_layout_oracle", "test_layout_oracle_pp", "test_vllm_pp",
+    "test_vllm_versions",
+)  # fmt: skip
 
 
 def outcome(case: ET.Element) -> str:

@@ -49,9 +49,14 @@ def staged(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     return get
 
 
-ROTATED = ("test_vllm_oracle.py", "test_layout_oracle_pp.py", "test_vllm_pp.py")
+ROTATED = (
+    "test_vllm_oracle.py", "test_layout_oracle.py", "test_layout_oracle_pp.py", "test_vllm_pp.py",
+    "test_s3_engine_cache_vllm.py", "test_oci_vllm.py", "test_azure_vllm.py",
+)  # fmt: skip
 """The files whose slow cases CI rotates (``MODELSTAGE_CI_ROTATION``, set by ``.ci/run``):
-the end-to-end oracle and the pipeline-parallel oracles, each case a vLLM start or more."""
+the end-to-end oracle, the layout oracles (per rank and per pipeline stage) and the vLLM runs
+on S3, OCI and Azure artifacts, each case a vLLM start or more. The hook sees every item of
+the session, whatever its folder."""
 
 
 def rotation(value: str) -> tuple[int, int]:

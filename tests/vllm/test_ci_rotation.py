@@ -9,8 +9,12 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-ROTATED = [f"tests/vllm/{name}" for name in (
-    "test_vllm_oracle.py", "test_layout_oracle_pp.py", "test_vllm_pp.py")]  # fmt: skip
+ROTATED = [
+    *(f"tests/vllm/{name}" for name in ("test_vllm_oracle.py", "test_layout_oracle.py",
+                                         "test_layout_oracle_pp.py", "test_vllm_pp.py")),
+    "tests/s3/test_s3_engine_cache_vllm.py", "tests/oci/test_oci_vllm.py",
+    "tests/azure/test_azure_vllm.py",
+]  # fmt: skip
 
 
 def collected(rotation: str | None) -> set[str]:
@@ -29,7 +33,7 @@ def collected(rotation: str | None) -> set[str]:
 def test_four_slots_run_every_slow_oracle_case_exactly_once() -> None:
     every = collected(None)
     slots = [collected(f"{k}/4") for k in range(4)]
-    assert len(every) >= 16 + 15, sorted(every)  # the end-to-end oracle's and PP's
+    assert len(every) >= 16 + 15 + 14 + 3, sorted(every)  # e2e, PP, DeepSeek/FP8, S3/OCI/Azure
     assert set().union(*slots) == every
     assert sum(len(s) for s in slots) == len(every), "a case in two slots"
     assert all(len(s) >= len(every) // 4 for s in slots), [len(s) for s in slots]
