@@ -296,6 +296,20 @@ def get_range_into(az: AzureClient, name: str, etag: str, offset: int, view: mem
     with_retries(fetch)
 
 
+def get_blob(az: AzureClient, name: str, limit: int | None = None) -> bytes | None:
+    """A whole (small) blob, at most ``limit`` bytes of it; None when there is none."""
+    from azure.core.exceptions import ResourceNotFoundError
+
+    try:
+        return bytes(az.blob(name).download_blob(offset=0, length=limit).readall())
+    except ResourceNotFoundError:
+        return None
+    except Exception as e:
+        if getattr(e, "status_code", None) == 416:  # an empty blob has no range 0-limit
+            return b""
+        raise
+
+
 def precondition_failed(e: BaseException) -> bool:
     """Whether ``e`` is Azure's answer to an ``If-Match`` that no longer holds."""
     return getattr(e, "status_code", None) == 412

@@ -345,16 +345,11 @@ class AzureArtifact(ArtifactLocation):
 
     def get(self, name: str, limit: int | None = None) -> bytes | None:
         """A whole (small) blob, at most ``limit`` bytes of it; None when there is none."""
-        from azure.core.exceptions import ResourceNotFoundError
+        from .azure_client import get_blob
 
-        blob = self.az.blob(self.location.key(name))
         try:
-            return bytes(blob.download_blob(offset=0, length=limit).readall())
-        except ResourceNotFoundError:
-            return None
+            return get_blob(self.az, self.location.key(name), limit)
         except Exception as e:
-            if getattr(e, "status_code", None) == 416:  # an empty blob has no range 0-limit
-                return b""
             raise self.az.error(e, self.where(name)) from None
 
     def listing(self) -> dict[str, Listed]:
