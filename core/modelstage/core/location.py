@@ -388,17 +388,7 @@ class AzureArtifact(ArtifactLocation):
         return read_into
 
     def sha256(self, name: str, listed: Listed, progress: Progress | None = None) -> str:
-        h = hashlib.sha256()
-        size = listed.size or 0
-        buf = memoryview(bytearray(min(HASH_BLOCK, max(size, 1))))
-        read_into = self.read_into(name, listed.etag or "")
-        for offset in range(0, size, HASH_BLOCK):
-            view = buf[: min(HASH_BLOCK, size - offset)]
-            read_into(offset, view)
-            h.update(view)
-            if progress is not None:
-                progress.advance(len(view))
-        return h.hexdigest()
+        return sha256_ranges(self.read_into(name, listed.etag or ""), listed.size or 0, progress)
 
 
 class OciArtifact(ArtifactLocation):
@@ -490,16 +480,8 @@ class OciArtifact(ArtifactLocation):
         yield read_into
 
     def sha256(self, name: str, listed: Listed, progress: Progress | None = None) -> str:
-        layer, h = self._layers[name], hashlib.sha256()
-        size = listed.size or 0
-        buf = bytearray(min(HASH_BLOCK, size))
-        for start in range(0, size, HASH_BLOCK):
-            view = memoryview(buf)[: min(HASH_BLOCK, size - start)]
-            self._read(layer, start, view)
-            h.update(view)
-            if progress is not None:
-                progress.advance(len(view))
-        return h.hexdigest()
+        with self.reader(name, listed) as read_into:
+            return sha256_ranges(read_into, listed.size or 0, progress)
 
 
 def layer_digest(layer: Layer, data: bytes | bytearray) -> str:
@@ -633,6 +615,20 @@ def verify_content(
         if progress is not None:
             progress.tensor_done()
     return stats
+
+
+def sha256_ranges(read_into: ReadInto, size: int, progress: Progress | None = None) -> str:
+    """A schema-1 file's sha256 from ranged reads of ``HASH_BLOCK`` bytes, in order (a
+    location without a streaming read: an Azure blob, an image layer)."""
+    h = hashlib.sha256()
+    buf = memoryview(bytearray(min(HASH_BLOCK, max(size, 1))))
+    for offset in range(0, size, HASH_BLOCK):
+        view = buf[: min(HASH_BLOCK, size - offset)]
+        read_into(offset, view)
+        h.update(view)
+        if progress is not None:
+            progress.advance(len(view))
+    return h.hexdigest()
 
 
 def sha256_file(path: Path, progress: Progress | None = None) -> str:
